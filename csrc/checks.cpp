@@ -1,0 +1,132 @@
+// Argument validation shared by the CPU and CUDA implementations of every zerocore op.
+#include "zerocore.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+namespace zerocore {
+
+namespace {
+
+void check_flat_like(const at::Tensor& t, const char* name, const at::Tensor& param) {
+  TORCH_CHECK(t.device() == param.device(), "zerocore.fused_adam: ", name, " is on ", t.device(),
+              " but param is on ", param.device(), "; move all arguments to one device");
+  TORCH_CHECK(t.numel() == param.numel(), "zerocore.fused_adam: ", name, " has ", t.numel(),
+              " elements but param has ", param.numel(), "; all shards of one step must match");
+  TORCH_CHECK(t.is_contiguous(), "zerocore.fused_adam: ", name,
+              " must be contiguous (a flat shard); call .contiguous() first");
+}
+
+}  // namespace
+
+AdamConsts check_fused_adam(const at::Tensor& param, const at::Tensor& grad,
+                            const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                            const c10::optional<at::Tensor>& model_copy, double lr, double beta1,
+                            double beta2, double eps, double weight_decay, int64_t step,
+                            double inv_grad_scale, bool adamw) {
+  TORCH_CHECK(param.scalar_type() == at::kFloat,
+              "zerocore.fused_adam: param (the master weights) must be float32, got ",
+              param.scalar_type());
+  TORCH_CHECK(param.is_contiguous(), "zerocore.fused_adam: param must be contiguous");
+  TORCH_CHECK(is_supported_float(grad.scalar_type()),
+              "zerocore.fused_adam: grad must be float32, float16 or bfloat16, got ",
+              grad.scalar_type());
+  TORCH_CHECK(exp_avg.scalar_type() == at::kFloat,
+              "zerocore.fused_adam: exp_avg must be float32, got ", exp_avg.scalar_type());
+  TORCH_CHECK(exp_avg_sq.scalar_type() == at::kFloat,
+              "zerocore.fused_adam: exp_avg_sq must be float32, got ", exp_avg_sq.scalar_type());
+  check_flat_like(grad, "grad", param);
+  check_flat_like(exp_avg, "exp_avg", param);
+  check_flat_like(exp_avg_sq, "exp_avg_sq", param);
+  if (model_copy.has_value()) {
+    TORCH_CHECK(is_supported_float(model_copy->scalar_type()),
+                "zerocore.fused_adam: model_copy must be float32, float16 or bfloat16, got ",
+                model_copy->scalar_type());
+    check_flat_like(*model_copy, "model_copy", param);
+  }
+  TORCH_CHECK(step >= 1, "zerocore.fused_adam: step must be >= 1 (the count including this "
+              "step), got ", step);
+  TORCH_CHECK(lr >= 0.0, "zerocore.fused_adam: lr must be >= 0, got ", lr);
+  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, "zerocore.fused_adam: beta1 must be in [0, 1), got ",
+              beta1);
+  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, "zerocore.fused_adam: beta2 must be in [0, 1), got ",
+              beta2);
+  TORCH_CHECK(eps >= 0.0, "zerocore.fused_adam: eps must be >= 0, got ", eps);
+  TORCH_CHECK(weight_decay >= 0.0, "zerocore.fused_adam: weight_decay must be >= 0, got ",
+              weight_decay);
+  TORCH_CHECK(std::isfinite(inv_grad_scale),
+              "zerocore.fused_adam: inv_grad_scale must be finite, got ", inv_grad_scale);
+
+  // Same order of operations as torch.optim.adam._single_tensor_adam, in double.
+  const double bias_correction1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+  const double bias_correction2 = 1.0 - std::pow(beta2, static_cast<double>(step));
+  AdamConsts c;
+  c.lr = static_cast<float>(lr);
+  c.beta1 = static_cast<float>(beta1);
+  c.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  c.beta2 = static_cast<float>(beta2);
+  c.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  c.eps = static_cast<float>(eps);
+  c.weight_decay = adamw ? 0.0f : static_cast<float>(weight_decay);
+  c.decay_factor = adamw ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
+  c.step_size = static_cast<float>(lr / bias_correction1);
+  c.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+  c.inv_grad_scale = static_cast<float>(inv_grad_scale);
+  return c;
+}
+
+void check_grad_stats(const at::Tensor& grad, const at::Tensor& stats) {
+  TORCH_CHECK(is_supported_float(grad.scalar_type()),
+              "zerocore.grad_stats: grad must be float32, float16 or bfloat16, got ",
+              grad.scalar_type());
+  TORCH_CHECK(grad.is_contiguous(), "zerocore.grad_stats: grad must be contiguous");
+  TORCH_CHECK(stats.scalar_type() == at::kFloat && stats.dim() == 1 && stats.numel() == 2,
+              "zerocore.grad_stats: stats must be a float32 tensor of shape [2] "
+              "(sum of squares, non-finite flag), got ", stats.scalar_type(), " ", stats.sizes());
+  TORCH_CHECK(stats.device() == grad.device(), "zerocore.grad_stats: stats is on ",
+              stats.device(), " but grad is on ", grad.device());
+}
+
+std::vector<Segment> plan_segments(at::TensorList tensors, at::IntArrayRef offsets,
+                                   const at::Tensor& flat, const char* op_name) {
+  TORCH_CHECK(tensors.size() == offsets.size(), "zerocore.", op_name, ": got ", tensors.size(),
+              " tensors but ", offsets.size(), " offsets; pass one offset per tensor");
+  TORCH_CHECK(is_supported_float(flat.scalar_type()), "zerocore.", op_name,
+              ": flat must be float32, float16 or bfloat16, got ", flat.scalar_type());
+  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(), "zerocore.", op_name,
+              ": flat must be a contiguous 1-D tensor, got shape ", flat.sizes());
+  const int64_t flat_numel = flat.numel();
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    TORCH_CHECK(is_supported_float(t.scalar_type()), "zerocore.", op_name, ": tensors[", i,
+                "] must be float32, float16 or bfloat16, got ", t.scalar_type());
+    TORCH_CHECK(t.device() == flat.device(), "zerocore.", op_name, ": tensors[", i, "] is on ",
+                t.device(), " but flat is on ", flat.device());
+    TORCH_CHECK(offsets[i] >= 0 && offsets[i] + t.numel() <= flat_numel, "zerocore.", op_name,
+                ": tensors[", i, "] (", t.numel(), " elements at offset ", offsets[i],
+                ") does not fit in flat (", flat_numel, " elements)");
+  }
+  std::vector<int64_t> order(tensors.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(),
+            [&](int64_t a, int64_t b) { return offsets[a] < offsets[b]; });
+  std::vector<Segment> segments;
+  segments.reserve(2 * tensors.size() + 1);
+  int64_t cursor = 0;
+  for (int64_t i : order) {
+    const int64_t start = offsets[i];
+    const int64_t n = tensors[i].numel();
+    if (n == 0) continue;
+    TORCH_CHECK(start >= cursor, "zerocore.", op_name, ": tensors[", i, "] at offset ", start,
+                " overlaps the tensor before it, which ends at ", cursor,
+                "; offsets must give disjoint ranges");
+    if (start > cursor) segments.push_back({-1, cursor, start - cursor});
+    segments.push_back({i, start, n});
+    cursor = start + n;
+  }
+  if (cursor < flat_numel) segments.push_back({-1, cursor, flat_numel - cursor});
+  return segments;
+}
+
+}  // namespace zerocore

@@ -1,0 +1,26 @@
+// The schemas of zerocore's ops, declared once; each backend registers its kernels in its own
+// file (cpu/*_cpu.cpp, cuda/*_cuda.cu). Mutated arguments are marked (a!) so torch.compile and
+// functionalization know what each op writes.
+#include <Python.h>
+#include <torch/library.h>
+
+// The module zerocore._C holds no Python functions: importing it runs the registrations below.
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}
+
+TORCH_LIBRARY(zerocore, m) {
+  // One AdamW/Adam step over a flat fp32 shard, in place, in one pass over memory.
+  m.def(
+      "fused_adam(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
+      "Tensor(d!)? model_copy, float lr, float beta1, float beta2, float eps, "
+      "float weight_decay, int step, float inv_grad_scale, bool adamw) -> ()");
+  // stats[0] += sum(grad^2); stats[1] = 1 if any element of grad is inf or nan.
+  m.def("grad_stats(Tensor grad, Tensor(a!) stats) -> ()");
+  // flat[offsets[i] : offsets[i] + tensors[i].numel()] = tensors[i].flatten(); the rest of flat
+  // (the padding) = 0.
+  m.def("pack(Tensor[] tensors, int[] offsets, Tensor(a!) flat) -> ()");
+  // tensors[i] = flat[offsets[i] : offsets[i] + tensors[i].numel()].view_as(tensors[i]).
+  m.def("unpack(Tensor flat, int[] offsets, Tensor(a!)[] tensors) -> ()");
+}

@@ -1,0 +1,56 @@
+// Declarations shared by the op registrations and the CPU and CUDA kernels of zerocore._C.
+//
+// Every op validates its arguments once, here (checks.cpp), before any backend touches memory, so
+// the CPU and CUDA kernels may assume well-formed inputs and both report the same errors.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace zerocore {
+
+// Scalars of one Adam/AdamW step, precomputed on the host in double precision exactly as
+// torch.optim.Adam computes them in Python, then narrowed to float for the kernels.
+struct AdamConsts {
+  float lr;
+  float beta1, one_minus_beta1;
+  float beta2, one_minus_beta2;
+  float eps;
+  float weight_decay;      // L2 term added to the gradient (Adam); 0 for AdamW
+  float decay_factor;      // 1 - lr * weight_decay for AdamW (decoupled decay); 1 for Adam
+  float step_size;         // lr / (1 - beta1^step)
+  float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
+  float inv_grad_scale;    // multiplies the gradient before use: 1 / (loss_scale * clip)
+};
+
+// Validates the arguments of zerocore::fused_adam (naming the offending one) and returns the
+// step's scalars.
+AdamConsts check_fused_adam(const at::Tensor& param, const at::Tensor& grad,
+                            const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                            const c10::optional<at::Tensor>& model_copy, double lr, double beta1,
+                            double beta2, double eps, double weight_decay, int64_t step,
+                            double inv_grad_scale, bool adamw);
+
+void check_grad_stats(const at::Tensor& grad, const at::Tensor& stats);
+
+// One stretch of a flat buffer written by pack (or read by unpack): either a copy to/from
+// tensors[tensor], or, when tensor == -1, padding that pack fills with zeros.
+struct Segment {
+  int64_t tensor;       // index into the tensor list, or -1 for padding
+  int64_t flat_offset;  // first element in the flat buffer
+  int64_t numel;
+};
+
+// Validates the arguments of pack/unpack (offsets in range, no two tensors overlapping, same
+// device, supported dtypes) and returns the segments that cover the flat buffer from element 0 to
+// its end, in order, padding included.
+std::vector<Segment> plan_segments(at::TensorList tensors, at::IntArrayRef offsets,
+                                   const at::Tensor& flat, const char* op_name);
+
+inline bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+}  // namespace zerocore

@@ -1,0 +1,64 @@
+"""Builds zerocore._C: the CPU kernels always, the CUDA kernels too when torch is a CUDA build and
+a CUDA toolkit is found (CUDA_HOME or nvcc on PATH). TORCH_CUDA_ARCH_LIST overrides the targets.
+
+Build against the torch you will run with: `pip install --no-build-isolation -e .`. Without torch
+at build time (plain `pip install -e .` in an isolated build) no extension is compiled here and
+zerocore compiles it on first import instead, for the torch it finds then.
+"""
+
+import importlib.util
+import json
+import os
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+_spec = importlib.util.spec_from_file_location("zerocore_sources",
+                                               os.path.join(ROOT, "zerocore", "_sources.py"))
+sources = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sources)
+
+
+def extension_args():
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:
+        print("zerocore: torch is not importable in the build environment; the kernels will be "
+              "compiled on first import (use --no-build-isolation to build them now)")
+        return {}
+    with_cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", sources.DEFAULT_CUDA_ARCH_LIST)
+    src = [os.path.relpath(p, ROOT) for p in sources.cpu_sources(ROOT)]
+    if with_cuda:
+        src += [os.path.relpath(p, ROOT) for p in sources.cuda_sources(ROOT)]
+        ext = cpp_extension.CUDAExtension(
+            "zerocore._C", src, define_macros=[("ZEROCORE_WITH_CUDA", None)],
+            extra_compile_args={"cxx": sources.cxx_flags(), "nvcc": sources.nvcc_flags()},
+            extra_link_args=["-fopenmp"])
+    else:
+        ext = cpp_extension.CppExtension(
+            "zerocore._C", src, extra_compile_args={"cxx": sources.cxx_flags()},
+            extra_link_args=["-fopenmp"])
+    print(f"zerocore: building zerocore._C for torch {torch.__version__} "
+          f"({'CPU+CUDA, arch ' + os.environ['TORCH_CUDA_ARCH_LIST'] if with_cuda else 'CPU only'})")
+
+    class BuildWithInfo(cpp_extension.BuildExtension):
+        """Records next to the compiled module which torch it was built for, so that importing
+        zerocore under another torch gives a clear message instead of a symbol error."""
+
+        def run(self):
+            super().run()
+            out_dir = os.path.dirname(self.get_ext_fullpath("zerocore._C"))
+            info = {"torch": torch.__version__, "cuda": torch.version.cuda if with_cuda else None,
+                    "cuda_arch_list": os.environ["TORCH_CUDA_ARCH_LIST"] if with_cuda else None,
+                    "avx2": sources.built_with_avx2()}
+            with open(os.path.join(out_dir, "_C_build.json"), "w") as f:
+                json.dump(info, f, indent=1)
+
+    return {"ext_modules": [ext], "cmdclass": {"build_ext": BuildWithInfo.with_options(
+        use_ninja=True)}}
+
+
+setup(packages=find_packages(include=["zerocore", "zerocore.*", "neox", "neox.*"]),
+      **extension_args())

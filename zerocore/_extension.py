@@ -1,0 +1,113 @@
+"""Loads the compiled kernels (zerocore._C) and says what they are.
+
+Three cases, each with a clear outcome:
+- ``_C`` was built ahead of time (setup.py) for the torch that is installed: import it.
+- It was built for another torch: refuse, naming both versions and the rebuild command, instead of
+  letting the dynamic loader fail with an undefined-symbol error.
+- It was never built but the sources are here (an editable install made without torch in the
+  build environment): compile it now with torch.utils.cpp_extension, once, into torch's extension
+  cache, for exactly the torch that is running.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import platform
+import re
+import sys
+
+import torch
+
+from zerocore import _sources
+
+REBUILD_HINT = "rebuild it with: pip install --no-build-isolation -e ."
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildInfo:
+    """What zerocore._C contains. ``str(info)`` is a one-line summary."""
+
+    torch_version: str         # the torch it was compiled against
+    cuda_version: str | None   # CUDA of that torch when CUDA kernels were built, else None
+    cuda_arch_list: str | None
+    how: str                   # "setup.py" or "compiled on first import"
+
+    @property
+    def has_cuda(self) -> bool:
+        return self.cuda_version is not None
+
+    def __str__(self) -> str:
+        kind = (f"CPU+CUDA kernels (CUDA {self.cuda_version}, arch {self.cuda_arch_list})"
+                if self.has_cuda else "CPU-only kernels")
+        return f"zerocore._C: {kind} for torch {self.torch_version}, built by {self.how}"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _check_cpu(avx2: bool) -> None:
+    if not avx2 or platform.system() != "Linux":
+        return
+    missing = {"avx2", "fma", "f16c"} - _cpu_flags()
+    if missing:
+        raise ImportError(f"zerocore._C was compiled for x86-64 CPUs with AVX2, FMA and F16C, "
+                          f"but this CPU lacks {sorted(missing)}")
+
+
+def _import_prebuilt(package_dir: str) -> BuildInfo:
+    with open(os.path.join(package_dir, "_C_build.json")) as f:
+        info = json.load(f)
+    if info["torch"] != torch.__version__:
+        raise ImportError(f"zerocore._C was built for torch {info['torch']} but torch "
+                          f"{torch.__version__} is installed; {REBUILD_HINT}")
+    _check_cpu(info.get("avx2", False))
+    try:
+        importlib.import_module("zerocore._C")
+    except (ImportError, OSError) as e:
+        raise ImportError(f"zerocore._C (built for torch {info['torch']}) failed to load: {e}; "
+                          f"{REBUILD_HINT}") from e
+    return BuildInfo(info["torch"], info["cuda"], info["cuda_arch_list"], "setup.py")
+
+
+def _compile_now() -> BuildInfo:
+    from torch.utils import cpp_extension
+
+    root = _sources.repo_root()
+    with_cuda = torch.cuda.is_available() and cpp_extension.CUDA_HOME is not None
+    srcs = _sources.cpu_sources(root) + (_sources.cuda_sources(root) if with_cuda else [])
+    if with_cuda:
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", _sources.DEFAULT_CUDA_ARCH_LIST)
+    # The torch version is part of the name so that a torch upgrade never reuses an old build.
+    name = "zerocore_C_" + re.sub(r"\W", "_", torch.__version__)
+    print(f"zerocore: compiling kernels for torch {torch.__version__} "
+          f"({'CPU+CUDA' if with_cuda else 'CPU only'}); this happens once", file=sys.stderr)
+    _check_cpu(_sources.built_with_avx2())
+    cpp_extension.load(
+        name=name, sources=srcs, is_python_module=False, verbose=False,
+        extra_cflags=_sources.cxx_flags() + (["-DZEROCORE_WITH_CUDA"] if with_cuda else []),
+        extra_cuda_cflags=_sources.nvcc_flags(), extra_ldflags=["-fopenmp"])
+    return BuildInfo(torch.__version__, torch.version.cuda if with_cuda else None,
+                     os.environ.get("TORCH_CUDA_ARCH_LIST") if with_cuda else None,
+                     "compiled on first import")
+
+
+def load() -> BuildInfo:
+    """Makes torch.ops.zerocore.* available and returns what was loaded."""
+    package_dir = os.path.dirname(os.path.abspath(__file__))
+    if os.path.exists(os.path.join(package_dir, "_C_build.json")):
+        return _import_prebuilt(package_dir)
+    if os.path.isdir(os.path.join(_sources.repo_root(), "csrc")):
+        return _compile_now()
+    raise ImportError(f"zerocore._C is not built and its sources are not available; "
+                      f"{REBUILD_HINT}")

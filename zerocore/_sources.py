@@ -1,0 +1,50 @@
+"""Where the kernel sources are and how they are compiled.
+
+Shared by ``setup.py`` (ahead-of-time build) and ``zerocore._extension`` (the just-in-time
+fallback), so both build exactly the same thing. Imports nothing from torch or zerocore: setup.py
+loads this file by path before zerocore can be imported.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+# Compute capabilities built by default when TORCH_CUDA_ARCH_LIST is not set: A100 (8.0) and
+# H100/H200 (9.0), with PTX for 9.0 so newer GPUs can JIT-compile it.
+DEFAULT_CUDA_ARCH_LIST = "8.0;9.0+PTX"
+
+
+def repo_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cpu_sources(root: str) -> list[str]:
+    names = ["checks.cpp", "ops.cpp", "cpu/fused_adam_cpu.cpp", "cpu/grad_stats_cpu.cpp",
+             "cpu/pack_cpu.cpp"]
+    return [os.path.join(root, "csrc", n) for n in names]
+
+
+def cuda_sources(root: str) -> list[str]:
+    names = ["cuda/fused_adam_cuda.cu", "cuda/grad_stats_cuda.cu", "cuda/pack_cuda.cu"]
+    return [os.path.join(root, "csrc", n) for n in names]
+
+
+def cxx_flags() -> list[str]:
+    # No FMA contraction: the vector body and the scalar tail of each kernel must round alike so
+    # results do not depend on how the work is split across threads.
+    flags = ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        # ATen's at::vec picks its 256-bit AVX2 implementation from these macros. Every x86-64
+        # server CPU of the last ten years has AVX2+FMA+F16C; zerocore checks at import time that
+        # the running CPU does too (see zerocore._extension).
+        flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
+    return flags
+
+
+def nvcc_flags() -> list[str]:
+    return ["-O3", "-std=c++17", "-lineinfo"]
+
+
+def built_with_avx2() -> bool:
+    return "-mavx2" in cxx_flags()

@@ -1,0 +1,83 @@
+"""Typed wrappers over the compiled ops ``torch.ops.zerocore.*``, and their fake (meta)
+implementations so the ops trace under ``torch.compile``.
+
+Every op works in place on tensors the caller owns; none allocates in the hot path. The plain
+PyTorch definitions of what each op computes are in ``zerocore.reference``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+_ops = torch.ops.zerocore
+
+
+def fused_adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+               exp_avg_sq: torch.Tensor, model_copy: torch.Tensor | None = None, *, lr: float,
+               beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
+               weight_decay: float = 0.0, step: int, inv_grad_scale: float = 1.0,
+               adamw: bool = True) -> None:
+    """One Adam (``adamw=False``, L2 decay) or AdamW (decoupled decay) step on a flat shard.
+
+    param, exp_avg, exp_avg_sq: fp32, contiguous, updated in place. grad: fp32/fp16/bf16, read
+    only, multiplied by ``inv_grad_scale`` first (fold loss-scale unscaling and clipping into it).
+    model_copy: optional fp16/bf16/fp32 tensor that receives the new parameters in its dtype in
+    the same pass. step: the step count including this one (>= 1), for bias correction.
+    Same results as ``torch.optim.AdamW``/``Adam`` up to float rounding.
+    """
+    _ops.fused_adam(param, grad, exp_avg, exp_avg_sq, model_copy, lr, beta1, beta2, eps,
+                    weight_decay, step, inv_grad_scale, adamw)
+
+
+def grad_stats(grad: torch.Tensor, stats: torch.Tensor | None = None) -> torch.Tensor:
+    """Accumulates gradient statistics without a host synchronisation.
+
+    ``stats`` (fp32, shape [2], on grad's device; zeros if not given) gets ``stats[0] +=
+    sum(grad**2)`` and ``stats[1] = 1`` if any element of grad is inf or nan. Returns stats. Call it
+    on several shards with one ``stats`` and all-reduce (sum) that one tensor to get the global
+    squared norm and a flag that every rank agrees on.
+    """
+    if stats is None:
+        stats = torch.zeros(2, dtype=torch.float32, device=grad.device)
+    _ops.grad_stats(grad, stats)
+    return stats
+
+
+def pack(tensors: Sequence[torch.Tensor], offsets: Sequence[int],
+         flat: torch.Tensor) -> torch.Tensor:
+    """Copies each ``tensors[i]`` (any strides, fp32/fp16/bf16) into
+    ``flat[offsets[i]:offsets[i] + numel]``, converting to flat's dtype, and zeros every element of
+    flat that no tensor covers. Ranges must not overlap. Returns flat."""
+    _ops.pack(list(tensors), list(offsets), flat)
+    return flat
+
+
+def unpack(flat: torch.Tensor, offsets: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
+    """The reverse of ``pack``: ``tensors[i].copy_(flat[offsets[i]:offsets[i] + numel]
+    .view_as(tensors[i]))`` for every i, converting dtype."""
+    _ops.unpack(flat, list(offsets), list(tensors))
+
+
+# Fake implementations: shapes and dtypes only, for torch.compile and FakeTensor tracing. Every op
+# returns nothing and mutates its (a!) arguments, so there is nothing to compute here.
+@torch.library.register_fake("zerocore::fused_adam")
+def _fused_adam_fake(param, grad, exp_avg, exp_avg_sq, model_copy, lr, beta1, beta2, eps,
+                     weight_decay, step, inv_grad_scale, adamw) -> None:
+    return None
+
+
+@torch.library.register_fake("zerocore::grad_stats")
+def _grad_stats_fake(grad, stats) -> None:
+    return None
+
+
+@torch.library.register_fake("zerocore::pack")
+def _pack_fake(tensors, offsets, flat) -> None:
+    return None
+
+
+@torch.library.register_fake("zerocore::unpack")
+def _unpack_fake(flat, offsets, tensors) -> None:
+    return None
