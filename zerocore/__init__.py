@@ -1,6 +1,9 @@
 """zerocore: ZeRO-3 sharding of parameters, gradients and optimizer state for PyTorch, on fused
 C++/CUDA kernels.
 
+    model = zerocore.shard(layers, mixed_precision=zerocore.MixedPrecision(torch.bfloat16))
+    optimizer = zerocore.optim.AdamW(model.parameters(), lr=3e-4)
+
 ``zerocore.BUILD`` says which kernels were compiled (CPU only or CPU+CUDA) and for which torch;
 ``python -m zerocore`` prints it.
 """
@@ -9,7 +12,15 @@ from zerocore import _extension
 
 BUILD = _extension.load()
 
-from zerocore import ops, optim, reference  # noqa: E402  (the ops must be registered first)
+# The ops must be registered (above) before these import.
+from zerocore import ops, optim, reference  # noqa: E402
+from zerocore.loss_scale import LossScaler, StepResult  # noqa: E402
+from zerocore.policies import LossScaling, MixedPrecision, Offload, Prefetch  # noqa: E402
+from zerocore.report import CommReport, MemoryReport  # noqa: E402
+from zerocore.sharded_param import ShardParameter  # noqa: E402
+from zerocore.sharded_sequential import ShardedSequential, shard  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["BUILD", "ops", "optim", "reference"]
+__all__ = ["BUILD", "ops", "optim", "reference", "shard", "ShardedSequential", "ShardParameter",
+           "MixedPrecision", "Prefetch", "Offload", "LossScaling", "LossScaler", "StepResult",
+           "MemoryReport", "CommReport"]

@@ -145,25 +145,30 @@ class Adam(torch.optim.Optimizer):
     # -- stepping ------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None, *,
+             inv_grad_scale: float = 1.0) -> Any:
+        """One step. ``inv_grad_scale`` multiplies every gradient inside the kernel: pass
+        ``clip_coef / loss_scale`` to unscale and clip without another pass over the gradients
+        (``zerocore.LossScaler.step`` does)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group, buckets in zip(self.param_groups, self._buckets):
             for b in buckets:
-                self._step_bucket(group, b)
+                self._step_bucket(group, b, inv_grad_scale)
         return loss
 
-    def _hyper(self, group: dict[str, Any]) -> dict[str, Any]:
+    def _hyper(self, group: dict[str, Any], inv_grad_scale: float) -> dict[str, Any]:
         beta1, beta2 = group["betas"]
         return dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], adamw=self._adamw)
+                    weight_decay=group["weight_decay"], adamw=self._adamw,
+                    inv_grad_scale=inv_grad_scale)
 
-    def _step_bucket(self, group: dict[str, Any], b: _Bucket) -> None:
+    def _step_bucket(self, group: dict[str, Any], b: _Bucket, inv_grad_scale: float) -> None:
         grads = [p.grad for p in b.params]
         steps = [self.state[p]["step"] for p in b.params]
-        hyper = self._hyper(group)
+        hyper = self._hyper(group, inv_grad_scale)
         if all(g is not None for g in grads) and all(s == steps[0] for s in steps):
             for s in steps:
                 s += 1
@@ -174,12 +179,15 @@ class Adam(torch.optim.Optimizer):
                 grad_flat = ops.pack(grads, b.offsets, b.grad_flat)
             ops.fused_adam(b.master, grad_flat, b.exp_avg, b.exp_avg_sq, b.model_copy,
                            step=step, **hyper)
+            stepped = b.params
         else:
             # Some parameters have no gradient (or were skipped before): step the others one by
             # one on their slices of the flat buffers, exactly as torch.optim would.
+            stepped = []
             for p, g, s, off in zip(b.params, grads, steps, b.offsets):
                 if g is None:
                     continue
+                stepped.append(p)
                 if g.is_sparse:
                     raise ValueError("zerocore.optim.Adam does not support sparse gradients")
                 s += 1
@@ -188,7 +196,9 @@ class Adam(torch.optim.Optimizer):
                 ops.fused_adam(b.master[off:off + n], g.contiguous().view(-1),
                                b.exp_avg[off:off + n], b.exp_avg_sq[off:off + n], copy,
                                step=int(s.item()), **hyper)
-        for p in b.params:
+        # Only a shard the kernel just wrote has a fresh model copy: a skipped one keeps whatever
+        # outside write made it stale, for refresh_model_copy() to see.
+        for p in stepped:
             if isinstance(p, ShardParameter):
                 p.mark_model_copy_synced()
 
@@ -205,8 +215,11 @@ class Adam(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state dict of this class or of ``torch.optim.Adam``/``AdamW`` (same layout).
-        Values are copied into the flat buffers, so the parameters' storage is unchanged."""
+        Values are copied into the flat buffers, so the parameters' storage is unchanged. The
+        whole state dict is checked before anything is written, so a mismatched one raises
+        ValueError and leaves the optimizer as it was."""
         groups = state_dict["param_groups"]
+        saved_state = state_dict["state"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"state dict has {len(groups)} param groups but the optimizer has "
                              f"{len(self.param_groups)}")
@@ -214,22 +227,37 @@ class Adam(torch.optim.Optimizer):
             if len(mine["params"]) != len(saved["params"]):
                 raise ValueError(f"a param group of the state dict has {len(saved['params'])} "
                                  f"parameters but the optimizer's has {len(mine['params'])}")
-        saved_state = state_dict["state"]
+            for flag in ("amsgrad", "maximize"):
+                if saved.get(flag, False):
+                    raise ValueError(f"state dict was saved with {flag}=True, which "
+                                     f"zerocore.optim.Adam does not implement")
+            for p, pid in zip(mine["params"], saved["params"]):
+                st = saved_state.get(pid)
+                if st is None:
+                    continue
+                missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in st]
+                if missing:
+                    raise ValueError(f"state of parameter {pid} has no {', '.join(missing)}: "
+                                     f"not a state dict of Adam or AdamW")
+                for key in ("exp_avg", "exp_avg_sq", "master_param"):
+                    if key in st and st[key].shape != p.shape:
+                        raise ValueError(f"state {key} of parameter {pid} has shape "
+                                         f"{tuple(st[key].shape)}, expected {tuple(p.shape)}")
         with torch.no_grad():
             for mine, saved in zip(self.param_groups, groups):
                 for key, value in saved.items():
                     if key != "params":
                         mine[key] = value
                 for p, pid in zip(mine["params"], saved["params"]):
+                    target = self.state[p]
                     st = saved_state.get(pid)
                     if st is None:
-                        continue
-                    target = self.state[p]
-                    for key in ("exp_avg", "exp_avg_sq"):
-                        if st[key].shape != p.shape:
-                            raise ValueError(f"state {key} of parameter {pid} has shape "
-                                             f"{tuple(st[key].shape)}, expected {tuple(p.shape)}")
-                        target[key].copy_(st[key])
+                        # torch.optim has no state for a parameter that never had a gradient
+                        # and restarts it from scratch: do the same.
+                        zero = torch.zeros(())
+                        st = {"step": 0.0, "exp_avg": zero, "exp_avg_sq": zero}
+                    target["exp_avg"].copy_(st["exp_avg"])
+                    target["exp_avg_sq"].copy_(st["exp_avg_sq"])
                     target["step"].fill_(float(st["step"]))
                     if "master_param" in target:
                         # A torch.optim state dict has no master weights: take the parameter's.

@@ -1,0 +1,61 @@
+"""The three collectives of ZeRO-3, as plain functions over an explicit process group, each
+counting the bytes it moves in a ``CommCounter`` the caller passes in.
+
+All are issued with ``async_op=True`` and return a handle: on NCCL the collective runs on the
+process group's own CUDA stream, which c10d orders after the work already queued on the current
+stream (so an all-gather issued after the optimizer step sees the updated shards) and
+``handle.wait()`` makes the current stream wait for it without blocking the host; on gloo it runs
+on gloo's threads, so the next layer's all-gather overlaps this layer's computation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass
+class CommCounter:
+    """Bytes moved per kind of collective, counted as the size of the unsharded buffer (the
+    all-gather output, the reduce-scatter input): the quantity the 3Ψ estimate is about."""
+
+    all_gather_bytes: int = 0
+    reduce_scatter_bytes: int = 0
+    all_reduce_bytes: int = 0
+    all_gather_calls: int = 0
+    reduce_scatter_calls: int = 0
+    all_reduce_calls: int = 0
+
+    def reset(self) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, 0)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
+               counter: CommCounter) -> dist.Work | None:
+    """output (1D, world_size * shard.numel()) <- every rank's shard, in rank order."""
+    counter.all_gather_bytes += _nbytes(output)
+    counter.all_gather_calls += 1
+    return dist.all_gather_into_tensor(output, shard, group=group, async_op=True)
+
+
+def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
+                       counter: CommCounter) -> dist.Work | None:
+    """output (1D, full.numel() / world_size) <- the mean over ranks of this rank's slice of full."""
+    counter.reduce_scatter_bytes += _nbytes(full)
+    counter.reduce_scatter_calls += 1
+    return dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.AVG, group=group,
+                                      async_op=True)
+
+
+def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup, counter: CommCounter) -> None:
+    """t <- sum over ranks of t, synchronously (used for small statistics)."""
+    counter.all_reduce_bytes += _nbytes(t)
+    counter.all_reduce_calls += 1
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)

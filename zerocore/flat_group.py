@@ -1,0 +1,183 @@
+"""``FlatGroup``: one flat group (trainable or frozen) of one layer — its shard, the buffer it is
+all-gathered into, the per-parameter views of that buffer, and its gradient reduce-scatter.
+
+Tensor roles (docs/glossary.md):
+- shard: this rank's ``[shard_numel]`` slice. Trainable: a ``ShardParameter`` (fp32 master, with
+  ``model_copy`` in param_dtype unless param_dtype is fp32). Frozen: a plain Parameter in
+  param_dtype with requires_grad=False.
+- gather input: the param_dtype shard that is all-gathered (model_copy, the master itself in fp32,
+  the frozen shard, or with CPU offload a device-side mirror of the CPU model_copy).
+- gathered buffer: ``[padded_numel]`` in param_dtype, every rank's shard. Its storage is allocated
+  (``resize_``) only while the group is gathered and released right after use, so between forward
+  and backward the layer costs no parameter memory; autograd keeps views of the storage and sees
+  the same values again once backward re-gathers into it.
+- unsharded views: one view of the gathered buffer per parameter, installed on the module.
+
+Two tensors alias the gathered storage: ``_comm`` is what collectives write into, ``_compute`` is
+what the views are cut from. They have separate version counters, so re-gathering before backward
+does not count as an in-place change of the tensors autograd saved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+import torch.distributed as dist
+
+from zerocore import collectives, ops
+from zerocore.flat_layout import FlatLayout
+from zerocore.sharded_param import ShardParameter
+
+
+class GroupState(enum.Enum):
+    SHARDED = "sharded"      # only the shard exists; the gathered storage has size 0
+    GATHERING = "gathering"  # an all-gather into the gathered storage is in flight
+    GATHERED = "gathered"    # the gathered buffer holds every rank's shard
+
+
+@dataclasses.dataclass
+class PendingGrad:
+    """A reduce-scatter in flight and where its result goes."""
+
+    group: "FlatGroup"
+    handle: dist.Work | None
+    output: torch.Tensor   # 1D, reduce dtype, shard_numel: this rank's averaged gradient
+    packed: torch.Tensor   # 1D, reduce dtype, padded_numel: kept alive until the collective ends
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupContext:
+    """What every group of one sharded model shares."""
+
+    process_group: dist.ProcessGroup
+    rank: int
+    device: torch.device           # where layers compute and collectives run
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    offload: bool                  # optimizer state (trainable shards) on the CPU
+    counter: collectives.CommCounter
+
+
+class FlatGroup:
+    def __init__(self, layout: FlatLayout, full: torch.Tensor, trainable: bool,
+                 ctx: GroupContext):
+        """full: the unsharded padded flat values (1D, padded_numel, any float dtype, any device);
+        only this rank's slice of it is kept."""
+        self.layout = layout
+        self.trainable = trainable
+        self.ctx = ctx
+        lo, hi = layout.shard_range(ctx.rank)
+        dev, dt = ctx.device, ctx.param_dtype
+        if trainable:
+            master_device = torch.device("cpu") if ctx.offload else dev
+            pin = ctx.offload and dev.type == "cuda"
+            master = torch.empty(layout.shard_numel, dtype=torch.float32, device=master_device,
+                                 pin_memory=pin)
+            master.copy_(full[lo:hi])
+            copy = None
+            if dt != torch.float32:
+                copy = torch.empty(layout.shard_numel, dtype=dt, device=master_device,
+                                   pin_memory=pin)
+                copy.copy_(master)
+            self.shard: torch.nn.Parameter = ShardParameter(master, copy)
+            # With offload the gather input is a device mirror of the CPU copy.
+            self._mirror = (torch.empty(layout.shard_numel, dtype=dt, device=dev)
+                            if ctx.offload else None)
+            self._mirror_generation = -1
+        else:
+            self.shard = torch.nn.Parameter(full[lo:hi].to(device=dev, dtype=dt, copy=True),
+                                            requires_grad=False)
+            self._mirror = None
+        storage = torch.empty(layout.padded_numel, dtype=dt, device=dev).untyped_storage()
+        self._storage_nbytes = storage.nbytes()
+        self._comm = torch.empty(0, dtype=dt, device=dev).set_(storage, 0, (layout.padded_numel,))
+        self._compute = torch.empty(0, dtype=dt, device=dev).set_(storage, 0,
+                                                                  (layout.padded_numel,))
+        storage.resize_(0)
+        self._storage = storage
+        self._handle: dist.Work | None = None
+        self.state = GroupState.SHARDED
+
+    # -- all-gather ------------------------------------------------------------------------------
+
+    def _gather_input(self) -> torch.Tensor:
+        shard = self.shard
+        if not isinstance(shard, ShardParameter):
+            return shard.data
+        shard.refresh_model_copy()
+        if self._mirror is None:
+            return shard.gather_source()
+        if self._mirror_generation != shard.copy_generation:
+            self._mirror.copy_(shard.gather_source(), non_blocking=True)
+            self._mirror_generation = shard.copy_generation
+        return self._mirror
+
+    def start_gather(self) -> None:
+        if self.state is not GroupState.SHARDED:
+            return
+        self._storage.resize_(self._storage_nbytes)
+        self._handle = collectives.all_gather(self._comm, self._gather_input(),
+                                              self.ctx.process_group, self.ctx.counter)
+        self.state = GroupState.GATHERING
+
+    def wait_gather(self) -> None:
+        self.start_gather()
+        if self.state is GroupState.GATHERING:
+            if self._handle is not None:
+                self._handle.wait()
+            self._handle = None
+            self.state = GroupState.GATHERED
+
+    def free(self) -> None:
+        if self.state is GroupState.GATHERING:
+            self.wait_gather()
+        self._storage.resize_(0)
+        self.state = GroupState.SHARDED
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes the gathered buffer holds right now (0 when sharded)."""
+        return self._storage.nbytes()
+
+    def views(self, requires_grad: bool) -> list[torch.Tensor]:
+        """One tensor per parameter slot, viewing the gathered buffer. With requires_grad, each
+        is a separate autograd leaf, so backward yields one gradient per parameter (None for a
+        parameter the layer did not use)."""
+        assert self.state is GroupState.GATHERED, "views of a group that is not gathered"
+        out = []
+        for s in self.layout.slots:
+            v = self._compute[s.offset:s.offset + s.numel].view(s.shape)
+            out.append(v.detach().requires_grad_() if requires_grad else v)
+        return out
+
+    # -- gradients -------------------------------------------------------------------------------
+
+    def start_reduce_scatter(self, grads: list[torch.Tensor | None]) -> PendingGrad:
+        """Packs the parameters' gradients (None = no gradient = zeros) into one flat buffer and
+        starts averaging it across ranks into this rank's slice."""
+        assert self.trainable
+        present = [(g, s.offset) for g, s in zip(grads, self.layout.slots) if g is not None]
+        packed = torch.empty(self.layout.padded_numel, dtype=self.ctx.reduce_dtype,
+                             device=self.ctx.device)
+        ops.pack([g for g, _ in present], [o for _, o in present], packed)
+        output = torch.empty(self.layout.shard_numel, dtype=self.ctx.reduce_dtype,
+                             device=self.ctx.device)
+        handle = collectives.reduce_scatter_avg(output, packed, self.ctx.process_group,
+                                                self.ctx.counter)
+        return PendingGrad(self, handle, output, packed)
+
+    @staticmethod
+    def finish_reduce_scatter(pending: PendingGrad) -> None:
+        """Waits for the reduce-scatter and accumulates its result into ``shard.grad`` in fp32."""
+        if pending.handle is not None:
+            pending.handle.wait()
+        shard = pending.group.shard
+        grad = pending.output
+        if grad.dtype != torch.float32 or grad.device != shard.device:
+            grad = grad.to(device=shard.device, dtype=torch.float32)
+        if shard.grad is None:
+            shard.grad = grad
+        else:
+            shard.grad.add_(grad)

@@ -1,0 +1,120 @@
+"""``LossScaler``: the optimizer step of a sharded model — global gradient statistics, overflow
+agreement, dynamic loss scaling for fp16, and gradient-norm clipping — in one small all-reduce.
+
+Every rank computes, over its gradient shards, the sum of squares and a non-finite flag
+(``zerocore.ops.grad_stats``, no host synchronisation), then one all-reduce of those two numbers
+gives every rank the same global norm and the same overflow verdict: either all ranks step or all
+skip. Unscaling and clipping are folded into one factor that the fused Adam kernel applies while
+it reads the gradient, so the gradients are read once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+
+from zerocore import collectives, ops
+from zerocore.policies import LossScaling
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    grad_norm: float   # global L2 norm of the unscaled gradients (inf/nan when skipped)
+    skipped: bool      # True when a gradient was inf/nan on any rank: no parameter changed
+    loss_scale: float  # the scale that was used for this step's loss
+
+
+class LossScaler:
+    """Scales the loss (fp16 only: ``dynamic=True``) and steps an optimizer over sharded grads.
+
+    Usage::
+
+        scaler = zerocore.LossScaler(model.group, dynamic=(param_dtype == torch.float16))
+        scaler.scale(loss).backward()
+        result = scaler.step(optimizer, max_norm=1.0)
+        optimizer.zero_grad()
+    """
+
+    def __init__(self, group: dist.ProcessGroup, *, dynamic: bool,
+                 policy: LossScaling = LossScaling(),
+                 counter: collectives.CommCounter | None = None):
+        self.group = group
+        self.dynamic = dynamic
+        self.policy = policy
+        self.counter = counter if counter is not None else collectives.CommCounter()
+        self.loss_scale = policy.init_scale if dynamic else 1.0
+        self._hysteresis_left = policy.hysteresis
+        self._good_steps = 0
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.loss_scale if self.dynamic else loss
+
+    def step(self, optimizer: torch.optim.Optimizer, *,
+             max_norm: float | None = None) -> StepResult:
+        """Steps ``optimizer`` unless some gradient anywhere is inf/nan; clips to ``max_norm``
+        (global L2 norm over all ranks' shards, like ``torch.nn.utils.clip_grad_norm_`` on the
+        unsharded model) if given."""
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        scale = self.loss_scale
+        comm_device = _comm_device(self.group, params)
+        stats = torch.zeros(2, dtype=torch.float32, device=comm_device)
+        for p in params:
+            if p.grad.device == stats.device:
+                ops.grad_stats(p.grad, stats)
+            else:  # offloaded gradients live on the CPU
+                stats += ops.grad_stats(p.grad).to(comm_device)
+        collectives.all_reduce_sum(stats, self.group, self.counter)
+        sum_sq, nonfinite = stats.tolist()  # the one host synchronisation of the step
+        if nonfinite > 0 or not math.isfinite(sum_sq):
+            self._update(overflow=True)
+            return StepResult(float("nan"), True, scale)
+        norm = math.sqrt(sum_sq) / scale
+        clip = 1.0
+        if max_norm is not None:
+            clip = min(1.0, max_norm / (norm + 1e-6))  # the coefficient of clip_grad_norm_
+        inv = clip / scale
+        from zerocore.optim import Adam  # local: optim imports nothing from here
+        if isinstance(optimizer, Adam):
+            optimizer.step(inv_grad_scale=inv)
+        else:
+            if inv != 1.0:
+                for p in params:
+                    p.grad.mul_(inv)
+            optimizer.step()
+        self._update(overflow=False)
+        return StepResult(norm, False, scale)
+
+    def _update(self, overflow: bool) -> None:
+        """DeepSpeed's dynamic loss-scale rule (hysteresis not consecutive)."""
+        if not self.dynamic:
+            return
+        p = self.policy
+        if overflow:
+            if self._hysteresis_left <= 1:
+                self.loss_scale = max(self.loss_scale / 2, p.min_scale)
+            else:
+                self._hysteresis_left -= 1
+            self._good_steps = 0
+        else:
+            self._good_steps += 1
+            if self._good_steps % p.window == 0:
+                self.loss_scale *= 2
+                self._hysteresis_left = p.hysteresis
+
+    def state_dict(self) -> dict:
+        return {"loss_scale": self.loss_scale, "hysteresis_left": self._hysteresis_left,
+                "good_steps": self._good_steps, "dynamic": self.dynamic}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loss_scale = float(state["loss_scale"])
+        self._hysteresis_left = int(state["hysteresis_left"])
+        self._good_steps = int(state["good_steps"])
+
+
+def _comm_device(group: dist.ProcessGroup, params: list[torch.Tensor]) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return params[0].grad.device if params else torch.device("cpu")

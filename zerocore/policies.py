@@ -1,0 +1,71 @@
+"""Small frozen policies for ``zerocore.shard``: one concern each, passed by keyword."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecision:
+    """Dtypes of the layers' computation and of gradient communication.
+
+    param_dtype: dtype of the all-gathered parameters the layers compute with, of the shards that
+        are all-gathered and of frozen shards. Trainable parameters always keep fp32 master
+        weights, and gradients always accumulate in fp32 (over micro-batches) in the gradient shard.
+    reduce_dtype: dtype in which gradients are reduce-scattered; None means param_dtype (as FSDP
+        and DeepSpeed do: half the traffic of fp32 in fp16/bf16 training).
+    """
+
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in _FLOAT_DTYPES:
+                raise ValueError(f"MixedPrecision.{name} must be float32, float16 or bfloat16, "
+                                 f"got {value}")
+
+    @property
+    def grad_reduce_dtype(self) -> torch.dtype:
+        return self.reduce_dtype or self.param_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefetch:
+    """Whether to start the next layer's all-gather while the current layer computes, in the
+    forward pass and in the backward pass (where "next" is the layer before)."""
+
+    forward: bool = True
+    backward: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Offload:
+    """CPU offload of optimizer state: the fp32 master shard, its gradient and the Adam moments
+    live in (pinned) CPU memory and are stepped there by the CPU fused kernel; gradient shards go
+    to the CPU after each reduce-scatter and updated low-precision shards come back before the
+    next all-gather."""
+
+    optimizer: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaling:
+    """Dynamic loss scaling for fp16, with DeepSpeed's defaults: start at 2**16, halve on
+    overflow once `hysteresis` consecutive overflows were seen, double after `window` steps
+    without overflow, never below `min_scale`."""
+
+    init_scale: float = 2.0**16
+    window: int = 1000
+    hysteresis: int = 2
+    min_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.init_scale <= 0 or self.min_scale <= 0 or self.window < 1 or self.hysteresis < 1:
+            raise ValueError(f"invalid LossScaling {self}: scales must be > 0, window and "
+                             f"hysteresis >= 1")

@@ -1,0 +1,75 @@
+"""Memory and communication accounting of a sharded model, measured from the real tensors and
+set next to what ZeRO-3 predicts: (2+2+K)·Ψ/N_d bytes of model state per rank and 3Ψ of traffic
+per step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+MiB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Bytes of model state held by one rank."""
+
+    rank: int
+    world_size: int
+    trainable_numel: int         # Ψ_trainable, real parameters (padding excluded), whole model
+    frozen_numel: int            # Ψ_frozen
+    param_bytes: int             # shards the layers compute from: model copies, frozen shards,
+                                 # fp32 masters when computing in fp32, offload mirrors
+    master_bytes: int            # fp32 master shards kept beside a 16-bit model copy
+    grad_bytes: int              # gradient shards (fp32) currently allocated
+    optimizer_bytes: int         # optimizer state of the shards (Adam moments), if known
+    gather_bytes: int            # gathered (unsharded) buffers allocated right now
+    predicted_bytes: int         # (p + p + K)·Ψ_t/N + p·Ψ_f/N, the ZeRO-3 formula
+    device_allocated: int | None = None  # torch.cuda.memory_allocated on GPU
+    device_peak: int | None = None       # torch.cuda.max_memory_allocated on GPU
+
+    @property
+    def model_state_bytes(self) -> int:
+        return self.param_bytes + self.master_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def ratio_to_prediction(self) -> float:
+        return self.model_state_bytes / self.predicted_bytes if self.predicted_bytes else 1.0
+
+    def table(self) -> str:
+        rows = [("parameter shards", self.param_bytes), ("fp32 master shards", self.master_bytes),
+                ("gradient shards", self.grad_bytes), ("optimizer state", self.optimizer_bytes),
+                ("model state (sum)", self.model_state_bytes),
+                ("predicted (2+2+K)Ψ/N", self.predicted_bytes),
+                ("gather buffers now", self.gather_bytes)]
+        if self.device_allocated is not None:
+            rows += [("device allocated", self.device_allocated),
+                     ("device peak", self.device_peak or 0)]
+        lines = [f"rank {self.rank}/{self.world_size}: Ψ_trainable={self.trainable_numel:,} "
+                 f"Ψ_frozen={self.frozen_numel:,}"]
+        lines += [f"  {name:<24}{value / MiB:12.3f} MiB" for name, value in rows]
+        lines.append(f"  measured / predicted      {self.ratio_to_prediction:12.3f}")
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class CommReport:
+    """Bytes moved by each kind of collective since the counter was last reset, and the ZeRO-3
+    expectation for one step: every layer's parameters all-gathered twice (forward and backward,
+    2Ψ) and the trainable gradients reduce-scattered once (Ψ_t) — 3Ψ when everything trains."""
+
+    all_gather_bytes: int
+    reduce_scatter_bytes: int
+    all_reduce_bytes: int
+    expected_all_gather_bytes: int      # per step
+    expected_reduce_scatter_bytes: int  # per step
+
+    def table(self, steps: int = 1) -> str:
+        rows = [("all-gather", self.all_gather_bytes, self.expected_all_gather_bytes * steps),
+                ("reduce-scatter", self.reduce_scatter_bytes,
+                 self.expected_reduce_scatter_bytes * steps),
+                ("all-reduce", self.all_reduce_bytes, None)]
+        lines = [f"  {'collective':<16}{'measured MiB':>14}{'expected MiB':>14}"]
+        for name, got, want in rows:
+            w = f"{want / MiB:14.3f}" if want is not None else f"{'-':>14}"
+            lines.append(f"  {name:<16}{got / MiB:14.3f}{w}")
+        return "\n".join(lines)

@@ -1,0 +1,194 @@
+"""``ShardedLayer``: one layer of a sharded stack — the user's module with its parameters taken
+out and replaced by flat groups — and ``LayerFunction``, the autograd node that gathers the layer
+around its forward and its backward.
+
+Why an autograd Function and not hooks. Each layer's forward runs inside ``LayerFunction``: the
+layer's own graph is built inside it (on per-parameter leaves viewing the gathered buffer) and
+kept in the node; the node's backward re-gathers the parameters, runs ``torch.autograd.grad`` on
+that inner graph, packs the parameter gradients and starts their reduce-scatter. The trainable
+shard is an input of the node, so autograd always schedules the node, even for a first layer
+whose input (token ids) needs no gradient. Nothing depends on hooks registered on
+autograd-internal objects that can be garbage-collected (the failure of the reference
+implementation, whose shards never received gradients).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zerocore.flat_group import FlatGroup, GroupContext, PendingGrad
+from zerocore.flat_layout import FlatLayout
+from zerocore import ops
+
+
+def _collect_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]:
+    """(name, parameter, every (owner module, attribute) that holds it), in registration order;
+    a parameter tied within the layer appears once with several owners."""
+    by_id: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = {}
+    seen: set[tuple[int, str]] = set()
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for attr, p in mod._parameters.items():
+            if p is None or (id(mod), attr) in seen:
+                continue
+            seen.add((id(mod), attr))
+            name = f"{mod_name}.{attr}" if mod_name else attr
+            by_id.setdefault(id(p), (name, p, []))[2].append((mod, attr))
+    return list(by_id.values())
+
+
+class ShardedLayer(nn.Module):
+    """A layer whose parameters live in a trainable and a frozen ``FlatGroup``.
+
+    ``trainable_shard`` (a ``ShardParameter``) and ``frozen_shard`` are registered parameters, so
+    ``model.parameters()`` yields exactly what this rank owns.
+    """
+
+    def __init__(self, module: nn.Module, index: int, ctx: GroupContext, world_size: int):
+        super().__init__()
+        self.index = index
+        params = _collect_params(module)
+        for name, p, _ in params:
+            if not p.is_floating_point() or p.dtype == torch.float64:
+                raise ValueError(f"layer {index}: parameter {name} has dtype {p.dtype}; zerocore "
+                                 f"shards float32/float16/bfloat16 parameters")
+        groups: dict[bool, FlatGroup | None] = {}
+        self._owners: dict[bool, list[list[tuple[nn.Module, str]]]] = {}
+        for trainable in (True, False):
+            chosen = [(n, p, o) for n, p, o in params if p.requires_grad == trainable]
+            self._owners[trainable] = [o for _, _, o in chosen]
+            if not chosen:
+                groups[trainable] = None
+                continue
+            layout = FlatLayout.build([(n, tuple(p.shape)) for n, p, _ in chosen], world_size)
+            full_dtype = torch.float32 if trainable else ctx.param_dtype
+            full = torch.empty(layout.padded_numel, dtype=full_dtype, device=chosen[0][1].device)
+            with torch.no_grad():
+                ops.pack([p.detach() for _, p, _ in chosen], [s.offset for s in layout.slots],
+                         full)
+            groups[trainable] = FlatGroup(layout, full, trainable, ctx)
+            del full
+        # The module no longer owns its parameters: their values live in the groups, and
+        # unsharded views are installed as plain attributes while the layer runs.
+        for _, _, owners in params:
+            for mod, attr in owners:
+                del mod._parameters[attr]
+        self.module = module.to(ctx.device)  # buffers (e.g. rotary tables) only, now
+        self.trainable: FlatGroup | None = groups[True]
+        self.frozen: FlatGroup | None = groups[False]
+        self.trainable_shard = self.trainable.shard if self.trainable else None
+        self.frozen_shard = self.frozen.shard if self.frozen else None
+
+    @property
+    def groups(self) -> list[FlatGroup]:
+        return [g for g in (self.trainable, self.frozen) if g is not None]
+
+    def start_gather(self) -> None:
+        for g in self.groups:
+            g.start_gather()
+
+    def wait_gather(self) -> None:
+        for g in self.groups:
+            g.wait_gather()
+
+    def free(self) -> None:
+        for g in self.groups:
+            g.free()
+
+    def install(self, with_grad_leaves: bool) -> list[torch.Tensor]:
+        """Puts unsharded views of the gathered buffers on the module; returns the trainable
+        parameters' views (autograd leaves when with_grad_leaves)."""
+        leaves: list[torch.Tensor] = []
+        for trainable, group in ((True, self.trainable), (False, self.frozen)):
+            if group is None:
+                continue
+            views = group.views(requires_grad=with_grad_leaves and trainable)
+            for view, owners in zip(views, self._owners[trainable]):
+                for mod, attr in owners:
+                    setattr(mod, attr, view)
+            if trainable:
+                leaves = views
+        return leaves
+
+    def run_without_graph(self, x: torch.Tensor) -> torch.Tensor:
+        self.install(with_grad_leaves=False)
+        return self.module(x)
+
+
+class BackwardCoordinator:
+    """What the backward passes of all layers of one model share: prefetching the layer that
+    runs backward next, the reduce-scatters still in flight, and the end-of-backward callback
+    that completes them. Owned by the sharded model; passed explicitly to each node."""
+
+    def __init__(self, layers: list[ShardedLayer], prefetch: bool):
+        self.layers = layers
+        self.prefetch = prefetch
+        self.pending: list[PendingGrad] = []
+        self._callback_queued = False
+
+    def before_layer_backward(self, layer: ShardedLayer, previous: ShardedLayer | None) -> None:
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            self._callback_queued = True
+        layer.wait_gather()
+        if self.prefetch and previous is not None:
+            previous.start_gather()
+
+    def after_layer_backward(self, pending: PendingGrad | None) -> None:
+        # Keep at most one reduce-scatter in flight: it overlaps the next layer's backward.
+        while self.pending:
+            FlatGroup.finish_reduce_scatter(self.pending.pop(0))
+        if pending is not None:
+            self.pending.append(pending)
+
+    def finish(self) -> None:
+        """End of backward: deliver every gradient still in flight, and release a layer that was
+        prefetched but whose backward did not run."""
+        self._callback_queued = False
+        while self.pending:
+            FlatGroup.finish_reduce_scatter(self.pending.pop(0))
+        for layer in self.layers:
+            layer.free()
+
+
+class LayerFunction(torch.autograd.Function):
+    """y = layer(x), with the layer's parameters gathered for the forward and again for the
+    backward. Inputs after x are the trainable shard (or nothing); its "gradient" is delivered
+    by the reduce-scatter into ``shard.grad``, so autograd receives None for it."""
+
+    @staticmethod
+    def forward(ctx, coordinator: BackwardCoordinator, layer: ShardedLayer,
+                previous: ShardedLayer | None, x: torch.Tensor, *shards: torch.Tensor):
+        x_in = x.detach().requires_grad_(x.requires_grad)
+        with torch.enable_grad():
+            leaves = layer.install(with_grad_leaves=True)
+            y = layer.module(x_in)
+        if not isinstance(y, torch.Tensor):
+            raise TypeError(f"layer {layer.index} returned {type(y).__name__}; zerocore layers "
+                            f"must map one tensor to one tensor")
+        ctx.coordinator, ctx.layer, ctx.previous = coordinator, layer, previous
+        ctx.inner = (x_in, leaves, y)
+        ctx.num_shards = len(shards)
+        return y.detach()
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        coordinator: BackwardCoordinator = ctx.coordinator
+        layer: ShardedLayer = ctx.layer
+        x_in, leaves, y = ctx.inner
+        ctx.inner = None  # the inner graph is used once
+        coordinator.before_layer_backward(layer, ctx.previous)
+        inputs = ([x_in] if x_in.requires_grad else []) + leaves
+        grad_x = None
+        pending = None
+        if y.requires_grad and inputs:
+            grads = torch.autograd.grad(y, inputs, grad_y, allow_unused=True)
+            if x_in.requires_grad:
+                grad_x, grads = grads[0], grads[1:]
+            if layer.trainable is not None:
+                pending = layer.trainable.start_reduce_scatter(list(grads))
+        elif layer.trainable is not None:
+            pending = layer.trainable.start_reduce_scatter([None] * len(leaves))
+        layer.free()
+        coordinator.after_layer_backward(pending)
+        return (None, None, None, grad_x) + (None,) * ctx.num_shards

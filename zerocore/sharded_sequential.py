@@ -1,0 +1,220 @@
+"""``zerocore.shard``: the public entry point, and ``ShardedSequential``, the module it returns.
+
+``ShardedSequential`` runs its layers in order. Before a layer runs it waits for that layer's
+all-gather (started while the previous layer computed) and starts the next one's; after it runs
+it frees the gathered buffers. Backward is driven by ``LayerFunction`` nodes (sharded_layer.py),
+coordinated by one ``BackwardCoordinator``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerocore.collectives import CommCounter
+from zerocore.flat_group import GroupContext
+from zerocore.policies import MixedPrecision, Offload, Prefetch
+from zerocore.report import CommReport, MemoryReport
+from zerocore.sharded_layer import BackwardCoordinator, LayerFunction, ShardedLayer
+from zerocore.sharded_param import ShardParameter
+
+
+def _default_device(group: dist.ProcessGroup) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _fingerprint(layers: list[nn.Module]) -> list[int]:
+    """One 63-bit hash per layer of its parameter names, shapes, dtypes and trainability."""
+    out = []
+    for layer in layers:
+        desc = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}"
+                        for n, p in layer.named_parameters())
+        out.append(int.from_bytes(hashlib.sha1(desc.encode()).digest()[:8], "little") >> 1)
+    return out
+
+
+def _check_same_structure(layers: list[nn.Module], group: dist.ProcessGroup,
+                          device: torch.device) -> None:
+    """Fails on every rank, with a clear message, if the ranks were given different stacks:
+    otherwise they would issue mismatched collectives and hang."""
+    world = dist.get_world_size(group)
+    mine = torch.tensor([len(layers)] + _fingerprint(layers), dtype=torch.int64, device=device)
+    counts = torch.empty(world, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(counts, mine[:1], group=group)
+    if counts.min() != counts.max():
+        raise ValueError(f"zerocore.shard: ranks were given different numbers of layers "
+                         f"({counts.tolist()}); every rank must pass the same stack")
+    every = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(every, mine, group=group)
+    every = every.view(world, -1)
+    for i in range(len(layers)):
+        column = every[:, 1 + i]
+        if column.min() != column.max():
+            raise ValueError(f"zerocore.shard: layer {i} differs between ranks (parameter names, "
+                             f"shapes, dtypes or requires_grad); every rank must pass the same "
+                             f"stack with the same trainable parameters")
+
+
+class ShardedSequential(nn.Module):
+    """Runs sharded layers in order; see ``zerocore.shard``."""
+
+    def __init__(self, layers: Iterable[nn.Module], *, group: dist.ProcessGroup,
+                 device: torch.device, mixed_precision: MixedPrecision, prefetch: Prefetch,
+                 offload: Offload):
+        super().__init__()
+        layers = list(layers)
+        if not layers:
+            raise ValueError("zerocore.shard: got no layers")
+        _check_same_structure(layers, group, device)
+        seen: dict[int, int] = {}
+        for i, layer in enumerate(layers):
+            for name, p in layer.named_parameters():
+                j = seen.setdefault(id(p), i)
+                if j != i:
+                    raise ValueError(f"zerocore.shard: parameter {name} of layer {i} is also in "
+                                     f"layer {j}; parameters tied across layers are not supported "
+                                     f"(untie them or put both users in one layer)")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.device = device
+        self.mixed_precision = mixed_precision
+        self.prefetch = prefetch
+        self.offload = offload
+        self.counter = CommCounter()
+        ctx = GroupContext(group, self.rank, device, mixed_precision.param_dtype,
+                           mixed_precision.grad_reduce_dtype, offload.optimizer, self.counter)
+        sharded = []
+        for i, layer in enumerate(layers):
+            sharded.append(ShardedLayer(layer, i, ctx, self.world_size))
+            layers[i] = None  # type: ignore[call-overload]  (drop our reference: one layer at a time)
+        self.layers = nn.ModuleList(sharded)
+        self._coordinator = BackwardCoordinator(sharded, prefetch.backward)
+
+    def trainable_shards(self) -> list[ShardParameter]:
+        """This rank's trainable shards, one per layer with trainable parameters: what the
+        optimizer steps (``model.parameters()`` also yields the frozen shards, which have no
+        gradient and are skipped by optimizers)."""
+        return [l.trainable_shard for l in self.layers if l.trainable_shard is not None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        layers: list[ShardedLayer] = list(self.layers)
+        previous: ShardedLayer | None = None
+        layers[0].start_gather()
+        for i, layer in enumerate(layers):
+            layer.wait_gather()
+            if self.prefetch.forward and i + 1 < len(layers):
+                layers[i + 1].start_gather()
+            needs_graph = torch.is_grad_enabled() and (
+                layer.trainable is not None or (isinstance(x, torch.Tensor) and x.requires_grad))
+            if needs_graph:
+                shards = (layer.trainable_shard,) if layer.trainable_shard is not None else ()
+                x = LayerFunction.apply(self._coordinator, layer, previous, x, *shards)
+                previous = layer
+            else:
+                x = layer.run_without_graph(x)
+            layer.free()
+        return x
+
+    # -- accounting ----------------------------------------------------------------------------
+
+    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
+        """Bytes of model state this rank holds, measured from the tensors, next to the
+        (2+2+K)·Ψ/N_d prediction. Pass the optimizer to count its state."""
+        p_bytes = torch.tensor([], dtype=self.mixed_precision.param_dtype).element_size()
+        param = master = grad = opt = gather = 0
+        trainable_numel = frozen_numel = 0
+        for layer in self.layers:
+            for g in layer.groups:
+                gather += g.gathered_bytes
+                shard = g.shard
+                if g.trainable:
+                    trainable_numel += g.layout.numel
+                    if isinstance(shard, ShardParameter) and shard.model_copy is not None:
+                        param += shard.model_copy.numel() * shard.model_copy.element_size()
+                        master += shard.numel() * 4
+                    else:
+                        param += shard.numel() * 4
+                    if g._mirror is not None:
+                        param += g._mirror.numel() * g._mirror.element_size()
+                    if shard.grad is not None:
+                        grad += shard.grad.numel() * shard.grad.element_size()
+                    if optimizer is not None:
+                        for key, t in optimizer.state.get(shard, {}).items():
+                            if isinstance(t, torch.Tensor) and t.dim() > 0:
+                                opt += t.numel() * t.element_size()
+                else:
+                    frozen_numel += g.layout.numel
+                    param += shard.numel() * shard.element_size()
+        n = self.world_size
+        k = 8 if p_bytes == 4 else 12  # Adam moments, plus an fp32 master when computing in 16 bit
+        predicted = ((p_bytes + p_bytes + k) * trainable_numel + p_bytes * frozen_numel) // n
+        dev_alloc = dev_peak = None
+        if self.device.type == "cuda":
+            dev_alloc = torch.cuda.memory_allocated(self.device)
+            dev_peak = torch.cuda.max_memory_allocated(self.device)
+        return MemoryReport(self.rank, n, trainable_numel, frozen_numel, param, master, grad, opt,
+                            gather, predicted, dev_alloc, dev_peak)
+
+    def comm_report(self, reset: bool = False) -> CommReport:
+        """Bytes moved by each kind of collective since the last reset, and the per-step
+        expectation (all layers gathered in forward and backward, trainable grads reduced)."""
+        p_bytes = torch.tensor([], dtype=self.mixed_precision.param_dtype).element_size()
+        r_bytes = torch.tensor([], dtype=self.mixed_precision.grad_reduce_dtype).element_size()
+        gather = reduce = 0
+        first_in_backward = self._first_graph_layer()
+        for layer in self.layers:
+            in_backward = layer.index >= first_in_backward
+            for g in layer.groups:
+                gather += g.layout.padded_numel * p_bytes * (2 if in_backward else 1)
+                if g.trainable:
+                    reduce += g.layout.padded_numel * r_bytes
+        c = self.counter
+        report = CommReport(c.all_gather_bytes, c.reduce_scatter_bytes, c.all_reduce_bytes,
+                            gather, reduce)
+        if reset:
+            c.reset()
+        return report
+
+    def _first_graph_layer(self) -> int:
+        """Index of the first layer that runs backward when the input needs no gradient."""
+        for layer in self.layers:
+            if layer.trainable is not None:
+                return layer.index
+        return len(self.layers)
+
+
+def shard(layers: Iterable[nn.Module], *, group: dist.ProcessGroup | None = None,
+          device: torch.device | str | None = None,
+          mixed_precision: MixedPrecision = MixedPrecision(), prefetch: Prefetch = Prefetch(),
+          offload: Offload = Offload()) -> ShardedSequential:
+    """Shards a stack of layers across the ranks of a process group (ZeRO-3).
+
+    layers: an ``nn.Sequential``, ``nn.ModuleList`` or list of modules, each mapping one tensor to
+        one tensor, identical on every rank (same structure, same initial values: seed every rank
+        alike or load the same checkpoint). Each layer's trainable parameters (``requires_grad`` now)
+        and frozen parameters become two flat groups of which this rank keeps 1/N; the modules
+        keep only their buffers.
+    group: the process group (default: the world). torch.distributed must be initialised; one
+        process works too (world size 1).
+    device: where layers compute (default: the current CUDA device with NCCL, else the CPU).
+    Returns a module running the layers in order. Give ``model.parameters()`` (or
+    ``model.trainable_shards()``) to ``zerocore.optim.AdamW``.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("zerocore.shard needs torch.distributed to be initialised: call "
+                           "torch.distributed.init_process_group(...) first (for one process: "
+                           "backend='gloo', world_size=1, rank=0)")
+    group = group if group is not None else dist.group.WORLD
+    dev = torch.device(device) if device is not None else _default_device(group)
+    if isinstance(layers, nn.Module) and not isinstance(layers, (nn.Sequential, nn.ModuleList)):
+        raise TypeError("zerocore.shard expects a sequence of layers (nn.Sequential, "
+                        "nn.ModuleList or list), not a single module")
+    return ShardedSequential(list(layers), group=group, device=dev,
+                             mixed_precision=mixed_precision, prefetch=prefetch, offload=offload)
