@@ -9,6 +9,7 @@ coordinated by one ``BackwardCoordinator``.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from typing import Iterable
 
 import torch
@@ -29,36 +30,34 @@ def _default_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def _fingerprint(layers: list[nn.Module]) -> list[int]:
-    """One 63-bit hash per layer of its parameter names, shapes, dtypes and trainability."""
-    out = []
-    for layer in layers:
-        desc = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}"
-                        for n, p in layer.named_parameters())
-        out.append(int.from_bytes(hashlib.sha1(desc.encode()).digest()[:8], "little") >> 1)
-    return out
+def _fingerprint(layer: nn.Module) -> int:
+    """A 63-bit hash of a layer's parameter names, shapes, dtypes and trainability."""
+    desc = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}"
+                    for n, p in layer.named_parameters())
+    return int.from_bytes(hashlib.sha1(desc.encode()).digest()[:8], "little") >> 1
 
 
-def _check_same_structure(layers: list[nn.Module], group: dist.ProcessGroup,
-                          device: torch.device) -> None:
-    """Fails on every rank, with a clear message, if the ranks were given different stacks:
-    otherwise they would issue mismatched collectives and hang."""
+def _agree_on_layer(index: int, layer: nn.Module | None, group: dist.ProcessGroup,
+                    device: torch.device) -> bool:
+    """Checks that every rank is at the same layer with the same structure; False when every
+    rank has run out of layers. Ranks given different stacks would otherwise issue mismatched
+    collectives and hang; here each fails at once with a clear message. One tiny all-gather per
+    layer, so layers can be materialised one at a time."""
     world = dist.get_world_size(group)
-    mine = torch.tensor([len(layers)] + _fingerprint(layers), dtype=torch.int64, device=device)
-    counts = torch.empty(world, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(counts, mine[:1], group=group)
-    if counts.min() != counts.max():
-        raise ValueError(f"zerocore.shard: ranks were given different numbers of layers "
-                         f"({counts.tolist()}); every rank must pass the same stack")
-    every = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
+    mine = torch.tensor([0 if layer is None else 1, 0 if layer is None else _fingerprint(layer)],
+                        dtype=torch.int64, device=device)
+    every = torch.empty(world * 2, dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(every, mine, group=group)
-    every = every.view(world, -1)
-    for i in range(len(layers)):
-        column = every[:, 1 + i]
-        if column.min() != column.max():
-            raise ValueError(f"zerocore.shard: layer {i} differs between ranks (parameter names, "
-                             f"shapes, dtypes or requires_grad); every rank must pass the same "
-                             f"stack with the same trainable parameters")
+    present, prints = every.view(world, 2).unbind(1)
+    if present.min() != present.max():
+        raise ValueError(f"zerocore.shard: ranks were given different numbers of layers (ranks "
+                         f"{present.eq(0).nonzero().flatten().tolist()} have no layer {index}); "
+                         f"every rank must pass the same stack")
+    if prints.min() != prints.max():
+        raise ValueError(f"zerocore.shard: layer {index} differs between ranks (parameter names, "
+                         f"shapes, dtypes or requires_grad); every rank must pass the same stack "
+                         f"with the same trainable parameters")
+    return bool(present[0])
 
 
 class ShardedSequential(nn.Module):
@@ -68,18 +67,6 @@ class ShardedSequential(nn.Module):
                  device: torch.device, mixed_precision: MixedPrecision, prefetch: Prefetch,
                  offload: Offload):
         super().__init__()
-        layers = list(layers)
-        if not layers:
-            raise ValueError("zerocore.shard: got no layers")
-        _check_same_structure(layers, group, device)
-        seen: dict[int, int] = {}
-        for i, layer in enumerate(layers):
-            for name, p in layer.named_parameters():
-                j = seen.setdefault(id(p), i)
-                if j != i:
-                    raise ValueError(f"zerocore.shard: parameter {name} of layer {i} is also in "
-                                     f"layer {j}; parameters tied across layers are not supported "
-                                     f"(untie them or put both users in one layer)")
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -90,10 +77,25 @@ class ShardedSequential(nn.Module):
         self.counter = CommCounter()
         ctx = GroupContext(group, self.rank, device, mixed_precision.param_dtype,
                            mixed_precision.grad_reduce_dtype, offload.optimizer, self.counter)
-        sharded = []
-        for i, layer in enumerate(layers):
-            sharded.append(ShardedLayer(layer, i, ctx, self.world_size))
-            layers[i] = None  # type: ignore[call-overload]  (drop our reference: one layer at a time)
+        sharded: list[ShardedLayer] = []
+        owners: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
+        iterator = iter(layers)
+        while True:
+            layer = next(iterator, None)
+            if not _agree_on_layer(len(sharded), layer, group, device):
+                break
+            for name, p in layer.named_parameters():
+                if owners.get(id(p)) is p:
+                    raise ValueError(f"zerocore.shard: parameter {name} of layer {len(sharded)} "
+                                     f"also belongs to an earlier layer; parameters tied across "
+                                     f"layers are not supported (untie them or put both users in "
+                                     f"one layer)")
+            for p in layer.parameters():
+                owners[id(p)] = p
+            sharded.append(ShardedLayer(layer, len(sharded), ctx, self.world_size))
+            del layer  # materialised layers may be freed one by one (see `shard`)
+        if not sharded:
+            raise ValueError("zerocore.shard: got no layers")
         self.layers = nn.ModuleList(sharded)
         self._coordinator = BackwardCoordinator(sharded, prefetch.backward)
 
@@ -196,8 +198,9 @@ def shard(layers: Iterable[nn.Module], *, group: dist.ProcessGroup | None = None
           offload: Offload = Offload()) -> ShardedSequential:
     """Shards a stack of layers across the ranks of a process group (ZeRO-3).
 
-    layers: an ``nn.Sequential``, ``nn.ModuleList`` or list of modules, each mapping one tensor to
-        one tensor, identical on every rank (same structure, same initial values: seed every rank
+    layers: an ``nn.Sequential``, ``nn.ModuleList``, list or any iterable of modules (a generator
+        that builds each layer when asked keeps host memory near one layer), each mapping one
+        tensor to one tensor, identical on every rank (same structure, same initial values: seed every rank
         alike or load the same checkpoint). Each layer's trainable parameters (``requires_grad`` now)
         and frozen parameters become two flat groups of which this rank keeps 1/N; the modules
         keep only their buffers.
@@ -216,5 +219,5 @@ def shard(layers: Iterable[nn.Module], *, group: dist.ProcessGroup | None = None
     if isinstance(layers, nn.Module) and not isinstance(layers, (nn.Sequential, nn.ModuleList)):
         raise TypeError("zerocore.shard expects a sequence of layers (nn.Sequential, "
                         "nn.ModuleList or list), not a single module")
-    return ShardedSequential(list(layers), group=group, device=dev,
+    return ShardedSequential(layers, group=group, device=dev,
                              mixed_precision=mixed_precision, prefetch=prefetch, offload=offload)
