@@ -16,6 +16,12 @@ import torch
 import torch.distributed as dist
 
 
+# torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn); the GPU machines
+# run older torch. Resolve the name once, here.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 @dataclasses.dataclass
 class CommCounter:
     """Bytes moved per kind of collective, counted as the size of the unsharded buffer (the
@@ -42,7 +48,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
     """output (1D, world_size * shard.numel()) <- every rank's shard, in rank order."""
     counter.all_gather_bytes += _nbytes(output)
     counter.all_gather_calls += 1
-    return dist.all_gather_into_tensor(output, shard, group=group, async_op=True)
+    return _all_gather_single(output, shard, group=group, async_op=True)
 
 
 def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
@@ -50,8 +56,13 @@ def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group: dist.Pro
     """output (1D, full.numel() / world_size) <- the mean over ranks of this rank's slice of full."""
     counter.reduce_scatter_bytes += _nbytes(full)
     counter.reduce_scatter_calls += 1
-    return dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.AVG, group=group,
-                                      async_op=True)
+    return _reduce_scatter_single(output, full, op=dist.ReduceOp.AVG, group=group,
+                                  async_op=True)
+
+
+def all_gather_sync(output: torch.Tensor, t: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Blocking all-gather of small metadata (not counted: not model traffic)."""
+    _all_gather_single(output, t, group=group)
 
 
 def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup, counter: CommCounter) -> None:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zerocore import collectives
 from zerocore.collectives import CommCounter
 from zerocore.flat_group import GroupContext
 from zerocore.policies import MixedPrecision, Offload, Prefetch
@@ -47,7 +48,7 @@ def _agree_on_layer(index: int, layer: nn.Module | None, group: dist.ProcessGrou
     mine = torch.tensor([0 if layer is None else 1, 0 if layer is None else _fingerprint(layer)],
                         dtype=torch.int64, device=device)
     every = torch.empty(world * 2, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(every, mine, group=group)
+    collectives.all_gather_sync(every, mine, group)
     present, prints = every.view(world, 2).unbind(1)
     if present.min() != present.max():
         raise ValueError(f"zerocore.shard: ranks were given different numbers of layers (ranks "
