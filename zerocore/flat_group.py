@@ -136,6 +136,16 @@ class FlatGroup:
         self._storage.resize_(0)
         self.state = GroupState.SHARDED
 
+    def gather_full(self) -> dict[str, torch.Tensor]:
+        """Collective: the group's unsharded parameters by name, on every rank, in the shard's
+        dtype (fp32 masters for a trainable group), on the CPU. For export; not a hot path."""
+        shard = self.shard.data.to(self.ctx.device)
+        full = torch.empty(self.layout.padded_numel, dtype=shard.dtype, device=self.ctx.device)
+        collectives.all_gather_sync(full, shard, self.ctx.process_group)
+        full = full.cpu()
+        return {s.name: full[s.offset:s.offset + s.numel].view(s.shape).clone()
+                for s in self.layout.slots}
+
     @property
     def gathered_bytes(self) -> int:
         """Bytes the gathered buffer holds right now (0 when sharded)."""

@@ -110,6 +110,15 @@ class ShardedLayer(nn.Module):
                 leaves = views
         return leaves
 
+    def full_state(self, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+        """Collective (every rank must call it): the layer's unsharded parameters by name, on
+        the CPU; trainable ones in fp32 from the master weights."""
+        out: dict[str, torch.Tensor] = {}
+        for group in self.groups:
+            if group.trainable or not trainable_only:
+                out.update(group.gather_full())
+        return out
+
     def run_without_graph(self, x: torch.Tensor) -> torch.Tensor:
         self.install(with_grad_leaves=False)
         return self.module(x)

@@ -1,0 +1,199 @@
+"""python -m neox.finetune: fine-tune a GPT-NeoX model with zerocore's ZeRO-3 sharding.
+
+With no arguments: a tiny randomly initialised GPT-NeoX, bias fine-tuning, tiny_shakespeare (or
+the offline fallback corpus), 2 gloo processes on the CPU; a couple of minutes on 2 cores.
+With CUDA GPUs: one process per GPU over NCCL. Under torchrun (RANK/WORLD_SIZE set): joins that
+process group, which is how it runs across machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class UsageError(Exception):
+    """A problem with the user's input: reported as one clear message, without a traceback."""
+
+
+def parse_layers(text: str | None) -> list[int] | None:
+    """"0,1,4-6" -> [0, 1, 4, 5, 6]."""
+    if text is None:
+        return None
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            part = part.strip()
+            if "-" in part:
+                lo, hi = part.split("-")
+                out.extend(range(int(lo), int(hi) + 1))
+            elif part:
+                out.append(int(part))
+    except ValueError:
+        raise UsageError(f"--filter-layers {text!r}: expected block indices like '0,1,4-6'")
+    if not out:
+        raise UsageError("--filter-layers is empty: give at least one block index, e.g. '0,1'")
+    return sorted(set(out))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m neox.finetune", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    m = p.add_argument_group("model")
+    m.add_argument("--checkpoint", type=Path, default=None,
+                   help="a Hugging Face GPT-NeoX directory or EleutherAI 20B slim-weights "
+                        "directory; without it --model picks a randomly initialised preset")
+    m.add_argument("--model", default="tiny",
+                   help="preset when no --checkpoint: tiny, pythia-70m, pythia-160m, ... "
+                        "(random initialisation, for machines without weights)")
+    m.add_argument("--filter-layers", default=None,
+                   help="keep only these transformer blocks, 0-based as in the checkpoint, e.g. "
+                        "'0,1' or '0-3'; embedding, final norm and readout are always kept")
+    m.add_argument("--finetune", choices=["biases", "lora", "full"], default="biases",
+                   help="what to train")
+    m.add_argument("--lora-rank", type=int, default=8)
+    m.add_argument("--lora-alpha", type=float, default=16.0)
+    m.add_argument("--lora-targets", default="query_key_value,attention.dense",
+                   help="comma-separated projections that get adapters")
+    m.add_argument("--dtype", choices=list(DTYPES), default=None,
+                   help="compute dtype (default: fp32 on CPU, bf16 on GPU)")
+    d = p.add_argument_group("data")
+    d.add_argument("--data", type=Path, default=None,
+                   help="a local UTF-8 text file to train on (default: tiny_shakespeare)")
+    d.add_argument("--data-dir", type=Path, default=None,
+                   help="local copies of the default corpus and tokenizer (default: "
+                        "shared/data beside the repository)")
+    d.add_argument("--tokenizer", type=Path, default=None,
+                   help="tokenizer.json (default: the checkpoint's, else a byte-level BPE trained "
+                        "on the corpus and cached)")
+    d.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "zerocore")
+    d.add_argument("--seq-len", type=int, default=128)
+    d.add_argument("--val-fraction", type=float, default=0.1)
+    t = p.add_argument_group("training")
+    t.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
+    t.add_argument("--warmup", type=int, default=0, help="linear warm-up steps")
+    t.add_argument("--weight-decay", type=float, default=0.0)
+    t.add_argument("--batch-size", type=int, default=16, help="sequences per rank per micro-batch")
+    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    t.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
+    t.add_argument("--epochs", type=int, default=1)
+    t.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--offload-optimizer", action="store_true",
+                   help="keep fp32 masters, gradients and Adam moments in CPU memory")
+    t.add_argument("--eval-every", type=int, default=0, help="validate every N steps (0: at end)")
+    t.add_argument("--output-dir", type=Path, default=Path("runs") / "neox-finetune")
+    r = p.add_argument_group("processes")
+    r.add_argument("--nproc", type=int, default=2,
+                   help="CPU processes (gloo) when there is no GPU; with GPUs: one per GPU")
+    r.add_argument("--port", type=int, default=0, help="rendezvous port (0: pick a free one)")
+    r.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds a collective may wait before the run fails instead of hanging")
+    r.add_argument("--cpu", action="store_true", help="use the CPU (gloo) even if GPUs exist")
+    return p
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Cheap checks before any process starts."""
+    args.filter_layers = parse_layers(args.filter_layers)
+    for name in ("seq_len", "batch_size", "grad_accum", "epochs", "nproc", "lora_rank"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_steps is not None and args.max_steps < 1:
+        raise UsageError("--max-steps must be >= 1")
+    if args.data is not None and not args.data.is_file():
+        raise UsageError(f"--data {args.data}: no such file")
+    if args.checkpoint is not None and not args.checkpoint.exists():
+        raise UsageError(f"--checkpoint {args.checkpoint}: no such file or directory")
+    if args.tokenizer is not None and not args.tokenizer.exists():
+        raise UsageError(f"--tokenizer {args.tokenizer}: no such file or directory")
+
+
+def describe_environment(use_cuda: bool) -> None:
+    n = torch.cuda.device_count() if use_cuda else 0
+    for i in range(n):
+        print(f"GPU {i}: {torch.cuda.get_device_name(i)}")
+    print(f"n_gpus: {n}")
+    print(f"NCCL available: {dist.is_nccl_available()}   gloo available: "
+          f"{dist.is_gloo_available()}   MPI available: {dist.is_mpi_available()}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- one process ---------------------------------------------------------------------------------
+
+
+def worker(rank: int, world_size: int, args: argparse.Namespace, init_method: str,
+           use_cuda: bool) -> None:
+    try:
+        backend = "nccl" if use_cuda else "gloo"
+        if use_cuda:
+            local_rank = int(os.environ.get("LOCAL_RANK", rank))
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(seconds=args.timeout))
+        try:
+            if rank == 0:
+                print(f"Distributed: backend {backend}, world size {world_size}, "
+                      f"init {init_method}")
+            from neox.training import run_training
+            run_training(args, rank=rank, world_size=world_size,
+                         device=torch.device("cuda", torch.cuda.current_device()) if use_cuda
+                         else torch.device("cpu"))
+        finally:
+            dist.destroy_process_group()
+    except (UsageError, ValueError, FileNotFoundError) as e:
+        print(f"error (rank {rank}): {e}", file=sys.stderr)
+        sys.exit(2)
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        check_args(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    use_cuda = torch.cuda.is_available() and not args.cpu
+    describe_environment(use_cuda)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun, possibly many machines
+        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, "env://", use_cuda)
+        return 0
+    world_size = torch.cuda.device_count() if use_cuda else args.nproc
+    init_method = f"tcp://127.0.0.1:{args.port or free_port()}"
+    try:
+        mp.spawn(worker, args=(world_size, args, init_method, use_cuda), nprocs=world_size)
+    except mp.ProcessExitedException as e:
+        print(f"error: a training process exited with code {e.exit_code}; see its message above",
+              file=sys.stderr)
+        return e.exit_code or 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""What is trained: the fine-tuning modes, applied to each layer before it is sharded.
+
+- ``biases`` (default, as in the source article): per transformer block the attention qkv bias,
+  the attention output bias and the MLP h→4h bias; everything else frozen.
+- ``lora``: LoRA adapters on the chosen projections of every block are the only trainable
+  parameters.
+- ``full``: every parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from neox.lora import add_lora
+
+MODES = ("biases", "lora", "full")
+BIAS_NAMES = ("attention.query_key_value.bias", "attention.dense.bias", "mlp.dense_h_to_4h.bias")
+
+
+@dataclasses.dataclass(frozen=True)
+class FinetuneMode:
+    mode: str = "biases"
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ("query_key_value", "attention.dense")
+    seed: int = 0  # for the LoRA initialisation, identical on every rank
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown fine-tuning mode {self.mode!r}; choose one of {MODES}")
+
+
+def is_block(layer: nn.Module) -> bool:
+    return hasattr(layer, "attention") and hasattr(layer, "mlp")
+
+
+def prepare_layer(layer: nn.Module, index: int, mode: FinetuneMode) -> nn.Module:
+    """Sets requires_grad (and inserts LoRA adapters) on one layer; ``index`` is the layer's
+    position in the stack, used to seed its adapters."""
+    if mode.mode == "full":
+        layer.requires_grad_(True)
+        return layer
+    layer.requires_grad_(False)
+    if not is_block(layer):
+        return layer
+    if mode.mode == "biases":
+        for name in BIAS_NAMES:
+            layer.get_parameter(name).requires_grad_(True)
+    else:
+        gen = torch.Generator().manual_seed(mode.seed * 100003 + index)
+        add_lora(layer, list(mode.lora_targets), mode.lora_rank, mode.lora_alpha, gen)
+        for name, p in layer.named_parameters():
+            p.requires_grad_(name.endswith("lora_A") or name.endswith("lora_B"))
+    return layer
