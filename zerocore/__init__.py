@@ -19,8 +19,11 @@ from zerocore.policies import LossScaling, MixedPrecision, Offload, Prefetch  # 
 from zerocore.report import CommReport, MemoryReport  # noqa: E402
 from zerocore.sharded_param import ShardParameter  # noqa: E402
 from zerocore.sharded_sequential import ShardedSequential, shard  # noqa: E402
+from zerocore.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint,  # noqa: E402
+                                 save_checkpoint)
 
 __version__ = "0.1.0"
 __all__ = ["BUILD", "ops", "optim", "reference", "shard", "ShardedSequential", "ShardParameter",
            "MixedPrecision", "Prefetch", "Offload", "LossScaling", "LossScaler", "StepResult",
-           "MemoryReport", "CommReport"]
+           "MemoryReport", "CommReport", "save_checkpoint", "load_checkpoint",
+           "latest_checkpoint", "CheckpointError"]

@@ -1,0 +1,120 @@
+"""python -m zerocore.consolidate CKPT OUT: rebuild full (unsharded) weights from a sharded
+checkpoint, on the CPU, one layer at a time.
+
+OUT becomes a directory of safetensors files named ``layers.<i>.<parameter name>``:
+- default: one file per layer plus ``model.safetensors.index.json`` (Hugging Face's sharded
+  layout), streamed so host memory stays near one layer;
+- ``--trainable-only``: one ``trainable.safetensors`` with only the trained parameters (biases or
+  LoRA adapters): its size is proportional to what was trained, not to the model.
+Frozen weights are in a checkpoint only if it was saved with ``include_frozen``; otherwise they
+are the base model's, and a full export goes through the application (``neox`` export).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors.torch import save_file
+
+from zerocore.checkpoint import (CheckpointError, _ShardReader, read_manifest, verify_files)
+from zerocore.flat_layout import FlatLayout
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def iter_full_layers(ckpt: Path, *, trainable_only: bool, dtype: torch.dtype | None = None
+                     ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """(layer index, {parameter name: full tensor}) for each layer, from the checkpoint's shards.
+    Trainable parameters come from the fp32 masters; ``dtype`` casts them (default fp32)."""
+    manifest = read_manifest(ckpt)
+    verify_files(ckpt, manifest)
+    reader = _ShardReader(ckpt, manifest["world_size"])
+    frozen_dtype = _DTYPES[manifest["param_dtype"]]
+    for index, saved in enumerate(manifest["layers"]):
+        out: dict[str, torch.Tensor] = {}
+        kinds = [("trainable", "master", dtype or torch.float32)]
+        if not trainable_only:
+            if saved["frozen"] is not None and not manifest["include_frozen"]:
+                raise CheckpointError(
+                    f"{ckpt}: the checkpoint holds no frozen weights (they are the base model's); "
+                    f"use --trainable-only, or export through the application with the base model")
+            kinds.append(("frozen", "frozen", dtype or frozen_dtype))
+        for group, key, out_dtype in kinds:
+            if saved[group] is None:
+                continue
+            layout = FlatLayout.from_dict(saved[group])
+            flat = reader.read(index, key, layout, 0, layout.padded_numel)
+            for s in layout.slots:
+                out[s.name] = flat[s.offset:s.offset + s.numel].view(s.shape).to(out_dtype).clone()
+        yield index, out
+
+
+def consolidate(ckpt: Path, out: Path, *, trainable_only: bool = False,
+                dtype: torch.dtype | None = None, log=print) -> Path:
+    """Writes the consolidated weights to ``out`` (atomically: a temporary directory renamed at
+    the end). Returns out."""
+    if out.exists():
+        raise FileExistsError(f"{out} exists; choose a new output directory (nothing is "
+                              f"overwritten)")
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        n_layers = len(read_manifest(ckpt)["layers"])
+        trainable: dict[str, torch.Tensor] = {}
+        index: dict[str, str] = {}
+        total = 0
+        for i, tensors in iter_full_layers(ckpt, trainable_only=trainable_only, dtype=dtype):
+            named = {f"layers.{i}.{k}": v for k, v in tensors.items()}
+            total += sum(t.numel() * t.element_size() for t in named.values())
+            if trainable_only:
+                trainable.update(named)
+            elif named:
+                name = f"model-{i + 1:05d}-of-{n_layers:05d}.safetensors"
+                save_file(named, str(tmp / name))
+                index.update({k: name for k in named})
+            log(f"layer {i + 1}/{n_layers}: {len(named)} tensors")
+        if trainable_only:
+            save_file(trainable, str(tmp / "trainable.safetensors"))
+        else:
+            with open(tmp / "model.safetensors.index.json", "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": index}, f, indent=1)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m zerocore.consolidate",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", type=Path, help="a checkpoint directory (step-XXXXXXXX)")
+    p.add_argument("out", type=Path, help="output directory (must not exist)")
+    p.add_argument("--trainable-only", action="store_true",
+                   help="write only the trained parameters")
+    p.add_argument("--dtype", choices=["fp32", "training"], default="fp32",
+                   help="fp32, or the dtype the model was trained in")
+    args = p.parse_args(argv)
+    dtype = None
+    try:
+        if args.dtype == "training":
+            dtype = _DTYPES[read_manifest(args.checkpoint)["param_dtype"]]
+        out = consolidate(args.checkpoint, args.out, trainable_only=args.trainable_only,
+                          dtype=dtype)
+    except (CheckpointError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
