@@ -99,7 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--offload-optimizer", action="store_true",
                    help="keep fp32 masters, gradients and Adam moments in CPU memory")
     t.add_argument("--eval-every", type=int, default=0, help="validate every N steps (0: at end)")
-    t.add_argument("--output-dir", type=Path, default=Path("runs") / "neox-finetune")
+    t.add_argument("--output-dir", type=Path, default=Path("runs") / "neox-finetune",
+                   help="metrics.jsonl, checkpoints/, trainable.safetensors, hf/ go here")
+    c = p.add_argument_group("checkpoints")
+    c.add_argument("--save-every", type=int, default=0,
+                   help="save a sharded checkpoint every N steps (one is always saved at the end)")
+    c.add_argument("--keep-last", type=int, default=3, help="checkpoints to keep")
+    c.add_argument("--resume", type=Path, default=None,
+                   help="continue from a checkpoint (a step-XXXXXXXX directory, or a folder of "
+                        "them: the latest); any number of ranks")
+    c.add_argument("--export-hf", action="store_true",
+                   help="also write the fine-tuned model as a Hugging Face directory (LoRA "
+                        "merged) to OUTPUT_DIR/hf")
     r = p.add_argument_group("processes")
     r.add_argument("--nproc", type=int, default=2,
                    help="CPU processes (gloo) when there is no GPU; with GPUs: one per GPU")
@@ -122,6 +133,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--data {args.data}: no such file")
     if args.checkpoint is not None and not args.checkpoint.exists():
         raise UsageError(f"--checkpoint {args.checkpoint}: no such file or directory")
+    if args.resume is not None and not args.resume.exists():
+        raise UsageError(f"--resume {args.resume}: no such checkpoint directory")
     if args.tokenizer is not None and not args.tokenizer.exists():
         raise UsageError(f"--tokenizer {args.tokenizer}: no such file or directory")
 
@@ -151,6 +164,10 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, init_method: st
         if use_cuda:
             local_rank = int(os.environ.get("LOCAL_RANK", rank))
             torch.cuda.set_device(local_rank)
+        else:
+            # Processes on one machine share its cores: more threads than cores only contend.
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))
         dist.init_process_group(backend, init_method=init_method, rank=rank,
                                 world_size=world_size,
                                 timeout=datetime.timedelta(seconds=args.timeout))
