@@ -1,0 +1,224 @@
+"""Reading GPT-NeoX checkpoints one layer at a time, whatever their format.
+
+A format is a ``CheckpointReader``: it knows the model's ``config`` and returns the tensors of
+one layer on request, reading only that layer's bytes. ``iter_layers`` turns a reader into
+materialised layers one by one (built on the meta device, filled from ``read``, cast, prepared),
+so a consumer that keeps only its shard of each layer holds about one full layer in memory.
+``open_checkpoint`` picks the reader for a path; ``from_pretrained`` builds a whole model.
+
+Formats: Hugging Face directories (``neox.hf_checkpoint``), EleutherAI's GPT-NeoX-20B "slim
+weights" (``neox.slim_checkpoint``, imported when such a directory is opened), and random
+initialisation of a configuration (``RandomInit``, for presets without weights).
+
+Writing a new reader: subclass ``CheckpointReader``, set ``self.config`` and ``self.path``,
+implement ``read`` (and ``where`` for better messages, ``close`` if files stay open). ``read``
+returns the layer's tensors under the layer's local parameter names (the names of
+``neox.model.build_layer(kind, config).state_dict()``, e.g. ``"attention.dense.bias"`` for a
+block, ``"embed_in.weight"`` for the embedding), on any device and in any floating dtype;
+``iter_layers`` checks names and shapes against the model and reports problems through
+``where``, so a reader only raises ``CheckpointError`` for what it alone can see (a missing or
+unreadable file).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import hashlib
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from neox.config import NeoXConfig
+from neox.model import (LayerKind, LayerSpec, NeoXModel, build_layer, init_weights, layer_specs,
+                        normalize_filter_layers)
+
+__all__ = ["CheckpointError", "CheckpointReader", "RandomInit", "open_checkpoint", "materialize",
+           "iter_layers", "from_pretrained", "iter_layer_states", "layer_label"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, unreadable or does not match the model. The message names the
+    file and, where one is at fault, the tensor."""
+
+
+def layer_label(kind: LayerKind, index: int | None) -> str:
+    """``"block 3"``, ``"embed"``, ...: how messages name a layer."""
+    return f"block {index}" if kind == "block" else kind
+
+
+class CheckpointReader(abc.ABC):
+    """Reads one layer of a GPT-NeoX checkpoint at a time. Usable as a context manager.
+
+    Attributes every reader sets:
+        config: the model's configuration (``num_hidden_layers`` = blocks in the checkpoint).
+        path:   the checkpoint's location, for messages.
+    """
+
+    config: NeoXConfig
+    path: Path
+
+    @abc.abstractmethod
+    def read(self, kind: LayerKind, index: int | None = None) -> dict[str, torch.Tensor]:
+        """The tensors of one layer, under its local parameter names (see the module
+        docstring). ``index`` is the block's index in the checkpoint (0-based) for
+        ``kind="block"`` and None otherwise. Reads only this layer's bytes. Legacy buffers the
+        model does not use are left out. Raises ``CheckpointError`` for missing/unreadable
+        files."""
+
+    def where(self, kind: LayerKind, index: int | None, name: str) -> str:
+        """Where tensor ``name`` (local name) of a layer lives, for error messages: a file and
+        the tensor's name in it. Override to be precise; the default names the checkpoint."""
+        return f"{self.path}: {layer_label(kind, index)} tensor '{name}'"
+
+    def close(self) -> None:
+        """Releases open files. Reading again after closing may reopen them."""
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class RandomInit(CheckpointReader):
+    """A 'checkpoint' of random weights (``neox.model.init_weights``): the stand-in for presets
+    on machines without weights. Each layer is drawn from its own generator, seeded from
+    ``seed`` and the layer's identity, so every rank gets the same values, and a filtered model
+    gets the same blocks as the full one."""
+
+    def __init__(self, config: NeoXConfig, *, seed: int = 0, std: float = 0.02):
+        self.config = config
+        self.path = Path(f"<random init, seed {seed}>")
+        self.seed = seed
+        self.std = std
+
+    def read(self, kind: LayerKind, index: int | None = None) -> dict[str, torch.Tensor]:
+        digest = hashlib.sha256(f"{self.seed}:{kind}:{index}".encode()).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        layer = build_layer(kind, self.config, device="meta").to_empty(device="cpu")
+        init_weights(layer, std=self.std, generator=generator)
+        return dict(layer.state_dict())
+
+
+def open_checkpoint(path: str | Path, *, config: NeoXConfig | None = None) -> CheckpointReader:
+    """Opens the checkpoint at ``path`` with the reader for its format:
+
+    - a Hugging Face directory: ``config.json`` plus ``model.safetensors``,
+      ``model.safetensors.index.json``, ``pytorch_model.bin`` or ``pytorch_model.bin.index.json``;
+    - a GPT-NeoX slim-weights directory: ``layer_XX-model_YY-model_states.pt`` files.
+
+    ``config`` overrides the configuration the checkpoint carries (required where it carries
+    none). Raises ``CheckpointError`` when nothing readable is there.
+    """
+    from neox import hf_checkpoint  # import here: hf_checkpoint builds on this module
+
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    if path.is_file():
+        raise CheckpointError(f"{path} is a file; give the checkpoint directory (holding "
+                              f"config.json and the weight files)")
+    if hf_checkpoint.is_hf_directory(path):
+        return hf_checkpoint.HFCheckpointReader(path, config=config)
+    if any(path.glob("layer_*-model_*-model_states.pt")):
+        try:
+            from neox.slim_checkpoint import open_slim_checkpoint
+        except ImportError as e:
+            raise CheckpointError(f"{path} holds GPT-NeoX slim weights, which this build "
+                                  f"cannot read ({e})") from None
+        return open_slim_checkpoint(path, config=config)
+    raise CheckpointError(
+        f"{path}: no checkpoint found; expected a Hugging Face directory (config.json with "
+        f"{', '.join(hf_checkpoint.WEIGHT_FILES)}) or GPT-NeoX slim weights "
+        f"(layer_XX-model_YY-model_states.pt)")
+
+
+def _expected_tensors(layer: nn.Module) -> dict[str, tuple[torch.Size, bool]]:
+    return {n: (t.shape, t.is_floating_point()) for n, t in layer.state_dict().items()}
+
+
+def _check_tensors(reader: CheckpointReader, spec: LayerSpec, layer: nn.Module,
+                   tensors: dict[str, torch.Tensor]) -> None:
+    expected = _expected_tensors(layer)
+    where = lambda name: reader.where(spec.kind, spec.source, name)  # noqa: E731
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        raise CheckpointError(f"{where(missing[0])}: missing from the checkpoint"
+                              + (f" (and {len(missing) - 1} more tensors of "
+                                 f"{layer_label(spec.kind, spec.source)})" if len(missing) > 1
+                                 else ""))
+    unknown = sorted(n for n in tensors if n not in expected)
+    if unknown:
+        raise CheckpointError(f"{where(unknown[0])}: unknown tensor, not part of a GPT-NeoX "
+                              f"{spec.kind} with this configuration (expected "
+                              f"{sorted(expected)})")
+    for name, (shape, _) in expected.items():
+        t = tensors[name]
+        if t.shape != shape:
+            raise CheckpointError(f"{where(name)}: shape {tuple(t.shape)} does not match the "
+                                  f"configuration, which needs {tuple(shape)}")
+        if not t.is_floating_point():
+            raise CheckpointError(f"{where(name)}: dtype {t.dtype} is not a floating type")
+
+
+def materialize(reader: CheckpointReader, spec: LayerSpec, *, dtype: torch.dtype | None = None,
+                device: torch.device | str | None = None) -> nn.Module:
+    """One layer, built on the meta device and filled from ``reader`` (checked, then cast to
+    ``dtype`` -- None keeps the stored dtype -- and moved to ``device``, default CPU)."""
+    layer = build_layer(spec.kind, reader.config, device="meta")
+    tensors = reader.read(spec.kind, spec.source)
+    _check_tensors(reader, spec, layer, tensors)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    state = {n: t.to(device=device, dtype=dtype or t.dtype) for n, t in tensors.items()}
+    del tensors
+    layer.load_state_dict(state, strict=True, assign=True)
+    return layer
+
+
+def iter_layers(reader: CheckpointReader, *, filter_layers: Iterable[int] | None = None,
+                dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                prepare: Callable[[nn.Module], None] | None = None) -> Iterator[nn.Module]:
+    """Yields the kept layers in order -- embedding, the ``filter_layers`` blocks (0-based
+    checkpoint indices, all when None), final norm, readout -- each materialised from
+    ``reader`` only when asked for. ``prepare(layer)`` runs on each before it is yielded (to set
+    ``requires_grad``, add adapters, ...). ``neox.model.layer_specs(reader.config,
+    filter_layers)`` lists the same layers without reading anything."""
+    for spec in layer_specs(reader.config, filter_layers):
+        layer = materialize(reader, spec, dtype=dtype, device=device)
+        if prepare is not None:
+            prepare(layer)
+        yield layer
+
+
+def from_pretrained(path: str | Path, *, filter_layers: Iterable[int] | None = None,
+                    dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                    config: NeoXConfig | None = None) -> NeoXModel:
+    """Loads a checkpoint (any format ``open_checkpoint`` reads) as a ``NeoXModel`` mapping
+    token ids (B, T) to logits (B, T, vocab). ``filter_layers``: the blocks to keep (0-based,
+    as in the checkpoint; embedding, final norm and readout are always kept). ``dtype`` None
+    keeps the stored dtype; ``device`` defaults to the CPU. The returned model's
+    ``config.num_hidden_layers`` is the number of kept blocks and ``source_layers`` their
+    checkpoint indices."""
+    with open_checkpoint(path, config=config) as reader:
+        kept = normalize_filter_layers(reader.config, filter_layers)
+        layers = list(iter_layers(reader, filter_layers=kept, dtype=dtype, device=device))
+        built = dataclasses.replace(reader.config, num_hidden_layers=len(kept))
+    return NeoXModel(built, layers, source_layers=kept)
+
+
+def iter_layer_states(layers: Iterable[nn.Module],
+                      ) -> Iterator[tuple[LayerKind, int | None, dict[str, torch.Tensor]]]:
+    """``(kind, index, state_dict)`` for each layer of a stack (a ``NeoXModel`` or a list of
+    ``neox.model`` layers), blocks numbered 0.. in stack order: the input ``save_hf`` takes."""
+    block = 0
+    for layer in layers:
+        kind = getattr(layer, "kind", None)
+        if kind is None:
+            raise ValueError(f"{type(layer).__name__} is not a neox.model layer (no .kind)")
+        index = None
+        if kind == "block":
+            index, block = block, block + 1
+        yield kind, index, layer.state_dict()
