@@ -27,7 +27,7 @@ from torch import nn
 
 from neox.config import SUPPORTED_ACTIVATIONS, NeoXConfig
 
-__all__ = ["Embedding", "Block", "FinalNorm", "Readout", "NeoXModel", "LayerKind", "LayerSpec",
+__all__ = ["KVCache", "Embedding", "Block", "FinalNorm", "Readout", "NeoXModel", "LayerKind", "LayerSpec",
            "layer_specs", "build_layer", "build_layers", "init_weights", "ACTIVATIONS"]
 
 LayerKind = Literal["embed", "block", "final_norm", "readout"]
@@ -120,6 +120,24 @@ class Embedding(nn.Module):
         return self.embed_in(ids)
 
 
+@dataclasses.dataclass
+class KVCache:
+    """Keys and values of the tokens one attention layer has already seen (generation)."""
+
+    k: torch.Tensor | None = None  # (B, nh, T_past, hs), rotary already applied
+    v: torch.Tensor | None = None  # (B, nh, T_past, hs)
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k is not None:
+            k, v = torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
+        self.k, self.v = k, v
+        return k, v
+
+
 class Attention(nn.Module):
     """Causal self-attention with partial rotary embeddings."""
 
@@ -133,20 +151,27 @@ class Attention(nn.Module):
                                          device=device, dtype=dtype)
         self.dense = nn.Linear(h, h, bias=config.attention_bias, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, H = x.shape
         # The checkpoint's fused projection is laid out per head as [q | k | v], so the
         # 3H outputs reshape to (nh, 3*hs) and split on the last axis (not (3, nh, hs)).
         qkv = self.query_key_value(x).view(B, T, self.n_head, 3 * self.head_dim)
         qkv = qkv.transpose(1, 2)                                    # (B, nh, T, 3hs)
         q, k, v = qkv.chunk(3, dim=-1)                               # (B, nh, T, hs) each
-        # A key/value cache would pass the absolute positions of the new tokens here and
-        # concatenate past k, v before attention.
-        positions = torch.arange(T, device=x.device)
+        past = cache.length if cache is not None else 0
+        positions = torch.arange(past, past + T, device=x.device)   # absolute positions
         cos, sin = rotary_cos_sin(self.config, positions, x.dtype)  # (T, rd)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           scale=self.head_dim ** -0.5)  # (B, nh, T, hs)
+        if cache is not None:
+            k, v = cache.append(k, v)                                # (B, nh, past + T, hs)
+        scale = self.head_dim ** -0.5
+        if past == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        else:
+            # New token t (absolute position past + t) sees keys 0 .. past + t. SDPA's
+            # is_causal aligns the mask top-left, which is wrong when T != past + T.
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         y = y.transpose(1, 2).reshape(B, T, H)                       # (B, T, H)
         return self.dense(y)
 
@@ -178,8 +203,8 @@ class Block(nn.Module):
         self.attention = Attention(config, device=device, dtype=dtype)
         self.mlp = MLP(config, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        attn = self.attention(self.input_layernorm(x))
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        attn = self.attention(self.input_layernorm(x), cache)
         # The sums are written in transformers' order so fp results agree bit for bit.
         if self.use_parallel_residual:
             # x + attn(ln1(x)) + mlp(ln2(x))
@@ -336,3 +361,16 @@ class NeoXModel(nn.Sequential):
         self.config = config
         self.source_layers = (tuple(source_layers) if source_layers is not None
                               else tuple(range(n_blocks)))
+
+    def forward_cached(self, ids: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+        """Logits (B, T, vocab) for new tokens ``ids`` (B, T) that follow the tokens already in
+        ``caches`` (one ``KVCache`` per block, filled in place): the incremental forward of
+        generation. With empty caches it equals ``forward``."""
+        x = ids
+        blocks = iter(caches)
+        for layer in self:
+            x = layer(x, next(blocks)) if layer.kind == "block" else layer(x)
+        return x
+
+    def new_caches(self) -> list[KVCache]:
+        return [KVCache() for layer in self if layer.kind == "block"]

@@ -1,0 +1,79 @@
+"""python -m neox.generate: sample text from a GPT-NeoX model with a key/value cache.
+
+Greedy (--temperature 0) or temperature / top-k sampling, from a base checkpoint, a fine-tuning
+run's export (OUTPUT_DIR/hf) or a preset. One process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from neox.inference import add_model_arguments, load_model
+from neox.model import NeoXModel
+
+
+@torch.no_grad()
+def generate(model: NeoXModel, prompt: torch.Tensor, *, max_new_tokens: int,
+             temperature: float = 0.0, top_k: int = 0,
+             generator: torch.Generator | None = None) -> torch.Tensor:
+    """prompt (B, T) int64 -> (B, T + max_new_tokens). The prompt runs once through the model;
+    each new token then costs one single-token forward against the cached keys and values."""
+    if prompt.shape[1] < 1:
+        raise ValueError("the prompt must hold at least one token")
+    caches = model.new_caches()
+    out = prompt
+    logits = model.forward_cached(prompt, caches)[:, -1].float()   # (B, vocab)
+    for _ in range(max_new_tokens):
+        if temperature <= 0:
+            token = logits.argmax(-1, keepdim=True)                  # (B, 1)
+        else:
+            scores = logits / temperature
+            if top_k > 0:
+                kth = scores.topk(min(top_k, scores.shape[-1]), dim=-1).values[:, -1:]
+                scores = scores.masked_fill(scores < kth, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            token = torch.multinomial(probs.cpu(), 1, generator=generator).to(out.device)
+        out = torch.cat((out, token), dim=1)
+        logits = model.forward_cached(token, caches)[:, -1].float()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m neox.generate",
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_model_arguments(p)
+    p.add_argument("--prompt", default="ROMEO:", help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
+    p.add_argument("--num-samples", type=int, default=1)
+    args = p.parse_args(argv)
+    try:
+        model, tokenizer, device = load_model(args)
+        ids = tokenizer.encode(args.prompt, add_special_tokens=False).ids
+        if not ids:
+            raise ValueError("--prompt encodes to no tokens; give some text")
+        if len(ids) + args.max_new_tokens > model.config.max_position_embeddings:
+            raise ValueError(f"prompt ({len(ids)} tokens) + --max-new-tokens exceeds the model's "
+                             f"{model.config.max_position_embeddings} positions")
+        prompt = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
+        gen = torch.Generator().manual_seed(args.seed)
+        out = generate(model, prompt, max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, top_k=args.top_k, generator=gen)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for i, row in enumerate(out.tolist()):
+        if args.num_samples > 1:
+            print(f"--- sample {i + 1}")
+        # Special tokens are text in this corpus (the bundled tokenizer maps "assistant" to one).
+        print(tokenizer.decode(row, skip_special_tokens=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
