@@ -123,13 +123,10 @@ def open_checkpoint(path: str | Path, *, config: NeoXConfig | None = None) -> Ch
                               f"config.json and the weight files)")
     if hf_checkpoint.is_hf_directory(path):
         return hf_checkpoint.HFCheckpointReader(path, config=config)
-    if any(path.glob("layer_*-model_*-model_states.pt")):
-        try:
-            from neox.slim_checkpoint import open_slim_checkpoint
-        except ImportError as e:
-            raise CheckpointError(f"{path} holds GPT-NeoX slim weights, which this build "
-                                  f"cannot read ({e})") from None
-        return open_slim_checkpoint(path, config=config)
+    from neox import slim_checkpoint
+    slim = slim_checkpoint.find_slim_directory(path)  # the path, or its latest global_step*
+    if slim is not None:
+        return slim_checkpoint.open_slim_checkpoint(slim, config=config)
     raise CheckpointError(
         f"{path}: no checkpoint found; expected a Hugging Face directory (config.json with "
         f"{', '.join(hf_checkpoint.WEIGHT_FILES)}) or GPT-NeoX slim weights "

@@ -1,0 +1,640 @@
+"""EleutherAI GPT-NeoX "slim weights" (the GPT-NeoX-20B release): read one layer at a time,
+merging the tensor-parallel partitions into the single-device layout of ``neox.model``.
+
+The format is a DeepSpeed pipeline checkpoint without optimizer state: one file per pipeline
+layer and tensor-parallel rank, ``layer_XX-model_YY-model_states.pt`` (YY the rank), each a
+``torch.save``d dict of that layer's tensors on that rank under Megatron names. For a model of
+L transformer blocks the pipeline layers are
+
+    XX = 0          embedding           word_embeddings.weight  (vocabulary rows split by rank)
+    XX = 1          parameter-free stage, no file (ignored if present)
+    XX = 2 .. L+1   block XX-2          input_layernorm.*, attention.*, post_attention_layernorm.*,
+                                        mlp.*  (the same names as Hugging Face's, per block)
+    XX = L+2        parameter-free stage, no file (ignored if present)
+    XX = L+3        final layer norm    norm.weight, norm.bias
+    XX = L+4        output projection   final_linear.weight (no file when tied to the embedding)
+
+GPT-NeoX-20B: L = 44, so files 00, 02..45, 47, 48 for ranks 00 and 01.
+
+How each tensor is merged (``BLOCK_RULES``):
+
+- Column-parallel linears (``attention.query_key_value``, ``mlp.dense_h_to_4h``, weight and
+  bias), the vocabulary-parallel embedding and the column-parallel output layer: rank p holds
+  rows ``[p*n/tp, (p+1)*n/tp)`` of the output dimension, so the ranks are concatenated on dim 0.
+  The qkv rows of one rank are laid out per head as [q | k | v] (NeoX views the rank's output
+  as ``(heads on the rank, 3 * head size)`` and splits the last axis), which is Hugging Face's
+  ``query_key_value`` layout for those heads; concatenating the ranks gives Hugging Face's
+  layout for heads [rank 0's, rank 1's, ...], and the attention output weight's input columns
+  are concatenated in the same rank order, so every head keeps its own output columns.
+- Row-parallel weights (``attention.dense``, ``mlp.dense_4h_to_h``): rank p holds a slice of
+  the input columns; concatenated on dim 1.
+- Row-parallel biases (``attention.dense.bias``, ``mlp.dense_4h_to_h.bias``): every rank holds
+  a full-size copy. Which single bias the merged model adds depends on where NeoX adds them;
+  see ``row_parallel_bias_merge``: summed over ranks with the parallel ("GPT-J") residual, as
+  GPT-NeoX-20B was trained, one copy (the mean of identical copies) with the sequential one.
+- Layer norms (replicated): averaged over ranks, as EleutherAI's own 20B merge script does
+  (the copies receive identical gradients, so they agree; averaging keeps them unchanged and
+  does not depend on which rank is chosen).
+- ``attention.rotary_emb.inv_freq``: a buffer recomputed from the configuration; skipped.
+
+Configuration: a NeoX YAML (``20B.yml``: ``num-layers``, ``hidden-size``, ... with ``-`` and
+``_`` interchangeable, JSON-ish with comments) found next to the weights, in ``configs/``
+there, or in ``../configs/`` (the release puts the layer files in ``global_step150000/`` and
+the YAML in ``configs/``). Several YAML files in that folder are merged, as NeoX merges its
+config files. The vocabulary size is read from the embedding files (NeoX pads it, so the YAML
+alone does not give it). With no YAML the ``gpt-neox-20b`` preset is used, and the reader's
+``description`` says so. ``config=`` overrides either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any, Iterable, Literal, Mapping
+
+import torch
+
+from neox.checkpoint import CheckpointError, CheckpointReader, layer_label
+from neox.config import PRESETS, SUPPORTED_ACTIVATIONS, NeoXConfig
+from neox.model import LayerKind
+
+__all__ = ["SlimCheckpointReader", "open_slim_checkpoint", "is_slim_directory",
+           "find_slim_directory",
+           "slim_file_name", "pipeline_layer", "read_neox_yaml", "parse_flat_yaml",
+           "config_from_neox_yaml", "row_parallel_bias_merge", "BLOCK_RULES", "SLIM_PRESET"]
+
+SLIM_PRESET = "gpt-neox-20b"
+_FILE_RE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
+
+# Merge rules, by Megatron name.
+CAT_OUT = "concatenate on dim 0 (column-parallel)"
+CAT_IN = "concatenate on dim 1 (row-parallel)"
+ROW_BIAS = "row-parallel bias (summed or one copy)"
+REPLICATED = "replicated (averaged)"
+MergeRule = str
+
+BLOCK_RULES: dict[str, MergeRule] = {
+    "input_layernorm.weight": REPLICATED,
+    "input_layernorm.bias": REPLICATED,
+    "post_attention_layernorm.weight": REPLICATED,
+    "post_attention_layernorm.bias": REPLICATED,
+    "attention.query_key_value.weight": CAT_OUT,
+    "attention.query_key_value.bias": CAT_OUT,
+    "attention.dense.weight": CAT_IN,
+    "attention.dense.bias": ROW_BIAS,
+    "mlp.dense_h_to_4h.weight": CAT_OUT,
+    "mlp.dense_h_to_4h.bias": CAT_OUT,
+    "mlp.dense_4h_to_h.weight": CAT_IN,
+    "mlp.dense_4h_to_h.bias": ROW_BIAS,
+}
+# Megatron name -> layer-local name, outside the blocks (inside them the names are the same).
+_RENAMES: dict[LayerKind, dict[str, str]] = {
+    "embed": {"word_embeddings.weight": "embed_in.weight"},
+    "final_norm": {"norm.weight": "final_layer_norm.weight",
+                   "norm.bias": "final_layer_norm.bias"},
+    "readout": {"final_linear.weight": "embed_out.weight"},
+}
+_IGNORED = frozenset({"attention.rotary_emb.inv_freq"})
+
+RowBiasMerge = Literal["sum", "mean"]
+
+
+def row_parallel_bias_merge(use_parallel_residual: bool) -> RowBiasMerge:
+    """How the ranks' copies of a row-parallel bias combine into the one bias the merged
+    model adds once.
+
+    With the parallel ("GPT-J") residual (``gpt-j-residual: true``, GPT-NeoX-20B and Pythia),
+    NeoX builds ``attention.dense`` and ``mlp.dense_4h_to_h`` with ``parallel_output=True``: no
+    all-reduce inside the linear. Each rank adds its own bias copy to its *partial* output,
+    and only then are the ranks' ``attn + mlp`` sums all-reduced, so the bias reaching the
+    residual stream is the sum of the copies: "sum". (This is what EleutherAI's merge20b.py,
+    their convert_neox_to_hf.py and labml's 20B loader do; in the 20B files each copy is about
+    half of the effective bias.) With the sequential residual the linear all-reduces first and
+    every rank adds its (identical) copy to the same full output, so the bias is one copy:
+    "mean" (of equal copies; a mean rather than rank 0's so the result does not depend on a
+    rank choice)."""
+    return "sum" if use_parallel_residual else "mean"
+
+
+def slim_file_name(layer: int, rank: int) -> str:
+    return f"layer_{layer:02d}-model_{rank:02d}-model_states.pt"
+
+
+def pipeline_layer(kind: LayerKind, index: int | None, num_blocks: int) -> int:
+    """The pipeline layer (XX in the file name) holding a layer of a model of ``num_blocks``."""
+    if kind == "embed":
+        return 0
+    if kind == "block":
+        return index + 2
+    if kind == "final_norm":
+        return num_blocks + 3
+    if kind == "readout":
+        return num_blocks + 4
+    raise ValueError(f"unknown layer kind {kind!r}")
+
+
+def is_slim_directory(path: str | Path) -> bool:
+    """Whether ``path`` holds slim-weights layer files."""
+    path = Path(path)
+    return path.is_dir() and any(_FILE_RE.fullmatch(p.name) for p in path.iterdir())
+
+
+# -- NeoX YAML ----------------------------------------------------------------------------------
+
+def _strip_comment(line: str) -> str:
+    """``line`` without a ``#`` comment (a ``#`` inside quotes is kept)."""
+    quote = None
+    for i, c in enumerate(line):
+        if quote:
+            if c == quote:
+                quote = None
+        elif c in "\"'":
+            quote = c
+        elif c == "#":
+            return line[:i]
+    return line
+
+
+def _depth_change(code: str) -> int:
+    depth, quote = 0, None
+    for c in code:
+        if quote:
+            if c == quote:
+                quote = None
+        elif c in "\"'":
+            quote = c
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+    return depth
+
+
+def _scalar(text: str) -> Any:
+    text = text.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
+        return text[1:-1]
+    low = text.lower()
+    if low in ("true", "yes", "on"):
+        return True
+    if low in ("false", "no", "off"):
+        return False
+    if low in ("null", "none", "~", ""):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+_KEY_VALUE = re.compile(r"""\s*["']?([A-Za-z0-9_.\-]+)["']?\s*:\s*(.*?)\s*,?\s*""")
+
+
+def parse_flat_yaml(text: str) -> dict[str, Any]:
+    """The top-level scalar ``key: value`` entries of a NeoX config file, without PyYAML.
+
+    NeoX configs are either one JSON-like mapping with comments (``{ "num-layers": 44, ... }``,
+    trailing commas, Python-style ``True``) or plain block YAML. Nested mappings and lists
+    (optimizer, zero_optimization, ...) are skipped: the model's shape needs only scalars.
+    """
+    code_lines = [_strip_comment(line) for line in text.splitlines()]
+    significant = "".join(code_lines).strip()
+    flow = significant.startswith("{")
+    top = 1 if flow else 0
+    out: dict[str, Any] = {}
+    depth = 0
+    for code in code_lines:
+        at_top = depth == top and (flow or not code[:1].isspace())
+        if at_top:
+            m = _KEY_VALUE.fullmatch(code)
+            if m and not m.group(2).startswith(("{", "[")) and m.group(2) != "":
+                out[m.group(1)] = _scalar(m.group(2))
+        depth += _depth_change(code)
+    return out
+
+
+def _normalize_keys(d: Mapping[str, Any]) -> dict[str, Any]:
+    """NeoX treats ``-`` and ``_`` in keys alike; use ``_``."""
+    return {str(k).replace("-", "_"): v for k, v in d.items()}
+
+
+def read_neox_yaml(files: Iterable[str | Path]) -> dict[str, Any]:
+    """The merged top-level settings of NeoX config files (keys with ``_``). Uses PyYAML when
+    installed, else ``parse_flat_yaml``. A key set to different values in two files is an
+    error, as in NeoX."""
+    try:
+        import yaml
+    except ImportError:
+        yaml = None
+    merged: dict[str, Any] = {}
+    origin: dict[str, Path] = {}
+    for file in files:
+        file = Path(file)
+        try:
+            text = file.read_text()
+        except OSError as e:
+            raise CheckpointError(f"{file}: cannot read ({e})") from None
+        if yaml is not None:
+            try:
+                loaded = yaml.safe_load(text)
+            except yaml.YAMLError as e:
+                raise CheckpointError(f"{file}: not a readable NeoX config ({e})") from None
+            if loaded is None:
+                loaded = {}
+            if not isinstance(loaded, dict):
+                raise CheckpointError(f"{file}: a NeoX config must be a mapping, got "
+                                      f"{type(loaded).__name__}")
+        else:
+            loaded = parse_flat_yaml(text)
+        for key, value in _normalize_keys(loaded).items():
+            if key in merged and merged[key] != value:
+                raise CheckpointError(f"{file}: '{key}' is {value!r} here but {merged[key]!r} in "
+                                      f"{origin[key]}; NeoX config files must not disagree")
+            merged[key] = value
+            origin[key] = file
+    return merged
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """How the layers are cut into files, from the YAML (or the 20B defaults)."""
+
+    tp: int | None               # model-parallel-size; None = count the partition files
+    tied_output: bool            # no output-projection file: the readout is the embedding
+    output_parallelism: str      # "column" (split vocabulary rows) or "row"
+
+
+def _number(args: Mapping[str, Any], key: str, default: Any, where: str) -> Any:
+    value = args.get(key, default)
+    if isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
+        try:
+            value = float(value)
+        except ValueError:
+            raise CheckpointError(f"{where}: '{key}' must be a number, got {value!r}") from None
+    return value
+
+
+def config_from_neox_yaml(args: Mapping[str, Any], *, vocab_size: int,
+                          where: str = "NeoX config") -> NeoXConfig:
+    """A ``NeoXConfig`` from NeoX settings (``read_neox_yaml``'s output; ``-`` or ``_`` keys).
+    ``vocab_size``: NeoX pads the tokenizer's size, so it comes from the weights. Settings the
+    model cannot represent (learned positions, RMSNorm, tied block norms, gated MLPs, sparse
+    attention) are errors naming ``where``."""
+    a = _normalize_keys(args)
+
+    def need(key: str) -> Any:
+        if key not in a:
+            raise CheckpointError(f"{where}: '{key.replace('_', '-')}' is missing")
+        return a[key]
+
+    def unsupported(what: str) -> CheckpointError:
+        return CheckpointError(f"{where}: {what}; GPT-NeoX in Hugging Face form (and this "
+                               f"model) does not support that")
+
+    pos_emb = a.get("pos_emb", "learned")  # NeoX's default
+    if pos_emb != "rotary":
+        raise unsupported(f"pos-emb is {pos_emb!r} (NeoX's default is 'learned'), not 'rotary'")
+    norm = a.get("norm", "layernorm")
+    if norm != "layernorm":
+        raise unsupported(f"norm is {norm!r}, not 'layernorm'")
+    if a.get("gpt_j_tied", False):
+        raise unsupported("gpt-j-tied is true (one layer norm shared by attention and MLP)")
+    for key in ("use_bias_in_norms", "use_bias_in_mlp"):
+        if a.get(key, True) is False:
+            raise unsupported(f"{key.replace('_', '-')} is false")
+    if a.get("rotary_interleaved", False):
+        raise unsupported("rotary-interleaved is true")
+    attention_config = a.get("attention_config")
+    if attention_config:
+        kinds = set()
+        try:
+            for types, _count in attention_config:
+                kinds.update(types)
+        except (TypeError, ValueError):
+            raise CheckpointError(f"{where}: attention-config {attention_config!r} is not a "
+                                  f"list of [[types], count]") from None
+        if not kinds <= {"global", "flash"}:
+            raise unsupported(f"attention-config uses {sorted(kinds - {'global', 'flash'})}")
+
+    activation = a.get("activation", "gelu")
+    if activation == "gelu":
+        if a.get("bias_gelu_fusion", False):
+            # NeoX's fused kernel is the tanh approximation x*(1 + 0.044715 x^2) form, which
+            # is transformers' "gelu_fast" (what the 20B config.json says).
+            activation = "gelu_fast"
+        elif a.get("openai_gelu", False):
+            activation = "gelu_new"
+    elif activation == "swish":
+        activation = "silu"
+    if activation not in SUPPORTED_ACTIVATIONS:
+        raise unsupported(f"activation is {activation!r}")
+
+    hidden = need("hidden_size")
+    max_pos = a.get("max_position_embeddings") or a.get("seq_length") or 2048
+    try:
+        return NeoXConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            num_hidden_layers=need("num_layers"),
+            num_attention_heads=need("num_attention_heads"),
+            intermediate_size=a.get("intermediate_size") or 4 * hidden,
+            hidden_act=activation,
+            rotary_pct=float(_number(a, "rotary_pct", 1.0, where)),  # NeoX's default is 1.0
+            rotary_emb_base=float(_number(a, "rotary_emb_base", 10000.0, where)),
+            max_position_embeddings=max_pos,
+            layer_norm_eps=float(_number(a, "layernorm_epsilon", 1e-5, where)),
+            use_parallel_residual=bool(a.get("gpt_j_residual", False)),
+            attention_bias=bool(a.get("use_bias_in_attn_linear", True)),
+            tie_word_embeddings=not a.get("no_weight_tying", False),
+        )
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: {e}") from None
+
+
+def _layout_from_yaml(args: Mapping[str, Any], where: str) -> _Layout:
+    a = _normalize_keys(args)
+    tp = a.get("model_parallel_size")
+    if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
+        raise CheckpointError(f"{where}: model-parallel-size must be a positive integer, "
+                              f"got {tp!r}")
+    parallelism = a.get("output_layer_parallelism", "column")
+    if parallelism not in ("column", "row"):
+        raise CheckpointError(f"{where}: output-layer-parallelism is {parallelism!r}; expected "
+                              f"'column' or 'row'")
+    return _Layout(tp=tp, tied_output=not a.get("no_weight_tying", False),
+                   output_parallelism=parallelism)
+
+
+def _find_yaml(path: Path) -> list[Path]:
+    """The NeoX config files for the layer files in ``path``: the first of ``path``,
+    ``path/configs``, ``path/../configs`` that holds any ``*.yml``/``*.yaml``."""
+    for folder in (path, path / "configs", path.parent / "configs"):
+        if folder.is_dir():
+            files = sorted(p for p in folder.iterdir()
+                           if p.suffix in (".yml", ".yaml") and p.is_file())
+            if files:
+                return files
+    return []
+
+
+# -- the reader ---------------------------------------------------------------------------------
+
+class SlimCheckpointReader(CheckpointReader):
+    """Reads a GPT-NeoX slim-weights directory one layer at a time (see the module docstring).
+
+    path: the folder holding the ``layer_XX-model_YY-model_states.pt`` files.
+    config: overrides the configuration (YAML or preset).
+    yaml_files: the NeoX config files to use; default: looked up next to the weights.
+    row_parallel_bias: "sum" or "mean" of the ranks' row-parallel bias copies; default from
+        the configuration (``row_parallel_bias_merge``).
+
+    Opening lists the files and reads the YAML; when the configuration comes from the YAML
+    the embedding files are mapped to learn the vocabulary size. Nothing else is read until
+    ``read``, which loads only that layer's partition files (memory-mapped). ``description``
+    says where the configuration came from and how the partitions are merged.
+    """
+
+    def __init__(self, path: str | Path, *, config: NeoXConfig | None = None,
+                 yaml_files: Iterable[str | Path] | None = None,
+                 row_parallel_bias: RowBiasMerge | None = None):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path}: no such slim-weights directory")
+        self._files: dict[tuple[int, int], Path] = {}
+        for p in self.path.iterdir():
+            m = _FILE_RE.fullmatch(p.name)
+            if m:
+                self._files[(int(m.group(1)), int(m.group(2)))] = p
+        if not self._files:
+            raise CheckpointError(f"{self.path}: no layer_XX-model_YY-model_states.pt files")
+
+        yaml_files = list(yaml_files) if yaml_files is not None else _find_yaml(self.path)
+        names = ", ".join(str(f) for f in yaml_files)
+        args = read_neox_yaml(yaml_files) if yaml_files else None
+        if args is not None:
+            layout = _layout_from_yaml(args, names)
+        else:
+            # GPT-NeoX-20B: no weight tying, column-parallel output layer.
+            layout = _Layout(tp=None, tied_output=False, output_parallelism="column")
+        ranks = {rank for (_, rank) in self._files}
+        self.tp = layout.tp if layout.tp is not None else max(ranks) + 1
+        extra = sorted(f for (_, rank), f in self._files.items() if rank >= self.tp)
+        if extra:
+            raise CheckpointError(f"{extra[0]}: a tensor-parallel rank beyond the "
+                                  f"model-parallel-size {self.tp} of {names}")
+        self._output_parallelism = layout.output_parallelism
+
+        if config is not None:
+            self.config = config
+            source = "the configuration passed in"
+            if args is not None:
+                source += f" (file layout from {names})"
+        elif args is not None:
+            vocab = self._vocab_size_from_embedding()
+            self.config = config_from_neox_yaml(args, vocab_size=vocab, where=names)
+            source = f"{names} (vocabulary size {vocab} from the embedding files)"
+        else:
+            self.config = PRESETS[SLIM_PRESET]
+            source = (f"the {SLIM_PRESET} preset: no NeoX YAML found in {self.path}, "
+                      f"{self.path / 'configs'} or {self.path.parent / 'configs'}")
+        self._tied_output = layout.tied_output or self.config.tie_word_embeddings
+        self._check_layer_files()
+
+        if row_parallel_bias is None:
+            row_parallel_bias = row_parallel_bias_merge(self.config.use_parallel_residual)
+        if row_parallel_bias not in ("sum", "mean"):
+            raise ValueError(f"row_parallel_bias must be 'sum' or 'mean', got "
+                             f"{row_parallel_bias!r}")
+        self.row_parallel_bias: RowBiasMerge = row_parallel_bias
+        residual = "parallel" if self.config.use_parallel_residual else "sequential"
+        self.description = (
+            f"GPT-NeoX slim weights in {self.path}: {self.tp} tensor-parallel partition(s), "
+            f"{self.config.num_hidden_layers} blocks; configuration from {source}; "
+            f"row-parallel biases merged by {row_parallel_bias} ({residual} residual), layer "
+            f"norms averaged over partitions")
+
+    # -- opening ----------------------------------------------------------------------------
+
+    def _vocab_size_from_embedding(self) -> int:
+        rows = 0
+        for rank in range(self.tp):
+            file = self._partition_file(0, rank, "embed", None)
+            state = self._load(file)
+            t = state.get("word_embeddings.weight")
+            if not isinstance(t, torch.Tensor) or t.dim() != 2:
+                raise CheckpointError(f"{file}: tensor 'word_embeddings.weight' missing or not "
+                                      f"a matrix; cannot tell the vocabulary size")
+            rows += t.shape[0]
+        return rows
+
+    def _check_layer_files(self) -> None:
+        n = self.config.num_hidden_layers
+        known = {0, 1, n + 2, n + 3, n + 4} | set(range(2, n + 2))
+        for (layer, _), file in sorted(self._files.items()):
+            if layer not in known:
+                raise CheckpointError(
+                    f"{file}: pipeline layer {layer} does not exist in a model of {n} blocks "
+                    f"(layers 0, 2..{n + 1}, {n + 3}, {n + 4}); the configuration does not "
+                    f"match these weights")
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def _partition_file(self, layer: int, rank: int, kind: LayerKind,
+                        index: int | None) -> Path:
+        file = self._files.get((layer, rank))
+        if file is None or not file.is_file():
+            raise CheckpointError(
+                f"{self.path / slim_file_name(layer, rank)}: missing; it holds tensor-parallel "
+                f"partition {rank} of {self.tp} of {layer_label(kind, index)}")
+        return file
+
+    @staticmethod
+    def _load(file: Path) -> dict[str, Any]:
+        try:
+            try:
+                state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+            except RuntimeError as e:
+                if "mmap" not in str(e):
+                    raise
+                # A pre-zip pickle cannot be mapped; it is read whole.
+                state = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as e:  # unpickling raises many types
+            raise CheckpointError(f"{file}: cannot load ({e})") from None
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{file}: holds a {type(state).__name__}, not a state dict")
+        return state
+
+    def _source(self, kind: LayerKind, index: int | None) -> tuple[int, dict[str, str]]:
+        """(pipeline layer, {Megatron name: merge rule}) of a layer."""
+        n = self.config.num_hidden_layers
+        if kind == "block":
+            if index is None or not 0 <= index < n:
+                raise CheckpointError(f"{self.path}: block {index} does not exist; the "
+                                      f"configuration has {n} blocks")
+            return pipeline_layer(kind, index, n), BLOCK_RULES
+        if kind == "embed":
+            return 0, {"word_embeddings.weight": CAT_OUT}
+        if kind == "final_norm":
+            return n + 3, {"norm.weight": REPLICATED, "norm.bias": REPLICATED}
+        if kind == "readout":
+            rule = CAT_OUT if self._output_parallelism == "column" else CAT_IN
+            return n + 4, {"final_linear.weight": rule}
+        raise ValueError(f"unknown layer kind {kind!r}")
+
+    def _tied_readout(self) -> bool:
+        n = self.config.num_hidden_layers
+        return self._tied_output and not any((n + 4, r) in self._files for r in range(self.tp))
+
+    def read(self, kind: LayerKind, index: int | None = None) -> dict[str, torch.Tensor]:
+        if kind == "readout" and self._tied_readout():
+            embedding = self.read("embed")["embed_in.weight"]
+            return {"embed_out.weight": embedding}
+        layer, rules = self._source(kind, index)
+        files = [self._partition_file(layer, r, kind, index) for r in range(self.tp)]
+        parts = [self._load(f) for f in files]
+        for file, state in zip(files, parts):
+            for key in state:
+                if key not in rules and key not in _IGNORED:
+                    raise CheckpointError(
+                        f"{file}: unknown tensor '{key}' for {layer_label(kind, index)} "
+                        f"(expected {sorted(rules)})")
+        renames = _RENAMES.get(kind, {})
+        out: dict[str, torch.Tensor] = {}
+        for key, rule in rules.items():
+            present = [key in state for state in parts]
+            if not any(present):
+                continue  # absent everywhere: materialize reports it if the model needs it
+            if not all(present):
+                file = files[present.index(False)]
+                raise CheckpointError(f"{file}: tensor '{key}' is missing from this partition "
+                                      f"but present in {files[present.index(True)].name}")
+            tensors = [state[key] for state in parts]
+            self._check_partitions(files, key, tensors)
+            out[renames.get(key, key)] = self._merge(rule, tensors)
+        del parts
+        return out
+
+    @staticmethod
+    def _check_partitions(files: list[Path], key: str, tensors: list[Any]) -> None:
+        # Megatron splits every dimension evenly, and replicated tensors are full copies,
+        # so all partitions of a tensor have the same shape and dtype.
+        for file, t in zip(files, tensors):
+            if not isinstance(t, torch.Tensor):
+                raise CheckpointError(f"{file}: '{key}' is a {type(t).__name__}, not a tensor")
+        first = tensors[0]
+        for file, t in zip(files[1:], tensors[1:]):
+            if t.shape != first.shape:
+                raise CheckpointError(
+                    f"{file}: tensor '{key}' has shape {tuple(t.shape)} but "
+                    f"{tuple(first.shape)} in {files[0].name}; tensor-parallel partitions of "
+                    f"one tensor must have equal shapes")
+            if t.dtype != first.dtype:
+                raise CheckpointError(f"{file}: tensor '{key}' is {t.dtype} but {first.dtype} "
+                                      f"in {files[0].name}")
+
+    def _merge(self, rule: MergeRule, tensors: list[torch.Tensor]) -> torch.Tensor:
+        if len(tensors) == 1:
+            return tensors[0]
+        if rule == CAT_OUT:
+            return torch.cat(tensors, dim=0)
+        if rule == CAT_IN:
+            return torch.cat(tensors, dim=1)
+        # Sums and means in fp32, rounded once to the stored dtype: with fp16 copies this is
+        # as exact as the dtype allows, and identical copies come back unchanged.
+        dtype = tensors[0].dtype
+        acc = torch.stack([t.float() for t in tensors]).sum(dim=0)
+        if rule == ROW_BIAS and self.row_parallel_bias == "sum":
+            return acc.to(dtype)
+        assert rule in (ROW_BIAS, REPLICATED), rule
+        return (acc / len(tensors)).to(dtype)
+
+    def where(self, kind: LayerKind, index: int | None, name: str) -> str:
+        if kind == "readout" and self._tied_readout():
+            return (self.where("embed", None, "embed_in.weight")
+                    + " (the output projection is tied to the embedding)")
+        try:
+            layer, _ = self._source(kind, index)
+        except CheckpointError:
+            return super().where(kind, index, name)
+        key = {v: k for k, v in _RENAMES.get(kind, {}).items()}.get(name, name)
+        others = f" (and the other {self.tp - 1} partition(s))" if self.tp > 1 else ""
+        return f"{self.path / slim_file_name(layer, 0)}{others}: tensor '{key}'"
+
+
+def find_slim_directory(path: str | Path) -> Path | None:
+    """The folder holding the layer files: ``path`` itself, or the checkpoint ``path/latest``
+    names (DeepSpeed's layout: ``latest`` holds e.g. ``global_step150000``), or the only
+    ``global_step*`` folder with layer files. None if there is none; a ``CheckpointError`` if
+    there are several and no ``latest``."""
+    path = Path(path)
+    if is_slim_directory(path):
+        return path
+    latest = path / "latest"
+    if latest.is_file():
+        candidate = path / latest.read_text().strip()
+        if is_slim_directory(candidate):
+            return candidate
+    steps = sorted(p for p in path.glob("global_step*") if is_slim_directory(p))
+    if len(steps) > 1:
+        names = ", ".join(p.name for p in steps)
+        raise CheckpointError(f"{path}: several checkpoints ({names}) and no 'latest' file; "
+                              f"give the one to load")
+    return steps[0] if steps else None
+
+
+def open_slim_checkpoint(path: str | Path, *, config: NeoXConfig | None = None,
+                         row_parallel_bias: RowBiasMerge | None = None) -> SlimCheckpointReader:
+    """Opens GPT-NeoX slim weights: ``path`` is the folder with the layer files, or the
+    release's top folder (with ``latest`` and ``global_step150000/``). See
+    ``SlimCheckpointReader``."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such directory")
+    found = find_slim_directory(path)
+    if found is None:
+        raise CheckpointError(f"{path}: no GPT-NeoX slim weights "
+                              f"(layer_XX-model_YY-model_states.pt files)")
+    return SlimCheckpointReader(found, config=config, row_parallel_bias=row_parallel_bias)

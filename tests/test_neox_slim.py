@@ -1,0 +1,592 @@
+"""neox.slim_checkpoint: EleutherAI GPT-NeoX "slim weights" (layer_XX-model_YY-model_states.pt).
+
+Two kinds of check:
+- Round trip: a random model written with ``neox.save_hf``, split here into 2 tensor-parallel
+  partitions in the slim layout (the inverse of the merge, written independently of the
+  module's rule table), must load through ``neox.from_pretrained`` to the same logits as the
+  Hugging Face directory, bit for bit.
+- Semantics: partitions drawn independently at random are run the way NeoX runs them on 2
+  ranks (each rank its heads and its MLP slice, partial outputs summed, biases added where
+  NeoX adds them), and the merged single-device layer must compute the same thing. This is
+  what pins the qkv head layout, the row-parallel concatenation and the bias merge to the
+  format's meaning rather than to our own inverse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import neox
+from neox.checkpoint import CheckpointError, iter_layer_states
+from neox.config import PRESETS, NeoXConfig
+from neox.hf_checkpoint import save_hf
+from neox.model import (ACTIVATIONS, NeoXModel, apply_rotary, build_layer, build_layers,
+                        rotary_cos_sin)
+from neox.slim_checkpoint import (SlimCheckpointReader, config_from_neox_yaml, find_slim_directory,
+                                  open_slim_checkpoint, parse_flat_yaml, read_neox_yaml,
+                                  slim_file_name)
+
+TP = 2
+
+
+def small_config(**overrides) -> NeoXConfig:
+    # intermediate = 4 * hidden, as NeoX builds it when the YAML gives no intermediate-size;
+    # vocab and heads divisible by TP, as Megatron requires.
+    kw = dict(vocab_size=102, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+              intermediate_size=128, hidden_act="gelu_fast", rotary_pct=0.25,
+              max_position_embeddings=64, use_parallel_residual=True)
+    kw.update(overrides)
+    return NeoXConfig(**kw)
+
+
+def neox_yaml(config: NeoXConfig, *, tp: int = TP, tied: bool = False) -> str:
+    """A config file in the style of NeoX's 20B.yml (JSON-like, comments, nested sections,
+    Python-style True, trailing commas) describing ``config``."""
+    residual = "true" if config.use_parallel_residual else "false"
+    fusion = "true" if config.hidden_act == "gelu_fast" else "false"
+    tying = "" if tied else '  "no-weight-tying": true,\n'
+    return (
+        "# a small model in the layout of the GPT-NeoX-20B release\n"
+        "{\n"
+        "  # parallelism\n"
+        '  "pipe-parallel-size": 2,\n'
+        f'  "model-parallel-size": {tp},\n'
+        "\n"
+        "  # model\n"
+        f'  "num-layers": {config.num_hidden_layers},\n'
+        f'  "hidden-size": {config.hidden_size},\n'
+        f'  "num-attention-heads": {config.num_attention_heads},\n'
+        f'  "seq-length": {config.max_position_embeddings},\n'
+        f'  "max-position-embeddings": {config.max_position_embeddings},\n'
+        '  "norm": "layernorm",\n'
+        '  "pos-emb": "rotary",\n'
+        f'  "rotary_pct": {config.rotary_pct},\n'
+        f"{tying}"
+        f'  "gpt_j_residual": {residual},\n'
+        '  "output_layer_parallelism": "column",\n'
+        f'  "bias-gelu-fusion": {fusion},\n'
+        f'  "layernorm-epsilon": {config.layer_norm_eps!r},\n'
+        '  "optimizer": {\n'
+        '    "type": "Adam",\n'
+        '    "params": {"lr": 0.97e-4, "betas": [0.9, 0.95], "eps": 1.0e-8,},\n'
+        "  },\n"
+        '  "zero_optimization": {\n'
+        '    "stage": 1,\n'
+        '    "allgather_partitions": True,\n'
+        "  },\n"
+        '  "hidden-dropout": 0,  # no dropout\n'
+        '  "tokenizer_type": "HFTokenizer",\n'
+        "}\n")
+
+
+def random_model(config: NeoXConfig, seed: int = 0) -> NeoXModel:
+    """Every parameter random (layer-norm gains around 1), so a mistake in any shows."""
+    g = torch.Generator().manual_seed(seed)
+    model = NeoXModel(config, build_layers(config, generator=g))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm.weight" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+# The inverse of the merge, stated on its own: local name -> (Megatron name, how it is cut).
+_SPLIT_BLOCK = {
+    "input_layernorm.weight": "copy", "input_layernorm.bias": "copy",
+    "post_attention_layernorm.weight": "copy", "post_attention_layernorm.bias": "copy",
+    "attention.query_key_value.weight": "rows", "attention.query_key_value.bias": "rows",
+    "attention.dense.weight": "cols", "attention.dense.bias": "row_bias",
+    "mlp.dense_h_to_4h.weight": "rows", "mlp.dense_h_to_4h.bias": "rows",
+    "mlp.dense_4h_to_h.weight": "cols", "mlp.dense_4h_to_h.bias": "row_bias",
+}
+_SPLIT_OTHER = {
+    "embed_in.weight": ("word_embeddings.weight", "rows"),
+    "final_layer_norm.weight": ("norm.weight", "copy"),
+    "final_layer_norm.bias": ("norm.bias", "copy"),
+    "embed_out.weight": ("final_linear.weight", "rows"),
+}
+
+
+def split_tensor(t: torch.Tensor, how: str, tp: int, parallel_residual: bool) -> list[torch.Tensor]:
+    if how == "rows":
+        parts = t.chunk(tp, dim=0)
+    elif how == "cols":
+        parts = t.chunk(tp, dim=1)
+    elif how == "row_bias" and parallel_residual:
+        # Each rank adds its copy to its partial output before the all-reduce: copies that
+        # sum to the bias. Halving is exact in binary floating point, so the sum is too.
+        parts = [t / tp] * tp
+    else:  # replicated, or a sequential-residual bias: identical copies
+        parts = [t] * tp
+    # clone: torch.save of a view would write the whole underlying storage
+    return [p.contiguous().clone() for p in parts]
+
+
+def write_slim(hf_dir: Path, slim_dir: Path, *, tp: int = TP, yaml_text: str | None = None,
+               tied: bool = False, dtype: torch.dtype | None = None) -> Path:
+    """Splits the Hugging Face directory ``hf_dir`` into slim-weights files in ``slim_dir``."""
+    slim_dir.mkdir(parents=True, exist_ok=True)
+    with neox.open_checkpoint(hf_dir) as reader:
+        config = reader.config
+        n = config.num_hidden_layers
+        order = ([("embed", None, 0)] + [("block", i, i + 2) for i in range(n)]
+                 + [("final_norm", None, n + 3)] + ([] if tied else [("readout", None, n + 4)]))
+        for kind, index, layer in order:
+            full = reader.read(kind, index)
+            ranks: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+            for local, t in full.items():
+                if dtype is not None:
+                    t = t.to(dtype)
+                if kind == "block":
+                    key, how = local, _SPLIT_BLOCK[local]
+                else:
+                    key, how = _SPLIT_OTHER[local]
+                for rank, part in zip(ranks, split_tensor(t, how, tp,
+                                                          config.use_parallel_residual)):
+                    rank[key] = part
+            if kind == "block":  # the buffer NeoX saves; the reader must skip it
+                inv_freq = 1.0 / 10000 ** (torch.arange(0, 2, 2).float() / 2)
+                for rank in ranks:
+                    rank["attention.rotary_emb.inv_freq"] = inv_freq
+            for r, state in enumerate(ranks):
+                torch.save(state, slim_dir / slim_file_name(layer, r))
+    if yaml_text is not None:
+        (slim_dir / "20B.yml").write_text(yaml_text)
+    return slim_dir
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids)
+
+
+@pytest.fixture(scope="module", params=["parallel", "sequential"])
+def dirs(request, tmp_path_factory):
+    """(config, HF directory, slim directory with YAML) of one random model."""
+    config = small_config(use_parallel_residual=request.param == "parallel",
+                          hidden_act="gelu_fast" if request.param == "parallel" else "gelu")
+    root = tmp_path_factory.mktemp(f"slim-{request.param}")
+    hf_dir = save_hf(root / "hf", config, iter_layer_states(random_model(config)))
+    slim_dir = write_slim(hf_dir, root / "slim", yaml_text=neox_yaml(config))
+    return config, hf_dir, slim_dir
+
+
+IDS = torch.randint(0, 102, (2, 11), generator=torch.Generator().manual_seed(1))
+
+
+def test_slim_loads_to_the_same_model_as_hf(dirs):
+    config, hf_dir, slim_dir = dirs
+    with neox.open_checkpoint(slim_dir) as reader:
+        assert isinstance(reader, SlimCheckpointReader)
+        assert reader.tp == TP
+        # Everything the model needs comes from the YAML, the vocabulary from the files.
+        assert reader.config == config
+        assert "20B.yml" in reader.description
+        expected_merge = "sum" if config.use_parallel_residual else "mean"
+        assert reader.row_parallel_bias == expected_merge
+    slim_model = neox.from_pretrained(slim_dir)
+    hf_model = neox.from_pretrained(hf_dir)
+    # Same tensors bit for bit (concatenation is exact, halves sum back exactly, identical
+    # copies average to themselves), so the logits are identical, not merely close.
+    for (name, a), (_, b) in zip(slim_model.state_dict().items(), hf_model.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert torch.equal(logits(slim_model, IDS), logits(hf_model, IDS))
+
+
+def test_filter_layers_reads_only_the_chosen_layer_files(dirs, tmp_path):
+    config, hf_dir, slim_dir = dirs
+    work = tmp_path / "slim"
+    work.mkdir()
+    for f in slim_dir.iterdir():
+        (work / f.name).write_bytes(f.read_bytes())
+    # Blocks 0 and 2 become garbage: a reader that opened them would fail.
+    for layer in (2, 4):
+        for r in range(TP):
+            (work / slim_file_name(layer, r)).write_bytes(b"not a torch file")
+    filtered = neox.from_pretrained(work, filter_layers=[1])
+    reference = neox.from_pretrained(hf_dir, filter_layers=[1])
+    assert filtered.source_layers == (1,)
+    assert torch.equal(logits(filtered, IDS), logits(reference, IDS))
+    with pytest.raises(CheckpointError, match=r"layer_02-model_00-model_states\.pt: cannot load"):
+        neox.from_pretrained(work)
+
+
+def test_missing_partition_is_a_clear_error(dirs, tmp_path):
+    config, hf_dir, slim_dir = dirs
+    work = write_slim(hf_dir, tmp_path / "slim", yaml_text=neox_yaml(config))
+    (work / slim_file_name(3, 1)).unlink()  # block 1, rank 1
+    with pytest.raises(CheckpointError,
+                       match=r"layer_03-model_01-model_states\.pt: missing; it holds "
+                             r"tensor-parallel partition 1 of 2 of block 1"):
+        neox.from_pretrained(work)
+    # The other blocks are still readable: a partial download can be used with filter_layers.
+    neox.from_pretrained(work, filter_layers=[0, 2])
+
+
+def test_shape_mismatch_between_partitions_names_file_and_tensor(dirs, tmp_path):
+    config, hf_dir, slim_dir = dirs
+    work = write_slim(hf_dir, tmp_path / "slim", yaml_text=neox_yaml(config))
+    file = work / slim_file_name(2, 1)
+    state = torch.load(file, weights_only=True)
+    state["attention.dense.weight"] = state["attention.dense.weight"][:, :-1].clone()
+    torch.save(state, file)
+    with pytest.raises(CheckpointError,
+                       match=r"layer_02-model_01-model_states\.pt: tensor "
+                             r"'attention\.dense\.weight' has shape \(32, 15\) but \(32, 16\)"):
+        neox.from_pretrained(work)
+
+
+def test_partitions_that_do_not_fit_the_config_name_file_and_tensor(dirs):
+    config, hf_dir, slim_dir = dirs
+    wrong = dataclasses.replace(config, intermediate_size=64)
+    with pytest.raises(CheckpointError,
+                       match=r"layer_02-model_00-model_states\.pt \(and the other 1 "
+                             r"partition\(s\)\): tensor 'mlp\.dense_h_to_4h\.weight': shape "
+                             r"\(128, 32\) does not match"):
+        neox.from_pretrained(slim_dir, config=wrong)
+
+
+def test_unknown_and_missing_keys(dirs, tmp_path):
+    config, hf_dir, slim_dir = dirs
+    work = write_slim(hf_dir, tmp_path / "slim", yaml_text=neox_yaml(config))
+    file0, file1 = work / slim_file_name(3, 0), work / slim_file_name(3, 1)
+    original0 = torch.load(file0, weights_only=True)
+    original1 = torch.load(file1, weights_only=True)
+
+    torch.save({**original0, "attention.extra.weight": torch.zeros(2)}, file0)
+    with pytest.raises(CheckpointError, match=r"layer_03-model_00-model_states\.pt: unknown "
+                                              r"tensor 'attention\.extra\.weight' for block 1"):
+        neox.from_pretrained(work)
+
+    torch.save(original0, file0)
+    torch.save({k: v for k, v in original1.items() if k != "mlp.dense_4h_to_h.bias"}, file1)
+    with pytest.raises(CheckpointError, match=r"layer_03-model_01-model_states\.pt: tensor "
+                                              r"'mlp\.dense_4h_to_h\.bias' is missing from this "
+                                              r"partition"):
+        neox.from_pretrained(work)
+
+    torch.save({k: v for k, v in original0.items() if k != "mlp.dense_4h_to_h.bias"}, file0)
+    with pytest.raises(CheckpointError, match=r"layer_03-model_00-model_states\.pt .*tensor "
+                                              r"'mlp\.dense_4h_to_h\.bias': missing"):
+        neox.from_pretrained(work)
+
+
+# -- the merge against NeoX's tensor-parallel computation ----------------------------------------
+
+def random_partitions(config: NeoXConfig, tp: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """One block's partitions drawn independently, honouring only what Megatron guarantees:
+    layer norms are identical on every rank, and so are row-parallel biases when they are
+    added after the all-reduce (sequential residual). With the parallel residual the bias
+    copies are arbitrary: only their sum reaches the output."""
+    g = torch.Generator().manual_seed(seed)
+    H, F_, tpp = config.hidden_size, config.intermediate_size, tp
+    r = lambda *shape: 0.2 * torch.randn(*shape, generator=g)  # noqa: E731
+    shared = {"input_layernorm.weight": 1 + r(H), "input_layernorm.bias": r(H),
+              "post_attention_layernorm.weight": 1 + r(H), "post_attention_layernorm.bias": r(H)}
+    row_bias = {"attention.dense.bias": r(H), "mlp.dense_4h_to_h.bias": r(H)}
+    parts = []
+    for _ in range(tp):
+        p = {k: v.clone() for k, v in shared.items()}
+        p.update({
+            "attention.query_key_value.weight": r(3 * H // tpp, H),
+            "attention.query_key_value.bias": r(3 * H // tpp),
+            "attention.dense.weight": r(H, H // tpp),
+            "mlp.dense_h_to_4h.weight": r(F_ // tpp, H),
+            "mlp.dense_h_to_4h.bias": r(F_ // tpp),
+            "mlp.dense_4h_to_h.weight": r(H, F_ // tpp),
+        })
+        if config.use_parallel_residual:
+            p.update({"attention.dense.bias": r(H), "mlp.dense_4h_to_h.bias": r(H)})
+        else:
+            p.update({k: v.clone() for k, v in row_bias.items()})
+        parts.append(p)
+    return parts
+
+
+def neox_tp_block(parts: list[dict[str, torch.Tensor]], config: NeoXConfig,
+                  x: torch.Tensor) -> torch.Tensor:
+    """A transformer layer as NeoX computes it on len(parts) tensor-parallel ranks
+    (ParallelTransformerLayer), written from its semantics: every rank sees the full input
+    (B, T, H), runs its own heads -- its qkv output viewed as (heads on the rank, 3 * hs) --
+    and its slice of the MLP, and produces partial (B, T, H) outputs that the all-reduce sums."""
+    tp = len(parts)
+    B, T, H = x.shape
+    n_local, hs = config.num_attention_heads // tp, config.head_dim
+    act = ACTIVATIONS[config.hidden_act]
+
+    def norm(p, name, y):
+        return F.layer_norm(y, (H,), parts[p][f"{name}.weight"], parts[p][f"{name}.bias"],
+                            config.layer_norm_eps)
+
+    def attention_partial(p, y):  # without the output bias
+        qkv = F.linear(y, parts[p]["attention.query_key_value.weight"],
+                       parts[p]["attention.query_key_value.bias"])
+        q, k, v = qkv.view(B, T, n_local, 3 * hs).transpose(1, 2).chunk(3, dim=-1)
+        cos, sin = rotary_cos_sin(config, torch.arange(T), y.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=hs ** -0.5)
+        ctx = ctx.transpose(1, 2).reshape(B, T, n_local * hs)
+        return F.linear(ctx, parts[p]["attention.dense.weight"])
+
+    def mlp_partial(p, y):  # without the output bias
+        h = act(F.linear(y, parts[p]["mlp.dense_h_to_4h.weight"],
+                         parts[p]["mlp.dense_h_to_4h.bias"]))
+        return F.linear(h, parts[p]["mlp.dense_4h_to_h.weight"])
+
+    if config.use_parallel_residual:
+        # parallel_output=True: each rank adds its bias copies to its partial sums, then one
+        # all-reduce of attn + mlp.
+        per_rank = [attention_partial(p, norm(p, "input_layernorm", x))
+                    + parts[p]["attention.dense.bias"]
+                    + mlp_partial(p, norm(p, "post_attention_layernorm", x))
+                    + parts[p]["mlp.dense_4h_to_h.bias"] for p in range(tp)]
+        return x + sum(per_rank)
+    # Sequential: each linear all-reduces, then every rank adds its (identical) bias to the
+    # same full output; rank 0's result is everyone's.
+    attn = sum(attention_partial(p, norm(p, "input_layernorm", x)) for p in range(tp))
+    h = x + attn + parts[0]["attention.dense.bias"]
+    mlp = sum(mlp_partial(p, norm(p, "post_attention_layernorm", h)) for p in range(tp))
+    return h + mlp + parts[0]["mlp.dense_4h_to_h.bias"]
+
+
+# The merged layer computes full-length dot products where NeoX adds TP partial sums, and the
+# parallel-residual bias is added once instead of per rank: fp32 reassociation only. Over 20
+# seeds the largest difference was 4e-6, on outputs up to ~11 (about 4e-7 relative); 2e-5
+# absolute + 1e-5 relative is 5x that, and far below what a wrong merge gives (swapping the
+# ranks' qkv rows: 4.3; the other row-parallel bias rule: > 1e-2).
+SEMANTIC_ATOL, SEMANTIC_RTOL = 2e-5, 1e-5
+
+
+def write_block_files(directory: Path, config: NeoXConfig,
+                      parts: list[dict[str, torch.Tensor]]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for r, state in enumerate(parts):
+        torch.save(state, directory / slim_file_name(2, r))
+
+
+@pytest.mark.parametrize("residual", ["parallel", "sequential"])
+def test_merged_block_computes_what_neox_computes_on_two_ranks(residual, tmp_path):
+    config = small_config(use_parallel_residual=residual == "parallel")
+    parts = random_partitions(config, TP, seed=3)
+    write_block_files(tmp_path, config, parts)
+    # Other layers' files are not needed to read block 0.
+    reader = SlimCheckpointReader(tmp_path, config=config)
+    block = build_layer("block", config, device="meta")
+    block.load_state_dict(reader.read("block", 0), assign=True)
+    x = torch.randn(2, 9, config.hidden_size, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = neox_tp_block(parts, config, x)
+        got = block(x)
+    torch.testing.assert_close(got, expected, atol=SEMANTIC_ATOL, rtol=SEMANTIC_RTOL)
+
+    # The other choice of bias merge is measurably wrong, so the test decides it.
+    other = "mean" if residual == "parallel" else "sum"
+    wrong = build_layer("block", config, device="meta")
+    wrong.load_state_dict(SlimCheckpointReader(tmp_path, config=config,
+                                               row_parallel_bias=other).read("block", 0),
+                          assign=True)
+    with torch.no_grad():
+        assert (wrong(x) - expected).abs().max() > 1e-2
+
+
+def test_embedding_and_readout_follow_the_vocabulary_split(tmp_path):
+    config = small_config()
+    g = torch.Generator().manual_seed(5)
+    V, H = config.vocab_size, config.hidden_size
+    emb = [torch.randn(V // TP, H, generator=g) for _ in range(TP)]
+    out = [torch.randn(V // TP, H, generator=g) for _ in range(TP)]
+    n = config.num_hidden_layers
+    for r in range(TP):
+        torch.save({"word_embeddings.weight": emb[r]}, tmp_path / slim_file_name(0, r))
+        torch.save({"final_linear.weight": out[r]}, tmp_path / slim_file_name(n + 4, r))
+    reader = SlimCheckpointReader(tmp_path, config=config)
+    ids = torch.randint(0, V, (3, 7), generator=g)
+    # VocabParallelEmbedding: rank r looks up the ids in its range, the rest give 0; summed.
+    expected = sum(F.embedding((ids - r * (V // TP)).clamp(0, V // TP - 1), emb[r])
+                   * ((ids >= r * (V // TP)) & (ids < (r + 1) * (V // TP)))[..., None]
+                   for r in range(TP))
+    embed = build_layer("embed", config, device="meta")
+    embed.load_state_dict(reader.read("embed"), assign=True)
+    assert torch.equal(embed(ids), expected)
+    # Column-parallel output layer: each rank's logits for its vocabulary slice, gathered in
+    # rank order along the last dimension.
+    x = torch.randn(3, 7, H, generator=g)
+    expected = torch.cat([x @ w.T for w in out], dim=-1)
+    readout = build_layer("readout", config, device="meta")
+    readout.load_state_dict(reader.read("readout"), assign=True)
+    with torch.no_grad():
+        torch.testing.assert_close(readout(x), expected, atol=SEMANTIC_ATOL, rtol=SEMANTIC_RTOL)
+
+
+def test_pre_zip_pickles_are_read_whole(tmp_path):
+    # torch.save's format before 1.6 cannot be memory-mapped; the reader falls back.
+    config = small_config()
+    for r in range(TP):
+        torch.save({"word_embeddings.weight": torch.full((51, 32), float(r))},
+                   tmp_path / slim_file_name(0, r), _use_new_zipfile_serialization=False)
+    weight = SlimCheckpointReader(tmp_path, config=config).read("embed")["embed_in.weight"]
+    assert torch.equal(weight, torch.cat([torch.zeros(51, 32), torch.ones(51, 32)]))
+
+
+def test_row_parallel_bias_choice(tmp_path):
+    parallel = small_config()
+    parts = random_partitions(parallel, TP, seed=6)
+    write_block_files(tmp_path, parallel, parts)
+    p0, p1 = (p["attention.dense.bias"] for p in parts)
+    assert not torch.equal(p0, p1)
+    merged = SlimCheckpointReader(tmp_path, config=parallel).read("block", 0)
+    assert torch.equal(merged["attention.dense.bias"], p0 + p1)
+    mean = SlimCheckpointReader(tmp_path, config=parallel, row_parallel_bias="mean")
+    assert mean.row_parallel_bias == "mean" and "merged by mean" in mean.description
+    assert torch.equal(mean.read("block", 0)["attention.dense.bias"], (p0 + p1) / 2)
+    # Layer norms are averaged whatever the residual.
+    ln = [p["input_layernorm.weight"] for p in parts]
+    assert torch.equal(merged["input_layernorm.weight"], (ln[0] + ln[1]) / 2)
+
+    sequential = SlimCheckpointReader(tmp_path, config=dataclasses.replace(
+        parallel, use_parallel_residual=False))
+    assert sequential.row_parallel_bias == "mean"
+    with pytest.raises(ValueError, match="row_parallel_bias"):
+        SlimCheckpointReader(tmp_path, config=parallel, row_parallel_bias="first")
+
+
+def test_fp16_partitions_keep_their_dtype(tmp_path):
+    config = small_config()
+    model = random_model(config, seed=7).half()
+    hf_dir = save_hf(tmp_path / "hf", config, iter_layer_states(model))
+    slim_dir = write_slim(hf_dir, tmp_path / "slim", yaml_text=neox_yaml(config))
+    slim_model = neox.from_pretrained(slim_dir)
+    hf_model = neox.from_pretrained(hf_dir)
+    for (name, a), (_, b) in zip(slim_model.state_dict().items(), hf_model.state_dict().items()):
+        assert a.dtype == torch.float16, name
+        assert torch.equal(a, b), name
+
+
+# -- configuration and layout -------------------------------------------------------------------
+
+def test_flat_parser_agrees_with_pyyaml():
+    yaml = pytest.importorskip("yaml")
+    text = neox_yaml(small_config())
+    full = yaml.safe_load(text)
+    scalars = {k: v for k, v in full.items() if not isinstance(v, (dict, list))}
+    flat = parse_flat_yaml(text)
+    # PyYAML follows YAML 1.1, where 1e-05 (no dot) is a string; the config reader converts it.
+    assert flat == {k: float(v) if k == "layernorm-epsilon" else v for k, v in scalars.items()}
+    assert (config_from_neox_yaml(flat, vocab_size=102)
+            == config_from_neox_yaml(full, vocab_size=102) == small_config())
+    block_style = "num-layers: 3   # blocks\nhidden-size: 32\noptimizer:\n  lr: 0.1\nname: 'a#b'\n"
+    assert parse_flat_yaml(block_style) == {"num-layers": 3, "hidden-size": 32, "name": "a#b"}
+
+
+def test_reads_the_yaml_without_pyyaml(dirs, monkeypatch):
+    config, hf_dir, slim_dir = dirs
+    monkeypatch.setitem(sys.modules, "yaml", None)  # `import yaml` now raises ImportError
+    with neox.open_checkpoint(slim_dir) as reader:
+        assert reader.config == config
+
+
+def test_yaml_settings_map_to_the_config(tmp_path):
+    base = {"num-layers": 2, "hidden-size": 16, "num-attention-heads": 2, "pos-emb": "rotary",
+            "no-weight-tying": True}
+    c = config_from_neox_yaml(base, vocab_size=10)
+    # NeoX's defaults: rotary over the whole head, exact gelu, sequential residual, 4h MLP.
+    assert (c.rotary_pct, c.hidden_act, c.use_parallel_residual, c.intermediate_size,
+            c.tie_word_embeddings) == (1.0, "gelu", False, 64, False)
+    c = config_from_neox_yaml({**base, "layernorm_epsilon": "1e-5", "openai-gelu": True,
+                               "rotary-emb-base": 500}, vocab_size=10)
+    assert (c.layer_norm_eps, c.hidden_act, c.rotary_emb_base) == (1e-5, "gelu_new", 500.0)
+    for bad, match in [({"pos-emb": "learned"}, "pos-emb"), ({"norm": "rmsnorm"}, "norm"),
+                       ({"gpt-j-tied": True}, "gpt-j-tied"), ({"activation": "geglu"}, "geglu"),
+                       ({"attention-config": [[["local"], 2]]}, "local")]:
+        with pytest.raises(CheckpointError, match=match):
+            config_from_neox_yaml({**base, **bad}, vocab_size=10, where="x.yml")
+    with pytest.raises(CheckpointError, match="'num-layers' is missing"):
+        config_from_neox_yaml({k: v for k, v in base.items() if k != "num-layers"}, vocab_size=10)
+    a, b = tmp_path / "a.yml", tmp_path / "b.yml"
+    a.write_text('{"num-layers": 2}\n')
+    b.write_text("num_layers: 3\n")
+    with pytest.raises(CheckpointError, match="must not disagree"):
+        read_neox_yaml([a, b])
+
+
+def test_without_yaml_the_20b_preset_is_used(dirs, tmp_path):
+    config, hf_dir, slim_dir = dirs
+    work = write_slim(hf_dir, tmp_path / "slim")  # no YAML anywhere
+    with neox.open_checkpoint(work) as reader:
+        assert reader.config == PRESETS["gpt-neox-20b"]
+        assert "gpt-neox-20b preset" in reader.description
+    # The small files are not a 20B: the first layer read says so, naming the file.
+    with pytest.raises(CheckpointError, match=r"layer_00-model_00-model_states\.pt .*"
+                                              r"'word_embeddings\.weight': shape \(102, 32\)"):
+        neox.from_pretrained(work)
+    # A config passed in replaces the preset.
+    with neox.open_checkpoint(work, config=config) as reader:
+        assert reader.config == config and "configuration passed in" in reader.description
+    assert torch.equal(logits(neox.from_pretrained(work, config=config), IDS),
+                       logits(neox.from_pretrained(hf_dir), IDS))
+
+
+def test_release_directory_layout(dirs, tmp_path):
+    """The 20B download: top/latest, top/configs/20B.yml, top/global_step150000/layer_*."""
+    config, hf_dir, slim_dir = dirs
+    top = tmp_path / "20B_checkpoints"
+    step = write_slim(hf_dir, top / "global_step150000")
+    (top / "configs").mkdir()
+    (top / "configs" / "20B.yml").write_text(neox_yaml(config))
+    (top / "latest").write_text("global_step150000")
+    with neox.open_checkpoint(step) as reader:  # finds ../configs/20B.yml
+        assert reader.config == config
+        assert str(top / "configs" / "20B.yml") in reader.description
+    with open_slim_checkpoint(top) as reader:  # follows `latest`
+        assert reader.path == step and reader.config == config
+    (top / "latest").unlink()
+    assert find_slim_directory(top) == step  # the only global_step* folder
+    write_slim(hf_dir, top / "global_step100")
+    with pytest.raises(CheckpointError, match="several checkpoints"):
+        open_slim_checkpoint(top)
+
+
+def test_tied_output_reads_the_embedding(tmp_path):
+    config = small_config(tie_word_embeddings=True)
+    model = random_model(config, seed=8)
+    with torch.no_grad():
+        model[-1].embed_out.weight.copy_(model[0].embed_in.weight)
+    hf_dir = save_hf(tmp_path / "hf", config, iter_layer_states(model))
+    # NeoX ties by default (no "no-weight-tying"); then there is no output-layer file.
+    slim_dir = write_slim(hf_dir, tmp_path / "slim", tied=True,
+                          yaml_text=neox_yaml(config, tied=True))
+    assert not (slim_dir / slim_file_name(config.num_hidden_layers + 4, 0)).exists()
+    slim_model = neox.from_pretrained(slim_dir)
+    assert slim_model.config.tie_word_embeddings
+    assert torch.equal(slim_model[-1].embed_out.weight, model[0].embed_in.weight)
+    assert torch.equal(logits(slim_model, IDS), logits(model, IDS))
+
+
+def test_pipeline_stage_files(dirs, tmp_path):
+    config, hf_dir, slim_dir = dirs
+    work = write_slim(hf_dir, tmp_path / "slim", yaml_text=neox_yaml(config))
+    n = config.num_hidden_layers
+    # The parameter-free stages (1 and L+2) may have (empty) files: tolerated, never read.
+    for layer in (1, n + 2):
+        for r in range(TP):
+            (work / slim_file_name(layer, r)).write_bytes(b"")
+    neox.from_pretrained(work)
+    # A layer file the configuration has no place for means they do not match.
+    torch.save({}, work / slim_file_name(n + 5, 0))
+    with pytest.raises(CheckpointError, match=rf"layer_{n + 5:02d}-model_00-model_states\.pt: "
+                                              rf"pipeline layer {n + 5} does not exist"):
+        neox.open_checkpoint(work)
+    (work / slim_file_name(n + 5, 0)).unlink()
+    # A rank beyond the YAML's model-parallel-size.
+    torch.save({}, work / slim_file_name(0, 2))
+    with pytest.raises(CheckpointError, match=r"layer_00-model_02-model_states\.pt: a "
+                                              r"tensor-parallel rank beyond"):
+        neox.open_checkpoint(work)
