@@ -26,6 +26,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Seconds the other ranks get to exit by themselves once one has failed.
+SHUTDOWN_GRACE_S = 10.0
 
 
 class UsageError(Exception):
@@ -68,8 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "'0,1' or '0-3'; embedding, final norm and readout are always kept")
     m.add_argument("--finetune", choices=["biases", "lora", "full"], default="biases",
                    help="what to train")
-    m.add_argument("--lora-rank", type=int, default=8)
-    m.add_argument("--lora-alpha", type=float, default=16.0)
+    m.add_argument("--lora-rank", type=int, default=8,
+                   help="rank r of each LoRA adapter (--finetune lora)")
+    m.add_argument("--lora-alpha", type=float, default=16.0,
+                   help="LoRA scaling numerator: adapters add (alpha / r) * B A")
     m.add_argument("--lora-targets", default="query_key_value,attention.dense",
                    help="comma-separated projections that get adapters")
     m.add_argument("--dtype", choices=list(DTYPES), default=None,
@@ -83,19 +87,23 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tokenizer", type=Path, default=None,
                    help="tokenizer.json (default: the checkpoint's, else a byte-level BPE trained "
                         "on the corpus and cached)")
-    d.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "zerocore")
-    d.add_argument("--seq-len", type=int, default=128)
-    d.add_argument("--val-fraction", type=float, default=0.1)
+    d.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "zerocore",
+                   help="downloaded corpus, trained tokenizers and tokenised data are kept here")
+    d.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence")
+    d.add_argument("--val-fraction", type=float, default=0.1,
+                   help="fraction of the windows (the corpus's end) held out for validation")
     t = p.add_argument_group("training")
     t.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
     t.add_argument("--warmup", type=int, default=0, help="linear warm-up steps")
-    t.add_argument("--weight-decay", type=float, default=0.0)
+    t.add_argument("--weight-decay", type=float, default=0.0, help="AdamW decoupled weight decay")
     t.add_argument("--batch-size", type=int, default=16, help="sequences per rank per micro-batch")
     t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     t.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
-    t.add_argument("--epochs", type=int, default=1)
+    t.add_argument("--epochs", type=int, default=1,
+                   help="passes over the training windows (each seen once per epoch)")
     t.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0,
+                   help="seeds the random initialisation, LoRA adapters and data order")
     t.add_argument("--offload-optimizer", action="store_true",
                    help="keep fp32 masters, gradients and Adam moments in CPU memory")
     t.add_argument("--eval-every", type=int, default=0, help="validate every N steps (0: at end)")
@@ -159,6 +167,8 @@ def free_port() -> int:
 
 def worker(rank: int, world_size: int, args: argparse.Namespace, init_method: str,
            use_cuda: bool) -> None:
+    # Imported here, not at the top: the launcher (and --help) need not load the engine.
+    from neox.training import PeerFailed, run_training
     try:
         backend = "nccl" if use_cuda else "gloo"
         if use_cuda:
@@ -175,7 +185,6 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, init_method: st
             if rank == 0:
                 print(f"Distributed: backend {backend}, world size {world_size}, "
                       f"init {init_method}")
-            from neox.training import run_training
             run_training(args, rank=rank, world_size=world_size,
                          device=torch.device("cuda", torch.cuda.current_device()) if use_cuda
                          else torch.device("cpu"))
@@ -184,6 +193,8 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, init_method: st
     except (UsageError, ValueError, FileNotFoundError) as e:
         print(f"error (rank {rank}): {e}", file=sys.stderr)
         sys.exit(2)
+    except PeerFailed:
+        sys.exit(2)  # another rank reported the error (neox.training.agree)
     except Exception:
         traceback.print_exc()
         sys.exit(1)
@@ -203,12 +214,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     world_size = torch.cuda.device_count() if use_cuda else args.nproc
     init_method = f"tcp://127.0.0.1:{args.port or free_port()}"
+    context = mp.spawn(worker, args=(world_size, args, init_method, use_cuda),
+                       nprocs=world_size, join=False)
     try:
-        mp.spawn(worker, args=(world_size, args, init_method, use_cuda), nprocs=world_size)
+        # The grace period lets the other ranks stop on their own after one fails (after a user
+        # error they all do) instead of being terminated with a warning each.
+        while not context.join(grace_period=SHUTDOWN_GRACE_S):
+            pass
     except mp.ProcessExitedException as e:
-        print(f"error: a training process exited with code {e.exit_code}; see its message above",
-              file=sys.stderr)
-        return e.exit_code or 1
+        if e.exit_code != 2:  # 2: a user error, already reported in one line by the rank
+            print(f"error: a training process exited with code {e.exit_code}; see its message "
+                  f"above", file=sys.stderr)
+        return e.exit_code if e.exit_code and e.exit_code > 0 else 1
     return 0
 
 

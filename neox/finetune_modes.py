@@ -47,8 +47,11 @@ def prepare_layer(layer: nn.Module, index: int, mode: FinetuneMode) -> nn.Module
     if not is_block(layer):
         return layer
     if mode.mode == "biases":
+        params = dict(layer.named_parameters())
         for name in BIAS_NAMES:
-            layer.get_parameter(name).requires_grad_(True)
+            # A model without attention biases (attention_bias=False) trains the MLP bias only.
+            if name in params:
+                params[name].requires_grad_(True)
     else:
         gen = torch.Generator().manual_seed(mode.seed * 100003 + index)
         add_lora(layer, list(mode.lora_targets), mode.lora_rank, mode.lora_alpha, gen)

@@ -12,7 +12,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,41 @@ from neox.progress import Progress
 
 # The tiny preset's vocabulary is the tokenizer's, rounded up as GPT-NeoX pads its embedding.
 VOCAB_MULTIPLE = 128
+
+# What a user can cause (a bad file, flag or checkpoint): reported as one line, no traceback.
+# DataError and CheckpointError are ValueErrors.
+USER_ERRORS = (ValueError, FileNotFoundError)
+
+T = TypeVar("T")
+
+
+class PeerFailed(Exception):
+    """Another rank hit a user error during set-up and reports it; this rank stops quietly."""
+
+
+def agree(fn: Callable[[], T], *, rank: int) -> T:
+    """Runs ``fn`` on every rank, then lets the ranks agree on the outcome. Collective.
+
+    Without this, a user error on one rank (rank 0 prepares the data alone) leaves the others
+    waiting in their next collective until the failed process disappears, and then they fail
+    with a gloo/NCCL traceback that buries the real message. Here every rank learns of the error:
+    the lowest rank with each distinct message raises it (so identical errors on every rank are
+    reported once), the others raise ``PeerFailed``.
+    """
+    error: BaseException | None = None
+    result = None
+    try:
+        result = fn()
+    except USER_ERRORS as e:
+        error = e
+    messages: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, None if error is None else str(error))
+    if any(m is not None for m in messages):
+        if error is not None and messages.index(str(error)) == rank:
+            raise error
+        failed = [r for r, m in enumerate(messages) if m is not None]
+        raise PeerFailed(f"rank(s) {failed} failed")
+    return result  # type: ignore[return-value]
 
 
 @dataclasses.dataclass
@@ -56,9 +91,8 @@ def prepare_data(args: argparse.Namespace, rank: int, log: Callable[..., None]) 
                                               val_fraction=args.val_fraction, log=log)
         return RunData(tokenizer, dataset, corpus)
 
-    result = load() if rank == 0 else None
-    dist.barrier()
-    return result if result is not None else load()
+    first = agree(load if rank == 0 else (lambda: None), rank=rank)
+    return agree(lambda: first if first is not None else load(), rank=rank)
 
 
 def model_config(args: argparse.Namespace, tokenizer: Any) -> tuple[NeoXConfig, Any]:
@@ -76,17 +110,20 @@ def model_config(args: argparse.Namespace, tokenizer: Any) -> tuple[NeoXConfig, 
                 config, vocab_size=-(-rows // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
         reader = RandomInit(config, seed=args.seed)
     nd.check_vocab(tokenizer, config.vocab_size)
+    layer_specs(config, args.filter_layers)  # out-of-range --filter-layers: fail before building
     return config, reader
 
 
 def stream_layers(reader: Any, config: NeoXConfig, args: argparse.Namespace,
-                  mode: FinetuneMode, log: Callable[..., None]) -> Iterator[nn.Module]:
+                  mode: FinetuneMode, log: Callable[..., None], rank: int,
+                  ) -> Iterator[nn.Module]:
     """Materialises one layer at a time (the engine keeps only this rank's shard of it) and
-    says so, so a large model's build shows progress."""
+    says so, so a large model's build shows progress. A layer that cannot be read (missing file,
+    wrong shape) is agreed on by all ranks before the engine's next collective."""
     specs = layer_specs(config, args.filter_layers)
     layers = iter_layers(reader, filter_layers=args.filter_layers)
-    for i, (spec, layer) in enumerate(zip(specs, layers)):
-        prepare_layer(layer, i, mode)
+    for i, spec in enumerate(specs):
+        layer = agree(lambda: prepare_layer(next(layers), i, mode), rank=rank)
         n = sum(p.numel() for p in layer.parameters())
         t = sum(p.numel() for p in layer.parameters() if p.requires_grad)
         where = f" (checkpoint block {spec.source})" if spec.kind == "block" else ""
@@ -111,7 +148,10 @@ def evaluate(model: nn.Module, split: nd.WindowSplit, *, rank: int, world_size: 
     dist.all_reduce(n, op=dist.ReduceOp.MAX)
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, tokens
     for i in range(int(n)):
-        idx = batches[i] if i < len(batches) else batches[0][:1] if batches else torch.zeros(1, dtype=torch.long)
+        if i < len(batches):
+            idx = batches[i]
+        else:  # this rank is out of samples: a dummy forward, not counted, keeps step with others
+            idx = batches[0][:1] if batches else torch.zeros(1, dtype=torch.long)
         x, y = nd.batch(split, idx, device=device)
         logits = model(x).float()
         if i < len(batches):
@@ -131,7 +171,7 @@ def run_training(args: argparse.Namespace, *, rank: int, world_size: int,
     log(f"data: {run.corpus.name} ({run.corpus.source}); {ds.tokens.shape[0]:,} tokens, "
         f"{len(ds.train):,} training and {len(ds.val):,} validation windows of "
         f"{args.seq_len} + 1 tokens")
-    config, reader = model_config(args, run.tokenizer)
+    config, reader = agree(lambda: model_config(args, run.tokenizer), rank=rank)
     dtype = _dtype(args, device)
     mode = FinetuneMode(args.finetune, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
                         lora_targets=tuple(t.strip() for t in args.lora_targets.split(",")),
@@ -139,28 +179,29 @@ def run_training(args: argparse.Namespace, *, rank: int, world_size: int,
     log(f"model: {args.checkpoint or args.model}, {config.num_hidden_layers} blocks in the "
         f"checkpoint, keeping {len(layer_specs(config, args.filter_layers)) - 3}; fine-tuning "
         f"{mode.mode}; compute dtype {str(dtype).removeprefix('torch.')}; building layer by layer:")
-    model = zerocore.shard(stream_layers(reader, config, args, mode, log), device=device,
+    layers = stream_layers(reader, config, args, mode, log, rank)
+    model = zerocore.shard(layers, device=device,
                            mixed_precision=zerocore.MixedPrecision(param_dtype=dtype),
                            offload=zerocore.Offload(optimizer=args.offload_optimizer))
     shards = model.trainable_shards()
-    if not shards:
-        raise ValueError("nothing to train: the chosen layers and --finetune mode leave no "
-                         "trainable parameter")
+
+    def check_trainable() -> None:
+        if not shards:
+            raise ValueError("nothing to train: the chosen layers and --finetune mode leave no "
+                             "trainable parameter")
+    agree(check_trainable, rank=rank)
     optimizer = zerocore.optim.AdamW(shards, lr=args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup))
     scaler = zerocore.LossScaler(model.group, dynamic=dtype == torch.float16,
                                  counter=model.counter)
-    sampler = nd.WindowSampler(len(ds.train), rank=rank, world_size=world_size,
-                               batch_size=args.batch_size, seed=args.seed)
+    sampler = agree(lambda: nd.WindowSampler(len(ds.train), rank=rank, world_size=world_size,
+                                             batch_size=args.batch_size, seed=args.seed),
+                    rank=rank)
     out_dir = Path(args.output_dir)
     ckpt_root = out_dir / "checkpoints"
     step = 0
     if args.resume is not None:
-        path = zerocore.latest_checkpoint(args.resume) if not (
-            Path(args.resume) / zerocore.checkpoint.MANIFEST).is_file() else Path(args.resume)
-        if path is None:
-            raise ValueError(f"--resume {args.resume}: no checkpoint there (expected a "
-                             f"step-XXXXXXXX directory with a manifest.json, or a folder of them)")
+        path = agree(lambda: _resume_path(Path(args.resume)), rank=rank)
         extra = zerocore.load_checkpoint(path, model, optimizer, scaler=scaler)
         step = extra["step"]
         sampler.load_state_dict(extra["sampler"])
@@ -172,7 +213,10 @@ def run_training(args: argparse.Namespace, *, rank: int, world_size: int,
         total = min(total, args.max_steps)
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
-    metrics_file = open(out_dir / "metrics.jsonl", "a") if rank == 0 else None
+    # A resumed run continues the file; a fresh run into an old output directory replaces it,
+    # so the file always holds this run's steps and nothing else.
+    metrics_file = (open(out_dir / "metrics.jsonl", "a" if args.resume is not None else "w")
+                    if rank == 0 else None)
     log(f"training {total - step} steps: {world_size} ranks x {args.batch_size} sequences x "
         f"{args.grad_accum} micro-batches per step, lr {args.lr}, warm-up {args.warmup}")
     progress = Progress(total, enabled=rank == 0)
@@ -258,6 +302,17 @@ def _dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.float32
+
+
+def _resume_path(resume: Path) -> Path:
+    """The checkpoint ``--resume`` names: a step directory itself, or the latest in a folder."""
+    if (resume / zerocore.checkpoint.MANIFEST).is_file():
+        return resume
+    path = zerocore.latest_checkpoint(resume)
+    if path is None:
+        raise ValueError(f"--resume {resume}: no checkpoint there (expected a step-XXXXXXXX "
+                         f"directory with a manifest.json, or a folder of them)")
+    return path
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
