@@ -13,7 +13,9 @@ and each bucket is laid out in one flat fp32 master buffer with flat fp32 moment
 - a ``zerocore`` shard parameter (``ShardParameter``, already flat, owned by ``zerocore.shard``) is
   its own bucket: it is the fp32 master, and its low-precision ``model_copy`` is written in the
   same pass.
-Each step packs the gradients of a bucket into one flat buffer (one multi-tensor copy) and runs
+Parameters with ``requires_grad=False`` at construction are kept in ``param_groups`` but get no
+state and are never stepped (build the optimizer again after unfreezing one). Each step packs
+the gradients of a bucket into one flat buffer (one multi-tensor copy) and runs
 one fused kernel over the whole bucket. Parameters whose ``.grad`` is None are skipped, as
 ``torch.optim`` skips them; then that bucket is stepped parameter by parameter.
 
@@ -92,6 +94,10 @@ class Adam(torch.optim.Optimizer):
         buckets = []
         plain: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
         for p in params:
+            if not p.requires_grad:
+                # Frozen (e.g. zerocore's frozen shards, which model.parameters() yields):
+                # never stepped, so no state, as torch.optim never creates state for them.
+                continue
             if isinstance(p, ShardParameter):
                 buckets.append(self._shard_bucket(p))
             else:
@@ -249,6 +255,8 @@ class Adam(torch.optim.Optimizer):
                     if key != "params":
                         mine[key] = value
                 for p, pid in zip(mine["params"], saved["params"]):
+                    if p not in self.state:
+                        continue  # frozen at construction: never stepped, no state
                     target = self.state[p]
                     st = saved_state.get(pid)
                     if st is None:

@@ -1,0 +1,203 @@
+"""Harness for multi-process tests: N ranks of a gloo process group on the CPU, each a process
+started with torch.multiprocessing's "spawn", running test functions on every rank.
+
+Starting a rank costs seconds (a fresh interpreter imports torch), so a ``World`` starts its
+processes once and keeps them for many tests; a pytest fixture owns it (module scope, one world
+size at a time). ``world.run(fn, *args)`` calls ``fn(rank, world_size, *args)`` on every rank and
+returns the results in rank order. ``fn`` must be a module-level function (the ranks import it by
+name) and its arguments and result picklable (tensors are fine: they are copied).
+
+Failures are made loud and bounded:
+- an exception on any rank is raised in the parent as ``RankFailure``, carrying every failing
+  rank's traceback;
+- a rank that does not answer within the timeout (a hang: ranks waiting in mismatched
+  collectives) or that dies raises ``RankFailure`` naming it, instead of blocking the test run.
+After a failure the processes are stopped, because a failed function may leave collectives
+unmatched; the next ``run`` starts a fresh set on a new port.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# Seconds one test function may take on every rank (tests may pass more). The heaviest function
+# of test_shard.py takes ~10 s on a heavily loaded 2-core machine; a hang is detected after this.
+DEFAULT_TIMEOUT_S = 120.0
+# Seconds for the ranks to start (interpreter, `import torch, zerocore`, process group), which
+# grows with the load of the machine.
+START_TIMEOUT_S = 180.0
+# gloo's own timeout, a backstop: a collective that waits this long raises on the rank itself. It
+# is longer than any test's timeout, since a rank may legitimately wait in a collective while
+# another computes (a reference model, a checkpoint); the parent's timeout bounds each test.
+GLOO_TIMEOUT_S = 600.0
+# After one rank fails, how long to wait for the others' answers (often their own errors) before
+# stopping them: a rank blocked in a collective with the failed one would never answer.
+GRACE_S = 5.0
+
+
+class RankFailure(AssertionError):
+    """A test function failed, hung or died on at least one rank."""
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the OS picks it when binding port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
+    """A rank's main loop: join the group, then run tasks until told to stop (None)."""
+    # Every rank shares 2 cores with the others: more threads than cores only adds contention.
+    torch.set_num_threads(1)
+    try:
+        import zerocore  # noqa: F401  (registers the ops; fail here rather than in a test)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
+    except Exception:
+        results.put((0, rank, "error", traceback.format_exc()))
+        return
+    results.put((0, rank, "ok", None))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        task_id, fn, args = task
+        try:
+            # Plain pickle copies tensors into the message: torch.multiprocessing's queues would
+            # share them through one file descriptor each, which a long test run can exhaust.
+            answer = ("ok", pickle.dumps(fn(rank, world_size, *args)))
+        except Exception:
+            answer = ("error", traceback.format_exc())
+        results.put((task_id, rank, *answer))
+    dist.destroy_process_group()
+
+
+class World:
+    """``world_size`` ranks in one gloo group; processes start on the first ``run``."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self._procs: list[Any] = []
+        self._tasks: list[Any] = []
+        self._results: Any = None
+        self._task_id = 0
+
+    def __enter__(self) -> "World":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def run(self, fn: Callable[..., Any], *args: Any,
+            timeout: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+        """``[fn(0, world_size, *args), fn(1, ...), ...]``, each computed on its own rank."""
+        if not self._procs:
+            self._start()
+        self._task_id += 1
+        for q in self._tasks:
+            q.put((self._task_id, fn, args))
+        answers = self._collect(self._task_id, timeout, what=fn.__name__)
+        return [pickle.loads(answers[r][1]) for r in range(self.world_size)]
+
+    def close(self, patience: float = 10.0) -> None:
+        """Stops the ranks: politely if they are idle (they leave the group and exit within
+        ``patience`` seconds), else by signal (they are our children)."""
+        procs, self._procs = self._procs, []
+        for q in self._tasks:
+            try:
+                q.put(None)
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + patience
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._tasks, self._results = [], None
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [ctx.Process(target=_worker, daemon=True, name=f"zerocore-test-rank{r}",
+                                   args=(r, self.world_size, port, self._tasks[r], self._results))
+                       for r in range(self.world_size)]
+        for p in self._procs:
+            p.start()
+        self._collect(0, START_TIMEOUT_S, what=f"starting {self.world_size} ranks on port {port}")
+
+    def _collect(self, task_id: int, timeout: float, what: str) -> dict[int, tuple[str, Any]]:
+        """Waits for every rank's answer to ``task_id``; RankFailure on an error, hang or death."""
+        answers: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(answers) < self.world_size:
+            failed = any(status == "error" for status, _ in answers.values())
+            if failed:
+                deadline = min(deadline, time.monotonic() + GRACE_S)
+            try:
+                tid, rank, status, value = self._results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(self._procs)
+                        if r not in answers and not p.is_alive()]
+                if dead:
+                    self._fail(what, answers, "rank(s) died: " + ", ".join(
+                        f"rank {r} (exit code {code})" for r, code in dead))
+                if time.monotonic() > deadline:
+                    missing = [r for r in range(self.world_size) if r not in answers]
+                    limit = GRACE_S if failed else timeout
+                    self._fail(what, answers, f"rank(s) {missing} did not answer within "
+                                              f"{limit:.0f} s (hung in a collective?)")
+                continue
+            if tid == task_id:
+                answers[rank] = (status, value)
+        if any(status == "error" for status, _ in answers.values()):
+            self._fail(what, answers, "")
+        return answers
+
+    def _fail(self, what: str, answers: dict[int, tuple[str, Any]], reason: str) -> None:
+        self.close(patience=2.0)  # some rank may be stuck in a collective: don't wait long
+        parts = [f"{what} failed on a {self.world_size}-rank world" + (f": {reason}" if reason
+                                                                       else "")]
+        for r in sorted(answers):
+            status, value = answers[r]
+            if status == "error":
+                parts.append(f"----- rank {r} raised -----\n{value.rstrip()}")
+        raise RankFailure("\n".join(parts))
+
+
+# -- helpers for test functions running on a rank -------------------------------------------------
+
+def all_gather_flat(t: torch.Tensor) -> torch.Tensor:
+    """The concatenation, in rank order, of every rank's 1-D tensor ``t`` (same size everywhere)."""
+    t = t.detach().contiguous()
+    out = torch.empty(t.numel() * dist.get_world_size(), dtype=t.dtype, device=t.device)
+    dist.all_gather_into_tensor(out, t)
+    return out
+
+
+def global_mean(x: torch.Tensor) -> float:
+    """The mean over ranks of a scalar: the loss of the global batch when every rank's batch
+    has the same size and its loss is a mean."""
+    t = x.detach().double().reshape(1).clone()
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
