@@ -168,9 +168,6 @@ def run_training(args: argparse.Namespace, *, rank: int, world_size: int,
     torch.manual_seed(args.seed)
     run = prepare_data(args, rank, log)
     ds = run.dataset
-    log(f"data: {run.corpus.name} ({run.corpus.source}); {ds.tokens.shape[0]:,} tokens, "
-        f"{len(ds.train):,} training and {len(ds.val):,} validation windows of "
-        f"{args.seq_len} + 1 tokens")
     config, reader = agree(lambda: model_config(args, run.tokenizer), rank=rank)
     dtype = _dtype(args, device)
     mode = FinetuneMode(args.finetune, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
