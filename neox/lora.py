@@ -67,3 +67,15 @@ def add_lora(module: nn.Module, targets: list[str], rank: int, alpha: float,
         raise ValueError(f"LoRA targets {unmatched} match no linear layer of the block; valid "
                          f"targets: query_key_value, attention.dense, dense_h_to_4h, dense_4h_to_h")
     return replaced
+
+
+def merge_lora(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+    """A layer's state dict with every adapter (``<m>.lora_A``, ``<m>.lora_B``) merged into its
+    base weight (``<m>.weight``) and removed: what a plain GPT-NeoX layer loads."""
+    out = dict(state)
+    for key in [k for k in state if k.endswith(".lora_A")]:
+        prefix = key[: -len("lora_A")]
+        a, b = out.pop(prefix + "lora_A"), out.pop(prefix + "lora_B")
+        w = out[prefix + "weight"]
+        out[prefix + "weight"] = (w.float() + scaling * (b.float() @ a.float())).to(w.dtype)
+    return out

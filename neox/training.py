@@ -25,7 +25,7 @@ from neox.checkpoint import RandomInit, iter_layers, open_checkpoint
 from neox.config import PRESETS, NeoXConfig
 from neox.finetune_modes import FinetuneMode, prepare_layer
 from neox.hf_checkpoint import save_hf
-from neox.lora import LoRALinear
+from neox.lora import merge_lora
 from neox.model import layer_specs
 from neox.progress import Progress
 
@@ -222,7 +222,8 @@ def run_training(args: argparse.Namespace, *, rank: int, world_size: int,
 
     def save(at: int) -> Path:
         extra = {"step": at, "sampler": sampler.state_dict(),
-                 "scheduler": scheduler.state_dict(), "args": _jsonable(vars(args))}
+                 "scheduler": scheduler.state_dict(), "args": _jsonable(vars(args)),
+                 "config": config.to_hf_dict()}  # what neox.export needs to rebuild the model
         return zerocore.save_checkpoint(ckpt_root, at, model, optimizer, scaler=scaler,
                                         extra=extra, keep_last=args.keep_last)
 
@@ -338,7 +339,8 @@ def _export_hf(model: zerocore.ShardedSequential, config: NeoXConfig, args: argp
     one layer at a time. Collective."""
     specs = layer_specs(config, args.filter_layers)
     built = dataclasses.replace(config, num_hidden_layers=len(specs) - 3)
-    states = ((s.kind, s.index, _merge_lora(layer))
+    scaling = args.lora_alpha / args.lora_rank
+    states = ((s.kind, s.index, merge_lora(layer.full_state(), scaling))
               for s, layer in zip(specs, model.layers))
     out = Path(args.output_dir) / "hf"
     if rank == 0:
@@ -350,14 +352,3 @@ def _export_hf(model: zerocore.ShardedSequential, config: NeoXConfig, args: argp
             pass
     dist.barrier()
     return out
-
-
-def _merge_lora(layer: Any) -> dict[str, torch.Tensor]:
-    state = layer.full_state()
-    for name, mod in layer.module.named_modules():
-        if isinstance(mod, LoRALinear):
-            a, b = state.pop(f"{name}.lora_A"), state.pop(f"{name}.lora_B")
-            w = state[f"{name}.weight"]
-            state[f"{name}.weight"] = (w.float() + mod.scaling * (b.float() @ a.float())).to(
-                w.dtype)
-    return state

@@ -1,0 +1,30 @@
+"""Shared pytest fixtures.
+
+``device``: every test that takes it runs once on "cpu" and once on "cuda". The CUDA case is
+skipped, with the reason shown by ``pytest -ra``, when no GPU is visible; when a GPU is visible it
+always runs, so a CUDA build that is broken or missing fails loudly instead of being skipped.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerocore
+
+NO_GPU_REASON = "no CUDA device visible (torch.cuda.is_available() is False)"
+
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda",
+                 marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU_REASON)),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    """"cpu", then "cuda" when a GPU is present."""
+    if request.param == "cuda" and not zerocore.BUILD.has_cuda:
+        pytest.fail(f"a GPU is present but {zerocore.BUILD}; rebuild with a CUDA toolkit and a "
+                    f"CUDA build of torch, or hide the GPU with CUDA_VISIBLE_DEVICES=")
+    return request.param

@@ -1,0 +1,70 @@
+"""python -m neox.export rebuilds the fine-tuned model from a checkpoint alone: the same weights
+as the run's own --export-hf, and with --lora separate an adapter that PEFT applies to the base to
+give the merged model's logits."""
+
+import glob
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+
+def _run(*args, cwd):
+    r = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
+                       timeout=600, cwd=cwd)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def _tensors(directory):
+    out = {}
+    for f in glob.glob(f"{directory}/*.safetensors"):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lora")
+    # A large learning rate so the adapters move far from their start (B = 0) in a few steps.
+    _run("neox.finetune", "--finetune", "lora", "--max-steps", "3", "--lr", "0.05",
+         "--seq-len", "16", "--batch-size", "2", "--nproc", "2", "--export-hf",
+         "--filter-layers", "0,2", "--cache-dir", str(tmp / "cache"), "--output-dir",
+         str(tmp / "run"), cwd=tmp)
+    return tmp
+
+
+def test_offline_export_equals_the_runs_own_export(lora_run):
+    ckpt = lora_run / "run" / "checkpoints" / "step-00000003"
+    _run("neox.export", str(ckpt), str(lora_run / "merged"), cwd=lora_run)
+    mine, theirs = _tensors(lora_run / "merged"), _tensors(lora_run / "run" / "hf")
+    assert mine.keys() == theirs.keys() and not any("lora" in k for k in mine)
+    for k in mine:
+        # The same fp32 masters merged by the same function: bit for bit.
+        assert torch.equal(mine[k], theirs[k]), k
+
+
+def test_separate_adapter_applies_in_peft(lora_run):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    ckpt = lora_run / "run" / "checkpoints" / "step-00000003"
+    _run("neox.export", str(ckpt), str(lora_run / "separate"), "--lora", "separate",
+         cwd=lora_run)
+    merged = transformers.GPTNeoXForCausalLM.from_pretrained(lora_run / "run" / "hf").eval()
+    base = transformers.GPTNeoXForCausalLM.from_pretrained(lora_run / "separate").eval()
+    ids = torch.randint(0, 1000, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, plain = merged(ids).logits, base(ids).logits
+        adapted = peft.PeftModel.from_pretrained(base, lora_run / "separate" / "adapter").eval()
+        got = adapted(ids).logits
+    assert (want - plain).abs().max() > 1e-2  # the adapters matter
+    # fp32: W x + s B (A x) against (W + s B A) x, a different summation order.
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_export_of_a_non_neox_checkpoint_is_a_clear_error(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "neox.export", str(tmp_path / "none"),
+                        str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "none" in r.stderr
