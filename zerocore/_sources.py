@@ -33,7 +33,7 @@ def cuda_sources(root: str) -> list[str]:
 def cxx_flags() -> list[str]:
     # No FMA contraction: the vector body and the scalar tail of each kernel must round alike so
     # results do not depend on how the work is split across threads.
-    flags = ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off"]
+    flags = ["-O3", "-std=c++20", "-fopenmp", "-ffp-contract=off"]
     if platform.machine() in ("x86_64", "AMD64"):
         # ATen's at::vec picks its 256-bit AVX2 implementation from these macros. Every x86-64
         # server CPU of the last ten years has AVX2+FMA+F16C; zerocore checks at import time that
@@ -43,7 +43,7 @@ def cxx_flags() -> list[str]:
 
 
 def nvcc_flags() -> list[str]:
-    return ["-O3", "-std=c++17", "-lineinfo"]
+    return ["-O3", "-std=c++20", "-lineinfo"]
 
 
 def built_with_avx2() -> bool:
