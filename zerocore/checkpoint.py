@@ -13,8 +13,11 @@ A checkpoint is a directory::
 Saving never gathers the model: each rank writes what it holds. It is atomic: everything is
 written into ``step-XXXX.tmp-<nonce>/`` (files flushed and fsynced), the manifest last, and the
 directory is renamed to its final name as the single commit point; a crash or kill at any moment
-leaves earlier checkpoints intact and no half-written directory under a final name. The last
-``keep_last`` checkpoints are kept.
+leaves earlier checkpoints intact and no half-written directory under a final name. Directories
+are deleted (pruning, or replacing a step saved again) by first renaming them out of the
+``step-XXXX`` namespace, so a kill during a deletion never leaves a partial checkpoint under a
+final name either. The last ``keep_last`` checkpoints are kept; leftovers of killed saves are
+removed by the next save (one run writes to a root at a time).
 
 Because the manifest carries the layout, a checkpoint written by N ranks loads into M ranks: the
 parameter offsets inside a flat group do not depend on the world size (only the tail padding
@@ -43,6 +46,9 @@ from zerocore.sharded_sequential import ShardedSequential
 FORMAT = "zerocore-checkpoint/1"
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+# Leftovers of a save that was killed (``step-X.tmp-<nonce>``) or of a deletion that was
+# (``step-X.deleting-<nonce>``): never loaded, removed by the next save.
+_LEFTOVER_DIR = re.compile(r"^step-\d+\.(tmp|deleting)-[0-9a-f]+$")
 
 
 class CheckpointError(ValueError):
@@ -95,6 +101,14 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def _remove_dir(path: Path) -> None:
+    """Deletes a checkpoint directory without ever leaving a partial one under its name: it is
+    renamed out of the ``step-XXXX`` namespace first (atomic), then deleted."""
+    trash = path.with_name(f"{path.name}.deleting-{uuid.uuid4().hex[:8]}")
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
 def _rng_state(device: torch.device) -> dict[str, Any]:
     state = {"torch": torch.get_rng_state()}
     if device.type == "cuda":
@@ -114,6 +128,15 @@ def save_checkpoint(root: str | Path, step: int, model: ShardedSequential,
     root = Path(root)
     group, rank, world = model.group, model.rank, model.world_size
     final = root / f"step-{step:08d}"
+    # Everything the manifest stores is checked for JSON on every rank before anything is
+    # written: a bad ``extra`` raises here on every rank instead of on rank 0 alone, after the
+    # others went on to wait in a collective.
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    try:
+        json.dumps([extra or {}, groups, scaler.state_dict() if scaler is not None else None])
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"save_checkpoint: extra state, optimizer hyper-parameters and "
+                        f"loss-scaler state must be JSON-serialisable: {e}") from None
     # Rank 0 picks the temporary name and tells the others.
     names = [f"{final.name}.tmp-{uuid.uuid4().hex[:8]}" if rank == 0 else None]
     dist.broadcast_object_list(names, src=0, group=group)
@@ -137,17 +160,27 @@ def save_checkpoint(root: str | Path, step: int, model: ShardedSequential,
             entry["frozen"] = layer.frozen.shard.detach().cpu()
         layers[layer.index] = entry
     path = tmp / rank_file(rank)
-    with open(path, "wb") as f:
-        torch.save({"layers": layers, "rng": _rng_state(model.device)}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    info = {"sha256": _sha256(path), "bytes": path.stat().st_size}
+    # A rank that cannot write (disk full, permissions) must not leave the others waiting in
+    # the next collective: the outcome is gathered, and every rank raises the same error.
+    try:
+        with open(path, "wb") as f:
+            torch.save({"layers": layers, "rng": _rng_state(model.device)}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        info: dict[str, Any] = {"sha256": _sha256(path), "bytes": path.stat().st_size}
+    except OSError as e:
+        info = {"error": f"rank {rank}: cannot write {path}: {e}"}
     infos: list[Any] = [None] * world
     dist.all_gather_object(infos, info, group=group)
+    failed = [i["error"] for i in infos if "error" in i]
+    if failed:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier(group=group)
+        raise OSError(f"save_checkpoint: nothing was saved; {failed[0]}")
 
     if rank == 0:
         layouts = _layouts(model)
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         manifest = {
             "format": FORMAT, "step": step, "world_size": world,
             "param_dtype": str(model.mixed_precision.param_dtype).removeprefix("torch."),
@@ -166,11 +199,14 @@ def save_checkpoint(root: str | Path, step: int, model: ShardedSequential,
             os.fsync(f.fileno())
         _fsync_dir(tmp)
         if final.exists():  # the same step saved again: replace it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+            _remove_dir(final)
+        os.rename(tmp, final)  # the commit point
         _fsync_dir(root)
         for old in list_checkpoints(root)[:-keep_last] if keep_last > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove_dir(old)
+        for left in root.iterdir():
+            if _LEFTOVER_DIR.match(left.name) and left != tmp:
+                shutil.rmtree(left, ignore_errors=True)
     dist.barrier(group=group)
     return final
 
@@ -188,10 +224,11 @@ def read_manifest(path: Path) -> dict[str, Any]:
                               f"did not finish leaves only a .tmp directory) — use an earlier one")
     try:
         manifest = json.loads(mf.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: invalid JSON or UTF-8
         raise CheckpointError(f"{mf}: unreadable manifest ({e})") from e
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{mf}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(f"{mf}: format {found!r}, expected {FORMAT!r}")
     return manifest
 
 
@@ -212,18 +249,44 @@ def verify_files(path: Path, manifest: dict[str, Any], ranks: list[int] | None =
             raise CheckpointError(f"{f}: checksum mismatch: the file is corrupt")
 
 
-def _check_matches(path: Path, manifest: dict[str, Any], model: ShardedSequential) -> None:
+def _layer_difference(mine: dict[str, Any], saved: dict[str, Any]) -> str:
+    """What differs between a layer's layouts in the model and in a manifest, in words."""
+    for group in ("trainable", "frozen"):
+        a, b = mine[group], saved[group]
+        if (a is None) != (b is None):
+            return (f"the model has {'no' if a is None else 'some'} {group} parameters, the "
+                    f"checkpoint {'none' if b is None else 'some'}")
+        if a is None:
+            continue
+        names_a = [s[0] for s in a["slots"]]
+        names_b = [s[0] for s in b["slots"]]
+        if names_a != names_b:
+            return (f"{group} parameters {names_a} in the model, {names_b} in the checkpoint")
+        for (name, shape_a, _), (_, shape_b, _) in zip(a["slots"], b["slots"]):
+            if list(shape_a) != list(shape_b):
+                return (f"parameter {name!r} has shape {tuple(shape_a)} in the model, "
+                        f"{tuple(shape_b)} in the checkpoint")
+    return "the parameters differ"
+
+
+def _check_matches(path: Path, manifest: dict[str, Any], model: ShardedSequential,
+                   optimizer: torch.optim.Optimizer) -> None:
+    mf = path / MANIFEST
     mine = _layouts(model)
     if len(mine) != len(manifest["layers"]):
-        raise CheckpointError(f"{path}: the checkpoint has {len(manifest['layers'])} layers, the "
+        raise CheckpointError(f"{mf}: the checkpoint has {len(manifest['layers'])} layers, the "
                               f"model has {len(mine)}: it was written for another model")
     if model_fingerprint(mine) != manifest["model_fingerprint"]:
         for i, (a, b) in enumerate(zip(mine, manifest["layers"])):
             if model_fingerprint([a]) != model_fingerprint([b]):
-                raise CheckpointError(f"{path}: layer {i} differs from the checkpoint's (parameter "
-                                      f"names, shapes or which are trainable): it was written "
+                raise CheckpointError(f"{mf}: layer {i} does not match the model: "
+                                      f"{_layer_difference(a, b)}; the checkpoint was written "
                                       f"for another model or fine-tuning mode")
-        raise CheckpointError(f"{path}: the checkpoint was written for another model")
+        raise CheckpointError(f"{mf}: the checkpoint was written for another model")
+    saved_groups = manifest["optimizer"]["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise CheckpointError(f"{mf}: the checkpoint's optimizer has {len(saved_groups)} param "
+                              f"groups, this one has {len(optimizer.param_groups)}")
 
 
 class _ShardReader:
@@ -272,11 +335,15 @@ def load_checkpoint(path: str | Path, model: ShardedSequential,
     error = None
     try:
         manifest = read_manifest(path)
-        _check_matches(path, manifest, model)
+        _check_matches(path, manifest, model, optimizer)
         old_world = manifest["world_size"]
         verify_files(path, manifest)
     except CheckpointError as e:
         error = str(e)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        # A manifest of the right format but with missing or mistyped fields: reported on every
+        # rank like any other problem, rather than raised on one while the others wait.
+        error = f"{path / MANIFEST}: malformed manifest ({type(e).__name__}: {e})"
     errors: list[Any] = [None] * world
     dist.all_gather_object(errors, error, group=model.group)
     failed = [e for e in errors if e is not None]

@@ -19,7 +19,7 @@ import shutil
 import sys
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from safetensors.torch import save_file
@@ -30,12 +30,15 @@ from zerocore.flat_layout import FlatLayout
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def iter_full_layers(ckpt: Path, *, trainable_only: bool, dtype: torch.dtype | None = None
+def iter_full_layers(ckpt: Path, *, trainable_only: bool, dtype: torch.dtype | None = None,
+                     manifest: dict[str, Any] | None = None
                      ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
     """(layer index, {parameter name: full tensor}) for each layer, from the checkpoint's shards.
-    Trainable parameters come from the fp32 masters; ``dtype`` casts them (default fp32)."""
-    manifest = read_manifest(ckpt)
-    verify_files(ckpt, manifest)
+    Trainable parameters come from the fp32 masters; ``dtype`` casts them (default fp32).
+    ``manifest``: the checkpoint's, already read and its files verified (else done here)."""
+    if manifest is None:
+        manifest = read_manifest(ckpt)
+        verify_files(ckpt, manifest)
     reader = _ShardReader(ckpt, manifest["world_size"])
     frozen_dtype = _DTYPES[manifest["param_dtype"]]
     for index, saved in enumerate(manifest["layers"]):
@@ -64,14 +67,26 @@ def consolidate(ckpt: Path, out: Path, *, trainable_only: bool = False,
     if out.exists():
         raise FileExistsError(f"{out} exists; choose a new output directory (nothing is "
                               f"overwritten)")
+    # Everything that can be known to fail is checked before anything is written.
+    manifest = read_manifest(ckpt)
+    n_layers = len(manifest["layers"])
+    if not trainable_only and not manifest["include_frozen"]:
+        missing = [i for i, saved in enumerate(manifest["layers"]) if saved["frozen"] is not None]
+        if missing:
+            raise CheckpointError(
+                f"{ckpt}: cannot rebuild the full weights: the checkpoint holds no frozen "
+                f"weights (it was saved without include_frozen, so layers {missing} keep theirs "
+                f"in the base model); use --trainable-only, or export through the application "
+                f"with the base model")
+    verify_files(ckpt, manifest)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
-        n_layers = len(read_manifest(ckpt)["layers"])
         trainable: dict[str, torch.Tensor] = {}
         index: dict[str, str] = {}
         total = 0
-        for i, tensors in iter_full_layers(ckpt, trainable_only=trainable_only, dtype=dtype):
+        for i, tensors in iter_full_layers(ckpt, trainable_only=trainable_only, dtype=dtype,
+                                           manifest=manifest):
             named = {f"layers.{i}.{k}": v for k, v in tensors.items()}
             total += sum(t.numel() * t.element_size() for t in named.values())
             if trainable_only:
