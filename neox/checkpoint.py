@@ -26,7 +26,7 @@ import abc
 import dataclasses
 import hashlib
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -42,6 +42,23 @@ __all__ = ["CheckpointError", "CheckpointReader", "RandomInit", "open_checkpoint
 class CheckpointError(ValueError):
     """A checkpoint is missing, unreadable or does not match the model. The message names the
     file and, where one is at fault, the tensor."""
+
+
+def load_state_file(path: Path) -> dict[str, Any]:
+    """A ``torch.save``d dict of tensors, memory-mapped so only what is used is read (a pre-zip
+    pickle cannot be mapped and is read whole). ``CheckpointError`` names the file on failure."""
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # unpickling raises many types
+        raise CheckpointError(f"{path}: cannot load ({e})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a state dict")
+    return state
 
 
 def layer_label(kind: LayerKind, index: int | None) -> str:

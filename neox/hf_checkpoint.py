@@ -31,7 +31,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from neox.checkpoint import CheckpointError, CheckpointReader, layer_label
+from neox.checkpoint import CheckpointError, CheckpointReader, layer_label, load_state_file
 from neox.config import NeoXConfig
 from neox.model import LayerKind, build_layer
 
@@ -174,19 +174,7 @@ class HFCheckpointReader(CheckpointReader):
         if self._bin_cache is not None and self._bin_cache[0] == file:
             return self._bin_cache[1]
         self._bin_cache = None
-        fpath = self.path / file
-        try:
-            try:
-                state = torch.load(fpath, map_location="cpu", mmap=True, weights_only=True)
-            except RuntimeError as e:
-                if "mmap" not in str(e):
-                    raise
-                # A pre-zip pickle: it cannot be mapped, so it is read whole.
-                state = torch.load(fpath, map_location="cpu", weights_only=True)
-        except Exception as e:  # unpickling raises many types
-            raise CheckpointError(f"{fpath}: cannot load ({e})") from None
-        if not isinstance(state, dict):
-            raise CheckpointError(f"{fpath}: holds a {type(state).__name__}, not a state dict")
+        state = load_state_file(self.path / file)
         self._bin_cache = (file, state)
         return state
 

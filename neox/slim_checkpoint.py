@@ -55,7 +55,7 @@ from typing import Any, Iterable, Literal, Mapping
 
 import torch
 
-from neox.checkpoint import CheckpointError, CheckpointReader, layer_label
+from neox.checkpoint import CheckpointError, CheckpointReader, layer_label, load_state_file
 from neox.config import PRESETS, SUPPORTED_ACTIVATIONS, NeoXConfig
 from neox.model import LayerKind
 
@@ -491,21 +491,7 @@ class SlimCheckpointReader(CheckpointReader):
                 f"partition {rank} of {self.tp} of {layer_label(kind, index)}")
         return file
 
-    @staticmethod
-    def _load(file: Path) -> dict[str, Any]:
-        try:
-            try:
-                state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
-            except RuntimeError as e:
-                if "mmap" not in str(e):
-                    raise
-                # A pre-zip pickle cannot be mapped; it is read whole.
-                state = torch.load(file, map_location="cpu", weights_only=True)
-        except Exception as e:  # unpickling raises many types
-            raise CheckpointError(f"{file}: cannot load ({e})") from None
-        if not isinstance(state, dict):
-            raise CheckpointError(f"{file}: holds a {type(state).__name__}, not a state dict")
-        return state
+    _load = staticmethod(load_state_file)
 
     def _source(self, kind: LayerKind, index: int | None) -> tuple[int, dict[str, str]]:
         """(pipeline layer, {Megatron name: merge rule}) of a layer."""

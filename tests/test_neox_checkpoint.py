@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+
 import neox
+import neox_testing
 import neox.hf_checkpoint as hf_checkpoint
 from neox import CheckpointError
 
@@ -25,19 +27,12 @@ N_LAYERS = 4
 
 
 def random_hf_model(seed: int = 0, **overrides):
+    """The test's small random configuration; see neox_testing.random_hf_model."""
     kwargs = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=N_LAYERS,
                   num_attention_heads=4, intermediate_size=48, max_position_embeddings=64,
                   rotary_pct=0.5)
     kwargs.update(overrides)
-    torch.manual_seed(seed)
-    model = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**kwargs)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "layernorm.weight" in name or "layer_norm.weight" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.2)
-    return model
+    return neox_testing.random_hf_model(transformers, seed, **kwargs)
 
 
 IDS = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(3))

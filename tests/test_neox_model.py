@@ -12,9 +12,11 @@ import json
 
 import pytest
 import torch
+
 from torch import nn
 
 import neox
+import neox_testing
 from neox.config import SUPPORTED_ACTIVATIONS, NeoXConfig
 from neox.hf_checkpoint import hf_key
 from neox.model import ACTIVATIONS, normalize_filter_layers
@@ -32,20 +34,11 @@ VOCAB = 101
 
 
 def random_hf_model(seed: int = 0, **overrides):
-    """A GPTNeoXForCausalLM with every parameter random (weights N(0, 0.2), layer-norm gains
-    around 1), in eval mode."""
+    """The test's small random configuration; see neox_testing.random_hf_model."""
     kwargs = dict(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
                   intermediate_size=80, max_position_embeddings=64)
     kwargs.update(overrides)
-    torch.manual_seed(seed)
-    model = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**kwargs)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "layernorm.weight" in name or "layer_norm.weight" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.2)
-    return model
+    return neox_testing.random_hf_model(transformers, seed, **kwargs)
 
 
 def hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
