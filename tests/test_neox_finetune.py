@@ -535,3 +535,20 @@ def test_tokenizer_larger_than_the_vocabulary(cli_dirs, hf_checkpoint, tmp_path)
     proc = run_cli("--nproc", 1, "--checkpoint", hf_checkpoint, "--tokenizer",
                    tmp_path / "big.json", *common_args(cli_dirs, tmp_path / "out"))
     assert_clean_error(proc, "tokenizer larger than the vocabulary")
+
+
+def test_torchrun_joins_its_group(cli_dirs, tmp_path):
+    """Under torchrun (RANK/WORLD_SIZE set by the launcher) the CLI joins that group instead of
+    spawning: the way it runs across machines."""
+    from dist_utils import free_port
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), "-m", "neox.finetune", "--max-steps", "2",
+         *map(str, common_args(cli_dirs, tmp_path / "out"))],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+    _check_ok(proc)
+    assert "world size 2, init env://" in proc.stdout
+    steps, _ = read_metrics(tmp_path / "out")
+    assert [r["step"] for r in steps] == [1, 2]
