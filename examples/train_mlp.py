@@ -31,6 +31,15 @@ def train(rank: int, world_size: int, port: int, steps: int) -> None:
     if "RANK" not in os.environ:  # spawned here; under torchrun the environment is set already
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        run(rank, steps)
+    finally:
+        # After the model (which holds the group) is gone: a process group destroyed while
+        # objects still use it can abort the process at exit.
+        dist.destroy_process_group()
+
+
+def run(rank: int, steps: int) -> None:
     model = zerocore.shard(make_layers(width=256, depth=4))
     optimizer = zerocore.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     scaler = zerocore.LossScaler(model.group, dynamic=False)  # global-norm clipping across ranks
@@ -49,7 +58,6 @@ def train(rank: int, world_size: int, port: int, steps: int) -> None:
         if rank == 0 and (step % 10 == 0 or step == steps - 1):
             print(f"step {step:4d}  loss {loss.item():.4f}  grad norm {result.grad_norm:.3f}")
     print(report.table())
-    dist.destroy_process_group()
 
 
 def main() -> None:

@@ -339,7 +339,7 @@ def test_cli_one_rank_bias_finetuning(run_biases):
 
 def test_cli_two_ranks_lora_filter_layers_one_epoch(run_lora):
     proc, out = run_lora
-    m = re.search(r"([\d,]+) training and [\d,]+ validation windows", proc.stdout)
+    m = re.search(r"([\d,]+) train, [\d,]+ validation", proc.stdout)
     assert m, proc.stdout
     n_train = int(m.group(1).replace(",", ""))
     # One epoch: every rank takes CLI_BATCH windows per step from one shared permutation, the
