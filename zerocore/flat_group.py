@@ -106,20 +106,10 @@ class FlatGroup:
         self._storage = storage
         self._handles: list[dist.Work | None] = []  # the all-gather in flight
         self.state = GroupState.SHARDED
-        # gloo's tensor collectives copy more than they must: its all-gather gathers into a new
-        # full-size temporary and copies that out, and its reduce-scatter clones the whole input,
-        # all-reduces the clone and copies this rank's slice out (AVG is SUM, then a division).
-        # With gloo on the CPU the engine therefore gathers with one broadcast per rank straight
-        # into the gathered buffer, and reduces gradients by all-reducing the packed buffer
-        # (ours to overwrite) in place and dividing this rank's slice of the sum. Both give
-        # bitwise the same values with less time and CPU than gloo's own collectives (8 MiB
-        # per layer, 2 ranks on 2 cores: ~35% and ~20% less CPU; there, whatever CPU the
-        # collectives use is taken from the compute).
+        # gloo's own all-gather and reduce-scatter copy more than they must; on it the engine
+        # uses the equivalent collectives.all_gather_by_broadcast / all_reduce_sum_in_place.
         self._gloo = (dist.get_backend(ctx.process_group) == "gloo"
                       and ctx.device.type == "cpu")
-        # broadcast names its source by global rank
-        self._global_ranks = [dist.get_global_rank(ctx.process_group, r)
-                              for r in range(layout.world_size)]
 
     # -- all-gather ------------------------------------------------------------------------------
 
@@ -140,24 +130,12 @@ class FlatGroup:
             return
         self._storage.resize_(self._storage_nbytes)
         if self._gloo:
-            self._handles = self._gather_by_broadcast(self._gather_input())
+            self._handles = collectives.all_gather_by_broadcast(
+                self._comm, self._gather_input(), self.ctx.process_group, self.ctx.counter)
         else:
             self._handles = [collectives.all_gather(self._comm, self._gather_input(),
                                                     self.ctx.process_group, self.ctx.counter)]
         self.state = GroupState.GATHERING
-
-    def _gather_by_broadcast(self, shard: torch.Tensor) -> list[dist.Work | None]:
-        """The all-gather as one broadcast from each rank, in rank order on every rank, each
-        received in place into its slice of the gathered buffer (see __init__ for why)."""
-        ctx, world = self.ctx, self.layout.world_size
-        ctx.counter.all_gather_bytes += self._comm.numel() * self._comm.element_size()
-        ctx.counter.all_gather_calls += 1
-        slices = self._comm.chunk(world)
-        handles = [dist.broadcast(shard if r == ctx.rank else slices[r], src=src,
-                                  group=ctx.process_group, async_op=True)
-                   for r, src in enumerate(self._global_ranks)]
-        slices[ctx.rank].copy_(shard)  # while the other ranks' slices arrive
-        return handles
 
     def wait_gather(self) -> None:
         self.start_gather()
@@ -218,12 +196,8 @@ class FlatGroup:
         present = [(g, s.offset) for g, s in zip(grads, self.layout.slots) if g is not None]
         ops.pack([g for g, _ in present], [o for _, o in present], packed)
         if self._gloo:
-            # Counted as the reduce-scatter it stands for: the same unsharded buffer.
-            counter = self.ctx.counter
-            counter.reduce_scatter_bytes += packed.numel() * packed.element_size()
-            counter.reduce_scatter_calls += 1
-            handle = dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=self.ctx.process_group,
-                                     async_op=True)
+            handle = collectives.all_reduce_sum_in_place(packed, self.ctx.process_group,
+                                                         self.ctx.counter)
             return PendingGrad(self, handle, None, packed, summed_in_place=True, scratch=scratch)
         output = torch.empty(self.layout.shard_numel, dtype=dtype, device=dev)
         handle = collectives.reduce_scatter_avg(output, packed, self.ctx.process_group,
