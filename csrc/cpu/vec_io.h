@@ -1,11 +1,23 @@
 // Loading and storing 2 x Vectorized<float> (16 elements with AVX2) from float, Half or BFloat16
 // memory, so each CPU kernel is written once in float arithmetic for every dtype combination.
-// All loads and stores are unaligned (loadu/storeu), so any offset into a buffer is correct.
+// Loads and normal stores are unaligned (loadu/storeu), so any offset into a buffer is correct;
+// the streaming stores below need alignment, which their callers arrange.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+
+#include <cstdint>
+#include <type_traits>
+
+// Streaming stores are written with AVX2 intrinsics on the 256-bit at::vec types, so only when
+// at::vec uses its AVX2 implementation (see zerocore/_sources.py); elsewhere they are normal
+// stores.
+#if defined(CPU_CAPABILITY_AVX2) && defined(__AVX2__)
+#define ZEROCORE_AVX2_STREAMING 1
+#include <immintrin.h>
+#endif
 
 namespace zerocore::cpu {
 
@@ -14,7 +26,7 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kBlock = 2 * Vec::size();
 
 template <typename T>
-inline void load2(const T* src, Vec& a, Vec& b) {
+C10_ALWAYS_INLINE void load2(const T* src, Vec& a, Vec& b) {
   if constexpr (std::is_same_v<T, float>) {
     a = Vec::loadu(src);
     b = Vec::loadu(src + Vec::size());
@@ -24,7 +36,7 @@ inline void load2(const T* src, Vec& a, Vec& b) {
 }
 
 template <typename T>
-inline void store2(T* dst, const Vec& a, const Vec& b) {
+C10_ALWAYS_INLINE void store2(T* dst, const Vec& a, const Vec& b) {
   if constexpr (std::is_same_v<T, float>) {
     a.store(dst);
     b.store(dst + Vec::size());
@@ -43,6 +55,60 @@ inline void dispatch_float(at::ScalarType t, F&& f) {
     case at::kBFloat16: f(static_cast<c10::BFloat16*>(nullptr)); break;
     default: TORCH_CHECK(false, "zerocore: unsupported dtype ", t);
   }
+}
+
+// Streaming (non-temporal) stores. A normal store to a line that is not in the cache first reads
+// the line from memory (write-allocate), so copying B bytes moves 3B; a streaming store writes
+// whole lines straight to memory and moves 2B. The price is that the written data leaves the
+// cache, so the kernels use them only when a call touches more bytes than kStreamingMinBytes,
+// where the data would be evicted before anyone reads it anyway. Streaming stores need 32-byte
+// aligned addresses: callers store a short head normally (streaming_head) and stream the rest.
+#if defined(ZEROCORE_AVX2_STREAMING)
+constexpr bool kHaveStreamingStores = true;
+#else
+constexpr bool kHaveStreamingStores = false;
+#endif
+
+// A fixed size rather than the cache size reported by the OS: sysconf reports 320 MiB of L3 in
+// the development VM, whose CPU has 32 MiB, and 32 MiB is the last-level cache of one core
+// complex of current server CPUs.
+constexpr int64_t kStreamingMinBytes = int64_t{32} << 20;
+
+inline bool use_streaming_stores(int64_t bytes_touched) {
+  return kHaveStreamingStores && bytes_touched > kStreamingMinBytes;
+}
+
+// How many leading elements of dst to store normally so that the rest starts 32-byte aligned, or
+// -1 when no element of dst is (an address that is not a multiple of sizeof(T)).
+template <typename T>
+inline int64_t streaming_head(const T* dst) {
+  const auto misalign = static_cast<int64_t>(reinterpret_cast<uintptr_t>(dst) % 32);
+  if (misalign % static_cast<int64_t>(sizeof(T)) != 0) return -1;
+  return ((32 - misalign) % 32) / static_cast<int64_t>(sizeof(T));
+}
+
+// store2 with streaming stores; dst must be 32-byte aligned. Callers end each thread's share of
+// work with streaming_fence().
+template <typename T>
+C10_ALWAYS_INLINE void stream2(T* dst, const Vec& a, const Vec& b) {
+#if defined(ZEROCORE_AVX2_STREAMING)
+  if constexpr (std::is_same_v<T, float>) {
+    _mm256_stream_ps(dst, a);
+    _mm256_stream_ps(dst + Vec::size(), b);
+  } else {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), at::vec::convert_from_float<T>(a, b));
+  }
+#else
+  store2(dst, a, b);
+#endif
+}
+
+// Streaming stores are weakly ordered: fence them before another thread may read the data (the
+// end of a parallel region).
+inline void streaming_fence() {
+#if defined(ZEROCORE_AVX2_STREAMING)
+  _mm_sfence();
+#endif
 }
 
 // Elements per task of at::parallel_for: large enough that thread start-up is amortised, small
