@@ -205,6 +205,7 @@ def iter_layers(reader: CheckpointReader, *, filter_layers: Iterable[int] | None
         if prepare is not None:
             prepare(layer)
         yield layer
+        del layer  # before the next one is read: one layer in memory at a time
 
 
 def from_pretrained(path: str | Path, *, filter_layers: Iterable[int] | None = None,

@@ -61,6 +61,19 @@ def _agree_on_layer(index: int, layer: nn.Module | None, group: dist.ProcessGrou
     return bool(present[0])
 
 
+def _check_not_tied(layer: nn.Module, index: int,
+                    owners: weakref.WeakValueDictionary[int, nn.Parameter]) -> None:
+    """Refuses a parameter already seen in an earlier layer, and remembers this layer's. (A
+    function of its own so that no loop variable keeps a full parameter alive afterwards.)"""
+    for name, p in layer.named_parameters():
+        if owners.get(id(p)) is p:
+            raise ValueError(f"zerocore.shard: parameter {name} of layer {index} also belongs to "
+                             f"an earlier layer; parameters tied across layers are not supported "
+                             f"(untie them or put both users in one layer)")
+    for p in layer.parameters():
+        owners[id(p)] = p
+
+
 class ShardedSequential(nn.Module):
     """Runs sharded layers in order; see ``zerocore.shard``."""
 
@@ -85,14 +98,7 @@ class ShardedSequential(nn.Module):
             layer = next(iterator, None)
             if not _agree_on_layer(len(sharded), layer, group, device):
                 break
-            for name, p in layer.named_parameters():
-                if owners.get(id(p)) is p:
-                    raise ValueError(f"zerocore.shard: parameter {name} of layer {len(sharded)} "
-                                     f"also belongs to an earlier layer; parameters tied across "
-                                     f"layers are not supported (untie them or put both users in "
-                                     f"one layer)")
-            for p in layer.parameters():
-                owners[id(p)] = p
+            _check_not_tied(layer, len(sharded), owners)
             sharded.append(ShardedLayer(layer, len(sharded), ctx, self.world_size))
             del layer  # materialised layers may be freed one by one (see `shard`)
         if not sharded:
