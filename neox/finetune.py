@@ -169,6 +169,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, init_method: st
            use_cuda: bool) -> None:
     # Imported here, not at the top: the launcher (and --help) need not load the engine.
     from neox.training import PeerFailed, run_training
+    code = 0
     try:
         backend = "nccl" if use_cuda else "gloo"
         if use_cuda:
@@ -181,23 +182,28 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, init_method: st
         dist.init_process_group(backend, init_method=init_method, rank=rank,
                                 world_size=world_size,
                                 timeout=datetime.timedelta(seconds=args.timeout))
-        try:
-            if rank == 0:
-                print(f"Distributed: backend {backend}, world size {world_size}, "
-                      f"init {init_method}")
-            run_training(args, rank=rank, world_size=world_size,
-                         device=torch.device("cuda", torch.cuda.current_device()) if use_cuda
-                         else torch.device("cpu"))
-        finally:
-            dist.destroy_process_group()
+        if rank == 0:
+            print(f"Distributed: backend {backend}, world size {world_size}, "
+                  f"init {init_method}")
+        run_training(args, rank=rank, world_size=world_size,
+                     device=torch.device("cuda", torch.cuda.current_device()) if use_cuda
+                     else torch.device("cpu"))
     except (UsageError, ValueError, FileNotFoundError) as e:
         print(f"error (rank {rank}): {e}", file=sys.stderr)
-        sys.exit(2)
+        code = 2
     except PeerFailed:
-        sys.exit(2)  # another rank reported the error (neox.training.agree)
+        code = 2  # another rank reported the error (neox.training.agree)
     except Exception:
         traceback.print_exc()
-        sys.exit(1)
+        code = 1
+    if code:
+        # Leave at once: the failed run's objects still hold the process group, and tearing it
+        # down under them at interpreter exit can abort the process (gloo: "terminate called
+        # without an active exception"), which would bury the message above.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
