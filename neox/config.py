@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
-__all__ = ["NeoXConfig", "PRESETS", "SUPPORTED_ACTIVATIONS"]
+__all__ = ["NeoXConfig", "PRESETS", "SUPPORTED_ACTIVATIONS", "normalize_filter_layers",
+           "filtered_config"]
 
 # The activations neox.model implements, under transformers' ACT2FN names. Kept here (not
 # imported from model.py) so the config can be validated without building a model; model.py
@@ -195,6 +196,45 @@ class NeoXConfig:
             "hidden_dropout": 0.0,
             "use_cache": True,
         }
+
+
+def normalize_filter_layers(config: NeoXConfig,
+                            filter_layers: Iterable[int] | None) -> tuple[int, ...]:
+    """The kept block indices, sorted and de-duplicated. ``None`` keeps every block.
+
+    ``filter_layers`` counts transformer blocks from 0 as the checkpoint does
+    (``gpt_neox.layers.{i}``): valid values are ``0 .. num_hidden_layers-1``. The embedding,
+    final norm and readout are always kept. (labml's reference counted the embedding as layer
+    0 and the blocks from 1, so its ``{0, 1}`` -- embedding plus first block -- is ``{0}`` here.)
+    """
+    n = config.num_hidden_layers
+    if filter_layers is None:
+        return tuple(range(n))
+    if isinstance(filter_layers, (str, bytes)):
+        raise ValueError(f"filter_layers must be a collection of block indices, got "
+                         f"{filter_layers!r}")
+    chosen = list(filter_layers)
+    for i in chosen:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise ValueError(f"filter_layers must contain integers (block indices 0..{n - 1}), "
+                             f"got {i!r}")
+    if not chosen:
+        raise ValueError(f"filter_layers is empty; give at least one block index in "
+                         f"0..{n - 1} (embedding, final norm and readout are always kept)")
+    bad = sorted({i for i in chosen if not 0 <= i < n})
+    if bad:
+        raise ValueError(f"filter_layers {bad} out of range: this model has {n} blocks, "
+                         f"valid indices are 0..{n - 1} (0-based, as gpt_neox.layers.{{i}} in "
+                         f"the checkpoint; the embedding is not counted)")
+    return tuple(sorted(set(chosen)))
+
+
+def filtered_config(config: NeoXConfig, filter_layers: Iterable[int] | None) -> NeoXConfig:
+    """The configuration of the stack that keeps only ``filter_layers`` (see
+    ``normalize_filter_layers``): the same model with ``num_hidden_layers`` = kept blocks. What
+    a filtered model is exported, loaded and described as."""
+    kept = normalize_filter_layers(config, filter_layers)
+    return dataclasses.replace(config, num_hidden_layers=len(kept))
 
 
 # Published hyper-parameters (the config.json of each EleutherAI checkpoint). "tiny" is ours:

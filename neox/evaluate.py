@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from neox import data as nd
-from neox.inference import add_model_arguments, load_model
+from neox.inference import add_arguments, load_model
 from neox.progress import Progress
 
 
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("text", type=Path, nargs="?", default=None,
                    help="UTF-8 text file (default: tiny_shakespeare from --data-dir)")
-    add_model_arguments(p)
+    add_arguments(p)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-windows", type=int, default=None, help="evaluate only the first N")
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model, tokenizer, device = load_model(args)
         data_dir = args.data_dir or nd.default_data_dir()
-        text = (nd.load_corpus(args.text, cache_dir=Path.home() / ".cache" / "zerocore",
+        text = (nd.load_corpus(args.text, cache_dir=nd.default_cache_dir(),
                                data_dir=data_dir, url=None,
                                log=lambda *a, **k: None).text)
         tokens = torch.from_numpy(nd.encode_text(tokenizer, text).astype("int64"))

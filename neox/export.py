@@ -24,10 +24,10 @@ from zerocore.checkpoint import CheckpointError as ShardCheckpointError
 from zerocore.checkpoint import read_manifest
 from zerocore.consolidate import iter_full_layers
 
-from neox.checkpoint import CheckpointError, RandomInit, iter_layers, open_checkpoint
+from neox.weights import RandomInit, WeightsError, iter_layers, open_weights
 from neox.config import NeoXConfig
 from neox.finetune_modes import FinetuneMode, prepare_layer
-from neox.hf_checkpoint import hf_key, save_hf
+from neox.weights.hf import hf_key, save_hf
 from neox.lora import merge_lora
 from neox.model import layer_specs
 
@@ -44,7 +44,7 @@ def trained_layers(ckpt: Path, log=print) -> Iterator[tuple[Any, str, int | None
                                                             dict[str, torch.Tensor]]]:
     """(layer spec, kind, block index in the exported model, full fine-tuned state) per layer."""
     args, config = _run_settings(ckpt)
-    reader = (open_checkpoint(args["checkpoint"]) if args.get("checkpoint")
+    reader = (open_weights(args["checkpoint"]) if args.get("checkpoint")
               else RandomInit(config, seed=args["seed"]))
     mode = FinetuneMode(args["finetune"], lora_rank=args["lora_rank"],
                         lora_alpha=args["lora_alpha"],
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         out = export(args.checkpoint, args.out, lora=args.lora)
-    except (CheckpointError, ShardCheckpointError, FileExistsError, ValueError) as e:
+    except (WeightsError, ShardCheckpointError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {out}")

@@ -9,49 +9,21 @@ process group, which is how it runs across machines.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
-import json
-import math
 import os
 import socket
 import sys
-import time
 import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from neox.cli import DTYPES, UsageError, parse_layers
+
 # Seconds the other ranks get to exit by themselves once one has failed.
 SHUTDOWN_GRACE_S = 10.0
-
-
-class UsageError(Exception):
-    """A problem with the user's input: reported as one clear message, without a traceback."""
-
-
-def parse_layers(text: str | None) -> list[int] | None:
-    """"0,1,4-6" -> [0, 1, 4, 5, 6]."""
-    if text is None:
-        return None
-    out: list[int] = []
-    try:
-        for part in text.split(","):
-            part = part.strip()
-            if "-" in part:
-                lo, hi = part.split("-")
-                out.extend(range(int(lo), int(hi) + 1))
-            elif part:
-                out.append(int(part))
-    except ValueError:
-        raise UsageError(f"--filter-layers {text!r}: expected block indices like '0,1,4-6'")
-    if not out:
-        raise UsageError("--filter-layers is empty: give at least one block index, e.g. '0,1'")
-    return sorted(set(out))
 
 
 def build_parser() -> argparse.ArgumentParser:

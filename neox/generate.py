@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from neox.inference import add_model_arguments, load_model
+from neox.inference import add_arguments, load_model
 from neox.model import NeoXModel
 
 
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m neox.generate",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_model_arguments(p)
+    add_arguments(p)
     p.add_argument("--prompt", default="ROMEO:", help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")

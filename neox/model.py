@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from neox.config import SUPPORTED_ACTIVATIONS, NeoXConfig
+from neox.config import SUPPORTED_ACTIVATIONS, NeoXConfig, normalize_filter_layers
 
-__all__ = ["KVCache", "Embedding", "Block", "FinalNorm", "Readout", "NeoXModel", "LayerKind", "LayerSpec",
-           "layer_specs", "build_layer", "build_layers", "init_weights", "ACTIVATIONS"]
+__all__ = ["KVCache", "Embedding", "Block", "FinalNorm", "Readout", "NeoXModel", "LayerKind",
+           "LayerSpec", "layer_specs", "build_layer", "build_layers", "init_weights", "ACTIVATIONS"]
 
 LayerKind = Literal["embed", "block", "final_norm", "readout"]
 
@@ -253,37 +253,6 @@ class LayerSpec:
     kind: LayerKind
     source: int | None = None
     index: int | None = None
-
-
-def normalize_filter_layers(config: NeoXConfig,
-                            filter_layers: Iterable[int] | None) -> tuple[int, ...]:
-    """The kept block indices, sorted and de-duplicated. ``None`` keeps every block.
-
-    ``filter_layers`` counts transformer blocks from 0 as the checkpoint does
-    (``gpt_neox.layers.{i}``): valid values are ``0 .. num_hidden_layers-1``. The embedding,
-    final norm and readout are always kept. (labml's reference counted the embedding as layer
-    0 and the blocks from 1, so its ``{0, 1}`` -- embedding plus first block -- is ``{0}`` here.)
-    """
-    n = config.num_hidden_layers
-    if filter_layers is None:
-        return tuple(range(n))
-    if isinstance(filter_layers, (str, bytes)):
-        raise ValueError(f"filter_layers must be a collection of block indices, got "
-                         f"{filter_layers!r}")
-    chosen = list(filter_layers)
-    for i in chosen:
-        if isinstance(i, bool) or not isinstance(i, int):
-            raise ValueError(f"filter_layers must contain integers (block indices 0..{n - 1}), "
-                             f"got {i!r}")
-    if not chosen:
-        raise ValueError(f"filter_layers is empty; give at least one block index in "
-                         f"0..{n - 1} (embedding, final norm and readout are always kept)")
-    bad = sorted({i for i in chosen if not 0 <= i < n})
-    if bad:
-        raise ValueError(f"filter_layers {bad} out of range: this model has {n} blocks, "
-                         f"valid indices are 0..{n - 1} (0-based, as gpt_neox.layers.{{i}} in "
-                         f"the checkpoint; the embedding is not counted)")
-    return tuple(sorted(set(chosen)))
 
 
 def layer_specs(config: NeoXConfig, filter_layers: Iterable[int] | None = None) -> list[LayerSpec]:

@@ -21,10 +21,10 @@ from torch import nn
 
 import zerocore
 from neox import data as nd
-from neox.checkpoint import RandomInit, iter_layers, open_checkpoint
+from neox.weights import RandomInit, iter_layers, open_weights
 from neox.config import PRESETS, NeoXConfig
 from neox.finetune_modes import FinetuneMode, prepare_layer
-from neox.hf_checkpoint import save_hf
+from neox.weights import save_hf
 from neox.lora import merge_lora
 from neox.model import layer_specs
 from neox.progress import Progress
@@ -98,7 +98,7 @@ def prepare_data(args: argparse.Namespace, rank: int, log: Callable[..., None]) 
 def model_config(args: argparse.Namespace, tokenizer: Any) -> tuple[NeoXConfig, Any]:
     """The configuration and the reader the layers come from (a checkpoint or a random init)."""
     if args.checkpoint is not None:
-        reader = open_checkpoint(args.checkpoint)
+        reader = open_weights(args.checkpoint)
         config = reader.config
     else:
         if args.model not in PRESETS:
@@ -110,7 +110,8 @@ def model_config(args: argparse.Namespace, tokenizer: Any) -> tuple[NeoXConfig, 
                 config, vocab_size=-(-rows // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
         reader = RandomInit(config, seed=args.seed)
     nd.check_vocab(tokenizer, config.vocab_size)
-    layer_specs(config, args.filter_layers)  # out-of-range --filter-layers: fail before building
+    if args.filter_layers is not None and not isinstance(args.filter_layers, list):
+        args.filter_layers = list(args.filter_layers.blocks(config.num_hidden_layers))
     return config, reader
 
 
@@ -294,7 +295,7 @@ def run_training(args: argparse.Namespace, *, rank: int, world_size: int,
 
 
 def _dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:
-    from neox.finetune import DTYPES
+    from neox.cli import DTYPES
     if args.dtype is not None:
         return DTYPES[args.dtype]
     if device.type == "cuda":

@@ -41,7 +41,7 @@ import neox
 import zerocore
 from dist_utils import World, global_mean
 from neox import data as nd
-from neox.checkpoint import RandomInit, iter_layer_states, iter_layers
+from neox.weights import RandomInit, iter_layer_states, iter_layers
 from neox.config import PRESETS, NeoXConfig
 from neox.finetune import build_parser
 from neox.finetune_modes import BIAS_NAMES, FinetuneMode, prepare_layer
@@ -459,9 +459,11 @@ def assert_clean_error(proc: subprocess.CompletedProcess, phrase: str) -> None:
 
 
 @pytest.mark.parametrize("value, phrase", [
-    ("0,x", "expected block indices"),   # malformed: found before any process starts
+    ("0,x", "expected indices like"),    # malformed: found before any process starts
     (",", "--filter-layers is empty"),
-    ("1,7", "out of range"),             # the tiny preset has blocks 0..3: found by the ranks
+    ("5-2", "reversed range"),
+    ("1,7", "out of range"),             # the tiny preset has blocks 0..3
+    ("0-1000000000", "out of range"),    # not expanded before it is checked
 ])
 def test_bad_filter_layers(cli_dirs, tmp_path, value, phrase):
     proc = run_cli("--nproc", 1, "--filter-layers", value, *common_args(cli_dirs, tmp_path))

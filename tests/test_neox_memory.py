@@ -12,7 +12,7 @@ from dist_utils import World
 
 def _stream_and_count(rank, world_size):
     import zerocore
-    from neox.checkpoint import RandomInit, iter_layers
+    from neox.weights import RandomInit, iter_layers
     from neox.config import NeoXConfig
 
     config = NeoXConfig(vocab_size=512, hidden_size=64, num_hidden_layers=4,

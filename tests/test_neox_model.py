@@ -18,8 +18,9 @@ from torch import nn
 import neox
 import neox_testing
 from neox.config import SUPPORTED_ACTIVATIONS, NeoXConfig
-from neox.hf_checkpoint import hf_key
-from neox.model import ACTIVATIONS, normalize_filter_layers
+from neox.weights.hf import hf_key
+from neox.config import normalize_filter_layers
+from neox.model import ACTIVATIONS
 
 transformers = pytest.importorskip("transformers")
 

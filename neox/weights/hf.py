@@ -1,6 +1,6 @@
 """Hugging Face GPT-NeoX directories: reading them one layer at a time, and writing them.
 
-Reading (``HFCheckpointReader``): ``config.json`` plus one of
+Reading (``HFReader``): ``config.json`` plus one of
 ``model.safetensors.index.json`` (sharded safetensors), ``model.safetensors``,
 ``pytorch_model.bin.index.json`` (sharded pickles) or ``pytorch_model.bin``. Safetensors files
 are opened with ``safe_open`` and only the requested tensors are read; ``.bin`` files are
@@ -31,11 +31,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from neox.checkpoint import CheckpointError, CheckpointReader, layer_label, load_state_file
+from neox.weights.base import (WeightsError, WeightsReader, contained, layer_label,
+                               load_state_file)
 from neox.config import NeoXConfig
 from neox.model import LayerKind, build_layer
 
-__all__ = ["HFCheckpointReader", "is_hf_directory", "save_hf", "hf_key", "WEIGHT_FILES"]
+__all__ = ["HFReader", "is_hf_directory", "save_hf", "hf_key", "WEIGHT_FILES"]
 
 # In the order transformers prefers them.
 WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors",
@@ -83,15 +84,18 @@ def _classify(key: str) -> tuple[LayerKind, int | None, str] | None:
     raise KeyError(key)
 
 
-class HFCheckpointReader(CheckpointReader):
+class HFReader(WeightsReader):
     """Reads a Hugging Face GPT-NeoX directory layer by layer (see the module docstring).
 
     ``config`` overrides ``config.json``. Opening reads the configuration and the list of
     tensor names (the index, or the single file's header); tensors are read by ``read``.
+    ``allow_outside``: accept index entries naming files outside ``path`` (refused by default).
     """
 
-    def __init__(self, path: str | Path, *, config: NeoXConfig | None = None):
+    def __init__(self, path: str | Path, *, config: NeoXConfig | None = None,
+                 allow_outside: bool = False):
         self.path = Path(path)
+        self._allow_outside = allow_outside
         self._bin_cache: tuple[str, dict[str, torch.Tensor]] | None = None
         self.config = config if config is not None else self._read_config()
         self._weights = self._find_weights()  # the index or single weight file
@@ -105,18 +109,18 @@ class HFCheckpointReader(CheckpointReader):
             try:
                 where = _classify(key)
             except KeyError:
-                raise CheckpointError(f"{self.path / file}: unknown tensor '{key}', not part "
+                raise WeightsError(f"{self.path / file}: unknown tensor '{key}', not part "
                                       f"of a GPT-NeoX model") from None
             if where is None:
                 continue
             kind, index, local = where
             if kind == "block" and index >= n:
-                raise CheckpointError(f"{self.path / file}: tensor '{key}' belongs to block "
+                raise WeightsError(f"{self.path / file}: tensor '{key}' belongs to block "
                                       f"{index}, but the configuration has {n} blocks "
                                       f"(0..{n - 1})")
             names = self._layers.setdefault((kind, index), {})
             if local in names:
-                raise CheckpointError(f"{self.path / file}: tensors '{names[local]}' and "
+                raise WeightsError(f"{self.path / file}: tensors '{names[local]}' and "
                                       f"'{key}' are both {layer_label(kind, index)} {local}")
             names[local] = key
         if self.config.tie_word_embeddings and ("readout", None) not in self._layers:
@@ -129,20 +133,20 @@ class HFCheckpointReader(CheckpointReader):
     def _read_config(self) -> NeoXConfig:
         file = self.path / "config.json"
         if not file.is_file():
-            raise CheckpointError(f"{file}: missing; a Hugging Face checkpoint directory needs "
+            raise WeightsError(f"{file}: missing; a Hugging Face checkpoint directory needs "
                                   f"its config.json (or pass a config)")
         try:
             return NeoXConfig.from_hf_dict(json.loads(file.read_text()))
         except (OSError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{file}: cannot read: {e}") from None
+            raise WeightsError(f"{file}: cannot read: {e}") from None
         except ValueError as e:
-            raise CheckpointError(f"{file}: {e}") from None
+            raise WeightsError(f"{file}: {e}") from None
 
     def _find_weights(self) -> Path:
         for name in WEIGHT_FILES:
             if (self.path / name).is_file():
                 return self.path / name
-        raise CheckpointError(f"{self.path}: no weights; expected one of "
+        raise WeightsError(f"{self.path}: no weights; expected one of "
                               f"{', '.join(WEIGHT_FILES)}")
 
     def _tensor_files(self) -> dict[str, str]:
@@ -151,17 +155,20 @@ class HFCheckpointReader(CheckpointReader):
             try:
                 weight_map = json.loads(w.read_text())["weight_map"]
             except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{w}: not a readable weight index ({e!r})") from None
+                raise WeightsError(f"{w}: not a readable weight index ({e!r})") from None
             if not isinstance(weight_map, dict) or not all(
                     isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-                raise CheckpointError(f"{w}: weight_map must map tensor names to file names")
+                raise WeightsError(f"{w}: weight_map must map tensor names to file names")
+            for file in sorted(set(weight_map.values())):
+                contained(self.path, file, what=f"{w.name} (weight_map)",
+                          allow_outside=self._allow_outside)
             return dict(weight_map)
         if self._is_safetensors:
             try:
                 with safe_open(w, framework="pt") as f:
                     keys = list(f.keys())
             except Exception as e:  # safetensors raises its own error types
-                raise CheckpointError(f"{w}: not a readable safetensors file ({e})") from None
+                raise WeightsError(f"{w}: not a readable safetensors file ({e})") from None
         else:
             keys = list(self._load_bin(w.name))
         return {k: w.name for k in keys}
@@ -183,7 +190,7 @@ class HFCheckpointReader(CheckpointReader):
         if not file.is_file():
             listed = f" (listed in {self._weights.name})" if self._weights.name.endswith(
                 ".index.json") else ""
-            raise CheckpointError(f"{file}: missing file{listed}; it holds tensor '{key}'")
+            raise WeightsError(f"{file}: missing file{listed}; it holds tensor '{key}'")
         return file
 
     def read(self, kind: LayerKind, index: int | None = None) -> dict[str, torch.Tensor]:
@@ -199,18 +206,18 @@ class HFCheckpointReader(CheckpointReader):
                         present = set(f.keys())
                         for local, key in items:
                             if key not in present:
-                                raise CheckpointError(f"{file}: tensor '{key}' is listed in "
+                                raise WeightsError(f"{file}: tensor '{key}' is listed in "
                                                       f"{self._weights.name} but not in the file")
                             out[local] = f.get_tensor(key)
-                except CheckpointError:
+                except WeightsError:
                     raise
                 except Exception as e:
-                    raise CheckpointError(f"{file}: cannot read ({e})") from None
+                    raise WeightsError(f"{file}: cannot read ({e})") from None
             else:
                 state = self._load_bin(file.name)
                 for local, key in items:
                     if key not in state:
-                        raise CheckpointError(f"{file}: tensor '{key}' is listed in "
+                        raise WeightsError(f"{file}: tensor '{key}' is listed in "
                                               f"{self._weights.name} but not in the file")
                     out[local] = state[key]
         return out
@@ -243,7 +250,7 @@ def save_hf(directory: str | Path, config: NeoXConfig,
     layer_states: ``(kind, index, tensors)`` for every layer of the model ``config`` describes
         (blocks 0..num_hidden_layers-1), tensors under layer-local names, in any order, on any
         device; consumed one at a time, so a generator that gathers one layer at a time keeps
-        memory near one layer. ``neox.checkpoint.iter_layer_states(model)`` produces it.
+        memory near one layer. ``neox.weights.iter_layer_states(model)`` produces it.
     overwrite: replace an existing non-empty ``directory`` (otherwise ``FileExistsError``).
     extra_files: ``{name in the export: source file}`` copied alongside (tokenizer.json, ...).
 

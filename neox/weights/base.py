@@ -1,30 +1,24 @@
-"""Reading GPT-NeoX checkpoints one layer at a time, whatever their format.
+"""Pretrained weights, read one layer at a time whatever their format: the reader interface,
+its error, and turning a reader into materialised layers.
 
-A format is a ``CheckpointReader``: it knows the model's ``config`` and returns the tensors of
-one layer on request, reading only that layer's bytes. ``iter_layers`` turns a reader into
+A format is a ``WeightsReader``: it knows the model's ``config`` and returns the tensors of one
+layer on request, reading only that layer's bytes. ``iter_layers`` turns a reader into
 materialised layers one by one (built on the meta device, filled from ``read``, cast, prepared),
 so a consumer that keeps only its shard of each layer holds about one full layer in memory.
-``open_checkpoint`` picks the reader for a path; ``from_pretrained`` builds a whole model.
 
-Formats: Hugging Face directories (``neox.hf_checkpoint``), EleutherAI's GPT-NeoX-20B "slim
-weights" (``neox.slim_checkpoint``, imported when such a directory is opened), and random
-initialisation of a configuration (``RandomInit``, for presets without weights).
-
-Writing a new reader: subclass ``CheckpointReader``, set ``self.config`` and ``self.path``,
+Writing a new reader: subclass ``WeightsReader``, set ``self.config`` and ``self.path``,
 implement ``read`` (and ``where`` for better messages, ``close`` if files stay open). ``read``
 returns the layer's tensors under the layer's local parameter names (the names of
 ``neox.model.build_layer(kind, config).state_dict()``, e.g. ``"attention.dense.bias"`` for a
 block, ``"embed_in.weight"`` for the embedding), on any device and in any floating dtype;
 ``iter_layers`` checks names and shapes against the model and reports problems through
-``where``, so a reader only raises ``CheckpointError`` for what it alone can see (a missing or
+``where``, so a reader only raises ``WeightsError`` for what it alone can see (a missing or
 unreadable file).
 """
 
 from __future__ import annotations
 
 import abc
-import dataclasses
-import hashlib
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -32,21 +26,20 @@ import torch
 from torch import nn
 
 from neox.config import NeoXConfig
-from neox.model import (LayerKind, LayerSpec, NeoXModel, build_layer, init_weights, layer_specs,
-                        normalize_filter_layers)
+from neox.model import LayerKind, LayerSpec, build_layer, layer_specs
 
-__all__ = ["CheckpointError", "CheckpointReader", "RandomInit", "open_checkpoint", "materialize",
-           "iter_layers", "from_pretrained", "iter_layer_states", "layer_label"]
+__all__ = ["WeightsError", "WeightsReader", "load_state_file", "layer_label", "contained", "materialize",
+           "iter_layers", "iter_layer_states"]
 
 
-class CheckpointError(ValueError):
+class WeightsError(ValueError):
     """A checkpoint is missing, unreadable or does not match the model. The message names the
     file and, where one is at fault, the tensor."""
 
 
 def load_state_file(path: Path) -> dict[str, Any]:
     """A ``torch.save``d dict of tensors, memory-mapped so only what is used is read (a pre-zip
-    pickle cannot be mapped and is read whole). ``CheckpointError`` names the file on failure."""
+    pickle cannot be mapped and is read whole). ``WeightsError`` names the file on failure."""
     try:
         try:
             state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
@@ -55,10 +48,26 @@ def load_state_file(path: Path) -> dict[str, Any]:
                 raise
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # unpickling raises many types
-        raise CheckpointError(f"{path}: cannot load ({e})") from None
+        raise WeightsError(f"{path}: cannot load ({e})") from None
     if not isinstance(state, dict):
-        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a state dict")
+        raise WeightsError(f"{path}: holds a {type(state).__name__}, not a state dict")
     return state
+
+
+def contained(root: Path, name: str, *, what: str, allow_outside: bool) -> Path:
+    """``root / name``, refused with a ``WeightsError`` when it resolves outside ``root`` (an
+    absolute name, ``..``, or a symbolic link leading out) unless ``allow_outside``: a weights
+    directory that names files elsewhere is not self-contained, and following such names
+    silently could read files the user never pointed at."""
+    target = root / name
+    if not allow_outside:
+        base = root.resolve()
+        resolved = target.resolve()
+        if resolved != base and base not in resolved.parents:
+            raise WeightsError(f"{root}: {what} names {name!r}, which is outside the weights "
+                               f"directory; copy the file into it, or allow files outside "
+                               f"explicitly (--allow-outside-weights)")
+    return target
 
 
 def layer_label(kind: LayerKind, index: int | None) -> str:
@@ -66,7 +75,7 @@ def layer_label(kind: LayerKind, index: int | None) -> str:
     return f"block {index}" if kind == "block" else kind
 
 
-class CheckpointReader(abc.ABC):
+class WeightsReader(abc.ABC):
     """Reads one layer of a GPT-NeoX checkpoint at a time. Usable as a context manager.
 
     Attributes every reader sets:
@@ -82,7 +91,7 @@ class CheckpointReader(abc.ABC):
         """The tensors of one layer, under its local parameter names (see the module
         docstring). ``index`` is the block's index in the checkpoint (0-based) for
         ``kind="block"`` and None otherwise. Reads only this layer's bytes. Legacy buffers the
-        model does not use are left out. Raises ``CheckpointError`` for missing/unreadable
+        model does not use are left out. Raises ``WeightsError`` for missing/unreadable
         files."""
 
     def where(self, kind: LayerKind, index: int | None, name: str) -> str:
@@ -93,92 +102,42 @@ class CheckpointReader(abc.ABC):
     def close(self) -> None:
         """Releases open files. Reading again after closing may reopen them."""
 
-    def __enter__(self) -> "CheckpointReader":
+    def __enter__(self) -> "WeightsReader":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
 
-class RandomInit(CheckpointReader):
-    """A 'checkpoint' of random weights (``neox.model.init_weights``): the stand-in for presets
-    on machines without weights. Each layer is drawn from its own generator, seeded from
-    ``seed`` and the layer's identity, so every rank gets the same values, and a filtered model
-    gets the same blocks as the full one."""
-
-    def __init__(self, config: NeoXConfig, *, seed: int = 0, std: float = 0.02):
-        self.config = config
-        self.path = Path(f"<random init, seed {seed}>")
-        self.seed = seed
-        self.std = std
-
-    def read(self, kind: LayerKind, index: int | None = None) -> dict[str, torch.Tensor]:
-        digest = hashlib.sha256(f"{self.seed}:{kind}:{index}".encode()).digest()
-        generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-        layer = build_layer(kind, self.config, device="meta").to_empty(device="cpu")
-        init_weights(layer, std=self.std, generator=generator)
-        return dict(layer.state_dict())
-
-
-def open_checkpoint(path: str | Path, *, config: NeoXConfig | None = None) -> CheckpointReader:
-    """Opens the checkpoint at ``path`` with the reader for its format:
-
-    - a Hugging Face directory: ``config.json`` plus ``model.safetensors``,
-      ``model.safetensors.index.json``, ``pytorch_model.bin`` or ``pytorch_model.bin.index.json``;
-    - a GPT-NeoX slim-weights directory: ``layer_XX-model_YY-model_states.pt`` files.
-
-    ``config`` overrides the configuration the checkpoint carries (required where it carries
-    none). Raises ``CheckpointError`` when nothing readable is there.
-    """
-    from neox import hf_checkpoint  # import here: hf_checkpoint builds on this module
-
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such checkpoint directory")
-    if path.is_file():
-        raise CheckpointError(f"{path} is a file; give the checkpoint directory (holding "
-                              f"config.json and the weight files)")
-    if hf_checkpoint.is_hf_directory(path):
-        return hf_checkpoint.HFCheckpointReader(path, config=config)
-    from neox import slim_checkpoint
-    slim = slim_checkpoint.find_slim_directory(path)  # the path, or its latest global_step*
-    if slim is not None:
-        return slim_checkpoint.open_slim_checkpoint(slim, config=config)
-    raise CheckpointError(
-        f"{path}: no checkpoint found; expected a Hugging Face directory (config.json with "
-        f"{', '.join(hf_checkpoint.WEIGHT_FILES)}) or GPT-NeoX slim weights "
-        f"(layer_XX-model_YY-model_states.pt)")
-
-
 def _expected_tensors(layer: nn.Module) -> dict[str, tuple[torch.Size, bool]]:
     return {n: (t.shape, t.is_floating_point()) for n, t in layer.state_dict().items()}
 
 
-def _check_tensors(reader: CheckpointReader, spec: LayerSpec, layer: nn.Module,
+def _check_tensors(reader: WeightsReader, spec: LayerSpec, layer: nn.Module,
                    tensors: dict[str, torch.Tensor]) -> None:
     expected = _expected_tensors(layer)
     where = lambda name: reader.where(spec.kind, spec.source, name)  # noqa: E731
     missing = [n for n in expected if n not in tensors]
     if missing:
-        raise CheckpointError(f"{where(missing[0])}: missing from the checkpoint"
+        raise WeightsError(f"{where(missing[0])}: missing from the checkpoint"
                               + (f" (and {len(missing) - 1} more tensors of "
                                  f"{layer_label(spec.kind, spec.source)})" if len(missing) > 1
                                  else ""))
     unknown = sorted(n for n in tensors if n not in expected)
     if unknown:
-        raise CheckpointError(f"{where(unknown[0])}: unknown tensor, not part of a GPT-NeoX "
+        raise WeightsError(f"{where(unknown[0])}: unknown tensor, not part of a GPT-NeoX "
                               f"{spec.kind} with this configuration (expected "
                               f"{sorted(expected)})")
     for name, (shape, _) in expected.items():
         t = tensors[name]
         if t.shape != shape:
-            raise CheckpointError(f"{where(name)}: shape {tuple(t.shape)} does not match the "
+            raise WeightsError(f"{where(name)}: shape {tuple(t.shape)} does not match the "
                                   f"configuration, which needs {tuple(shape)}")
         if not t.is_floating_point():
-            raise CheckpointError(f"{where(name)}: dtype {t.dtype} is not a floating type")
+            raise WeightsError(f"{where(name)}: dtype {t.dtype} is not a floating type")
 
 
-def materialize(reader: CheckpointReader, spec: LayerSpec, *, dtype: torch.dtype | None = None,
+def materialize(reader: WeightsReader, spec: LayerSpec, *, dtype: torch.dtype | None = None,
                 device: torch.device | str | None = None) -> nn.Module:
     """One layer, built on the meta device and filled from ``reader`` (checked, then cast to
     ``dtype`` -- None keeps the stored dtype -- and moved to ``device``, default CPU)."""
@@ -192,7 +151,7 @@ def materialize(reader: CheckpointReader, spec: LayerSpec, *, dtype: torch.dtype
     return layer
 
 
-def iter_layers(reader: CheckpointReader, *, filter_layers: Iterable[int] | None = None,
+def iter_layers(reader: WeightsReader, *, filter_layers: Iterable[int] | None = None,
                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                 prepare: Callable[[nn.Module], None] | None = None) -> Iterator[nn.Module]:
     """Yields the kept layers in order -- embedding, the ``filter_layers`` blocks (0-based
@@ -206,22 +165,6 @@ def iter_layers(reader: CheckpointReader, *, filter_layers: Iterable[int] | None
             prepare(layer)
         yield layer
         del layer  # before the next one is read: one layer in memory at a time
-
-
-def from_pretrained(path: str | Path, *, filter_layers: Iterable[int] | None = None,
-                    dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                    config: NeoXConfig | None = None) -> NeoXModel:
-    """Loads a checkpoint (any format ``open_checkpoint`` reads) as a ``NeoXModel`` mapping
-    token ids (B, T) to logits (B, T, vocab). ``filter_layers``: the blocks to keep (0-based,
-    as in the checkpoint; embedding, final norm and readout are always kept). ``dtype`` None
-    keeps the stored dtype; ``device`` defaults to the CPU. The returned model's
-    ``config.num_hidden_layers`` is the number of kept blocks and ``source_layers`` their
-    checkpoint indices."""
-    with open_checkpoint(path, config=config) as reader:
-        kept = normalize_filter_layers(reader.config, filter_layers)
-        layers = list(iter_layers(reader, filter_layers=kept, dtype=dtype, device=device))
-        built = dataclasses.replace(reader.config, num_hidden_layers=len(kept))
-    return NeoXModel(built, layers, source_layers=kept)
 
 
 def iter_layer_states(layers: Iterable[nn.Module],

@@ -49,30 +49,41 @@ alone does not give it). With no YAML the ``gpt-neox-20b`` preset is used, and t
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
 from pathlib import Path
 from typing import Any, Iterable, Literal, Mapping
 
 import torch
 
-from neox.checkpoint import CheckpointError, CheckpointReader, layer_label, load_state_file
-from neox.config import PRESETS, SUPPORTED_ACTIVATIONS, NeoXConfig
+from neox.config import PRESETS, NeoXConfig
 from neox.model import LayerKind
+from neox.weights.base import (WeightsError, WeightsReader, contained, layer_label,
+                               load_state_file)
+from neox.weights.neox_yaml import config_from_neox_yaml, normalize_keys, read_neox_yaml
 
-__all__ = ["SlimCheckpointReader", "open_slim_checkpoint", "is_slim_directory",
-           "find_slim_directory",
-           "slim_file_name", "pipeline_layer", "read_neox_yaml", "parse_flat_yaml",
-           "config_from_neox_yaml", "row_parallel_bias_merge", "BLOCK_RULES", "SLIM_PRESET"]
+__all__ = ["SlimReader", "open_slim", "is_slim_directory", "find_slim_directory",
+           "slim_file_name", "pipeline_layer", "row_parallel_bias_merge", "MergeRule",
+           "BLOCK_RULES", "SLIM_PRESET"]
 
 SLIM_PRESET = "gpt-neox-20b"
 _FILE_RE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
 
+
+
+class MergeRule(enum.Enum):
+    """How the tensor-parallel partitions of one tensor become the single-device tensor."""
+
+    CAT_OUT = "concatenate on dim 0 (column-parallel)"
+    CAT_IN = "concatenate on dim 1 (row-parallel)"
+    ROW_BIAS = "row-parallel bias (summed or one copy)"
+    REPLICATED = "replicated (averaged, after checking the copies agree)"
+
+
+CAT_OUT, CAT_IN = MergeRule.CAT_OUT, MergeRule.CAT_IN
+ROW_BIAS, REPLICATED = MergeRule.ROW_BIAS, MergeRule.REPLICATED
+
 # Merge rules, by Megatron name.
-CAT_OUT = "concatenate on dim 0 (column-parallel)"
-CAT_IN = "concatenate on dim 1 (row-parallel)"
-ROW_BIAS = "row-parallel bias (summed or one copy)"
-REPLICATED = "replicated (averaged)"
-MergeRule = str
 
 BLOCK_RULES: dict[str, MergeRule] = {
     "input_layernorm.weight": REPLICATED,
@@ -140,124 +151,6 @@ def is_slim_directory(path: str | Path) -> bool:
     return path.is_dir() and any(_FILE_RE.fullmatch(p.name) for p in path.iterdir())
 
 
-# -- NeoX YAML ----------------------------------------------------------------------------------
-
-def _strip_comment(line: str) -> str:
-    """``line`` without a ``#`` comment (a ``#`` inside quotes is kept)."""
-    quote = None
-    for i, c in enumerate(line):
-        if quote:
-            if c == quote:
-                quote = None
-        elif c in "\"'":
-            quote = c
-        elif c == "#":
-            return line[:i]
-    return line
-
-
-def _depth_change(code: str) -> int:
-    depth, quote = 0, None
-    for c in code:
-        if quote:
-            if c == quote:
-                quote = None
-        elif c in "\"'":
-            quote = c
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-    return depth
-
-
-def _scalar(text: str) -> Any:
-    text = text.strip()
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
-        return text[1:-1]
-    low = text.lower()
-    if low in ("true", "yes", "on"):
-        return True
-    if low in ("false", "no", "off"):
-        return False
-    if low in ("null", "none", "~", ""):
-        return None
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
-
-_KEY_VALUE = re.compile(r"""\s*["']?([A-Za-z0-9_.\-]+)["']?\s*:\s*(.*?)\s*,?\s*""")
-
-
-def parse_flat_yaml(text: str) -> dict[str, Any]:
-    """The top-level scalar ``key: value`` entries of a NeoX config file, without PyYAML.
-
-    NeoX configs are either one JSON-like mapping with comments (``{ "num-layers": 44, ... }``,
-    trailing commas, Python-style ``True``) or plain block YAML. Nested mappings and lists
-    (optimizer, zero_optimization, ...) are skipped: the model's shape needs only scalars.
-    """
-    code_lines = [_strip_comment(line) for line in text.splitlines()]
-    significant = "".join(code_lines).strip()
-    flow = significant.startswith("{")
-    top = 1 if flow else 0
-    out: dict[str, Any] = {}
-    depth = 0
-    for code in code_lines:
-        at_top = depth == top and (flow or not code[:1].isspace())
-        if at_top:
-            m = _KEY_VALUE.fullmatch(code)
-            if m and not m.group(2).startswith(("{", "[")) and m.group(2) != "":
-                out[m.group(1)] = _scalar(m.group(2))
-        depth += _depth_change(code)
-    return out
-
-
-def _normalize_keys(d: Mapping[str, Any]) -> dict[str, Any]:
-    """NeoX treats ``-`` and ``_`` in keys alike; use ``_``."""
-    return {str(k).replace("-", "_"): v for k, v in d.items()}
-
-
-def read_neox_yaml(files: Iterable[str | Path]) -> dict[str, Any]:
-    """The merged top-level settings of NeoX config files (keys with ``_``). Uses PyYAML when
-    installed, else ``parse_flat_yaml``. A key set to different values in two files is an
-    error, as in NeoX."""
-    try:
-        import yaml
-    except ImportError:
-        yaml = None
-    merged: dict[str, Any] = {}
-    origin: dict[str, Path] = {}
-    for file in files:
-        file = Path(file)
-        try:
-            text = file.read_text()
-        except OSError as e:
-            raise CheckpointError(f"{file}: cannot read ({e})") from None
-        if yaml is not None:
-            try:
-                loaded = yaml.safe_load(text)
-            except yaml.YAMLError as e:
-                raise CheckpointError(f"{file}: not a readable NeoX config ({e})") from None
-            if loaded is None:
-                loaded = {}
-            if not isinstance(loaded, dict):
-                raise CheckpointError(f"{file}: a NeoX config must be a mapping, got "
-                                      f"{type(loaded).__name__}")
-        else:
-            loaded = parse_flat_yaml(text)
-        for key, value in _normalize_keys(loaded).items():
-            if key in merged and merged[key] != value:
-                raise CheckpointError(f"{file}: '{key}' is {value!r} here but {merged[key]!r} in "
-                                      f"{origin[key]}; NeoX config files must not disagree")
-            merged[key] = value
-            origin[key] = file
-    return merged
-
-
 @dataclasses.dataclass(frozen=True)
 class _Layout:
     """How the layers are cut into files, from the YAML (or the 20B defaults)."""
@@ -267,102 +160,15 @@ class _Layout:
     output_parallelism: str      # "column" (split vocabulary rows) or "row"
 
 
-def _number(args: Mapping[str, Any], key: str, default: Any, where: str) -> Any:
-    value = args.get(key, default)
-    if isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
-        try:
-            value = float(value)
-        except ValueError:
-            raise CheckpointError(f"{where}: '{key}' must be a number, got {value!r}") from None
-    return value
-
-
-def config_from_neox_yaml(args: Mapping[str, Any], *, vocab_size: int,
-                          where: str = "NeoX config") -> NeoXConfig:
-    """A ``NeoXConfig`` from NeoX settings (``read_neox_yaml``'s output; ``-`` or ``_`` keys).
-    ``vocab_size``: NeoX pads the tokenizer's size, so it comes from the weights. Settings the
-    model cannot represent (learned positions, RMSNorm, tied block norms, gated MLPs, sparse
-    attention) are errors naming ``where``."""
-    a = _normalize_keys(args)
-
-    def need(key: str) -> Any:
-        if key not in a:
-            raise CheckpointError(f"{where}: '{key.replace('_', '-')}' is missing")
-        return a[key]
-
-    def unsupported(what: str) -> CheckpointError:
-        return CheckpointError(f"{where}: {what}; GPT-NeoX in Hugging Face form (and this "
-                               f"model) does not support that")
-
-    pos_emb = a.get("pos_emb", "learned")  # NeoX's default
-    if pos_emb != "rotary":
-        raise unsupported(f"pos-emb is {pos_emb!r} (NeoX's default is 'learned'), not 'rotary'")
-    norm = a.get("norm", "layernorm")
-    if norm != "layernorm":
-        raise unsupported(f"norm is {norm!r}, not 'layernorm'")
-    if a.get("gpt_j_tied", False):
-        raise unsupported("gpt-j-tied is true (one layer norm shared by attention and MLP)")
-    for key in ("use_bias_in_norms", "use_bias_in_mlp"):
-        if a.get(key, True) is False:
-            raise unsupported(f"{key.replace('_', '-')} is false")
-    if a.get("rotary_interleaved", False):
-        raise unsupported("rotary-interleaved is true")
-    attention_config = a.get("attention_config")
-    if attention_config:
-        kinds = set()
-        try:
-            for types, _count in attention_config:
-                kinds.update(types)
-        except (TypeError, ValueError):
-            raise CheckpointError(f"{where}: attention-config {attention_config!r} is not a "
-                                  f"list of [[types], count]") from None
-        if not kinds <= {"global", "flash"}:
-            raise unsupported(f"attention-config uses {sorted(kinds - {'global', 'flash'})}")
-
-    activation = a.get("activation", "gelu")
-    if activation == "gelu":
-        if a.get("bias_gelu_fusion", False):
-            # NeoX's fused kernel is the tanh approximation x*(1 + 0.044715 x^2) form, which
-            # is transformers' "gelu_fast" (what the 20B config.json says).
-            activation = "gelu_fast"
-        elif a.get("openai_gelu", False):
-            activation = "gelu_new"
-    elif activation == "swish":
-        activation = "silu"
-    if activation not in SUPPORTED_ACTIVATIONS:
-        raise unsupported(f"activation is {activation!r}")
-
-    hidden = need("hidden_size")
-    max_pos = a.get("max_position_embeddings") or a.get("seq_length") or 2048
-    try:
-        return NeoXConfig(
-            vocab_size=vocab_size,
-            hidden_size=hidden,
-            num_hidden_layers=need("num_layers"),
-            num_attention_heads=need("num_attention_heads"),
-            intermediate_size=a.get("intermediate_size") or 4 * hidden,
-            hidden_act=activation,
-            rotary_pct=float(_number(a, "rotary_pct", 1.0, where)),  # NeoX's default is 1.0
-            rotary_emb_base=float(_number(a, "rotary_emb_base", 10000.0, where)),
-            max_position_embeddings=max_pos,
-            layer_norm_eps=float(_number(a, "layernorm_epsilon", 1e-5, where)),
-            use_parallel_residual=bool(a.get("gpt_j_residual", False)),
-            attention_bias=bool(a.get("use_bias_in_attn_linear", True)),
-            tie_word_embeddings=not a.get("no_weight_tying", False),
-        )
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{where}: {e}") from None
-
-
 def _layout_from_yaml(args: Mapping[str, Any], where: str) -> _Layout:
-    a = _normalize_keys(args)
+    a = normalize_keys(args)
     tp = a.get("model_parallel_size")
     if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
-        raise CheckpointError(f"{where}: model-parallel-size must be a positive integer, "
+        raise WeightsError(f"{where}: model-parallel-size must be a positive integer, "
                               f"got {tp!r}")
     parallelism = a.get("output_layer_parallelism", "column")
     if parallelism not in ("column", "row"):
-        raise CheckpointError(f"{where}: output-layer-parallelism is {parallelism!r}; expected "
+        raise WeightsError(f"{where}: output-layer-parallelism is {parallelism!r}; expected "
                               f"'column' or 'row'")
     return _Layout(tp=tp, tied_output=not a.get("no_weight_tying", False),
                    output_parallelism=parallelism)
@@ -382,7 +188,7 @@ def _find_yaml(path: Path) -> list[Path]:
 
 # -- the reader ---------------------------------------------------------------------------------
 
-class SlimCheckpointReader(CheckpointReader):
+class SlimReader(WeightsReader):
     """Reads a GPT-NeoX slim-weights directory one layer at a time (see the module docstring).
 
     path: the folder holding the ``layer_XX-model_YY-model_states.pt`` files.
@@ -402,14 +208,14 @@ class SlimCheckpointReader(CheckpointReader):
                  row_parallel_bias: RowBiasMerge | None = None):
         self.path = Path(path)
         if not self.path.is_dir():
-            raise CheckpointError(f"{self.path}: no such slim-weights directory")
+            raise WeightsError(f"{self.path}: no such slim-weights directory")
         self._files: dict[tuple[int, int], Path] = {}
         for p in self.path.iterdir():
             m = _FILE_RE.fullmatch(p.name)
             if m:
                 self._files[(int(m.group(1)), int(m.group(2)))] = p
         if not self._files:
-            raise CheckpointError(f"{self.path}: no layer_XX-model_YY-model_states.pt files")
+            raise WeightsError(f"{self.path}: no layer_XX-model_YY-model_states.pt files")
 
         yaml_files = list(yaml_files) if yaml_files is not None else _find_yaml(self.path)
         names = ", ".join(str(f) for f in yaml_files)
@@ -423,7 +229,7 @@ class SlimCheckpointReader(CheckpointReader):
         self.tp = layout.tp if layout.tp is not None else max(ranks) + 1
         extra = sorted(f for (_, rank), f in self._files.items() if rank >= self.tp)
         if extra:
-            raise CheckpointError(f"{extra[0]}: a tensor-parallel rank beyond the "
+            raise WeightsError(f"{extra[0]}: a tensor-parallel rank beyond the "
                                   f"model-parallel-size {self.tp} of {names}")
         self._output_parallelism = layout.output_parallelism
 
@@ -465,7 +271,7 @@ class SlimCheckpointReader(CheckpointReader):
             state = self._load(file)
             t = state.get("word_embeddings.weight")
             if not isinstance(t, torch.Tensor) or t.dim() != 2:
-                raise CheckpointError(f"{file}: tensor 'word_embeddings.weight' missing or not "
+                raise WeightsError(f"{file}: tensor 'word_embeddings.weight' missing or not "
                                       f"a matrix; cannot tell the vocabulary size")
             rows += t.shape[0]
         return rows
@@ -475,7 +281,7 @@ class SlimCheckpointReader(CheckpointReader):
         known = {0, 1, n + 2, n + 3, n + 4} | set(range(2, n + 2))
         for (layer, _), file in sorted(self._files.items()):
             if layer not in known:
-                raise CheckpointError(
+                raise WeightsError(
                     f"{file}: pipeline layer {layer} does not exist in a model of {n} blocks "
                     f"(layers 0, 2..{n + 1}, {n + 3}, {n + 4}); the configuration does not "
                     f"match these weights")
@@ -486,19 +292,19 @@ class SlimCheckpointReader(CheckpointReader):
                         index: int | None) -> Path:
         file = self._files.get((layer, rank))
         if file is None or not file.is_file():
-            raise CheckpointError(
+            raise WeightsError(
                 f"{self.path / slim_file_name(layer, rank)}: missing; it holds tensor-parallel "
                 f"partition {rank} of {self.tp} of {layer_label(kind, index)}")
         return file
 
     _load = staticmethod(load_state_file)
 
-    def _source(self, kind: LayerKind, index: int | None) -> tuple[int, dict[str, str]]:
+    def _source(self, kind: LayerKind, index: int | None) -> tuple[int, dict[str, MergeRule]]:
         """(pipeline layer, {Megatron name: merge rule}) of a layer."""
         n = self.config.num_hidden_layers
         if kind == "block":
             if index is None or not 0 <= index < n:
-                raise CheckpointError(f"{self.path}: block {index} does not exist; the "
+                raise WeightsError(f"{self.path}: block {index} does not exist; the "
                                       f"configuration has {n} blocks")
             return pipeline_layer(kind, index, n), BLOCK_RULES
         if kind == "embed":
@@ -524,7 +330,7 @@ class SlimCheckpointReader(CheckpointReader):
         for file, state in zip(files, parts):
             for key in state:
                 if key not in rules and key not in _IGNORED:
-                    raise CheckpointError(
+                    raise WeightsError(
                         f"{file}: unknown tensor '{key}' for {layer_label(kind, index)} "
                         f"(expected {sorted(rules)})")
         renames = _RENAMES.get(kind, {})
@@ -535,7 +341,7 @@ class SlimCheckpointReader(CheckpointReader):
                 continue  # absent everywhere: materialize reports it if the model needs it
             if not all(present):
                 file = files[present.index(False)]
-                raise CheckpointError(f"{file}: tensor '{key}' is missing from this partition "
+                raise WeightsError(f"{file}: tensor '{key}' is missing from this partition "
                                       f"but present in {files[present.index(True)].name}")
             tensors = [state[key] for state in parts]
             self._check_partitions(files, key, tensors)
@@ -549,16 +355,16 @@ class SlimCheckpointReader(CheckpointReader):
         # so all partitions of a tensor have the same shape and dtype.
         for file, t in zip(files, tensors):
             if not isinstance(t, torch.Tensor):
-                raise CheckpointError(f"{file}: '{key}' is a {type(t).__name__}, not a tensor")
+                raise WeightsError(f"{file}: '{key}' is a {type(t).__name__}, not a tensor")
         first = tensors[0]
         for file, t in zip(files[1:], tensors[1:]):
             if t.shape != first.shape:
-                raise CheckpointError(
+                raise WeightsError(
                     f"{file}: tensor '{key}' has shape {tuple(t.shape)} but "
                     f"{tuple(first.shape)} in {files[0].name}; tensor-parallel partitions of "
                     f"one tensor must have equal shapes")
             if t.dtype != first.dtype:
-                raise CheckpointError(f"{file}: tensor '{key}' is {t.dtype} but {first.dtype} "
+                raise WeightsError(f"{file}: tensor '{key}' is {t.dtype} but {first.dtype} "
                                       f"in {files[0].name}")
 
     def _merge(self, rule: MergeRule, tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -583,44 +389,46 @@ class SlimCheckpointReader(CheckpointReader):
                     + " (the output projection is tied to the embedding)")
         try:
             layer, _ = self._source(kind, index)
-        except CheckpointError:
+        except WeightsError:
             return super().where(kind, index, name)
         key = {v: k for k, v in _RENAMES.get(kind, {}).items()}.get(name, name)
         others = f" (and the other {self.tp - 1} partition(s))" if self.tp > 1 else ""
         return f"{self.path / slim_file_name(layer, 0)}{others}: tensor '{key}'"
 
 
-def find_slim_directory(path: str | Path) -> Path | None:
+def find_slim_directory(path: str | Path, *, allow_outside: bool = False) -> Path | None:
     """The folder holding the layer files: ``path`` itself, or the checkpoint ``path/latest``
     names (DeepSpeed's layout: ``latest`` holds e.g. ``global_step150000``), or the only
-    ``global_step*`` folder with layer files. None if there is none; a ``CheckpointError`` if
-    there are several and no ``latest``."""
+    ``global_step*`` folder with layer files. None if there is none; a ``WeightsError`` if
+    there are several and no ``latest``, or if ``latest`` leads out of ``path`` and not
+    ``allow_outside``."""
     path = Path(path)
     if is_slim_directory(path):
         return path
     latest = path / "latest"
     if latest.is_file():
-        candidate = path / latest.read_text().strip()
+        candidate = contained(path, latest.read_text().strip(), what="its 'latest' file",
+                              allow_outside=allow_outside)
         if is_slim_directory(candidate):
             return candidate
     steps = sorted(p for p in path.glob("global_step*") if is_slim_directory(p))
     if len(steps) > 1:
         names = ", ".join(p.name for p in steps)
-        raise CheckpointError(f"{path}: several checkpoints ({names}) and no 'latest' file; "
+        raise WeightsError(f"{path}: several checkpoints ({names}) and no 'latest' file; "
                               f"give the one to load")
     return steps[0] if steps else None
 
 
-def open_slim_checkpoint(path: str | Path, *, config: NeoXConfig | None = None,
-                         row_parallel_bias: RowBiasMerge | None = None) -> SlimCheckpointReader:
+def open_slim(path: str | Path, *, config: NeoXConfig | None = None,
+                         row_parallel_bias: RowBiasMerge | None = None) -> SlimReader:
     """Opens GPT-NeoX slim weights: ``path`` is the folder with the layer files, or the
     release's top folder (with ``latest`` and ``global_step150000/``). See
-    ``SlimCheckpointReader``."""
+    ``SlimReader``."""
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"{path}: no such directory")
+        raise WeightsError(f"{path}: no such directory")
     found = find_slim_directory(path)
     if found is None:
-        raise CheckpointError(f"{path}: no GPT-NeoX slim weights "
+        raise WeightsError(f"{path}: no GPT-NeoX slim weights "
                               f"(layer_XX-model_YY-model_states.pt files)")
-    return SlimCheckpointReader(found, config=config, row_parallel_bias=row_parallel_bias)
+    return SlimReader(found, config=config, row_parallel_bias=row_parallel_bias)

@@ -1,4 +1,4 @@
-"""neox.slim_checkpoint: EleutherAI GPT-NeoX "slim weights" (layer_XX-model_YY-model_states.pt).
+"""neox.weights.slim: EleutherAI GPT-NeoX "slim weights" (layer_XX-model_YY-model_states.pt).
 
 Two kinds of check:
 - Round trip: a random model written with ``neox.save_hf``, split here into 2 tensor-parallel
@@ -23,14 +23,12 @@ import torch
 import torch.nn.functional as F
 
 import neox
-from neox.checkpoint import CheckpointError, iter_layer_states
 from neox.config import PRESETS, NeoXConfig
-from neox.hf_checkpoint import save_hf
 from neox.model import (ACTIVATIONS, NeoXModel, apply_rotary, build_layer, build_layers,
                         rotary_cos_sin)
-from neox.slim_checkpoint import (SlimCheckpointReader, config_from_neox_yaml, find_slim_directory,
-                                  open_slim_checkpoint, parse_flat_yaml, read_neox_yaml,
-                                  slim_file_name)
+from neox.weights import WeightsError, iter_layer_states, save_hf
+from neox.weights.neox_yaml import config_from_neox_yaml, parse_flat_yaml, read_neox_yaml
+from neox.weights.slim import SlimReader, find_slim_directory, open_slim, slim_file_name
 
 TP = 2
 
@@ -134,7 +132,7 @@ def write_slim(hf_dir: Path, slim_dir: Path, *, tp: int = TP, yaml_text: str | N
                tied: bool = False, dtype: torch.dtype | None = None) -> Path:
     """Splits the Hugging Face directory ``hf_dir`` into slim-weights files in ``slim_dir``."""
     slim_dir.mkdir(parents=True, exist_ok=True)
-    with neox.open_checkpoint(hf_dir) as reader:
+    with neox.open_weights(hf_dir) as reader:
         config = reader.config
         n = config.num_hidden_layers
         order = ([("embed", None, 0)] + [("block", i, i + 2) for i in range(n)]
@@ -184,8 +182,8 @@ IDS = torch.randint(0, 102, (2, 11), generator=torch.Generator().manual_seed(1))
 
 def test_slim_loads_to_the_same_model_as_hf(dirs):
     config, hf_dir, slim_dir = dirs
-    with neox.open_checkpoint(slim_dir) as reader:
-        assert isinstance(reader, SlimCheckpointReader)
+    with neox.open_weights(slim_dir) as reader:
+        assert isinstance(reader, SlimReader)
         assert reader.tp == TP
         # Everything the model needs comes from the YAML, the vocabulary from the files.
         assert reader.config == config
@@ -215,7 +213,7 @@ def test_filter_layers_reads_only_the_chosen_layer_files(dirs, tmp_path):
     reference = neox.from_pretrained(hf_dir, filter_layers=[1])
     assert filtered.source_layers == (1,)
     assert torch.equal(logits(filtered, IDS), logits(reference, IDS))
-    with pytest.raises(CheckpointError, match=r"layer_02-model_00-model_states\.pt: cannot load"):
+    with pytest.raises(WeightsError, match=r"layer_02-model_00-model_states\.pt: cannot load"):
         neox.from_pretrained(work)
 
 
@@ -223,7 +221,7 @@ def test_missing_partition_is_a_clear_error(dirs, tmp_path):
     config, hf_dir, slim_dir = dirs
     work = write_slim(hf_dir, tmp_path / "slim", yaml_text=neox_yaml(config))
     (work / slim_file_name(3, 1)).unlink()  # block 1, rank 1
-    with pytest.raises(CheckpointError,
+    with pytest.raises(WeightsError,
                        match=r"layer_03-model_01-model_states\.pt: missing; it holds "
                              r"tensor-parallel partition 1 of 2 of block 1"):
         neox.from_pretrained(work)
@@ -238,7 +236,7 @@ def test_shape_mismatch_between_partitions_names_file_and_tensor(dirs, tmp_path)
     state = torch.load(file, weights_only=True)
     state["attention.dense.weight"] = state["attention.dense.weight"][:, :-1].clone()
     torch.save(state, file)
-    with pytest.raises(CheckpointError,
+    with pytest.raises(WeightsError,
                        match=r"layer_02-model_01-model_states\.pt: tensor "
                              r"'attention\.dense\.weight' has shape \(32, 15\) but \(32, 16\)"):
         neox.from_pretrained(work)
@@ -247,7 +245,7 @@ def test_shape_mismatch_between_partitions_names_file_and_tensor(dirs, tmp_path)
 def test_partitions_that_do_not_fit_the_config_name_file_and_tensor(dirs):
     config, hf_dir, slim_dir = dirs
     wrong = dataclasses.replace(config, intermediate_size=64)
-    with pytest.raises(CheckpointError,
+    with pytest.raises(WeightsError,
                        match=r"layer_02-model_00-model_states\.pt \(and the other 1 "
                              r"partition\(s\)\): tensor 'mlp\.dense_h_to_4h\.weight': shape "
                              r"\(128, 32\) does not match"):
@@ -262,19 +260,19 @@ def test_unknown_and_missing_keys(dirs, tmp_path):
     original1 = torch.load(file1, weights_only=True)
 
     torch.save({**original0, "attention.extra.weight": torch.zeros(2)}, file0)
-    with pytest.raises(CheckpointError, match=r"layer_03-model_00-model_states\.pt: unknown "
+    with pytest.raises(WeightsError, match=r"layer_03-model_00-model_states\.pt: unknown "
                                               r"tensor 'attention\.extra\.weight' for block 1"):
         neox.from_pretrained(work)
 
     torch.save(original0, file0)
     torch.save({k: v for k, v in original1.items() if k != "mlp.dense_4h_to_h.bias"}, file1)
-    with pytest.raises(CheckpointError, match=r"layer_03-model_01-model_states\.pt: tensor "
+    with pytest.raises(WeightsError, match=r"layer_03-model_01-model_states\.pt: tensor "
                                               r"'mlp\.dense_4h_to_h\.bias' is missing from this "
                                               r"partition"):
         neox.from_pretrained(work)
 
     torch.save({k: v for k, v in original0.items() if k != "mlp.dense_4h_to_h.bias"}, file0)
-    with pytest.raises(CheckpointError, match=r"layer_03-model_00-model_states\.pt .*tensor "
+    with pytest.raises(WeightsError, match=r"layer_03-model_00-model_states\.pt .*tensor "
                                               r"'mlp\.dense_4h_to_h\.bias': missing"):
         neox.from_pretrained(work)
 
@@ -378,7 +376,7 @@ def test_merged_block_computes_what_neox_computes_on_two_ranks(residual, tmp_pat
     parts = random_partitions(config, TP, seed=3)
     write_block_files(tmp_path, config, parts)
     # Other layers' files are not needed to read block 0.
-    reader = SlimCheckpointReader(tmp_path, config=config)
+    reader = SlimReader(tmp_path, config=config)
     block = build_layer("block", config, device="meta")
     block.load_state_dict(reader.read("block", 0), assign=True)
     x = torch.randn(2, 9, config.hidden_size, generator=torch.Generator().manual_seed(4))
@@ -390,7 +388,7 @@ def test_merged_block_computes_what_neox_computes_on_two_ranks(residual, tmp_pat
     # The other choice of bias merge is measurably wrong, so the test decides it.
     other = "mean" if residual == "parallel" else "sum"
     wrong = build_layer("block", config, device="meta")
-    wrong.load_state_dict(SlimCheckpointReader(tmp_path, config=config,
+    wrong.load_state_dict(SlimReader(tmp_path, config=config,
                                                row_parallel_bias=other).read("block", 0),
                           assign=True)
     with torch.no_grad():
@@ -407,7 +405,7 @@ def test_embedding_and_readout_follow_the_vocabulary_split(tmp_path):
     for r in range(TP):
         torch.save({"word_embeddings.weight": emb[r]}, tmp_path / slim_file_name(0, r))
         torch.save({"final_linear.weight": out[r]}, tmp_path / slim_file_name(n + 4, r))
-    reader = SlimCheckpointReader(tmp_path, config=config)
+    reader = SlimReader(tmp_path, config=config)
     ids = torch.randint(0, V, (3, 7), generator=g)
     # VocabParallelEmbedding: rank r looks up the ids in its range, the rest give 0; summed.
     expected = sum(F.embedding((ids - r * (V // TP)).clamp(0, V // TP - 1), emb[r])
@@ -432,7 +430,7 @@ def test_pre_zip_pickles_are_read_whole(tmp_path):
     for r in range(TP):
         torch.save({"word_embeddings.weight": torch.full((51, 32), float(r))},
                    tmp_path / slim_file_name(0, r), _use_new_zipfile_serialization=False)
-    weight = SlimCheckpointReader(tmp_path, config=config).read("embed")["embed_in.weight"]
+    weight = SlimReader(tmp_path, config=config).read("embed")["embed_in.weight"]
     assert torch.equal(weight, torch.cat([torch.zeros(51, 32), torch.ones(51, 32)]))
 
 
@@ -442,20 +440,20 @@ def test_row_parallel_bias_choice(tmp_path):
     write_block_files(tmp_path, parallel, parts)
     p0, p1 = (p["attention.dense.bias"] for p in parts)
     assert not torch.equal(p0, p1)
-    merged = SlimCheckpointReader(tmp_path, config=parallel).read("block", 0)
+    merged = SlimReader(tmp_path, config=parallel).read("block", 0)
     assert torch.equal(merged["attention.dense.bias"], p0 + p1)
-    mean = SlimCheckpointReader(tmp_path, config=parallel, row_parallel_bias="mean")
+    mean = SlimReader(tmp_path, config=parallel, row_parallel_bias="mean")
     assert mean.row_parallel_bias == "mean" and "merged by mean" in mean.description
     assert torch.equal(mean.read("block", 0)["attention.dense.bias"], (p0 + p1) / 2)
     # Layer norms are averaged whatever the residual.
     ln = [p["input_layernorm.weight"] for p in parts]
     assert torch.equal(merged["input_layernorm.weight"], (ln[0] + ln[1]) / 2)
 
-    sequential = SlimCheckpointReader(tmp_path, config=dataclasses.replace(
+    sequential = SlimReader(tmp_path, config=dataclasses.replace(
         parallel, use_parallel_residual=False))
     assert sequential.row_parallel_bias == "mean"
     with pytest.raises(ValueError, match="row_parallel_bias"):
-        SlimCheckpointReader(tmp_path, config=parallel, row_parallel_bias="first")
+        SlimReader(tmp_path, config=parallel, row_parallel_bias="first")
 
 
 def test_fp16_partitions_keep_their_dtype(tmp_path):
@@ -489,7 +487,7 @@ def test_flat_parser_agrees_with_pyyaml():
 def test_reads_the_yaml_without_pyyaml(dirs, monkeypatch):
     config, hf_dir, slim_dir = dirs
     monkeypatch.setitem(sys.modules, "yaml", None)  # `import yaml` now raises ImportError
-    with neox.open_checkpoint(slim_dir) as reader:
+    with neox.open_weights(slim_dir) as reader:
         assert reader.config == config
 
 
@@ -506,29 +504,29 @@ def test_yaml_settings_map_to_the_config(tmp_path):
     for bad, match in [({"pos-emb": "learned"}, "pos-emb"), ({"norm": "rmsnorm"}, "norm"),
                        ({"gpt-j-tied": True}, "gpt-j-tied"), ({"activation": "geglu"}, "geglu"),
                        ({"attention-config": [[["local"], 2]]}, "local")]:
-        with pytest.raises(CheckpointError, match=match):
+        with pytest.raises(WeightsError, match=match):
             config_from_neox_yaml({**base, **bad}, vocab_size=10, where="x.yml")
-    with pytest.raises(CheckpointError, match="'num-layers' is missing"):
+    with pytest.raises(WeightsError, match="'num-layers' is missing"):
         config_from_neox_yaml({k: v for k, v in base.items() if k != "num-layers"}, vocab_size=10)
     a, b = tmp_path / "a.yml", tmp_path / "b.yml"
     a.write_text('{"num-layers": 2}\n')
     b.write_text("num_layers: 3\n")
-    with pytest.raises(CheckpointError, match="must not disagree"):
+    with pytest.raises(WeightsError, match="must not disagree"):
         read_neox_yaml([a, b])
 
 
 def test_without_yaml_the_20b_preset_is_used(dirs, tmp_path):
     config, hf_dir, slim_dir = dirs
     work = write_slim(hf_dir, tmp_path / "slim")  # no YAML anywhere
-    with neox.open_checkpoint(work) as reader:
+    with neox.open_weights(work) as reader:
         assert reader.config == PRESETS["gpt-neox-20b"]
         assert "gpt-neox-20b preset" in reader.description
     # The small files are not a 20B: the first layer read says so, naming the file.
-    with pytest.raises(CheckpointError, match=r"layer_00-model_00-model_states\.pt .*"
+    with pytest.raises(WeightsError, match=r"layer_00-model_00-model_states\.pt .*"
                                               r"'word_embeddings\.weight': shape \(102, 32\)"):
         neox.from_pretrained(work)
     # A config passed in replaces the preset.
-    with neox.open_checkpoint(work, config=config) as reader:
+    with neox.open_weights(work, config=config) as reader:
         assert reader.config == config and "configuration passed in" in reader.description
     assert torch.equal(logits(neox.from_pretrained(work, config=config), IDS),
                        logits(neox.from_pretrained(hf_dir), IDS))
@@ -542,16 +540,16 @@ def test_release_directory_layout(dirs, tmp_path):
     (top / "configs").mkdir()
     (top / "configs" / "20B.yml").write_text(neox_yaml(config))
     (top / "latest").write_text("global_step150000")
-    with neox.open_checkpoint(step) as reader:  # finds ../configs/20B.yml
+    with neox.open_weights(step) as reader:  # finds ../configs/20B.yml
         assert reader.config == config
         assert str(top / "configs" / "20B.yml") in reader.description
-    with open_slim_checkpoint(top) as reader:  # follows `latest`
+    with open_slim(top) as reader:  # follows `latest`
         assert reader.path == step and reader.config == config
     (top / "latest").unlink()
     assert find_slim_directory(top) == step  # the only global_step* folder
     write_slim(hf_dir, top / "global_step100")
-    with pytest.raises(CheckpointError, match="several checkpoints"):
-        open_slim_checkpoint(top)
+    with pytest.raises(WeightsError, match="several checkpoints"):
+        open_slim(top)
 
 
 def test_tied_output_reads_the_embedding(tmp_path):
@@ -581,12 +579,12 @@ def test_pipeline_stage_files(dirs, tmp_path):
     neox.from_pretrained(work)
     # A layer file the configuration has no place for means they do not match.
     torch.save({}, work / slim_file_name(n + 5, 0))
-    with pytest.raises(CheckpointError, match=rf"layer_{n + 5:02d}-model_00-model_states\.pt: "
+    with pytest.raises(WeightsError, match=rf"layer_{n + 5:02d}-model_00-model_states\.pt: "
                                               rf"pipeline layer {n + 5} does not exist"):
-        neox.open_checkpoint(work)
+        neox.open_weights(work)
     (work / slim_file_name(n + 5, 0)).unlink()
     # A rank beyond the YAML's model-parallel-size.
     torch.save({}, work / slim_file_name(0, 2))
-    with pytest.raises(CheckpointError, match=r"layer_00-model_02-model_states\.pt: a "
+    with pytest.raises(WeightsError, match=r"layer_00-model_02-model_states\.pt: a "
                                               r"tensor-parallel rank beyond"):
-        neox.open_checkpoint(work)
+        neox.open_weights(work)

@@ -1,5 +1,5 @@
 """neox checkpoint reading and writing: every Hugging Face layout, lazy per-layer reads, the
-export transformers reloads, and a clear CheckpointError for each kind of broken checkpoint."""
+export transformers reloads, and a clear WeightsError for each kind of broken checkpoint."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 
 import neox
 import neox_testing
-import neox.hf_checkpoint as hf_checkpoint
-from neox import CheckpointError
+import neox.weights.hf as hf_weights
+from neox import WeightsError
 
 transformers = pytest.importorskip("transformers")
 
@@ -143,7 +143,7 @@ def test_dtype_and_prepare(hf_dir, dtype):
         seen.append(layer.kind)
         layer.requires_grad_(False)
 
-    with neox.open_checkpoint(hf_dir) as reader:
+    with neox.open_weights(hf_dir) as reader:
         layers = list(neox.iter_layers(reader, filter_layers=[2], dtype=dtype, prepare=prepare))
     assert seen == ["embed", "block", "final_norm", "readout"]
     for layer in layers:
@@ -156,7 +156,7 @@ def test_dtype_and_prepare(hf_dir, dtype):
 def test_filter_layers_reads_only_those_tensors(hf_model, hf_dir, monkeypatch):
     """Counts every tensor read out of model.safetensors."""
     read_keys = []
-    real_safe_open = hf_checkpoint.safe_open
+    real_safe_open = hf_weights.safe_open
 
     class CountingSafeOpen:
         def __init__(self, *args, **kwargs):
@@ -176,7 +176,7 @@ def test_filter_layers_reads_only_those_tensors(hf_model, hf_dir, monkeypatch):
             read_keys.append(key)
             return self.f.get_tensor(key)
 
-    monkeypatch.setattr(hf_checkpoint, "safe_open", CountingSafeOpen)
+    monkeypatch.setattr(hf_weights, "safe_open", CountingSafeOpen)
     neox.from_pretrained(hf_dir, filter_layers={2})
     assert sorted(read_keys) == sorted(
         ["embed_out.weight", "gpt_neox.embed_in.weight", "gpt_neox.final_layer_norm.bias",
@@ -199,14 +199,14 @@ def test_filter_layers_never_opens_other_layer_files(hf_dir, tmp_path):
     hf.config.num_hidden_layers = 1
     torch.testing.assert_close(logits(ours), logits(hf), atol=ATOL, rtol=RTOL)
     missing = export / weight_map["gpt_neox.layers.0.mlp.dense_h_to_4h.weight"]
-    with pytest.raises(CheckpointError, match=re.escape(f"{missing}: missing file")):
+    with pytest.raises(WeightsError, match=re.escape(f"{missing}: missing file")):
         neox.from_pretrained(export)
 
 
 def test_iter_layers_reads_one_layer_per_step(hf_dir):
     """The generator reads a layer only when asked for it."""
 
-    class Recording(hf_checkpoint.HFCheckpointReader):
+    class Recording(hf_weights.HFReader):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.reads = []
@@ -308,42 +308,42 @@ def copy_dir(src: Path, dst: Path) -> Path:
 
 
 def test_missing_and_unreadable(hf_dir, tmp_path):
-    with pytest.raises(CheckpointError, match="no such checkpoint directory"):
+    with pytest.raises(WeightsError, match="no such weights directory"):
         neox.from_pretrained(tmp_path / "nope")
-    with pytest.raises(CheckpointError, match="is a file"):
+    with pytest.raises(WeightsError, match="is a file"):
         neox.from_pretrained(hf_dir / "model.safetensors")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointError, match="no checkpoint found"):
+    with pytest.raises(WeightsError, match="no weights found"):
         neox.from_pretrained(tmp_path / "empty")
 
     d = copy_dir(hf_dir, tmp_path / "noconfig")
     (d / "config.json").unlink()
-    with pytest.raises(CheckpointError, match=re.escape(f"{d / 'config.json'}: missing")):
+    with pytest.raises(WeightsError, match=re.escape(f"{d / 'config.json'}: missing")):
         neox.from_pretrained(d)
     # ... unless a config is given
-    config = neox.open_checkpoint(hf_dir).config
+    config = neox.open_weights(hf_dir).config
     assert neox.from_pretrained(d, config=config).config == config
 
     d = copy_dir(hf_dir, tmp_path / "badjson")
     (d / "config.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match="config.json: cannot read"):
+    with pytest.raises(WeightsError, match="config.json: cannot read"):
         neox.from_pretrained(d)
     (d / "config.json").write_text(json.dumps({**LEGACY_CONFIG, "hidden_act": "swishy"}))
-    with pytest.raises(CheckpointError, match="config.json: .*hidden_act 'swishy'"):
+    with pytest.raises(WeightsError, match="config.json: .*hidden_act 'swishy'"):
         neox.from_pretrained(d)
 
     d = copy_dir(hf_dir, tmp_path / "noweights")
     (d / "model.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="no weights; expected one of"):
+    with pytest.raises(WeightsError, match="no weights; expected one of"):
         neox.from_pretrained(d)
 
     d = copy_dir(hf_dir, tmp_path / "corrupt")
     (d / "model.safetensors").write_bytes(b"\x00" * 20)
-    with pytest.raises(CheckpointError, match="model.safetensors: not a readable safetensors"):
+    with pytest.raises(WeightsError, match="model.safetensors: not a readable safetensors"):
         neox.from_pretrained(d)
     (d / "model.safetensors").unlink()
     (d / "pytorch_model.bin").write_bytes(b"garbage")
-    with pytest.raises(CheckpointError, match="pytorch_model.bin: cannot load"):
+    with pytest.raises(WeightsError, match="pytorch_model.bin: cannot load"):
         neox.from_pretrained(d)
 
 
@@ -358,7 +358,7 @@ def test_missing_tensor_names_file_and_tensor(hf_model, tmp_path):
     state = legacy_state(hf_model)
     del state["gpt_neox.layers.2.attention.dense.bias"]
     d = write_bin_dir(tmp_path / "d", state)
-    with pytest.raises(CheckpointError, match=re.escape(
+    with pytest.raises(WeightsError, match=re.escape(
             f"{d / 'pytorch_model.bin'}: tensor 'gpt_neox.layers.2.attention.dense.bias': "
             f"missing from the checkpoint")):
         neox.from_pretrained(d)
@@ -368,12 +368,12 @@ def test_missing_tensor_names_file_and_tensor(hf_model, tmp_path):
     state = legacy_state(hf_model)
     del state["embed_out.weight"]
     d = write_bin_dir(tmp_path / "noreadout", state)
-    with pytest.raises(CheckpointError, match="tensor 'embed_out.weight': missing"):
+    with pytest.raises(WeightsError, match="tensor 'embed_out.weight': missing"):
         neox.from_pretrained(d)
 
     state = {k: v for k, v in legacy_state(hf_model).items() if ".layers.1." not in k}
     d = write_bin_dir(tmp_path / "noblock", state)
-    with pytest.raises(CheckpointError, match=r"layers\.1\..*missing from the checkpoint \(and "
+    with pytest.raises(WeightsError, match=r"layers\.1\..*missing from the checkpoint \(and "
                                               r"11 more tensors of block 1\)"):
         neox.from_pretrained(d)
 
@@ -382,14 +382,14 @@ def test_shape_mismatch_names_tensor_and_shapes(hf_model, tmp_path):
     state = legacy_state(hf_model)
     state["gpt_neox.layers.1.mlp.dense_h_to_4h.bias"] = torch.zeros(47)
     d = write_bin_dir(tmp_path / "d", state)
-    with pytest.raises(CheckpointError, match=re.escape(
+    with pytest.raises(WeightsError, match=re.escape(
             "pytorch_model.bin: tensor 'gpt_neox.layers.1.mlp.dense_h_to_4h.bias': shape (47,) "
             "does not match the configuration, which needs (48,)")):
         neox.from_pretrained(d)
     # a configuration that does not fit the weights
     d = write_bin_dir(tmp_path / "cfg", legacy_state(hf_model),
                       {**LEGACY_CONFIG, "intermediate_size": 64})
-    with pytest.raises(CheckpointError, match=r"dense_h_to_4h.weight': shape \(48, 32\) does not "
+    with pytest.raises(WeightsError, match=r"dense_h_to_4h.weight': shape \(48, 32\) does not "
                                               r"match the configuration, which needs \(64, 32\)"):
         neox.from_pretrained(d)
 
@@ -398,7 +398,7 @@ def test_unknown_tensors(hf_model, tmp_path):
     state = legacy_state(hf_model)
     state["gpt_neox.layers.0.attention.lora_A.weight"] = torch.zeros(2, 2)
     d = write_bin_dir(tmp_path / "inblock", state)
-    with pytest.raises(CheckpointError, match=re.escape(
+    with pytest.raises(WeightsError, match=re.escape(
             f"{d / 'pytorch_model.bin'}: tensor 'gpt_neox.layers.0.attention.lora_A.weight': "
             f"unknown tensor")):
         neox.from_pretrained(d)
@@ -406,26 +406,26 @@ def test_unknown_tensors(hf_model, tmp_path):
     state = legacy_state(hf_model)
     state["score.weight"] = torch.zeros(2, 32)
     d = write_bin_dir(tmp_path / "toplevel", state)
-    with pytest.raises(CheckpointError, match="unknown tensor 'score.weight'"):
-        neox.open_checkpoint(d)
+    with pytest.raises(WeightsError, match="unknown tensor 'score.weight'"):
+        neox.open_weights(d)
 
     state = legacy_state(hf_model)
     state["gpt_neox.layers.4.input_layernorm.weight"] = torch.ones(32)
     d = write_bin_dir(tmp_path / "extrablock", state)
-    with pytest.raises(CheckpointError, match=r"belongs to block 4, but the configuration has 4 "
+    with pytest.raises(WeightsError, match=r"belongs to block 4, but the configuration has 4 "
                                               r"blocks \(0\.\.3\)"):
-        neox.open_checkpoint(d)
+        neox.open_weights(d)
 
     state = legacy_state(hf_model)
     state["lm_head.weight"] = state["embed_out.weight"]
     d = write_bin_dir(tmp_path / "twice", state)
-    with pytest.raises(CheckpointError, match="are both readout embed_out.weight"):
-        neox.open_checkpoint(d)
+    with pytest.raises(WeightsError, match="are both readout embed_out.weight"):
+        neox.open_weights(d)
 
     state = legacy_state(hf_model)
     state["gpt_neox.layers.0.attention.dense.bias"] = torch.zeros(32, dtype=torch.int64)
     d = write_bin_dir(tmp_path / "intdtype", state)
-    with pytest.raises(CheckpointError, match="dense.bias'.*dtype torch.int64"):
+    with pytest.raises(WeightsError, match="dense.bias'.*dtype torch.int64"):
         neox.from_pretrained(d)
 
 
@@ -436,17 +436,17 @@ def test_broken_index(hf_model, tmp_path):
     key = "gpt_neox.layers.3.attention.query_key_value.weight"
     victim = d / index["weight_map"][key]
     victim.rename(d / "moved.safetensors")
-    with pytest.raises(CheckpointError, match=re.escape(
+    with pytest.raises(WeightsError, match=re.escape(
             f"{victim}: missing file (listed in model.safetensors.index.json)")):
         neox.from_pretrained(d)
     (d / "moved.safetensors").rename(victim)
 
     index["weight_map"][key] = index["weight_map"]["gpt_neox.embed_in.weight"]
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match=f"tensor '{re.escape(key)}' is listed in "
+    with pytest.raises(WeightsError, match=f"tensor '{re.escape(key)}' is listed in "
                                               f"model.safetensors.index.json but not in the file"):
         neox.from_pretrained(d)
 
     (d / "model.safetensors.index.json").write_text('{"metadata": {}}')
-    with pytest.raises(CheckpointError, match="not a readable weight index"):
+    with pytest.raises(WeightsError, match="not a readable weight index"):
         neox.from_pretrained(d)

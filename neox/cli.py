@@ -1,0 +1,160 @@
+"""What the command-line tools share: dtype names, the block-list syntax of ``--filter-layers``,
+the model flags, and turning them into a model configuration (a preset or pretrained weights).
+
+Nothing here starts processes or reads data; the tools (``neox.finetune``, ``neox.evaluate``,
+``neox.generate``, ``neox.export``) import it, and it imports none of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from neox.config import PRESETS, NeoXConfig
+
+__all__ = ["DTYPES", "UsageError", "BlockRanges", "parse_layers", "add_model_arguments",
+           "preset_config", "resolve_dtype", "VOCAB_MULTIPLE", "positive_int", "nonnegative_int", "finite_float",
+           "default_data_dir_flag"]
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
+                                  "fp16": torch.float16}
+
+# The tiny preset's vocabulary is the tokenizer's, rounded up as GPT-NeoX pads its embedding.
+VOCAB_MULTIPLE = 128
+
+
+class UsageError(ValueError):
+    """A problem with the user's input: reported as one clear message, without a traceback."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockRanges:
+    """``--filter-layers`` as written: inclusive ranges of block indices, not yet expanded, so
+    that ``0-1000000000`` costs nothing until it is checked against a model's block count."""
+
+    text: str
+    ranges: tuple[tuple[int, int], ...]
+
+    def blocks(self, num_blocks: int) -> tuple[int, ...]:
+        """The sorted, de-duplicated block indices, after checking that every range lies in
+        ``0 .. num_blocks - 1``."""
+        for lo, hi in self.ranges:
+            if hi >= num_blocks:
+                bad = f"{lo}-{hi}" if lo != hi else str(lo)
+                raise UsageError(f"--filter-layers {self.text!r}: block {bad} is out of range: "
+                                 f"the model has {num_blocks} blocks, numbered 0..{num_blocks - 1}"
+                                 f" (0-based, as gpt_neox.layers.{{i}} in the checkpoint)")
+        return tuple(sorted({i for lo, hi in self.ranges for i in range(lo, hi + 1)}))
+
+
+def parse_layers(text: str | None) -> BlockRanges | None:
+    """``"0,1,4-6"`` -> ranges (0, 0), (1, 1), (4, 6). Negative numbers, reversed ranges and
+    anything that is not a number are refused here; the upper bound is checked by
+    ``BlockRanges.blocks`` once the model's block count is known."""
+    if text is None:
+        return None
+    ranges: list[tuple[int, int]] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo_text, dash, hi_text = part.partition("-")
+        try:
+            lo = int(lo_text)
+            hi = int(hi_text) if dash else lo
+        except ValueError:
+            raise UsageError(f"--filter-layers {text!r}: {part!r} is not a block index or a "
+                             f"range; expected indices like '0,1,4-6'") from None
+        if lo < 0:
+            raise UsageError(f"--filter-layers {text!r}: {part!r}: block indices start at 0")
+        if hi < lo:
+            raise UsageError(f"--filter-layers {text!r}: {part!r} is a reversed range; write "
+                             f"{hi}-{lo}")
+        ranges.append((lo, hi))
+    if not ranges:
+        raise UsageError("--filter-layers is empty: give at least one block index, e.g. '0,1'")
+    return BlockRanges(text, tuple(ranges))
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """argparse type: a finite number (``inf`` and ``nan`` are refused)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def default_data_dir_flag() -> Path | None:
+    """The ``--data-dir`` default: ``$NEOX_DATA_DIR`` when set (read here, at the edge, so the
+    test suite can hide the shared data to prove it runs without), else None, which means
+    ``neox.data.default_data_dir()``."""
+    value = os.environ.get("NEOX_DATA_DIR")
+    return Path(value) if value else None
+
+
+def add_model_arguments(p: argparse.ArgumentParser, *, for_training: bool) -> None:
+    """The flags that say which model: the same names and defaults in every tool."""
+    g = p.add_argument_group("model")
+    g.add_argument("--checkpoint", type=Path, default=None,
+                   help="pretrained weights: a Hugging Face GPT-NeoX directory (e.g. a run's "
+                        "OUTPUT_DIR/hf) or EleutherAI 20B slim-weights directory; without it "
+                        "--model picks a randomly initialised preset")
+    g.add_argument("--model", default="tiny", choices=sorted(PRESETS),
+                   help="preset when no --checkpoint (random initialisation, for machines "
+                        "without weights)")
+    g.add_argument("--filter-layers", default=None,
+                   help="keep only these transformer blocks, 0-based as in the checkpoint, e.g. "
+                        "'0,1' or '0-3'; embedding, final norm and readout are always kept "
+                        "(default: all)")
+    g.add_argument("--allow-outside-weights", action="store_true",
+                   help="follow weight-index entries and 'latest' pointers that lead out of the "
+                        "--checkpoint directory (refused by default)")
+    g.add_argument("--dtype", choices=list(DTYPES), default=None,
+                   help="compute dtype (default: fp32 on the CPU, bf16 on a GPU)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seeds a preset's random weights" + (
+                       ", the LoRA adapters and the data order" if for_training
+                       else " (and sampling)"))
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """``--dtype``, or its default for the device: fp32 on the CPU; bf16 on a GPU (fp16 where
+    the GPU has no bf16)."""
+    if name is not None:
+        return DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def preset_config(name: str, *, tokenizer_rows: int | None = None) -> NeoXConfig:
+    """A preset's configuration. The tiny preset takes the tokenizer's vocabulary (rounded up
+    to ``VOCAB_MULTIPLE``): it is meant for whatever tokenizer the run trains."""
+    if name not in PRESETS:
+        raise UsageError(f"unknown --model {name!r}; presets: {', '.join(sorted(PRESETS))}")
+    config = PRESETS[name]
+    if name == "tiny" and tokenizer_rows is not None:
+        config = dataclasses.replace(
+            config, vocab_size=-(-tokenizer_rows // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
+    return config
