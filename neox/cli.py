@@ -18,7 +18,7 @@ import torch
 from neox.config import PRESETS, NeoXConfig
 
 __all__ = ["DTYPES", "UsageError", "BlockRanges", "parse_layers", "add_model_arguments",
-           "preset_config", "resolve_dtype", "VOCAB_MULTIPLE", "positive_int", "nonnegative_int", "finite_float",
+           "preset_config", "resolve_dtype", "HelpFormatter", "VOCAB_MULTIPLE", "positive_int", "nonnegative_int", "finite_float",
            "default_data_dir_flag"]
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
@@ -79,6 +79,17 @@ def parse_layers(text: str | None) -> BlockRanges | None:
     if not ranges:
         raise UsageError("--filter-layers is empty: give at least one block index, e.g. '0,1'")
     return BlockRanges(text, tuple(ranges))
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default after its help, unless the help already says it or there is
+    nothing to show (no value, or an off switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
 
 
 def positive_int(text: str) -> int:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from neox import data as nd
+from neox.cli import HelpFormatter
 from neox.inference import add_arguments, load_model
 from neox.progress import Progress
 
@@ -51,7 +52,7 @@ def evaluate_tokens(model: torch.nn.Module, tokens: torch.Tensor, *, seq_len: in
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m neox.evaluate",
                                 description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("text", type=Path, nargs="?", default=None,
                    help="UTF-8 text file (default: tiny_shakespeare from --data-dir)")
     add_arguments(p)

@@ -4,207 +4,313 @@ With no arguments: a tiny randomly initialised GPT-NeoX, bias fine-tuning, tiny_
 the offline fallback corpus), 2 gloo processes on the CPU; a couple of minutes on 2 cores.
 With CUDA GPUs: one process per GPU over NCCL. Under torchrun (RANK/WORLD_SIZE set): joins that
 process group, which is how it runs across machines.
+
+This module is the edge: it parses the flags into a ``neox.recipe.Recipe``, checks everything
+that can be checked before a process starts (flag ranges, files, the model's block count, the
+output directory), and hands the run to ``neox.launch``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import socket
 import sys
-import traceback
 from pathlib import Path
+from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from neox.cli import DTYPES, UsageError, parse_layers
-
-# Seconds the other ranks get to exit by themselves once one has failed.
-SHUTDOWN_GRACE_S = 10.0
+from neox import data as nd
+from neox.cli import (HelpFormatter, UsageError, add_model_arguments, default_data_dir_flag, finite_float,
+                      nonnegative_int, parse_layers, positive_int, preset_config)
+from neox.finetune_modes import MODES, FinetuneMode
+from neox.launch import LaunchConfig, RunRequest, launch, run_under_torchrun
+from neox.recipe import (DataConfig, LoopConfig, ModelRecipe, OptimConfig, OutputConfig, Recipe,
+                         RecipeError, recipe_from_checkpoint)
+from neox.run_dir import OutputDirError, find_resume_checkpoint
+from neox.weights import WeightsError, open_weights
+from zerocore.checkpoint import CheckpointError, read_manifest
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m neox.finetune", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    m = p.add_argument_group("model")
-    m.add_argument("--checkpoint", type=Path, default=None,
-                   help="a Hugging Face GPT-NeoX directory or EleutherAI 20B slim-weights "
-                        "directory; without it --model picks a randomly initialised preset")
-    m.add_argument("--model", default="tiny",
-                   help="preset when no --checkpoint: tiny, pythia-70m, pythia-160m, ... "
-                        "(random initialisation, for machines without weights)")
-    m.add_argument("--filter-layers", default=None,
-                   help="keep only these transformer blocks, 0-based as in the checkpoint, e.g. "
-                        "'0,1' or '0-3'; embedding, final norm and readout are always kept")
-    m.add_argument("--finetune", choices=["biases", "lora", "full"], default="biases",
-                   help="what to train")
-    m.add_argument("--lora-rank", type=int, default=8,
+        formatter_class=HelpFormatter)
+    add_model_arguments(p, for_training=True)
+    m = p.add_argument_group("fine-tuning mode")
+    m.add_argument("--finetune", choices=MODES, default="biases", help="what to train")
+    m.add_argument("--lora-rank", type=positive_int, default=8,
                    help="rank r of each LoRA adapter (--finetune lora)")
-    m.add_argument("--lora-alpha", type=float, default=16.0,
+    m.add_argument("--lora-alpha", type=finite_float, default=16.0,
                    help="LoRA scaling numerator: adapters add (alpha / r) * B A")
     m.add_argument("--lora-targets", default="query_key_value,attention.dense",
                    help="comma-separated projections that get adapters")
-    m.add_argument("--dtype", choices=list(DTYPES), default=None,
-                   help="compute dtype (default: fp32 on CPU, bf16 on GPU)")
     d = p.add_argument_group("data")
     d.add_argument("--data", type=Path, default=None,
                    help="a local UTF-8 text file to train on (default: tiny_shakespeare)")
-    d.add_argument("--data-dir", type=Path, default=None,
+    d.add_argument("--data-dir", type=Path, default=default_data_dir_flag(),
                    help="local copies of the default corpus and tokenizer (default: "
                         "shared/data beside the repository)")
     d.add_argument("--tokenizer", type=Path, default=None,
                    help="tokenizer.json (default: the checkpoint's, else a byte-level BPE trained "
                         "on the corpus and cached)")
-    d.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "zerocore",
+    d.add_argument("--cache-dir", type=Path, default=nd.default_cache_dir(),
                    help="downloaded corpus, trained tokenizers and tokenised data are kept here")
-    d.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence")
-    d.add_argument("--val-fraction", type=float, default=0.1,
+    d.add_argument("--seq-len", type=positive_int, default=128, help="tokens per sequence")
+    d.add_argument("--val-fraction", type=finite_float, default=0.1,
                    help="fraction of the windows (the corpus's end) held out for validation")
-    t = p.add_argument_group("training")
-    t.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
-    t.add_argument("--warmup", type=int, default=0, help="linear warm-up steps")
-    t.add_argument("--weight-decay", type=float, default=0.0, help="AdamW decoupled weight decay")
-    t.add_argument("--batch-size", type=int, default=16, help="sequences per rank per micro-batch")
-    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    t.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
-    t.add_argument("--epochs", type=int, default=1,
+    o = p.add_argument_group("optimisation (on --resume, given flags override the checkpoint's)")
+    o.add_argument("--lr", type=finite_float, default=3e-4, help="peak learning rate")
+    o.add_argument("--warmup", type=nonnegative_int, default=0, help="linear warm-up steps")
+    o.add_argument("--weight-decay", type=finite_float, default=0.0,
+                   help="AdamW decoupled weight decay")
+    o.add_argument("--betas", type=finite_float, nargs=2, default=(0.9, 0.999),
+                   metavar=("BETA1", "BETA2"), help="Adam's moment decay rates")
+    o.add_argument("--eps", type=finite_float, default=1e-8, help="Adam's epsilon")
+    o.add_argument("--clip", type=finite_float, default=1.0,
+                   help="global gradient-norm clip (0: off)")
+    t = p.add_argument_group("training loop")
+    t.add_argument("--batch-size", type=positive_int, default=16,
+                   help="sequences per rank per micro-batch")
+    t.add_argument("--grad-accum", type=positive_int, default=1,
+                   help="micro-batches per optimizer step")
+    t.add_argument("--epochs", type=positive_int, default=1,
                    help="passes over the training windows (each seen once per epoch)")
-    t.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
-    t.add_argument("--seed", type=int, default=0,
-                   help="seeds the random initialisation, LoRA adapters and data order")
+    t.add_argument("--max-steps", type=positive_int, default=None,
+                   help="stop after this many steps (default: the epochs' steps)")
     t.add_argument("--offload-optimizer", action="store_true",
                    help="keep fp32 masters, gradients and Adam moments in CPU memory")
-    t.add_argument("--eval-every", type=int, default=0, help="validate every N steps (0: at end)")
-    t.add_argument("--output-dir", type=Path, default=Path("runs") / "neox-finetune",
-                   help="metrics.jsonl, checkpoints/, trainable.safetensors, hf/ go here")
-    c = p.add_argument_group("checkpoints")
-    c.add_argument("--save-every", type=int, default=0,
-                   help="save a sharded checkpoint every N steps (one is always saved at the end)")
-    c.add_argument("--keep-last", type=int, default=3, help="checkpoints to keep")
+    t.add_argument("--eval-every", type=nonnegative_int, default=0,
+                   help="validate every N steps (0: at the end only)")
+    t.add_argument("--max-nonfinite-steps", type=positive_int, default=3,
+                   help="stop the run when the loss or the gradients have been NaN or infinite "
+                        "this many steps in a row (nothing non-finite is ever saved)")
+    c = p.add_argument_group("output and checkpoints")
+    c.add_argument("--output-dir", type=Path, default=Path("runs") / "neox-finetune",
+                   help="metrics.jsonl, checkpoints/, trainable.safetensors, hf/ go here; one "
+                        "run per directory")
+    c.add_argument("--save-every", type=nonnegative_int, default=0,
+                   help="save a sharded checkpoint every N steps (0: only at the end)")
+    c.add_argument("--keep-last", type=positive_int, default=3,
+                   help="checkpoints of this run to keep")
     c.add_argument("--resume", type=Path, default=None,
-                   help="continue from a checkpoint (a step-XXXXXXXX directory, or a folder of "
-                        "them: the latest); any number of ranks")
+                   help="continue a run from a checkpoint (a step-XXXXXXXX directory, or a folder "
+                        "of them: the newest of its run); flags not given are the checkpoint's; "
+                        "any number of ranks")
+    c.add_argument("--overwrite", action="store_true",
+                   help="start a new run in an output directory that holds another run, deleting "
+                        "its checkpoints, metrics and exports first")
     c.add_argument("--export-hf", action="store_true",
                    help="also write the fine-tuned model as a Hugging Face directory (LoRA "
                         "merged) to OUTPUT_DIR/hf")
     r = p.add_argument_group("processes")
-    r.add_argument("--nproc", type=int, default=2,
-                   help="CPU processes (gloo) when there is no GPU; with GPUs: one per GPU")
-    r.add_argument("--port", type=int, default=0, help="rendezvous port (0: pick a free one)")
-    r.add_argument("--timeout", type=float, default=300.0,
+    r.add_argument("--nproc", type=positive_int, default=2,
+                   help="CPU processes (gloo) when there is no GPU; with GPUs: one per GPU, at "
+                        "most the GPU count")
+    r.add_argument("--oversubscribe", action="store_true",
+                   help="allow more CPU processes than this machine has cores")
+    r.add_argument("--port", type=nonnegative_int, default=0,
+                   help="rendezvous port (0: pick a free one)")
+    r.add_argument("--timeout", type=finite_float, default=300.0,
                    help="seconds a collective may wait before the run fails instead of hanging")
     r.add_argument("--cpu", action="store_true", help="use the CPU (gloo) even if GPUs exist")
     return p
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """Cheap checks before any process starts."""
-    args.filter_layers = parse_layers(args.filter_layers)
-    for name in ("seq_len", "batch_size", "grad_accum", "epochs", "nproc", "lora_rank"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.max_steps is not None and args.max_steps < 1:
-        raise UsageError("--max-steps must be >= 1")
-    if args.data is not None and not args.data.is_file():
-        raise UsageError(f"--data {args.data}: no such file")
-    if args.checkpoint is not None and not args.checkpoint.exists():
-        raise UsageError(f"--checkpoint {args.checkpoint}: no such file or directory")
-    if args.resume is not None and not args.resume.exists():
-        raise UsageError(f"--resume {args.resume}: no such checkpoint directory")
-    if args.tokenizer is not None and not args.tokenizer.exists():
-        raise UsageError(f"--tokenizer {args.tokenizer}: no such file or directory")
+# Each flag that is part of the recipe: (recipe part, field). Flags that say which model and
+# data a run trains are its identity: a resumed run must keep them. The others apply when
+# given on --resume, overriding the checkpoint's value with a log line.
+IDENTITY_FLAGS = ("checkpoint", "model", "filter_layers", "allow_outside_weights", "dtype",
+                  "seed", "finetune", "lora_rank", "lora_alpha", "lora_targets", "data",
+                  "tokenizer", "seq_len", "val_fraction")
+FLAG_FIELDS: dict[str, tuple[str, str]] = {
+    "lr": ("optim", "lr"), "warmup": ("optim", "warmup"),
+    "weight_decay": ("optim", "weight_decay"), "betas": ("optim", "betas"),
+    "eps": ("optim", "eps"), "clip": ("optim", "clip"),
+    "batch_size": ("loop", "batch_size"), "grad_accum": ("loop", "grad_accum"),
+    "epochs": ("loop", "epochs"), "max_steps": ("loop", "max_steps"),
+    "eval_every": ("loop", "eval_every"), "offload_optimizer": ("loop", "offload_optimizer"),
+    "max_nonfinite_steps": ("loop", "max_nonfinite_steps"),
+    "output_dir": ("output", "output_dir"), "save_every": ("output", "save_every"),
+    "keep_last": ("output", "keep_last"), "export_hf": ("output", "export_hf"),
+    "data_dir": ("data", "data_dir"), "cache_dir": ("data", "cache_dir"),
+}
 
 
-def describe_environment(use_cuda: bool) -> None:
-    n = torch.cuda.device_count() if use_cuda else 0
-    for i in range(n):
-        print(f"GPU {i}: {torch.cuda.get_device_name(i)}")
-    print(f"n_gpus: {n}")
-    print(f"NCCL available: {dist.is_nccl_available()}   gloo available: "
-          f"{dist.is_gloo_available()}   MPI available: {dist.is_mpi_available()}")
+def explicit_flags(argv: Sequence[str] | None) -> set[str]:
+    """The destinations of the flags actually given on the command line (not defaults)."""
+    probe = build_parser()
+    # argparse fills in a default only where the namespace lacks the attribute: start from a
+    # namespace holding a marker everywhere, and what the command line set is what changed.
+    marker = object()
+    namespace = argparse.Namespace(**{dest: marker for dest in vars(probe.parse_args([]))})
+    probe.parse_args(argv, namespace=namespace)
+    return {dest for dest, value in vars(namespace).items() if value is not marker}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _path(p: Path | None) -> str | None:
+    """A path as the recipe stores it: absolute, so that the run can be resumed and exported
+    from any working directory."""
+    return None if p is None else str(p.resolve())
 
 
-# -- one process ---------------------------------------------------------------------------------
-
-
-def worker(rank: int, world_size: int, args: argparse.Namespace, init_method: str,
-           use_cuda: bool) -> None:
-    # Imported here, not at the top: the launcher (and --help) need not load the engine.
-    from neox.training import PeerFailed, run_training
-    code = 0
+def recipe_from_flags(args: argparse.Namespace, filter_layers: tuple[int, ...] | None) -> Recipe:
+    """The recipe the flags describe (``filter_layers`` already checked against the model)."""
     try:
-        backend = "nccl" if use_cuda else "gloo"
-        if use_cuda:
-            local_rank = int(os.environ.get("LOCAL_RANK", rank))
-            torch.cuda.set_device(local_rank)
-        else:
-            # Processes on one machine share its cores: more threads than cores only contend.
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))
-        dist.init_process_group(backend, init_method=init_method, rank=rank,
-                                world_size=world_size,
-                                timeout=datetime.timedelta(seconds=args.timeout))
-        if rank == 0:
-            print(f"Distributed: backend {backend}, world size {world_size}, "
-                  f"init {init_method}")
-        run_training(args, rank=rank, world_size=world_size,
-                     device=torch.device("cuda", torch.cuda.current_device()) if use_cuda
-                     else torch.device("cpu"))
-    except (UsageError, ValueError, FileNotFoundError) as e:
-        print(f"error (rank {rank}): {e}", file=sys.stderr)
-        code = 2
-    except PeerFailed:
-        code = 2  # another rank reported the error (neox.training.agree)
-    except Exception:
-        traceback.print_exc()
-        code = 1
-    if code:
-        # Leave at once: the failed run's objects still hold the process group, and tearing it
-        # down under them at interpreter exit can abort the process (gloo: "terminate called
-        # without an active exception"), which would bury the message above.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    dist.destroy_process_group()
+        mode = FinetuneMode(args.finetune, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+                            lora_targets=tuple(t.strip() for t in args.lora_targets.split(",")
+                                               if t.strip()),
+                            seed=args.seed)
+        return Recipe(
+            model=ModelRecipe(checkpoint=_path(args.checkpoint), preset=args.model, seed=args.seed,
+                              filter_layers=filter_layers, finetune=mode, dtype=args.dtype,
+                              allow_outside_weights=args.allow_outside_weights),
+            data=DataConfig(data=_path(args.data), data_dir=_path(args.data_dir),
+                            tokenizer=_path(args.tokenizer), cache_dir=_path(args.cache_dir),
+                            seq_len=args.seq_len, val_fraction=args.val_fraction),
+            optim=OptimConfig(lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
+                              clip=args.clip, betas=tuple(args.betas), eps=args.eps),
+            loop=LoopConfig(batch_size=args.batch_size, grad_accum=args.grad_accum,
+                            epochs=args.epochs, max_steps=args.max_steps,
+                            eval_every=args.eval_every, seed=args.seed,
+                            offload_optimizer=args.offload_optimizer,
+                            max_nonfinite_steps=args.max_nonfinite_steps),
+            output=OutputConfig(output_dir=str(args.output_dir), save_every=args.save_every,
+                                keep_last=args.keep_last, export_hf=args.export_hf))
+    except (RecipeError, ValueError) as e:
+        raise UsageError(_flag_message(str(e))) from None
+
+
+def _flag_message(message: str) -> str:
+    """A recipe's validation message in terms of the flag ("recipe.optim: lr must be ..." ->
+    "--lr must be ...")."""
+    for phrase, flag in (("LoRA rank", "--lora-rank"), ("LoRA alpha", "--lora-alpha"),
+                         ("LoRA targets", "--lora-targets")):
+        if message.startswith(phrase):
+            return f"{flag}: {message}"
+    for part in ("model", "data", "optim", "loop", "output"):
+        prefix = f"recipe.{part}: "
+        if message.startswith(prefix):
+            rest = message[len(prefix):]
+            field, _, tail = rest.partition(" ")
+            return f"--{field.replace('_', '-')} {tail}"
+    return message
+
+
+def check_flags(args: argparse.Namespace, use_cuda: bool) -> None:
+    """What can be known to be wrong from the flags and the file system alone."""
+    paths = (("--data", args.data, "file"), ("--checkpoint", args.checkpoint, "directory"),
+             ("--tokenizer", args.tokenizer, "file or directory"),
+             ("--resume", args.resume, "directory"))
+    for flag, path, kind in paths:
+        if path is None:
+            continue
+        if not path.exists():
+            raise UsageError(f"{flag} {path}: no such {kind}")
+        if kind == "file" and not path.is_file():
+            raise UsageError(f"{flag} {path}: not a file")
+    if not 0 < args.timeout <= 24 * 3600:
+        raise UsageError(f"--timeout {args.timeout:g}: must be more than 0 and at most a day "
+                         f"(86400 seconds)")
+    if args.port > 65535:
+        raise UsageError(f"--port {args.port}: ports go up to 65535 (0 picks a free one)")
+    if use_cuda:
+        gpus = torch.cuda.device_count()
+        if args.nproc > gpus and "nproc" in args.explicit:
+            raise UsageError(f"--nproc {args.nproc}: this machine has {gpus} GPU(s); neox runs "
+                             f"one process per GPU")
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else (os.cpu_count() or 1)
+        if args.nproc > cores and not args.oversubscribe:
+            raise UsageError(f"--nproc {args.nproc}: this machine has {cores} CPU core(s) "
+                             f"available; more processes than cores only contend (and each holds "
+                             f"a copy of the data and one layer); use --nproc {cores}, or "
+                             f"--oversubscribe to run them anyway")
+
+
+def model_blocks(args: argparse.Namespace) -> int:
+    """The block count of the model the flags name, reading at most a config file."""
+    if args.checkpoint is None:
+        return preset_config(args.model).num_hidden_layers
+    try:
+        with open_weights(args.checkpoint, allow_outside=args.allow_outside_weights) as reader:
+            return reader.config.num_hidden_layers
+    except WeightsError as e:
+        raise UsageError(f"--checkpoint: {e}") from None
+
+
+def resume_recipe(args: argparse.Namespace, flags: Recipe, checkpoint: Path,
+                  log: Any) -> Recipe:
+    """The recipe of a resumed run: the checkpoint's, with the flags that were given applied.
+    Flags that change which model or data is trained must agree with the checkpoint."""
+    try:
+        stored, _ = recipe_from_checkpoint(read_manifest(checkpoint)["extra"], str(checkpoint))
+    except (RecipeError, CheckpointError) as e:
+        raise UsageError(f"--resume: {e}") from None
+    mine, theirs = flags.to_dict(), stored.to_dict()
+    for dest in [d for d in IDENTITY_FLAGS if d in args.explicit]:
+        ours, saved = _identity_value(mine, dest), _identity_value(theirs, dest)
+        if dest in ("checkpoint", "data", "tokenizer") and ours is not None \
+                and saved is not None:
+            ours, saved = str(Path(ours).resolve()), str(Path(saved).resolve())
+        if ours != saved:
+            raise UsageError(
+                f"--{dest.replace('_', '-')} {_show(ours)} differs from the checkpoint's "
+                f"{_show(saved)}; a resumed run continues the same model and data: drop the "
+                f"flag, or start a new run (without --resume)")
+    parts = {name: dict(theirs[name]) for name in ("model", "data", "optim", "loop", "output")}
+    for dest, (part, field) in FLAG_FIELDS.items():
+        if dest in args.explicit and mine[part][field] != theirs[part][field]:
+            parts[part][field] = mine[part][field]
+            log(f"resume: --{dest.replace('_', '-')} {_show(mine[part][field])} overrides the "
+                f"checkpoint's {_show(theirs[part][field])}")
+    return Recipe.from_dict({"version": theirs["version"], **parts})
+
+
+def _identity_value(recipe: dict[str, Any], dest: str) -> Any:
+    model, data = recipe["model"], recipe["data"]
+    mode = model["finetune"]
+    return {"checkpoint": model["checkpoint"], "model": model["preset"],
+            "filter_layers": model["filter_layers"], "dtype": model["dtype"],
+            "allow_outside_weights": model["allow_outside_weights"], "seed": model["seed"],
+            "finetune": mode["mode"], "lora_rank": mode["lora_rank"],
+            "lora_alpha": mode["lora_alpha"], "lora_targets": mode["lora_targets"],
+            "data": data["data"], "tokenizer": data["tokenizer"], "seq_len": data["seq_len"],
+            "val_fraction": data["val_fraction"]}[dest]
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value)
+    return "(none)" if value is None else str(value)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.explicit = explicit_flags(argv)
+    use_cuda = torch.cuda.is_available() and not args.cpu
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    log = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a, **k: None)
     try:
-        check_args(args)
-    except UsageError as e:
+        check_flags(args, use_cuda)
+        ranges = parse_layers(args.filter_layers)
+        kept = ranges.blocks(model_blocks(args)) if ranges is not None else None
+        recipe = recipe_from_flags(args, kept)
+        resume = None
+        if args.resume is not None:
+            resume = find_resume_checkpoint(args.resume, Path(recipe.output.output_dir)
+                                            if "output_dir" in args.explicit else None)
+            recipe = resume_recipe(args, recipe, resume, log)
+    except (UsageError, OutputDirError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    use_cuda = torch.cuda.is_available() and not args.cpu
-    describe_environment(use_cuda)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun, possibly many machines
-        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, "env://", use_cuda)
-        return 0
-    world_size = torch.cuda.device_count() if use_cuda else args.nproc
-    init_method = f"tcp://127.0.0.1:{args.port or free_port()}"
-    context = mp.spawn(worker, args=(world_size, args, init_method, use_cuda),
-                       nprocs=world_size, join=False)
-    try:
-        # The grace period lets the other ranks stop on their own after one fails (after a user
-        # error they all do) instead of being terminated with a warning each.
-        while not context.join(grace_period=SHUTDOWN_GRACE_S):
-            pass
-    except mp.ProcessExitedException as e:
-        if e.exit_code != 2:  # 2: a user error, already reported in one line by the rank
-            print(f"error: a training process exited with code {e.exit_code}; see its message "
-                  f"above", file=sys.stderr)
-        return e.exit_code if e.exit_code and e.exit_code > 0 else 1
-    return 0
+    launch_config = LaunchConfig(nproc=args.nproc, port=args.port, timeout=args.timeout,
+                                 use_cuda=use_cuda)
+    request = RunRequest(recipe=recipe, resume=resume, overwrite=args.overwrite)
+    if torchrun:  # possibly many machines: this process is one rank of torchrun's group
+        return run_under_torchrun(request, launch_config)
+    return launch(request, launch_config)
 
 
 if __name__ == "__main__":

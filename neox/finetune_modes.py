@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 from torch import nn
@@ -31,6 +32,22 @@ class FinetuneMode:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown fine-tuning mode {self.mode!r}; choose one of {MODES}")
+        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) \
+                or self.lora_rank < 1:
+            raise ValueError(f"LoRA rank must be an integer >= 1, got {self.lora_rank!r}")
+        if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, (int, float)) \
+                or not math.isfinite(self.lora_alpha) or self.lora_alpha <= 0:
+            raise ValueError(f"LoRA alpha must be a finite number > 0, got {self.lora_alpha!r}")
+        if not isinstance(self.lora_targets, tuple) or not self.lora_targets or not all(
+                isinstance(t, str) and t for t in self.lora_targets):
+            raise ValueError(f"LoRA targets must be projection names, got {self.lora_targets!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"the LoRA seed must be an integer, got {self.seed!r}")
+
+    @property
+    def lora_scaling(self) -> float:
+        """What each adapter's B A is multiplied by: alpha / r."""
+        return self.lora_alpha / self.lora_rank
 
 
 def is_block(layer: nn.Module) -> bool:

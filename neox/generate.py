@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+from neox.cli import HelpFormatter
 from neox.inference import add_arguments, load_model
 from neox.model import NeoXModel
 
@@ -44,7 +45,7 @@ def generate(model: NeoXModel, prompt: torch.Tensor, *, max_new_tokens: int,
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m neox.generate",
                                 description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     add_arguments(p)
     p.add_argument("--prompt", default="ROMEO:", help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=64)

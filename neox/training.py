@@ -1,72 +1,53 @@
-"""The fine-tuning run of one rank: data, the sharded model, the loop, checkpoints, results.
+"""The fine-tuning run of one rank: prepare the data, build the sharded model, train, finish.
 
-Called by ``neox.finetune`` in every process once the process group exists. Rank 0 prints and
-writes the shared files (metrics JSONL, results); every rank takes part in every collective.
+Called by ``neox.launch`` in every process once the process group exists. Rank 0 prints and
+writes the shared files (metrics, results); every rank takes part in every collective. Problems
+a user can cause (a bad file, a corrupt checkpoint, a full disk, a diverging run) are agreed on
+by every rank (``zerocore.run_agreed``) so that all stop together and the problem is reported
+once, in one line.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch import nn
 
 import zerocore
+from neox import _zerocore_compat as compat  # COMPAT
 from neox import data as nd
-from neox.weights import RandomInit, iter_layers, open_weights
-from neox.config import PRESETS, NeoXConfig
-from neox.finetune_modes import FinetuneMode, prepare_layer
-from neox.weights import save_hf
+from neox.cli import preset_config, resolve_dtype
+from neox.config import NeoXConfig, filtered_config
+from neox.finetune_modes import prepare_layer
 from neox.lora import merge_lora
 from neox.model import layer_specs
 from neox.progress import Progress
+from neox.recipe import DataConfig, LoopConfig, ModelRecipe, OptimConfig, Recipe
+from neox.run_dir import (CHECKPOINTS, HF_EXPORT, METRICS, TOKENIZER, TRAINABLE, MetricsFile,
+                          OutputDirError, describe_os_error)
+from neox.weights import RandomInit, WeightsReader, iter_layers, open_weights, save_hf
 
-# The tiny preset's vocabulary is the tokenizer's, rounded up as GPT-NeoX pads its embedding.
-VOCAB_MULTIPLE = 128
-
-# What a user can cause (a bad file, flag or checkpoint): reported as one line, no traceback.
-# DataError and CheckpointError are ValueErrors.
-USER_ERRORS = (ValueError, FileNotFoundError)
-
-T = TypeVar("T")
+Log = Callable[..., None]
 
 
-class PeerFailed(Exception):
-    """Another rank hit a user error during set-up and reports it; this rank stops quietly."""
+class RunFailed(Exception):
+    """The run stops for a reason every rank knows at once (a diverged loss, a failed save);
+    rank 0's exception carries the message, the others' carry None."""
+
+    def __init__(self, message: str | None):
+        super().__init__(message or "stopped; rank 0 reports why")
+        self.message = message
 
 
-def agree(fn: Callable[[], T], *, rank: int) -> T:
-    """Runs ``fn`` on every rank, then lets the ranks agree on the outcome. Collective.
-
-    Without this, a user error on one rank (rank 0 prepares the data alone) leaves the others
-    waiting in their next collective until the failed process disappears, and then they fail
-    with a gloo/NCCL traceback that buries the real message. Here every rank learns of the error:
-    the lowest rank with each distinct message raises it (so identical errors on every rank are
-    reported once), the others raise ``PeerFailed``.
-    """
-    error: BaseException | None = None
-    result = None
-    try:
-        result = fn()
-    except USER_ERRORS as e:
-        error = e
-    messages: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, None if error is None else str(error))
-    if any(m is not None for m in messages):
-        if error is not None and messages.index(str(error)) == rank:
-            raise error
-        failed = [r for r, m in enumerate(messages) if m is not None]
-        raise PeerFailed(f"rank(s) {failed} failed")
-    return result  # type: ignore[return-value]
-
+# -- data -------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
 class RunData:
@@ -75,56 +56,52 @@ class RunData:
     corpus: nd.Corpus
 
 
-def prepare_data(args: argparse.Namespace, rank: int, log: Callable[..., None]) -> RunData:
+def prepare_data(data: DataConfig, model: ModelRecipe, *, rank: int, log: Log) -> RunData:
     """Rank 0 prepares (downloads, trains the tokenizer, tokenises) into the cache first; the
     others then read the cache instead of repeating the work."""
+    cache_dir = Path(data.cache_dir) if data.cache_dir else nd.default_cache_dir()
+
     def load() -> RunData:
-        data_dir = args.data_dir or nd.default_data_dir()
-        corpus = nd.load_corpus(args.data, cache_dir=args.cache_dir, data_dir=data_dir, log=log)
-        tok_path = args.tokenizer
-        if tok_path is None and args.checkpoint is not None and (
-                Path(args.checkpoint) / "tokenizer.json").is_file():
-            tok_path = Path(args.checkpoint) / "tokenizer.json"
-        tokenizer = nd.load_tokenizer(tok_path, corpus=corpus, cache_dir=args.cache_dir, log=log)
-        dataset = nd.TokenDataset.from_corpus(corpus, tokenizer, seq_len=args.seq_len,
-                                              cache_dir=args.cache_dir,
-                                              val_fraction=args.val_fraction, log=log)
+        data_dir = Path(data.data_dir) if data.data_dir else nd.default_data_dir()
+        corpus = nd.load_corpus(data.data, cache_dir=cache_dir, data_dir=data_dir, log=log)
+        tok_path = Path(data.tokenizer) if data.tokenizer else None
+        if tok_path is None and model.checkpoint is not None and (
+                Path(model.checkpoint) / TOKENIZER).is_file():
+            tok_path = Path(model.checkpoint) / TOKENIZER
+        tokenizer = nd.load_tokenizer(tok_path, corpus=corpus, cache_dir=cache_dir, log=log)
+        dataset = nd.TokenDataset.from_corpus(corpus, tokenizer, seq_len=data.seq_len,
+                                              cache_dir=cache_dir,
+                                              val_fraction=data.val_fraction, log=log)
         return RunData(tokenizer, dataset, corpus)
 
-    first = agree(load if rank == 0 else (lambda: None), rank=rank)
-    return agree(lambda: first if first is not None else load(), rank=rank)
+    first = compat.run_agreed(load if rank == 0 else (lambda: None))
+    return compat.run_agreed(lambda: first if first is not None else load())
 
 
-def model_config(args: argparse.Namespace, tokenizer: Any) -> tuple[NeoXConfig, Any]:
-    """The configuration and the reader the layers come from (a checkpoint or a random init)."""
-    if args.checkpoint is not None:
-        reader = open_weights(args.checkpoint)
+# -- the model ----------------------------------------------------------------------------------------
+
+def weights_source(model: ModelRecipe, tokenizer: Any) -> tuple[NeoXConfig, WeightsReader]:
+    """The configuration and the reader the layers come from (pretrained weights, or the
+    preset's seeded random initialisation)."""
+    if model.checkpoint is not None:
+        reader = open_weights(model.checkpoint, allow_outside=model.allow_outside_weights)
         config = reader.config
     else:
-        if args.model not in PRESETS:
-            raise ValueError(f"unknown --model {args.model!r}; presets: {sorted(PRESETS)}")
-        config = PRESETS[args.model]
-        if args.model == "tiny":
-            rows = nd.tokenizer_rows(tokenizer)
-            config = dataclasses.replace(
-                config, vocab_size=-(-rows // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
-        reader = RandomInit(config, seed=args.seed)
+        config = preset_config(model.preset, tokenizer_rows=nd.tokenizer_rows(tokenizer))
+        reader = RandomInit(config, seed=model.seed)
     nd.check_vocab(tokenizer, config.vocab_size)
-    if args.filter_layers is not None and not isinstance(args.filter_layers, list):
-        args.filter_layers = list(args.filter_layers.blocks(config.num_hidden_layers))
     return config, reader
 
 
-def stream_layers(reader: Any, config: NeoXConfig, args: argparse.Namespace,
-                  mode: FinetuneMode, log: Callable[..., None], rank: int,
+def stream_layers(reader: WeightsReader, config: NeoXConfig, model: ModelRecipe, *, log: Log,
                   ) -> Iterator[nn.Module]:
     """Materialises one layer at a time (the engine keeps only this rank's shard of it) and
     says so, so a large model's build shows progress. A layer that cannot be read (missing file,
     wrong shape) is agreed on by all ranks before the engine's next collective."""
-    specs = layer_specs(config, args.filter_layers)
-    layers = iter_layers(reader, filter_layers=args.filter_layers)
+    specs = layer_specs(config, model.filter_layers)
+    layers = iter_layers(reader, filter_layers=model.filter_layers)
     for i, spec in enumerate(specs):
-        layer = agree(lambda: prepare_layer(next(layers), i, mode), rank=rank)
+        layer = compat.run_agreed(lambda: prepare_layer(next(layers), i, model.finetune))
         n = sum(p.numel() for p in layer.parameters())
         t = sum(p.numel() for p in layer.parameters() if p.requires_grad)
         where = f" (checkpoint block {spec.source})" if spec.kind == "block" else ""
@@ -133,9 +110,92 @@ def stream_layers(reader: Any, config: NeoXConfig, args: argparse.Namespace,
         yield layer
 
 
-def lr_lambda(warmup: int) -> Callable[[int], float]:
+def warmup_factor(warmup: int) -> Callable[[int], float]:
+    """The learning rate's multiplier at scheduler step ``step``: linear warm-up, then 1."""
     return lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
 
+
+@dataclasses.dataclass
+class TrainState:
+    """Everything that changes as the run trains, and what it needs to save itself."""
+
+    model: zerocore.ShardedSequential
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: zerocore.LossScaler
+    sampler: nd.WindowSampler
+    config: NeoXConfig                 # of the model the weights describe (all blocks)
+    dtype: torch.dtype
+    step: int = 0
+
+
+def build(recipe: Recipe, data: RunData, *, device: torch.device, rank: int, world_size: int,
+          log: Log) -> TrainState:
+    """The sharded model, its optimizer, schedule, loss scaler and data sampler."""
+    config, reader = compat.run_agreed(lambda: weights_source(recipe.model, data.tokenizer))
+    dtype = resolve_dtype(recipe.model.dtype, device)
+    mode = recipe.model.finetune
+    kept = len(layer_specs(config, recipe.model.filter_layers)) - 3
+    log(f"model: {recipe.model.checkpoint or recipe.model.preset}, {config.num_hidden_layers} "
+        f"blocks in the checkpoint, keeping {kept}; fine-tuning {mode.mode}; compute dtype "
+        f"{str(dtype).removeprefix('torch.')}; building layer by layer:")
+    with reader:
+        model = zerocore.shard(stream_layers(reader, config, recipe.model, log=log),
+                               device=device,
+                               mixed_precision=zerocore.MixedPrecision(param_dtype=dtype),
+                               offload=zerocore.Offload(optimizer=recipe.loop.offload_optimizer))
+    shards = model.trainable_shards()
+
+    def check_trainable() -> None:
+        if not shards:
+            raise ValueError("nothing to train: the chosen layers and --finetune mode leave no "
+                             "trainable parameter")
+    compat.run_agreed(check_trainable)
+    optim = recipe.optim
+    optimizer = zerocore.optim.AdamW(shards, lr=optim.lr, betas=optim.betas, eps=optim.eps,
+                                     weight_decay=optim.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_factor(optim.warmup))
+    scaler = zerocore.LossScaler(model.group, dynamic=dtype == torch.float16,
+                                 counter=model.counter)
+    loop = recipe.loop
+    sampler = compat.run_agreed(lambda: nd.WindowSampler(
+        len(data.dataset.train), rank=rank, world_size=world_size, batch_size=loop.batch_size,
+        seed=loop.seed))
+    return TrainState(model, optimizer, scheduler, scaler, sampler, config, dtype)
+
+
+def restore(state: TrainState, checkpoint: Path, optim: OptimConfig, *, log: Log) -> None:
+    """Continues from ``checkpoint``: shards, moments, loss scale, RNG, data position and
+    schedule; then the recipe's optimisation settings, which are the checkpoint's unless the
+    command line overrode them (``neox.finetune.resume_recipe`` logged which)."""
+    extra = zerocore.load_checkpoint(checkpoint, state.model, state.optimizer,
+                                     scaler=state.scaler)
+
+    def restore_loop() -> None:
+        try:
+            state.step = int(extra["step"])
+            state.sampler.load_state_dict(extra["sampler"])
+            state.scheduler.load_state_dict(extra["scheduler"])
+        except KeyError as e:
+            raise zerocore.CheckpointError(f"{checkpoint}: the manifest's extra state lacks "
+                                           f"{e.args[0]!r}; it is not a complete neox.finetune "
+                                           f"checkpoint") from None
+        except (TypeError, ValueError, AttributeError) as e:
+            raise zerocore.CheckpointError(f"{checkpoint}: the manifest's extra state is "
+                                           f"invalid ({e})") from None
+    compat.run_agreed(restore_loop)
+    # LambdaLR sets lr = base_lr * factor(step); the same product, so unchanged settings give
+    # bitwise the same learning rate as the checkpoint's.
+    factor = warmup_factor(optim.warmup)(state.scheduler.last_epoch)
+    state.scheduler.base_lrs = [optim.lr] * len(state.optimizer.param_groups)
+    for group in state.optimizer.param_groups:
+        group.update(lr=optim.lr * factor, betas=optim.betas, eps=optim.eps,
+                     weight_decay=optim.weight_decay)
+    log(f"resumed from {checkpoint} at step {state.step} (epoch {state.sampler.epoch}, "
+        f"batch {state.sampler.batches_done})")
+
+
+# -- training -------------------------------------------------------------------------------------------
 
 @torch.no_grad()
 def evaluate(model: nn.Module, split: nd.WindowSplit, *, rank: int, world_size: int,
@@ -163,193 +223,219 @@ def evaluate(model: nn.Module, split: nd.WindowSplit, *, rank: int, world_size: 
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
 
 
-def run_training(args: argparse.Namespace, *, rank: int, world_size: int,
-                 device: torch.device) -> None:
-    log = print if rank == 0 else (lambda *a, **k: None)
-    torch.manual_seed(args.seed)
-    run = prepare_data(args, rank, log)
-    ds = run.dataset
-    config, reader = agree(lambda: model_config(args, run.tokenizer), rank=rank)
-    dtype = _dtype(args, device)
-    mode = FinetuneMode(args.finetune, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-                        lora_targets=tuple(t.strip() for t in args.lora_targets.split(",")),
-                        seed=args.seed)
-    log(f"model: {args.checkpoint or args.model}, {config.num_hidden_layers} blocks in the "
-        f"checkpoint, keeping {len(layer_specs(config, args.filter_layers)) - 3}; fine-tuning "
-        f"{mode.mode}; compute dtype {str(dtype).removeprefix('torch.')}; building layer by layer:")
-    layers = stream_layers(reader, config, args, mode, log, rank)
-    model = zerocore.shard(layers, device=device,
-                           mixed_precision=zerocore.MixedPrecision(param_dtype=dtype),
-                           offload=zerocore.Offload(optimizer=args.offload_optimizer))
-    shards = model.trainable_shards()
+def total_steps(state: TrainState, loop: LoopConfig) -> int:
+    total = state.sampler.steps_until(loop.epochs) // loop.grad_accum + state.step
+    return min(total, loop.max_steps) if loop.max_steps is not None else total
 
-    def check_trainable() -> None:
-        if not shards:
-            raise ValueError("nothing to train: the chosen layers and --finetune mode leave no "
-                             "trainable parameter")
-    agree(check_trainable, rank=rank)
-    optimizer = zerocore.optim.AdamW(shards, lr=args.lr, weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup))
-    scaler = zerocore.LossScaler(model.group, dynamic=dtype == torch.float16,
-                                 counter=model.counter)
-    sampler = agree(lambda: nd.WindowSampler(len(ds.train), rank=rank, world_size=world_size,
-                                             batch_size=args.batch_size, seed=args.seed),
-                    rank=rank)
-    out_dir = Path(args.output_dir)
-    ckpt_root = out_dir / "checkpoints"
-    step = 0
-    if args.resume is not None:
-        path = agree(lambda: _resume_path(Path(args.resume)), rank=rank)
-        extra = zerocore.load_checkpoint(path, model, optimizer, scaler=scaler)
-        step = extra["step"]
-        sampler.load_state_dict(extra["sampler"])
-        scheduler.load_state_dict(extra["scheduler"])
-        log(f"resumed from {path} at step {step} (epoch {sampler.epoch}, "
-            f"batch {sampler.batches_done})")
-    total = sampler.steps_until(args.epochs) // args.grad_accum + step
-    if args.max_steps is not None:
-        total = min(total, args.max_steps)
-    if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    # A resumed run continues the file; a fresh run into an old output directory replaces it,
-    # so the file always holds this run's steps and nothing else.
-    metrics_file = (open(out_dir / "metrics.jsonl", "a" if args.resume is not None else "w")
-                    if rank == 0 else None)
-    log(f"training {total - step} steps: {world_size} ranks x {args.batch_size} sequences x "
-        f"{args.grad_accum} micro-batches per step, lr {args.lr}, warm-up {args.warmup}")
+
+def check_finite_weights(state: TrainState, *, rank: int) -> None:
+    """Refuses to go on (and so to save) when any trainable weight is NaN or infinite on any
+    rank: a diverged run must never overwrite good checkpoints. Collective."""
+    ok = all(bool(torch.isfinite(s).all()) for s in state.model.trainable_shards())
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=state.model.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if not int(flag):
+        raise RunFailed(f"training diverged: trainable weights are NaN or infinite at step "
+                        f"{state.step}; nothing was saved over the run's checkpoints; lower "
+                        f"--lr or --clip, or check the data" if rank == 0 else None)
+
+
+def save(state: TrainState, recipe: Recipe, run_id: str, *, rank: int) -> Path:
+    """A checkpoint of the run at ``state.step``, tagged with the run and its recipe."""
+    check_finite_weights(state, rank=rank)
+    extra = {"step": state.step, "sampler": state.sampler.state_dict(),
+             "scheduler": state.scheduler.state_dict(), "recipe": recipe.to_dict(),
+             "config": state.config.to_hf_dict()}  # what neox.export needs to rebuild the model
+    try:
+        return compat.save_checkpoint(Path(recipe.output.output_dir) / CHECKPOINTS,
+                                        state.step, state.model, state.optimizer,
+                                        scaler=state.scaler, extra=extra,
+                                        keep_last=recipe.output.keep_last, run_id=run_id)
+    except (zerocore.CheckpointError, OSError) as e:  # the same on every rank
+        raise RunFailed(str(e) if rank == 0 else None) from None
+
+
+@dataclasses.dataclass
+class StepsDone:
+    first_step: int
+    memory: zerocore.MemoryReport | None   # taken at the last step, gradients included
+    comm: zerocore.CommReport
+
+
+def train(state: TrainState, recipe: Recipe, data: RunData, metrics: MetricsFile | None,
+          run_id: str, *, device: torch.device, rank: int, world_size: int,
+          log: Log) -> StepsDone:
+    """The optimizer steps, until the epochs or ``max_steps`` are done."""
+    loop, total = recipe.loop, total_steps(state, recipe.loop)
+    ds, model = data.dataset, state.model
+    log(f"training {total - state.step} steps: {world_size} ranks x {loop.batch_size} sequences "
+        f"x {loop.grad_accum} micro-batches per step, lr {recipe.optim.lr}, warm-up "
+        f"{recipe.optim.warmup}")
     progress = Progress(total, enabled=rank == 0)
     model.comm_report(reset=True)
-    first_step = step
-
-    def save(at: int) -> Path:
-        extra = {"step": at, "sampler": sampler.state_dict(),
-                 "scheduler": scheduler.state_dict(), "args": _jsonable(vars(args)),
-                 "config": config.to_hf_dict()}  # what neox.export needs to rebuild the model
-        return zerocore.save_checkpoint(ckpt_root, at, model, optimizer, scaler=scaler,
-                                        extra=extra, keep_last=args.keep_last)
-
-    while step < total:
+    first_step, memory = state.step, None
+    nonfinite = 0               # consecutive steps with a non-finite loss or gradient
+    metrics_error: OutputDirError | None = None    # rank 0's, reported at the next step
+    while state.step < total:
         start = time.perf_counter()
-        totals = torch.zeros(3, dtype=torch.float64, device=device)
-        for _ in range(args.grad_accum):
-            x, y = nd.batch(ds.train, sampler.next_batch(), device=device)
+        # loss sum, correct, tokens, and whether rank 0 failed to write the last metrics line
+        totals = torch.zeros(4, dtype=torch.float64, device=device)
+        totals[3] = 1.0 if metrics_error is not None else 0.0
+        for _ in range(loop.grad_accum):
+            x, y = nd.batch(ds.train, state.sampler.next_batch(), device=device)
             logits = model(x).float()
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-            scaler.scale(loss / args.grad_accum).backward()
+            state.scaler.scale(loss / loop.grad_accum).backward()
             with torch.no_grad():
                 totals[0] += loss.detach() * y.numel()
                 totals[1] += (logits.argmax(-1) == y).sum()
                 totals[2] += y.numel()
-        result = scaler.step(optimizer, max_norm=args.clip or None)
+        result = state.scaler.step(state.optimizer, max_norm=recipe.optim.clip or None)
         if not result.skipped:
-            scheduler.step()
-        if step == total - 1:
-            memory = model.memory_report(optimizer)  # before zero_grad: gradients included
-        optimizer.zero_grad(set_to_none=True)
+            state.scheduler.step()
+        if state.step == total - 1:
+            memory = model.memory_report(state.optimizer)  # before zero_grad: with gradients
+        state.optimizer.zero_grad(set_to_none=True)
         dist.all_reduce(totals)
-        step += 1
-        elapsed = time.perf_counter() - start
-        record = {"step": step, "loss": (totals[0] / totals[2]).item(),
-                  "acc": (totals[1] / totals[2]).item(), "lr": scheduler.get_last_lr()[0],
+        if totals[3] > 0:
+            raise RunFailed(str(metrics_error) if rank == 0 else None)
+        state.step += 1
+        record = {"step": state.step, "loss": (totals[0] / totals[2]).item(),
+                  "acc": (totals[1] / totals[2]).item(),
+                  "lr": state.optimizer.param_groups[0]["lr"],
                   "loss_scale": result.loss_scale, "grad_norm": result.grad_norm,
-                  "skipped": result.skipped, "tokens_per_s": totals[2].item() / elapsed,
-                  "epoch": sampler.epoch}
-        if args.eval_every and step % args.eval_every == 0 and step < total:
+                  "skipped": result.skipped,
+                  "tokens_per_s": totals[2].item() / (time.perf_counter() - start),
+                  "epoch": state.sampler.epoch}
+        # A skipped step is routine while fp16's dynamic loss scale searches; in fp32/bf16 it
+        # means a NaN or infinite gradient, as bad as a non-finite loss.
+        bad = not math.isfinite(record["loss"]) or (result.skipped and not state.scaler.dynamic)
+        nonfinite = nonfinite + 1 if bad else 0
+        if loop.eval_every and state.step % loop.eval_every == 0 and state.step < total:
             record["val_loss"], record["val_acc"] = evaluate(
-                model, ds.val, rank=rank, world_size=world_size, batch_size=args.batch_size,
+                model, ds.val, rank=rank, world_size=world_size, batch_size=loop.batch_size,
                 device=device)
-        if metrics_file is not None:
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
-        progress.update(step, f"loss {record['loss']:.4f} acc {record['acc']:.3f} "
-                              f"lr {record['lr']:.2e} scale {record['loss_scale']:g} "
-                              f"{record['tokens_per_s']:,.0f} tok/s"
-                              + (" (skipped: overflow)" if result.skipped else ""))
-        if args.save_every and step % args.save_every == 0 and step < total:
-            save(step)
+        if metrics is not None:
+            try:
+                metrics.write(record)
+            except OutputDirError as e:
+                metrics_error = e
+        progress.update(state.step, f"loss {record['loss']:.4f} acc {record['acc']:.3f} "
+                                    f"lr {record['lr']:.2e} scale {record['loss_scale']:g} "
+                                    f"{record['tokens_per_s']:,.0f} tok/s"
+                        + (" (skipped: overflow)" if result.skipped else ""))
+        if nonfinite >= loop.max_nonfinite_steps:
+            progress.close()
+            raise RunFailed(f"training diverged: the loss or the gradients have been NaN or "
+                            f"infinite for {nonfinite} steps in a row (up to step {state.step}); "
+                            f"the run stops without saving; lower --lr, or check the data"
+                            if rank == 0 else None)
+        if recipe.output.save_every and state.step % recipe.output.save_every == 0 \
+                and state.step < total:
+            save(state, recipe, run_id, rank=rank)
     progress.close()
-    comm = model.comm_report()  # the training steps' traffic, before evaluation adds its own
+    compat.run_agreed(lambda: _raise(metrics_error))
+    return StepsDone(first_step, memory, model.comm_report())
 
-    val_loss, val_acc = evaluate(model, ds.val, rank=rank, world_size=world_size,
-                                 batch_size=args.batch_size, device=device)
+
+def _raise(error: BaseException | None) -> None:
+    if error is not None:
+        raise error
+
+
+# -- finishing ------------------------------------------------------------------------------------------
+
+def write_trainable(state: TrainState, path: Path, *, rank: int) -> Path:
+    """The trained parameters only (full tensors, fp32), named ``layers.<i>.<name>``: small
+    (proportional to what was trained). Only rank 0 gathers and holds them. Collective."""
+    tensors: dict[str, torch.Tensor] = {}
+    for index, state_dict in compat.iter_full_states(state.model, trainable_only=True, to_rank=0):
+        tensors.update({f"layers.{index}.{name}": t for name, t in state_dict.items()})
+
+    def write() -> None:
+        if rank != 0:
+            return
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            save_file(tensors, str(tmp))
+            tmp.replace(path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise OutputDirError(describe_os_error(e, path)) from None
+    compat.run_agreed(write)
+    return path
+
+
+def export_hf(state: TrainState, recipe: Recipe, data: RunData, *, rank: int) -> Path:
+    """The fine-tuned model (kept layers only, LoRA merged) as a Hugging Face directory with the
+    run's tokenizer, gathered one layer at a time to rank 0, which alone writes. Collective."""
+    model = recipe.model
+    specs = layer_specs(state.config, model.filter_layers)
+    built = filtered_config(state.config, model.filter_layers)
+    out = Path(recipe.output.output_dir) / HF_EXPORT
+    scaling = model.finetune.lora_scaling
+    states = ((s.kind, s.index, merge_lora(full, scaling)) for s, (_, full) in
+              zip(specs, compat.iter_full_states(state.model, to_rank=0)))
+
+    def write() -> None:
+        if rank != 0:
+            for _ in states:  # take part in every layer's gather
+                pass
+            return
+        tok = Path(recipe.output.output_dir) / TOKENIZER
+        try:
+            data.tokenizer.save(str(tok))
+            save_hf(out, built, states, overwrite=True, extra_files={TOKENIZER: tok})
+        except OSError as e:
+            raise OutputDirError(describe_os_error(e, e.filename or out)) from None
+    compat.run_agreed(write)
+    return out
+
+
+def finish(state: TrainState, recipe: Recipe, data: RunData, done: StepsDone,
+           metrics: MetricsFile | None, run_id: str, *, device: torch.device, rank: int,
+           world_size: int, log: Log) -> None:
+    """Validation, the reports, the final checkpoint and the results."""
+    val_loss, val_acc = evaluate(state.model, data.dataset.val, rank=rank,
+                                 world_size=world_size, batch_size=recipe.loop.batch_size,
+                                 device=device)
     log(f"validation: loss {val_loss:.4f}, perplexity {math.exp(min(val_loss, 50)):.2f}, "
         f"accuracy {val_acc:.3f}")
-    if metrics_file is not None:
-        metrics_file.write(json.dumps({"step": step, "val_loss": val_loss,
-                                       "val_acc": val_acc}) + "\n")
-        metrics_file.close()
-    if total > 0 and step == total and "memory" in locals():
+
+    def close_metrics() -> None:
+        if metrics is not None:
+            metrics.write({"step": state.step, "val_loss": val_loss, "val_acc": val_acc})
+            metrics.close()
+    compat.run_agreed(close_metrics)
+    if done.memory is not None:
         tables: list[Any] = [None] * world_size
-        dist.all_gather_object(tables, memory.table())
+        dist.all_gather_object(tables, done.memory.table())
         log("memory per rank (model state, measured vs (2+2+K)·Ψ/N_d):")
         for t in tables:
             log(t)
-        log("communication this run:\n" + comm.table(steps=total - first_step))
-    ckpt = save(step)
-    trained = _save_trainable(model, out_dir / "trainable.safetensors", rank)
+        log("communication this run:\n" + done.comm.table(steps=state.step - done.first_step))
+    ckpt = save(state, recipe, run_id, rank=rank)
+    trained = write_trainable(state, Path(recipe.output.output_dir) / TRAINABLE, rank=rank)
     log(f"saved: checkpoint {ckpt}")
     log(f"saved: trained parameters only {trained}")
-    if args.export_hf:
-        hf_dir = _export_hf(model, config, args, run, rank)
-        log(f"saved: Hugging Face export {hf_dir}")
+    if recipe.output.export_hf:
+        log(f"saved: Hugging Face export {export_hf(state, recipe, data, rank=rank)}")
 
 
-def _dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:
-    from neox.cli import DTYPES
-    if args.dtype is not None:
-        return DTYPES[args.dtype]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
-
-
-def _resume_path(resume: Path) -> Path:
-    """The checkpoint ``--resume`` names: a step directory itself, or the latest in a folder."""
-    if (resume / zerocore.checkpoint.MANIFEST).is_file():
-        return resume
-    path = zerocore.latest_checkpoint(resume)
-    if path is None:
-        raise ValueError(f"--resume {resume}: no checkpoint there (expected a step-XXXXXXXX "
-                         f"directory with a manifest.json, or a folder of them)")
-    return path
-
-
-def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in d.items()}
-
-
-def _save_trainable(model: zerocore.ShardedSequential, path: Path, rank: int) -> Path:
-    """The trained parameters only (full tensors, fp32), named ``layers.<i>.<name>``: small
-    (proportional to what was trained). Collective."""
-    from safetensors.torch import save_file
-    tensors: dict[str, torch.Tensor] = {}
-    for layer in model.layers:
-        for name, t in layer.full_state(trainable_only=True).items():
-            tensors[f"layers.{layer.index}.{name}"] = t
-    if rank == 0:
-        tmp = path.with_suffix(".tmp")
-        save_file(tensors, str(tmp))
-        tmp.replace(path)
-    dist.barrier()
-    return path
-
-
-def _export_hf(model: zerocore.ShardedSequential, config: NeoXConfig, args: argparse.Namespace,
-               run: RunData, rank: int) -> Path:
-    """The fine-tuned model (kept layers only, LoRA merged) as a Hugging Face directory, gathered
-    one layer at a time. Collective."""
-    specs = layer_specs(config, args.filter_layers)
-    built = dataclasses.replace(config, num_hidden_layers=len(specs) - 3)
-    scaling = args.lora_alpha / args.lora_rank
-    states = ((s.kind, s.index, merge_lora(layer.full_state(), scaling))
-              for s, layer in zip(specs, model.layers))
-    out = Path(args.output_dir) / "hf"
-    if rank == 0:
-        tok = Path(args.output_dir) / "tokenizer.json"
-        run.tokenizer.save(str(tok))
-        save_hf(out, built, states, overwrite=True, extra_files={"tokenizer.json": tok})
-    else:
-        for _ in states:
-            pass
-    dist.barrier()
-    return out
+def run_training(recipe: Recipe, *, resume: Path | None, run_id: str, rank: int,
+                 world_size: int, device: torch.device) -> None:
+    """The whole run of one rank: from ``resume`` (a checkpoint directory) when given."""
+    log: Log = print if rank == 0 else (lambda *a, **k: None)
+    torch.manual_seed(recipe.loop.seed)
+    data = prepare_data(recipe.data, recipe.model, rank=rank, log=log)
+    state = build(recipe, data, device=device, rank=rank, world_size=world_size, log=log)
+    if resume is not None:
+        restore(state, resume, recipe.optim, log=log)
+    out = Path(recipe.output.output_dir)
+    metrics = compat.run_agreed(lambda: MetricsFile(
+        out / METRICS, resume_step=state.step if resume is not None else None)
+        if rank == 0 else None)
+    done = train(state, recipe, data, metrics, run_id, device=device, rank=rank,
+                 world_size=world_size, log=log)
+    finish(state, recipe, data, done, metrics, run_id, device=device, rank=rank,
+           world_size=world_size, log=log)

@@ -44,6 +44,7 @@ from neox import data as nd
 from neox.weights import RandomInit, iter_layer_states, iter_layers
 from neox.config import PRESETS, NeoXConfig
 from neox.finetune import build_parser
+from neox.finetune import main as finetune_main
 from neox.finetune_modes import BIAS_NAMES, FinetuneMode, prepare_layer
 from zerocore.consolidate import iter_full_layers
 
@@ -449,6 +450,14 @@ def test_help_documents_every_flag():
             assert flag in text, f"{flag} missing from --help"
 
 
+def run_main(capsys, *args) -> subprocess.CompletedProcess:
+    """``neox.finetune.main`` in this process, for the errors it finds before any process
+    starts: a subprocess would only add its start-up time."""
+    code = finetune_main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
 def assert_clean_error(proc: subprocess.CompletedProcess, phrase: str) -> None:
     """A non-zero exit, exactly one error line on stderr carrying ``phrase``, no traceback."""
     assert proc.returncode != 0, proc.stdout
@@ -465,15 +474,16 @@ def assert_clean_error(proc: subprocess.CompletedProcess, phrase: str) -> None:
     ("1,7", "out of range"),             # the tiny preset has blocks 0..3
     ("0-1000000000", "out of range"),    # not expanded before it is checked
 ])
-def test_bad_filter_layers(cli_dirs, tmp_path, value, phrase):
-    proc = run_cli("--nproc", 1, "--filter-layers", value, *common_args(cli_dirs, tmp_path))
+def test_bad_filter_layers(cli_dirs, tmp_path, capsys, value, phrase):
+    proc = run_main(capsys, "--nproc", 1, "--filter-layers", value,
+                    *common_args(cli_dirs, tmp_path))
     assert_clean_error(proc, phrase)
 
 
-def test_missing_checkpoint_directory(cli_dirs, tmp_path):
-    proc = run_cli("--nproc", 1, "--checkpoint", tmp_path / "nowhere",
-                   *common_args(cli_dirs, tmp_path))
-    assert_clean_error(proc, "no such file or directory")
+def test_missing_checkpoint_directory(cli_dirs, tmp_path, capsys):
+    proc = run_main(capsys, "--nproc", 1, "--checkpoint", tmp_path / "nowhere",
+                    *common_args(cli_dirs, tmp_path))
+    assert_clean_error(proc, "no such directory")
 
 
 def test_unreadable_data_file_on_two_ranks(cli_dirs, tmp_path):

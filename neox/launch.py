@@ -1,0 +1,357 @@
+"""Starting, watching and stopping the processes of a fine-tuning run.
+
+``launch`` (one machine): takes the output directory (lock, ownership, a write test), starts one
+process per rank, and watches them. Ranks never outlive it: each holds the read end of a pipe
+whose write end only the launcher has, and a thread in each rank leaves the moment that pipe
+closes (the launcher died, even by SIGKILL) or says stop (the launcher got SIGTERM or Ctrl-C);
+``PR_SET_PDEATHSIG`` backs this up. When a rank fails, the launcher names it and how it ended
+(its exit code, or the signal that killed it), gives the others a moment to stop by themselves,
+then stops them.
+
+``run_under_torchrun``: the process is one rank of torchrun's group (possibly many machines);
+torchrun watches the processes, and global rank 0 takes the output directory.
+
+Exit codes: 0 done; 2 a problem reported in one line (bad input, a corrupt checkpoint, a full
+disk, a diverged run); 1 a crash (traceback shown); 3 a rank lost contact with another;
+128 + N killed by signal N.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import datetime
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import zerocore
+from neox import _zerocore_compat as compat  # COMPAT
+from neox.recipe import Recipe
+from neox.run_dir import (OutputDirError, OutputDirLock, check_writable, checkpoint_run_id,
+                          claim_output_dir)
+from neox.training import RunFailed, run_training
+
+__all__ = ["LaunchConfig", "RunRequest", "launch", "run_under_torchrun"]
+
+# Seconds the other ranks get to stop by themselves once one has failed, before they are
+# terminated (after a user error they all stop at once, having agreed on it).
+SHUTDOWN_GRACE_S = 10.0
+# Exit codes (see the module docstring).
+EXIT_REPORTED = 2
+EXIT_CRASH = 1
+EXIT_LOST_PEER = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    nproc: int                 # CPU processes (gloo); with GPUs the GPU count bounds it
+    port: int                  # rendezvous port on this machine; 0: a free one
+    timeout: float             # seconds a collective may wait before failing
+    use_cuda: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRequest:
+    """What the user asked for: the recipe, the checkpoint to resume from (already resolved to
+    a step directory), and whether to start over in a directory that holds another run."""
+
+    recipe: Recipe
+    resume: Path | None = None
+    overwrite: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RankTask:
+    """What each rank process is given."""
+
+    request: RunRequest
+    run_id: str | None         # None under torchrun: rank 0 decides it after the group exists
+    world_size: int
+    init_method: str
+    use_cuda: bool
+    timeout: float
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def describe_environment(use_cuda: bool, log: Any) -> None:
+    n = torch.cuda.device_count() if use_cuda else 0
+    for i in range(n):
+        log(f"GPU {i}: {torch.cuda.get_device_name(i)}")
+    log(f"n_gpus: {n}")
+    log(f"NCCL available: {dist.is_nccl_available()}   gloo available: "
+        f"{dist.is_gloo_available()}   MPI available: {dist.is_mpi_available()}")
+
+
+def _take_output_dir(request: RunRequest, log: Any) -> tuple[OutputDirLock, str]:
+    """Write test, lock, ownership: before any data is prepared. Returns the held lock and the
+    run id."""
+    directory = Path(request.recipe.output.output_dir)
+    check_writable(directory)
+    lock = OutputDirLock(directory)
+    note = lock.acquire()
+    try:
+        if note:
+            log(f"output: {note}")
+        resume_id = checkpoint_run_id(request.resume) if request.resume is not None else None
+        run_id = claim_output_dir(directory, resume_run_id=resume_id,
+                                  resuming=request.resume is not None,
+                                  overwrite=request.overwrite, log=log)
+    except BaseException:
+        lock.release()
+        raise
+    return lock, run_id
+
+
+# -- the launcher ---------------------------------------------------------------------------------
+
+def launch(request: RunRequest, config: LaunchConfig) -> int:
+    """Runs the recipe on this machine: one process per GPU (NCCL), else ``config.nproc``
+    CPU processes (gloo). Returns the exit code."""
+    world_size = min(config.nproc, torch.cuda.device_count()) if config.use_cuda else config.nproc
+    describe_environment(config.use_cuda, print)
+    try:
+        lock, run_id = _take_output_dir(request, print)
+    except OutputDirError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_REPORTED
+    try:
+        init = f"tcp://127.0.0.1:{config.port or _free_port()}"
+        task = RankTask(request, run_id, world_size, init, config.use_cuda, config.timeout)
+        return _run_ranks(task)
+    finally:
+        lock.release()
+
+
+def _run_ranks(task: RankTask) -> int:
+    ctx = multiprocessing.get_context("spawn")
+    procs, lifelines = [], []
+    for rank in range(task.world_size):
+        # The rank keeps the read end; only this process keeps the write end, so the pipe
+        # closes when this process ends, however it ends.
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_rank_main, args=(rank, task, reader, os.getpid()),
+                           name=f"neox-rank-{rank}")
+        proc.start()
+        reader.close()
+        procs.append(proc)
+        lifelines.append(writer)
+
+    stop_signal: list[int] = []
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        stop_signal.append(signum)
+        for writer in lifelines:  # each rank's watcher prints why and leaves
+            try:
+                writer.send(("stop", signal.Signals(signum).name))
+            except OSError:
+                pass
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = _watch(procs, stop_signal)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for writer in lifelines:
+            writer.close()
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+    return code
+
+
+def _exit_description(code: int | None) -> str:
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name
+        why = " (the system's out-of-memory killer, or a user)" if -code == signal.SIGKILL else ""
+        return f"was killed by {name}{why}"
+    return f"exited with code {code}"
+
+
+def _watch(procs: list[multiprocessing.Process], stop_signal: list[int]) -> int:
+    """Waits for every rank; on the first failure names it, lets the others stop by themselves
+    for ``SHUTDOWN_GRACE_S``, then terminates them. Returns the run's exit code."""
+    failed: tuple[int, int] | None = None     # (rank, exit code) of the first failure
+    deadline: float | None = None             # when the ranks still alive are terminated
+    while any(p.exitcode is None for p in procs):
+        multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None],
+                                        timeout=0.5)
+        if failed is None and not stop_signal:
+            for rank, p in enumerate(procs):
+                if p.exitcode not in (None, 0):
+                    failed = (rank, p.exitcode)
+                    if p.exitcode != EXIT_REPORTED:  # 2: the rank said why, in one line
+                        print(f"error: rank {rank} (pid {p.pid}) "
+                              f"{_exit_description(p.exitcode)}; stopping the other ranks",
+                              file=sys.stderr, flush=True)
+                    break
+        if (failed is not None or stop_signal) and deadline is None:
+            deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        if deadline is not None and time.monotonic() > deadline:
+            for p in procs:
+                if p.exitcode is None:
+                    p.terminate()
+            multiprocessing.connection.wait(
+                [p.sentinel for p in procs if p.exitcode is None], timeout=SHUTDOWN_GRACE_S)
+            break  # whatever is still alive is killed by the caller
+    if stop_signal:
+        print(f"stopped by {signal.Signals(stop_signal[0]).name}", file=sys.stderr, flush=True)
+        return 128 + stop_signal[0]
+    if failed is not None:
+        code = failed[1]
+        return code if code > 0 else 128 - code
+    return 0
+
+
+# -- a rank ----------------------------------------------------------------------------------------
+
+def _die_with_parent(rank: int, lifeline: Any, parent_pid: int) -> None:
+    """Makes this rank leave when the launcher ends or asks it to stop (see the module
+    docstring), saying why on stderr first."""
+    said = threading.Lock()
+
+    def leave(why: str, code: int) -> None:
+        if said.acquire(blocking=False):
+            print(f"rank {rank}: {why}; exiting", file=sys.stderr, flush=True)
+        os._exit(code)
+
+    def watch() -> None:
+        try:
+            message = lifeline.recv()
+        except (EOFError, OSError):
+            leave("the launcher ended", 128 + signal.SIGTERM)
+        else:
+            leave(f"the launcher was stopped by {message[1]}", 128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="neox-lifeline", daemon=True).start()
+    _set_parent_death_signal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, lambda s, f: leave(
+        "the launcher ended" if os.getppid() != parent_pid else "received SIGTERM", 128 + s))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which stops us
+    if os.getppid() != parent_pid:  # the launcher died before the watch began
+        leave("the launcher ended before this rank started", 128 + signal.SIGTERM)
+
+
+def _set_parent_death_signal(sig: int) -> None:
+    """Linux's PR_SET_PDEATHSIG: the kernel sends ``sig`` when the parent dies. A no-op
+    elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _rank_main(rank: int, task: RankTask, lifeline: Any, parent_pid: int) -> None:
+    _die_with_parent(rank, lifeline, parent_pid)
+    code = _run_rank(rank, task, None)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leave at once when the run failed: its objects still hold the process group, and tearing
+    # it down under them at interpreter exit can abort the process (gloo: "terminate called
+    # without an active exception"), which would bury the message.
+    os._exit(code)
+
+
+# How gloo and NCCL say that another process of the group is gone (gloo raises a plain
+# RuntimeError from its transport).
+_PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "gloo/transport", "NCCL communicator was aborted", "Timed out")
+
+
+def _is_lost_peer(e: BaseException) -> bool:
+    if isinstance(e, dist.DistBackendError):
+        return True
+    return isinstance(e, RuntimeError) and any(p in str(e) for p in _PEER_LOSS)
+
+
+def run_under_torchrun(request: RunRequest, config: LaunchConfig) -> int:
+    """This process is rank RANK of torchrun's WORLD_SIZE processes."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if rank == 0:
+        describe_environment(config.use_cuda, print)
+    _set_parent_death_signal(signal.SIGTERM)  # torchrun's agent is the parent
+    task = RankTask(request, None, world, "env://", config.use_cuda, config.timeout)
+    code = _run_rank(rank, task, None)
+    if code:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _run_rank(rank: int, task: RankTask, _unused: Any) -> int:
+    """Sets up the device and the process group, runs the training, and turns what can go
+    wrong into an exit code with one message."""
+    lock = None
+    try:
+        if task.use_cuda:
+            local_rank = int(os.environ.get("LOCAL_RANK", rank))
+            torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        else:
+            # Processes on one machine share its cores: more threads than cores only contend.
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", task.world_size))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))
+        backend = "nccl" if task.use_cuda else "gloo"
+        dist.init_process_group(backend, init_method=task.init_method, rank=rank,
+                                world_size=task.world_size,
+                                timeout=datetime.timedelta(seconds=task.timeout))
+        if rank == 0:
+            print(f"Distributed: backend {backend}, world size {task.world_size}, init "
+                  f"{task.init_method}", flush=True)
+        run_id = task.run_id
+        if run_id is None:  # torchrun: global rank 0 takes the directory, the others wait
+            taken = compat.run_agreed(
+                lambda: _take_output_dir(task.request, print) if rank == 0 else None)
+            if taken is not None:
+                lock, run_id = taken
+            ids = [run_id]
+            dist.broadcast_object_list(ids, src=0)
+            run_id = ids[0]
+        device = (torch.device("cuda", torch.cuda.current_device()) if task.use_cuda
+                  else torch.device("cpu"))
+        run_training(task.request.recipe, resume=task.request.resume, run_id=run_id, rank=rank,
+                     world_size=task.world_size, device=device)
+    except RunFailed as e:  # reported in one line, agreed by every rank
+        if e.message:
+            print(f"error: {e.message}", file=sys.stderr, flush=True)
+        return EXIT_REPORTED
+    except compat.PeerError:
+        return EXIT_REPORTED  # another rank reported the problem
+    except (ValueError, FileNotFoundError, OSError) as e:  # user errors: one line
+        print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
+        return EXIT_REPORTED
+    except Exception as e:
+        if not _is_lost_peer(e):
+            traceback.print_exc()
+            return EXIT_CRASH
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error (rank {rank}): lost contact with another rank ({first[:200]}); it failed "
+              f"or was killed (see above)", file=sys.stderr, flush=True)
+        return EXIT_LOST_PEER
+    finally:
+        if lock is not None:
+            lock.release()
+    dist.destroy_process_group()
+    return 0

@@ -1,0 +1,312 @@
+"""A run's output directory: one run at a time (a lock), owned by one run (its identity), and
+the run's metrics file.
+
+    OUTPUT_DIR/
+        .lock                   held (flock) by the process that writes, while the run lives;
+                                holds its pid, host and start time for the message a second
+                                run gets
+        run.json                {"run_id": ..., "created": ...}: whose directory this is
+        metrics.jsonl           one JSON object per step (always valid JSON)
+        checkpoints/            zerocore checkpoints, each tagged with the run id
+        trainable.safetensors, tokenizer.json, hf/   the run's results
+
+Rules (docs/decisions.md): a fresh run refuses a directory that holds another run unless
+``--overwrite`` (which deletes that run's outputs, and only those names); ``--resume`` continues
+the run its checkpoint belongs to; pruning touches only the run's own checkpoints (zerocore
+filters by run id). The lock is an ``flock``, so the kernel releases it when its holder dies: a
+lock file left by a dead process is simply taken over.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import json
+import math
+import os
+import shutil
+import socket
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+from neox._zerocore_compat import checkpoint_runs, incomplete_checkpoints
+from zerocore.checkpoint import CheckpointError, read_manifest
+
+__all__ = ["OutputDirError", "OutputDirLock", "check_writable", "claim_output_dir",
+           "find_resume_checkpoint", "MetricsFile", "RUN_FILE", "CHECKPOINTS", "METRICS",
+           "TRAINABLE", "HF_EXPORT", "TOKENIZER", "describe_os_error"]
+
+LOCK_FILE = ".lock"
+RUN_FILE = "run.json"
+CHECKPOINTS = "checkpoints"
+METRICS = "metrics.jsonl"
+TRAINABLE = "trainable.safetensors"
+HF_EXPORT = "hf"
+TOKENIZER = "tokenizer.json"
+# Everything a run writes into its directory: what --overwrite deletes, and nothing else.
+RUN_OUTPUTS = (CHECKPOINTS, METRICS, TRAINABLE, HF_EXPORT, TOKENIZER, RUN_FILE)
+
+
+class OutputDirError(ValueError):
+    """The output directory cannot be used as asked: in use, owned by another run, not
+    writable. The message says what to do."""
+
+
+def describe_os_error(e: OSError, path: Path | str) -> str:
+    """``cannot write PATH: [Errno 28] No space left on device``: the path and the errno, the
+    form every write error of a run takes."""
+    code = f"[Errno {e.errno}] " if e.errno is not None else ""
+    return f"cannot write {path}: {code}{e.strerror or e}"
+
+
+def check_writable(directory: Path) -> None:
+    """Creates ``directory`` and writes a probe file into it, so that an unwritable output
+    directory is found before any data is prepared or any process started."""
+    probe = directory / f".write-test-{uuid.uuid4().hex[:8]}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as e:
+        where = probe if probe.parent.is_dir() else directory
+        raise OutputDirError(f"--output-dir {directory}: {describe_os_error(e, where)}; choose "
+                             f"a writable directory") from None
+
+
+class OutputDirLock:
+    """An exclusive lock on an output directory for the life of a run. ``acquire`` fails at
+    once, naming the holder, when another live process holds it."""
+
+    def __init__(self, directory: Path):
+        self.path = directory / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> str | None:
+        """Takes the lock; returns a note when a dead run's lock file was taken over."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise OutputDirError(
+                    f"{self.path.parent} is in use by another run ({_describe_holder(holder)}); "
+                    f"wait for it to finish, or choose another --output-dir") from None
+            raise OutputDirError(f"cannot lock {self.path}: {e}") from None
+        previous = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+        me = {"pid": os.getpid(), "host": socket.gethostname(),
+              "since": datetime.datetime.now().isoformat(timespec="seconds")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        self._fd = fd
+        if previous:
+            return f"took over the lock of a run that ended without releasing it " \
+                   f"({_describe_holder(previous)})"
+        return None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            # Emptied first: a lock file that still names a holder when it is next taken was
+            # left by a process that died holding it.
+            os.ftruncate(self._fd, 0)
+            os.close(self._fd)  # closing releases the flock
+            self._fd = None
+
+    def __enter__(self) -> "OutputDirLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _describe_holder(text: str) -> str:
+    try:
+        d = json.loads(text)
+        return f"pid {d['pid']} on {d['host']}, since {d['since']}"
+    except (ValueError, KeyError, TypeError):
+        return "holder unknown"
+
+
+def read_run_id(directory: Path) -> str | None:
+    """The run id in ``directory/run.json``, or None when there is none."""
+    try:
+        d = json.loads((directory / RUN_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise OutputDirError(f"{directory / RUN_FILE}: unreadable ({e}); delete it if the "
+                             f"directory holds no run you want to keep") from None
+    run_id = d.get("run_id") if isinstance(d, dict) else None
+    if not isinstance(run_id, str):
+        raise OutputDirError(f"{directory / RUN_FILE}: no run id in it; delete it if the "
+                             f"directory holds no run you want to keep")
+    return run_id
+
+
+def _atomic_json(path: Path, value: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(value, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OutputDirError(describe_os_error(e, path)) from None
+
+
+def _other_runs(directory: Path, run_id: str | None, resumed_legacy: bool) -> list[str]:
+    """Descriptions of the runs other than ``run_id`` whose outputs are in ``directory``."""
+    found: list[str] = []
+    owner = read_run_id(directory)
+    if owner is not None and owner != run_id:
+        found.append(f"run {owner}")
+    for other, paths in checkpoint_runs(directory / CHECKPOINTS).items():
+        if other == run_id or (other is None and resumed_legacy):
+            continue
+        label = f"run {other}" if other is not None else "checkpoints of an unnamed run"
+        steps = f"{paths[0].name}" + (f" .. {paths[-1].name}" if len(paths) > 1 else "")
+        entry = f"{label}: {steps}"
+        if f"run {other}" in found:
+            found[found.index(f"run {other}")] = entry
+        else:
+            found.append(entry)
+    if run_id is None and not found and (directory / METRICS).exists():
+        found.append(f"the metrics of an earlier run ({directory / METRICS})")
+    return found
+
+
+def claim_output_dir(directory: Path, *, resume_run_id: str | None, resuming: bool,
+                     overwrite: bool, log: Callable[[str], None]) -> str:
+    """Makes ``directory`` this run's and returns the run id. Call with the lock held.
+
+    A fresh run gets a new id and refuses a directory with another run's outputs unless
+    ``overwrite`` (then they are deleted first); a resumed run keeps its checkpoint's id (a
+    checkpoint from before run ids gets a new one) and refuses a directory owned by another
+    run."""
+    if resuming and overwrite:
+        raise OutputDirError("--overwrite starts a new run and --resume continues one; give one "
+                             "of them")
+    run_id = (resume_run_id or read_run_id(directory) or uuid.uuid4().hex[:12]) if resuming \
+        else uuid.uuid4().hex[:12]
+    others = _other_runs(directory, run_id if resuming else None,
+                         resumed_legacy=resuming and resume_run_id is None)
+    if others and not overwrite:
+        what = "; ".join(others)
+        if resuming:
+            raise OutputDirError(f"{directory} holds another run ({what}); resume into another "
+                                 f"--output-dir")
+        raise OutputDirError(
+            f"{directory} holds another run ({what}); continue it with --resume "
+            f"{directory / CHECKPOINTS}, start over with --overwrite (deletes its checkpoints, "
+            f"metrics and exports), or choose another --output-dir")
+    if overwrite and others:
+        for name in RUN_OUTPUTS:
+            target = directory / name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            elif target.exists() or target.is_symlink():
+                target.unlink()
+        log(f"overwrite: deleted the outputs of {'; '.join(others)} in {directory}")
+    for step_dir, ours in incomplete_checkpoints(directory / CHECKPOINTS):
+        log(f"warning: {step_dir} is not a complete checkpoint (no manifest); "
+            + ("it will be removed by the next save" if ours else
+               "it holds files zerocore did not write and is left alone"))
+    _atomic_json(directory / RUN_FILE, {
+        "run_id": run_id, "created": datetime.datetime.now().isoformat(timespec="seconds")})
+    return run_id
+
+
+def find_resume_checkpoint(path: Path, output_dir: Path | None) -> Path:
+    """The checkpoint ``--resume PATH`` names: a step directory itself, or in a folder of them
+    the newest of the one run they belong to (the run of ``PATH/../run.json`` when the folder
+    holds several)."""
+    if (path / "manifest.json").is_file():
+        return path
+    runs = checkpoint_runs(path)
+    if not runs:
+        incomplete = [str(p) for p, _ in incomplete_checkpoints(path)]
+        extra = f" ({', '.join(incomplete)} lack a manifest: saves that did not finish)" \
+            if incomplete else ""
+        raise OutputDirError(f"--resume {path}: no checkpoint there{extra}; expected a "
+                             f"step-XXXXXXXX directory with a manifest.json, or a folder of them")
+    if len(runs) > 1:
+        owner = None
+        for candidate in (path.parent, output_dir):
+            if candidate is not None and (candidate / RUN_FILE).is_file():
+                owner = read_run_id(candidate)
+                break
+        if owner not in runs:
+            listing = "; ".join(f"run {r}: newest {ps[-1].name}" for r, ps in runs.items())
+            raise OutputDirError(f"--resume {path} holds checkpoints of {len(runs)} runs "
+                                 f"({listing}); give the step directory to resume")
+        return runs[owner][-1]
+    return next(iter(runs.values()))[-1]
+
+
+def checkpoint_run_id(checkpoint: Path) -> str | None:
+    """The run id stored in a checkpoint's manifest (None for checkpoints before run ids)."""
+    try:
+        return read_manifest(checkpoint).get("extra", {}).get("run_id")  # COMPAT
+    except CheckpointError as e:
+        raise OutputDirError(f"--resume: {e}") from None
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsFile:
+    """``metrics.jsonl``, written by rank 0: one JSON object per line, flushed after each.
+
+    Non-finite numbers (a diverging loss) are written as ``null``, so the file stays JSON. On
+    resume the lines of steps after the checkpoint's are dropped first (they were trained again
+    from the checkpoint), so every step appears once. Write errors raise ``OutputDirError``
+    naming the file and the errno."""
+
+    def __init__(self, path: Path, *, resume_step: int | None):
+        self.path = path
+        try:
+            if resume_step is not None and path.exists():
+                kept = [line for line in path.read_text().splitlines()
+                        if _step_of(line) is not None and _step_of(line) <= resume_step]
+                tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+                tmp.write_text("".join(line + "\n" for line in kept))
+                os.replace(tmp, path)
+            self._file = open(path, "a" if resume_step is not None else "w")
+        except OSError as e:
+            raise OutputDirError(describe_os_error(e, path)) from None
+
+    def write(self, record: dict[str, Any]) -> None:
+        line = json.dumps({k: _finite_or_none(v) for k, v in record.items()}, allow_nan=False)
+        try:
+            self._file.write(line + "\n")
+            self._file.flush()
+        except OSError as e:
+            raise OutputDirError(describe_os_error(e, self.path)) from None
+
+    def close(self) -> None:
+        try:
+            self._file.close()
+        except OSError as e:
+            raise OutputDirError(describe_os_error(e, self.path)) from None
+
+
+def _step_of(line: str) -> int | None:
+    """The step of a metrics line; None for a line a crash left torn."""
+    try:
+        d = json.loads(line)
+        step = d.get("step") if isinstance(d, dict) else None
+        return step if isinstance(step, int) else None
+    except ValueError:
+        return None
