@@ -62,11 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object (machine output)")
     args = p.parse_args(argv)
     try:
-        model, tokenizer, device = load_model(args)
+        # The text first: a missing file is reported before any model is loaded.
         data_dir = args.data_dir or nd.default_data_dir()
         text = (nd.load_corpus(args.text, cache_dir=nd.default_cache_dir(),
                                data_dir=data_dir, url=None,
                                log=lambda *a, **k: None).text)
+        model, tokenizer, device = load_model(args)
         tokens = torch.from_numpy(nd.encode_text(tokenizer, text).astype("int64"))
         if args.max_windows is not None:
             tokens = tokens[: args.max_windows * args.seq_len + 1]

@@ -21,6 +21,11 @@ DEVICES = [
 ]
 
 
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "shared_data: needs ../shared/data (the full corpus, the "
+                                       "GPT-NeoX tokenizer); skipped when it is absent")
+
+
 @pytest.fixture(params=DEVICES)
 def device(request) -> str:
     """"cpu", then "cuda" when a GPU is present."""

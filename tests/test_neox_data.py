@@ -19,13 +19,8 @@ from neox.data import (
     default_data_dir, eval_batches, load_corpus, load_tokenizer, tokenizer_rows,
 )
 
-DATA_DIR = default_data_dir()
-SHAKESPEARE = DATA_DIR / "tiny_shakespeare.txt"
-NEOX_TOKENIZER = DATA_DIR / "gpt-neox-20b-tokenizer.json"
-
-needs_shared_data = pytest.mark.skipif(
-    not (SHAKESPEARE.is_file() and NEOX_TOKENIZER.is_file()),
-    reason=f"shared test data not found in {DATA_DIR} (default_data_dir())")
+from neox_testing import NEOX_TOKENIZER, SHAKESPEARE, SHARED_DATA_DIR as DATA_DIR
+from neox_testing import with_shared_data as needs_shared_data
 
 
 class Log:
@@ -52,7 +47,7 @@ def missing_url(tmp_path: Path) -> str:
 
 def test_default_data_dir_is_beside_the_repository():
     repo_root = Path(__file__).resolve().parent.parent
-    assert DATA_DIR == repo_root.parent / "shared" / "data"
+    assert default_data_dir() == repo_root.parent / "shared" / "data"
 
 
 @needs_shared_data

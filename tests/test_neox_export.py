@@ -10,6 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from neox_testing import EXCERPT
+
 
 def _run(*args, cwd):
     r = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
@@ -31,8 +33,8 @@ def lora_run(tmp_path_factory):
     # A large learning rate so the adapters move far from their start (B = 0) in a few steps.
     _run("neox.finetune", "--finetune", "lora", "--max-steps", "3", "--lr", "0.05",
          "--seq-len", "16", "--batch-size", "2", "--nproc", "2", "--export-hf",
-         "--filter-layers", "0,2", "--cache-dir", str(tmp / "cache"), "--output-dir",
-         str(tmp / "run"), cwd=tmp)
+         "--filter-layers", "0,2", "--data", str(EXCERPT), "--cache-dir", str(tmp / "cache"),
+         "--output-dir", str(tmp / "run"), cwd=tmp)
     return tmp
 
 

@@ -40,6 +40,7 @@ from torch import nn
 import neox
 import zerocore
 from dist_utils import World, global_mean
+from neox_testing import EXCERPT
 from neox import data as nd
 from neox.weights import RandomInit, iter_layer_states, iter_layers
 from neox.config import PRESETS, NeoXConfig
@@ -224,23 +225,11 @@ SEED = 5
 CLI_SEQ_LEN, CLI_BATCH = 32, 8
 
 
-def _corpus_text() -> str:
-    """About 40 kB of text: the start of tiny_shakespeare from the shared data directory, or the
-    standard library's help topics where that is absent. Enough for a few hundred windows."""
-    shakespeare = nd.default_data_dir() / nd.TINY_SHAKESPEARE_FILE
-    if shakespeare.is_file():
-        return shakespeare.read_text(encoding="utf-8")[:40_000]
-    from pydoc_data.topics import topics
-    return "\n\n".join(topics[k] for k in sorted(topics))[:40_000]
-
-
 @pytest.fixture(scope="module")
 def cli_dirs(tmp_path_factory):
     """A small text file, and a cache shared by every run (the BPE is trained once)."""
     root = tmp_path_factory.mktemp("cli")
-    text = root / "corpus.txt"
-    text.write_text(_corpus_text(), encoding="utf-8")
-    return dict(root=root, data=text, cache=root / "cache")
+    return dict(root=root, data=EXCERPT, cache=root / "cache")
 
 
 def run_cli(*args, **kwargs) -> subprocess.CompletedProcess:
