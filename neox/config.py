@@ -118,6 +118,7 @@ class NeoXConfig:
         model_type = d.get("model_type", "gpt_neox")
         if model_type != "gpt_neox":
             raise ValueError(f"config model_type is {model_type!r}, expected 'gpt_neox'")
+        _refuse_unsupported_hf_keys(d)
         required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                     "intermediate_size")
         missing = [k for k in required if k not in d]
@@ -196,6 +197,39 @@ class NeoXConfig:
             "hidden_dropout": 0.0,
             "use_cache": True,
         }
+
+
+# Hugging Face config.json settings that change what a GPT-NeoX checkpoint computes and that
+# neox.model does not implement (checked against transformers' GPTNeoXConfig and
+# modeling_gpt_neox.py, which read only the keys NeoXConfig has plus ``head_dim`` and the rope
+# settings, both checked in from_hf_dict):
+# - quantization_config: the stored tensors are quantized (GPTQ, AWQ, bitsandbytes ...) and
+#   transformers swaps in layers that dequantize them; read as plain weights they are garbage.
+# - architectures other than the causal LM (or the bare model): a ...ForSequenceClassification,
+#   ...ForTokenClassification or ...ForQuestionAnswering checkpoint ends in a task head, not in
+#   next-token logits.
+# Ignored on purpose: dropout, initializer_range, use_cache, dtype, attention implementation,
+# output flags, labels; and keys transformers' GPT-NeoX does not read (num_key_value_heads,
+# sliding_window, ...): transformers computes without them too, and weights shaped for them
+# fail the shape check with the tensor named.
+_HF_ARCHITECTURES = frozenset({"GPTNeoXForCausalLM", "GPTNeoXModel"})
+
+
+def _refuse_unsupported_hf_keys(d: Mapping[str, Any]) -> None:
+    if d.get("quantization_config") is not None:
+        method = d["quantization_config"]
+        if isinstance(method, Mapping):
+            method = method.get("quant_method", "unnamed method")
+        raise ValueError(f"config quantization_config is set ({method}): quantized weights "
+                         f"are not supported; use the unquantized checkpoint")
+    architectures = d.get("architectures") or []
+    if isinstance(architectures, str):
+        architectures = [architectures]
+    heads = sorted(set(architectures) - _HF_ARCHITECTURES)
+    if heads:
+        raise ValueError(f"config architectures is {list(architectures)}: {heads[0]} ends in a "
+                         f"task head, not next-token logits; only GPTNeoXForCausalLM (or the "
+                         f"bare GPTNeoXModel) is supported")
 
 
 def normalize_filter_layers(config: NeoXConfig,

@@ -2,6 +2,8 @@
 test data."""
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,3 +49,43 @@ def with_shared_data(fn):
     for mark in shared_data:
         fn = mark(fn)
     return fn
+
+
+# -- running the command-line tools -------------------------------------------------------------------
+REPO = Path(__file__).resolve().parent.parent
+CLI_TIMEOUT_S = 600
+
+
+def cli_env() -> dict[str, str]:
+    """The environment for a CLI subprocess: this checkout importable, and no torchrun variables
+    (under torchrun neox.finetune would join that group instead of starting its own ranks)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT"):
+        env.pop(var, None)
+    return env
+
+
+def run_module(module: str, *args, timeout: float = CLI_TIMEOUT_S,
+               **kwargs) -> subprocess.CompletedProcess:
+    """``python -m module args...`` from the repository root, output captured."""
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=REPO,
+                          env=cli_env(), capture_output=True, text=True, timeout=timeout,
+                          **kwargs)
+
+
+def start_module(module: str, *args, **kwargs) -> subprocess.Popen:
+    """The same, started in the background (its output in pipes)."""
+    return subprocess.Popen([sys.executable, "-m", module, *map(str, args)], cwd=REPO,
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **kwargs)
+
+
+def assert_clean_error(proc: subprocess.CompletedProcess, phrase: str) -> None:
+    """A non-zero exit, exactly one error line on stderr carrying ``phrase``, no traceback."""
+    assert proc.returncode != 0, proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1, proc.stderr
+    assert phrase in errors[0], proc.stderr

@@ -40,7 +40,7 @@ from torch import nn
 import neox
 import zerocore
 from dist_utils import World, global_mean
-from neox_testing import EXCERPT
+from neox_testing import CLI_TIMEOUT_S, EXCERPT, assert_clean_error, run_module
 from neox import data as nd
 from neox.weights import RandomInit, iter_layer_states, iter_layers
 from neox.config import PRESETS, NeoXConfig
@@ -220,7 +220,6 @@ def test_sharded_finetuning_matches_unsharded(world, mode):
 
 # Seconds one CLI run may take. A run takes seconds on an idle 2-core machine; this only bounds
 # a hang (a deadlocked collective) on a heavily loaded one.
-CLI_TIMEOUT_S = 600
 SEED = 5
 CLI_SEQ_LEN, CLI_BATCH = 32, 8
 
@@ -233,14 +232,7 @@ def cli_dirs(tmp_path_factory):
 
 
 def run_cli(*args, **kwargs) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT"):
-        env.pop(var, None)  # under torchrun the CLI would join that group instead of spawning
-    return subprocess.run([sys.executable, "-m", "neox.finetune", *map(str, args)], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S,
-                          **kwargs)
+    return run_module("neox.finetune", *args, **kwargs)
 
 
 def common_args(dirs: dict, out: Path) -> list:
@@ -445,15 +437,6 @@ def run_main(capsys, *args) -> subprocess.CompletedProcess:
     code = finetune_main([str(a) for a in args])
     out, err = capsys.readouterr()
     return subprocess.CompletedProcess(args, code, out, err)
-
-
-def assert_clean_error(proc: subprocess.CompletedProcess, phrase: str) -> None:
-    """A non-zero exit, exactly one error line on stderr carrying ``phrase``, no traceback."""
-    assert proc.returncode != 0, proc.stdout
-    assert "Traceback" not in proc.stderr, proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
-    assert len(errors) == 1, proc.stderr
-    assert phrase in errors[0], proc.stderr
 
 
 @pytest.mark.parametrize("value, phrase", [

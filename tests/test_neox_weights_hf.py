@@ -450,3 +450,118 @@ def test_broken_index(hf_model, tmp_path):
     (d / "model.safetensors.index.json").write_text('{"metadata": {}}')
     with pytest.raises(WeightsError, match="not a readable weight index"):
         neox.from_pretrained(d)
+
+
+# -- configurations that change the computation ------------------------------------------------
+
+@pytest.mark.parametrize("change, message", [
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}},
+     r"quantization_config is set \(gptq\): quantized weights are not supported"),
+    ({"architectures": ["GPTNeoXForSequenceClassification"]},
+     r"architectures is \['GPTNeoXForSequenceClassification'\]: "
+     r"GPTNeoXForSequenceClassification ends in a task head"),
+])
+def test_config_keys_that_change_the_math_are_refused(hf_model, tmp_path, change, message):
+    d = write_bin_dir(tmp_path / "d", legacy_state(hf_model), {**LEGACY_CONFIG, **change})
+    with pytest.raises(WeightsError, match=re.escape(f"{d / 'config.json'}: config ") + message):
+        neox.open_weights(d)
+
+
+def test_config_keys_that_do_not_change_the_math_are_ignored(hf_model, tmp_path):
+    harmless = {"architectures": ["GPTNeoXModel"], "quantization_config": None,
+                "attention_dropout": 0.1, "hidden_dropout": 0.1, "classifier_dropout": 0.1,
+                "initializer_range": 0.5, "use_cache": False, "dtype": "float16",
+                "_attn_implementation": "eager", "num_key_value_heads": 4}
+    d = write_bin_dir(tmp_path / "d", legacy_state(hf_model), {**LEGACY_CONFIG, **harmless})
+    torch.testing.assert_close(logits(neox.from_pretrained(d)), logits(hf_model),
+                               atol=ATOL, rtol=RTOL)
+
+
+# -- the weights directory is self-contained ---------------------------------------------------
+
+def sharded_with_one_file_moved(hf_model, root: Path, name_for) -> tuple[Path, Path]:
+    """A sharded safetensors directory whose index names one shard by ``name_for(moved)``,
+    the shard having been moved to ``root/outside``."""
+    d = root / "model"
+    hf_model.save_pretrained(d, max_shard_size="20KB")
+    index_file = d / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    shard = index["weight_map"]["gpt_neox.layers.1.attention.dense.weight"]
+    (root / "outside").mkdir()
+    moved = (d / shard).rename(root / "outside" / "x.safetensors")
+    index["weight_map"] = {k: (name_for(moved) if v == shard else v)
+                           for k, v in index["weight_map"].items()}
+    index_file.write_text(json.dumps(index))
+    return d, moved
+
+
+def refused_unless_allowed(d: Path, hf_model, message: str) -> None:
+    """Opening ``d`` fails with ``message``; with allow_outside it reads ``hf_model``."""
+    with pytest.raises(WeightsError, match=message):
+        neox.open_weights(d)
+    torch.testing.assert_close(logits(neox.from_pretrained(d, allow_outside=True)),
+                               logits(hf_model), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("how", ["relative", "absolute"])
+def test_index_naming_a_file_outside_is_refused(hf_model, tmp_path, how):
+    name_for = (lambda moved: "../outside/x.safetensors") if how == "relative" else str
+    d, moved = sharded_with_one_file_moved(hf_model, tmp_path, name_for)
+    named = re.escape(repr(name_for(moved)))
+    refused_unless_allowed(d, hf_model, (
+        rf"{re.escape(str(d))}: model\.safetensors\.index\.json \(weight_map\) names {named}, "
+        rf"which leads outside the weights directory \(to {re.escape(str(moved))}\); copy the "
+        rf"file into it, or allow files outside explicitly"))
+
+
+def test_sharded_bin_outside_is_read_from_where_the_index_says(hf_model, tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(LEGACY_CONFIG))
+    write_sharded_bin(d, legacy_state(hf_model), 3)
+    (tmp_path / "outside").mkdir()
+    (d / "pytorch_model-00002-of-00003.bin").rename(tmp_path / "outside" / "two.bin")
+    index = json.loads((d / "pytorch_model.bin.index.json").read_text())
+    index["weight_map"] = {k: "../outside/two.bin" if v.startswith("pytorch_model-00002") else v
+                           for k, v in index["weight_map"].items()}
+    (d / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    refused_unless_allowed(d, hf_model, r"names '\.\./outside/two\.bin', which leads outside")
+
+
+def test_weight_file_linked_outside_is_refused(hf_model, hf_dir, tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text((hf_dir / "config.json").read_text())
+    (d / "model.safetensors").symlink_to(hf_dir / "model.safetensors")
+    target = re.escape(str((hf_dir / "model.safetensors").resolve()))
+    refused_unless_allowed(d, hf_model, rf"{re.escape(str(d))}: the weight file "
+                                        rf"'model\.safetensors', which leads outside the "
+                                        rf"weights directory \(to {target}\)")
+    # The configuration too.
+    (d / "config.json").unlink()
+    (d / "config.json").symlink_to(hf_dir / "config.json")
+    with pytest.raises(WeightsError, match=r"the configuration 'config\.json', which leads "
+                                           r"outside"):
+        neox.open_weights(d, allow_outside=False)
+
+
+def test_hub_cache_snapshot_links_into_its_blobs(hf_model, tmp_path):
+    """huggingface_hub's cache: models--org--name/snapshots/<rev>/<file> -> ../../blobs/<hash>.
+    One download, so it is read without allow_outside."""
+    repo = tmp_path / "hub" / "models--EleutherAI--tiny"
+    source = tmp_path / "saved"
+    hf_model.save_pretrained(source, max_shard_size="20KB")
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    for i, f in enumerate(sorted(source.iterdir())):
+        f.rename(repo / "blobs" / f"blob{i}")
+        (snapshot / f.name).symlink_to(Path("..") / ".." / "blobs" / f"blob{i}")
+    torch.testing.assert_close(logits(neox.from_pretrained(snapshot)), logits(hf_model),
+                               atol=ATOL, rtol=RTOL)
+    # Not a hub cache: the same links from a folder of another name lead outside.
+    other = repo / "copies" / "0123abcd"
+    other.parent.mkdir()
+    snapshot.rename(other)
+    with pytest.raises(WeightsError, match="leads outside the weights directory"):
+        neox.open_weights(other)

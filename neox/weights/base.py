@@ -54,19 +54,33 @@ def load_state_file(path: Path) -> dict[str, Any]:
     return state
 
 
+def _inside_roots(root: Path) -> list[Path]:
+    """The resolved folders a file of the weights directory ``root`` may resolve into: ``root``
+    itself and, for a Hugging Face hub cache snapshot (``models--org--name/snapshots/<rev>``),
+    the download's ``blobs`` folder. huggingface_hub itself writes every file of a snapshot as
+    a symbolic link to ``../../blobs/<hash>``, so that layout is one self-contained download,
+    and refusing it would refuse every model loaded from the cache."""
+    base = root.resolve()
+    roots = [base]
+    if base.parent.name == "snapshots" and base.parent.parent.name.startswith("models--"):
+        roots.append(base.parent.parent / "blobs")
+    return roots
+
+
 def contained(root: Path, name: str, *, what: str, allow_outside: bool) -> Path:
     """``root / name``, refused with a ``WeightsError`` when it resolves outside ``root`` (an
     absolute name, ``..``, or a symbolic link leading out) unless ``allow_outside``: a weights
     directory that names files elsewhere is not self-contained, and following such names
-    silently could read files the user never pointed at."""
+    silently could read files the user never pointed at. ``what`` says who names the file,
+    for the message ("its 'latest' file names", "the weight file")."""
     target = root / name
     if not allow_outside:
-        base = root.resolve()
         resolved = target.resolve()
-        if resolved != base and base not in resolved.parents:
-            raise WeightsError(f"{root}: {what} names {name!r}, which is outside the weights "
-                               f"directory; copy the file into it, or allow files outside "
-                               f"explicitly (--allow-outside-weights)")
+        if not any(resolved == r or r in resolved.parents for r in _inside_roots(root)):
+            raise WeightsError(f"{root}: {what} {name!r}, which leads outside the weights "
+                               f"directory (to {resolved}); copy the file into it, or allow "
+                               f"files outside explicitly (allow_outside=True, "
+                               f"--allow-outside-weights)")
     return target
 
 

@@ -26,8 +26,9 @@ def open_weights(path: str | Path, *, config: NeoXConfig | None = None,
     - a GPT-NeoX slim-weights directory: ``layer_XX-model_YY-model_states.pt`` files.
 
     ``config`` overrides the configuration the weights carry (required where they carry none).
-    ``allow_outside``: follow index entries and ``latest`` pointers that lead out of ``path``
-    (refused by default: a weights directory should be self-contained). Raises
+    ``allow_outside``: follow index entries, ``latest`` pointers and symbolic links that lead
+    out of ``path`` (refused by default: a weights directory should be self-contained; the
+    Hugging Face hub cache's links from ``snapshots/`` into ``blobs/`` count as inside). Raises
     ``WeightsError`` when nothing readable is there.
     """
     path = Path(path)
@@ -50,14 +51,14 @@ def open_weights(path: str | Path, *, config: NeoXConfig | None = None,
 
 def from_pretrained(path: str | Path, *, filter_layers: Iterable[int] | None = None,
                     dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                    config: NeoXConfig | None = None) -> NeoXModel:
+                    config: NeoXConfig | None = None, allow_outside: bool = False) -> NeoXModel:
     """Loads pretrained weights (any format ``open_weights`` reads) as a ``NeoXModel`` mapping
     token ids (B, T) to logits (B, T, vocab). ``filter_layers``: the blocks to keep (0-based,
     as in the checkpoint; embedding, final norm and readout are always kept). ``dtype`` None
     keeps the stored dtype; ``device`` defaults to the CPU. The returned model's
     ``config.num_hidden_layers`` is the number of kept blocks and ``source_layers`` their
-    checkpoint indices."""
-    with open_weights(path, config=config) as reader:
+    checkpoint indices. ``allow_outside``: see ``open_weights``."""
+    with open_weights(path, config=config, allow_outside=allow_outside) as reader:
         kept = normalize_filter_layers(reader.config, filter_layers)
         layers = list(iter_layers(reader, filter_layers=kept, dtype=dtype, device=device))
         built = filtered_config(reader.config, kept)

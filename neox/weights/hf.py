@@ -89,14 +89,16 @@ class HFReader(WeightsReader):
 
     ``config`` overrides ``config.json``. Opening reads the configuration and the list of
     tensor names (the index, or the single file's header); tensors are read by ``read``.
-    ``allow_outside``: accept index entries naming files outside ``path`` (refused by default).
+    ``allow_outside``: accept files outside ``path`` -- index entries naming them, or symbolic
+    links leading to them (refused by default, except a hub cache snapshot's links into its
+    ``blobs``; see ``neox.weights.base.contained``).
     """
 
     def __init__(self, path: str | Path, *, config: NeoXConfig | None = None,
                  allow_outside: bool = False):
         self.path = Path(path)
         self._allow_outside = allow_outside
-        self._bin_cache: tuple[str, dict[str, torch.Tensor]] | None = None
+        self._bin_cache: tuple[Path, dict[str, torch.Tensor]] | None = None
         self.config = config if config is not None else self._read_config()
         self._weights = self._find_weights()  # the index or single weight file
         self._is_safetensors = self._weights.name.startswith("model.safetensors")
@@ -135,6 +137,8 @@ class HFReader(WeightsReader):
         if not file.is_file():
             raise WeightsError(f"{file}: missing; a Hugging Face checkpoint directory needs "
                                   f"its config.json (or pass a config)")
+        contained(self.path, file.name, what="the configuration",
+                  allow_outside=self._allow_outside)
         try:
             return NeoXConfig.from_hf_dict(json.loads(file.read_text()))
         except (OSError, json.JSONDecodeError) as e:
@@ -145,7 +149,8 @@ class HFReader(WeightsReader):
     def _find_weights(self) -> Path:
         for name in WEIGHT_FILES:
             if (self.path / name).is_file():
-                return self.path / name
+                return contained(self.path, name, what="the weight file",
+                                 allow_outside=self._allow_outside)
         raise WeightsError(f"{self.path}: no weights; expected one of "
                               f"{', '.join(WEIGHT_FILES)}")
 
@@ -160,7 +165,7 @@ class HFReader(WeightsReader):
                     isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
                 raise WeightsError(f"{w}: weight_map must map tensor names to file names")
             for file in sorted(set(weight_map.values())):
-                contained(self.path, file, what=f"{w.name} (weight_map)",
+                contained(self.path, file, what=f"{w.name} (weight_map) names",
                           allow_outside=self._allow_outside)
             return dict(weight_map)
         if self._is_safetensors:
@@ -170,18 +175,18 @@ class HFReader(WeightsReader):
             except Exception as e:  # safetensors raises its own error types
                 raise WeightsError(f"{w}: not a readable safetensors file ({e})") from None
         else:
-            keys = list(self._load_bin(w.name))
+            keys = list(self._load_bin(w))
         return {k: w.name for k in keys}
 
     # -- reading ----------------------------------------------------------------------------
 
-    def _load_bin(self, file: str) -> dict[str, torch.Tensor]:
+    def _load_bin(self, file: Path) -> dict[str, torch.Tensor]:
         """The state dict of one .bin file, memory-mapped. Only the last file is kept: layers
         are read in order, so each file of a sharded checkpoint is mapped once."""
         if self._bin_cache is not None and self._bin_cache[0] == file:
             return self._bin_cache[1]
         self._bin_cache = None
-        state = load_state_file(self.path / file)
+        state = load_state_file(file)
         self._bin_cache = (file, state)
         return state
 
@@ -214,7 +219,7 @@ class HFReader(WeightsReader):
                 except Exception as e:
                     raise WeightsError(f"{file}: cannot read ({e})") from None
             else:
-                state = self._load_bin(file.name)
+                state = self._load_bin(file)
                 for local, key in items:
                     if key not in state:
                         raise WeightsError(f"{file}: tensor '{key}' is listed in "
