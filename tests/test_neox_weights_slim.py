@@ -15,7 +15,10 @@ Two kinds of check:
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -28,7 +31,8 @@ from neox.model import (ACTIVATIONS, NeoXModel, apply_rotary, build_layer, build
                         rotary_cos_sin)
 from neox.weights import WeightsError, iter_layer_states, save_hf
 from neox.weights.neox_yaml import config_from_neox_yaml, parse_flat_yaml, read_neox_yaml
-from neox.weights.slim import SlimReader, find_slim_directory, open_slim, slim_file_name
+from neox.weights.slim import (PartitionsDifferWarning, SlimReader, find_slim_directory,
+                               open_slim, slim_file_name)
 
 TP = 2
 
@@ -43,9 +47,10 @@ def small_config(**overrides) -> NeoXConfig:
     return NeoXConfig(**kw)
 
 
-def neox_yaml(config: NeoXConfig, *, tp: int = TP, tied: bool = False) -> str:
+def neox_yaml(config: NeoXConfig, *, tp: int = TP, tied: bool = False, extra: str = "") -> str:
     """A config file in the style of NeoX's 20B.yml (JSON-like, comments, nested sections,
-    Python-style True, trailing commas) describing ``config``."""
+    Python-style True, trailing commas) describing ``config``; ``extra``: more settings
+    (lines of ``"key": value,``)."""
     residual = "true" if config.use_parallel_residual else "false"
     fusion = "true" if config.hidden_act == "gelu_fast" else "false"
     tying = "" if tied else '  "no-weight-tying": true,\n'
@@ -80,6 +85,7 @@ def neox_yaml(config: NeoXConfig, *, tp: int = TP, tied: bool = False) -> str:
         "  },\n"
         '  "hidden-dropout": 0,  # no dropout\n'
         '  "tokenizer_type": "HFTokenizer",\n'
+        f"{extra}"
         "}\n")
 
 
@@ -128,9 +134,18 @@ def split_tensor(t: torch.Tensor, how: str, tp: int, parallel_residual: bool) ->
     return [p.contiguous().clone() for p in parts]
 
 
+# NeoX's MLP names since 2024-09 (gpt-neox commit 0d4bdb96), for the same tensors.
+NEW_MLP_NAMES = {"mlp.dense_h_to_4h.weight": "mlp.linear1.weight",
+                 "mlp.dense_h_to_4h.bias": "mlp.linear1.bias",
+                 "mlp.dense_4h_to_h.weight": "mlp.linear2.weight",
+                 "mlp.dense_4h_to_h.bias": "mlp.linear2.bias"}
+
+
 def write_slim(hf_dir: Path, slim_dir: Path, *, tp: int = TP, yaml_text: str | None = None,
-               tied: bool = False, dtype: torch.dtype | None = None) -> Path:
-    """Splits the Hugging Face directory ``hf_dir`` into slim-weights files in ``slim_dir``."""
+               tied: bool = False, dtype: torch.dtype | None = None,
+               new_names: bool = False) -> Path:
+    """Splits the Hugging Face directory ``hf_dir`` into slim-weights files in ``slim_dir``;
+    ``new_names``: the MLP under NeoX's newer names (linear1/linear2)."""
     slim_dir.mkdir(parents=True, exist_ok=True)
     with neox.open_weights(hf_dir) as reader:
         config = reader.config
@@ -145,6 +160,8 @@ def write_slim(hf_dir: Path, slim_dir: Path, *, tp: int = TP, yaml_text: str | N
                     t = t.to(dtype)
                 if kind == "block":
                     key, how = local, _SPLIT_BLOCK[local]
+                    if new_names:
+                        key = NEW_MLP_NAMES.get(key, key)
                 else:
                     key, how = _SPLIT_OTHER[local]
                 for rank, part in zip(ranks, split_tensor(t, how, tp,
@@ -242,13 +259,17 @@ def test_shape_mismatch_between_partitions_names_file_and_tensor(dirs, tmp_path)
         neox.from_pretrained(work)
 
 
-def test_partitions_that_do_not_fit_the_config_name_file_and_tensor(dirs):
+@pytest.mark.parametrize("new_names", [False, True])
+def test_partitions_that_do_not_fit_the_config_name_file_and_tensor(dirs, tmp_path, new_names):
     config, hf_dir, slim_dir = dirs
+    if new_names:  # messages name the tensor as the files do
+        slim_dir = write_slim(hf_dir, tmp_path / "new", new_names=True)
+    name = re.escape("mlp.linear1.weight" if new_names else "mlp.dense_h_to_4h.weight")
     wrong = dataclasses.replace(config, intermediate_size=64)
     with pytest.raises(WeightsError,
-                       match=r"layer_02-model_00-model_states\.pt \(and the other 1 "
-                             r"partition\(s\)\): tensor 'mlp\.dense_h_to_4h\.weight': shape "
-                             r"\(128, 32\) does not match"):
+                       match=rf"layer_02-model_00-model_states\.pt \(and the other 1 "
+                             rf"partition\(s\)\): tensor '{name}': shape \(128, 32\) does not "
+                             rf"match"):
         neox.from_pretrained(slim_dir, config=wrong)
 
 
@@ -388,9 +409,12 @@ def test_merged_block_computes_what_neox_computes_on_two_ranks(residual, tmp_pat
     # The other choice of bias merge is measurably wrong, so the test decides it.
     other = "mean" if residual == "parallel" else "sum"
     wrong = build_layer("block", config, device="meta")
-    wrong.load_state_dict(SlimReader(tmp_path, config=config,
-                                               row_parallel_bias=other).read("block", 0),
-                          assign=True)
+    with warnings.catch_warnings():
+        # "mean" of the parallel residual's differing bias copies warns; expected here.
+        warnings.simplefilter("ignore", PartitionsDifferWarning)
+        wrong.load_state_dict(SlimReader(tmp_path, config=config,
+                                         row_parallel_bias=other).read("block", 0),
+                              assign=True)
     with torch.no_grad():
         assert (wrong(x) - expected).abs().max() > 1e-2
 
@@ -444,7 +468,9 @@ def test_row_parallel_bias_choice(tmp_path):
     assert torch.equal(merged["attention.dense.bias"], p0 + p1)
     mean = SlimReader(tmp_path, config=parallel, row_parallel_bias="mean")
     assert mean.row_parallel_bias == "mean" and "merged by mean" in mean.description
-    assert torch.equal(mean.read("block", 0)["attention.dense.bias"], (p0 + p1) / 2)
+    # "mean" expects identical copies; these are a parallel residual's, so it warns.
+    with pytest.warns(PartitionsDifferWarning, match="of block 0 is merged by 'mean'"):
+        assert torch.equal(mean.read("block", 0)["attention.dense.bias"], (p0 + p1) / 2)
     # Layer norms are averaged whatever the residual.
     ln = [p["input_layernorm.weight"] for p in parts]
     assert torch.equal(merged["input_layernorm.weight"], (ln[0] + ln[1]) / 2)
@@ -588,3 +614,225 @@ def test_pipeline_stage_files(dirs, tmp_path):
     with pytest.raises(WeightsError, match=r"layer_00-model_02-model_states\.pt: a "
                                               r"tensor-parallel rank beyond"):
         neox.open_weights(work)
+
+
+# -- NeoX's newer MLP names and widths ------------------------------------------------------------
+
+def test_new_mlp_names_load_to_the_same_model(dirs, tmp_path):
+    config, hf_dir, slim_dir = dirs
+    new = write_slim(hf_dir, tmp_path / "new", yaml_text=neox_yaml(config), new_names=True)
+    assert "mlp.linear1.weight" in torch.load(new / slim_file_name(2, 0), weights_only=True)
+    with neox.open_weights(new) as reader:
+        assert reader.config == config
+    # The same partitions under other names: the same merge, so bitwise the same logits.
+    assert torch.equal(logits(neox.from_pretrained(new), IDS),
+                       logits(neox.from_pretrained(slim_dir), IDS))
+
+
+def test_both_mlp_names_in_one_file_are_refused(dirs, tmp_path):
+    config, hf_dir, slim_dir = dirs
+    work = write_slim(hf_dir, tmp_path / "slim", yaml_text=neox_yaml(config))
+    for r in range(TP):
+        file = work / slim_file_name(3, r)
+        state = torch.load(file, weights_only=True)
+        state["mlp.linear2.bias"] = state["mlp.dense_4h_to_h.bias"].clone()
+        torch.save(state, file)
+    with pytest.raises(WeightsError, match=r"layer_03-model_00-model_states\.pt: tensors "
+                                           r"'mlp\.dense_4h_to_h\.bias' and 'mlp\.linear2\.bias' "
+                                           r"are both block 1"):
+        neox.from_pretrained(work)
+
+
+def test_padded_mlp_width_is_read_from_the_weights(tmp_path):
+    """NeoX from 2024-09-07 to 2024-09-10 rounded linear1 up to a multiple of 512: 4 x 32 = 128
+    became 512, with nothing in the YAML saying so."""
+    padded = small_config(intermediate_size=512)
+    model = random_model(padded, seed=11)
+    hf_dir = save_hf(tmp_path / "hf", padded, iter_layer_states(model))
+    implied = dataclasses.replace(padded, intermediate_size=4 * padded.hidden_size)
+    slim_dir = write_slim(hf_dir, tmp_path / "slim", yaml_text=neox_yaml(implied),
+                          new_names=True)
+    with neox.open_weights(slim_dir) as reader:
+        assert reader.config == padded
+        assert re.search(r"MLP width 512 from layer_02-model_00-model_states\.pt, where the "
+                         r"YAML alone gives 128", reader.description)
+    # Exact merge (concatenation, halves that sum back) of the reference model's own tensors.
+    assert torch.equal(logits(neox.from_pretrained(slim_dir), IDS), logits(model, IDS))
+
+    # A width the YAML states is checked: 100 rounds up to 512 in those versions (accepted) ...
+    (slim_dir / "20B.yml").write_text(neox_yaml(implied, extra='  "intermediate-size": 100,\n'))
+    with neox.open_weights(slim_dir) as reader:
+        assert reader.config.intermediate_size == 512
+    # ... 600 cannot become 512 in any NeoX version: the YAML is not these weights'.
+    (slim_dir / "20B.yml").write_text(neox_yaml(implied, extra='  "intermediate-size": 600,\n'))
+    with pytest.raises(WeightsError, match=r"layer_02-model_00-model_states\.pt: the MLP is "
+                                           r"512 wide, but .*20B\.yml gives intermediate-size "
+                                           r"600, from which NeoX builds 600 or 1024"):
+        neox.open_weights(slim_dir)
+
+
+def test_mlp_width_rules_of_the_yaml():
+    base = {"num-layers": 2, "hidden-size": 16, "num-attention-heads": 2, "pos-emb": "rotary"}
+    width = lambda extra, **kw: config_from_neox_yaml(  # noqa: E731
+        {**base, **extra}, vocab_size=10, where="x.yml", **kw).intermediate_size
+    assert width({}) == 64                                   # 4h
+    assert width({"intermediate-size": 100}) == 100          # multiple of 2 x 1
+    assert width({"expansion-factor": 2.5}) == 40
+    assert width({"intermediate-size": 100, "mlp-multiple-of": 64}) == 128  # multiple of 128
+    # From the weights: anything when the YAML states no width, a NeoX rounding when it does.
+    assert width({}, mlp_width=96) == 96
+    assert width({"intermediate-size": 100}, mlp_width=512) == 512
+    with pytest.raises(WeightsError, match=r"w\.pt: the MLP is 128 wide, but x\.yml gives "
+                                           r"intermediate-size 100, from which NeoX builds "
+                                           r"100 or 512"):
+        width({"intermediate-size": 100}, mlp_width=128, mlp_width_where="w.pt")
+    with pytest.raises(WeightsError, match="both intermediate-size and expansion-factor"):
+        width({"intermediate-size": 100, "expansion-factor": 2})
+    with pytest.raises(WeightsError, match="mlp-multiple-of must be a positive integer"):
+        width({"mlp-multiple-of": 0})
+
+
+def gated_partitions(config: NeoXConfig, seed: int) -> list[dict[str, torch.Tensor]]:
+    """A block as NeoX's swiglu/geglu stores it: linear1 twice as wide as linear2's input."""
+    parts = random_partitions(config, TP, seed)
+    for p in parts:
+        w, b = p.pop("mlp.dense_h_to_4h.weight"), p.pop("mlp.dense_h_to_4h.bias")
+        p["mlp.linear1.weight"], p["mlp.linear1.bias"] = torch.cat([w, w]), torch.cat([b, b])
+        p["mlp.linear2.weight"] = p.pop("mlp.dense_4h_to_h.weight")
+        p["mlp.linear2.bias"] = p.pop("mlp.dense_4h_to_h.bias")
+    return parts
+
+
+def test_gated_mlp_is_refused(tmp_path):
+    config = small_config(num_hidden_layers=1)
+    write_block_files(tmp_path, config, gated_partitions(config, seed=12))
+    gated = (r"layer_02-model_00-model_states\.pt: 'mlp\.linear1\.weight' has 128 output rows, "
+             r"twice the 64 input columns of 'mlp\.linear2\.weight': a gated MLP")
+    with pytest.raises(WeightsError, match=gated):
+        SlimReader(tmp_path, config=config).read("block", 0)
+    # With a YAML that does not say so (NeoX's default activation), found on opening.
+    for r in range(TP):
+        torch.save({"word_embeddings.weight": torch.zeros(51, 32)},
+                   tmp_path / slim_file_name(0, r))
+    (tmp_path / "20B.yml").write_text(neox_yaml(config))
+    with pytest.raises(WeightsError, match=gated):
+        SlimReader(tmp_path)
+    # A YAML that says so is refused before any block is read.
+    (tmp_path / "20B.yml").write_text(neox_yaml(config, extra='  "activation": "swiglu",\n'))
+    with pytest.raises(WeightsError, match=r"20B\.yml: activation is 'swiglu', a gated MLP"):
+        SlimReader(tmp_path)
+
+
+# -- settings that change the computation ---------------------------------------------------------
+
+@pytest.mark.parametrize("key, value, why", [
+    ("use-mup", True, "muP divides attention scores by the head size"),
+    ("num-kv-heads", 1, "grouped-query attention"),
+    ("use_qk_layernorm", True, "layer norm on queries and keys"),
+    ("sliding-window-width", 16, "sliding-window attention"),
+    ("moe-num-experts", 8, "mixture-of-experts"),
+    ("mlp-type", "llama", "gated LLaMA MLP"),
+    ("soft-prompt-tuning", {"enabled": True, "n_tokens": 10}, "soft prompt"),
+    ("train-impl", "rm", "reward model"),
+])
+def test_settings_that_change_the_math_are_refused(key, value, why):
+    base = {"num-layers": 2, "hidden-size": 16, "num-attention-heads": 2, "pos-emb": "rotary"}
+    shown = key.replace("_", "-")
+    with pytest.raises(WeightsError, match=rf"x\.yml: '{shown}' is {re.escape(repr(value))}: "
+                                           rf"[^;]*{why}[^;]*; not supported"):
+        config_from_neox_yaml({**base, key: value}, vocab_size=10, where="x.yml")
+
+
+def test_settings_that_do_not_change_the_math_are_accepted():
+    base = {"num-layers": 2, "hidden-size": 16, "num-attention-heads": 2, "pos-emb": "rotary"}
+    plain = config_from_neox_yaml(base, vocab_size=10)
+    harmless = {"use-mup": False, "num-kv-heads": 2, "moe-num-experts": 1, "mlp-type": "regular",
+                "sliding-window-width": None, "train-impl": "normal", "soft-prompt-tuning":
+                {"enabled": False}, "apply-query-key-layer-scaling": True,
+                "attention-softmax-in-fp32": True, "mup-embedding-mult": 10.0,
+                "scaled-upper-triang-masked-softmax-fusion": True, "hidden-dropout": 0.1,
+                "init-method": "small_init", "precision": "fp16"}
+    assert config_from_neox_yaml({**base, **harmless}, vocab_size=10) == plain
+
+
+def test_refusal_names_the_yaml_file(dirs, tmp_path):
+    config, hf_dir, slim_dir = dirs
+    work = write_slim(hf_dir, tmp_path / "slim",
+                      yaml_text=neox_yaml(config, extra='  "use-mup": true,\n'))
+    with pytest.raises(WeightsError, match=re.escape(f"{work / '20B.yml'}: 'use-mup' is True")):
+        neox.open_weights(work)
+
+
+# -- replicated copies ----------------------------------------------------------------------------
+
+def test_replicated_copies_that_differ_warn(tmp_path):
+    # Sequential residual: every copy of the layer norms and of the row-parallel biases
+    # is identical in a healthy checkpoint.
+    config = small_config(use_parallel_residual=False)
+    parts = random_partitions(config, TP, seed=13)
+    write_block_files(tmp_path, config, parts)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # identical copies: no warning at all
+        SlimReader(tmp_path, config=config).read("block", 0)
+
+    changed = {k: v.clone() for k, v in parts[1].items()}
+    changed["post_attention_layernorm.weight"][5] += 0.25
+    changed["attention.dense.bias"][0] -= 0.5
+    write_block_files(tmp_path, config, [parts[0], changed])
+    with pytest.warns(PartitionsDifferWarning) as record:
+        merged = SlimReader(tmp_path, config=config).read("block", 0)
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 2, messages
+    file0 = re.escape(str(tmp_path / slim_file_name(2, 0)))
+    assert re.fullmatch(
+        rf"{file0}: tensor 'post_attention_layernorm\.weight' of block 0 is replicated across "
+        rf"tensor-parallel partitions but its copy differs in layer_02-model_01-model_states\.pt "
+        rf"\(largest absolute difference 0\.25\); averaging the copies, as EleutherAI's merge "
+        rf"does", messages[0]), messages[0]
+    assert re.search(r"'attention\.dense\.bias' of block 0 is merged by 'mean'.*largest "
+                     r"absolute difference 0\.5\)", messages[1]), messages[1]
+    # Averaged all the same.
+    expected = (parts[0]["post_attention_layernorm.weight"]
+                + changed["post_attention_layernorm.weight"]) / 2
+    assert torch.equal(merged["post_attention_layernorm.weight"], expected)
+
+
+# -- the weights directory is self-contained ------------------------------------------------------
+
+def test_latest_leading_outside_is_refused(dirs, tmp_path):
+    config, hf_dir, slim_dir = dirs
+    elsewhere = write_slim(hf_dir, tmp_path / "elsewhere" / "global_step7",
+                           yaml_text=neox_yaml(config))
+    top = tmp_path / "top"
+    top.mkdir()
+    (top / "latest").write_text("../elsewhere/global_step7\n")
+    refused = (rf"{re.escape(str(top))}: its 'latest' file names '\.\./elsewhere/global_step7', "
+               rf"which leads outside the weights directory .*allow_outside=True")
+    for opener in (neox.open_weights, open_slim, find_slim_directory):
+        with pytest.raises(WeightsError, match=refused):
+            opener(top)
+    assert find_slim_directory(top, allow_outside=True).resolve() == elsewhere
+    with open_slim(top, allow_outside=True) as reader:
+        assert reader.path.resolve() == elsewhere
+    assert torch.equal(logits(neox.from_pretrained(top, allow_outside=True), IDS),
+                       logits(neox.from_pretrained(slim_dir), IDS))
+
+
+def test_layer_file_linked_outside_is_refused(dirs, tmp_path):
+    config, hf_dir, slim_dir = dirs
+    work = write_slim(hf_dir, tmp_path / "slim", yaml_text=neox_yaml(config))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    name = slim_file_name(3, 1)
+    os.replace(work / name, outside / name)
+    (work / name).symlink_to(outside / name)
+    with pytest.raises(WeightsError, match=rf"the layer file '{re.escape(name)}', which leads "
+                                           rf"outside the weights directory"):
+        neox.open_weights(work)
+    assert torch.equal(logits(neox.from_pretrained(work, allow_outside=True), IDS),
+                       logits(neox.from_pretrained(slim_dir), IDS))
+    # A link that stays inside is fine.
+    os.replace(outside / name, work / "real.pt")
+    (work / name).unlink()
+    (work / name).symlink_to("real.pt")
+    neox.from_pretrained(work)

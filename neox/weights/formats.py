@@ -42,7 +42,7 @@ def open_weights(path: str | Path, *, config: NeoXConfig | None = None,
     # The path itself, or the checkpoint its ``latest`` names, or its only global_step*.
     slim = find_slim_directory(path, allow_outside=allow_outside)
     if slim is not None:
-        return open_slim(slim, config=config)
+        return open_slim(slim, config=config, allow_outside=allow_outside)
     raise WeightsError(
         f"{path}: no weights found; expected a Hugging Face directory (config.json with "
         f"{', '.join(WEIGHT_FILES)}) or GPT-NeoX slim weights "

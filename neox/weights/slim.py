@@ -9,7 +9,8 @@ L transformer blocks the pipeline layers are
     XX = 0          embedding           word_embeddings.weight  (vocabulary rows split by rank)
     XX = 1          parameter-free stage, no file (ignored if present)
     XX = 2 .. L+1   block XX-2          input_layernorm.*, attention.*, post_attention_layernorm.*,
-                                        mlp.*  (the same names as Hugging Face's, per block)
+                                        mlp.*  (the same names as Hugging Face's, per block;
+                                        NeoX since 2024-09 names the MLP mlp.linear1 / linear2)
     XX = L+2        parameter-free stage, no file (ignored if present)
     XX = L+3        final layer norm    norm.weight, norm.bias
     XX = L+4        output projection   final_linear.weight (no file when tied to the embedding)
@@ -18,23 +19,25 @@ GPT-NeoX-20B: L = 44, so files 00, 02..45, 47, 48 for ranks 00 and 01.
 
 How each tensor is merged (``BLOCK_RULES``):
 
-- Column-parallel linears (``attention.query_key_value``, ``mlp.dense_h_to_4h``, weight and
-  bias), the vocabulary-parallel embedding and the column-parallel output layer: rank p holds
+- Column-parallel linears (``attention.query_key_value``, ``mlp.dense_h_to_4h`` alias
+  ``mlp.linear1``, weight and bias), the vocabulary-parallel embedding and the column-parallel output layer: rank p holds
   rows ``[p*n/tp, (p+1)*n/tp)`` of the output dimension, so the ranks are concatenated on dim 0.
   The qkv rows of one rank are laid out per head as [q | k | v] (NeoX views the rank's output
   as ``(heads on the rank, 3 * head size)`` and splits the last axis), which is Hugging Face's
   ``query_key_value`` layout for those heads; concatenating the ranks gives Hugging Face's
   layout for heads [rank 0's, rank 1's, ...], and the attention output weight's input columns
   are concatenated in the same rank order, so every head keeps its own output columns.
-- Row-parallel weights (``attention.dense``, ``mlp.dense_4h_to_h``): rank p holds a slice of
-  the input columns; concatenated on dim 1.
+- Row-parallel weights (``attention.dense``, ``mlp.dense_4h_to_h`` alias ``mlp.linear2``):
+  rank p holds a slice of the input columns; concatenated on dim 1.
 - Row-parallel biases (``attention.dense.bias``, ``mlp.dense_4h_to_h.bias``): every rank holds
   a full-size copy. Which single bias the merged model adds depends on where NeoX adds them;
   see ``row_parallel_bias_merge``: summed over ranks with the parallel ("GPT-J") residual, as
   GPT-NeoX-20B was trained, one copy (the mean of identical copies) with the sequential one.
 - Layer norms (replicated): averaged over ranks, as EleutherAI's own 20B merge script does
   (the copies receive identical gradients, so they agree; averaging keeps them unchanged and
-  does not depend on which rank is chosen).
+  does not depend on which rank is chosen). Copies that are not bitwise equal are averaged
+  too, with a ``PartitionsDifferWarning`` naming the file, the tensor and the largest
+  difference; so are the row-parallel bias copies when they are merged by "mean".
 - ``attention.rotary_emb.inv_freq``: a buffer recomputed from the configuration; skipped.
 
 Configuration: a NeoX YAML (``20B.yml``: ``num-layers``, ``hidden-size``, ... with ``-`` and
@@ -42,8 +45,12 @@ Configuration: a NeoX YAML (``20B.yml``: ``num-layers``, ``hidden-size``, ... wi
 there, or in ``../configs/`` (the release puts the layer files in ``global_step150000/`` and
 the YAML in ``configs/``). Several YAML files in that folder are merged, as NeoX merges its
 config files. The vocabulary size is read from the embedding files (NeoX pads it, so the YAML
-alone does not give it). With no YAML the ``gpt-neox-20b`` preset is used, and the reader's
-``description`` says so. ``config=`` overrides either.
+alone does not give it), and the MLP width from the shapes of the first readable block (NeoX
+rounds it up, and some versions rounded it to a multiple of 512 whatever the YAML said; a
+width the YAML does state is checked against it, see ``neox_yaml._mlp_width``). A gated MLP
+(``linear1`` twice as wide as ``linear2``'s input: NeoX's swiglu, geglu, ...) is refused.
+With no YAML the ``gpt-neox-20b`` preset is used, and the reader's ``description`` says so.
+``config=`` overrides either.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Iterable, Literal, Mapping
 
@@ -64,7 +72,7 @@ from neox.weights.neox_yaml import config_from_neox_yaml, normalize_keys, read_n
 
 __all__ = ["SlimReader", "open_slim", "is_slim_directory", "find_slim_directory",
            "slim_file_name", "pipeline_layer", "row_parallel_bias_merge", "MergeRule",
-           "BLOCK_RULES", "SLIM_PRESET"]
+           "BLOCK_RULES", "SLIM_PRESET", "PartitionsDifferWarning"]
 
 SLIM_PRESET = "gpt-neox-20b"
 _FILE_RE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
@@ -98,15 +106,34 @@ BLOCK_RULES: dict[str, MergeRule] = {
     "mlp.dense_h_to_4h.bias": CAT_OUT,
     "mlp.dense_4h_to_h.weight": CAT_IN,
     "mlp.dense_4h_to_h.bias": ROW_BIAS,
+    # The same MLP under the names NeoX uses since 2024-09-07 (EleutherAI/gpt-neox commit
+    # 0d4bdb96, megatron/model/transformer.py ParallelMLP: linear1 a ColumnParallelLinear,
+    # linear2 a RowParallelLinear, built and added exactly as dense_h_to_4h/dense_4h_to_h were).
+    "mlp.linear1.weight": CAT_OUT,
+    "mlp.linear1.bias": CAT_OUT,
+    "mlp.linear2.weight": CAT_IN,
+    "mlp.linear2.bias": ROW_BIAS,
 }
-# Megatron name -> layer-local name, outside the blocks (inside them the names are the same).
+# Megatron name -> layer-local name where they differ.
 _RENAMES: dict[LayerKind, dict[str, str]] = {
+    "block": {"mlp.linear1.weight": "mlp.dense_h_to_4h.weight",
+              "mlp.linear1.bias": "mlp.dense_h_to_4h.bias",
+              "mlp.linear2.weight": "mlp.dense_4h_to_h.weight",
+              "mlp.linear2.bias": "mlp.dense_4h_to_h.bias"},
     "embed": {"word_embeddings.weight": "embed_in.weight"},
     "final_norm": {"norm.weight": "final_layer_norm.weight",
                    "norm.bias": "final_layer_norm.bias"},
     "readout": {"final_linear.weight": "embed_out.weight"},
 }
 _IGNORED = frozenset({"attention.rotary_emb.inv_freq"})
+# The MLP's input and output projection weights under either name, newer first.
+_MLP_UP = ("mlp.linear1.weight", "mlp.dense_h_to_4h.weight")
+_MLP_DOWN = ("mlp.linear2.weight", "mlp.dense_4h_to_h.weight")
+
+
+class PartitionsDifferWarning(UserWarning):
+    """Copies of a replicated tensor differ between tensor-parallel partitions (they are
+    averaged anyway)."""
 
 RowBiasMerge = Literal["sum", "mean"]
 
@@ -186,6 +213,70 @@ def _find_yaml(path: Path) -> list[Path]:
     return []
 
 
+def _first(state: Mapping[str, Any], names: tuple[str, ...]) -> tuple[str, Any] | None:
+    for name in names:
+        if name in state:
+            return name, state[name]
+    return None
+
+
+def _block_mlp_width(files: list[Path], parts: list[Mapping[str, Any]]) -> int | None:
+    """The MLP width of one block, from its partitions' shapes: the output rows of the MLP's
+    input projection, summed over the ranks. None when a partition lacks the matrices (reading
+    the block reports that). A partition whose input projection is not exactly as wide as the
+    output projection's input is refused: twice as wide is NeoX's gated MLP, which the model
+    does not implement, and anything else cannot run in NeoX either."""
+    width = 0
+    for file, state in zip(files, parts):
+        up, down = _first(state, _MLP_UP), _first(state, _MLP_DOWN)
+        if up is None or down is None:
+            return None
+        (up_name, w_up), (down_name, w_down) = up, down
+        if not (isinstance(w_up, torch.Tensor) and isinstance(w_down, torch.Tensor)
+                and w_up.dim() == 2 and w_down.dim() == 2):
+            return None
+        rows, cols = w_up.shape[0], w_down.shape[1]
+        if rows == 2 * cols:
+            raise WeightsError(
+                f"{file}: '{up_name}' has {rows} output rows, twice the {cols} input columns of "
+                f"'{down_name}': a gated MLP (NeoX's swiglu, geglu, reglu, glu or bilinear "
+                f"activation, whose linear1 holds the value and the gate), which this model "
+                f"does not implement; not supported")
+        if rows != cols:
+            raise WeightsError(f"{file}: '{up_name}' has {rows} output rows but '{down_name}' "
+                               f"{cols} input columns; they must be equal")
+        width += rows
+    return width
+
+
+def _check_copies(files: list[Path], key: str, label: str, tensors: list[torch.Tensor],
+                  rule: MergeRule) -> None:
+    """Warns (``PartitionsDifferWarning``) when the ranks' copies of a replicated tensor are not
+    bitwise equal.
+
+    Bitwise, not within a tolerance: every rank computes a replicated tensor's gradient from
+    the same all-reduced inputs and applies the same optimizer step, so in a deterministic run
+    the copies stay bit-identical, and any difference at all means the ranks drifted apart.
+    Drift does happen (non-deterministic layer-norm backward kernels, bf16: BigScience's
+    Megatron-DeepSpeed found diverging layer norms across tensor-parallel ranks and added a
+    forced sync), and it is worth knowing about whatever its size. No tolerance would suit
+    every dtype and model, and flagging a tiny drift costs a warning, not a refusal: the
+    largest difference in the message lets the user judge it."""
+    first = tensors[0]
+    differ = [f.name for f, t in zip(files[1:], tensors[1:]) if not torch.equal(t, first)]
+    if not differ:
+        return
+    # fp64: the difference of two fp32 (or 16-bit) values is exact or nearly so there.
+    stacked = torch.stack([t.detach().to(torch.float64) for t in tensors])
+    largest = (stacked.amax(dim=0) - stacked.amin(dim=0)).max().item()
+    kind = ("is replicated across tensor-parallel partitions" if rule == REPLICATED else
+            "is merged by 'mean', which expects identical copies on every partition,")
+    warnings.warn(
+        f"{files[0]}: tensor '{key}' of {label} {kind} but its copy differs in "
+        f"{', '.join(differ)} (largest absolute difference {largest:.3g}); averaging the "
+        f"copies, as EleutherAI's merge does", PartitionsDifferWarning, stacklevel=3)
+
+
 # -- the reader ---------------------------------------------------------------------------------
 
 class SlimReader(WeightsReader):
@@ -196,16 +287,19 @@ class SlimReader(WeightsReader):
     yaml_files: the NeoX config files to use; default: looked up next to the weights.
     row_parallel_bias: "sum" or "mean" of the ranks' row-parallel bias copies; default from
         the configuration (``row_parallel_bias_merge``).
+    allow_outside: accept layer files that are symbolic links leading out of ``path``
+        (refused by default, see ``neox.weights.base.contained``).
 
     Opening lists the files and reads the YAML; when the configuration comes from the YAML
-    the embedding files are mapped to learn the vocabulary size. Nothing else is read until
-    ``read``, which loads only that layer's partition files (memory-mapped). ``description``
-    says where the configuration came from and how the partitions are merged.
+    the embedding files and the first readable block's files are mapped (tensor shapes only)
+    to learn the vocabulary size and the MLP width. Nothing else is read until ``read``,
+    which loads only that layer's partition files (memory-mapped). ``description`` says where
+    the configuration came from and how the partitions are merged.
     """
 
     def __init__(self, path: str | Path, *, config: NeoXConfig | None = None,
                  yaml_files: Iterable[str | Path] | None = None,
-                 row_parallel_bias: RowBiasMerge | None = None):
+                 row_parallel_bias: RowBiasMerge | None = None, allow_outside: bool = False):
         self.path = Path(path)
         if not self.path.is_dir():
             raise WeightsError(f"{self.path}: no such slim-weights directory")
@@ -213,7 +307,12 @@ class SlimReader(WeightsReader):
         for p in self.path.iterdir():
             m = _FILE_RE.fullmatch(p.name)
             if m:
+                contained(self.path, p.name, what="the layer file",
+                          allow_outside=allow_outside)
                 self._files[(int(m.group(1)), int(m.group(2)))] = p
+        # (kind, index) -> {local name: Megatron name} of the layers read, for messages: the
+        # MLP has two possible names in the files.
+        self._read_names: dict[tuple[LayerKind, int | None], dict[str, str]] = {}
         if not self._files:
             raise WeightsError(f"{self.path}: no layer_XX-model_YY-model_states.pt files")
 
@@ -240,8 +339,17 @@ class SlimReader(WeightsReader):
                 source += f" (file layout from {names})"
         elif args is not None:
             vocab = self._vocab_size_from_embedding()
-            self.config = config_from_neox_yaml(args, vocab_size=vocab, where=names)
-            source = f"{names} (vocabulary size {vocab} from the embedding files)"
+            from_yaml = config_from_neox_yaml(args, vocab_size=vocab, where=names)
+            found = self._mlp_width_from_blocks(from_yaml.num_hidden_layers)
+            self.config = from_yaml
+            source = f"{names} (vocabulary size {vocab} from the embedding files"
+            if found is not None and found[0] != from_yaml.intermediate_size:
+                width, file = found
+                self.config = config_from_neox_yaml(args, vocab_size=vocab, where=names,
+                                                    mlp_width=width, mlp_width_where=str(file))
+                source += (f"; MLP width {width} from {file.name}, where the YAML alone gives "
+                           f"{from_yaml.intermediate_size}")
+            source += ")"
         else:
             self.config = PRESETS[SLIM_PRESET]
             source = (f"the {SLIM_PRESET} preset: no NeoX YAML found in {self.path}, "
@@ -275,6 +383,24 @@ class SlimReader(WeightsReader):
                                       f"a matrix; cannot tell the vocabulary size")
             rows += t.shape[0]
         return rows
+
+    def _mlp_width_from_blocks(self, num_blocks: int) -> tuple[int, Path] | None:
+        """(MLP width, a file it was read from) of the first block whose partition files are
+        all present and load; None when none does. A block that cannot be read is skipped
+        here (reading it reports why), so a partial download still opens."""
+        for index in range(num_blocks):
+            layer = pipeline_layer("block", index, num_blocks)
+            files = [self._files.get((layer, rank)) for rank in range(self.tp)]
+            if any(f is None for f in files):
+                continue
+            try:
+                parts = [self._load(f) for f in files]
+            except WeightsError:
+                continue
+            width = _block_mlp_width(files, parts)
+            if width is not None:
+                return width, files[0]
+        return None
 
     def _check_layer_files(self) -> None:
         n = self.config.num_hidden_layers
@@ -333,8 +459,12 @@ class SlimReader(WeightsReader):
                     raise WeightsError(
                         f"{file}: unknown tensor '{key}' for {layer_label(kind, index)} "
                         f"(expected {sorted(rules)})")
+        label = layer_label(kind, index)
+        if kind == "block":
+            _block_mlp_width(files, parts)  # refuses a gated MLP with a message of its own
         renames = _RENAMES.get(kind, {})
         out: dict[str, torch.Tensor] = {}
+        names: dict[str, str] = {}
         for key, rule in rules.items():
             present = [key in state for state in parts]
             if not any(present):
@@ -343,10 +473,21 @@ class SlimReader(WeightsReader):
                 file = files[present.index(False)]
                 raise WeightsError(f"{file}: tensor '{key}' is missing from this partition "
                                       f"but present in {files[present.index(True)].name}")
+            local = renames.get(key, key)
+            if local in names:
+                raise WeightsError(f"{files[0]}: tensors '{names[local]}' and '{key}' are both "
+                                   f"{label} {local} (NeoX's older and newer name)")
+            names[local] = key
             tensors = [state[key] for state in parts]
             self._check_partitions(files, key, tensors)
-            out[renames.get(key, key)] = self._merge(rule, tensors)
+            if len(tensors) > 1 and (rule == REPLICATED or (
+                    rule == ROW_BIAS and self.row_parallel_bias == "mean")):
+                # "mean" is the merge for copies that should be identical (see
+                # row_parallel_bias_merge), so they are checked like the replicated ones.
+                _check_copies(files, key, label, tensors, rule)
+            out[local] = self._merge(rule, tensors)
         del parts
+        self._read_names[(kind, index)] = names
         return out
 
     @staticmethod
@@ -391,7 +532,10 @@ class SlimReader(WeightsReader):
             layer, _ = self._source(kind, index)
         except WeightsError:
             return super().where(kind, index, name)
-        key = {v: k for k, v in _RENAMES.get(kind, {}).items()}.get(name, name)
+        # The name the files used, once read; else the older name, which is also the local
+        # one inside a block.
+        default = {} if kind == "block" else {v: k for k, v in _RENAMES.get(kind, {}).items()}
+        key = self._read_names.get((kind, index), {}).get(name) or default.get(name, name)
         others = f" (and the other {self.tp - 1} partition(s))" if self.tp > 1 else ""
         return f"{self.path / slim_file_name(layer, 0)}{others}: tensor '{key}'"
 
@@ -407,7 +551,7 @@ def find_slim_directory(path: str | Path, *, allow_outside: bool = False) -> Pat
         return path
     latest = path / "latest"
     if latest.is_file():
-        candidate = contained(path, latest.read_text().strip(), what="its 'latest' file",
+        candidate = contained(path, latest.read_text().strip(), what="its 'latest' file names",
                               allow_outside=allow_outside)
         if is_slim_directory(candidate):
             return candidate
@@ -420,15 +564,17 @@ def find_slim_directory(path: str | Path, *, allow_outside: bool = False) -> Pat
 
 
 def open_slim(path: str | Path, *, config: NeoXConfig | None = None,
-                         row_parallel_bias: RowBiasMerge | None = None) -> SlimReader:
+              row_parallel_bias: RowBiasMerge | None = None,
+              allow_outside: bool = False) -> SlimReader:
     """Opens GPT-NeoX slim weights: ``path`` is the folder with the layer files, or the
-    release's top folder (with ``latest`` and ``global_step150000/``). See
-    ``SlimReader``."""
+    release's top folder (with ``latest`` and ``global_step150000/``). ``allow_outside``:
+    follow a ``latest`` or layer files leading out of ``path``. See ``SlimReader``."""
     path = Path(path)
     if not path.is_dir():
         raise WeightsError(f"{path}: no such directory")
-    found = find_slim_directory(path)
+    found = find_slim_directory(path, allow_outside=allow_outside)
     if found is None:
         raise WeightsError(f"{path}: no GPT-NeoX slim weights "
                               f"(layer_XX-model_YY-model_states.pt files)")
-    return SlimReader(found, config=config, row_parallel_bias=row_parallel_bias)
+    return SlimReader(found, config=config, row_parallel_bias=row_parallel_bias,
+                      allow_outside=allow_outside)
