@@ -52,6 +52,7 @@ from neox.model import build_layers
 from safetensors.torch import load_file
 from zerocore.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints,
                                  read_manifest, verify_files)
+from zerocore.checkpoint_manifest import commit_record
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -394,7 +395,8 @@ def make_corrupt(case: str, saved: dict[str, Path], work: Path) -> tuple[Path, l
         return path, [str(f), "checksum mismatch", "corrupt"]
     if case == "manifest-of-another-model":
         path = _copy(good, work / good.name)
-        shutil.copy(saved["other"] / "manifest.json", path / "manifest.json")
+        for name in ("manifest.json", "COMMIT"):  # a whole, committed manifest
+            shutil.copy(saved["other"] / name, path / name)
         return path, [str(path / "manifest.json"), "layer 0", "shape", "another model"]
     if case == "missing-rank-file":
         path = _copy(good, work / good.name)
@@ -404,8 +406,10 @@ def make_corrupt(case: str, saved: dict[str, Path], work: Path) -> tuple[Path, l
         path = _copy(good, work / good.name)
         manifest = json.loads((path / "manifest.json").read_text())
         del manifest["files"]
-        (path / "manifest.json").write_text(json.dumps(manifest))
-        return path, [str(path / "manifest.json"), "malformed", "files"]
+        raw = json.dumps(manifest).encode()
+        (path / "manifest.json").write_bytes(raw)
+        (path / "COMMIT").write_bytes(commit_record(raw))  # as if committed so: the schema
+        return path, [str(path / "manifest.json"), "files: missing"]   # check finds it
     if case == "missing-manifest":
         # What a killed save of the next step leaves beside the good checkpoint: its temporary
         # directory, rank files, no manifest.

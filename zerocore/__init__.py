@@ -19,11 +19,18 @@ from zerocore.policies import LossScaling, MixedPrecision, Offload, Prefetch  # 
 from zerocore.report import CommReport, MemoryReport  # noqa: E402
 from zerocore.sharded_param import ShardParameter  # noqa: E402
 from zerocore.sharded_sequential import ShardedSequential, shard  # noqa: E402
-from zerocore.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint,  # noqa: E402
-                                 save_checkpoint)
+from zerocore.agree import PeerError, run_agreed  # noqa: E402
+from zerocore.checkpoint import (CheckpointError, CheckpointWriteError,  # noqa: E402
+                                 IncompleteCheckpoint, ShardReader, checkpoint_runs,
+                                 incomplete_checkpoints, iter_full_layers, latest_checkpoint,
+                                 list_checkpoints, load_checkpoint, open_checkpoint,
+                                 read_manifest, save_checkpoint, verify_files)
 
 __version__ = "0.1.0"
 __all__ = ["BUILD", "ops", "optim", "reference", "shard", "ShardedSequential", "ShardParameter",
            "MixedPrecision", "Prefetch", "Offload", "LossScaling", "LossScaler", "StepResult",
-           "MemoryReport", "CommReport", "save_checkpoint", "load_checkpoint",
-           "latest_checkpoint", "CheckpointError"]
+           "MemoryReport", "CommReport", "run_agreed", "PeerError", "save_checkpoint",
+           "load_checkpoint", "latest_checkpoint", "list_checkpoints", "checkpoint_runs",
+           "incomplete_checkpoints", "IncompleteCheckpoint", "open_checkpoint", "read_manifest",
+           "verify_files", "iter_full_layers", "ShardReader", "CheckpointError",
+           "CheckpointWriteError"]

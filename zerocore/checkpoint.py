@@ -7,17 +7,40 @@ A checkpoint is a directory::
                                               step counts, RNG states (and frozen shards if asked)
         manifest.json                         world size, every layer's flat layout, dtypes,
                                               optimizer hyper-parameters, loss-scaler state, the
-                                              caller's extra state (data position...), and the
-                                              SHA-256 and size of every rank file
+                                              caller's extra state (data position...), the run id,
+                                              and the SHA-256 and size of every rank file
+        COMMIT                                the SHA-256 and size of manifest.json, and the format
 
 Saving never gathers the model: each rank writes what it holds. It is atomic: everything is
-written into ``step-XXXX.tmp-<nonce>/`` (files flushed and fsynced), the manifest last, and the
-directory is renamed to its final name as the single commit point; a crash or kill at any moment
-leaves earlier checkpoints intact and no half-written directory under a final name. Directories
-are deleted (pruning, or replacing a step saved again) by first renaming them out of the
-``step-XXXX`` namespace, so a kill during a deletion never leaves a partial checkpoint under a
-final name either. The last ``keep_last`` checkpoints are kept; leftovers of killed saves are
-removed by the next save (one run writes to a root at a time).
+written into ``step-XXXX.tmp-<nonce>/`` (files flushed and fsynced), the manifest, then COMMIT,
+and the directory is renamed to its final name as the single commit point; a crash or kill at any
+moment leaves earlier checkpoints intact and no half-written directory under a final name.
+
+Loading trusts nothing it has not checked, and checks everything before it modifies anything:
+COMMIT against the manifest, every field of the manifest against the schema (layouts recomputed
+from the parameter names and shapes; checkpoint_manifest.py), every rank file's size and SHA-256,
+and each rank file's contents against the layouts (checkpoint_reader.py). Every failure is one
+``CheckpointError`` line naming the file (and the field or layer), raised on every rank.
+Format-1 checkpoints (no COMMIT, no run id) still load, with the same checks.
+
+Writing errors (disk full, permissions, I/O) of any file, rename or fsync are one
+``CheckpointWriteError`` line naming the path and the errno, raised on every rank; the save's
+temporary directory is removed and the earlier checkpoints stay loadable.
+
+The root directory (checkpoint_dirs.py):
+- Only a ``step-XXXXXXXX`` directory with a manifest and a COMMIT record (format 1: a manifest)
+  is a checkpoint; ``list_checkpoints``/``latest_checkpoint`` never return anything else, and
+  ``incomplete_checkpoints`` reports the others.
+- Cleanup rule: an incomplete ``step-XXXXXXXX`` directory whose every entry is a file zerocore
+  writes (``rank-NNNNN.pt``, ``manifest.json``, ``COMMIT``) is a leftover: the next save removes
+  it, as it removes the ``.tmp-``/``.deleting-`` directories of killed saves and deletions. One
+  holding anything else is not zerocore's: it is left alone (and reported). Deletions first
+  rename a directory out of the ``step-XXXXXXXX`` namespace, then delete it.
+- Runs: ``save_checkpoint(..., run_id=...)`` tags a checkpoint with its run. Pruning to
+  ``keep_last`` counts and removes only the checkpoints of the same run (those without a run id
+  are one run, None) and never the one just written; a step directory of another run is never
+  replaced (the save is refused); ``checkpoint_runs`` says which runs a root holds. One process
+  group writes to a root at a time.
 
 Because the manifest carries the layout, a checkpoint written by N ranks loads into M ranks: the
 parameter offsets inside a flat group do not depend on the world size (only the tail padding
@@ -26,87 +49,70 @@ does), so each new rank reads the byte ranges it needs from the old rank files (
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import re
-import shutil
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from zerocore.flat_layout import FlatLayout
+from zerocore.agree import PeerError, run_agreed
+from zerocore.checkpoint_dirs import (LEFTOVER_DIR, IncompleteCheckpoint, aside_name,
+                                      checkpoint_runs, holds_only_our_files, incomplete_checkpoints,
+                                      is_complete, latest_checkpoint, leftovers, list_checkpoints,
+                                      remove_tree, run_of, same_run_checkpoints, step_dir_name,
+                                      UNKNOWN_RUN)
+from zerocore.checkpoint_errors import CheckpointError, CheckpointWriteError
+from zerocore.checkpoint_manifest import (COMMIT, FORMAT, MANIFEST, commit_record,
+                                          model_fingerprint, rank_file, read_manifest)
+from zerocore.checkpoint_reader import (ShardReader, iter_full_layers, open_checkpoint,
+                                        verify_files)
+from zerocore.durable_io import fsync_dir, make_dir, rename, write_file
 from zerocore.loss_scale import LossScaler
 from zerocore.sharded_param import ShardParameter
 from zerocore.sharded_sequential import ShardedSequential
 
-FORMAT = "zerocore-checkpoint/1"
-MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-# Leftovers of a save that was killed (``step-X.tmp-<nonce>``) or of a deletion that was
-# (``step-X.deleting-<nonce>``): never loaded, removed by the next save.
-_LEFTOVER_DIR = re.compile(r"^step-\d+\.(tmp|deleting)-[0-9a-f]+$")
+__all__ = ["save_checkpoint", "load_checkpoint", "list_checkpoints", "latest_checkpoint",
+           "checkpoint_runs", "incomplete_checkpoints", "IncompleteCheckpoint", "read_manifest",
+           "verify_files", "open_checkpoint", "iter_full_layers", "ShardReader",
+           "model_fingerprint", "rank_file", "CheckpointError", "CheckpointWriteError", "MANIFEST",
+           "COMMIT", "FORMAT"]
+
+T = TypeVar("T")
+
+# What a peer's failure is re-raised as on the ranks that did not fail, so that every rank
+# raises the same type (by name: run_agreed gathers names and messages, not objects).
+_SAME_ON_EVERY_RANK = {cls.__name__: cls for cls in
+                       (CheckpointWriteError, CheckpointError, TypeError, ValueError)}
 
 
-class CheckpointError(ValueError):
-    """A checkpoint is missing, corrupt, or does not match the model: nothing was loaded."""
-
-
-def rank_file(rank: int) -> str:
-    return f"rank-{rank:05d}.pt"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _agreed(fn: Callable[[], T], group: dist.ProcessGroup) -> T:
+    """``run_agreed``, with a peer's failure raised as that failure's type and message."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        return run_agreed(fn, group=group)
+    except PeerError as e:
+        cls = _SAME_ON_EVERY_RANK.get(e.first_type)
+        if cls is None:
+            raise CheckpointError(f"rank {e.first_rank} failed: {e.first_type}: "
+                                  f"{e.first_message}") from e
+        raise cls(e.first_message) from e
+
+
+def _noting(fn: Callable[[], T], note: str) -> Callable[[], T]:
+    """``fn``, whose write errors end with ``note`` (what became of the save)."""
+    def run() -> T:
+        try:
+            return fn()
+        except CheckpointWriteError as e:
+            raise CheckpointWriteError(f"{e}; {note}", errno=e.errno,
+                                       filename=e.filename) from None
+    return run
 
 
 def _layouts(model: ShardedSequential) -> list[dict[str, Any]]:
     return [{"trainable": l.trainable.layout.to_dict() if l.trainable else None,
              "frozen": l.frozen.layout.to_dict() if l.frozen else None} for l in model.layers]
-
-
-def model_fingerprint(layouts: list[dict[str, Any]]) -> str:
-    """Names and shapes of every parameter of every layer, independent of the world size."""
-    desc = json.dumps([[None if g is None else [s[:2] for s in g["slots"]]
-                        for g in (l["trainable"], l["frozen"])] for l in layouts])
-    return hashlib.sha256(desc.encode()).hexdigest()
-
-
-def list_checkpoints(root: Path) -> list[Path]:
-    """Committed checkpoints under root, oldest first."""
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := _STEP_DIR.match(p.name)) and (p / MANIFEST).is_file()]
-    return [p for _, p in sorted(found)]
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    found = list_checkpoints(Path(root))
-    return found[-1] if found else None
-
-
-def _remove_dir(path: Path) -> None:
-    """Deletes a checkpoint directory without ever leaving a partial one under its name: it is
-    renamed out of the ``step-XXXX`` namespace first (atomic), then deleted."""
-    trash = path.with_name(f"{path.name}.deleting-{uuid.uuid4().hex[:8]}")
-    os.rename(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
@@ -116,70 +122,170 @@ def _rng_state(device: torch.device) -> dict[str, Any]:
     return state
 
 
-def save_checkpoint(root: str | Path, step: int, model: ShardedSequential,
-                    optimizer: torch.optim.Optimizer, *, scaler: LossScaler | None = None,
-                    extra: dict[str, Any] | None = None, keep_last: int = 3,
-                    include_frozen: bool = False) -> Path:
-    """Collective: every rank calls it. Writes ``root/step-<step>/`` and returns its path.
+# -- saving --------------------------------------------------------------------------------------
 
-    extra: JSON-serialisable state of the caller (data sampler position, scheduler, config),
-    stored in the manifest and returned by ``load_checkpoint``.
-    """
-    root = Path(root)
-    group, rank, world = model.group, model.rank, model.world_size
-    final = root / f"step-{step:08d}"
+
+def _check_save_args(step: Any, run_id: Any, keep_last: Any, json_state: list[Any]) -> None:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"save_checkpoint: step must be an integer >= 0, got {step!r}")
+    if run_id is not None and (not isinstance(run_id, str) or not run_id):
+        raise ValueError(f"save_checkpoint: run_id must be a non-empty string or None, got "
+                         f"{run_id!r}")
+    if not isinstance(keep_last, int) or isinstance(keep_last, bool):
+        raise ValueError(f"save_checkpoint: keep_last must be an integer (0: keep all), got "
+                         f"{keep_last!r}")
     # Everything the manifest stores is checked for JSON on every rank before anything is
-    # written: a bad ``extra`` raises here on every rank instead of on rank 0 alone, after the
-    # others went on to wait in a collective.
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    # written.
     try:
-        json.dumps([extra or {}, groups, scaler.state_dict() if scaler is not None else None])
+        json.dumps(json_state)
     except (TypeError, ValueError) as e:
         raise TypeError(f"save_checkpoint: extra state, optimizer hyper-parameters and "
                         f"loss-scaler state must be JSON-serialisable: {e}") from None
-    # Rank 0 picks the temporary name and tells the others.
-    names = [f"{final.name}.tmp-{uuid.uuid4().hex[:8]}" if rank == 0 else None]
-    dist.broadcast_object_list(names, src=0, group=group)
-    tmp = root / names[0]
-    if rank == 0:
-        tmp.mkdir(parents=True, exist_ok=False)
-    dist.barrier(group=group)
 
+
+def _run_name(run: Any) -> str:
+    if run is UNKNOWN_RUN:
+        return "an unknown run (its manifest cannot be read)"
+    return "no named run (saved without a run_id)" if run is None else f"run {run!r}"
+
+
+def _check_replaceable(final: Path, run_id: str | None) -> None:
+    """Refuses to replace a step directory that is not this run's: another run's checkpoint,
+    or a directory holding files zerocore did not write."""
+    if not final.exists() and not final.is_symlink():
+        return
+    if final.is_symlink() or not final.is_dir():
+        raise CheckpointError(f"{final} exists and is not a checkpoint directory; it is left "
+                              f"alone: move it away, or save into another root")
+    if is_complete(final):
+        other = run_of(final)
+        if other != run_id:
+            raise CheckpointError(f"{final} holds a checkpoint of {_run_name(other)}, and this "
+                                  f"save is of {_run_name(run_id)}: it is not replaced; save "
+                                  f"into another root, or remove it if it is not needed")
+    elif not holds_only_our_files(final):
+        raise CheckpointError(f"{final} exists and holds files zerocore did not write; it is "
+                              f"left alone: move them away, or save into another root")
+
+
+def _rank_payload(model: ShardedSequential, optimizer: torch.optim.Optimizer,
+                  include_frozen: bool) -> dict[str, Any]:
     layers: dict[int, dict[str, Any]] = {}
     for layer in model.layers:
         entry: dict[str, Any] = {}
         if layer.trainable is not None:
             shard = layer.trainable.shard
-            entry["master"] = shard.detach().cpu()
+            entry["master"] = shard.detach().cpu()  # 1D, fp32, shard_numel
             state = optimizer.state.get(shard, {})
             for key in ("exp_avg", "exp_avg_sq"):
-                if key in state:
-                    entry[key] = state[key].detach().cpu()
+                # torch.optim creates Adam's moments at the first step, as zeros: before it,
+                # zeros are what the next step starts from.
+                entry[key] = (state[key].detach().cpu() if key in state
+                              else torch.zeros_like(entry["master"]))
             entry["step"] = float(state["step"]) if "step" in state else 0.0
         if include_frozen and layer.frozen is not None:
-            entry["frozen"] = layer.frozen.shard.detach().cpu()
+            entry["frozen"] = layer.frozen.shard.detach().cpu()  # 1D, param_dtype, shard_numel
         layers[layer.index] = entry
-    path = tmp / rank_file(rank)
-    # A rank that cannot write (disk full, permissions) must not leave the others waiting in
-    # the next collective: the outcome is gathered, and every rank raises the same error.
-    try:
-        with open(path, "wb") as f:
-            torch.save({"layers": layers, "rng": _rng_state(model.device)}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        info: dict[str, Any] = {"sha256": _sha256(path), "bytes": path.stat().st_size}
-    except OSError as e:
-        info = {"error": f"rank {rank}: cannot write {path}: {e}"}
-    infos: list[Any] = [None] * world
-    dist.all_gather_object(infos, info, group=group)
-    failed = [i["error"] for i in infos if "error" in i]
-    if failed:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        dist.barrier(group=group)
-        raise OSError(f"save_checkpoint: nothing was saved; {failed[0]}")
+    return {"layers": layers, "rng": _rng_state(model.device)}
 
-    if rank == 0:
+
+def _commit(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
+    """Rank 0: writes the manifest and its COMMIT record into ``tmp`` and renames ``tmp`` to
+    ``final`` (the commit point). A step saved again by the same run is renamed aside first
+    (the next ``_tidy`` deletes it) and put back if the commit fails."""
+    raw = json.dumps(manifest, indent=1).encode()
+    write_file(tmp / MANIFEST, lambda f: f.write(raw))
+    write_file(tmp / COMMIT, lambda f: f.write(commit_record(raw)))
+    fsync_dir(tmp)
+    _check_replaceable(final, manifest.get("run_id"))
+    aside = aside_name(final) if final.exists() else None
+    if aside is not None:
+        rename(final, aside)
+    try:
+        rename(tmp, final)
+        try:
+            fsync_dir(final.parent)
+        except CheckpointWriteError:
+            rename(final, tmp)  # not durable, so not committed: undone
+            raise
+    except CheckpointWriteError as e:
+        if aside is not None:
+            try:
+                rename(aside, final)
+            except CheckpointWriteError as again:
+                raise CheckpointWriteError(f"{e}; and the checkpoint it replaced could not be "
+                                           f"put back ({again}): move {aside} to {final} "
+                                           f"before the next save", errno=e.errno,
+                                           filename=e.filename) from None
+        raise
+
+
+def _tidy(root: Path, final: Path, run_id: str | None, keep_last: int) -> None:
+    """Rank 0, after the commit: deletes the run's checkpoints beyond ``keep_last`` (never
+    ``final``), the directory ``final`` replaced, and the leftovers of killed saves."""
+    doomed = []
+    if keep_last > 0:
+        others = [p for p in same_run_checkpoints(root, run_id) if p != final]
+        doomed += others[:max(0, len(others) - (keep_last - 1))]
+    for path in doomed + leftovers(root):
+        if not LEFTOVER_DIR.match(path.name):  # still under a final name: move it out first
+            moved = aside_name(path)
+            rename(path, moved)
+            path = moved
+        remove_tree(path)
+
+
+def save_checkpoint(root: str | Path, step: int, model: ShardedSequential,
+                    optimizer: torch.optim.Optimizer, *, scaler: LossScaler | None = None,
+                    extra: dict[str, Any] | None = None, keep_last: int = 3,
+                    include_frozen: bool = False, run_id: str | None = None) -> Path:
+    """Collective: every rank calls it, with the same arguments. Writes ``root/step-<step>/``
+    and returns its path.
+
+    extra: JSON-serialisable state of the caller (data sampler position, scheduler, config),
+        stored in the manifest and returned by ``load_checkpoint``.
+    keep_last: after the save, keep this many checkpoints of the run (the new one included);
+        0 keeps all.
+    include_frozen: save the frozen shards too (needed to consolidate the full model).
+    run_id: the run the checkpoint belongs to (see the module docstring); a step directory of
+        another run is never replaced: ``CheckpointError``.
+    Raises ``CheckpointWriteError`` (a ``CheckpointError`` and an ``OSError``) on every rank when
+    anything cannot be written; nothing is then committed and earlier checkpoints are intact.
+    """
+    root = Path(root)
+    group, rank, world = model.group, model.rank, model.world_size
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    scaler_state = scaler.state_dict() if scaler is not None else None
+    # Rank 0 names the temporary directory and says what it was asked to save, so that every
+    # rank can check it was asked the same.
+    plan: list[Any] = [(uuid.uuid4().hex[:8], step, run_id, include_frozen) if rank == 0
+                       else None]
+    dist.broadcast_object_list(plan, src=dist.get_global_rank(group, 0), group=group)
+    nonce, *asked = plan[0]
+
+    def prepare() -> None:
+        _check_save_args(step, run_id, keep_last, [extra or {}, groups, scaler_state])
+        if [step, run_id, include_frozen] != asked:
+            raise ValueError(f"save_checkpoint: rank {rank} was asked to save step {step}, "
+                             f"run_id {run_id!r}, include_frozen {include_frozen}, rank 0 "
+                             f"step {asked[0]}, run_id {asked[1]!r}, include_frozen "
+                             f"{asked[2]}; every rank must pass the same")
+        if rank == 0:
+            _check_replaceable(root / step_dir_name(step), run_id)
+            make_dir(root, parents=True)
+            make_dir(root / f"{step_dir_name(step)}.tmp-{nonce}")
+
+    not_saved = f"step {step} was not saved; the earlier checkpoints are unchanged"
+    _agreed(_noting(prepare, not_saved), group)
+    final = root / step_dir_name(step)
+    tmp = root / f"{final.name}.tmp-{nonce}"
+    try:
+        info = _agreed(_noting(lambda: write_file(
+            tmp / rank_file(rank),
+            lambda f: torch.save(_rank_payload(model, optimizer, include_frozen), f)),
+            not_saved), group)
+        infos: list[Any] = [None] * world
+        dist.all_gather_object(infos, info, group=group)
         layouts = _layouts(model)
         manifest = {
             "format": FORMAT, "step": step, "world_size": world,
@@ -189,64 +295,25 @@ def save_checkpoint(root: str | Path, step: int, model: ShardedSequential,
             "model_fingerprint": model_fingerprint(layouts),
             "layers": layouts,
             "optimizer": {"class": type(optimizer).__name__, "param_groups": groups},
-            "loss_scaler": scaler.state_dict() if scaler is not None else None,
+            "loss_scaler": scaler_state,
             "extra": extra or {},
             "files": {rank_file(r): infos[r] for r in range(world)},
         }
-        with open(tmp / MANIFEST, "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        if final.exists():  # the same step saved again: replace it
-            _remove_dir(final)
-        os.rename(tmp, final)  # the commit point
-        _fsync_dir(root)
-        for old in list_checkpoints(root)[:-keep_last] if keep_last > 0 else []:
-            _remove_dir(old)
-        for left in root.iterdir():
-            if _LEFTOVER_DIR.match(left.name) and left != tmp:
-                shutil.rmtree(left, ignore_errors=True)
-    dist.barrier(group=group)
+        if run_id is not None:
+            manifest["run_id"] = run_id
+        _agreed(_noting(lambda: _commit(tmp, final, manifest) if rank == 0 else None,
+                        not_saved), group)
+    except BaseException:
+        if rank == 0:
+            remove_tree(tmp)
+        raise
+    saved_note = f"{final} was saved, but older directories could not all be removed"
+    _agreed(_noting(lambda: _tidy(root, final, run_id, keep_last) if rank == 0 else None,
+                    saved_note), group)
     return final
 
 
 # -- loading -------------------------------------------------------------------------------------
-
-
-def read_manifest(path: Path) -> dict[str, Any]:
-    path = Path(path)
-    mf = path / MANIFEST
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such checkpoint directory")
-    if not mf.is_file():
-        raise CheckpointError(f"{path}: no {MANIFEST}; the checkpoint is incomplete (a save that "
-                              f"did not finish leaves only a .tmp directory) — use an earlier one")
-    try:
-        manifest = json.loads(mf.read_text())
-    except (OSError, ValueError) as e:  # ValueError: invalid JSON or UTF-8
-        raise CheckpointError(f"{mf}: unreadable manifest ({e})") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise CheckpointError(f"{mf}: format {found!r}, expected {FORMAT!r}")
-    return manifest
-
-
-def verify_files(path: Path, manifest: dict[str, Any], ranks: list[int] | None = None) -> None:
-    """Checks presence, size and SHA-256 of the rank files (all, or the listed ranks)."""
-    for r in ranks if ranks is not None else range(manifest["world_size"]):
-        name = rank_file(r)
-        f = Path(path) / name
-        want = manifest["files"][name]
-        if not f.is_file():
-            raise CheckpointError(f"{f}: rank file missing (the checkpoint was written by "
-                                  f"{manifest['world_size']} ranks)")
-        size = f.stat().st_size
-        if size != want["bytes"]:
-            raise CheckpointError(f"{f}: {size} bytes, the manifest says {want['bytes']}: the "
-                                  f"file is truncated or was replaced")
-        if _sha256(f) != want["sha256"]:
-            raise CheckpointError(f"{f}: checksum mismatch: the file is corrupt")
 
 
 def _layer_difference(mine: dict[str, Any], saved: dict[str, Any]) -> str:
@@ -289,38 +356,40 @@ def _check_matches(path: Path, manifest: dict[str, Any], model: ShardedSequentia
                               f"groups, this one has {len(optimizer.param_groups)}")
 
 
-class _ShardReader:
-    """Reads ranges of a group's unsharded flat vector out of the old rank files (memory-mapped,
-    so only the needed bytes are read)."""
-
-    def __init__(self, path: Path, world_size: int):
-        self.path, self.world_size = path, world_size
-        self._files: dict[int, Any] = {}
-
-    def rank_data(self, r: int) -> dict[str, Any]:
-        if r not in self._files:
-            self._files[r] = torch.load(self.path / rank_file(r), map_location="cpu", mmap=True,
-                                        weights_only=True)
-        return self._files[r]
-
-    def read(self, layer: int, key: str, old: FlatLayout, lo: int, hi: int) -> torch.Tensor:
-        """Elements [lo, hi) of the unsharded flat vector stored under ``key``; elements past
-        the old padded size (new padding) are zeros."""
-        parts = []
-        n_old = old.shard_numel
-        pos = lo
-        while pos < hi:
-            r = pos // n_old if n_old else self.world_size
-            if r >= self.world_size:
-                parts.append(torch.zeros(hi - pos))
-                break
-            end = min(hi, (r + 1) * n_old)
-            t = self.rank_data(r)["layers"][layer].get(key)
-            if t is None:
-                raise CheckpointError(f"{self.path / rank_file(r)}: layer {layer} has no {key!r}")
-            parts.append(t[pos - r * n_old:end - r * n_old].float())
-            pos = end
-        return torch.cat(parts) if parts else torch.zeros(0)
+def _restore(reader: ShardReader, model: ShardedSequential, optimizer: torch.optim.Optimizer,
+             scaler: LossScaler | None) -> None:
+    """Copies a verified checkpoint into this rank's shards, optimizer and RNG."""
+    manifest, rank = reader.manifest, model.rank
+    with torch.no_grad():
+        for layer in model.layers:
+            if layer.trainable is not None:
+                lo, hi = layer.trainable.layout.shard_range(rank)
+                shard: ShardParameter = layer.trainable.shard  # type: ignore[assignment]
+                shard.copy_(reader.read(layer.index, "master", lo, hi))
+                state = optimizer.state.setdefault(shard, {})
+                for key in ("exp_avg", "exp_avg_sq"):
+                    values = reader.read(layer.index, key, lo, hi).to(shard.device)
+                    if key in state:
+                        state[key].copy_(values)
+                    else:
+                        state[key] = values
+                step = reader.rank_data(0)["layers"][layer.index]["step"]
+                if "step" in state and isinstance(state["step"], torch.Tensor):
+                    state["step"].fill_(step)
+                else:
+                    state["step"] = torch.tensor(float(step))
+            if manifest["include_frozen"] and layer.frozen is not None:
+                lo, hi = layer.frozen.layout.shard_range(rank)
+                layer.frozen.shard.copy_(reader.read(layer.index, "frozen", lo, hi))
+    for mine, saved in zip(optimizer.param_groups, manifest["optimizer"]["param_groups"]):
+        for key, value in saved.items():
+            mine[key] = tuple(value) if key == "betas" else value
+    if scaler is not None and manifest["loss_scaler"] is not None:
+        scaler.load_state_dict(manifest["loss_scaler"])
+    rng = reader.rank_data(min(rank, reader.world_size - 1))["rng"]
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and model.device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], model.device)
 
 
 def load_checkpoint(path: str | Path, model: ShardedSequential,
@@ -328,60 +397,21 @@ def load_checkpoint(path: str | Path, model: ShardedSequential,
                     scaler: LossScaler | None = None) -> dict[str, Any]:
     """Collective: restores master shards, Adam moments, step counts, RNG states and loss-scaler
     state into a model sharded over any number of ranks; returns the caller's ``extra`` state.
-    Everything is verified (manifest, model match, presence/size/checksum of every file this rank
-    reads) before anything is modified; a failure on any rank fails all ranks."""
+    Everything is verified (what ``open_checkpoint`` checks: COMMIT, manifest fields, every rank
+    file's size, checksum and contents; and the model match) before anything is modified; a failure
+    on any rank raises ``CheckpointError`` on every rank."""
     path = Path(path)
-    rank, world = model.rank, model.world_size
-    error = None
-    try:
+
+    def verify() -> ShardReader:
+        # open_checkpoint's checks, with the model match before the files': a manifest of
+        # another model is reported as that, not as rank files that do not match it.
         manifest = read_manifest(path)
         _check_matches(path, manifest, model, optimizer)
-        old_world = manifest["world_size"]
         verify_files(path, manifest)
-    except CheckpointError as e:
-        error = str(e)
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        # A manifest of the right format but with missing or mistyped fields: reported on every
-        # rank like any other problem, rather than raised on one while the others wait.
-        error = f"{path / MANIFEST}: malformed manifest ({type(e).__name__}: {e})"
-    errors: list[Any] = [None] * world
-    dist.all_gather_object(errors, error, group=model.group)
-    failed = [e for e in errors if e is not None]
-    if failed:
-        raise CheckpointError(failed[0])
+        reader = ShardReader(path, manifest)
+        reader.check_all()
+        return reader
 
-    reader = _ShardReader(path, old_world)
-    with torch.no_grad():
-        for layer, saved in zip(model.layers, manifest["layers"]):
-            if layer.trainable is not None:
-                old = FlatLayout.from_dict(saved["trainable"])
-                lo, hi = layer.trainable.layout.shard_range(rank)
-                shard: ShardParameter = layer.trainable.shard  # type: ignore[assignment]
-                shard.copy_(reader.read(layer.index, "master", old, lo, hi))
-                state = optimizer.state.setdefault(shard, {})
-                for key in ("exp_avg", "exp_avg_sq"):
-                    values = reader.read(layer.index, key, old, lo, hi).to(shard.device)
-                    if key in state:
-                        state[key].copy_(values)
-                    else:
-                        state[key] = values
-                step = reader.rank_data(0)["layers"][layer.index].get("step", 0.0)
-                if "step" in state and isinstance(state["step"], torch.Tensor):
-                    state["step"].fill_(step)
-                else:
-                    state["step"] = torch.tensor(float(step))
-            if manifest["include_frozen"] and layer.frozen is not None:
-                old = FlatLayout.from_dict(saved["frozen"])
-                lo, hi = layer.frozen.layout.shard_range(rank)
-                layer.frozen.shard.copy_(reader.read(layer.index, "frozen", old, lo, hi))
-    for mine, saved in zip(optimizer.param_groups, manifest["optimizer"]["param_groups"]):
-        for key, value in saved.items():
-            mine[key] = tuple(value) if key == "betas" else value
-    if scaler is not None and manifest["loss_scaler"] is not None:
-        scaler.load_state_dict(manifest["loss_scaler"])
-    rng = reader.rank_data(min(rank, old_world - 1))["rng"]
-    torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and model.device.type == "cuda":
-        torch.cuda.set_rng_state(rng["cuda"], model.device)
-    dist.barrier(group=model.group)
-    return manifest["extra"]
+    reader = _agreed(verify, model.group)
+    _agreed(lambda: _restore(reader, model, optimizer, scaler), model.group)
+    return reader.manifest["extra"]

@@ -94,6 +94,19 @@ def all_gather_sync(output: torch.Tensor, t: torch.Tensor, group: dist.ProcessGr
     _all_gather_single(output, t, group=group)
 
 
+def gather_to(shard: torch.Tensor, to_rank: int, group: dist.ProcessGroup
+              ) -> torch.Tensor | None:
+    """Blocking gather of every rank's 1D ``shard`` (same size everywhere) to rank ``to_rank``
+    of ``group``: there (1D, world_size * shard.numel()) in rank order, None elsewhere. Not
+    counted: export traffic, not model traffic."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    full = (torch.empty(world * shard.numel(), dtype=shard.dtype, device=shard.device)
+            if rank == to_rank else None)
+    dist.gather(shard, list(full.chunk(world)) if full is not None else None,
+                dst=dist.get_global_rank(group, to_rank), group=group)
+    return full
+
+
 def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup, counter: CommCounter) -> None:
     """t <- sum over ranks of t, synchronously (used for small statistics)."""
     counter.all_reduce_bytes += _nbytes(t)

@@ -19,45 +19,16 @@ import shutil
 import sys
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
 
 import torch
 from safetensors.torch import save_file
 
-from zerocore.checkpoint import (CheckpointError, _ShardReader, read_manifest, verify_files)
-from zerocore.flat_layout import FlatLayout
+from zerocore.checkpoint_errors import CheckpointError
+from zerocore.checkpoint_manifest import read_manifest
+# iter_full_layers lived here: importers of zerocore.consolidate.iter_full_layers keep working.
+from zerocore.checkpoint_reader import DTYPES, iter_full_layers, open_checkpoint
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def iter_full_layers(ckpt: Path, *, trainable_only: bool, dtype: torch.dtype | None = None,
-                     manifest: dict[str, Any] | None = None
-                     ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-    """(layer index, {parameter name: full tensor}) for each layer, from the checkpoint's shards.
-    Trainable parameters come from the fp32 masters; ``dtype`` casts them (default fp32).
-    ``manifest``: the checkpoint's, already read and its files verified (else done here)."""
-    if manifest is None:
-        manifest = read_manifest(ckpt)
-        verify_files(ckpt, manifest)
-    reader = _ShardReader(ckpt, manifest["world_size"])
-    frozen_dtype = _DTYPES[manifest["param_dtype"]]
-    for index, saved in enumerate(manifest["layers"]):
-        out: dict[str, torch.Tensor] = {}
-        kinds = [("trainable", "master", dtype or torch.float32)]
-        if not trainable_only:
-            if saved["frozen"] is not None and not manifest["include_frozen"]:
-                raise CheckpointError(
-                    f"{ckpt}: the checkpoint holds no frozen weights (they are the base model's); "
-                    f"use --trainable-only, or export through the application with the base model")
-            kinds.append(("frozen", "frozen", dtype or frozen_dtype))
-        for group, key, out_dtype in kinds:
-            if saved[group] is None:
-                continue
-            layout = FlatLayout.from_dict(saved[group])
-            flat = reader.read(index, key, layout, 0, layout.padded_numel)
-            for s in layout.slots:
-                out[s.name] = flat[s.offset:s.offset + s.numel].view(s.shape).to(out_dtype).clone()
-        yield index, out
+__all__ = ["consolidate", "iter_full_layers", "main"]
 
 
 def consolidate(ckpt: Path, out: Path, *, trainable_only: bool = False,
@@ -67,8 +38,10 @@ def consolidate(ckpt: Path, out: Path, *, trainable_only: bool = False,
     if out.exists():
         raise FileExistsError(f"{out} exists; choose a new output directory (nothing is "
                               f"overwritten)")
-    # Everything that can be known to fail is checked before anything is written.
-    manifest = read_manifest(ckpt)
+    # Everything that can be known to fail is checked before anything is written: the whole
+    # checkpoint is verified (manifest, COMMIT, every rank file).
+    reader = open_checkpoint(ckpt)
+    manifest = reader.manifest
     n_layers = len(manifest["layers"])
     if not trainable_only and not manifest["include_frozen"]:
         missing = [i for i, saved in enumerate(manifest["layers"]) if saved["frozen"] is not None]
@@ -78,15 +51,13 @@ def consolidate(ckpt: Path, out: Path, *, trainable_only: bool = False,
                 f"weights (it was saved without include_frozen, so layers {missing} keep theirs "
                 f"in the base model); use --trainable-only, or export through the application "
                 f"with the base model")
-    verify_files(ckpt, manifest)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
         trainable: dict[str, torch.Tensor] = {}
         index: dict[str, str] = {}
         total = 0
-        for i, tensors in iter_full_layers(ckpt, trainable_only=trainable_only, dtype=dtype,
-                                           manifest=manifest):
+        for i, tensors in reader.full_layers(trainable_only=trainable_only, dtype=dtype):
             named = {f"layers.{i}.{k}": v for k, v in tensors.items()}
             total += sum(t.numel() * t.element_size() for t in named.values())
             if trainable_only:
@@ -121,11 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     dtype = None
     try:
         if args.dtype == "training":
-            dtype = _DTYPES[read_manifest(args.checkpoint)["param_dtype"]]
+            dtype = DTYPES[read_manifest(args.checkpoint)["param_dtype"]]
         out = consolidate(args.checkpoint, args.out, trainable_only=args.trainable_only,
                           dtype=dtype)
     except (CheckpointError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # writing OUT: one line naming the path, not a traceback
+        where = f" {e.filename}" if e.filename else ""
+        print(f"error: cannot write{where}: {e.strerror or e}", file=sys.stderr)
         return 2
     print(f"wrote {out}")
     return 0

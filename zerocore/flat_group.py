@@ -152,15 +152,30 @@ class FlatGroup:
         self._storage.resize_(0)
         self.state = GroupState.SHARDED
 
-    def gather_full(self) -> dict[str, torch.Tensor]:
-        """Collective: the group's unsharded parameters by name, on every rank, in the shard's
-        dtype (fp32 masters for a trainable group), on the CPU. For export; not a hot path."""
+    def gather_full(self, to_rank: int | None = None) -> dict[str, torch.Tensor]:
+        """Collective: the group's unsharded parameters by name, in the shard's dtype (fp32
+        masters for a trainable group), on the CPU. For export; not a hot path.
+
+        to_rank: None, every rank receives them (an all-gather); r, only rank r of the group
+        does (a gather) and the others get an empty dict, so they never hold the full group."""
         shard = self.shard.data.to(self.ctx.device)
-        full = torch.empty(self.layout.padded_numel, dtype=shard.dtype, device=self.ctx.device)
-        collectives.all_gather_sync(full, shard, self.ctx.process_group)
+        group = self.ctx.process_group
+        if to_rank is None:
+            full = torch.empty(self.layout.padded_numel, dtype=shard.dtype, device=shard.device)
+            collectives.all_gather_sync(full, shard, group)
+        else:
+            full = collectives.gather_to(shard, to_rank, group)
+            if full is None:
+                return {}
         full = full.cpu()
         return {s.name: full[s.offset:s.offset + s.numel].view(s.shape).clone()
                 for s in self.layout.slots}
+
+    @property
+    def mirror_bytes(self) -> int:
+        """Bytes of the device mirror of a CPU-offloaded model copy (the gather input with
+        ``Offload(optimizer=True)``); 0 without offload."""
+        return 0 if self._mirror is None else self._mirror.numel() * self._mirror.element_size()
 
     @property
     def gathered_bytes(self) -> int:

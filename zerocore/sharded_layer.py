@@ -110,13 +110,15 @@ class ShardedLayer(nn.Module):
                 leaves = views
         return leaves
 
-    def full_state(self, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    def full_state(self, trainable_only: bool = False, *,
+                   to_rank: int | None = None) -> dict[str, torch.Tensor]:
         """Collective (every rank must call it): the layer's unsharded parameters by name, on
-        the CPU; trainable ones in fp32 from the master weights."""
+        the CPU; trainable ones in fp32 from the master weights. With ``to_rank`` only that rank
+        of the group receives them; the others get an empty dict."""
         out: dict[str, torch.Tensor] = {}
         for group in self.groups:
             if group.trainable or not trainable_only:
-                out.update(group.gather_full())
+                out.update(group.gather_full(to_rank))
         return out
 
     def run_without_graph(self, x: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import weakref
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -131,6 +131,22 @@ class ShardedSequential(nn.Module):
             layer.free()
         return x
 
+    def iter_full_states(self, trainable_only: bool = False, *, to_rank: int | None = None
+                         ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """Collective: ``(layer index, {parameter name: full CPU tensor})`` layer by layer, so
+        host memory holds one full layer at a time; trainable parameters in fp32 from the
+        master weights, frozen ones in the param dtype (none with ``trainable_only``).
+
+        to_rank: None, every rank receives every layer; r, only rank r of the group does (the
+        one that writes an export): the others yield empty dicts, but must iterate as far,
+        since each layer is a collective."""
+        if to_rank is not None and (type(to_rank) is not int
+                                    or not 0 <= to_rank < self.world_size):
+            raise ValueError(f"iter_full_states: to_rank must be a rank of the group "
+                             f"(0 .. {self.world_size - 1}) or None, got {to_rank!r}")
+        for layer in self.layers:
+            yield layer.index, layer.full_state(trainable_only, to_rank=to_rank)
+
     # -- accounting ----------------------------------------------------------------------------
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
@@ -150,8 +166,7 @@ class ShardedSequential(nn.Module):
                         master += shard.numel() * 4
                     else:
                         param += shard.numel() * 4
-                    if g._mirror is not None:
-                        param += g._mirror.numel() * g._mirror.element_size()
+                    param += g.mirror_bytes
                     if shard.grad is not None:
                         grad += shard.grad.numel() * shard.grad.element_size()
                     if optimizer is not None:
