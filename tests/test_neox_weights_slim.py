@@ -748,7 +748,7 @@ def test_settings_that_do_not_change_the_math_are_accepted():
     plain = config_from_neox_yaml(base, vocab_size=10)
     harmless = {"use-mup": False, "num-kv-heads": 2, "moe-num-experts": 1, "mlp-type": "regular",
                 "sliding-window-width": None, "train-impl": "normal", "soft-prompt-tuning":
-                {"enabled": False}, "apply-query-key-layer-scaling": True,
+                {"n_tokens": 10}, "apply-query-key-layer-scaling": True,
                 "attention-softmax-in-fp32": True, "mup-embedding-mult": 10.0,
                 "scaled-upper-triang-masked-softmax-fusion": True, "hidden-dropout": 0.1,
                 "init-method": "small_init", "precision": "fp16"}

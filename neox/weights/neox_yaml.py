@@ -49,10 +49,11 @@ _UNSUPPORTED: dict[str, tuple[Callable[[Any, Mapping[str, Any]], bool], str]] = 
     "use_qk_layernorm": (lambda v, a: bool(v), "a layer norm on queries and keys"),
     "sliding_window_width": (lambda v, a: v is not None,
                              "sliding-window attention (tokens see only the last N)"),
-    "moe_num_experts": (lambda v, a: v is not None and v > 1, "a mixture-of-experts MLP"),
+    "moe_num_experts": (lambda v, a: v is not None and v != 1, "a mixture-of-experts MLP"),
     "mlp_type": (lambda v, a: v not in (None, "regular"),
                  "the gated LLaMA MLP (w1, w2, w3) of older NeoX versions"),
-    "soft_prompt_tuning": (lambda v, a: isinstance(v, Mapping) and bool(v.get("enabled", True)),
+    # megatron/training.py inserts the soft prompt when the dict has enabled: true (default off)
+    "soft_prompt_tuning": (lambda v, a: isinstance(v, Mapping) and bool(v.get("enabled", False)),
                            "a learned soft prompt prepended to every input"),
     "train_impl": (lambda v, a: v == "rm",
                    "a reward model: the output layer is a one-value head, not the vocabulary"),
