@@ -18,13 +18,14 @@ unmatched; the next ``run`` starts a fresh set on a new port.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import pickle
 import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -183,6 +184,25 @@ class World:
             if status == "error":
                 parts.append(f"----- rank {r} raised -----\n{value.rstrip()}")
         raise RankFailure("\n".join(parts))
+
+
+@contextlib.contextmanager
+def worlds_by_size() -> Iterator[Callable[[int], World]]:
+    """``get(n)``: an n-rank World, started on first use and kept (an idle rank costs only
+    memory, and tests that reshard move between world sizes); all are closed on exit. For a
+    module-scoped fixture: ``with worlds_by_size() as get: yield get``."""
+    opened: dict[int, World] = {}
+
+    def get(n: int) -> World:
+        if n not in opened:
+            opened[n] = World(n)
+        return opened[n]
+
+    try:
+        yield get
+    finally:
+        for w in opened.values():
+            w.close()
 
 
 # -- helpers for test functions running on a rank -------------------------------------------------

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerocore
-from dist_utils import World, global_mean
+from dist_utils import global_mean, worlds_by_size
 from neox.config import PRESETS
 from neox.data import WindowSampler
 from neox.finetune_modes import FinetuneMode, prepare_layer
@@ -91,16 +91,8 @@ CLI_PARAM_TOL = dict(rtol=1e-5, atol=1e-2 * CLI_LR)
 def worlds():
     """``worlds(n)``: the module's n-rank World, started on first use; all stay up (an idle rank
     costs only memory) because resharding moves between world sizes."""
-    opened: dict[int, World] = {}
-
-    def get(n: int) -> World:
-        if n not in opened:
-            opened[n] = World(n)
-        return opened[n]
-
-    yield get
-    for w in opened.values():
-        w.close()
+    with worlds_by_size() as get:
+        yield get
 
 
 # -- the model and its training, on every rank ---------------------------------------------------

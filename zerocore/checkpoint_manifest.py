@@ -95,7 +95,11 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         manifest = json.loads(raw)
     except ValueError as e:  # invalid JSON or UTF-8
         raise CheckpointError(f"{mf}: unreadable manifest ({e})") from None
-    if not has_commit and not (isinstance(manifest, dict) and manifest.get("format") == FORMAT_V1):
+    fmt = manifest.get("format") if isinstance(manifest, dict) else None
+    if has_commit and fmt != FORMAT:
+        raise CheckpointError(f"{mf}: format: {_show(fmt)}, but its {COMMIT} record is of "
+                              f"{FORMAT!r}: {_EDITED}")
+    if not has_commit and fmt != FORMAT_V1:
         raise CheckpointError(f"{path}: no {COMMIT} record; the checkpoint is incomplete (its "
                               f"save did not finish, or it was copied in part) — use an earlier "
                               f"one")
