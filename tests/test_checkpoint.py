@@ -623,6 +623,180 @@ def test_keep_last(worlds, tmp_path):
         "step-00000004", "step-00000005", "step-00000006"]
 
 
+# -- runs ----------------------------------------------------------------------------------------
+
+
+def save_steps(rank: int, world_size: int, root: str, steps: list[int], run_id: str | None,
+               keep_last: int) -> list[str | None]:
+    """Saves each step (``extra`` names run and step); per step, the refusal's message or None.
+    After each save, whether the checkpoint just written is still there is checked too."""
+    model, optimizer, _, scaler, _ = build(Job(steps=0), rank, world_size)
+    out = []
+    for step in steps:
+        try:
+            path = zerocore.save_checkpoint(root, step, model, optimizer, scaler=scaler,
+                                            extra={"run": run_id, "step": step},
+                                            keep_last=keep_last, run_id=run_id)
+        except CheckpointError as e:
+            out.append(str(e))
+            continue
+        assert path in list_checkpoints(root), f"{path}: pruned by its own save"
+        out.append(None)
+    return out
+
+
+def _steps(paths: list[Path]) -> list[int]:
+    return [int(p.name[5:]) for p in paths]
+
+
+def test_runs_are_kept_apart(worlds, tmp_path):
+    """Two runs and an unnamed one in one root: each prunes only its own checkpoints, never the
+    one it just wrote (before run ids, run a's saves were pruned at once: run b's steps are
+    higher), a step of another run is never replaced, and the listings filter by run."""
+    world = worlds(2)
+    root = tmp_path / "checkpoints"
+    assert world.run(save_steps, str(root), [10, 11], "b", 3) == [[None, None]] * 2
+    assert world.run(save_steps, str(root), [1, 2, 3, 4], "a", 2) == [[None] * 4] * 2
+    assert zerocore.checkpoint_runs(root) == {"a": [root / "step-00000003",
+                                                    root / "step-00000004"],
+                                              "b": [root / "step-00000010",
+                                                    root / "step-00000011"]}
+    assert _steps(list_checkpoints(root)) == [3, 4, 10, 11]
+    assert _steps(list_checkpoints(root, run_id="a")) == [3, 4]
+    assert latest_checkpoint(root) == root / "step-00000011"
+    assert latest_checkpoint(root, run_id="a") == root / "step-00000004"
+    assert latest_checkpoint(root, run_id="c") is None
+
+    # Run a reaching a step of run b: refused on every rank, run b's checkpoint untouched.
+    before = {p.name: p.read_bytes() for p in (root / "step-00000010").iterdir()}
+    refused = world.run(save_steps, str(root), [10], "a", 2)
+    assert refused[0] == refused[1] and refused[0][0] is not None
+    assert str(root / "step-00000010") in refused[0][0] and "run 'b'" in refused[0][0]
+    assert {p.name: p.read_bytes() for p in (root / "step-00000010").iterdir()} == before
+    assert _steps(list_checkpoints(root, run_id="a")) == [3, 4]
+    # The same run saving a step again replaces it.
+    assert world.run(save_steps, str(root), [11], "b", 3) == [[None]] * 2
+    assert read_manifest(root / "step-00000011")["run_id"] == "b"
+    # A save without a run id is a run of its own (None): it prunes none of the others.
+    assert world.run(save_steps, str(root), [20, 21], None, 1) == [[None, None]] * 2
+    runs = zerocore.checkpoint_runs(root)
+    assert {k: _steps(v) for k, v in runs.items()} == {"a": [3, 4], "b": [10, 11], None: [21]}
+    assert "run_id" not in read_manifest(root / "step-00000021")
+    assert not [p for p in root.iterdir() if LEFTOVER.search(p.name)]
+
+
+# -- public entry points: run_agreed, iter_full_states ---------------------------------------------
+
+
+def _outcome(fn) -> tuple[str, ...]:
+    """What ``fn()`` returned or raised, as picklable text."""
+    try:
+        return ("returned", repr(fn()))
+    except zerocore.PeerError as e:
+        return ("PeerError", str(e), repr(e.failures), str(e.first_rank), e.first_message)
+    except Exception as e:  # noqa: BLE001  (what was raised is what is tested)
+        return (type(e).__name__, str(e))
+
+
+def agree_cases(rank: int, world_size: int) -> dict[str, tuple[str, ...]]:
+    def fail_on(ranks: dict[int, Exception]):
+        def fn():
+            if rank in ranks:
+                raise ranks[rank]
+            return rank * 10
+        return lambda: zerocore.run_agreed(fn)
+
+    def rank0_loads():  # neox's pattern: rank 0 prepares alone, the others wait
+        raise FileNotFoundError("no corpus at data.txt")
+
+    cases = {
+        "none-fails": fail_on({}),
+        "rank-1-fails": fail_on({1: ValueError("bad value on 1")}),
+        "every-rank-alike": fail_on({r: ValueError("the same") for r in range(world_size)}),
+        "two-differently": fail_on({1: OSError(28, "disk full"), 2: KeyError("k")}),
+        "rank-0-alone": lambda: zerocore.run_agreed(rank0_loads if rank == 0 else lambda: None),
+        "rank-0-alone-works": lambda: zerocore.run_agreed(lambda: "data" if rank == 0 else None),
+    }
+    # Each case must leave the group usable: the next one's collectives still match.
+    return {name: _outcome(fn) for name, fn in cases.items()}
+
+
+def test_run_agreed(worlds):
+    results = worlds(3).run(agree_cases)
+    by_case = {case: [res[case] for res in results] for case in results[0]}
+    assert by_case["none-fails"] == [("returned", "0"), ("returned", "10"), ("returned", "20")]
+
+    got = by_case["rank-1-fails"]
+    assert got[1] == ("ValueError", "bad value on 1")  # its own exception, unchanged
+    for r in (0, 2):
+        assert got[r][0] == "PeerError" and got[r][3:] == ("1", "bad value on 1")
+        assert "rank(s) 1 failed" in got[r][1] and "bad value on 1" in got[r][1]
+        assert got[r][2] == repr({1: "ValueError: bad value on 1"})
+
+    got = by_case["every-rank-alike"]  # reported once: by the lowest rank
+    assert got[0] == ("ValueError", "the same")
+    assert all(g[0] == "PeerError" and "rank(s) 0, 1, 2 failed" in g[1] for g in got[1:])
+
+    got = by_case["two-differently"]  # each distinct failure raised by its own rank
+    assert got[1] == ("OSError", "[Errno 28] disk full") and got[2] == ("KeyError", "'k'")
+    assert got[0][0] == "PeerError" and got[0][3:] == ("1", "[Errno 28] disk full")
+    assert "rank(s) 1, 2 failed" in got[0][1]
+
+    got = by_case["rank-0-alone"]
+    assert got[0] == ("FileNotFoundError", "no corpus at data.txt")
+    assert all(g[0] == "PeerError" and g[4] == "no corpus at data.txt" for g in got[1:])
+    assert by_case["rank-0-alone-works"] == [("returned", "'data'"), ("returned", "None"),
+                                             ("returned", "None")]
+
+
+def full_states_everywhere(rank: int, world_size: int) -> dict[str, Any]:
+    """iter_full_states of a bf16 model (trainable, frozen and mixed layers) against the
+    unsharded layers it was built from; to_rank; trainable_only; the offload mirror's bytes."""
+    torch.manual_seed(0)
+    layers = make_layers(dropout=0.0)
+    want = [{n: p.detach().clone() for n, p in layer.named_parameters()} for layer in layers]
+    trainable = [{n for n, p in layer.named_parameters() if p.requires_grad} for layer in layers]
+    model = zerocore.shard(layers, mixed_precision=zerocore.MixedPrecision(torch.bfloat16))
+    out: dict[str, Any] = {"layers": [], "to_last": [], "trainable_only": []}
+    for (i, state), ref, names in zip(model.iter_full_states(), want, trainable):
+        assert i == len(out["layers"])
+        # Trainable parameters come from the fp32 masters: bitwise the initial fp32 values;
+        # frozen ones are stored in bf16: bitwise the initial values rounded to bf16.
+        out["layers"].append(state.keys() == ref.keys() and all(
+            torch.equal(t, ref[n] if n in names else ref[n].to(torch.bfloat16))
+            and t.device.type == "cpu" for n, t in state.items()))
+    last = world_size - 1
+    out["to_last"] = [sorted(state) for _, state in model.iter_full_states(to_rank=last)]
+    out["trainable_only"] = [sorted(state) for _, state in
+                             model.iter_full_states(trainable_only=True)]
+    out["trainable_names"] = [sorted(names) for names in trainable]
+    out["all_names"] = [sorted(ref) for ref in want]
+    try:
+        next(model.iter_full_states(to_rank=world_size))
+    except ValueError as e:
+        out["bad_rank"] = str(e)
+    offloaded = zerocore.shard(make_layers(dropout=0.0), offload=zerocore.Offload(optimizer=True),
+                               mixed_precision=zerocore.MixedPrecision(torch.bfloat16))
+    groups = [g for layer in offloaded.layers for g in layer.groups]
+    out["mirrors"] = [g.mirror_bytes == (g.layout.shard_numel * 2 if g.trainable else 0)
+                      for g in groups]
+    out["no_mirrors"] = [g.mirror_bytes == 0 for layer in model.layers for g in layer.groups]
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_iter_full_states(worlds, world_size):
+    results = worlds(world_size).run(full_states_everywhere)
+    for rank, res in enumerate(results):
+        assert all(res["layers"]), f"rank {rank}: full states differ from the unsharded layers"
+        # Only the receiving rank holds tensors; the others take part with empty dicts.
+        assert res["to_last"] == (res["all_names"] if rank == world_size - 1
+                                  else [[] for _ in res["all_names"]]), rank
+        assert res["trainable_only"] == res["trainable_names"]
+        assert "to_rank must be a rank of the group" in res["bad_rank"]
+        assert all(res["mirrors"]) and all(res["no_mirrors"])
+
+
 # -- consolidation -------------------------------------------------------------------------------
 
 # An 8-block GPT-NeoX. Bias fine-tuning trains 8h numbers per block (qkv bias 3h, attention
