@@ -27,8 +27,7 @@ from neox.model import LayerKind, LayerSpec, layer_specs
 from neox.recipe import Recipe, RecipeError, recipe_from_checkpoint
 from neox.weights import RandomInit, WeightsError, iter_layers, open_weights, save_hf
 from neox.weights.hf import hf_key
-from zerocore.checkpoint import CheckpointError, read_manifest
-from zerocore.consolidate import iter_full_layers
+from zerocore.checkpoint import CheckpointError, iter_full_layers, read_manifest
 
 __all__ = ["export", "trained_layers", "run_settings", "main"]
 

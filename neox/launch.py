@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 
 import zerocore
-from neox import _zerocore_compat as compat  # COMPAT
 from neox.recipe import Recipe
 from neox.run_dir import (OutputDirError, OutputDirLock, check_writable, checkpoint_run_id,
                           claim_output_dir)
@@ -322,7 +321,7 @@ def _run_rank(rank: int, task: RankTask, _unused: Any) -> int:
                   f"{task.init_method}", flush=True)
         run_id = task.run_id
         if run_id is None:  # torchrun: global rank 0 takes the directory, the others wait
-            taken = compat.run_agreed(
+            taken = zerocore.run_agreed(
                 lambda: _take_output_dir(task.request, print) if rank == 0 else None)
             if taken is not None:
                 lock, run_id = taken
@@ -337,7 +336,7 @@ def _run_rank(rank: int, task: RankTask, _unused: Any) -> int:
         if e.message:
             print(f"error: {e.message}", file=sys.stderr, flush=True)
         return EXIT_REPORTED
-    except compat.PeerError:
+    except zerocore.PeerError:
         return EXIT_REPORTED  # another rank reported the problem
     except (ValueError, FileNotFoundError, OSError) as e:  # user errors: one line
         print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)

@@ -31,8 +31,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from neox._zerocore_compat import checkpoint_runs, incomplete_checkpoints
-from zerocore.checkpoint import CheckpointError, read_manifest
+from zerocore.checkpoint import (CheckpointError, checkpoint_runs, incomplete_checkpoints,
+                                 read_manifest)
 
 __all__ = ["OutputDirError", "OutputDirLock", "check_writable", "claim_output_dir",
            "find_resume_checkpoint", "MetricsFile", "RUN_FILE", "CHECKPOINTS", "METRICS",
@@ -255,7 +255,7 @@ def find_resume_checkpoint(path: Path, output_dir: Path | None) -> Path:
 def checkpoint_run_id(checkpoint: Path) -> str | None:
     """The run id stored in a checkpoint's manifest (None for checkpoints before run ids)."""
     try:
-        return read_manifest(checkpoint).get("extra", {}).get("run_id")  # COMPAT
+        return read_manifest(checkpoint).get("run_id")
     except CheckpointError as e:
         raise OutputDirError(f"--resume: {e}") from None
 

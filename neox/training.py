@@ -22,7 +22,6 @@ from safetensors.torch import save_file
 from torch import nn
 
 import zerocore
-from neox import _zerocore_compat as compat  # COMPAT
 from neox import data as nd
 from neox.cli import preset_config, resolve_dtype
 from neox.config import NeoXConfig, filtered_config
@@ -74,8 +73,8 @@ def prepare_data(data: DataConfig, model: ModelRecipe, *, rank: int, log: Log) -
                                               val_fraction=data.val_fraction, log=log)
         return RunData(tokenizer, dataset, corpus)
 
-    first = compat.run_agreed(load if rank == 0 else (lambda: None))
-    return compat.run_agreed(lambda: first if first is not None else load())
+    first = zerocore.run_agreed(load if rank == 0 else (lambda: None))
+    return zerocore.run_agreed(lambda: first if first is not None else load())
 
 
 # -- the model ----------------------------------------------------------------------------------------
@@ -101,7 +100,7 @@ def stream_layers(reader: WeightsReader, config: NeoXConfig, model: ModelRecipe,
     specs = layer_specs(config, model.filter_layers)
     layers = iter_layers(reader, filter_layers=model.filter_layers)
     for i, spec in enumerate(specs):
-        layer = compat.run_agreed(lambda: prepare_layer(next(layers), i, model.finetune))
+        layer = zerocore.run_agreed(lambda: prepare_layer(next(layers), i, model.finetune))
         n = sum(p.numel() for p in layer.parameters())
         t = sum(p.numel() for p in layer.parameters() if p.requires_grad)
         where = f" (checkpoint block {spec.source})" if spec.kind == "block" else ""
@@ -132,7 +131,7 @@ class TrainState:
 def build(recipe: Recipe, data: RunData, *, device: torch.device, rank: int, world_size: int,
           log: Log) -> TrainState:
     """The sharded model, its optimizer, schedule, loss scaler and data sampler."""
-    config, reader = compat.run_agreed(lambda: weights_source(recipe.model, data.tokenizer))
+    config, reader = zerocore.run_agreed(lambda: weights_source(recipe.model, data.tokenizer))
     dtype = resolve_dtype(recipe.model.dtype, device)
     mode = recipe.model.finetune
     kept = len(layer_specs(config, recipe.model.filter_layers)) - 3
@@ -150,7 +149,7 @@ def build(recipe: Recipe, data: RunData, *, device: torch.device, rank: int, wor
         if not shards:
             raise ValueError("nothing to train: the chosen layers and --finetune mode leave no "
                              "trainable parameter")
-    compat.run_agreed(check_trainable)
+    zerocore.run_agreed(check_trainable)
     optim = recipe.optim
     optimizer = zerocore.optim.AdamW(shards, lr=optim.lr, betas=optim.betas, eps=optim.eps,
                                      weight_decay=optim.weight_decay)
@@ -158,18 +157,22 @@ def build(recipe: Recipe, data: RunData, *, device: torch.device, rank: int, wor
     scaler = zerocore.LossScaler(model.group, dynamic=dtype == torch.float16,
                                  counter=model.counter)
     loop = recipe.loop
-    sampler = compat.run_agreed(lambda: nd.WindowSampler(
+    sampler = zerocore.run_agreed(lambda: nd.WindowSampler(
         len(data.dataset.train), rank=rank, world_size=world_size, batch_size=loop.batch_size,
         seed=loop.seed))
     return TrainState(model, optimizer, scheduler, scaler, sampler, config, dtype)
 
 
-def restore(state: TrainState, checkpoint: Path, optim: OptimConfig, *, log: Log) -> None:
+def restore(state: TrainState, checkpoint: Path, optim: OptimConfig, *, rank: int,
+            log: Log) -> None:
     """Continues from ``checkpoint``: shards, moments, loss scale, RNG, data position and
     schedule; then the recipe's optimisation settings, which are the checkpoint's unless the
     command line overrode them (``neox.finetune.resume_recipe`` logged which)."""
-    extra = zerocore.load_checkpoint(checkpoint, state.model, state.optimizer,
-                                     scaler=state.scaler)
+    try:
+        extra = zerocore.load_checkpoint(checkpoint, state.model, state.optimizer,
+                                         scaler=state.scaler)
+    except zerocore.CheckpointError as e:  # raised alike on every rank: reported once
+        raise RunFailed(str(e) if rank == 0 else None) from None
 
     def restore_loop() -> None:
         try:
@@ -183,7 +186,7 @@ def restore(state: TrainState, checkpoint: Path, optim: OptimConfig, *, log: Log
         except (TypeError, ValueError, AttributeError) as e:
             raise zerocore.CheckpointError(f"{checkpoint}: the manifest's extra state is "
                                            f"invalid ({e})") from None
-    compat.run_agreed(restore_loop)
+    zerocore.run_agreed(restore_loop)
     # LambdaLR sets lr = base_lr * factor(step); the same product, so unchanged settings give
     # bitwise the same learning rate as the checkpoint's.
     factor = warmup_factor(optim.warmup)(state.scheduler.last_epoch)
@@ -247,7 +250,7 @@ def save(state: TrainState, recipe: Recipe, run_id: str, *, rank: int) -> Path:
              "scheduler": state.scheduler.state_dict(), "recipe": recipe.to_dict(),
              "config": state.config.to_hf_dict()}  # what neox.export needs to rebuild the model
     try:
-        return compat.save_checkpoint(Path(recipe.output.output_dir) / CHECKPOINTS,
+        return zerocore.save_checkpoint(Path(recipe.output.output_dir) / CHECKPOINTS,
                                         state.step, state.model, state.optimizer,
                                         scaler=state.scaler, extra=extra,
                                         keep_last=recipe.output.keep_last, run_id=run_id)
@@ -334,7 +337,7 @@ def train(state: TrainState, recipe: Recipe, data: RunData, metrics: MetricsFile
                 and state.step < total:
             save(state, recipe, run_id, rank=rank)
     progress.close()
-    compat.run_agreed(lambda: _raise(metrics_error))
+    zerocore.run_agreed(lambda: _raise(metrics_error))
     return StepsDone(first_step, memory, model.comm_report())
 
 
@@ -349,7 +352,7 @@ def write_trainable(state: TrainState, path: Path, *, rank: int) -> Path:
     """The trained parameters only (full tensors, fp32), named ``layers.<i>.<name>``: small
     (proportional to what was trained). Only rank 0 gathers and holds them. Collective."""
     tensors: dict[str, torch.Tensor] = {}
-    for index, state_dict in compat.iter_full_states(state.model, trainable_only=True, to_rank=0):
+    for index, state_dict in state.model.iter_full_states(trainable_only=True, to_rank=0):
         tensors.update({f"layers.{index}.{name}": t for name, t in state_dict.items()})
 
     def write() -> None:
@@ -362,7 +365,7 @@ def write_trainable(state: TrainState, path: Path, *, rank: int) -> Path:
         except OSError as e:
             tmp.unlink(missing_ok=True)
             raise OutputDirError(describe_os_error(e, path)) from None
-    compat.run_agreed(write)
+    zerocore.run_agreed(write)
     return path
 
 
@@ -375,7 +378,7 @@ def export_hf(state: TrainState, recipe: Recipe, data: RunData, *, rank: int) ->
     out = Path(recipe.output.output_dir) / HF_EXPORT
     scaling = model.finetune.lora_scaling
     states = ((s.kind, s.index, merge_lora(full, scaling)) for s, (_, full) in
-              zip(specs, compat.iter_full_states(state.model, to_rank=0)))
+              zip(specs, state.model.iter_full_states(to_rank=0)))
 
     def write() -> None:
         if rank != 0:
@@ -388,7 +391,7 @@ def export_hf(state: TrainState, recipe: Recipe, data: RunData, *, rank: int) ->
             save_hf(out, built, states, overwrite=True, extra_files={TOKENIZER: tok})
         except OSError as e:
             raise OutputDirError(describe_os_error(e, e.filename or out)) from None
-    compat.run_agreed(write)
+    zerocore.run_agreed(write)
     return out
 
 
@@ -406,7 +409,7 @@ def finish(state: TrainState, recipe: Recipe, data: RunData, done: StepsDone,
         if metrics is not None:
             metrics.write({"step": state.step, "val_loss": val_loss, "val_acc": val_acc})
             metrics.close()
-    compat.run_agreed(close_metrics)
+    zerocore.run_agreed(close_metrics)
     if done.memory is not None:
         tables: list[Any] = [None] * world_size
         dist.all_gather_object(tables, done.memory.table())
@@ -430,9 +433,9 @@ def run_training(recipe: Recipe, *, resume: Path | None, run_id: str, rank: int,
     data = prepare_data(recipe.data, recipe.model, rank=rank, log=log)
     state = build(recipe, data, device=device, rank=rank, world_size=world_size, log=log)
     if resume is not None:
-        restore(state, resume, recipe.optim, log=log)
+        restore(state, resume, recipe.optim, rank=rank, log=log)
     out = Path(recipe.output.output_dir)
-    metrics = compat.run_agreed(lambda: MetricsFile(
+    metrics = zerocore.run_agreed(lambda: MetricsFile(
         out / METRICS, resume_step=state.step if resume is not None else None)
         if rank == 0 else None)
     done = train(state, recipe, data, metrics, run_id, device=device, rank=rank,
