@@ -214,6 +214,8 @@ EDITS: dict[str, tuple[Callable[[dict[str, Any]], Any], str]] = {
     "slot-resized": (_resize_slot, "model_fingerprint: differs"),
     "slot-name-twice": (_set("layers", 0, "trainable", "slots", 1, 0, "0.weight"),
                         "layers[0].trainable.slots[1].name: '0.weight' appears twice"),
+    "frozen-name-also-trainable": (_set("layers", 1, "frozen", "slots", 0, 0, "0.bias"),
+                                   "layers[1].frozen: parameters ['0.bias'] are also trainable"),
     "layout-world_size": (_set("layers", 1, "frozen", "world_size", 1),
                           "layers[1].frozen.world_size: 1, but the manifest's world_size is 2"),
     "fingerprint-changed": (_set("model_fingerprint", "0" * 64), "model_fingerprint: differs"),

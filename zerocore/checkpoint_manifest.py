@@ -219,13 +219,15 @@ def _check_layout(d: Any, field: str, world_size: int) -> list[str]:
                                               f"{world_size}")
     named: list[tuple[str, tuple[int, ...]]] = []
     offsets: list[int] = []
+    seen: set[str] = set()
     for i, slot in enumerate(_array(d["slots"], f"{field}.slots", 1)):
         at = f"{field}.slots[{i}]"
         if not isinstance(slot, list) or len(slot) != 3:
             raise _Invalid(at, f"expected [name, shape, offset], got {_show(slot)}")
         name = _text(slot[0], f"{at}.name")
-        if name in (n for n, _ in named):
+        if name in seen:
             raise _Invalid(f"{at}.name", f"{name!r} appears twice")
+        seen.add(name)
         shape = tuple(_int(n, f"{at}.shape[{j}]", 0)
                       for j, n in enumerate(_array(slot[1], f"{at}.shape")))
         named.append((name, shape))
@@ -248,13 +250,15 @@ def _check_layers(layers: Any, world_size: int) -> None:
     for i, layer in enumerate(_array(layers, "layers", 1)):
         at = f"layers[{i}]"
         _keys(layer, at, ("trainable", "frozen"))
-        names: list[str] = []
+        trainable: set[str] = set()
         for group in ("trainable", "frozen"):
             if layer[group] is not None:
-                for name in _check_layout(layer[group], f"{at}.{group}", world_size):
-                    if name in names:
-                        raise _Invalid(f"{at}.frozen", f"parameter {name!r} is also trainable")
-                    names.append(name)
+                names = _check_layout(layer[group], f"{at}.{group}", world_size)
+                if group == "trainable":
+                    trainable = set(names)
+                elif trainable & set(names):
+                    raise _Invalid(f"{at}.frozen", f"parameters {sorted(trainable & set(names))} "
+                                                   f"are also trainable")
 
 
 def _check_optimizer(opt: Any) -> None:

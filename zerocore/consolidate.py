@@ -27,6 +27,7 @@ from zerocore.checkpoint_errors import CheckpointError
 from zerocore.checkpoint_manifest import read_manifest
 # iter_full_layers lived here: importers of zerocore.consolidate.iter_full_layers keep working.
 from zerocore.checkpoint_reader import DTYPES, iter_full_layers, open_checkpoint
+from zerocore.durable_io import write_error
 
 __all__ = ["consolidate", "iter_full_layers", "main"]
 
@@ -98,9 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:  # writing OUT: one line naming the path, not a traceback
-        where = f" {e.filename}" if e.filename else ""
-        print(f"error: cannot write{where}: {e.strerror or e}", file=sys.stderr)
+    except OSError as e:  # writing OUT: one line naming the path and the errno, not a traceback
+        print(f"error: {write_error('write', Path(e.filename or args.out), e)}", file=sys.stderr)
         return 2
     print(f"wrote {out}")
     return 0
