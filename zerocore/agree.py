@@ -47,8 +47,10 @@ class PeerError(RuntimeError):
         super().__init__(f"rank(s) {ranks} failed; rank {self.first_rank}: "
                          f"{self.first_type}: {self.first_message}")
 
-    def __reduce__(self):  # picklable (process pools, test harnesses), though __init__ is not
-        return PeerError, (self._raw,)  # BaseException's ``(cls, args)``
+    def __reduce__(self):
+        # Exceptions unpickle as cls(*self.args), and args is the message here: rebuild from
+        # the failures instead (process pools and test harnesses pickle exceptions).
+        return PeerError, (self._raw,)
 
 
 def run_agreed(fn: Callable[[], T], *, group: dist.ProcessGroup | None = None) -> T:

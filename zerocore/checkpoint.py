@@ -58,11 +58,11 @@ import torch
 import torch.distributed as dist
 
 from zerocore.agree import PeerError, run_agreed
-from zerocore.checkpoint_dirs import (LEFTOVER_DIR, IncompleteCheckpoint, aside_name,
-                                      checkpoint_runs, holds_only_our_files, incomplete_checkpoints,
-                                      is_complete, latest_checkpoint, leftovers, list_checkpoints,
-                                      remove_tree, run_of, same_run_checkpoints, step_dir_name,
-                                      UNKNOWN_RUN)
+from zerocore.checkpoint_dirs import (LEFTOVER_DIR, UNKNOWN_RUN, IncompleteCheckpoint,
+                                      aside_name, checkpoint_runs, holds_only_our_files,
+                                      incomplete_checkpoints, is_complete, latest_checkpoint,
+                                      leftovers, list_checkpoints, remove_tree, run_of,
+                                      same_run_checkpoints, step_dir_name)
 from zerocore.checkpoint_errors import CheckpointError, CheckpointWriteError
 from zerocore.checkpoint_manifest import (COMMIT, FORMAT, MANIFEST, commit_record,
                                           model_fingerprint, rank_file, read_manifest)
