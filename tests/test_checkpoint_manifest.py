@@ -467,6 +467,24 @@ def test_format_1_loads_and_is_checked_alike(worlds, good, tmp_path):
         assert torch.equal(results[0][0]["full"][name], t), name
 
 
+def save_with_nan_lr(rank: int, world_size: int, root: str) -> str | None:
+    model, optimizer, scaler = build()
+    optimizer.param_groups[0]["lr"] = math.nan
+    try:
+        zerocore.save_checkpoint(root, 1, model, optimizer, scaler=scaler)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_save_refuses_what_loading_would_refuse(worlds, tmp_path):
+    """A NaN learning rate would make a checkpoint that no load accepts: refused on every rank
+    before anything is written."""
+    messages = worlds(2).run(save_with_nan_lr, str(tmp_path / "root"))
+    assert all(m is not None and "NaN or infinite" in m for m in messages), messages
+    assert not (tmp_path / "root").exists()
+
+
 # -- incomplete step directories -----------------------------------------------------------------
 
 

@@ -125,7 +125,8 @@ def _rng_state(device: torch.device) -> dict[str, Any]:
 # -- saving --------------------------------------------------------------------------------------
 
 
-def _check_save_args(step: Any, run_id: Any, keep_last: Any, json_state: list[Any]) -> None:
+def _check_save_args(step: Any, run_id: Any, keep_last: Any, json_state: list[Any],
+                     finite_state: list[Any]) -> None:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"save_checkpoint: step must be an integer >= 0, got {step!r}")
     if run_id is not None and (not isinstance(run_id, str) or not run_id):
@@ -141,6 +142,13 @@ def _check_save_args(step: Any, run_id: Any, keep_last: Any, json_state: list[An
     except (TypeError, ValueError) as e:
         raise TypeError(f"save_checkpoint: extra state, optimizer hyper-parameters and "
                         f"loss-scaler state must be JSON-serialisable: {e}") from None
+    # Loading refuses a NaN or infinite learning rate or loss scale: refuse to save one.
+    try:
+        json.dumps(finite_state, allow_nan=False)
+    except ValueError:
+        raise ValueError(f"save_checkpoint: the optimizer hyper-parameters and loss-scaler "
+                         f"state hold a NaN or infinite number ({finite_state}); a checkpoint "
+                         f"of them could not be resumed") from None
 
 
 def _run_name(run: Any) -> str:
@@ -264,7 +272,8 @@ def save_checkpoint(root: str | Path, step: int, model: ShardedSequential,
     nonce, *asked = plan[0]
 
     def prepare() -> None:
-        _check_save_args(step, run_id, keep_last, [extra or {}, groups, scaler_state])
+        _check_save_args(step, run_id, keep_last, [extra or {}, groups, scaler_state],
+                         [groups, scaler_state])
         if [step, run_id, include_frozen] != asked:
             raise ValueError(f"save_checkpoint: rank {rank} was asked to save step {step}, "
                              f"run_id {run_id!r}, include_frozen {include_frozen}, rank 0 "
