@@ -87,7 +87,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+        if "default" in text or any(action.default is v for v in (None, False,
+                                                                      argparse.SUPPRESS)):
             return text
         return super()._get_help_string(action)
 
