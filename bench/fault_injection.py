@@ -114,17 +114,22 @@ def _complete(checkpoint: Path) -> bool:
 
 
 def run_trials(workdir: Path, *, kills: int, steps: int = 60, cache: Path | None = None,
-               seed: int = 0, log=lambda *a: None) -> Report:
-    """``kills`` trials of one SIGKILL each (see the module docstring)."""
+               seed: int = 0, reference: Path | None = None, log=lambda *a: None) -> Report:
+    """``kills`` trials of one SIGKILL each (see the module docstring). ``reference``: the
+    output directory of an uninterrupted run of the same settings (``_run_args``; how often it
+    saved does not matter), else one is made."""
     rng = random.Random(seed)
     cache = cache or workdir / "cache"
     report = Report()
-    reference = workdir / "reference"
-    done = subprocess.run(_finetune(*_run_args(reference, cache, steps, seed)), env=_env(),
-                          cwd=REPO, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"the reference run failed:\n{done.stderr}")
+    if reference is None:
+        reference = workdir / "reference"
+        done = subprocess.run(_finetune(*_run_args(reference, cache, steps, seed)), env=_env(),
+                              cwd=REPO, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"the reference run failed:\n{done.stderr}")
     want = {step: values[0] for step, values in _losses(reference).items()}
+    if sorted(want) != list(range(1, steps + 1)):
+        raise ValueError(f"the reference run {reference} did not log steps 1..{steps}")
     for trial in range(kills):
         out = workdir / f"trial-{trial}"
         report.trials += 1

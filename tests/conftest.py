@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import zerocore
+from dist_utils import worlds_by_size
 
 NO_GPU_REASON = "no CUDA device visible (torch.cuda.is_available() is False)"
 
@@ -24,6 +25,16 @@ DEVICES = [
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "shared_data: needs ../shared/data (the full corpus, the "
                                        "GPT-NeoX tokenizer); skipped when it is absent")
+
+
+@pytest.fixture(scope="session")
+def worlds():
+    """``worlds(n)``: an n-rank gloo World (dist_utils), started on first use and shared by every
+    test module of the session. Starting ranks is the largest fixed cost of the multi-process
+    tests (each rank imports torch and zerocore); a module that needs a fresh set after a
+    failure gets one from the World itself."""
+    with worlds_by_size() as get:
+        yield get
 
 
 @pytest.fixture(params=DEVICES)

@@ -89,3 +89,15 @@ def assert_clean_error(proc: subprocess.CompletedProcess, phrase: str) -> None:
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
     assert len(errors) == 1, proc.stderr
     assert phrase in errors[0], proc.stderr
+
+
+def call_main(main, capture, *args) -> subprocess.CompletedProcess:
+    """A tool's ``main(argv)`` in this process, its output read from the pytest capture fixture
+    ``capture`` (capsys; capfd when the tool may start processes whose output matters). For
+    checks that end before any process would start, a subprocess only adds its start-up."""
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as e:  # argparse's own errors and --help
+        code = e.code
+    out, err = capture.readouterr()
+    return subprocess.CompletedProcess(list(args), code, out, err)

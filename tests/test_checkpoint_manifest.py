@@ -42,7 +42,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerocore
-from dist_utils import worlds_by_size
 from zerocore import durable_io
 from zerocore.checkpoint import (COMMIT, MANIFEST, CheckpointError, CheckpointWriteError,
                                  incomplete_checkpoints, iter_full_layers, latest_checkpoint,
@@ -54,13 +53,6 @@ FIXTURE_V1 = REPO / "tests" / "fixtures" / "recipe_v0_lora"
 
 D_IN, HIDDEN, D_OUT = 13, 31, 7   # odd sizes: padding inside and at the end of every group
 LR = 1e-2
-
-
-@pytest.fixture(scope="module")
-def worlds():
-    """``worlds(n)``: the module's n-rank World, started on first use."""
-    with worlds_by_size() as get:
-        yield get
 
 
 # -- the model, on every rank ------------------------------------------------------------------

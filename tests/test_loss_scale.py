@@ -19,7 +19,6 @@ import torch.distributed as dist
 from torch import nn
 
 import zerocore
-from dist_utils import World
 
 LR = 1e-3
 # A moderate start (DeepSpeed's 2**16 would be fine too) keeps the scaled gradients far from
@@ -28,9 +27,8 @@ INIT_SCALE = 2.0**10
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"ws{n}")
-def world(request):
-    with World(request.param) as w:
-        yield w
+def world(request, worlds):
+    return worlds(request.param)
 
 
 def layers() -> list[nn.Module]:

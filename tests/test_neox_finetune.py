@@ -39,8 +39,8 @@ from torch import nn
 
 import neox
 import zerocore
-from dist_utils import World, global_mean
-from neox_testing import CLI_TIMEOUT_S, EXCERPT, assert_clean_error, run_module
+from dist_utils import global_mean
+from neox_testing import CLI_TIMEOUT_S, EXCERPT, assert_clean_error, call_main, run_module
 from neox import data as nd
 from neox.weights import RandomInit, iter_layer_states, iter_layers
 from neox.config import PRESETS, NeoXConfig
@@ -101,9 +101,8 @@ def key_bias_gauge(config: NeoXConfig) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def world():
-    with World(2) as w:
-        yield w
+def world(worlds):
+    return worlds(2)
 
 
 def _global_batch(step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -419,8 +418,8 @@ def test_export_of_lora_is_merged_and_matches_the_lora_model(run_lora):
 
 # -- --help and bad inputs -------------------------------------------------------------------------
 
-def test_help_documents_every_flag():
-    proc = run_cli("--help")
+def test_help_documents_every_flag(capsys):
+    proc = run_main(capsys, "--help")
     assert proc.returncode == 0, proc.stderr
     text = " ".join(proc.stdout.split())  # argparse wraps lines
     for action in build_parser()._actions:
@@ -432,11 +431,7 @@ def test_help_documents_every_flag():
 
 
 def run_main(capsys, *args) -> subprocess.CompletedProcess:
-    """``neox.finetune.main`` in this process, for the errors it finds before any process
-    starts: a subprocess would only add its start-up time."""
-    code = finetune_main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(args, code, out, err)
+    return call_main(finetune_main, capsys, *args)
 
 
 @pytest.mark.parametrize("value, phrase", [

@@ -2,16 +2,16 @@
 evaluate and generate run on a preset and on a saved checkpoint."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import neox
+from neox import evaluate
 from neox.generate import generate
+from neox.generate import main as generate_main
 from neox.model import NeoXModel
-from neox_testing import BPE512
+from neox_testing import BPE512, call_main
 
 CONFIG = neox.NeoXConfig(vocab_size=97, hidden_size=48, num_hidden_layers=3,
                          num_attention_heads=4, intermediate_size=96, rotary_pct=0.5)
@@ -65,12 +65,7 @@ def test_sampling_is_seeded_and_respects_top_k():
     assert torch.equal(b, c)
 
 
-def _run(module, *args):
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                          timeout=300)
-
-
-def test_cli_on_a_saved_checkpoint(tmp_path):
+def test_cli_on_a_saved_checkpoint(tmp_path, capsys):
     import dataclasses
     cfg = dataclasses.replace(CONFIG, vocab_size=512)  # the test tokenizer's 512 ids
     big = NeoXModel(cfg, neox.build_layers(cfg, generator=torch.Generator().manual_seed(0)))
@@ -78,19 +73,19 @@ def test_cli_on_a_saved_checkpoint(tmp_path):
         "tokenizer.json": BPE512})
     text = tmp_path / "t.txt"
     text.write_text("To be, or not to be, that is the question. " * 40)
-    r = _run("neox.evaluate", str(text), "--checkpoint", str(tmp_path / "m"), "--seq-len", "16",
-             "--json")
+    r = call_main(evaluate.main, capsys, text, "--checkpoint", tmp_path / "m", "--seq-len", 16,
+                  "--json")
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["windows"] > 5 and result["perplexity"] > 1
-    r = _run("neox.generate", "--checkpoint", str(tmp_path / "m"), "--prompt", "To be",
-             "--max-new-tokens", "5")
+    r = call_main(generate_main, capsys, "--checkpoint", tmp_path / "m", "--prompt", "To be",
+                  "--max-new-tokens", 5)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("To be")
 
 
-def test_cli_errors_are_one_line(tmp_path):
-    r = _run("neox.evaluate", str(tmp_path / "missing.txt"), "--max-windows", "1")
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    r = call_main(evaluate.main, capsys, tmp_path / "missing.txt", "--max-windows", 1)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "missing.txt" in r.stderr
-    r = _run("neox.generate", "--checkpoint", str(tmp_path / "nope"))
+    r = call_main(generate_main, capsys, "--checkpoint", tmp_path / "nope")
     assert r.returncode == 2 and "Traceback" not in r.stderr and "nope" in r.stderr

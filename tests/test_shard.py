@@ -58,9 +58,8 @@ PARAM_TOL = dict(rtol=1e-5, atol=2e-3 * LR)
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"ws{n}")
-def world(request):
-    with World(request.param) as w:
-        yield w
+def world(request, worlds):
+    return worlds(request.param)
 
 
 # -- models -------------------------------------------------------------------------------------
