@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 from zerocore.checkpoint import (CheckpointError, checkpoint_runs, incomplete_checkpoints,
                                  read_manifest)
+from zerocore.consolidate import TRAINABLE_FILE
 
 __all__ = ["OutputDirError", "OutputDirLock", "check_writable", "claim_output_dir",
            "find_resume_checkpoint", "MetricsFile", "RUN_FILE", "CHECKPOINTS", "METRICS",
@@ -42,7 +43,7 @@ LOCK_FILE = ".lock"
 RUN_FILE = "run.json"
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
-TRAINABLE = "trainable.safetensors"
+TRAINABLE = TRAINABLE_FILE  # what zerocore.consolidate --trainable-only writes
 HF_EXPORT = "hf"
 TOKENIZER = "tokenizer.json"
 # Everything a run writes into its directory: what --overwrite deletes, and nothing else.

@@ -18,10 +18,10 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from torch import nn
 
 import zerocore
+from zerocore.consolidate import save_trainable
 from neox import data as nd
 from neox.cli import preset_config, resolve_dtype
 from neox.config import NeoXConfig, filtered_config
@@ -134,7 +134,7 @@ def build(recipe: Recipe, data: RunData, *, device: torch.device, rank: int, wor
     config, reader = zerocore.run_agreed(lambda: weights_source(recipe.model, data.tokenizer))
     dtype = resolve_dtype(recipe.model.dtype, device)
     mode = recipe.model.finetune
-    kept = len(layer_specs(config, recipe.model.filter_layers)) - 3
+    kept = filtered_config(config, recipe.model.filter_layers).num_hidden_layers
     log(f"model: {recipe.model.checkpoint or recipe.model.preset}, {config.num_hidden_layers} "
         f"blocks in the checkpoint, keeping {kept}; fine-tuning {mode.mode}; compute dtype "
         f"{str(dtype).removeprefix('torch.')}; building layer by layer:")
@@ -349,23 +349,11 @@ def _raise(error: BaseException | None) -> None:
 # -- finishing ------------------------------------------------------------------------------------------
 
 def write_trainable(state: TrainState, path: Path, *, rank: int) -> Path:
-    """The trained parameters only (full tensors, fp32), named ``layers.<i>.<name>``: small
-    (proportional to what was trained). Only rank 0 gathers and holds them. Collective."""
-    tensors: dict[str, torch.Tensor] = {}
-    for index, state_dict in state.model.iter_full_states(trainable_only=True, to_rank=0):
-        tensors.update({f"layers.{index}.{name}": t for name, t in state_dict.items()})
-
-    def write() -> None:
-        if rank != 0:
-            return
-        tmp = path.with_name(f".{path.name}.tmp")
-        try:
-            save_file(tensors, str(tmp))
-            tmp.replace(path)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise OutputDirError(describe_os_error(e, path)) from None
-    zerocore.run_agreed(write)
+    """The trained parameters only (full tensors, fp32), in the file ``python -m
+    zerocore.consolidate --trainable-only`` writes: small (proportional to what was trained).
+    Only rank 0 gathers and holds them. Collective."""
+    layers = list(state.model.iter_full_states(trainable_only=True, to_rank=0))
+    zerocore.run_agreed(lambda: save_trainable(path, layers) if rank == 0 else None)
     return path
 
 

@@ -19,6 +19,7 @@ import shutil
 import sys
 import uuid
 from pathlib import Path
+from typing import Iterable
 
 import torch
 from safetensors.torch import save_file
@@ -29,7 +30,29 @@ from zerocore.checkpoint_manifest import read_manifest
 from zerocore.checkpoint_reader import DTYPES, iter_full_layers, open_checkpoint
 from zerocore.durable_io import write_error
 
-__all__ = ["consolidate", "iter_full_layers", "main"]
+__all__ = ["consolidate", "iter_full_layers", "save_trainable", "TRAINABLE_FILE", "main"]
+
+TRAINABLE_FILE = "trainable.safetensors"
+
+
+def save_trainable(path: Path, layers: Iterable[tuple[int, dict[str, torch.Tensor]]]) -> Path:
+    """The trained parameters only, as one safetensors file whose tensors are named
+    ``layers.<i>.<parameter name>``, written atomically (a temporary file beside it, renamed).
+    What ``--trainable-only`` writes from a checkpoint, and what an application writes from a
+    live model (``ShardedSequential.iter_full_states(trainable_only=True, to_rank=...)``).
+    A write error is one ``CheckpointWriteError`` line naming the path and the errno."""
+    tensors: dict[str, torch.Tensor] = {}
+    for index, state in layers:
+        tensors.update({f"layers.{index}.{name}": t for name, t in state.items()})
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        save_file(tensors, str(tmp))
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise write_error("write", path, e) from None
+    return path
 
 
 def consolidate(ckpt: Path, out: Path, *, trainable_only: bool = False,
@@ -55,21 +78,21 @@ def consolidate(ckpt: Path, out: Path, *, trainable_only: bool = False,
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
-        trainable: dict[str, torch.Tensor] = {}
+        trainable: list[tuple[int, dict[str, torch.Tensor]]] = []
         index: dict[str, str] = {}
         total = 0
         for i, tensors in reader.full_layers(trainable_only=trainable_only, dtype=dtype):
             named = {f"layers.{i}.{k}": v for k, v in tensors.items()}
             total += sum(t.numel() * t.element_size() for t in named.values())
             if trainable_only:
-                trainable.update(named)
+                trainable.append((i, tensors))
             elif named:
                 name = f"model-{i + 1:05d}-of-{n_layers:05d}.safetensors"
                 save_file(named, str(tmp / name))
                 index.update({k: name for k in named})
             log(f"layer {i + 1}/{n_layers}: {len(named)} tensors")
         if trainable_only:
-            save_file(trainable, str(tmp / "trainable.safetensors"))
+            save_trainable(tmp / TRAINABLE_FILE, trainable)
         else:
             with open(tmp / "model.safetensors.index.json", "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": index}, f, indent=1)
