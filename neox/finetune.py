@@ -27,7 +27,8 @@ from neox.finetune_modes import MODES, FinetuneMode
 from neox.launch import LaunchConfig, RunRequest, launch, run_under_torchrun
 from neox.recipe import (DataConfig, LoopConfig, ModelRecipe, OptimConfig, OutputConfig, Recipe,
                          RecipeError, recipe_from_checkpoint)
-from neox.run_dir import OutputDirError, find_resume_checkpoint
+from neox.run_dir import (CHECKPOINTS, OutputDirError, find_resume_checkpoint,
+                           warn_incomplete)
 from neox.weights import WeightsError, open_weights
 from zerocore.checkpoint import CheckpointError, read_manifest
 
@@ -302,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
             resume = find_resume_checkpoint(args.resume, Path(recipe.output.output_dir)
                                             if "output_dir" in args.explicit else None)
             recipe = resume_recipe(args, recipe, resume, log)
+            # (The output directory's own checkpoints are reported when it is taken.)
+            own = (Path(recipe.output.output_dir) / CHECKPOINTS).resolve()
+            if resume != args.resume and args.resume.resolve() != own:
+                warn_incomplete(args.resume, log)
     except (UsageError, OutputDirError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -36,7 +36,7 @@ from zerocore.checkpoint import (CheckpointError, checkpoint_runs, incomplete_ch
 from zerocore.consolidate import TRAINABLE_FILE
 
 __all__ = ["OutputDirError", "OutputDirLock", "check_writable", "claim_output_dir",
-           "find_resume_checkpoint", "MetricsFile", "RUN_FILE", "CHECKPOINTS", "METRICS",
+           "find_resume_checkpoint", "warn_incomplete", "MetricsFile", "RUN_FILE", "CHECKPOINTS", "METRICS",
            "TRAINABLE", "HF_EXPORT", "TOKENIZER", "describe_os_error"]
 
 LOCK_FILE = ".lock"
@@ -217,13 +217,19 @@ def claim_output_dir(directory: Path, *, resume_run_id: str | None, resuming: bo
             elif target.exists() or target.is_symlink():
                 target.unlink()
         log(f"overwrite: deleted the outputs of {'; '.join(others)} in {directory}")
-    for step_dir, ours in incomplete_checkpoints(directory / CHECKPOINTS):
-        log(f"warning: {step_dir} is not a complete checkpoint (no manifest); "
-            + ("it will be removed by the next save" if ours else
-               "it holds files zerocore did not write and is left alone"))
+    warn_incomplete(directory / CHECKPOINTS, log)
     _atomic_json(directory / RUN_FILE, {
         "run_id": run_id, "created": datetime.datetime.now().isoformat(timespec="seconds")})
     return run_id
+
+
+def warn_incomplete(folder: Path, log: Callable[[str], None]) -> None:
+    """Says which step directories under ``folder`` are not complete checkpoints (a save that
+    did not finish, or someone else's files), and what becomes of them."""
+    for step_dir, ours in incomplete_checkpoints(folder):
+        log(f"warning: {step_dir} is not a complete checkpoint (no manifest or commit record); "
+            + ("the next save removes it" if ours else
+               "it holds files zerocore did not write and is left alone"))
 
 
 def find_resume_checkpoint(path: Path, output_dir: Path | None) -> Path:

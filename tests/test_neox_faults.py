@@ -247,9 +247,20 @@ def four_steps(cache, tmp_path_factory) -> Path:
 
 def test_resume_applies_given_optimisation_flags(cache, four_steps, tmp_path):
     out = Path(shutil.copytree(four_steps, tmp_path / "out"))
+    # Two step directories that are not checkpoints: what a killed save leaves (only zerocore's
+    # files, no manifest), and a user's folder that happens to have such a name.
+    (out / CHECKPOINTS / "step-00000009").mkdir()
+    (out / CHECKPOINTS / "step-00000009" / "rank-00000.pt").write_bytes(b"partial")
+    (out / CHECKPOINTS / "step-00000010").mkdir()
+    (out / CHECKPOINTS / "step-00000010" / "notes.txt").write_text("mine")
     proc = run_module("neox.finetune", "--resume", out / CHECKPOINTS, "--output-dir", out,
                       "--max-steps", 6, "--lr", "0.01")
     assert proc.returncode == 0, proc.stderr
+    assert "step-00000009 is not a complete checkpoint" in proc.stdout
+    assert "step-00000010 is not a complete checkpoint" in proc.stdout
+    assert "resumed from " + str(out / CHECKPOINTS / "step-00000004") in proc.stdout
+    assert not (out / CHECKPOINTS / "step-00000009").exists()     # removed by the next save
+    assert (out / CHECKPOINTS / "step-00000010" / "notes.txt").read_text() == "mine"
     assert "resume: --lr 0.01 overrides the checkpoint's 0.0003" in proc.stdout
     assert "resume: --max-steps 6 overrides the checkpoint's 4" in proc.stdout
     records = [json.loads(line) for line in (out / METRICS).read_text().splitlines()]
