@@ -627,7 +627,12 @@ def test_pack_unpack_large(device, flat_dtype):
     touched = total * flat_dtype.itemsize + sum(t.numel() * t.element_size() for t in tensors)
     assert touched > STREAMING_MIN_BYTES
     flat_buf = torch.full((total + 1,), math.nan, dtype=flat_dtype, device=device)
-    flat = flat_buf[1:]  # contiguous, but not 32-byte aligned
+    _assert_pack_unpack_match_reference(tensors, offsets, flat_buf[1:])  # not 32-byte aligned
+
+
+def _assert_pack_unpack_match_reference(tensors, offsets, flat) -> None:
+    """pack into flat (NaN-filled: padding must become +0.0) equals reference.pack, and unpack
+    from it into NaN-filled tensors equals reference.unpack, exactly."""
     expected = torch.empty_like(flat)
     ops.pack(tensors, offsets, flat)
     reference.pack(tensors, offsets, expected)
@@ -650,6 +655,72 @@ def test_pack_same_tensor_twice_and_empty_list(device):
     assert torch.equal(flat, torch.zeros_like(flat))
     ops.unpack(flat, [], [])
     ops.pack([], [], torch.empty(0, device=device))
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA grids. Each kernel's grid is at most what the device runs of it at once (its occupancy,
+# csrc/cuda/cuda_common.cuh); past that, the grid-stride loops go round again. The tests above
+# stay within one round on a large GPU (278011 elements against an H200's 132 x 2048 resident
+# threads of 8 elements each), so these go several rounds, end in a partial one, and require the
+# results bit for bit equal to the CPU kernels' (or the reference's, for the copies).
+
+
+def _elements_per_round(per_thread: int) -> int:
+    """Elements one round of a grid-stride loop covers at most: every thread the device keeps
+    resident, each taking per_thread elements."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    threads_per_sm = getattr(props, "max_threads_per_multi_processor", 2048)
+    return props.multi_processor_count * threads_per_sm * per_thread
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.cpu().view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("layout", ["aligned", "misaligned"])
+def test_cuda_fused_adam_and_grad_stats_equal_cpu_past_one_grid(layout):
+    """Three and a bit rounds of 8-element vectors (aligned), or many more of single elements
+    (misaligned: the scalar path), two steps; the CUDA kernel's IEEE round-to-nearest operations
+    in the CPU kernel's order give the CPU's bits exactly."""
+    n = 3 * _elements_per_round(8) + 5
+    off = OFFSETS[layout]
+    results = {}
+    for device in ("cpu", "cuda"):
+        _, p = _placed(_randn(n, 1, device), off[0])
+        _, m = _placed(torch.zeros(n, device=device), off[2])
+        _, v = _placed(torch.zeros(n, device=device), off[3])
+        _, copy = _placed(torch.zeros(n, dtype=torch.bfloat16, device=device), off[4])
+        for step in (1, 2):
+            _, g = _placed(_randn(n, 10 + step, device).half(), off[1])
+            ops.fused_adam(p, g, m, v, copy, **HYPER, weight_decay=0.1, step=step,
+                           inv_grad_scale=0.5, adamw=True)
+        # Squares of {±0.5, ±1, ±1.5, ±2} are multiples of 1/4: both kernels' partial sums are
+        # exact (float32 below 2^22 within a CPU block, float64 elsewhere), so both round the
+        # same exact total once.
+        g = _exactly_summable(n, 3, torch.bfloat16, device)
+        results[device] = [p, m, v, copy, ops.grad_stats(g)]
+    for name, a, b in zip(["param", "exp_avg", "exp_avg_sq", "model copy", "grad_stats"],
+                          results["cpu"], results["cuda"]):
+        assert torch.equal(_bits(a), _bits(b)), f"{name}: CUDA differs from CPU"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("flat_dtype", [torch.float32, torch.float16], ids=DTYPE_IDS.get)
+def test_cuda_pack_unpack_past_one_grid(flat_dtype):
+    """The pack kernel's blocks take 8192-element chunks (32 per thread): three and a bit rounds
+    of them, in a tensor aligned like flat (vector path), one that is not (scalar path) and
+    padding between, converting or not."""
+    device = "cuda"
+    n = _elements_per_round(32) + 3
+    rng = random.Random(11)
+    gen = torch.Generator().manual_seed(11)
+    tensors = [_special_randn(2 * n, rng, gen).to(flat_dtype).to(device),
+               _special_randn(n + 1, rng, gen).to(torch.bfloat16).to(device)[1:],
+               _source("transposed", torch.float32, device, rng, gen)]
+    offsets, total = _random_ranges([t.numel() for t in tensors], rng)
+    flat = torch.full((total,), math.nan, dtype=flat_dtype, device=device)
+    _assert_pack_unpack_match_reference(tensors, offsets, flat)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 // Helpers shared by zerocore's CUDA kernels: 16-byte vector loads/stores of float, Half and
-// BFloat16, the alignment test that decides whether a kernel may use them, launch sizing, and the
-// dtype dispatch that instantiates one kernel per dtype combination.
+// BFloat16, the alignment test that decides whether a kernel may use them, launch sizing from
+// each kernel's occupancy, and the dtype dispatch that instantiates one kernel per dtype
+// combination.
 //
 // The kernels include c10/cuda headers only, not ATen/cuda/CUDAContext.h: that one pulls in the
 // cuBLAS/cuSPARSE/cuSOLVER headers, which a minimal CUDA toolkit (the compiler alone, as on CI)
@@ -17,6 +18,8 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <map>
+#include <mutex>
 #include <utility>
 
 namespace zerocore::cuda {
@@ -26,10 +29,6 @@ constexpr int kThreads = 256;
 // Elements per vector step. 8 is one 16-byte access for Half/BFloat16 and two for float, so every
 // array of a step moves whole 16-byte words whatever the dtype mix.
 constexpr int kVec = 8;
-// Blocks per multiprocessor that grids are sized for: the most that can be resident (2048 threads
-// at 256 per block). A kernel whose registers allow fewer runs the rest as a second wave; its
-// grid-stride loop gives every block an equal share either way.
-constexpr int kBlocksPerSm = 8;
 
 template <typename T>
 __device__ __forceinline__ float to_float(T x) {
@@ -91,13 +90,48 @@ inline int64_t vector_head(std::initializer_list<Span> arrays, int64_t n) {
   return -1;
 }
 
-// Blocks for `work_items` items of kThreads each, at most what the device keeps resident at once.
-inline unsigned int grid_size(int64_t work_items) {
+// Blocks of `kernel` (launched with kThreads threads and no dynamic shared memory) that the
+// current device runs at once: its multiprocessors times the blocks one of them keeps resident,
+// which the kernel's registers and static shared memory decide (the driver's occupancy
+// calculator). A fixed 8 blocks per multiprocessor (2048 threads) is more than a kernel using
+// over 32 registers a thread can hold, and the blocks beyond the resident ones then run as a
+// short second wave after the first has done an equal share.
+//
+// The answer depends only on the device and the compiled kernel, so it is queried once per
+// (device, kernel) and kept in a function-local static table: a launch then costs a map lookup
+// instead of two driver calls. This is process-wide state, the way PyTorch's own kernels cache
+// device properties (at::cuda::getDeviceProperties), and it is safe to share: the values never
+// change while the process runs, and the mutex makes the first queries from concurrent host
+// threads (one per device, say) safe.
+inline int64_t resident_blocks(const void* kernel) {
+  static std::mutex mutex;
+  static std::map<std::pair<c10::DeviceIndex, const void*>, int64_t> table;
+  const c10::DeviceIndex device = c10::cuda::current_device();
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = table.find({device, kernel});
+  if (it != table.end()) return it->second;
+  int per_multiprocessor = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_multiprocessor, kernel,
+                                                               kThreads, /*dynamicSMem=*/0));
+  // Every kernel is compiled with __launch_bounds__(kThreads), so at least one block fits.
+  TORCH_CHECK(per_multiprocessor > 0, "zerocore: a kernel cannot run with ", kThreads,
+              " threads per block on CUDA device ", static_cast<int>(device),
+              " (occupancy 0); this is a build problem: rebuild zerocore for this GPU");
   int multiprocessors = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount,
-                                        c10::cuda::current_device()));
-  const int64_t resident = static_cast<int64_t>(multiprocessors) * kBlocksPerSm;
+  C10_CUDA_CHECK(
+      cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
+  const int64_t blocks = static_cast<int64_t>(per_multiprocessor) * multiprocessors;
+  table.emplace(std::make_pair(device, kernel), blocks);
+  return blocks;
+}
+
+// Blocks for `work_items` items of kThreads each, at most what the device runs of `kernel` at
+// once (more would only queue behind the first wave). Every kernel walks its work with a
+// grid-stride loop, so any grid from 1 block up covers all of it; this picks the fastest.
+template <typename Kernel>
+inline unsigned int grid_size(Kernel* kernel, int64_t work_items) {
   const int64_t wanted = (work_items + kThreads - 1) / kThreads;
+  const int64_t resident = resident_blocks(reinterpret_cast<const void*>(kernel));
   return static_cast<unsigned int>(std::max<int64_t>(1, std::min(wanted, resident)));
 }
 

@@ -114,12 +114,13 @@ void fused_adam_cuda(at::Tensor param, const at::Tensor& grad, at::Tensor exp_av
                                    n);
   // One thread per vector, and at least kVec threads for the scalar head and tail.
   const int64_t work = head < 0 ? n : std::max<int64_t>((n - head) / kVec, kVec);
-  const unsigned int blocks = grid_size(work);
 
   dispatch_float(grad.scalar_type(), [&](auto* g_tag) {
     using G = std::remove_pointer_t<decltype(g_tag)>;
     dispatch_float(copy_type, [&](auto* m_tag) {
       using M = std::remove_pointer_t<decltype(m_tag)>;
+      // Each dtype pair is its own kernel with its own register count, hence its own occupancy.
+      const unsigned int blocks = grid_size(fused_adam_kernel<G, M>, work);
       fused_adam_kernel<G, M><<<blocks, kThreads, 0, stream>>>(
           p, static_cast<const G*>(grad.data_ptr()), m, v, static_cast<M*>(copy_raw), n, head, c);
       C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -110,22 +110,23 @@ void grad_stats_cuda(const at::Tensor& grad, at::Tensor stats) {
 
   const int64_t head = vector_head({{grad.data_ptr(), grad.element_size()}}, n);
   const int64_t work = head < 0 ? n : std::max<int64_t>((n - head) / kVec, kVec);
-  const unsigned int blocks = grid_size(work);
-  // Every slot is written by the first kernel, so the scratch needs no zeroing. Freeing it on
-  // return is safe: the caching allocator hands the block only to work queued later on this
-  // stream.
-  at::Tensor partials = at::empty({2 * static_cast<int64_t>(blocks)},
-                                  grad.options().dtype(at::kDouble));
 
   dispatch_float(grad.scalar_type(), [&](auto* g_tag) {
     using G = std::remove_pointer_t<decltype(g_tag)>;
+    const unsigned int blocks = grid_size(grad_stats_partial_kernel<G>, work);
+    // Every slot is written by the first kernel, so the scratch needs no zeroing. Freeing it on
+    // return is safe: the caching allocator hands the block only to work queued later on this
+    // stream.
+    at::Tensor partials = at::empty({2 * static_cast<int64_t>(blocks)},
+                                    grad.options().dtype(at::kDouble));
     grad_stats_partial_kernel<G><<<blocks, kThreads, 0, stream>>>(
         static_cast<const G*>(grad.data_ptr()), n, head, partials.data_ptr<double>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    // One block whatever the partial kernel's grid: its loop strides over the partials.
+    grad_stats_finish_kernel<<<1, kThreads, 0, stream>>>(
+        partials.data_ptr<double>(), static_cast<int>(blocks), stats.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  grad_stats_finish_kernel<<<1, kThreads, 0, stream>>>(
-      partials.data_ptr<double>(), static_cast<int>(blocks), stats.data_ptr<float>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace

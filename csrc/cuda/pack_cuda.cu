@@ -162,11 +162,20 @@ __device__ __forceinline__ int64_t find_segment(const int64_t* first_chunk, int6
   return lo;
 }
 
+// Blocks per multiprocessor the pack kernel must fit: its launch bounds cap it at 128 registers a
+// thread (65536 / (2 * kThreads)). It needs up to 112 (sm_90, ptxas -v; the converting pack with
+// a float source holds kUnroll vectors of 8 floats); a cap of 3 blocks (85 registers) made ptxas
+// spill 72-80 bytes a thread to local memory. Two blocks keep 2 * kThreads * kUnroll 16-byte
+// loads or more in flight per multiprocessor, 32 KiB, above the ~25 KiB an H200 needs to cover
+// its memory latency (4.8 TB/s x ~0.7 us / 132 multiprocessors). The bound also keeps a later
+// edit from silently dropping the kernel to one block per multiprocessor (255 registers).
+constexpr int kPackMinBlocksPerSm = 2;
+
 // kPack: tensors -> flat; else flat -> tensors (flat is then only read). Launched with kThreads
 // threads per block; every thread of a block works on the same chunk, so the per-segment
 // branches below never diverge within a warp.
 template <typename F, bool kPack>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kPackMinBlocksPerSm)
     pack_kernel(const int64_t* __restrict__ first_chunk, const SegmentMeta* __restrict__ segments,
                 int64_t n_segments, int64_t n_chunks, F* flat) {
   for (int64_t chunk = blockIdx.x; chunk < n_chunks; chunk += gridDim.x) {
@@ -288,14 +297,17 @@ void run_pack(at::TensorList tensors, const at::Tensor& flat,
     // so the segment table is aligned for SegmentMeta's int64 fields.
     const auto* segment_table =
         reinterpret_cast<const SegmentMeta*>(static_cast<char*>(device.data_ptr()) + table_bytes);
-    const unsigned int blocks = grid_size(n_chunks * kThreads);
+    // One block per chunk, at most what the device keeps resident; blocks take further chunks
+    // in the grid-stride loop.
     dispatch_float(flat.scalar_type(), [&](auto* f_tag) {
       using F = std::remove_pointer_t<decltype(f_tag)>;
       F* flat_ptr = static_cast<F*>(flat.data_ptr());
       if (pack) {
+        const unsigned int blocks = grid_size(pack_kernel<F, true>, n_chunks * kThreads);
         pack_kernel<F, true><<<blocks, kThreads, 0, stream>>>(table, segment_table, n_segments,
                                                               n_chunks, flat_ptr);
       } else {
+        const unsigned int blocks = grid_size(pack_kernel<F, false>, n_chunks * kThreads);
         pack_kernel<F, false><<<blocks, kThreads, 0, stream>>>(table, segment_table, n_segments,
                                                                n_chunks, flat_ptr);
       }
