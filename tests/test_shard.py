@@ -542,9 +542,10 @@ def test_memory_report(world, biases_only):
                                           f"for frozen shards")
 
 
-def comm_one_step(rank: int, world_size: int, spec: Spec) -> dict:
+def comm_one_step(rank: int, world_size: int, spec: Spec, keep_last: bool = True) -> dict:
     layers = make_layers(spec)
-    model = zerocore.shard(layers, mixed_precision=zerocore.MixedPrecision(spec.param_dtype))
+    model = zerocore.shard(layers, mixed_precision=zerocore.MixedPrecision(spec.param_dtype),
+                           prefetch=zerocore.Prefetch(keep_last=keep_last))
     opt = zerocore.optim.AdamW(model.parameters(), lr=LR)
     x, y = global_batch(spec, 0, 0, world_size)
     xr, yr = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
@@ -553,30 +554,132 @@ def comm_one_step(rank: int, world_size: int, spec: Spec) -> dict:
     opt.step()
     p_bytes = torch.finfo(spec.param_dtype).bits // 8
     # The expectation, from the layouts: a layer is gathered for forward, and again for backward
-    # unless no autograd node covers it (frozen, and its input needs no gradient); trainable
-    # groups are reduce-scattered once, in param_dtype (the default reduce dtype).
+    # unless no autograd node covers it (frozen, and its input needs no gradient) or it is the
+    # last layer, kept gathered from forward to backward; trainable groups are reduce-scattered
+    # once, in param_dtype (the default reduce dtype).
     gather = reduce = 0
     backward_started = False
     for layer in model.layers:
         backward_started = backward_started or layer.trainable is not None
+        kept = keep_last and layer is model.layers[-1]
         for g in layer.groups:
-            gather += g.layout.padded_numel * p_bytes * (2 if backward_started else 1)
+            gather += g.layout.padded_numel * p_bytes * (2 if backward_started and not kept
+                                                         else 1)
             if g.trainable:
                 reduce += g.layout.padded_numel * p_bytes
     return {"report": model.comm_report(), "gather": gather, "reduce": reduce}
 
 
+@pytest.mark.parametrize("keep_last", [True, False], ids=["keep-last", "no-keep-last"])
 @pytest.mark.parametrize("spec", [Spec(), Spec(train="middle_frozen"),
                                   Spec(model="transformer", train="no_embedding",
                                        param_dtype=torch.bfloat16)],
                          ids=["mlp-fp32", "mlp-middle-frozen", "transformer-frozen-embedding-bf16"])
-def test_comm_report(world, spec):
-    for r in world.run(comm_one_step, spec):
+def test_comm_report(world, spec, keep_last):
+    for r in world.run(comm_one_step, spec, keep_last):
         rep: zerocore.CommReport = r["report"]
         assert (rep.all_gather_bytes, rep.reduce_scatter_bytes) == (r["gather"], r["reduce"])
         assert (rep.expected_all_gather_bytes, rep.expected_reduce_scatter_bytes) == \
             (r["gather"], r["reduce"])
         assert rep.all_reduce_bytes == 0  # a plain optimizer step needs no global statistics
+
+
+# -- the last layer kept gathered from forward to backward (Prefetch.keep_last) -----------------
+
+def accumulate_step(model: zerocore.ShardedSequential, spec: Spec, step: int, rank: int,
+                    world_size: int) -> list[float]:
+    """Forward and backward of every micro-batch of one step on this rank's rows (gradients
+    accumulate in the shards); each micro-batch's loss, exactly."""
+    losses = []
+    for m in range(spec.micro):
+        x, y = global_batch(spec, step, m, world_size)
+        xr, yr = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+        loss = loss_fn(spec, model(model_input(spec, xr)), yr) / spec.micro
+        loss.backward()
+        losses.append(loss.item())
+    return losses
+
+
+def keep_last_training(rank: int, world_size: int, spec: Spec, keep_last: bool) -> dict:
+    """Trains with or without keep_last; returns the all-gather bytes measured over the run, the
+    last layer's gathered bytes, and the exact losses and final parameters."""
+    model = zerocore.shard(make_layers(spec),
+                           mixed_precision=zerocore.MixedPrecision(spec.param_dtype),
+                           prefetch=zerocore.Prefetch(keep_last=keep_last))
+    opt = zerocore.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    model.comm_report(reset=True)
+    losses = []
+    for step in range(spec.steps):
+        losses += accumulate_step(model, spec, step, rank, world_size)
+        opt.step()
+        opt.zero_grad()
+    report = model.comm_report()
+    p_bytes = torch.finfo(spec.param_dtype).bits // 8
+    last = sum(g.layout.padded_numel * p_bytes for g in model.layers[-1].groups)
+    return {"gathered": report.all_gather_bytes, "expected": report.expected_all_gather_bytes,
+            "last_layer_bytes": last, "losses": losses,
+            "params": {k: v.clone() for k, v in full_params(model).items()}}
+
+
+@pytest.mark.parametrize("spec", [Spec(steps=3, micro=2),
+                                  Spec(model="transformer", train="no_embedding", steps=3,
+                                       param_dtype=torch.bfloat16)],
+                         ids=["mlp-fp32-accumulate", "transformer-bf16"])
+def test_keep_last_gathers_one_layer_less_per_step(world, spec):
+    """With the last layer kept gathered, each forward/backward (micro-batches included)
+    all-gathers exactly the last layer's bytes less, as the report expects; and training is
+    bitwise the same, since the kept buffer holds the values a new gather would bring."""
+    kept = world.run(keep_last_training, spec, True)
+    plain = world.run(keep_last_training, spec, False)
+    passes = spec.steps * spec.micro
+    for k, p in zip(kept, plain):
+        assert p["gathered"] - k["gathered"] == passes * k["last_layer_bytes"] > 0
+        assert k["gathered"] == passes * k["expected"]
+        assert p["gathered"] == passes * p["expected"]
+        assert k["losses"] == p["losses"]
+    for name, want in plain[0]["params"].items():
+        assert torch.equal(kept[0]["params"][name], want), name
+
+
+def gathered_after_each_call(rank: int, world_size: int, keep_last: bool) -> list[int]:
+    """Bytes of gathered buffers held after each of a sequence of calls that a training loop
+    with evaluation and abandoned forwards makes."""
+    spec = Spec()
+    model = zerocore.shard(make_layers(spec), prefetch=zerocore.Prefetch(keep_last=keep_last))
+    x, y = global_batch(spec, 0, 0, world_size)
+    xr, yr = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+
+    def held() -> int:
+        return model.memory_report().gather_bytes
+
+    seen = []
+    out = model(xr)                   # 1. forward, backward to come
+    seen.append(held())
+    loss_fn(spec, out, yr).backward()  # 2. its backward
+    seen.append(held())
+    model(xr)                         # 3. forward whose output is dropped: never a backward
+    seen.append(held())
+    with torch.no_grad():             # 4. evaluation
+        model(xr)
+    seen.append(held())
+    model(xr)                         # 5. abandoned again, then
+    loss_fn(spec, model(xr), yr).backward()  # 6. a forward and backward
+    seen.append(held())
+    return seen
+
+
+@pytest.mark.parametrize("keep_last", [True, False], ids=["keep-last", "no-keep-last"])
+def test_keep_last_releases_the_layer(world, keep_last):
+    """The kept layer is held only from a forward that built a graph to the next backward or
+    forward: never by a no_grad forward, never after backward, and a forward that is never
+    backpropagated holds it only until the next forward."""
+    for seen in world.run(gathered_after_each_call, keep_last):
+        last = seen[0]
+        if keep_last:
+            assert last > 0, "the last layer was freed after a forward that builds a graph"
+            assert seen == [last, 0, last, 0, 0], seen
+        else:
+            assert seen == [0, 0, 0, 0, 0], seen
 
 
 # -- errors --------------------------------------------------------------------------------------

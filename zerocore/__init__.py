@@ -14,6 +14,7 @@ BUILD = _extension.load()
 
 # The ops must be registered (above) before these import.
 from zerocore import ops, optim, reference  # noqa: E402
+from zerocore.device import Platform  # noqa: E402
 from zerocore.loss_scale import LossScaler, StepResult  # noqa: E402
 from zerocore.policies import LossScaling, MixedPrecision, Offload, Prefetch  # noqa: E402
 from zerocore.report import CommReport, MemoryReport  # noqa: E402
@@ -33,4 +34,4 @@ __all__ = ["BUILD", "ops", "optim", "reference", "shard", "ShardedSequential", "
            "load_checkpoint", "latest_checkpoint", "list_checkpoints", "checkpoint_runs",
            "incomplete_checkpoints", "IncompleteCheckpoint", "open_checkpoint", "read_manifest",
            "verify_files", "iter_full_layers", "ShardReader", "CheckpointError",
-           "CheckpointWriteError"]
+           "CheckpointWriteError", "Platform"]

@@ -6,7 +6,8 @@ Tensor roles (docs/glossary.md):
   ``model_copy`` in param_dtype unless param_dtype is fp32). Frozen: a plain Parameter in
   param_dtype with requires_grad=False.
 - gather input: the param_dtype shard that is all-gathered (model_copy, the master itself in fp32,
-  the frozen shard, or with CPU offload a device-side mirror of the CPU model_copy).
+  the frozen shard, or with CPU offload a device-side mirror of the CPU model_copy, uploaded
+  asynchronously: zerocore/offload.py).
 - gathered buffer: ``[padded_numel]`` in param_dtype, every rank's shard. Its storage is allocated
   (``resize_``) only while the group is gathered and released right after use, so between forward
   and backward the layer costs no parameter memory; autograd keeps views of the storage and sees
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 from zerocore import collectives, ops
 from zerocore.flat_layout import FlatLayout
+from zerocore.offload import OffloadedShard, OffloadStreams
 from zerocore.sharded_param import ShardParameter
 
 
@@ -65,6 +67,7 @@ class GroupContext:
     reduce_dtype: torch.dtype
     offload: bool                  # optimizer state (trainable shards) on the CPU
     counter: collectives.CommCounter
+    streams: OffloadStreams | None = None  # offload's side streams on CUDA; None otherwise
 
 
 class FlatGroup:
@@ -88,7 +91,8 @@ class FlatGroup:
                 copy = torch.empty(layout.shard_numel, dtype=dt, device=master_device,
                                    pin_memory=pin)
                 copy.copy_(master)
-            self.shard: torch.nn.Parameter = ShardParameter(master, copy)
+            kind = OffloadedShard if ctx.offload else ShardParameter
+            self.shard: torch.nn.Parameter = kind(master, copy)
             # With offload the gather input is a device mirror of the CPU copy.
             self._mirror = (torch.empty(layout.shard_numel, dtype=dt, device=dev)
                             if ctx.offload else None)
@@ -97,6 +101,9 @@ class FlatGroup:
             self.shard = torch.nn.Parameter(full[lo:hi].to(device=dev, dtype=dt, copy=True),
                                             requires_grad=False)
             self._mirror = None
+        # Offload on CUDA: recorded on the compute stream once it has waited for an all-gather
+        # that read the mirror; the next upload into the mirror waits for it.
+        self._mirror_read: torch.cuda.Event | None = None
         storage = torch.empty(layout.padded_numel, dtype=dt, device=dev).untyped_storage()
         self._storage_nbytes = storage.nbytes()
         self._comm = torch.empty(0, dtype=dt, device=dev).set_(storage, 0, (layout.padded_numel,))
@@ -117,24 +124,58 @@ class FlatGroup:
         shard = self.shard
         if not isinstance(shard, ShardParameter):
             return shard.data
-        shard.refresh_model_copy()
         if self._mirror is None:
+            shard.refresh_model_copy()
             return shard.gather_source()
-        if self._mirror_generation != shard.copy_generation:
-            self._mirror.copy_(shard.gather_source(), non_blocking=True)
-            self._mirror_generation = shard.copy_generation
+        self.upload()
         return self._mirror
+
+    def upload(self) -> None:
+        """CPU offload: brings the device mirror up to date with the CPU gather source, if it
+        changed since the last upload (the optimizer stepped, or the master was written). On
+        CUDA the copy runs on the upload stream, after the last all-gather that read the mirror,
+        and records the event that the next all-gather (``start_gather``) and the host's next
+        write of the source wait for; on the CPU it is a plain copy. Called for every offloaded
+        layer at the start of forward, so the uploads overlap the first layers' work."""
+        shard = self.shard
+        assert self._mirror is not None and isinstance(shard, OffloadedShard)
+        shard.refresh_model_copy()  # waits for the last upload first if it writes the copy
+        if self._mirror_generation == shard.copy_generation:
+            return
+        streams = self.ctx.streams
+        if streams is None:
+            self._mirror.copy_(shard.gather_source())
+        else:
+            if self._mirror_read is not None:
+                streams.upload.wait_event(self._mirror_read)
+            with torch.cuda.stream(streams.upload):
+                self._mirror.copy_(shard.gather_source(), non_blocking=True)
+                shard.upload_done = streams.upload.record_event()
+        self._mirror_generation = shard.copy_generation
 
     def start_gather(self) -> None:
         if self.state is not GroupState.SHARDED:
             return
-        self._storage.resize_(self._storage_nbytes)
+        self._storage.resize_(self._storage_nbytes)  # allocated for the compute stream
+        source = self._gather_input()
+        group, counter = self.ctx.process_group, self.ctx.counter
+        streams = self.ctx.streams
         if self._gloo:
-            self._handles = collectives.all_gather_by_broadcast(
-                self._comm, self._gather_input(), self.ctx.process_group, self.ctx.counter)
+            self._handles = collectives.all_gather_by_broadcast(self._comm, source, group,
+                                                                counter)
+        elif self._mirror is not None and streams is not None:
+            # Issued from the gather stream, which c10d makes NCCL wait for: it waits for the
+            # upload, and for the compute stream's work so far (the gathered buffer may reuse
+            # memory that work still reads). The compute stream itself waits only for the
+            # all-gather (wait_gather), never for an upload.
+            streams.gather.wait_stream(torch.cuda.current_stream(self.ctx.device))
+            upload = self.shard.upload_done
+            if upload is not None:
+                streams.gather.wait_event(upload)
+            with torch.cuda.stream(streams.gather):
+                self._handles = [collectives.all_gather(self._comm, source, group, counter)]
         else:
-            self._handles = [collectives.all_gather(self._comm, self._gather_input(),
-                                                    self.ctx.process_group, self.ctx.counter)]
+            self._handles = [collectives.all_gather(self._comm, source, group, counter)]
         self.state = GroupState.GATHERING
 
     def wait_gather(self) -> None:
@@ -145,6 +186,8 @@ class FlatGroup:
                     handle.wait()
             self._handles = []
             self.state = GroupState.GATHERED
+            if self._mirror is not None and self.ctx.streams is not None:
+                self._mirror_read = torch.cuda.current_stream(self.ctx.device).record_event()
 
     def free(self) -> None:
         if self.state is GroupState.GATHERING:
@@ -220,23 +263,16 @@ class FlatGroup:
         return PendingGrad(self, handle, output, packed, scratch=scratch)
 
     @staticmethod
-    def finish_reduce_scatter(pending: PendingGrad) -> None:
-        """Waits for the reduce-scatter and accumulates its result into ``shard.grad`` in fp32."""
+    def finish_reduce_scatter(pending: PendingGrad) -> torch.Tensor:
+        """Waits for the reduce-scatter (on CUDA: makes the current stream wait) and returns this
+        rank's averaged gradient shard (1D, reduce dtype, on the compute device); a view of
+        ``pending.packed`` when summed in place, so to be used before that buffer is reused."""
         if pending.handle is not None:
             pending.handle.wait()
         group = pending.group
-        shard = group.shard
         if pending.summed_in_place:
             lo, hi = group.layout.shard_range(group.ctx.rank)
             # Sum, then divide: what gloo's AVG does, so bitwise the same mean.
-            grad = pending.packed[lo:hi].div_(group.layout.world_size)
-        else:
-            grad = pending.output
-        if grad.dtype != torch.float32 or grad.device != shard.device:
-            grad = grad.to(device=shard.device, dtype=torch.float32)
-        elif pending.summed_in_place and shard.grad is None:
-            grad = grad.clone()  # a view of the packed buffer, which is reused or freed
-        if shard.grad is None:
-            shard.grad = grad
-        else:
-            shard.grad.add_(grad)
+            return pending.packed[lo:hi].div_(group.layout.world_size)
+        assert pending.output is not None
+        return pending.output

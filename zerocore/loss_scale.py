@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from zerocore import collectives, ops
+from zerocore.device import comm_device
 from zerocore.policies import LossScaling
 
 
@@ -115,6 +116,7 @@ class LossScaler:
 
 
 def _comm_device(group: dist.ProcessGroup, params: list[torch.Tensor]) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return params[0].grad.device if params else torch.device("cpu")
+    """Where the statistics are all-reduced: beside the gradients when the group has a backend
+    for their device (offloaded ones are on the CPU), else on the group's CUDA device (NCCL
+    alone, as ``init_process_group()`` picks on a GPU machine)."""
+    return comm_device(group, params[0].grad.device if params else torch.device("cpu"))

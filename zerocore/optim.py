@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from zerocore import ops
+from zerocore.offload import OffloadedShard
 from zerocore.sharded_param import ShardParameter
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -172,6 +173,11 @@ class Adam(torch.optim.Optimizer):
                     inv_grad_scale=inv_grad_scale)
 
     def _step_bucket(self, group: dict[str, Any], b: _Bucket, inv_grad_scale: float) -> None:
+        for p in b.params:
+            if isinstance(p, OffloadedShard):
+                # The device may still be reading the master or model copy this step rewrites
+                # (an upload): wait for that copy, and nothing else.
+                p.wait_for_device()
         grads = [p.grad for p in b.params]
         steps = [self.state[p]["step"] for p in b.params]
         hyper = self._hyper(group, inv_grad_scale)

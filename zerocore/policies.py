@@ -38,10 +38,18 @@ class MixedPrecision:
 @dataclasses.dataclass(frozen=True)
 class Prefetch:
     """Whether to start the next layer's all-gather while the current layer computes, in the
-    forward pass and in the backward pass (where "next" is the layer before)."""
+    forward pass and in the backward pass (where "next" is the layer before).
+
+    keep_last: keep the last layer gathered from the end of forward to the start of backward,
+    instead of freeing it and gathering it again: it is the first layer backward needs, so that
+    gather could overlap nothing. Saves one layer's all-gather per forward/backward, for one
+    layer's parameters held while the loss is computed. Only when the forward builds a graph
+    (grad enabled); a forward never followed by backward releases it at the next forward.
+    """
 
     forward: bool = True
     backward: bool = True
+    keep_last: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,9 +57,24 @@ class Offload:
     """CPU offload of optimizer state: the fp32 master shard, its gradient and the Adam moments
     live in (pinned) CPU memory and are stepped there by the CPU fused kernel; gradient shards go
     to the CPU after each reduce-scatter and updated low-precision shards come back before the
-    next all-gather."""
+    next all-gather. On CUDA both copies run on side streams, overlapping computation
+    (docs/decisions.md, "CPU offload: the stream design").
+
+    cpu_threads: CPU threads of a GPU rank, which steps its optimizer on the CPU (torch's
+    ``set_num_threads``, set by ``shard()``): None gives each rank its share of the host's cores
+    (the cores this process may use divided by the ranks on this host, never more than torch
+    uses already), so N ranks do not oversubscribe the host N times; a number sets exactly that.
+    Ranks computing on the CPU keep the thread count their launcher chose.
+    """
 
     optimizer: bool = False
+    cpu_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.cpu_threads is not None and (type(self.cpu_threads) is not int
+                                             or self.cpu_threads < 1):
+            raise ValueError(f"Offload.cpu_threads must be a positive int or None, got "
+                             f"{self.cpu_threads!r}")
 
 
 @dataclasses.dataclass(frozen=True)

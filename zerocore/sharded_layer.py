@@ -20,6 +20,7 @@ from torch import nn
 from zerocore.flat_group import FlatGroup, GroupContext, PendingGrad
 from zerocore.flat_layout import FlatLayout
 from zerocore import ops
+from zerocore.offload import GradToHost, accumulate_grad, start_grad_to_host
 
 
 def _collect_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]:
@@ -128,13 +129,17 @@ class ShardedLayer(nn.Module):
 
 class BackwardCoordinator:
     """What the backward passes of all layers of one model share: prefetching the layer that
-    runs backward next, the reduce-scatters still in flight, and the end-of-backward callback
-    that completes them. Owned by the sharded model; passed explicitly to each node."""
+    runs backward next, the reduce-scatters still in flight, gradient shards on their way to
+    offloaded masters, and the end-of-backward callback that completes them. Owned by the
+    sharded model; passed explicitly to each node."""
 
     def __init__(self, layers: list[ShardedLayer], prefetch: bool):
         self.layers = layers
         self.prefetch = prefetch
         self.pending: list[PendingGrad] = []
+        # CPU offload: gradient shards copied (or being copied) to the host, in backward order;
+        # each is added into its master's .grad once its own copy is complete.
+        self.to_host: list[GradToHost] = []
         self._callback_queued = False
         # Packed-gradient buffers of delivered gradients, reused by the next layers' backward
         # (on the CPU; CUDA's caching allocator already reuses memory). A fresh full-size buffer
@@ -164,9 +169,29 @@ class BackwardCoordinator:
         return torch.empty(numel, dtype=dtype, device=group.ctx.device)
 
     def _deliver(self, pending: PendingGrad) -> None:
-        FlatGroup.finish_reduce_scatter(pending)
+        grad = FlatGroup.finish_reduce_scatter(pending)
+        group = pending.group
+        owned = not pending.summed_in_place  # else a view of the reusable packed buffer
+        if group.ctx.offload:
+            self.to_host.append(start_grad_to_host(grad, group.shard, owned, group.ctx.streams))
+            # Whatever has arrived is added now, on the host, while the device computes; on
+            # the CPU that is this gradient, before its packed buffer is reused below.
+            self._deliver_to_host(wait=False)
+        else:
+            accumulate_grad(group.shard, grad, owned)
         if pending.scratch is not None:
             self._spare.append(pending.scratch)
+
+    def _deliver_to_host(self, wait: bool) -> None:
+        """Adds the gradient shards whose copy to the host is complete (all of them, waiting for
+        each copy in turn, when ``wait``) into their masters' ``.grad``."""
+        waiting = []
+        for g in self.to_host:
+            if wait or g.ready():
+                g.deliver()
+            else:
+                waiting.append(g)
+        self.to_host = waiting
 
     def after_layer_backward(self, pending: PendingGrad | None) -> None:
         # Keep at most one reduce-scatter in flight: it overlaps the next layer's backward.
@@ -181,6 +206,9 @@ class BackwardCoordinator:
         self._callback_queued = False
         while self.pending:
             self._deliver(self.pending.pop(0))
+        # Gradients are complete when backward returns, as torch's are: the host waits for each
+        # remaining copy (its event), not for the device as a whole.
+        self._deliver_to_host(wait=True)
         self._spare.clear()
         for layer in self.layers:
             layer.free()

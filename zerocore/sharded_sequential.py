@@ -2,8 +2,9 @@
 
 ``ShardedSequential`` runs its layers in order. Before a layer runs it waits for that layer's
 all-gather (started while the previous layer computed) and starts the next one's; after it runs
-it frees the gathered buffers. Backward is driven by ``LayerFunction`` nodes (sharded_layer.py),
-coordinated by one ``BackwardCoordinator``.
+it frees the gathered buffers, except the last layer's when backward will follow (it is the
+first layer backward needs: ``Prefetch.keep_last``). Backward is driven by ``LayerFunction``
+nodes (sharded_layer.py), coordinated by one ``BackwardCoordinator``.
 """
 
 from __future__ import annotations
@@ -16,19 +17,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerocore import collectives
+from zerocore import BUILD, collectives
 from zerocore.collectives import CommCounter
+from zerocore.device import Platform, agree_on_devices, resolve_device
 from zerocore.flat_group import GroupContext
+from zerocore.offload import OffloadStreams, cpu_threads
 from zerocore.policies import MixedPrecision, Offload, Prefetch
 from zerocore.report import CommReport, MemoryReport
 from zerocore.sharded_layer import BackwardCoordinator, LayerFunction, ShardedLayer
 from zerocore.sharded_param import ShardParameter
-
-
-def _default_device(group: dist.ProcessGroup) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _fingerprint(layer: nn.Module) -> int:
@@ -89,8 +86,11 @@ class ShardedSequential(nn.Module):
         self.prefetch = prefetch
         self.offload = offload
         self.counter = CommCounter()
+        streams = (OffloadStreams(device)
+                   if offload.optimizer and device.type == "cuda" else None)
         ctx = GroupContext(group, self.rank, device, mixed_precision.param_dtype,
-                           mixed_precision.grad_reduce_dtype, offload.optimizer, self.counter)
+                           mixed_precision.grad_reduce_dtype, offload.optimizer, self.counter,
+                           streams)
         sharded: list[ShardedLayer] = []
         owners: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
         iterator = iter(layers)
@@ -105,6 +105,9 @@ class ShardedSequential(nn.Module):
             raise ValueError("zerocore.shard: got no layers")
         self.layers = nn.ModuleList(sharded)
         self._coordinator = BackwardCoordinator(sharded, prefetch.backward)
+        # The last layer, left gathered by a forward for its backward (Prefetch.keep_last);
+        # None when no layer is kept.
+        self._kept: ShardedLayer | None = None
 
     def trainable_shards(self) -> list[ShardParameter]:
         """This rank's trainable shards, one per layer with trainable parameters: what the
@@ -114,6 +117,17 @@ class ShardedSequential(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layers: list[ShardedLayer] = list(self.layers)
+        if self._kept is not None:
+            # Kept by a forward whose backward has not run (and may never): release it, and
+            # gather it afresh below or in that backward (the weights may have changed since).
+            self._kept.free()
+            self._kept = None
+        if self.offload.optimizer:
+            # Every upload the optimizer made necessary, at once: they overlap the first layers'
+            # gathers and computation, and each layer's all-gather waits for its own upload.
+            for layer in layers:
+                if layer.trainable is not None:
+                    layer.trainable.upload()
         previous: ShardedLayer | None = None
         layers[0].start_gather()
         for i, layer in enumerate(layers):
@@ -128,7 +142,12 @@ class ShardedSequential(nn.Module):
                 previous = layer
             else:
                 x = layer.run_without_graph(x)
-            layer.free()
+            if needs_graph and i + 1 == len(layers) and self.prefetch.keep_last:
+                # Its backward runs first and finds it gathered (then frees it); if none runs,
+                # the next forward or the end of another backward releases it.
+                self._kept = layer
+            else:
+                layer.free()
         return x
 
     def iter_full_states(self, trainable_only: bool = False, *, to_rank: int | None = None
@@ -188,15 +207,21 @@ class ShardedSequential(nn.Module):
 
     def comm_report(self, reset: bool = False) -> CommReport:
         """Bytes moved by each kind of collective since the last reset, and the per-step
-        expectation (all layers gathered in forward and backward, trainable grads reduced)."""
+        expectation: every layer gathered in forward and again in backward, except layers no
+        autograd node covers (before the first trainable one, when the input needs no
+        gradient) and the last layer when kept gathered between the passes
+        (``Prefetch.keep_last``); trainable gradients reduced once."""
         p_bytes = torch.tensor([], dtype=self.mixed_precision.param_dtype).element_size()
         r_bytes = torch.tensor([], dtype=self.mixed_precision.grad_reduce_dtype).element_size()
         gather = reduce = 0
         first_in_backward = self._first_graph_layer()
+        last = len(self.layers) - 1
         for layer in self.layers:
             in_backward = layer.index >= first_in_backward
+            kept = in_backward and layer.index == last and self.prefetch.keep_last
+            times = 2 if in_backward and not kept else 1
             for g in layer.groups:
-                gather += g.layout.padded_numel * p_bytes * (2 if in_backward else 1)
+                gather += g.layout.padded_numel * p_bytes * times
                 if g.trainable:
                     reduce += g.layout.padded_numel * r_bytes
         c = self.counter
@@ -217,7 +242,7 @@ class ShardedSequential(nn.Module):
 def shard(layers: Iterable[nn.Module], *, group: dist.ProcessGroup | None = None,
           device: torch.device | str | None = None,
           mixed_precision: MixedPrecision = MixedPrecision(), prefetch: Prefetch = Prefetch(),
-          offload: Offload = Offload()) -> ShardedSequential:
+          offload: Offload = Offload(), platform: Platform | None = None) -> ShardedSequential:
     """Shards a stack of layers across the ranks of a process group (ZeRO-3).
 
     layers: an ``nn.Sequential``, ``nn.ModuleList``, list or any iterable of modules (a generator
@@ -228,7 +253,15 @@ def shard(layers: Iterable[nn.Module], *, group: dist.ProcessGroup | None = None
         keep only their buffers.
     group: the process group (default: the world). torch.distributed must be initialised; one
         process works too (world size 1).
-    device: where layers compute (default: the current CUDA device with NCCL, else the CPU).
+    device: where layers compute. Default: CUDA when any backend of the group is NCCL
+        (``"nccl"``, ``"cpu:gloo,cuda:nccl"``, or ``init_process_group()`` without a backend on
+        a GPU machine): the group's ``device_id`` if it was given one, else the current device
+        (``torch.cuda.set_device``); otherwise the CPU. Before anything is allocated there, the
+        ranks check together that each can compute on its device (a CUDA build of torch, a
+        visible GPU, zerocore's CUDA kernels built) and that no two share one GPU; any failure is
+        raised on every rank as a ValueError saying what to do.
+    platform: what this process can run on (default ``zerocore.Platform.detect``: torch,
+        ``zerocore.BUILD``); pass one to check a configuration without the hardware.
     Returns a module running the layers in order. Give ``model.parameters()`` (or
     ``model.trainable_shards()``) to ``zerocore.optim.AdamW``.
     """
@@ -237,9 +270,17 @@ def shard(layers: Iterable[nn.Module], *, group: dist.ProcessGroup | None = None
                            "torch.distributed.init_process_group(...) first (for one process: "
                            "backend='gloo', world_size=1, rank=0)")
     group = group if group is not None else dist.group.WORLD
-    dev = torch.device(device) if device is not None else _default_device(group)
     if isinstance(layers, nn.Module) and not isinstance(layers, (nn.Sequential, nn.ModuleList)):
         raise TypeError("zerocore.shard expects a sequence of layers (nn.Sequential, "
                         "nn.ModuleList or list), not a single module")
+    dev = resolve_device(device, group)
+    if platform is None:
+        platform = Platform.detect(dev, kernels_cuda=BUILD.has_cuda)
+    placement = agree_on_devices(group, dev, platform)
+    if offload.optimizer and dev.type == "cuda":
+        # This rank's optimizer steps on the CPU, as every other rank's on this host does.
+        torch.set_num_threads(cpu_threads(
+            offload.cpu_threads, usable_cores=platform.usable_cores,
+            ranks_on_host=placement.ranks_on_host, current=torch.get_num_threads()))
     return ShardedSequential(layers, group=group, device=dev,
                              mixed_precision=mixed_precision, prefetch=prefetch, offload=offload)

@@ -1,0 +1,138 @@
+"""CPU offload's traffic between the device and the host (``Offload(optimizer=True)``): the side
+streams, gradient shards on their way to the CPU masters, the master shard that knows when the
+device has finished reading it, and the CPU thread count of GPU ranks.
+
+The stream design (what overlaps with what, what waits for what) is written down in
+docs/decisions.md, "CPU offload: the stream design". In short, on CUDA:
+- ``download``: each layer's reduced gradient shard is copied device -> pinned host memory on
+  this stream as soon as the compute stream has its reduce-scatter's result; the copy overlaps
+  the backward of the layers before it, and the host waits for that copy alone (its event)
+  before it adds the values into ``shard.grad``.
+- ``upload``: the updated model copy (fp32 master in fp32) is copied pinned host -> device mirror
+  on this stream, after the last all-gather that read the mirror; its event is what the next
+  all-gather of that layer, and the host's next write of the copy, wait for.
+- ``gather``: offloaded layers' all-gathers are issued from this stream, which waits for the
+  upload's event and for the compute stream's work so far (the gathered buffer may reuse memory
+  that work still reads): the compute stream waits for the all-gather, never for an upload.
+On the CPU there are no streams: the same code runs with plain copies and no events, and gives
+bitwise the values of the synchronous offload it replaced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from zerocore.sharded_param import ShardParameter
+
+
+class OffloadStreams:
+    """The side streams of CPU offload on one CUDA device, shared by every layer of a model."""
+
+    def __init__(self, device: torch.device):
+        assert device.type == "cuda"
+        # Gradient shards device -> host; overlaps the backward of the layers before.
+        self.download = torch.cuda.Stream(device)
+        # Model copies host -> device mirror; overlaps the host's Adam and the forward.
+        self.upload = torch.cuda.Stream(device)
+        # Issues offloaded groups' all-gathers after their upload; high priority, as the
+        # compute stream will wait for what it issues.
+        self.gather = torch.cuda.Stream(device, priority=-1)
+
+
+class OffloadedShard(ShardParameter):
+    """A trainable shard whose fp32 master (and model copy) live in CPU memory, pinned on GPU
+    machines, and whose gather source is uploaded to the device asynchronously.
+
+    Host writers of the master or of the model copy (``zerocore.optim``, the engine's refresh of
+    the copy) call ``wait_for_device()`` first: the device may still be reading them."""
+
+    # Recorded on the upload stream after the last copy of the gather source to the device;
+    # None when there is none in flight (or on the CPU).
+    upload_done: torch.cuda.Event | None
+
+    def __new__(cls, data: torch.Tensor, model_copy: torch.Tensor | None = None,
+                requires_grad: bool = True) -> "OffloadedShard":
+        p = super().__new__(cls, data, model_copy, requires_grad)
+        p.upload_done = None
+        return p
+
+    def wait_for_device(self) -> None:
+        """Blocks the host until the last upload of the gather source has been read (that copy
+        only; nothing else on the device)."""
+        if self.upload_done is not None:
+            self.upload_done.synchronize()
+            self.upload_done = None
+
+    def refresh_model_copy(self) -> None:
+        if self._version != self._synced_version:  # the copy is about to be written
+            self.wait_for_device()
+        super().refresh_model_copy()
+
+
+def accumulate_grad(shard: ShardParameter, grad: torch.Tensor, owned: bool) -> None:
+    """``shard.grad += grad`` in fp32 on the shard's device (or ``shard.grad = grad``).
+
+    grad: this rank's averaged gradient shard (1D, reduce dtype); owned is False when it is a
+    view of a buffer that will be reused, so it is copied before it becomes ``shard.grad``.
+    Widening to fp32 is exact, so the order of widening and moving does not change a bit."""
+    if grad.dtype != torch.float32 or grad.device != shard.device:
+        grad = grad.to(device=shard.device, dtype=torch.float32)
+    elif not owned and shard.grad is None:
+        grad = grad.clone()
+    if shard.grad is None:
+        shard.grad = grad
+    else:
+        shard.grad.add_(grad)
+
+
+@dataclasses.dataclass
+class GradToHost:
+    """A gradient shard on its way to an offloaded master's ``.grad``."""
+
+    shard: ShardParameter
+    values: torch.Tensor               # 1D, reduce dtype, shard_numel: on the host once copied
+    copied: torch.cuda.Event | None    # recorded after the device -> host copy; None: already there
+    owned: bool                        # values is its own buffer (see accumulate_grad)
+
+    def ready(self) -> bool:
+        """True once ``values`` holds the gradient (asks the device; never blocks)."""
+        return self.copied is None or self.copied.query()
+
+    def deliver(self) -> None:
+        """Waits for this copy alone, then accumulates into ``shard.grad`` (fp32, host)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        accumulate_grad(self.shard, self.values, self.owned)
+
+
+def start_grad_to_host(grad: torch.Tensor, shard: ShardParameter, owned: bool,
+                       streams: OffloadStreams | None) -> GradToHost:
+    """Starts moving a reduced gradient shard (1D, reduce dtype, on the compute device) towards
+    ``shard`` in CPU memory. On the CPU there is nothing to move. On CUDA it is copied into a
+    pinned buffer on the download stream, once the compute stream's work so far (which includes
+    waiting for the reduce-scatter) is done, and the compute stream goes on meanwhile."""
+    if grad.device.type == "cpu":
+        return GradToHost(shard, grad, None, owned)
+    assert streams is not None, "an offloaded gradient on a device without offload streams"
+    # From torch's caching host allocator: freed buffers are reused only once the copies that
+    # touched them are complete.
+    values = torch.empty(grad.numel(), dtype=grad.dtype, pin_memory=True)
+    streams.download.wait_stream(torch.cuda.current_stream(grad.device))
+    with torch.cuda.stream(streams.download):
+        values.copy_(grad, non_blocking=True)
+        copied = streams.download.record_event()
+    # The device buffer belongs to the compute stream's pool: not to be reused before the copy.
+    grad.record_stream(streams.download)
+    return GradToHost(shard, values, copied, owned=True)
+
+
+def cpu_threads(requested: int | None, *, usable_cores: int, ranks_on_host: int,
+                current: int) -> int:
+    """CPU threads for a GPU rank that steps its optimizer on the CPU: ``requested`` when given,
+    else this rank's share of the host's cores (never more than torch uses now): N ranks on one
+    host each running a host-wide thread pool would oversubscribe it N times."""
+    if requested is not None:
+        return requested
+    return max(1, min(current, usable_cores // max(ranks_on_host, 1)))
