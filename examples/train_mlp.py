@@ -1,6 +1,8 @@
-"""Train a plain MLP stack with zerocore on CPU: 2 gloo processes, ZeRO-3 sharded.
+"""Train a plain MLP stack with zerocore, ZeRO-3 sharded: one process per GPU over NCCL when GPUs
+are visible, else 2 gloo processes on the CPU.
 
-    python examples/train_mlp.py [--nproc 2] [--steps 50]
+    python examples/train_mlp.py [--nproc N] [--steps 50] [--backend auto|gloo|nccl]
+    torchrun --nproc-per-node 8 examples/train_mlp.py
 
 Each rank keeps 1/N of every layer's parameters, gradients and Adam state; layers are all-gathered
 just before they run and freed after. The same script works under torchrun (it joins the group).
@@ -27,10 +29,25 @@ def make_layers(width: int, depth: int) -> list[nn.Module]:
     return layers
 
 
-def train(rank: int, world_size: int, port: int, steps: int) -> None:
+def init_distributed(rank: int, world_size: int, backend: str) -> None:
+    """Joins the process group; with NCCL, first gives this process its own GPU."""
+    if backend == "nccl":
+        # Under torchrun LOCAL_RANK is this process's index on its machine (spawned here, the
+        # rank is). The modulo serves launchers that show each process only its own GPU.
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        # device_id binds the group to that GPU: NCCL connects now, and zerocore.shard computes
+        # there by default.
+        dist.init_process_group("nccl", rank=rank, world_size=world_size,
+                                device_id=torch.device("cuda", torch.cuda.current_device()))
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def train(rank: int, world_size: int, port: int, steps: int, backend: str) -> None:
     if "RANK" not in os.environ:  # spawned here; under torchrun the environment is set already
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    init_distributed(rank, world_size, backend)
     try:
         run(rank, steps)
     finally:
@@ -40,7 +57,7 @@ def train(rank: int, world_size: int, port: int, steps: int) -> None:
 
 
 def run(rank: int, steps: int) -> None:
-    model = zerocore.shard(make_layers(width=256, depth=4))
+    model = zerocore.shard(make_layers(width=256, depth=4))  # on this rank's GPU with NCCL
     optimizer = zerocore.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     scaler = zerocore.LossScaler(model.group, dynamic=False)  # global-norm clipping across ranks
     gen = torch.Generator().manual_seed(1234 + rank)  # each rank draws its own batches
@@ -49,6 +66,7 @@ def run(rank: int, steps: int) -> None:
         x = torch.randn(64, 32, generator=gen)
         with torch.no_grad():
             y = torch.sin(target_fn(x))
+        x, y = x.to(model.device), y.to(model.device)
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         result = scaler.step(optimizer, max_norm=1.0)
@@ -62,15 +80,22 @@ def run(rank: int, steps: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2, help="processes to spawn (default 2)")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="processes to spawn (default: one per GPU with NCCL, else 2)")
     parser.add_argument("--steps", type=int, default=50, help="optimizer steps (default 50)")
     parser.add_argument("--port", type=int, default=0, help="rendezvous port (default: a free one)")
+    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
+                        help="auto (default): nccl when a GPU is visible, else gloo")
     args = parser.parse_args()
+    backend = args.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "RANK" in os.environ:  # torchrun
-        train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), 0, args.steps)
+        train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), 0, args.steps, backend)
     else:
+        nproc = args.nproc or (torch.cuda.device_count() if backend == "nccl" else 2)
         port = args.port or free_port()
-        mp.spawn(train, args=(args.nproc, port, args.steps), nprocs=args.nproc)
+        mp.spawn(train, args=(nproc, port, args.steps, backend), nprocs=nproc)
 
 
 def free_port() -> int:
