@@ -5,7 +5,8 @@
 # The build goes to a temporary directory (setup.py build_ext --build-lib/--build-temp), so the
 # in-place build of the working tree is left untouched. The result is then checked without a GPU:
 # the library loads with every symbol resolved, registers a CUDA kernel for each op, and holds
-# machine code for sm_80 and sm_90. Skipped (exit 0) where no CUDA compiler is installed.
+# machine code for sm_80 and sm_90; zerocore.selftest imports with it, plans its CUDA checks and
+# passes its CPU ones. Skipped (exit 0) where no CUDA compiler is installed.
 #
 # Environment: ZEROCORE_CUDA_VENV (default $HOME/.cache/zerocore-ci/venv-cuda, created with
 # torch==2.14.1 if missing), CUDA_HOME (default /usr/local/cuda, else the toolkit of the nvcc on
@@ -80,6 +81,27 @@ if missing:
     print("no kernel registered:", ", ".join(missing))
     sys.exit(1)
 EOF
+
+# zerocore.selftest under this CUDA build of torch, with the library just built beside the
+# package's Python files: it imports cleanly, its CUDA branch plans its checks and refuses to run
+# them without a GPU (exit 2, with the reason), and its CPU checks pass (--quick).
+# From $WORK: `python -m` puts the current directory first on sys.path, and the working tree's
+# zerocore holds the CPU build for the other torch.
+cp zerocore/*.py "$WORK/lib/zerocore/"
+selftest() {
+  (cd "$WORK" && PYTHONPATH="$WORK/lib" CUDA_VISIBLE_DEVICES="" \
+    "$VENV/bin/python" -m zerocore.selftest "$@")
+}
+selftest --device cuda --list >"$WORK/selftest.txt" 2>&1 &&
+  grep -q "^cuda:0: cuda kernels = cpu kernels" "$WORK/selftest.txt" ||
+  { cat "$WORK/selftest.txt"; fail "selftest --device cuda --list did not plan the CUDA checks"; }
+rc=0
+selftest --device cuda >"$WORK/selftest.txt" 2>&1 || rc=$?
+[[ $rc -eq 2 ]] && grep -q "torch sees no CUDA device" "$WORK/selftest.txt" ||
+  { cat "$WORK/selftest.txt"; fail "selftest --device cuda without a GPU: exit $rc, expected 2"; }
+selftest --device cpu --quick >"$WORK/selftest.txt" 2>&1 ||
+  { cat "$WORK/selftest.txt"; fail "selftest --device cpu --quick failed under $TORCH_PIN"; }
+tail -n 1 "$WORK/selftest.txt" | sed 's/^/cuda_build_check: /'
 
 # cuobjdump comes with the CUDA toolkit, and with the triton package that CUDA builds of torch
 # depend on.
