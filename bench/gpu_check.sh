@@ -1,40 +1,104 @@
 #!/usr/bin/env bash
-# The GPU check: on a machine with an NVIDIA GPU and a CUDA build of torch (no network needed),
-# builds zerocore._C in place with its CUDA kernels, measures the device's copy bandwidth, runs
-# the CUDA variants of the tests and the CUDA kernel benchmarks, and writes what it found under
-# bench/results/ (and into $OUT too when that is set). Run from the repository root:
+# The GPU check, sized to fit one call of a few minutes on a lent GPU machine (no network needed).
+# Run from the repository root:
 #
 #     bash bench/gpu_check.sh
 #
-# A failing step is recorded and the script goes on to the next; it exits non-zero at the end if
-# any step failed. PYTHON (default python3), TORCH_CUDA_ARCH_LIST (default: this GPU's compute
-# capability only, to keep the build short), MAX_JOBS (default: all cores) and STEP_TIMEOUT
-# (seconds per step, default 1200) override the defaults.
+# Steps, in order, each under its own timeout and all within one time budget:
+#   1. environment  what machine, GPU, driver, compiler and torch this is
+#   2. build        zerocore._C in place, with CUDA kernels for this GPU's architecture only
+#   3. selftest     python -m zerocore.selftest on the CPU and the GPU: every op against its
+#                   reference (and the CUDA kernels against the CPU's, bit for bit), the engine
+#                   at world size 1 over NCCL against torch.optim.AdamW, offload against none,
+#                   copy and fused-Adam bandwidth
+#   4. CUDA tests   pytest tests -k cuda
+#   5. benchmarks   bench/bench_kernels.py, CUDA variants only
+# Results go to bench/results/ (gpu_*) and, when $OUT is set, to $OUT after every step, so a run
+# cut short still returns what it did: the summary, the selftest's table, the test and benchmark
+# logs, the build log and a tarball of all gpu_* files (6 files, each far under 16 MiB).
+#
+# A failing step is recorded and the next one runs; the exit status is 1 if any failed. Without a
+# GPU (torch sees none) this is a dry run: the GPU-only steps are skipped with a message, the
+# existing build is imported instead of rebuilt, the selftest runs on the CPU, and the CUDA tests
+# and benchmarks are only collected (which catches a selection that matches nothing or a module
+# that fails to import); it exits 0 when all of that worked, and writes to a temporary directory
+# instead of bench/results/.
+#
+# Environment: PYTHON (default python3), TORCH_CUDA_ARCH_LIST (default: this GPU's compute
+# capability, to keep the build short), MAX_JOBS (default: all cores), STEP_TIMEOUT (seconds, one
+# limit for every step instead of the per-step defaults below), BUDGET (seconds for the whole
+# check, default 540: a lent machine's command limit is 600; a step never starts with less than
+# 20 s of it left, and none runs past it).
 set -uo pipefail
 
 export PY="${PYTHON:-python3}"
-export RES=bench/results
+failed=()
+BUDGET="${BUDGET:-540}"
+deadline=$((SECONDS + BUDGET))
+
+if "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+  DRY_RUN=0
+  MODE="GPU run"
+  export RES=bench/results
+else
+  DRY_RUN=1
+  MODE="DRY RUN: torch sees no CUDA device, so the GPU-only steps were skipped or only collected"
+  # A dry run's results are not results: they go to a temporary directory, leaving the tree as
+  # it was.
+  export RES="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"
+fi
 mkdir -p "$RES"
 SUMMARY="$RES/gpu_check_summary.md"
-STEPS="$RES/.gpu_check_steps.tmp"
-: >"$STEPS"
-failed=()
+STEPS="$(mktemp)"
+echo "gpu_check: $MODE; budget ${BUDGET} s; results in $RES"
 
-# step NAME LOG CMD...: runs CMD (a program or one of the functions below, exported so that the
-# bash under `timeout` sees them) with its output in LOG, and records how it went.
+# Copies what exists so far to $OUT (when set): at most 8 files come back from a lent machine,
+# so the many small files travel in one tarball as well.
+to_out() {
+  [[ -n "${OUT:-}" && -d "${OUT:-}" ]] || return 0
+  local out
+  out="$(cd "$OUT" && pwd)"
+  cp "$SUMMARY" "$RES"/gpu_selftest.txt "$RES"/gpu_tests.log "$RES"/gpu_bench.log \
+    "$RES"/gpu_build.log "$out/" 2>/dev/null
+  (cd "$RES" && tar -czf "$out/gpu_results.tar.gz" gpu_* 2>/dev/null)
+  return 0
+}
+
+# step NAME DEFAULT_TIMEOUT LOG CMD...: runs CMD (a program or a function below, exported so
+# that the bash under `timeout` sees it) with its output in LOG, under STEP_TIMEOUT or the step's
+# default, cut to what is left of the budget; records how it went and refreshes the summary.
 step() {
-  local name="$1" log="$2"
-  shift 2
-  local t0=$SECONDS status
-  echo "== $name (log: $log)"
-  if timeout "${STEP_TIMEOUT:-1200}" bash -c '"$@"' "$name" "$@" >"$log" 2>&1; then
-    status="ok"
-  else
-    status="FAILED (exit $?)"
+  local name="$1" limit="${STEP_TIMEOUT:-$2}" log="$3"
+  shift 3
+  local left=$((deadline - SECONDS - 10)) t0=$SECONDS status rc
+  ((limit > left)) && limit=$left
+  echo "== $name (limit ${limit} s; log: $log)"
+  if ((left < 20)); then
+    status="NOT RUN (budget of ${BUDGET} s spent)"
     failed+=("$name")
+    echo "$status" >"$log"
+  else
+    timeout --kill-after=10 "$limit" bash -c '"$@"' "$name" "$@" >"$log" 2>&1
+    rc=$?
+    if ((rc == 0)); then
+      status="ok"
+    elif ((rc == 124 || rc == 137)); then
+      status="TIMED OUT (limit ${limit} s)"
+      failed+=("$name")
+    else
+      status="FAILED (exit $rc)"
+      failed+=("$name")
+    fi
   fi
   echo "   $name: $status after $((SECONDS - t0)) s"
   echo "| $name | $status | $((SECONDS - t0)) s | \`$log\` |" >>"$STEPS"
+  write_summary
+}
+
+# skipped NAME WHY: a step this machine cannot run, recorded as such.
+skipped() {
+  echo "== $1: SKIPPED ($2)"
+  echo "| $1 | skipped: $2 | - | |" >>"$STEPS"
 }
 
 # 1. What machine this is.
@@ -43,113 +107,123 @@ gpu_env() {
   local dirty=""
   git diff --quiet HEAD 2>/dev/null || dirty=" (plus uncommitted changes)"
   echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$dirty"
-  echo "host: $(uname -srm), $(nproc) cores"
-  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem \
-    --format=csv,noheader | sed 's/^/gpu: /'
+  echo "host: $(uname -srm), $(nproc) cores, $(free -g 2>/dev/null | awk '/^Mem:/ {print $2 " GiB"}')"
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem \
+      --format=csv,noheader | sed 's/^/gpu: /'
+  else
+    echo "gpu: none (no nvidia-smi)"
+  fi
   echo "nvcc: $(nvcc --version 2>/dev/null | sed -n 's/.*release \([0-9.]*\).*/\1/p')"
   "$PY" - <<'EOF'
 import sys
 import torch
 print(f"python: {sys.version.split()[0]}; torch: {torch.__version__} (CUDA {torch.version.cuda})")
-if not torch.cuda.is_available():
-    sys.exit("torch sees no CUDA device")
-p = torch.cuda.get_device_properties(0)
-print(f"torch device 0: {p.name}, compute capability {p.major}.{p.minor}, "
-      f"{p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB")
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"torch device 0: {p.name}, compute capability {p.major}.{p.minor}, "
+          f"{p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB")
+else:
+    print("torch sees no CUDA device")
 EOF
 }
 export -f gpu_env
-step "environment" "$RES/gpu_env.txt" gpu_env
 
-# 2. Device-to-device copy bandwidth, counting bytes read plus written: the ceiling the kernel
-# benchmarks are compared with. 1 GiB buffers, far larger than L2, timed with CUDA events.
-copy_bandwidth() {
-  "$PY" - <<'EOF'
-import statistics
-import torch
-n = 1 << 30
-src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
-dst = torch.empty_like(src)
-for _ in range(3):
-    dst.copy_(src)
-times = []
-for _ in range(20):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    dst.copy_(src)
-    end.record()
-    end.synchronize()
-    times.append(start.elapsed_time(end) / 1e3)
-med = statistics.median(times)
-print(f"copy bandwidth: {2 * n / med / 1e9:.0f} GB/s (read + write, median of 20 copies of "
-      f"1 GiB, {1e3 * med:.3f} ms each; best {2 * n / min(times) / 1e9:.0f} GB/s)")
-EOF
+# The summary, rewritten after every step: machine, steps so far, the selftest's table, the
+# test result, the kernel table. `write_summary final` once everything has run.
+write_summary() {
+  {
+    echo "# GPU check"
+    echo
+    echo "$MODE."
+    echo
+    echo '```'
+    cat "$RES/gpu_env.txt" 2>/dev/null
+    echo '```'
+    echo
+    echo "| step | result | time | log |"
+    echo "|---|---|---:|---|"
+    cat "$STEPS"
+    if [[ -s "$RES/gpu_selftest.txt" ]]; then
+      echo
+      echo "## Selftest"
+      echo
+      echo '```'
+      cat "$RES/gpu_selftest.txt"
+      echo '```'
+    fi
+    if [[ -s "$RES/gpu_tests.log" ]]; then
+      echo
+      echo "CUDA tests: $(tail -n 1 "$RES/gpu_tests.log")"
+    fi
+    if [[ -s "$RES/gpu_kernel_table.md" ]]; then
+      echo
+      echo "## Kernel benchmarks"
+      echo
+      cat "$RES/gpu_kernel_table.md"
+    fi
+    echo
+    if ((${#failed[@]})); then
+      echo "FAILED: ${failed[*]}"
+    elif [[ "${1:-}" == final ]]; then
+      echo "All steps passed."
+    else
+      echo "No step failed so far (the check is still running, or was cut short)."
+    fi
+  } >"$SUMMARY"
+  to_out
 }
-export -f copy_bandwidth
-step "copy bandwidth" "$RES/gpu_copy_bandwidth.txt" copy_bandwidth
 
-# 3. Build in place for this GPU.
-capability="$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())' \
-  2>/dev/null || echo "8.0;9.0")"
-export ARCH="${TORCH_CUDA_ARCH_LIST:-$capability}"
-build() {
-  TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS="${MAX_JOBS:-$(nproc)}" \
-    "$PY" setup.py build_ext --inplace &&
-    "$PY" -c "import sys, zerocore; print(zerocore.BUILD); sys.exit(not zerocore.BUILD.has_cuda)"
-}
-export -f build
-step "build (arch $ARCH)" "$RES/gpu_build.log" build
+step "environment" 60 "$RES/gpu_env.txt" gpu_env
+
+# 2. Build in place for this GPU (or, in a dry run, import the build that is there).
+if ((DRY_RUN)); then
+  skipped "build" "no GPU; the existing build is imported instead"
+  step "import zerocore" 60 "$RES/gpu_build.log" "$PY" -m zerocore
+else
+  capability="$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')"
+  export ARCH="${TORCH_CUDA_ARCH_LIST:-$capability}"
+  build() {
+    TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS="${MAX_JOBS:-$(nproc)}" \
+      "$PY" setup.py build_ext --inplace &&
+      "$PY" -c "import sys, zerocore; print(zerocore.BUILD); sys.exit(not zerocore.BUILD.has_cuda)"
+  }
+  export -f build
+  step "build (arch $ARCH)" 360 "$RES/gpu_build.log" build
+fi
+
+# 3. The selftest: it needs no pytest, so it says first whether the basics work. It takes under
+# two minutes by design; the limit leaves room for a slow first CUDA context and NCCL start.
+step "selftest" 180 "$RES/gpu_selftest.txt" "$PY" -m zerocore.selftest
 
 # 4. The CUDA variants of the tests. A run in which no CUDA test passed counts as a failure: the
 # CUDA cases are skipped when torch sees no GPU, and that is not a pass of the GPU check.
-step "CUDA tests" "$RES/gpu_tests.log" \
-  "$PY" -m pytest tests -k cuda -q -rfEs -p no:cacheprovider --junitxml="$RES/gpu_tests.xml"
-test_summary="$(tail -n 1 "$RES/gpu_tests.log")"
-if [[ "$test_summary" != *passed* ]]; then
-  failed+=("CUDA tests (none passed)")
+if ((DRY_RUN)); then
+  step "CUDA tests (collected only)" 120 "$RES/gpu_tests.log" \
+    "$PY" -m pytest tests -k cuda --collect-only -q -p no:cacheprovider
+else
+  step "CUDA tests" 300 "$RES/gpu_tests.log" \
+    "$PY" -m pytest tests -k cuda -q -rfEs -p no:cacheprovider --junitxml="$RES/gpu_tests.xml"
+  if [[ "$(tail -n 1 "$RES/gpu_tests.log")" != *passed* ]]; then
+    failed+=("CUDA tests (none passed)")
+  fi
 fi
 
 # 5. The CUDA kernel benchmarks (the CPU variants are left out: not what this machine is for).
-step "CUDA benchmarks" "$RES/gpu_bench.log" \
-  "$PY" -m pytest bench/bench_kernels.py --benchmark-only -k cuda -q -p no:cacheprovider \
-  --benchmark-json="$RES/gpu_bench.json" --kernel-table="$RES/gpu_kernel_table.md"
-if [[ "$(tail -n 1 "$RES/gpu_bench.log")" != *passed* ]]; then
-  failed+=("CUDA benchmarks (none ran)")
+if ((DRY_RUN)); then
+  step "CUDA benchmarks (collected only)" 60 "$RES/gpu_bench.log" \
+    "$PY" -m pytest bench/bench_kernels.py -k cuda --collect-only -q -p no:cacheprovider
+else
+  step "CUDA benchmarks" 240 "$RES/gpu_bench.log" \
+    "$PY" -m pytest bench/bench_kernels.py --benchmark-only -k cuda -q -p no:cacheprovider \
+    --benchmark-json="$RES/gpu_bench.json" --kernel-table="$RES/gpu_kernel_table.md"
+  if [[ "$(tail -n 1 "$RES/gpu_bench.log")" != *passed* ]]; then
+    failed+=("CUDA benchmarks (none ran)")
+  fi
 fi
 
-# 6. The summary: machine, bandwidth, steps, test result, kernel table.
-{
-  echo "# GPU check"
-  echo
-  echo '```'
-  cat "$RES/gpu_env.txt" "$RES/gpu_copy_bandwidth.txt" 2>/dev/null
-  echo '```'
-  echo
-  echo "| step | result | time | log |"
-  echo "|---|---|---:|---|"
-  cat "$STEPS"
-  echo
-  echo "CUDA tests: ${test_summary:-no summary line}"
-  echo
-  if [[ -s "$RES/gpu_kernel_table.md" ]]; then
-    echo "## Kernel benchmarks"
-    echo
-    cat "$RES/gpu_kernel_table.md"
-    echo
-  fi
-  if ((${#failed[@]})); then
-    echo "FAILED: ${failed[*]}"
-  else
-    echo "All steps passed."
-  fi
-} >"$SUMMARY"
+write_summary final
 rm -f "$STEPS"
-
-if [[ -n "${OUT:-}" ]]; then
-  cp "$SUMMARY" "$RES/gpu_build.log" "$RES/gpu_tests.log" "$RES/gpu_tests.xml" \
-    "$RES/gpu_bench.log" "$RES/gpu_bench.json" "$OUT/" 2>/dev/null || true
-fi
-
 cat "$SUMMARY"
 if ((${#failed[@]})); then
   exit 1
