@@ -16,6 +16,7 @@ does not apply and is skipped, saying so, while the same-run comparison still ru
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import struct
@@ -24,6 +25,7 @@ import pytest
 import torch
 
 import zerocore
+from zerocore import collectives
 from test_shard import (Spec, accumulate_step, full_params, global_batch, loss_fn,
                         make_layers)
 
@@ -46,12 +48,21 @@ CASES = {
 }
 
 
+def build(spec: Spec) -> zerocore.ShardedSequential:
+    return zerocore.shard(make_layers(spec),
+                          mixed_precision=zerocore.MixedPrecision(spec.param_dtype),
+                          offload=zerocore.Offload(optimizer=spec.offload))
+
+
 def digest_run(rank: int, world_size: int, spec: Spec) -> dict:
-    """Trains the sharded model and returns a digest of every step's loss (this rank's, exact)
-    and of the final parameters (every rank's shards gathered, fp32 masters)."""
-    model = zerocore.shard(make_layers(spec),
-                           mixed_precision=zerocore.MixedPrecision(spec.param_dtype),
-                           offload=zerocore.Offload(optimizer=spec.offload))
+    return train_digest(build(spec), spec, rank, world_size)
+
+
+def train_digest(model: zerocore.ShardedSequential, spec: Spec, rank: int,
+                 world_size: int) -> dict:
+    """Trains the sharded model and returns a digest of every step's loss (this rank's, exact),
+    the gradient shards and norm before every step, and the final parameters (every rank's
+    shards gathered, fp32 masters)."""
     opt = zerocore.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     scaler = zerocore.LossScaler(model.group, dynamic=False)
     h = hashlib.sha256()
@@ -137,3 +148,153 @@ def test_offload_pipeline_state(world):
     for r in world.run(pipeline_state):
         assert r == {"in_flight": 0, "kinds": ["OffloadedShard"], "grads": True,
                      "stale_after_step": True, "uploaded_after_forward": True}
+
+
+# -- the CUDA branches, run on the CPU with stand-in streams ---------------------------------------
+
+class StandInEvent:
+    """An event that is complete (the copies here are synchronous) but answers its first
+    ``query()`` with False, so that the deferred delivery of a gradient is exercised too."""
+
+    def __init__(self, log: "StreamLog", stream: "StandInStream"):
+        self.log, self.stream = log, stream
+        self.queried = self.synchronized = False
+
+    def query(self) -> bool:
+        ready, self.queried = self.queried, True
+        return ready
+
+    def synchronize(self) -> None:
+        self.synchronized = True
+
+
+class StandInStream:
+    def __init__(self, log: "StreamLog", name: str):
+        self.log, self.name = log, name
+
+    def wait_stream(self, other: "StandInStream") -> None:
+        self.log.calls.append(("wait_stream", self.name, other.name))
+
+    def wait_event(self, event: StandInEvent) -> None:
+        self.log.calls.append(("wait_event", self.name, event.stream.name))
+
+    def record_event(self) -> StandInEvent:
+        event = StandInEvent(self.log, self)
+        self.log.events.setdefault(self.name, []).append(event)
+        return event
+
+
+class StreamLog:
+    """What the engine did with streams: calls, events per stream, the current stream at each
+    all-gather, and the tensors recorded on streams."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str, str]] = []
+        self.events: dict[str, list[StandInEvent]] = {}
+        self.compute = StandInStream(self, "compute")
+        self.current = self.compute
+        self.gathers_on: list[str] = []
+        self.recorded_on: list[str] = []
+
+    def current_stream(self, device=None) -> StandInStream:
+        return self.current
+
+    @contextlib.contextmanager
+    def stream(self, s: StandInStream):
+        before, self.current = self.current, s
+        try:
+            yield
+        finally:
+            self.current = before
+
+
+class StandInStreams:
+    """OffloadStreams' three streams, for a CPU run."""
+
+    def __init__(self, log: StreamLog):
+        self.download = StandInStream(log, "download")
+        self.upload = StandInStream(log, "upload")
+        self.gather = StandInStream(log, "gather")
+
+
+@contextlib.contextmanager
+def stand_in_cuda(log: StreamLog):
+    """The few torch.cuda entry points the offload pipeline calls, answered by ``log`` (a test
+    may replace torch's functions; the library never does), and every all-gather logged with the
+    stream it was issued from."""
+    all_gather = collectives.all_gather
+
+    def logged_all_gather(*args, **kwargs):
+        log.gathers_on.append(log.current.name)
+        return all_gather(*args, **kwargs)
+
+    def record_stream(tensor, stream):
+        log.recorded_on.append(stream.name)
+
+    replaced = [(torch.cuda, "current_stream", log.current_stream),
+                (torch.cuda, "stream", log.stream),
+                (torch.Tensor, "record_stream", record_stream),
+                (collectives, "all_gather", logged_all_gather)]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in replaced]
+    try:
+        for obj, name, value in replaced:
+            setattr(obj, name, value)
+        yield
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+
+
+def digest_with_stand_in_streams(rank: int, world_size: int, spec: Spec) -> dict:
+    """Offloaded training down the CUDA branches: the groups get stand-in streams, and gather and
+    reduce-scatter with the collectives NCCL uses (gloo's own, bitwise equal to the broadcasts
+    and in-place all-reduce the engine otherwise uses on gloo), so reduced gradients are buffers
+    of their own that go to the host through the download stream."""
+    model = build(spec)
+    log = StreamLog()
+    offloaded = 0
+    for layer in model.layers:
+        for g in layer.groups:
+            g.ctx = dataclasses.replace(g.ctx, streams=StandInStreams(log))
+            g._gloo = False
+            offloaded += g.trainable
+    with stand_in_cuda(log):
+        out = train_digest(model, spec, rank, world_size)
+    events = {name: len(es) for name, es in log.events.items()}
+    out.update(offloaded=offloaded, events=events, calls=log.calls, gathers_on=log.gathers_on,
+               recorded_on=log.recorded_on,
+               unsynchronized_downloads=sum(not e.synchronized for e in log.events["download"]),
+               in_flight=len(model._coordinator.to_host))
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_offload_stream_path_on_stand_in_streams(world, case):
+    """The CUDA code path of the pipeline, with synchronous stand-in streams: bitwise the results
+    of offload without streams, and each copy and gather ordered as docs/decisions.md says."""
+    spec = dataclasses.replace(CASES[case], offload=True)
+    plain = world_digest(world, spec)
+    results = world.run(digest_with_stand_in_streams, spec)
+    got = hashlib.sha256("".join(r["digest"] for r in results).encode()).hexdigest()
+    assert got == plain
+    passes = spec.steps * spec.micro
+    for r in results:
+        n = r["offloaded"]
+        # One upload per layer per step (the first forward after each optimizer step), one
+        # gradient copy per layer per backward, each waited for by the host before it is used.
+        assert r["events"]["upload"] == spec.steps * n
+        assert r["events"]["download"] == passes * n
+        assert r["unsynchronized_downloads"] == 0 and r["in_flight"] == 0
+        assert r["recorded_on"] == ["download"] * (passes * n)
+        # Every offloaded all-gather is issued from the gather stream, after it waited for the
+        # compute stream; the last layer (trainable in both cases) is gathered once per pass.
+        gathers = passes * (2 * n - 1)
+        assert r["gathers_on"].count("gather") == gathers
+        calls = r["calls"]
+        assert calls.count(("wait_stream", "gather", "compute")) == gathers
+        assert calls.count(("wait_event", "gather", "upload")) == gathers
+        # Each download waits for the compute stream (which waited for the reduce-scatter); each
+        # upload after the first waits for the compute stream's last read of the mirror.
+        assert calls.count(("wait_stream", "download", "compute")) == passes * n
+        assert calls.count(("wait_event", "upload", "compute")) == (spec.steps - 1) * n
+        assert r["events"]["compute"] == passes * (2 * n - 1)  # one per gather waited for

@@ -110,15 +110,17 @@ class GradToHost:
 def start_grad_to_host(grad: torch.Tensor, shard: ShardParameter, owned: bool,
                        streams: OffloadStreams | None) -> GradToHost:
     """Starts moving a reduced gradient shard (1D, reduce dtype, on the compute device) towards
-    ``shard`` in CPU memory. On the CPU there is nothing to move. On CUDA it is copied into a
-    pinned buffer on the download stream, once the compute stream's work so far (which includes
-    waiting for the reduce-scatter) is done, and the compute stream goes on meanwhile."""
-    if grad.device.type == "cpu":
+    ``shard`` in CPU memory. On the CPU (no streams) there is nothing to move. On CUDA it is
+    copied into a pinned buffer on the download stream, once the compute stream's work so far
+    (which includes waiting for the reduce-scatter) is done, and the compute stream goes on
+    meanwhile."""
+    if streams is None:
+        assert grad.device.type == "cpu", "an offloaded gradient on CUDA without offload streams"
         return GradToHost(shard, grad, None, owned)
-    assert streams is not None, "an offloaded gradient on a device without offload streams"
-    # From torch's caching host allocator: freed buffers are reused only once the copies that
-    # touched them are complete.
-    values = torch.empty(grad.numel(), dtype=grad.dtype, pin_memory=True)
+    # Pinned, from torch's caching host allocator: freed buffers are reused only once the
+    # copies that touched them are complete. (Not pinned only in tests that run this path with
+    # stand-in streams on a CPU.)
+    values = torch.empty(grad.numel(), dtype=grad.dtype, pin_memory=grad.device.type == "cuda")
     streams.download.wait_stream(torch.cuda.current_stream(grad.device))
     with torch.cuda.stream(streams.download):
         values.copy_(grad, non_blocking=True)
