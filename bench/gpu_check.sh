@@ -107,7 +107,9 @@ gpu_env() {
   local dirty=""
   git diff --quiet HEAD 2>/dev/null || dirty=" (plus uncommitted changes)"
   echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$dirty"
-  echo "host: $(uname -srm), $(nproc) cores, $(free -g 2>/dev/null | awk '/^Mem:/ {print $2 " GiB"}')"
+  local memory
+  memory="$(free -g 2>/dev/null | awk '/^Mem:/ {print $2 " GiB"}')"
+  echo "host: $(uname -srm), $(nproc) cores, ${memory:-memory unknown}"
   if command -v nvidia-smi >/dev/null; then
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem \
       --format=csv,noheader | sed 's/^/gpu: /'

@@ -232,7 +232,8 @@ def check_fused_adam(device: torch.device, sizes: Sequence[int], *,
         for step in range(1, steps + 1):
             g_vals = _adam_grad(n, 1000 + case, step, device, p, adamw)
             g = _placed((g_vals * scale).to(grad_dtype), misalign)
-            g_max = torch.maximum(g_max, g.float().abs() / scale + (0.0 if adamw else 0.1) * p.abs())
+            decayed = g.float().abs() / scale + (0.0 if adamw else 0.1) * p.abs()
+            g_max = torch.maximum(g_max, decayed)
             kw = dict(ADAM_HYPER, weight_decay=0.1, step=step, inv_grad_scale=1.0 / scale,
                       adamw=adamw)
             kernel(p, g, m, v, copy_out, **kw)
@@ -566,6 +567,14 @@ def _median_seconds(fn: Callable[[], object], device: torch.device, rounds: int)
     return statistics.median(times)
 
 
+def _copy_gbps(device: torch.device, n: int, rounds: int) -> float:
+    """GB/s of ``dst.copy_(src)`` for n-byte buffers, counting bytes read plus written; the
+    buffers are freed on return, before the Adam step's are allocated."""
+    src = torch.full((n,), 7, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * n / _median_seconds(lambda: dst.copy_(src), device, rounds) / 1e9
+
+
 # Bytes per parameter of an AdamW step with an fp16 gradient and an fp16 model copy: read the
 # gradient (2) and master, exp_avg, exp_avg_sq (12); write those three (12) and the copy (2).
 ADAM_BYTES_PER_PARAM = 28
@@ -580,12 +589,7 @@ def measure_bandwidth(device: torch.device, sizes: Sizes, *,
     counted), while the kernel stores to lines it has just read or streams past the cache."""
     kind = device.type
     t0 = time.perf_counter()
-    n = sizes.copy_mib[kind] << 20
-    src = torch.full((n,), 7, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    copy_s = _median_seconds(lambda: dst.copy_(src), device, sizes.rounds[kind])
-    copy_gbps = 2 * n / copy_s / 1e9
-    del src, dst
+    copy_gbps = _copy_gbps(device, sizes.copy_mib[kind] << 20, sizes.rounds[kind])
     rows = [Result("copy bandwidth", kind, "INFO", copy_gbps, None, "GB/s",
                    time.perf_counter() - t0,
                    f"tensor.copy_ of {sizes.copy_mib[kind]} MiB, median of {sizes.rounds[kind]}")]
