@@ -4,10 +4,14 @@ Run (not part of the default test run):
 
     python -m pytest bench/bench_fsdp.py --benchmark-only
 
-Both engines train the same model (DEPTH residual MLP blocks, each one layer, ~16.8M fp32
+Every engine trains the same model (DEPTH residual MLP blocks, each one layer, ~16.8M fp32
 parameters in all) from the same initial weights on the same per-rank batches, one engine after
 the other in the same pytest run, each in its own fresh pair of processes:
-- zerocore: ``zerocore.shard(layers)`` + ``zerocore.optim.AdamW`` (fused kernel on flat shards);
+- zerocore: ``zerocore.shard(layers)`` + ``zerocore.optim.AdamW`` (fused kernel on flat shards),
+  in three configurations: the default; ``Prefetch(keep_last=False)`` (the engine before the
+  last layer was kept gathered from forward to backward); and ``Offload(optimizer=True)``
+  (master, gradients and moments on the CPU: here, with CPU ranks, the same memory, so this
+  measures the offload path's own bookkeeping and copies);
 - FSDP2: ``fully_shard`` on every layer and on the root, over a 1-D "cpu" DeviceMesh, +
   ``torch.optim.AdamW(fused=True)`` (``foreach=True`` if fused is refused on DTensor parameters;
   the table says which ran).
@@ -70,7 +74,14 @@ BATCHES = 4  # distinct batches per rank, drawn before timing and cycled
 START_TIMEOUT_S = 300.0
 STEP_TIMEOUT_S = 300.0
 
-ENGINES = ["zerocore", "fsdp2"]
+# zerocore's configurations (_Zerocore's arguments); FSDP2 runs between them, so that a drift of
+# the machine's speed during the run does not favour either side.
+ZEROCORE_VARIANTS = {
+    "zerocore": {},
+    "zerocore-no-keep-last": {"keep_last": False},
+    "zerocore-offload": {"offload": True},
+}
+ENGINES = ["zerocore-no-keep-last", "zerocore", "fsdp2", "zerocore-offload"]
 # ZeRO-3 model state per parameter in fp32: parameter 4 + gradient 4 + Adam moments 8.
 STATE_BYTES_PER_PARAM = 16
 
@@ -115,10 +126,12 @@ def _local_bytes(t: torch.Tensor) -> int:
 # -- the two engines, on a rank -------------------------------------------------------------------
 
 class _Zerocore:
-    def __init__(self) -> None:
+    def __init__(self, keep_last: bool = True, offload: bool = False) -> None:
         import zerocore
 
-        self.model = zerocore.shard(make_layers())
+        self.model = zerocore.shard(make_layers(),
+                                    prefetch=zerocore.Prefetch(keep_last=keep_last),
+                                    offload=zerocore.Offload(optimizer=offload))
         self.optimizer = zerocore.optim.AdamW(self.model.parameters(), **ADAMW)
         self.optimizer_kind = "zerocore.optim.AdamW (fused kernel)"
 
@@ -202,7 +215,8 @@ def _rank_main(rank: int, engine_name: str, port: int, conn: Any) -> None:
         import zerocore  # noqa: F401
 
         base_rss_kib = _status_kib("VmRSS")
-        engine = _Zerocore() if engine_name == "zerocore" else _Fsdp2()
+        engine = (_Zerocore(**ZEROCORE_VARIANTS[engine_name])
+                  if engine_name in ZEROCORE_VARIANTS else _Fsdp2())
         batches = _batches(rank)
         gc.collect()  # the unsharded model built above is gone: measure training from here
         hwm_reset = _reset_peak_rss()
@@ -413,21 +427,30 @@ def _table(found: dict[str, EngineResult]) -> list[str]:
                          for rep in r.reports])
         lines.append(f"| {r.engine} | {parts} | {_mib(predicted)} | {ratio} | {base} | {rss} | "
                      f"{hwm} |")
-    if len(engines) == len(ENGINES):
-        ours, theirs = found["zerocore"], found["fsdp2"]
+    theirs = found.get("fsdp2")
+    if theirs is not None:
         lines.append("")
-        lines.append(f"Step time zerocore / FSDP2 (in-rank medians): "
-                     f"{ours.median_s / theirs.median_s:.3f} (target <= 1.0)")
-        if ours.benchmark_median_s and theirs.benchmark_median_s:
-            lines.append(f"Step time zerocore / FSDP2 (pytest-benchmark medians): "
+        for name in ZEROCORE_VARIANTS:
+            ours = found.get(name)
+            if ours is None:
+                continue
+            bench = ""
+            if ours.benchmark_median_s and theirs.benchmark_median_s:
+                bench = (f"; pytest-benchmark medians "
                          f"{ours.benchmark_median_s / theirs.benchmark_median_s:.3f}")
-        lines.append(f"CPU time per step zerocore / FSDP2 (medians): "
-                     f"{ours.median_cpu_s / theirs.median_cpu_s:.3f}")
-        n = min(len(ours.losses), len(theirs.losses))
-        diff = max((abs(a - b) / abs(b) for i in range(n)
-                    for a, b in zip(ours.losses[i], theirs.losses[i])), default=float("nan"))
-        lines.append(f"Same training: largest relative difference of the per-rank losses over "
-                     f"{n} steps: {diff:.2e}")
+            n = min(len(ours.losses), len(theirs.losses))
+            diff = max((abs(a - b) / abs(b) for i in range(n)
+                        for a, b in zip(ours.losses[i], theirs.losses[i])),
+                       default=float("nan"))
+            lines.append(f"{name} / FSDP2: step time {ours.median_s / theirs.median_s:.3f} "
+                         f"(in-rank medians; target <= 1.0){bench}; CPU time per step "
+                         f"{ours.median_cpu_s / theirs.median_cpu_s:.3f}; largest relative "
+                         f"difference of the per-rank losses over {n} steps {diff:.2e}")
+    if "zerocore" in found and "zerocore-no-keep-last" in found:
+        after, before = found["zerocore"], found["zerocore-no-keep-last"]
+        lines.append(f"zerocore / zerocore-no-keep-last (the last layer kept gathered): step "
+                     f"time {after.median_s / before.median_s:.3f}, CPU time "
+                     f"{after.median_cpu_s / before.median_cpu_s:.3f}")
     return lines
 
 
