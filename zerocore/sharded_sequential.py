@@ -118,8 +118,9 @@ class ShardedSequential(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layers: list[ShardedLayer] = list(self.layers)
         if self._kept is not None:
-            # Kept by a forward whose backward has not run (and may never): release it, and
-            # gather it afresh below or in that backward (the weights may have changed since).
+            # Kept by the previous forward: already freed if its backward ran; if not (and it
+            # may never run), released now and gathered afresh below or in that backward (the
+            # weights may have changed since).
             self._kept.free()
             self._kept = None
         if self.offload.optimizer:
