@@ -220,6 +220,10 @@ def agree_on_devices(group: dist.ProcessGroup, device: torch.device, platform: P
     mine = RankDevice(rank, platform.host, str(device),
                       platform.device_uuid if device.type == "cuda" else None,
                       device_problem(device, platform))
+    if world == 1:  # nobody to agree with, nor to share a GPU with
+        if mine.problem is not None:
+            raise ValueError(f"zerocore.shard: rank 0: {mine.problem}")
+        return Placement((mine,), 1)
     if side_channel is None:
         side_channel = uses_side_channel(backend_map(group))
     everyone: list[RankDevice | None] = [None] * world
