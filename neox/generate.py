@@ -14,6 +14,7 @@ import torch
 from neox.cli import HelpFormatter
 from neox.inference import add_arguments, load_model
 from neox.model import NeoXModel
+from neox.sampling import choose_token
 
 
 @torch.no_grad()
@@ -28,15 +29,8 @@ def generate(model: NeoXModel, prompt: torch.Tensor, *, max_new_tokens: int,
     out = prompt
     logits = model.forward_cached(prompt, caches)[:, -1].float()   # (B, vocab)
     for _ in range(max_new_tokens):
-        if temperature <= 0:
-            token = logits.argmax(-1, keepdim=True)                  # (B, 1)
-        else:
-            scores = logits / temperature
-            if top_k > 0:
-                kth = scores.topk(min(top_k, scores.shape[-1]), dim=-1).values[:, -1:]
-                scores = scores.masked_fill(scores < kth, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            token = torch.multinomial(probs.cpu(), 1, generator=generator).to(out.device)
+        token = choose_token(logits, temperature=temperature, top_k=top_k,
+                             generator=generator)                    # (B, 1)
         out = torch.cat((out, token), dim=1)
         logits = model.forward_cached(token, caches)[:, -1].float()
     return out

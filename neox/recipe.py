@@ -156,6 +156,7 @@ class OutputConfig:
     save_every: int = 0            # 0: only at the end
     keep_last: int = 3             # checkpoints of this run kept
     export_hf: bool = False
+    sample_tokens: int = 48        # a text sample printed at the end; 0: none
 
     def __post_init__(self) -> None:
         w = "recipe.output"
@@ -166,6 +167,8 @@ class OutputConfig:
         _check(_int(self.keep_last) and self.keep_last >= 1, w,
                f"keep_last must be >= 1, got {self.keep_last!r}")
         _check(isinstance(self.export_hf, bool), w, "export_hf must be a bool")
+        _check(_int(self.sample_tokens) and self.sample_tokens >= 0, w,
+               f"sample_tokens must be >= 0, got {self.sample_tokens!r}")
 
 
 _PARTS: dict[str, type] = {"model": ModelRecipe, "data": DataConfig, "optim": OptimConfig,

@@ -29,6 +29,7 @@ from neox.finetune_modes import prepare_layer
 from neox.lora import merge_lora
 from neox.model import layer_specs
 from neox.progress import Progress
+from neox.sampling import sample_sharded
 from neox.recipe import DataConfig, LoopConfig, ModelRecipe, OptimConfig, Recipe
 from neox.run_dir import (CHECKPOINTS, HF_EXPORT, METRICS, TOKENIZER, TRAINABLE, MetricsFile,
                           OutputDirError, describe_os_error)
@@ -271,8 +272,9 @@ def train(state: TrainState, recipe: Recipe, data: RunData, metrics: MetricsFile
     """The optimizer steps, until the epochs or ``max_steps`` are done."""
     loop, total = recipe.loop, total_steps(state, recipe.loop)
     ds, model = data.dataset, state.model
-    log(f"training {total - state.step} steps: {world_size} ranks x {loop.batch_size} sequences "
-        f"x {loop.grad_accum} micro-batches per step, lr {recipe.optim.lr}, warm-up "
+    log(f"training {total - state.step} steps: {world_size} rank{'s' if world_size > 1 else ''} "
+        f"x {loop.batch_size} sequences x {loop.grad_accum} micro-batch"
+        f"{'es' if loop.grad_accum > 1 else ''} per step, lr {recipe.optim.lr}, warm-up "
         f"{recipe.optim.warmup}")
     progress = Progress(total, enabled=rank == 0)
     model.comm_report(reset=True)
@@ -411,6 +413,30 @@ def finish(state: TrainState, recipe: Recipe, data: RunData, done: StepsDone,
     log(f"saved: trained parameters only {trained}")
     if recipe.output.export_hf:
         log(f"saved: Hugging Face export {export_hf(state, recipe, data, rank=rank)}")
+    if recipe.output.sample_tokens:
+        log(sample_text(state, recipe, data, rank=rank))
+
+
+# A short sample shows what the model learnt: continuing the first tokens of the validation
+# text (held out, so not a memorised continuation), at a temperature that reads as text.
+SAMPLE_PROMPT_TOKENS = 8
+SAMPLE_TEMPERATURE, SAMPLE_TOP_K = 0.8, 40
+
+
+def sample_text(state: TrainState, recipe: Recipe, data: RunData, *, rank: int) -> str:
+    """A sample of ``recipe.output.sample_tokens`` tokens from the sharded model, as the lines
+    to print. Collective."""
+    prompt = data.dataset.val.windows[0][:SAMPLE_PROMPT_TOKENS].long()[None]   # (1, T)
+    generator = torch.Generator().manual_seed(recipe.loop.seed)
+    ids = sample_sharded(state.model, prompt.to(state.model.device),
+                         new_tokens=recipe.output.sample_tokens,
+                         temperature=SAMPLE_TEMPERATURE, top_k=SAMPLE_TOP_K,
+                         generator=generator, rank=rank, group=state.model.group)[0].tolist()
+    start = data.tokenizer.decode(ids[:SAMPLE_PROMPT_TOKENS])
+    text = data.tokenizer.decode(ids)
+    body = "\n".join("  " + line for line in text.splitlines())
+    return (f"sample ({recipe.output.sample_tokens} tokens, temperature {SAMPLE_TEMPERATURE}, "
+            f"top-k {SAMPLE_TOP_K}) continuing {start!r} from the validation text:\n{body}")
 
 
 def run_training(recipe: Recipe, *, resume: Path | None, run_id: str, rank: int,

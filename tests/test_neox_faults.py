@@ -261,16 +261,20 @@ def test_resume_applies_given_optimisation_flags(cache, four_steps, tmp_path):
     assert "resumed from " + str(out / CHECKPOINTS / "step-00000004") in proc.stdout
     assert not (out / CHECKPOINTS / "step-00000009").exists()     # removed by the next save
     assert (out / CHECKPOINTS / "step-00000010" / "notes.txt").read_text() == "mine"
-    assert "resume: --lr 0.01 overrides the checkpoint's 0.0003" in proc.stdout
+    # (The fixture trained from scratch: --lr 0.002 with 5 warm-up steps.)
+    assert "resume: --lr 0.01 overrides the checkpoint's 0.002" in proc.stdout
     assert "resume: --max-steps 6 overrides the checkpoint's 4" in proc.stdout
     records = [json.loads(line) for line in (out / METRICS).read_text().splitlines()]
-    assert [r["lr"] for r in records if "loss" in r] == [3e-4] * 4 + [0.01] * 2
+    lrs = [r["lr"] for r in records if "loss" in r]
+    # LambdaLR multiplies: lr * min(1, (step + 1) / warmup) after each step.
+    assert lrs[:4] == [0.002 * min(1.0, s / 5) for s in (2, 3, 4, 5)]
+    assert lrs[4:] == [0.01, 0.01]
     manifest = json.loads((out / CHECKPOINTS / "step-00000006" / "manifest.json").read_text())
     assert manifest["extra"]["recipe"]["optim"]["lr"] == 0.01
 
 
 @pytest.mark.parametrize("flags, phrase", [
-    (["--finetune", "lora"], "--finetune lora differs from the checkpoint's biases"),
+    (["--finetune", "lora"], "--finetune lora differs from the checkpoint's full"),
     (["--seed", "9"], "--seed 9 differs from the checkpoint's 1"),
     (["--seq-len", "32"], "--seq-len 32 differs from the checkpoint's 16"),
 ])
@@ -305,11 +309,11 @@ def test_a_kill_then_resume_keeps_every_step_once_and_is_bitwise_exact(cache, fo
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 4 MiB tmpfs, or a skip where mounting is not allowed (not root, a container without
+    """A 64 MiB tmpfs, or a skip where mounting is not allowed (not root, a container without
     CAP_SYS_ADMIN)."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)],
                           capture_output=True, text=True)
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")

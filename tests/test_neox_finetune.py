@@ -516,6 +516,23 @@ def test_tokenizer_larger_than_the_vocabulary(cli_dirs, hf_checkpoint, tmp_path)
     assert_clean_error(proc, "tokenizer larger than the vocabulary")
 
 
+def test_the_built_in_run_learns_visibly(cli_dirs, tmp_path):
+    """Without --checkpoint there is nothing pretrained to fine-tune: the built-in run trains
+    the tiny preset from scratch, says so, and ends with a text sample. Measured on this
+    excerpt over 30 steps: the training loss falls 7.62 -> 5.79 from scratch, and 7.62 -> 7.57
+    with the biases alone (the old built-in run); a fall of 1 nat separates them with a wide
+    margin either way."""
+    out = tmp_path / "out"
+    proc = run_cli("--cpu", "--data", cli_dirs["data"], "--cache-dir", cli_dirs["cache"],
+                   "--output-dir", out, "--max-steps", 30, "--seq-len", 64, "--batch-size", 8)
+    _check_ok(proc)
+    assert "no --checkpoint: there are no pretrained weights to fine-tune" in proc.stdout
+    losses = [r["loss"] for r in read_metrics(out)[0]]
+    assert len(losses) == 30 and losses[-1] < losses[0] - 1.0, losses
+    sample = proc.stdout[proc.stdout.index("sample (48 tokens"):]
+    assert len(sample.splitlines()) > 1  # the sample's text follows on its own lines
+
+
 def test_torchrun_joins_its_group(cli_dirs, tmp_path):
     """Under torchrun (RANK/WORLD_SIZE set by the launcher) the CLI joins that group instead of
     spawning: the way it runs across machines."""

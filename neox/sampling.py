@@ -1,0 +1,48 @@
+"""Choosing the next token from logits, and sampling text from a sharded model.
+
+``neox.generate`` (one process, key/value cache) and the end of a fine-tuning run (every rank
+of a sharded model, no cache) choose tokens the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["choose_token", "sample_sharded"]
+
+
+def choose_token(logits: torch.Tensor, *, temperature: float, top_k: int,
+                 generator: torch.Generator | None) -> torch.Tensor:
+    """The next token (B, 1) from the last position's logits (B, vocab): the likeliest at
+    temperature 0, else a sample among the ``top_k`` likeliest (all when 0) at ``temperature``.
+    ``generator`` is a CPU generator (sampling runs on the CPU, so a seed gives the same text on
+    any device)."""
+    if temperature <= 0:
+        return logits.argmax(-1, keepdim=True)
+    scores = logits.float() / temperature
+    if top_k > 0:
+        kth = scores.topk(min(top_k, scores.shape[-1]), dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.multinomial(probs.cpu(), 1, generator=generator).to(logits.device)
+
+
+@torch.no_grad()
+def sample_sharded(model: nn.Module, prompt: torch.Tensor, *, new_tokens: int,
+                   temperature: float, top_k: int, generator: torch.Generator | None,
+                   rank: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """prompt (1, T) int64 -> (1, T + new_tokens), from a model whose forward is collective (a
+    ``zerocore.shard`` stack): every rank runs every forward, rank 0 chooses each token and
+    broadcasts it, so all ranks hold the same text. Without a key/value cache each token costs
+    a forward over the whole sequence: for a short sample at the end of a run."""
+    ids = prompt
+    for _ in range(new_tokens):
+        logits = model(ids)[:, -1]                                   # (1, vocab)
+        token = (choose_token(logits, temperature=temperature, top_k=top_k,
+                              generator=generator) if rank == 0
+                 else torch.zeros(1, 1, dtype=torch.long, device=ids.device))
+        dist.broadcast(token, src=0, group=group)
+        ids = torch.cat((ids, token), dim=1)
+    return ids
