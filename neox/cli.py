@@ -130,9 +130,14 @@ def add_model_arguments(p: argparse.ArgumentParser, *, for_training: bool) -> No
     g = p.add_argument_group("model")
     g.add_argument("--checkpoint", type=Path, default=None,
                    help="pretrained weights: a Hugging Face GPT-NeoX directory (e.g. a run's "
-                        "OUTPUT_DIR/hf) or EleutherAI 20B slim-weights directory; without it "
-                        "--model picks a randomly initialised preset")
-    g.add_argument("--model", default="tiny", choices=sorted(PRESETS),
+                        "OUTPUT_DIR/hf) or EleutherAI 20B slim-weights directory" + (
+                            "" if for_training else
+                            ", or a fine-tuning run: its output directory (the newest checkpoint)"
+                            " or one of its step-XXXXXXXX checkpoints") + (
+                        "; without it --model picks a randomly initialised preset"
+                        if for_training else "; default: the built-in run's output "
+                        "runs/neox-finetune"))
+    g.add_argument("--model", default="tiny" if for_training else None, choices=sorted(PRESETS),
                    help="preset when no --checkpoint (random initialisation, for machines "
                         "without weights)")
     g.add_argument("--filter-layers", default=None,

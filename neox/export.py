@@ -15,51 +15,21 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors.torch import save_file
 
-from neox.config import NeoXConfig, filtered_config
-from neox.finetune_modes import prepare_layer
+from neox.config import filtered_config
 from neox.lora import merge_lora
-from neox.model import LayerKind, LayerSpec, layer_specs
-from neox.recipe import Recipe, RecipeError, recipe_from_checkpoint
-from neox.weights import RandomInit, WeightsError, iter_layers, open_weights, save_hf
+from neox.model import LayerKind, layer_specs
+from neox.recipe import RecipeError
+from neox.run_dir import TOKENIZER, TRAINABLE
+from neox.trained import checkpoint_tokenizer, run_settings, trained_layers
+from neox.weights import WeightsError, save_hf
 from neox.weights.hf import hf_key
-from zerocore.checkpoint import CheckpointError, iter_full_layers, read_manifest
+from zerocore.checkpoint import CheckpointError, iter_full_layers
 
-__all__ = ["export", "trained_layers", "run_settings", "main"]
-
-
-def run_settings(ckpt: Path) -> tuple[Recipe, NeoXConfig]:
-    """The recipe and model configuration stored in a neox.finetune checkpoint."""
-    return recipe_from_checkpoint(read_manifest(ckpt)["extra"], str(ckpt))
-
-
-def trained_layers(ckpt: Path, log=print) -> Iterator[tuple[LayerSpec, dict[str, torch.Tensor]]]:
-    """(layer spec, full fine-tuned state) per kept layer: the base weights with the
-    checkpoint's trained tensors in place."""
-    recipe, config = run_settings(ckpt)
-    model = recipe.model
-    reader = (open_weights(model.checkpoint, allow_outside=model.allow_outside_weights)
-              if model.checkpoint is not None else RandomInit(config, seed=model.seed))
-    specs = layer_specs(config, model.filter_layers)
-    base = iter_layers(reader, filter_layers=model.filter_layers)
-    trained = iter_full_layers(ckpt, trainable_only=True)
-    with reader:
-        for i, (spec, layer, (j, tensors)) in enumerate(zip(specs, base, trained)):
-            assert i == j
-            prepare_layer(layer, i, model.finetune)
-            state = layer.state_dict()
-            unknown = set(tensors) - set(state)
-            if unknown:
-                raise CheckpointError(f"{ckpt}: layer {i} has trained tensors {sorted(unknown)} "
-                                      f"that the rebuilt model does not have")
-            for name, t in tensors.items():
-                state[name] = t.to(state[name].dtype)
-            log(f"layer {i + 1}/{len(specs)}: {spec.kind}, {len(tensors)} trained tensors")
-            yield spec, state
+__all__ = ["export", "export_trainable", "main"]
 
 
 def _take_adapters(state: dict[str, torch.Tensor], kind: LayerKind, index: int | None,
@@ -72,8 +42,39 @@ def _take_adapters(state: dict[str, torch.Tensor], kind: LayerKind, index: int |
     return state
 
 
+def _tokenizer_file(ckpt: Path, given: Path | None, log) -> dict[str, Path]:
+    """The run's tokenizer for the export (``given`` wins), or nothing, with a note saying where
+    it was looked for."""
+    if given is not None:
+        return {TOKENIZER: given}
+    found, looked = checkpoint_tokenizer(ckpt)
+    if found is None:
+        log(f"note: the run's tokenizer.json was not found (looked in "
+            f"{', '.join(str(p) for p in looked)}); the export has none: pass --tokenizer FILE")
+        return {}
+    return {TOKENIZER: found}
+
+
+def export_trainable(ckpt: Path, out: Path, *, overwrite: bool = False) -> Path:
+    """Only the trained tensors, under the model's own (Hugging Face) names: small, and no base
+    weights are read. ``out/trainable.safetensors``."""
+    recipe, config = run_settings(ckpt)
+    specs = layer_specs(config, recipe.model.filter_layers)
+    tensors = {}
+    for spec, (_, trained) in zip(specs, iter_full_layers(ckpt, trainable_only=True)):
+        tensors.update({hf_key(spec.kind, spec.index, name): t.contiguous()
+                        for name, t in trained.items()})
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".{TRAINABLE}.tmp"
+    save_file(tensors, str(tmp))
+    tmp.replace(out / TRAINABLE)
+    return out / TRAINABLE
+
+
 def export(ckpt: Path, out: Path, *, lora: str = "merged", overwrite: bool = False,
-           log=print) -> Path:
+           tokenizer: Path | None = None, log=print) -> Path:
     recipe, config = run_settings(ckpt)
     mode = recipe.model.finetune
     built = filtered_config(config, recipe.model.filter_layers)
@@ -87,7 +88,8 @@ def export(ckpt: Path, out: Path, *, lora: str = "merged", overwrite: bool = Fal
             else:
                 yield spec.kind, spec.index, merge_lora(state, mode.lora_scaling)
 
-    save_hf(out, built, states(), overwrite=overwrite)
+    save_hf(out, built, states(), overwrite=overwrite,
+            extra_files=_tokenizer_file(ckpt, tokenizer, log))
     if lora == "separate" and adapters:
         adapter_dir = out / "adapter"
         adapter_dir.mkdir()
@@ -111,9 +113,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true",
                    help="replace OUT if it exists (it is replaced only once the export is "
                         "complete)")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="tokenizer.json to put in the export (default: the run's own, found "
+                        "by its checksum beside the checkpoints or where the run took it)")
+    p.add_argument("--trainable-only", action="store_true",
+                   help="write only the trained tensors (biases, LoRA adapters, ...) under the "
+                        "model's own names to OUT/trainable.safetensors; no base weights read")
     args = p.parse_args(argv)
+    if args.tokenizer is not None and not args.tokenizer.is_file():
+        print(f"error: --tokenizer {args.tokenizer}: no such file", file=sys.stderr)
+        return 2
     try:
-        out = export(args.checkpoint, args.out, lora=args.lora, overwrite=args.overwrite)
+        if args.trainable_only:
+            out = export_trainable(args.checkpoint, args.out, overwrite=args.overwrite)
+        else:
+            out = export(args.checkpoint, args.out, lora=args.lora, overwrite=args.overwrite,
+                         tokenizer=args.tokenizer)
     except FileExistsError:
         print(f"error: {args.out} exists and is not an empty directory; choose another output "
               f"directory, or pass --overwrite to replace it", file=sys.stderr)

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from neox.cli import HelpFormatter
+from neox.cli import HelpFormatter, finite_float, nonnegative_int, positive_int
 from neox.inference import add_arguments, load_model
 from neox.model import NeoXModel
 from neox.sampling import choose_token
@@ -42,13 +42,16 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=HelpFormatter)
     add_arguments(p)
     p.add_argument("--prompt", default="ROMEO:", help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
-    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    # Sampling by default: a small model's greedy continuation soon repeats one token.
+    p.add_argument("--temperature", type=finite_float, default=0.8, help="0: greedy")
+    p.add_argument("--top-k", type=nonnegative_int, default=40,
+                   help="sample among the k likeliest (0: all)")
+    p.add_argument("--num-samples", type=positive_int, default=1)
     args = p.parse_args(argv)
     try:
-        model, tokenizer, device = load_model(args)
+        loaded = load_model(args)
+        model, tokenizer, device = loaded.model, loaded.tokenizer, loaded.device
         ids = tokenizer.encode(args.prompt, add_special_tokens=False).ids
         if not ids:
             raise ValueError("--prompt encodes to no tokens; give some text")

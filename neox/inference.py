@@ -1,10 +1,13 @@
 """Loading a model and its tokenizer for single-process use (``neox.evaluate``,
-``neox.generate``): pretrained weights (Hugging Face, slim weights, or a fine-tuning run's
-``--export-hf`` output) or a randomly initialised preset."""
+``neox.generate``): a fine-tuning run (its output directory or one of its checkpoints, rebuilt
+from the checkpoint alone), pretrained weights (Hugging Face, slim weights, a run's
+``--export-hf`` output), or a randomly initialised preset. With none given, the built-in run's
+output (``python -m neox.finetune`` with no arguments writes ``runs/neox-finetune``)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -15,41 +18,91 @@ from neox.cli import add_model_arguments, default_data_dir_flag, parse_layers, p
     resolve_dtype
 from neox.config import filtered_config
 from neox.model import NeoXModel
+from neox.recipe import OutputConfig, Recipe
+from neox.run_dir import OutputDirError
+from neox.trained import checkpoint_tokenizer, run_checkpoint, run_settings, trained_model
 from neox.weights import RandomInit, iter_layers, open_weights
 
 GPT_NEOX_TOKENIZER = "gpt-neox-20b-tokenizer.json"
+# Where the built-in run writes (neox.finetune's --output-dir default).
+BUILT_IN_RUN = Path(OutputConfig().output_dir)
+
+
+@dataclasses.dataclass
+class Loaded:
+    model: NeoXModel       # eval mode, on ``device``
+    tokenizer: Tokenizer
+    device: torch.device
+    source: str            # what was loaded, for messages
+    recipe: Recipe | None  # the run's recipe, when a run's checkpoint was loaded
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The model flags (shared with ``neox.finetune``), the tokenizer and the device."""
     add_model_arguments(p, for_training=False)
     p.add_argument("--tokenizer", type=Path, default=None,
-                   help="tokenizer.json (default: the checkpoint's; for a preset: the GPT-NeoX "
-                        "tokenizer in --data-dir)")
+                   help="tokenizer.json (default: the run's or the checkpoint's; for a preset: "
+                        "the GPT-NeoX tokenizer in --data-dir)")
     p.add_argument("--data-dir", type=Path, default=default_data_dir_flag(),
                    help="local data (default: shared/data beside the repository)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
 
 
-def load_model(args: argparse.Namespace) -> tuple[NeoXModel, Tokenizer, torch.device]:
-    """The model (eval mode) and tokenizer the arguments describe. Raises ValueError (with a
-    message for the user) on bad input."""
+def _tokenizer(path: Path) -> Tokenizer:
+    tokenizer = nd.load_tokenizer(path, corpus=None, cache_dir=Path("."),  # type: ignore
+                                  log=lambda *a, **k: None)
+    return tokenizer
+
+
+def load_model(args: argparse.Namespace) -> Loaded:
+    """The model and tokenizer the arguments describe. Raises ValueError (with a message for
+    the user) on bad input."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(args.dtype, device)
-    ranges = parse_layers(args.filter_layers)
-    if args.checkpoint is not None:
-        reader = open_weights(args.checkpoint, allow_outside=args.allow_outside_weights)
-        tok_path = args.tokenizer or args.checkpoint
+    source = args.checkpoint
+    if source is None and args.model is None:
+        if not (BUILT_IN_RUN / "checkpoints").is_dir():
+            raise ValueError(
+                f"no model given, and no built-in run's output in {BUILT_IN_RUN}: pass "
+                f"--checkpoint DIR (a fine-tuning run's output directory or one of its "
+                f"checkpoints, or Hugging Face or slim weights), or --model PRESET for random "
+                f"weights; python -m neox.finetune with no arguments writes {BUILT_IN_RUN}")
+        source = BUILT_IN_RUN
+    try:
+        ckpt = run_checkpoint(source) if source is not None else None
+    except OutputDirError as e:
+        raise ValueError(str(e).replace("--resume", "--checkpoint")) from None
+    if ckpt is not None:
+        if args.filter_layers is not None:
+            raise ValueError("--filter-layers applies to pretrained weights; a run's checkpoint "
+                             "holds the blocks the run kept")
+        tok_path = args.tokenizer
+        if tok_path is None:
+            tok_path, looked = checkpoint_tokenizer(ckpt)
+            if tok_path is None:
+                raise ValueError(f"the tokenizer of the run of {ckpt} was not found (looked in "
+                                 f"{', '.join(str(p) for p in looked)}); pass --tokenizer FILE")
+        model = trained_model(ckpt, dtype=dtype, device=device)
+        loaded = Loaded(model, _tokenizer(tok_path), device, str(ckpt), run_settings(ckpt)[0])
     else:
-        reader = RandomInit(preset_config(args.model), seed=args.seed)
-        tok_path = args.tokenizer or (args.data_dir or nd.default_data_dir()) / GPT_NEOX_TOKENIZER
-    with reader:
-        config = reader.config
-        kept = ranges.blocks(config.num_hidden_layers) if ranges is not None else None
-        model = NeoXModel(filtered_config(config, kept),
-                          iter_layers(reader, filter_layers=kept, dtype=dtype, device=device),
-                          source_layers=kept)
-    tokenizer = nd.load_tokenizer(tok_path, corpus=None, cache_dir=Path("."),  # type: ignore
-                                  log=lambda *a, **k: None)
-    nd.check_vocab(tokenizer, model.config.vocab_size)
-    return model.eval(), tokenizer, device
+        ranges = parse_layers(args.filter_layers)
+        if source is not None:
+            reader = open_weights(source, allow_outside=args.allow_outside_weights)
+            tok_path = args.tokenizer or source
+        else:
+            reader = RandomInit(preset_config(args.model), seed=args.seed)
+            tok_path = args.tokenizer or (args.data_dir or nd.default_data_dir()) / \
+                GPT_NEOX_TOKENIZER
+            if not Path(tok_path).is_file():
+                raise ValueError(f"--model {args.model} needs a tokenizer: the GPT-NeoX "
+                                 f"tokenizer {tok_path} is not there; pass --tokenizer FILE")
+        with reader:
+            config = reader.config
+            kept = ranges.blocks(config.num_hidden_layers) if ranges is not None else None
+            model = NeoXModel(filtered_config(config, kept),
+                              iter_layers(reader, filter_layers=kept, dtype=dtype,
+                                          device=device), source_layers=kept)
+        loaded = Loaded(model, _tokenizer(tok_path), device, str(source or args.model), None)
+    nd.check_vocab(loaded.tokenizer, loaded.model.config.vocab_size)
+    loaded.model.eval()
+    return loaded

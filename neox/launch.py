@@ -185,24 +185,26 @@ def _exit_description(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+def _cause(procs: list[multiprocessing.Process]) -> tuple[int, int] | None:
+    """(rank, exit code) of the failure that explains the others: a rank that lost contact
+    with another (exit 3) is a consequence, so any other failure is preferred; among equals the
+    lowest rank. None while no rank has failed."""
+    failed = [(rank, p.exitcode) for rank, p in enumerate(procs) if p.exitcode not in (None, 0)]
+    if not failed:
+        return None
+    causes = [f for f in failed if f[1] != EXIT_LOST_PEER]
+    return (causes or failed)[0]
+
+
 def _watch(procs: list[multiprocessing.Process], stop_signal: list[int]) -> int:
-    """Waits for every rank; on the first failure names it, lets the others stop by themselves
-    for ``SHUTDOWN_GRACE_S``, then terminates them. Returns the run's exit code."""
-    failed: tuple[int, int] | None = None     # (rank, exit code) of the first failure
+    """Waits for every rank; once one fails, lets the others stop by themselves for
+    ``SHUTDOWN_GRACE_S``, then terminates them. Names the failure that explains the others and
+    returns the run's exit code."""
     deadline: float | None = None             # when the ranks still alive are terminated
     while any(p.exitcode is None for p in procs):
         multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None],
                                         timeout=0.5)
-        if failed is None and not stop_signal:
-            for rank, p in enumerate(procs):
-                if p.exitcode not in (None, 0):
-                    failed = (rank, p.exitcode)
-                    if p.exitcode != EXIT_REPORTED:  # 2: the rank said why, in one line
-                        print(f"error: rank {rank} (pid {p.pid}) "
-                              f"{_exit_description(p.exitcode)}; stopping the other ranks",
-                              file=sys.stderr, flush=True)
-                    break
-        if (failed is not None or stop_signal) and deadline is None:
+        if deadline is None and (stop_signal or _cause(procs) is not None):
             deadline = time.monotonic() + SHUTDOWN_GRACE_S
         if deadline is not None and time.monotonic() > deadline:
             for p in procs:
@@ -214,10 +216,17 @@ def _watch(procs: list[multiprocessing.Process], stop_signal: list[int]) -> int:
     if stop_signal:
         print(f"stopped by {signal.Signals(stop_signal[0]).name}", file=sys.stderr, flush=True)
         return 128 + stop_signal[0]
-    if failed is not None:
-        code = failed[1]
-        return code if code > 0 else 128 - code
-    return 0
+    # Read after every rank has ended (or been stopped): ranks often end between two looks, and
+    # the first to be seen is not always the one that failed first.
+    cause = _cause(procs)
+    if cause is None:
+        return 0
+    rank, code = cause
+    if code != EXIT_REPORTED:  # 2: the rank said why, in one line
+        print(f"error: rank {rank} (pid {procs[rank].pid}) {_exit_description(code)}"
+              + ("" if len(procs) == 1 else "; the other ranks were stopped"),
+              file=sys.stderr, flush=True)
+    return code if code > 0 else 128 - code
 
 
 # -- a rank ----------------------------------------------------------------------------------------

@@ -37,7 +37,8 @@ from zerocore.consolidate import TRAINABLE_FILE
 
 __all__ = ["OutputDirError", "OutputDirLock", "check_writable", "claim_output_dir",
            "find_resume_checkpoint", "warn_incomplete", "MetricsFile", "RUN_FILE", "CHECKPOINTS", "METRICS",
-           "TRAINABLE", "HF_EXPORT", "TOKENIZER", "describe_os_error"]
+           "TRAINABLE", "HF_EXPORT", "TOKENIZER", "TOKENIZER_SHA256", "describe_os_error",
+           "tokenizer_bytes", "write_tokenizer"]
 
 LOCK_FILE = ".lock"
 RUN_FILE = "run.json"
@@ -46,6 +47,8 @@ METRICS = "metrics.jsonl"
 TRAINABLE = TRAINABLE_FILE  # what zerocore.consolidate --trainable-only writes
 HF_EXPORT = "hf"
 TOKENIZER = "tokenizer.json"
+# The key of a checkpoint's extra state that holds the SHA-256 of the run's tokenizer.json.
+TOKENIZER_SHA256 = "tokenizer_sha256"
 # Everything a run writes into its directory: what --overwrite deletes, and nothing else.
 RUN_OUTPUTS = (CHECKPOINTS, METRICS, TRAINABLE, HF_EXPORT, TOKENIZER, RUN_FILE)
 
@@ -60,6 +63,29 @@ def describe_os_error(e: OSError, path: Path | str) -> str:
     form every write error of a run takes."""
     code = f"[Errno {e.errno}] " if e.errno is not None else ""
     return f"cannot write {path}: {code}{e.strerror or e}"
+
+
+def tokenizer_bytes(tokenizer: Any) -> bytes:
+    """The run's tokenizer as its ``tokenizer.json`` holds it: every rank computes the same
+    bytes, so every rank knows the checksum that checkpoints record."""
+    return tokenizer.to_str().encode("utf-8")
+
+
+def write_tokenizer(directory: Path, tokenizer: Any) -> Path:
+    """``directory/tokenizer.json``, atomically: the run's tokenizer, beside its checkpoints,
+    where ``neox.export``, ``neox.evaluate`` and ``neox.generate`` find it."""
+    path = directory / TOKENIZER
+    content = tokenizer_bytes(tokenizer)
+    if path.is_file() and path.read_bytes() == content:  # a resumed run: already there
+        return path
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        tmp.write_bytes(content)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OutputDirError(describe_os_error(e, path)) from None
+    return path
 
 
 def check_writable(directory: Path) -> None:

@@ -10,6 +10,7 @@ once, in one line.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import time
 from pathlib import Path
@@ -31,8 +32,9 @@ from neox.model import layer_specs
 from neox.progress import Progress
 from neox.sampling import sample_sharded
 from neox.recipe import DataConfig, LoopConfig, ModelRecipe, OptimConfig, Recipe
-from neox.run_dir import (CHECKPOINTS, HF_EXPORT, METRICS, TOKENIZER, TRAINABLE, MetricsFile,
-                          OutputDirError, describe_os_error)
+from neox.run_dir import (CHECKPOINTS, HF_EXPORT, METRICS, TOKENIZER, TOKENIZER_SHA256,
+                          TRAINABLE, MetricsFile, OutputDirError, describe_os_error,
+                          tokenizer_bytes, write_tokenizer)
 from neox.weights import RandomInit, WeightsReader, iter_layers, open_weights, save_hf
 
 Log = Callable[..., None]
@@ -244,12 +246,13 @@ def check_finite_weights(state: TrainState, *, rank: int) -> None:
                         f"--lr or --clip, or check the data" if rank == 0 else None)
 
 
-def save(state: TrainState, recipe: Recipe, run_id: str, *, rank: int) -> Path:
+def save(state: TrainState, recipe: Recipe, data: RunData, run_id: str, *, rank: int) -> Path:
     """A checkpoint of the run at ``state.step``, tagged with the run and its recipe."""
     check_finite_weights(state, rank=rank)
     extra = {"step": state.step, "sampler": state.sampler.state_dict(),
              "scheduler": state.scheduler.state_dict(), "recipe": recipe.to_dict(),
-             "config": state.config.to_hf_dict()}  # what neox.export needs to rebuild the model
+             "config": state.config.to_hf_dict(),  # what neox.export needs to rebuild the model
+             TOKENIZER_SHA256: hashlib.sha256(tokenizer_bytes(data.tokenizer)).hexdigest()}
     try:
         return zerocore.save_checkpoint(Path(recipe.output.output_dir) / CHECKPOINTS,
                                         state.step, state.model, state.optimizer,
@@ -337,7 +340,7 @@ def train(state: TrainState, recipe: Recipe, data: RunData, metrics: MetricsFile
                             if rank == 0 else None)
         if recipe.output.save_every and state.step % recipe.output.save_every == 0 \
                 and state.step < total:
-            save(state, recipe, run_id, rank=rank)
+            save(state, recipe, data, run_id, rank=rank)
     progress.close()
     zerocore.run_agreed(lambda: _raise(metrics_error))
     return StepsDone(first_step, memory, model.comm_report())
@@ -375,9 +378,8 @@ def export_hf(state: TrainState, recipe: Recipe, data: RunData, *, rank: int) ->
             for _ in states:  # take part in every layer's gather
                 pass
             return
-        tok = Path(recipe.output.output_dir) / TOKENIZER
+        tok = Path(recipe.output.output_dir) / TOKENIZER  # written when the run started
         try:
-            data.tokenizer.save(str(tok))
             save_hf(out, built, states, overwrite=True, extra_files={TOKENIZER: tok})
         except OSError as e:
             raise OutputDirError(describe_os_error(e, e.filename or out)) from None
@@ -407,7 +409,7 @@ def finish(state: TrainState, recipe: Recipe, data: RunData, done: StepsDone,
         for t in tables:
             log(t)
         log("communication this run:\n" + done.comm.table(steps=state.step - done.first_step))
-    ckpt = save(state, recipe, run_id, rank=rank)
+    ckpt = save(state, recipe, data, run_id, rank=rank)
     trained = write_trainable(state, Path(recipe.output.output_dir) / TRAINABLE, rank=rank)
     log(f"saved: checkpoint {ckpt}")
     log(f"saved: trained parameters only {trained}")
@@ -449,6 +451,7 @@ def run_training(recipe: Recipe, *, resume: Path | None, run_id: str, rank: int,
     if resume is not None:
         restore(state, resume, recipe.optim, rank=rank, log=log)
     out = Path(recipe.output.output_dir)
+    zerocore.run_agreed(lambda: write_tokenizer(out, data.tokenizer) if rank == 0 else None)
     metrics = zerocore.run_agreed(lambda: MetricsFile(
         out / METRICS, resume_step=state.step if resume is not None else None)
         if rank == 0 else None)

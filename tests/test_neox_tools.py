@@ -1,0 +1,134 @@
+"""The command-line tools work on each other's outputs, offline: a fine-tuning run's output
+directory, its checkpoints and their exports are accepted by neox.evaluate, neox.generate and
+neox.export; every flag an error message tells the user to pass exists."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from neox import evaluate, export
+from neox.finetune import build_parser as finetune_parser
+from neox.generate import main as generate_main
+from neox.run_dir import CHECKPOINTS, METRICS, TOKENIZER
+from neox_testing import EXCERPT, REPO, call_main, run_module
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    """A short run of the built-in default (from scratch) on the excerpt, 2 ranks."""
+    root = tmp_path_factory.mktemp("run")
+    proc = run_module("neox.finetune", "--cpu", "--data", EXCERPT, "--cache-dir", root / "cache",
+                      "--seq-len", 32, "--batch-size", 4, "--max-steps", 6, "--output-dir",
+                      root / "out", "--sample-tokens", 0)
+    assert proc.returncode == 0, proc.stderr
+    return root / "out"
+
+
+def _val_loss(out: Path) -> float:
+    lines = [json.loads(line) for line in (out / METRICS).read_text().splitlines()]
+    return [r for r in lines if "val_loss" in r][-1]["val_loss"]
+
+
+def test_evaluate_a_run_on_its_own_validation_windows(run, capsys):
+    proc = call_main(evaluate.main, capsys, "--checkpoint", run, "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["text"] == "the run's validation windows"
+    assert "step-00000006" in result["model"]
+    # The same fp32 weights and windows, unsharded here and sharded over 2 ranks in the run:
+    # only the order of float additions differs (a few ulps of the mean loss).
+    assert result["loss"] == pytest.approx(_val_loss(run), rel=1e-5)
+
+
+def test_generate_from_a_run_and_from_one_of_its_checkpoints(run, capsys):
+    for where in (run, run / CHECKPOINTS / "step-00000006"):
+        proc = call_main(generate_main, capsys, "--checkpoint", where, "--prompt", "ROMEO:",
+                         "--max-new-tokens", 8)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith("ROMEO:")
+
+
+def test_the_built_in_runs_output_is_the_default(run, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    proc = call_main(generate_main, capsys, "--max-new-tokens", 4)
+    assert proc.returncode == 2
+    assert "pass --checkpoint DIR" in proc.stderr and "--model PRESET" in proc.stderr
+    shutil.copytree(run, tmp_path / "runs" / "neox-finetune")
+    proc = call_main(generate_main, capsys, "--prompt", "To be", "--max-new-tokens", 4)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("To be")
+
+
+def test_an_export_carries_the_tokenizer_and_the_tools_accept_it(run, tmp_path, capsys):
+    ckpt = run / CHECKPOINTS / "step-00000006"
+    assert call_main(export.main, capsys, ckpt, tmp_path / "hf").returncode == 0
+    assert (tmp_path / "hf" / TOKENIZER).read_bytes() == (run / TOKENIZER).read_bytes()
+    proc = call_main(evaluate.main, capsys, EXCERPT, "--checkpoint", tmp_path / "hf",
+                     "--seq-len", 32, "--max-windows", 4, "--json")
+    assert proc.returncode == 0, proc.stderr
+    proc = call_main(generate_main, capsys, "--checkpoint", tmp_path / "hf", "--max-new-tokens", 4)
+    assert proc.returncode == 0, proc.stderr
+    # Moved away from its run, the checkpoint exports without a tokenizer and says so.
+    lone = Path(shutil.copytree(ckpt, tmp_path / "elsewhere" / "a" / "step-00000006"))
+    (run / TOKENIZER).rename(run / "tokenizer.moved")
+    try:
+        proc = call_main(export.main, capsys, lone, tmp_path / "bare")
+    finally:
+        (run / "tokenizer.moved").rename(run / TOKENIZER)
+    assert proc.returncode == 0 and "pass --tokenizer FILE" in proc.stdout
+    assert not (tmp_path / "bare" / TOKENIZER).exists()
+
+
+def test_trainable_only_export_uses_the_models_own_names(run, tmp_path, capsys):
+    ckpt = run / CHECKPOINTS / "step-00000006"
+    proc = call_main(export.main, capsys, ckpt, tmp_path / "t", "--trainable-only")
+    assert proc.returncode == 0, proc.stderr
+    trained = load_file(tmp_path / "t" / "trainable.safetensors")
+    assert call_main(export.main, capsys, ckpt, tmp_path / "hf").returncode == 0
+    full = {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        full.update(load_file(f))
+    # From scratch every weight is trained: the same names as the Hugging Face export, and the
+    # same fp32 masters.
+    assert sorted(trained) == sorted(full)
+    assert all(n.startswith(("gpt_neox.", "embed_out.")) for n in trained)
+
+
+# -- every flag an error message suggests exists -------------------------------------------------
+
+def _flags_of(parser) -> set[str]:
+    return {flag for action in parser._actions for flag in action.option_strings}
+
+
+# "pass --tokenizer FILE", "use --trainable-only", "resume it with --resume", "or --overwrite": a
+# flag named as advice.
+SUGGESTION = re.compile(r"(?:pass|use|with|give|or)\s+(--[a-z][a-z0-9-]*)")
+
+
+def test_every_flag_an_error_message_suggests_exists(capsys):
+    # The flags every tool documents in --help.
+    helps = []
+    from zerocore import consolidate, selftest
+    for main in (export.main, evaluate.main, generate_main, consolidate.main, selftest.main):
+        try:
+            main(["--help"])
+        except SystemExit:
+            pass
+        helps.append(capsys.readouterr().out)
+    known = _flags_of(finetune_parser()) | set(re.findall(r"--[a-z][a-z0-9-]*", "\n".join(helps)))
+    suggested = {}
+    for path in sorted((REPO / "neox").rglob("*.py")) + sorted((REPO / "zerocore").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                for flag in SUGGESTION.findall(node.value):
+                    suggested.setdefault(flag, f"{path.relative_to(REPO)}:{node.lineno}")
+    assert suggested, "the pattern finds the suggestions"
+    unknown = {flag: where for flag, where in suggested.items() if flag not in known}
+    assert not unknown, f"messages suggest flags no tool has: {unknown}"
