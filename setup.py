@@ -9,6 +9,8 @@ zerocore compiles it on first import instead, for the torch it finds then.
 import importlib.util
 import json
 import os
+import shutil
+import time
 
 from setuptools import find_packages, setup
 
@@ -17,6 +19,25 @@ _spec = importlib.util.spec_from_file_location("zerocore_sources",
                                                os.path.join(ROOT, "zerocore", "_sources.py"))
 sources = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sources)
+
+
+def _say(message: str) -> None:
+    """A line the user sees: pip captures a build's output unless run with -v, so it also goes
+    to the terminal directly when there is one."""
+    print(message, flush=True)
+    try:
+        with open("/dev/tty", "w") as tty:
+            tty.write(message + "\n")
+    except OSError:  # no terminal (CI, a pipe): the captured line is all there is
+        pass
+
+
+def _recorded_fingerprint() -> str | None:
+    try:
+        with open(os.path.join(ROOT, "zerocore", "_C_build.json")) as f:
+            return json.load(f).get("fingerprint")
+    except (OSError, ValueError):
+        return None
 
 
 def extension_args():
@@ -40,20 +61,39 @@ def extension_args():
         ext = cpp_extension.CppExtension(
             "zerocore._C", src, extra_compile_args={"cxx": sources.cxx_flags()},
             extra_link_args=["-fopenmp"])
-    print(f"zerocore: building zerocore._C for torch {torch.__version__} "
-          f"({'CPU+CUDA, arch ' + os.environ['TORCH_CUDA_ARCH_LIST'] if with_cuda else 'CPU only'})")
+    arch = os.environ["TORCH_CUDA_ARCH_LIST"] if with_cuda else None
+    fp = sources.fingerprint(ROOT, with_cuda=with_cuda, torch_version=torch.__version__,
+                             cuda_arch_list=arch)
+    what = f"for torch {torch.__version__} ({'CPU+CUDA, arch ' + arch if with_cuda else 'CPU only'})"
 
     class BuildWithInfo(cpp_extension.BuildExtension):
-        """Records next to the compiled module which torch it was built for, so that importing
-        zerocore under another torch gives a clear message instead of a symbol error."""
+        """Compiles zerocore._C, or reuses the one already in the source tree when nothing it
+        depends on changed (so the README's second install does not compile again), and records
+        next to it which torch it was built for, so that importing zerocore under another torch
+        gives a clear message instead of a symbol error."""
 
         def run(self):
-            super().run()
-            out_dir = os.path.dirname(self.get_ext_fullpath("zerocore._C"))
+            target = self.get_ext_fullpath("zerocore._C")
+            in_tree = os.path.join(ROOT, "zerocore", os.path.basename(target))
+            if _recorded_fingerprint() == fp and os.path.isfile(in_tree):
+                _say(f"zerocore: zerocore._C {what} is up to date; reusing it")
+                if os.path.abspath(target) != os.path.abspath(in_tree):
+                    os.makedirs(os.path.dirname(target), exist_ok=True)
+                    shutil.copy2(in_tree, target)
+            else:
+                n = len(src)
+                _say(f"zerocore: compiling zerocore._C {what}: {n} files, about "
+                     f"{'5' if with_cuda else '1'}-{'10' if with_cuda else '3'} minutes on 2 cores "
+                     f"(pip shows no progress meanwhile)")
+                start = time.monotonic()
+                super().run()
+                _say(f"zerocore: compiled zerocore._C in {time.monotonic() - start:.0f} s")
             info = {"torch": torch.__version__, "cuda": torch.version.cuda if with_cuda else None,
-                    "cuda_arch_list": os.environ["TORCH_CUDA_ARCH_LIST"] if with_cuda else None,
-                    "avx2": sources.built_with_avx2()}
-            with open(os.path.join(out_dir, "_C_build.json"), "w") as f:
+                    "cuda_arch_list": arch, "avx2": sources.built_with_avx2(),
+                    "fingerprint": fp}
+            # Beside the library (an editable install copies both into the source tree, where
+            # a later install compares fingerprints with it).
+            with open(os.path.join(os.path.dirname(target), "_C_build.json"), "w") as f:
                 json.dump(info, f, indent=1)
 
     return {"ext_modules": [ext], "cmdclass": {"build_ext": BuildWithInfo.with_options(

@@ -435,7 +435,7 @@ def sample_text(state: TrainState, recipe: Recipe, data: RunData, *, rank: int) 
                          temperature=SAMPLE_TEMPERATURE, top_k=SAMPLE_TOP_K,
                          generator=generator, rank=rank, group=state.model.group)[0].tolist()
     start = data.tokenizer.decode(ids[:SAMPLE_PROMPT_TOKENS])
-    text = data.tokenizer.decode(ids)
+    text = data.tokenizer.decode(ids).lstrip(" ")
     body = "\n".join("  " + line for line in text.splitlines())
     return (f"sample ({recipe.output.sample_tokens} tokens, temperature {SAMPLE_TEMPERATURE}, "
             f"top-k {SAMPLE_TOP_K}) continuing {start!r} from the validation text:\n{body}")

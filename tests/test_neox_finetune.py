@@ -546,5 +546,6 @@ def test_torchrun_joins_its_group(cli_dirs, tmp_path):
         cwd=REPO, env=env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
     _check_ok(proc)
     assert "world size 2, init env://" in proc.stdout
+    assert proc.stdout.count("n_gpus:") == 1  # the banner once, not once per process
     steps, _ = read_metrics(tmp_path / "out")
     assert [r["step"] for r in steps] == [1, 2]

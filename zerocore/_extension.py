@@ -33,7 +33,7 @@ class BuildInfo:
     torch_version: str         # the torch it was compiled against
     cuda_version: str | None   # CUDA of that torch when CUDA kernels were built, else None
     cuda_arch_list: str | None
-    how: str                   # "setup.py" or "compiled on first import"
+    how: str                   # "built by setup.py" or "compiled on first import"
 
     @property
     def has_cuda(self) -> bool:
@@ -42,7 +42,7 @@ class BuildInfo:
     def __str__(self) -> str:
         kind = (f"CPU+CUDA kernels (CUDA {self.cuda_version}, arch {self.cuda_arch_list})"
                 if self.has_cuda else "CPU-only kernels")
-        return f"zerocore._C: {kind} for torch {self.torch_version}, built by {self.how}"
+        return f"zerocore._C: {kind} for torch {self.torch_version}, {self.how}"
 
 
 def _cpu_flags() -> set[str]:
@@ -77,7 +77,7 @@ def _import_prebuilt(package_dir: str) -> BuildInfo:
     except (ImportError, OSError) as e:
         raise ImportError(f"zerocore._C (built for torch {info['torch']}) failed to load: {e}; "
                           f"{REBUILD_HINT}") from e
-    return BuildInfo(info["torch"], info["cuda"], info["cuda_arch_list"], "setup.py")
+    return BuildInfo(info["torch"], info["cuda"], info["cuda_arch_list"], "built by setup.py")
 
 
 def _compile_now() -> BuildInfo:
@@ -88,13 +88,22 @@ def _compile_now() -> BuildInfo:
     srcs = _sources.cpu_sources(root) + (_sources.cuda_sources(root) if with_cuda else [])
     if with_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", _sources.DEFAULT_CUDA_ARCH_LIST)
-    # The torch version is part of the name so that a torch upgrade never reuses an old build.
-    name = "zerocore_C_" + re.sub(r"\W", "_", torch.__version__)
-    print(f"zerocore: compiling kernels for torch {torch.__version__} "
-          f"({'CPU+CUDA' if with_cuda else 'CPU only'}); this happens once", file=sys.stderr)
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST") if with_cuda else None
+    # The name carries the build's fingerprint (sources, flags, torch, CUDA targets): a changed
+    # source or a torch upgrade compiles anew, and an existing build is loaded without a word.
+    fp = _sources.fingerprint(root, with_cuda=with_cuda, torch_version=torch.__version__,
+                              cuda_arch_list=arch)
+    name = f"zerocore_C_{re.sub(r'[^0-9A-Za-z]', '_', torch.__version__)}_{fp[:12]}"
+    build_dir = os.path.join(os.path.expanduser("~"), ".cache", "zerocore", "kernels", name)
+    os.makedirs(build_dir, exist_ok=True)
     _check_cpu(_sources.built_with_avx2())
+    if not os.path.isfile(os.path.join(build_dir, f"{name}.so")):
+        print(f"zerocore: compiling the kernels for torch {torch.__version__} "
+              f"({'CPU+CUDA' if with_cuda else 'CPU only'}) into {build_dir}: about "
+              f"{'5-10' if with_cuda else '1-3'} minutes, once", file=sys.stderr, flush=True)
     cpp_extension.load(
         name=name, sources=srcs, is_python_module=False, verbose=False,
+        build_directory=build_dir,
         extra_cflags=_sources.cxx_flags() + (["-DZEROCORE_WITH_CUDA"] if with_cuda else []),
         extra_cuda_cflags=_sources.nvcc_flags(), extra_ldflags=["-fopenmp"])
     return BuildInfo(torch.__version__, torch.version.cuda if with_cuda else None,

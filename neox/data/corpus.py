@@ -95,9 +95,11 @@ def load_corpus(data: Path | str | None, *, cache_dir: Path, data_dir: Path | No
         log(f"corpus: could not download tiny_shakespeare from {url}: {problem}")
 
     corpus = _stdlib_corpus()
-    log(f"corpus: tiny_shakespeare is not available (no network and no copy in the cache or the "
-        f"data directory); FALLING BACK to {corpus.source}, {len(corpus.text):,} characters. "
-        f"Pass a text file to train on something else.")
+    looked = [str(cached)] + ([str(Path(data_dir) / TINY_SHAKESPEARE_FILE)] if data_dir else [])
+    log(f"corpus: tiny_shakespeare is not available (not in {' or '.join(looked)}"
+        f"{', and no download' if url else ''}); FALLING BACK to {corpus.source}, "
+        f"{len(corpus.text):,} characters. Pass a text file (--data) to train on something "
+        f"else, or put tiny_shakespeare.txt in the data directory (--data-dir).")
     return corpus
 
 
