@@ -88,7 +88,9 @@ def load_model(args: argparse.Namespace) -> Loaded:
         ranges = parse_layers(args.filter_layers)
         if source is not None:
             reader = open_weights(source, allow_outside=args.allow_outside_weights)
-            tok_path = args.tokenizer or source
+            tok_path = args.tokenizer or Path(source) / "tokenizer.json"
+            if not Path(tok_path).is_file():
+                raise ValueError(f"{source} has no tokenizer.json; pass --tokenizer FILE")
         else:
             reader = RandomInit(preset_config(args.model), seed=args.seed)
             tok_path = args.tokenizer or (args.data_dir or nd.default_data_dir()) / \
