@@ -21,8 +21,9 @@ from typing import Any, Sequence
 import torch
 
 from neox import data as nd
-from neox.cli import (HelpFormatter, UsageError, add_model_arguments, default_data_dir_flag, finite_float,
-                      nonnegative_int, parse_layers, positive_int, preset_config)
+from neox.cli import (DTYPES, HelpFormatter, UsageError, add_model_arguments,
+                      default_data_dir_flag, finite_float, nonnegative_int, parse_layers,
+                      positive_int, preset_config)
 from neox.finetune_modes import MODES, FinetuneMode
 from neox.launch import LaunchConfig, RunRequest, launch, run_under_torchrun
 from neox.recipe import (DataConfig, LoopConfig, ModelRecipe, OptimConfig, OutputConfig, Recipe,
@@ -84,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--eps", type=finite_float, default=1e-8, help="Adam's epsilon")
     o.add_argument("--clip", type=finite_float, default=1.0,
                    help="global gradient-norm clip (0: off)")
+    o.add_argument("--reduce-dtype", choices=list(DTYPES), default="fp32",
+                   help="dtype in which gradients are summed over the ranks: fp32 keeps every "
+                        "bit over many ranks; bf16 halves the traffic, losing bits at each hop "
+                        "(the compute dtype is --dtype)")
     t = p.add_argument_group("training loop")
     t.add_argument("--batch-size", type=positive_int, default=16,
                    help="sequences per rank per micro-batch")
@@ -155,6 +160,7 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "keep_last": ("output", "keep_last"), "export_hf": ("output", "export_hf"),
     "sample_tokens": ("output", "sample_tokens"),
     "data_dir": ("data", "data_dir"), "cache_dir": ("data", "cache_dir"),
+    "reduce_dtype": ("model", "reduce_dtype"),
 }
 
 
@@ -185,6 +191,7 @@ def recipe_from_flags(args: argparse.Namespace, filter_layers: tuple[int, ...] |
         return Recipe(
             model=ModelRecipe(checkpoint=_path(args.checkpoint), preset=args.model, seed=args.seed,
                               filter_layers=filter_layers, finetune=mode, dtype=args.dtype,
+                              reduce_dtype=args.reduce_dtype,
                               allow_outside_weights=args.allow_outside_weights),
             data=DataConfig(data=_path(args.data), data_dir=_path(args.data_dir),
                             tokenizer=_path(args.tokenizer), cache_dir=_path(args.cache_dir),

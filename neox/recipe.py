@@ -58,6 +58,7 @@ class ModelRecipe:
     filter_layers: tuple[int, ...] | None = None  # kept blocks, 0-based; None: all
     finetune: FinetuneMode = FinetuneMode()
     dtype: str | None = None               # "fp32" | "bf16" | "fp16"; None: fp32 CPU, bf16 GPU
+    reduce_dtype: str = "fp32"             # gradients are reduce-scattered in this dtype
     allow_outside_weights: bool = False    # weight files outside the checkpoint directory
 
     def __post_init__(self) -> None:
@@ -72,6 +73,8 @@ class ModelRecipe:
             f"filter_layers must be block indices or null, got {self.filter_layers!r}")
         _check(self.dtype in (None, "fp32", "bf16", "fp16"), w,
                f"dtype must be fp32, bf16, fp16 or null, got {self.dtype!r}")
+        _check(self.reduce_dtype in ("fp32", "bf16", "fp16"), w,
+               f"reduce_dtype must be fp32, bf16 or fp16, got {self.reduce_dtype!r}")
         _check(isinstance(self.finetune, FinetuneMode), w, "finetune must be a FinetuneMode")
 
 

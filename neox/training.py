@@ -24,7 +24,7 @@ from torch import nn
 import zerocore
 from zerocore.consolidate import save_trainable
 from neox import data as nd
-from neox.cli import preset_config, resolve_dtype
+from neox.cli import DTYPES, preset_config, resolve_dtype
 from neox.config import NeoXConfig, filtered_config
 from neox.finetune_modes import prepare_layer
 from neox.lora import merge_lora
@@ -140,11 +140,14 @@ def build(recipe: Recipe, data: RunData, *, device: torch.device, rank: int, wor
     kept = filtered_config(config, recipe.model.filter_layers).num_hidden_layers
     log(f"model: {recipe.model.checkpoint or recipe.model.preset}, {config.num_hidden_layers} "
         f"blocks in the checkpoint, keeping {kept}; fine-tuning {mode.mode}; compute dtype "
-        f"{str(dtype).removeprefix('torch.')}; building layer by layer:")
+        f"{str(dtype).removeprefix('torch.')}, gradients summed in {recipe.model.reduce_dtype}; "
+        f"building layer by layer:")
     with reader:
         model = zerocore.shard(stream_layers(reader, config, recipe.model, log=log),
                                device=device,
-                               mixed_precision=zerocore.MixedPrecision(param_dtype=dtype),
+                               mixed_precision=zerocore.MixedPrecision(
+                                   param_dtype=dtype,
+                                   reduce_dtype=DTYPES[recipe.model.reduce_dtype]),
                                offload=zerocore.Offload(optimizer=recipe.loop.offload_optimizer))
     shards = model.trainable_shards()
 

@@ -25,6 +25,7 @@ consolidation and the crash test run real subprocesses.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import random
@@ -497,6 +498,11 @@ def crash_child(root: str, saves: int) -> None:
         zerocore.save_checkpoint(root, step, model, optimizer, extra={"step": step},
                                  keep_last=CRASH_KEEP, include_frozen=True)
         print(f"saved {step} {time.perf_counter() - start:.4f}", flush=True)
+    # The model and optimizer hold the process group: released before it is destroyed, since
+    # tearing gloo down under live objects at interpreter exit can abort the process
+    # ("terminate called without an active exception"), failing a run that succeeded.
+    del model, optimizer
+    gc.collect()
     dist.destroy_process_group()
 
 

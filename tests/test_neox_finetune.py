@@ -533,6 +533,20 @@ def test_the_built_in_run_learns_visibly(cli_dirs, tmp_path):
     assert len(sample.splitlines()) > 1  # the sample's text follows on its own lines
 
 
+@pytest.mark.parametrize("flag, reduced", [((), "float32"), (("--reduce-dtype", "bf16"),
+                                                                "bfloat16")])
+def test_gradients_are_summed_in_fp32_unless_asked(cli_dirs, tmp_path, flag, reduced):
+    # Computing in bf16, the gradients are still reduce-scattered in fp32 by default: a bf16
+    # sum over many ranks loses bits at every hop. --reduce-dtype bf16 trades them for traffic.
+    out = tmp_path / "out"
+    proc = run_cli(*common_args(cli_dirs, out), "--dtype", "bf16", "--max-steps", 1,
+                   "--sample-tokens", 0, *flag)
+    _check_ok(proc)
+    manifest = json.loads((out / "checkpoints" / "step-00000001" / "manifest.json").read_text())
+    assert (manifest["param_dtype"], manifest["reduce_dtype"]) == ("bfloat16", reduced)
+    assert f"gradients summed in {'fp32' if not flag else 'bf16'}" in proc.stdout
+
+
 def test_torchrun_joins_its_group(cli_dirs, tmp_path):
     """Under torchrun (RANK/WORLD_SIZE set by the launcher) the CLI joins that group instead of
     spawning: the way it runs across machines."""

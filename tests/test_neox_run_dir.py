@@ -146,3 +146,9 @@ def test_resume_from_an_empty_folder_says_why(tmp_path):
     with pytest.raises(OutputDirError, match=r"no checkpoint there \(.*step-00000003 lack a "
                                              r"manifest"):
         find_resume_checkpoint(tmp_path, None)
+
+
+def test_cuda_ranks_get_expandable_segments_unless_the_user_chose():
+    from neox.launch import cuda_environment
+    assert cuda_environment({}) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert cuda_environment({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) == {}

@@ -115,6 +115,11 @@ def batch(split: WindowSplit, indices: torch.Tensor | list[int], *,
     index = torch.as_tensor(indices, dtype=torch.int64)
     windows = split.windows[index].to(torch.int64)  # (B, T+1)
     inputs, targets = windows[:, :-1], windows[:, 1:]
-    if device is not None:
+    inputs, targets = inputs.contiguous(), targets.contiguous()
+    if device is not None and torch.device(device).type == "cuda":
+        # Pinned, so the copies are asynchronous and overlap what the GPU is still doing.
+        inputs = inputs.pin_memory().to(device, non_blocking=True)
+        targets = targets.pin_memory().to(device, non_blocking=True)
+    elif device is not None:
         inputs, targets = inputs.to(device), targets.to(device)
-    return inputs.contiguous(), targets.contiguous()
+    return inputs, targets
