@@ -16,7 +16,8 @@ BUILD = _extension.load()
 from zerocore import ops, optim, reference  # noqa: E402
 from zerocore.device import Platform  # noqa: E402
 from zerocore.loss_scale import LossScaler, StepResult  # noqa: E402
-from zerocore.policies import LossScaling, MixedPrecision, Offload, Prefetch  # noqa: E402
+from zerocore.policies import (LossScaling, MixedPrecision, Offload, Prefetch,  # noqa: E402
+                               Recompute)
 from zerocore.report import CommReport, MemoryReport  # noqa: E402
 from zerocore.sharded_param import ShardParameter  # noqa: E402
 from zerocore.sharded_sequential import ShardedSequential, shard  # noqa: E402
@@ -29,7 +30,7 @@ from zerocore.checkpoint import (CheckpointError, CheckpointWriteError,  # noqa:
 
 __version__ = "0.1.0"
 __all__ = ["BUILD", "ops", "optim", "reference", "shard", "ShardedSequential", "ShardParameter",
-           "MixedPrecision", "Prefetch", "Offload", "LossScaling", "LossScaler", "StepResult",
+           "MixedPrecision", "Prefetch", "Offload", "Recompute", "LossScaling", "LossScaler", "StepResult",
            "MemoryReport", "CommReport", "run_agreed", "PeerError", "save_checkpoint",
            "load_checkpoint", "latest_checkpoint", "list_checkpoints", "checkpoint_runs",
            "incomplete_checkpoints", "IncompleteCheckpoint", "open_checkpoint", "read_manifest",

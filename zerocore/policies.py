@@ -78,6 +78,63 @@ class Offload:
 
 
 @dataclasses.dataclass(frozen=True)
+class Recompute:
+    """Activation recomputation ("activation checkpointing"): a chosen layer's forward keeps
+    only its input; its backward, which gathers the layer's parameters again anyway, runs the
+    forward once more under autograd (with the random-number state and autocast settings of the
+    first run, so dropout draws the same masks) and then differentiates. Activation memory falls
+    from every layer's intermediate tensors to one tensor per chosen layer plus one layer's
+    intermediates at a time; each chosen layer's forward runs twice.
+
+    layers: ``"all"``, or the positions in the stack (0-based) of the layers to recompute.
+    every: of the layers named by ``layers``, recompute every k-th, starting with the first
+        (``Recompute(every=2)``: layers 0, 2, 4, ...), to trade less memory for less time.
+
+    Gradients are bitwise those without recomputation: the same operations run on the same
+    values in the same order. A layer whose forward builds no graph (frozen, with an input that
+    needs no gradient) keeps nothing either way and is not affected.
+    """
+
+    layers: str | tuple[int, ...] = "all"
+    every: int = 1
+
+    def __post_init__(self) -> None:
+        layers = self.layers
+        if isinstance(layers, str):
+            if layers != "all":
+                raise ValueError(f"Recompute.layers must be 'all' or layer positions, got "
+                                 f"{layers!r}")
+        else:
+            try:
+                chosen = tuple(sorted(set(layers)))
+            except TypeError:
+                raise ValueError(f"Recompute.layers must be 'all' or layer positions, got "
+                                 f"{layers!r}") from None
+            if not all(type(i) is int and i >= 0 for i in chosen):
+                raise ValueError(f"Recompute.layers: positions are integers >= 0, got "
+                                 f"{layers!r}")
+            object.__setattr__(self, "layers", chosen)  # frozen: normalised once, here
+        if type(self.every) is not int or self.every < 1:
+            raise ValueError(f"Recompute.every must be an integer >= 1, got {self.every!r}")
+
+    def selects(self, index: int) -> bool:
+        """Whether the layer at position ``index`` of the stack is recomputed."""
+        if self.layers == "all":
+            return index % self.every == 0
+        if index not in self.layers:
+            return False
+        return self.layers.index(index) % self.every == 0
+
+    def check_range(self, num_layers: int) -> None:
+        """ValueError when a chosen position lies beyond a stack of ``num_layers`` layers."""
+        if self.layers != "all":
+            beyond = [i for i in self.layers if i >= num_layers]
+            if beyond:
+                raise ValueError(f"Recompute.layers: {beyond} lie beyond the stack, which has "
+                                 f"{num_layers} layers (positions 0..{num_layers - 1})")
+
+
+@dataclasses.dataclass(frozen=True)
 class LossScaling:
     """Dynamic loss scaling for fp16, with DeepSpeed's defaults: start at 2**16, halve on
     overflow once `hysteresis` consecutive overflows were seen, double after `window` steps

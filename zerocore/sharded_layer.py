@@ -10,6 +10,11 @@ shard is an input of the node, so autograd always schedules the node, even for a
 whose input (token ids) needs no gradient. Nothing depends on hooks registered on
 autograd-internal objects that can be garbage-collected (the failure of the reference
 implementation, whose shards never received gradients).
+
+Recomputation (``zerocore.Recompute``): a chosen layer's node runs the forward without a graph
+and keeps only its input and the ``ForwardState`` (generator states, autocast) of that run; its
+backward, once the parameters are gathered again, runs the forward under autograd in that state
+and differentiates the graph it just built, as it would have the kept one.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from zerocore.flat_group import FlatGroup, GroupContext, PendingGrad
 from zerocore.flat_layout import FlatLayout
 from zerocore import ops
 from zerocore.offload import GradToHost, accumulate_grad, start_grad_to_host
+from zerocore.recompute import ForwardState
 
 
 def _collect_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]:
@@ -75,10 +81,14 @@ class ShardedLayer(nn.Module):
             for mod, attr in owners:
                 del mod._parameters[attr]
         self.module = module.to(ctx.device)  # buffers (e.g. rotary tables) only, now
+        self.device = ctx.device               # where the layer computes
         self.trainable: FlatGroup | None = groups[True]
         self.frozen: FlatGroup | None = groups[False]
         self.trainable_shard = self.trainable.shard if self.trainable else None
         self.frozen_shard = self.frozen.shard if self.frozen else None
+        # Whether the forward keeps only its input and backward runs it again (Recompute);
+        # set by the sharded model, which knows the policy.
+        self.recompute = False
 
     @property
     def groups(self) -> list[FlatGroup]:
@@ -125,6 +135,17 @@ class ShardedLayer(nn.Module):
     def run_without_graph(self, x: torch.Tensor) -> torch.Tensor:
         self.install(with_grad_leaves=False)
         return self.module(x)
+
+    def run_with_graph(self, x_in: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The layer's forward on ``x_in`` with autograd recording, on fresh leaves viewing the
+        gathered buffers: (the trainable parameters' leaves, the output)."""
+        with torch.enable_grad():
+            leaves = self.install(with_grad_leaves=True)
+            y = self.module(x_in)
+        if not isinstance(y, torch.Tensor):
+            raise TypeError(f"layer {self.index} returned {type(y).__name__}; zerocore layers "
+                            f"must map one tensor to one tensor")
+        return leaves, y
 
 
 class BackwardCoordinator:
@@ -223,15 +244,21 @@ class LayerFunction(torch.autograd.Function):
     def forward(ctx, coordinator: BackwardCoordinator, layer: ShardedLayer,
                 previous: ShardedLayer | None, x: torch.Tensor, *shards: torch.Tensor):
         x_in = x.detach().requires_grad_(x.requires_grad)
-        with torch.enable_grad():
-            leaves = layer.install(with_grad_leaves=True)
-            y = layer.module(x_in)
-        if not isinstance(y, torch.Tensor):
-            raise TypeError(f"layer {layer.index} returned {type(y).__name__}; zerocore layers "
-                            f"must map one tensor to one tensor")
         ctx.coordinator, ctx.layer, ctx.previous = coordinator, layer, previous
-        ctx.inner = (x_in, leaves, y)
         ctx.num_shards = len(shards)
+        if layer.recompute:
+            # Only the input is kept (and what the recomputation must reproduce); the forward
+            # runs without a graph (grad mode is off inside Function.forward), so its
+            # intermediate tensors are freed as it goes.
+            ctx.forward_state = ForwardState.capture(layer.device)
+            y = layer.run_without_graph(x_in)
+            if not isinstance(y, torch.Tensor):
+                raise TypeError(f"layer {layer.index} returned {type(y).__name__}; zerocore "
+                                f"layers must map one tensor to one tensor")
+            ctx.inner = (x_in, None, None)
+            return y.detach()
+        leaves, y = layer.run_with_graph(x_in)
+        ctx.inner = (x_in, leaves, y)
         return y.detach()
 
     @staticmethod
@@ -241,6 +268,12 @@ class LayerFunction(torch.autograd.Function):
         x_in, leaves, y = ctx.inner
         ctx.inner = None  # the inner graph is used once
         coordinator.before_layer_backward(layer, ctx.previous)
+        if y is None:
+            # Recomputation: the parameters are gathered again; the same forward, in the
+            # first run's random-number and autocast state, builds the graph to differentiate.
+            with ctx.forward_state.reinstated():
+                leaves, y = layer.run_with_graph(x_in)
+            ctx.forward_state = None
         inputs = ([x_in] if x_in.requires_grad else []) + leaves
         grad_x = None
         pending = None

@@ -22,7 +22,7 @@ from zerocore.collectives import CommCounter
 from zerocore.device import Platform, agree_on_devices, resolve_device
 from zerocore.flat_group import GroupContext
 from zerocore.offload import OffloadStreams, cpu_threads
-from zerocore.policies import MixedPrecision, Offload, Prefetch
+from zerocore.policies import MixedPrecision, Offload, Prefetch, Recompute
 from zerocore.report import CommReport, MemoryReport
 from zerocore.sharded_layer import BackwardCoordinator, LayerFunction, ShardedLayer
 from zerocore.sharded_param import ShardParameter
@@ -76,7 +76,7 @@ class ShardedSequential(nn.Module):
 
     def __init__(self, layers: Iterable[nn.Module], *, group: dist.ProcessGroup,
                  device: torch.device, mixed_precision: MixedPrecision, prefetch: Prefetch,
-                 offload: Offload):
+                 offload: Offload, recompute: Recompute | None = None):
         super().__init__()
         self.group = group
         self.rank = dist.get_rank(group)
@@ -85,6 +85,7 @@ class ShardedSequential(nn.Module):
         self.mixed_precision = mixed_precision
         self.prefetch = prefetch
         self.offload = offload
+        self.recompute = recompute
         self.counter = CommCounter()
         streams = (OffloadStreams(device)
                    if offload.optimizer and device.type == "cuda" else None)
@@ -100,9 +101,12 @@ class ShardedSequential(nn.Module):
                 break
             _check_not_tied(layer, len(sharded), owners)
             sharded.append(ShardedLayer(layer, len(sharded), ctx, self.world_size))
+            sharded[-1].recompute = recompute is not None and recompute.selects(len(sharded) - 1)
             del layer  # materialised layers may be freed one by one (see `shard`)
         if not sharded:
             raise ValueError("zerocore.shard: got no layers")
+        if recompute is not None:
+            recompute.check_range(len(sharded))
         self.layers = nn.ModuleList(sharded)
         self._coordinator = BackwardCoordinator(sharded, prefetch.backward)
         # The last layer, left gathered by a forward for its backward (Prefetch.keep_last);
@@ -243,7 +247,8 @@ class ShardedSequential(nn.Module):
 def shard(layers: Iterable[nn.Module], *, group: dist.ProcessGroup | None = None,
           device: torch.device | str | None = None,
           mixed_precision: MixedPrecision = MixedPrecision(), prefetch: Prefetch = Prefetch(),
-          offload: Offload = Offload(), platform: Platform | None = None) -> ShardedSequential:
+          offload: Offload = Offload(), recompute: Recompute | None = None,
+          platform: Platform | None = None) -> ShardedSequential:
     """Shards a stack of layers across the ranks of a process group (ZeRO-3).
 
     layers: an ``nn.Sequential``, ``nn.ModuleList``, list or any iterable of modules (a generator
@@ -261,6 +266,8 @@ def shard(layers: Iterable[nn.Module], *, group: dist.ProcessGroup | None = None
         ranks check together that each can compute on its device (a CUDA build of torch, a
         visible GPU, zerocore's CUDA kernels built) and that no two share one GPU; any failure is
         raised on every rank as a ValueError saying what to do.
+    recompute: which layers keep only their input in forward and run it again in backward
+        (``zerocore.Recompute``); None (default): every layer keeps what its backward needs.
     platform: what this process can run on (default ``zerocore.Platform.detect``: torch,
         ``zerocore.BUILD``); pass one to check a configuration without the hardware.
     Returns a module running the layers in order. Give ``model.parameters()`` (or
@@ -284,4 +291,5 @@ def shard(layers: Iterable[nn.Module], *, group: dist.ProcessGroup | None = None
             offload.cpu_threads, usable_cores=platform.usable_cores,
             ranks_on_host=placement.ranks_on_host, current=torch.get_num_threads()))
     return ShardedSequential(layers, group=group, device=dev,
-                             mixed_precision=mixed_precision, prefetch=prefetch, offload=offload)
+                             mixed_precision=mixed_precision, prefetch=prefetch, offload=offload,
+                             recompute=recompute)
