@@ -287,7 +287,7 @@ def _set_parent_death_signal(sig: int) -> None:
 
 def _rank_main(rank: int, task: RankTask, lifeline: Any, parent_pid: int) -> None:
     _die_with_parent(rank, lifeline, parent_pid)
-    code = _run_rank(rank, task, None)
+    code = _run_rank(rank, task)
     sys.stdout.flush()
     sys.stderr.flush()
     # Leave at once when the run failed: its objects still hold the process group, and tearing
@@ -317,7 +317,7 @@ def run_under_torchrun(request: RunRequest, config: LaunchConfig) -> int:
     if config.use_cuda:  # before this process allocates anything on the GPU
         os.environ.update(cuda_environment(dict(os.environ)))
     task = RankTask(request, None, world, "env://", config.use_cuda, config.timeout)
-    code = _run_rank(rank, task, None)
+    code = _run_rank(rank, task)
     if code:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -325,7 +325,7 @@ def run_under_torchrun(request: RunRequest, config: LaunchConfig) -> int:
     return code
 
 
-def _run_rank(rank: int, task: RankTask, _unused: Any) -> int:
+def _run_rank(rank: int, task: RankTask) -> int:
     """Sets up the device and the process group, runs the training, and turns what can go
     wrong into an exit code with one message."""
     lock = None
