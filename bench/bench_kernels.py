@@ -4,11 +4,16 @@ Run (not part of the default test run):
 
     python -m pytest bench/bench_kernels.py --benchmark-only
 
-Every group times zerocore, the torch baselines, and a plain copy of the same number of bytes (the
-bandwidth ceiling) one after the other, and the end-of-run table (bench/conftest.py) gives GB/s,
-the fraction of the copy bandwidth and the time ratios. Buffers are allocated and first touched
-before timing; only the operation itself is timed, except where allocating is part of what the
-baseline does (torch.cat returns a new tensor).
+Every operation is one test that times zerocore, the torch baselines a user would pick (the
+fused and foreach optimizers, torch.cat, copy loops, ``torch._foreach_copy_``, and the same
+operation written by hand and compiled with ``torch.compile``) and a plain copy of the same
+number of bytes (the bandwidth ceiling), interleaved: every round calls each variant once, in a
+shuffled order (bench/conftest.py). The end-of-run tables give zerocore against the fastest
+baseline of the run, with the spread of the per-round ratios, and every variant's median, IQR,
+GB/s and fraction of the copy bandwidth. Buffers are allocated and first touched before timing,
+and compiled variants compiled (and checked against zerocore's result) before it; only the
+operation itself is timed, except where allocating is part of what the baseline does
+(torch.cat returns a new tensor).
 """
 
 from __future__ import annotations
@@ -49,6 +54,25 @@ def _copy_ceiling(nbytes: int, device: str):
 ADAM_BYTES_PER_PARAM = 28
 
 
+ADAM_VARIANTS = ["zerocore", "torch AdamW(fused=True)", "torch AdamW(foreach=True)",
+                 "torch.compile (hand-fused)", "copy (ceiling)"]
+
+
+def _adamw_by_hand(param, grad16, exp_avg, exp_avg_sq, model16, step, *, lr, beta1, beta2, eps,
+                   weight_decay):
+    """The whole pipeline as one function for torch.compile to fuse into a single pass: widen
+    the fp16 gradient, AdamW (zerocore.reference.fused_adam's formula), write the fp16 copy.
+    step: a 0-d fp32 tensor, so that a new step does not recompile."""
+    g = grad16.float()
+    param.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    step_size = lr / (1 - beta1**step)  # 0-d tensors: addcdiv_'s value= takes only numbers
+    denom = (exp_avg_sq.sqrt() / torch.sqrt(1 - beta2**step)).add_(eps)
+    param.sub_(exp_avg / denom * step_size)
+    model16.copy_(param)
+
+
 def _adam_variant(variant: str, device: str):
     grad16 = (torch.randn(N, device=device) * 1e-2).half()
     model16 = torch.empty(N, dtype=torch.float16, device=device)
@@ -67,6 +91,22 @@ def _adam_variant(variant: str, device: str):
         return fn
     if variant == "copy (ceiling)":
         return _copy_ceiling(ADAM_BYTES_PER_PARAM * N, device)
+    if variant == "torch.compile (hand-fused)":
+        param = torch.randn(N, device=device)
+        exp_avg = torch.zeros_like(param)
+        exp_avg_sq = torch.zeros_like(param)
+        step_t = torch.zeros((), device=device)
+        compiled = torch.compile(_adamw_by_hand, fullgraph=True, dynamic=False)
+        hyper = dict(lr=ADAM["lr"], beta1=ADAM["betas"][0], beta2=ADAM["betas"][1],
+                     eps=ADAM["eps"], weight_decay=ADAM["weight_decay"])
+        _check_compiled_adam(compiled, hyper, device)
+
+        @torch.no_grad()
+        def fn():
+            step_t.add_(1)
+            compiled(param, grad16, exp_avg, exp_avg_sq, model16, step_t, **hyper)
+        fn()  # compiles for these buffers outside the timed region
+        return fn
     # torch's own mixed-precision pipeline: fp32 master parameter whose .grad receives the cast
     # fp16 gradient, the AdamW step, then the cast back to the fp16 model copy.
     kind = {"torch AdamW(fused=True)": "fused", "torch AdamW(foreach=True)": "foreach"}[variant]
@@ -83,14 +123,37 @@ def _adam_variant(variant: str, device: str):
     return fn
 
 
-@pytest.mark.parametrize("variant", ["zerocore", "torch AdamW(fused=True)",
-                                     "torch AdamW(foreach=True)", "copy (ceiling)"])
+def _check_compiled_adam(compiled, hyper, device: str) -> None:
+    """The compiled baseline must do zerocore's work: three steps on a small odd-sized shard
+    agree with the fused kernel."""
+    torch.manual_seed(1)
+    n = 100_003
+    state = [torch.randn(n, device=device), torch.zeros(n, device=device),
+             torch.zeros(n, device=device)]
+    theirs = [t.clone() for t in state]
+    m_ours = torch.empty(n, dtype=torch.float16, device=device)
+    m_theirs = torch.empty_like(m_ours)
+    step_t = torch.zeros((), device=device)
+    for step in range(1, 4):
+        g = (torch.randn(n, device=device) * 1e-2).half()
+        ops.fused_adam(*state[:1], g, *state[1:], m_ours, lr=hyper["lr"], beta1=hyper["beta1"],
+                       beta2=hyper["beta2"], eps=hyper["eps"],
+                       weight_decay=hyper["weight_decay"], step=step, adamw=True)
+        step_t.add_(1)
+        with torch.no_grad():
+            compiled(theirs[0], g, theirs[1], theirs[2], m_theirs, step_t, **hyper)
+    # Different roundings (fused multiply-adds, division order) of the same formula: after 3
+    # steps of size lr=1e-3 the parameters agree to a few fp32 ulps of values ~1.
+    torch.testing.assert_close(theirs[0], state[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(m_theirs, m_ours, rtol=1e-3, atol=1e-3)  # one fp16 ulp
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_fused_adam(kernel_bench, device, variant):
+def test_fused_adam(interleaved_bench, device):
     torch.manual_seed(0)
-    fn = _adam_variant(variant, device)
-    kernel_bench(fn, group="adamw step, fp16 grad + fp16 model copy, 2^24 params",
-                 variant=variant, nbytes=ADAM_BYTES_PER_PARAM * N, device=device)
+    variants = {v: _adam_variant(v, device) for v in ADAM_VARIANTS}
+    interleaved_bench(variants, group="adamw step, fp16 grad + fp16 model copy, 2^24 params",
+                      nbytes=ADAM_BYTES_PER_PARAM * N, device=device)
 
 
 # --- pack / unpack ------------------------------------------------------------------------------
@@ -177,6 +240,22 @@ def _pack_variant(variant: str, src_dtype, dst_dtype, device: str):
             torch._foreach_copy_(views, tensors)
             torch._foreach_zero_(pad_views)
         return fn
+    if variant == "torch.compile (cat)":
+        # Casts and concatenation compiled into one kernel that writes a new flat tensor. (The
+        # in-place form, slices of a preallocated buffer copied into, compiles to a chain of
+        # slice_scatter copies of the whole buffer: 20-40x slower here, not a fair baseline.)
+        zeros_at = {s: n for s, n in gaps}
+        order = sorted([(o, i) for i, o in enumerate(offsets)] + [(s, -1) for s, _ in gaps])
+
+        def cat_by_hand(ts):
+            return torch.cat([ts[i].reshape(-1).to(dst_dtype) if i >= 0 else
+                              torch.zeros(zeros_at[o], dtype=dst_dtype, device=device)
+                              for o, i in order])
+        compiled = torch.compile(cat_by_hand, fullgraph=True, dynamic=False)
+        expected = torch.empty_like(flat)
+        ops.pack(tensors, offsets, expected)
+        assert torch.equal(compiled(tensors), expected), "compiled pack differs from zerocore's"
+        return lambda: compiled(tensors)
     raise AssertionError(variant)
 
 
@@ -211,6 +290,17 @@ def _unpack_variant(variant: str, src_dtype, dst_dtype, device: str):
     if variant == "torch._foreach_copy_":
         views = [flat[o:o + t.numel()].view_as(t) for o, t in zip(offsets, outs)]
         return lambda: torch._foreach_copy_(outs, views)
+    if variant == "torch.compile (copy loop)":
+        def unpack_by_hand(flat, outs):
+            for o, t in zip(offsets, outs):
+                t.copy_(flat[o:o + t.numel()].view(t.shape))
+        compiled = torch.compile(unpack_by_hand, fullgraph=True, dynamic=False)
+        compiled(flat, outs)
+        expected = [torch.empty_like(t) for t in outs]
+        ops.unpack(flat, offsets, expected)
+        assert all(torch.equal(a, b) for a, b in zip(outs, expected)), \
+            "compiled unpack differs from zerocore's"
+        return lambda: compiled(flat, outs)
     raise AssertionError(variant)
 
 
@@ -230,34 +320,31 @@ def _unpack_bytes(src_dtype, dst_dtype) -> int:
 CONVERSIONS = ["fp16->fp16", "fp32->fp32", "fp32->fp16"]
 
 
-@pytest.mark.parametrize("variant", ["zerocore", "torch.cat", "torch.cat(out=flat)",
-                                     "slice-copy loop", "torch._foreach_copy_",
-                                     "copy (ceiling)"])
+PACK_VARIANTS = ["zerocore", "torch.cat", "torch.cat(out=flat)", "slice-copy loop",
+                 "torch._foreach_copy_", "torch.compile (cat)", "copy (ceiling)"]
+UNPACK_VARIANTS = ["zerocore", "slice-copy loop", "torch.split + copy", "torch._foreach_copy_",
+                   "torch.compile (copy loop)", "copy (ceiling)"]
+
+
 @pytest.mark.parametrize("conversion", CONVERSIONS)
 @pytest.mark.parametrize("device", DEVICES)
-def test_pack(kernel_bench, device, conversion, variant):
+def test_pack(interleaved_bench, device, conversion):
     torch.manual_seed(0)
     src, dst = (DTYPES[x] for x in conversion.split("->"))
     nbytes = _pack_bytes(src, dst)
-    if variant == "copy (ceiling)":
-        fn = _copy_ceiling(nbytes, device)
-    else:
-        fn = _pack_variant(variant, src, dst, device)
-    kernel_bench(fn, group=f"pack {conversion}, 48 tensors -> 2^24 flat", variant=variant,
-                 nbytes=nbytes, device=device)
+    variants = {v: (_copy_ceiling(nbytes, device) if v == "copy (ceiling)"
+                    else _pack_variant(v, src, dst, device)) for v in PACK_VARIANTS}
+    interleaved_bench(variants, group=f"pack {conversion}, 48 tensors -> 2^24 flat",
+                      nbytes=nbytes, device=device)
 
 
-@pytest.mark.parametrize("variant", ["zerocore", "slice-copy loop", "torch.split + copy",
-                                     "torch._foreach_copy_", "copy (ceiling)"])
 @pytest.mark.parametrize("conversion", CONVERSIONS)
 @pytest.mark.parametrize("device", DEVICES)
-def test_unpack(kernel_bench, device, conversion, variant):
+def test_unpack(interleaved_bench, device, conversion):
     torch.manual_seed(0)
     src, dst = (DTYPES[x] for x in conversion.split("->"))
     nbytes = _unpack_bytes(src, dst)
-    if variant == "copy (ceiling)":
-        fn = _copy_ceiling(nbytes, device)
-    else:
-        fn = _unpack_variant(variant, src, dst, device)
-    kernel_bench(fn, group=f"unpack {conversion}, 2^24 flat -> 48 tensors", variant=variant,
-                 nbytes=nbytes, device=device)
+    variants = {v: (_copy_ceiling(nbytes, device) if v == "copy (ceiling)"
+                    else _unpack_variant(v, src, dst, device)) for v in UNPACK_VARIANTS}
+    interleaved_bench(variants, group=f"unpack {conversion}, 2^24 flat -> 48 tensors",
+                      nbytes=nbytes, device=device)

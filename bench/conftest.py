@@ -1,23 +1,27 @@
-"""pytest plumbing for the kernel benchmarks: a ``kernel_bench`` fixture that times one variant of
-one operation and records the bytes it moves, and an end-of-run table of GB/s and ratios.
+"""pytest plumbing for the kernel benchmarks: an ``interleaved_bench`` fixture that times every
+variant of one operation (zerocore, the torch baselines, a plain copy) interleaved in the same
+process, and end-of-run tables: zerocore against the fastest torch baseline, and every variant's
+median, spread, GB/s and per-round ratio to zerocore.
 
-All figures in the table come from the benchmarks of the same pytest run, so ratios are never
-taken between runs made at different times (this machine's bandwidth drifts between runs).
+Ratios are taken round by round between calls made moments apart, never between runs made at
+different times (this machine's bandwidth drifts between runs, and other work comes and goes).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import random
+import statistics
 import time
 from typing import Callable
 
 import pytest
 import torch
 
-# Timed rounds per variant, after WARMUP untimed ones. The medians of 30 rounds were stable to a
-# few per cent on the idle 2-core development machine; the slowest variant (foreach AdamW) takes
-# about 2 s in all, the whole CPU run about 15 s.
+# Timed rounds, after WARMUP untimed ones; every round calls each variant once. The medians of 30
+# rounds were stable to a few per cent on the idle 2-core development machine; the CPU run takes
+# about a minute, plus torch.compile's first compilations (cached across runs).
 ROUNDS = 30
 WARMUP = 3
 # On a GPU one call of a 2^24-element op takes ~0.1 ms, comparable to a host synchronisation, so
@@ -33,12 +37,31 @@ class Row:
     group: str    # the operation and its dtypes, e.g. "pack fp32->fp16 [cpu]"
     variant: str  # who does it: "zerocore", a torch baseline, or COPY_VARIANT
     nbytes: int   # bytes the operation must move (read + written)
-    median_s: float
-    min_s: float
+    times_s: tuple[float, ...]        # one time per timed round
+    # per round: this variant's time / zerocore's time in the same round (None: no zerocore)
+    ratios: tuple[float, ...] | None
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.times_s)
+
+    @property
+    def min_s(self) -> float:
+        return min(self.times_s)
 
     @property
     def gbps(self) -> float:
         return self.nbytes / self.median_s / 1e9
+
+    @property
+    def is_torch_baseline(self) -> bool:
+        return self.variant not in (ZEROCORE_VARIANT, COPY_VARIANT)
+
+
+def quartiles(values) -> tuple[float, float, float]:
+    """(25th percentile, median, 75th percentile), linearly interpolated."""
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
+    return q[0], q[1], q[2]
 
 
 _ROWS = pytest.StashKey[list]()
@@ -82,56 +105,104 @@ def _other_load(config) -> str:
 
 
 @pytest.fixture
-def kernel_bench(benchmark, request):
-    """``kernel_bench(fn, group=..., variant=..., nbytes=..., device=...)`` times ``fn`` and
-    records the row for the summary table and ``benchmark.extra_info``."""
+def interleaved_bench(benchmark, request):
+    """``interleaved_bench(variants, group=..., nbytes=..., device=...)`` times every variant of
+    one operation (a dict name -> callable; "zerocore" among them) interleaved: each round
+    calls every variant once, in an order shuffled afresh per round, so that a drift of the
+    machine's speed (other work, frequency, the allocator's state) reaches every variant alike
+    and each zerocore time has baseline times taken moments before and after it.
+    pytest-benchmark times the whole round; each variant's own time comes from perf_counter
+    around its call. Rows for the summary tables go to the session's stash."""
 
-    def run(fn: Callable[[], object], *, group: str, variant: str, nbytes: int,
+    def run(variants: dict[str, Callable[[], object]], *, group: str, nbytes: int,
             device: str) -> None:
         group = f"{group} [{device}]"
-        calls = 1
-        timed = fn
-        if device == "cuda":
-            calls = CUDA_CALLS_PER_ROUND
+        calls = CUDA_CALLS_PER_ROUND if device == "cuda" else 1
+        names = list(variants)
+        times: dict[str, list[float]] = {n: [] for n in names}
+        # Seeded by the group's name: the same orders in every run of the benchmark.
+        rng = random.Random(group)
 
-            def timed():
+        def one_round() -> None:
+            order = names[:]
+            rng.shuffle(order)
+            for name in order:
+                fn = variants[name]
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
                 for _ in range(calls):
                     fn()
-                torch.cuda.synchronize()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                times[name].append((time.perf_counter() - t0) / calls)
 
         benchmark.group = group
-        benchmark.name = f"{group} :: {variant}"
-        benchmark.extra_info.update(group=group, variant=variant, bytes=nbytes,
+        benchmark.name = f"{group} :: interleaved round of {len(names)} variants"
+        benchmark.extra_info.update(group=group, variants=names, bytes=nbytes,
                                     calls_per_round=calls)
-        benchmark.pedantic(timed, rounds=ROUNDS, warmup_rounds=WARMUP)
+        benchmark.pedantic(one_round, rounds=ROUNDS, warmup_rounds=WARMUP)
         if benchmark.stats is None:  # --benchmark-disable: nothing was timed
             return
-        stats = benchmark.stats.stats
-        row = Row(group, variant, nbytes, stats.median / calls, stats.min / calls)
-        benchmark.extra_info["GB/s"] = round(row.gbps, 2)
-        request.config.stash[_ROWS].append(row)
+        timed = {n: tuple(ts[-ROUNDS:]) for n, ts in times.items()}  # warm-up rounds dropped
+        ours = timed.get(ZEROCORE_VARIANT)
+        for name in names:
+            ratios = (tuple(t / z for t, z in zip(timed[name], ours))
+                      if ours is not None else None)
+            row = Row(group, name, nbytes, timed[name], ratios)
+            benchmark.extra_info[f"{name} median ms"] = round(1e3 * row.median_s, 4)
+            request.config.stash[_ROWS].append(row)
 
     return run
 
 
-def _table(rows: list[Row]) -> list[str]:
-    lines = [
-        "| operation | variant | median ms | min ms | GB/s | % of copy | time / zerocore's "
-        "(median) | (min) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
+def _groups(rows: list[Row]) -> dict[str, list[Row]]:
     groups: dict[str, list[Row]] = {}
     for r in rows:
         groups.setdefault(r.group, []).append(r)
-    for group, members in groups.items():
+    return groups
+
+
+def _ratio_text(r: Row) -> str:
+    if r.ratios is None:
+        return "-"
+    lo, mid, hi = quartiles(r.ratios)
+    return f"{mid:.2f}x [{lo:.2f}-{hi:.2f}]"
+
+
+def _table(rows: list[Row]) -> list[str]:
+    lines = [
+        "| operation | variant | median ms | IQR ms | min ms | GB/s | % of copy | "
+        "time / zerocore's, per round: median [IQR] |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for group, members in _groups(rows).items():
         copy = next((r for r in members if r.variant == COPY_VARIANT), None)
-        ours = next((r for r in members if r.variant == ZEROCORE_VARIANT), None)
         for r in members:
+            lo, _, hi = quartiles(r.times_s)
             frac = f"{100 * r.gbps / copy.gbps:.0f}%" if copy else "-"
-            ratio = f"{r.median_s / ours.median_s:.2f}x" if ours else "-"
-            ratio_min = f"{r.min_s / ours.min_s:.2f}x" if ours else "-"
             lines.append(f"| {group} | {r.variant} | {1e3 * r.median_s:.3f} | "
-                         f"{1e3 * r.min_s:.3f} | {r.gbps:.1f} | {frac} | {ratio} | {ratio_min} |")
+                         f"{1e3 * lo:.3f}-{1e3 * hi:.3f} | {1e3 * r.min_s:.3f} | "
+                         f"{r.gbps:.1f} | {frac} | {_ratio_text(r)} |")
+    return lines
+
+
+def _reference_table(rows: list[Row]) -> list[str]:
+    """Per operation: zerocore against the fastest torch baseline of that run (by median), the
+    reference a speed-up is quoted against."""
+    lines = ["| operation | zerocore median ms | fastest torch baseline | its median ms | "
+             "speed-up, per round: median [IQR] | rounds zerocore was faster |",
+             "|---|---:|---|---:|---:|---:|"]
+    for group, members in _groups(rows).items():
+        ours = next((r for r in members if r.variant == ZEROCORE_VARIANT), None)
+        baselines = [r for r in members if r.is_torch_baseline]
+        if ours is None or not baselines:
+            continue
+        best = min(baselines, key=lambda r: r.median_s)
+        wins = sum(1 for x in best.ratios if x > 1.0)
+        lines.append(f"| {group} | {1e3 * ours.median_s:.3f} | {best.variant} | "
+                     f"{1e3 * best.median_s:.3f} | {_ratio_text(best)} | "
+                     f"{wins}/{len(best.ratios)} |")
     return lines
 
 
@@ -139,17 +210,20 @@ def pytest_terminal_summary(terminalreporter, config):
     rows = config.stash.get(_ROWS, [])
     if not rows:
         return
-    lines = _table(rows)
-    terminalreporter.section("zerocore kernel bandwidth (GB/s from the median time)")
-    terminalreporter.write_line(
-        "GB/s counts the bytes each operation must move (read + written); '% of copy' compares "
-        "with a plain copy of the same number of bytes timed in this run; 'time / zerocore's' > 1 "
-        "means zerocore is faster.")
+    intro = (f"Every operation's variants ran interleaved: {ROUNDS} timed rounds (after "
+             f"{WARMUP} warm-up rounds), each calling every variant once in a shuffled order. "
+             f"GB/s counts the bytes each operation must move (read + written), from the median; "
+             f"'% of copy' compares with a plain copy of as many bytes; 'time / zerocore's' is "
+             f"taken round by round (> 1: zerocore was faster in that round), then summarised.")
     load = f"Other processes kept {_other_load(config)} busy on average during the run."
-    terminalreporter.write_line(load)
-    for line in lines:
+    meta = (f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} at the end of the run.")
+    lines = _table(rows)
+    ref = _reference_table(rows)
+    terminalreporter.section("zerocore kernels against the fastest torch baseline, interleaved")
+    for line in [intro, load, meta, ""] + ref + [""] + lines:
         terminalreporter.write_line(line)
     path = config.getoption("--kernel-table")
     if path:
         with open(os.path.expanduser(path), "w") as f:
-            f.write("\n".join(lines + ["", load]) + "\n")
+            f.write("\n".join([intro, "", load, meta, ""] + ref + [""] + lines) + "\n")
