@@ -16,10 +16,12 @@ from pathlib import Path
 import torch
 
 from neox.config import PRESETS, NeoXConfig
+from neox.finetune_modes import MODES
 
 __all__ = ["DTYPES", "UsageError", "BlockRanges", "parse_layers", "add_model_arguments",
            "preset_config", "resolve_dtype", "HelpFormatter", "VOCAB_MULTIPLE", "positive_int", "nonnegative_int", "finite_float",
-           "default_data_dir_flag"]
+           "default_data_dir_flag", "add_mode_arguments", "add_step_arguments", "auto_mode",
+           "FINETUNE_DEFAULT_MODE", "recompute_blocks", "ALL_BLOCKS"]
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
                                   "fp16": torch.float16}
@@ -39,6 +41,7 @@ class BlockRanges:
 
     text: str
     ranges: tuple[tuple[int, int], ...]
+    flag: str = "--filter-layers"   # the flag that gave them, for messages
 
     def blocks(self, num_blocks: int) -> tuple[int, ...]:
         """The sorted, de-duplicated block indices, after checking that every range lies in
@@ -46,13 +49,13 @@ class BlockRanges:
         for lo, hi in self.ranges:
             if hi >= num_blocks:
                 bad = f"{lo}-{hi}" if lo != hi else str(lo)
-                raise UsageError(f"--filter-layers {self.text!r}: block {bad} is out of range: "
+                raise UsageError(f"{self.flag} {self.text!r}: block {bad} is out of range: "
                                  f"the model has {num_blocks} blocks, numbered 0..{num_blocks - 1}"
                                  f" (0-based, as gpt_neox.layers.{{i}} in the checkpoint)")
         return tuple(sorted({i for lo, hi in self.ranges for i in range(lo, hi + 1)}))
 
 
-def parse_layers(text: str | None) -> BlockRanges | None:
+def parse_layers(text: str | None, *, flag: str = "--filter-layers") -> BlockRanges | None:
     """``"0,1,4-6"`` -> ranges (0, 0), (1, 1), (4, 6). Negative numbers, reversed ranges and
     anything that is not a number are refused here; the upper bound is checked by
     ``BlockRanges.blocks`` once the model's block count is known."""
@@ -68,17 +71,17 @@ def parse_layers(text: str | None) -> BlockRanges | None:
             lo = int(lo_text)
             hi = int(hi_text) if dash else lo
         except ValueError:
-            raise UsageError(f"--filter-layers {text!r}: {part!r} is not a block index or a "
+            raise UsageError(f"{flag} {text!r}: {part!r} is not a block index or a "
                              f"range; expected indices like '0,1,4-6'") from None
         if lo < 0:
-            raise UsageError(f"--filter-layers {text!r}: {part!r}: block indices start at 0")
+            raise UsageError(f"{flag} {text!r}: {part!r}: block indices start at 0")
         if hi < lo:
-            raise UsageError(f"--filter-layers {text!r}: {part!r} is a reversed range; write "
+            raise UsageError(f"{flag} {text!r}: {part!r} is a reversed range; write "
                              f"{hi}-{lo}")
         ranges.append((lo, hi))
     if not ranges:
-        raise UsageError("--filter-layers is empty: give at least one block index, e.g. '0,1'")
-    return BlockRanges(text, tuple(ranges))
+        raise UsageError(f"{flag} is empty: give at least one block index, e.g. '0,1'")
+    return BlockRanges(text, tuple(ranges), flag)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -153,6 +156,89 @@ def add_model_arguments(p: argparse.ArgumentParser, *, for_training: bool) -> No
                    help="seeds a preset's random weights" + (
                        ", the LoRA adapters and the data order" if for_training
                        else " (and sampling)"))
+
+
+# --finetune auto: biases when there are pretrained weights; without them there is nothing to
+# fine-tune, so the whole preset trains from scratch (neox.finetune also changes its
+# optimisation defaults then).
+FINETUNE_DEFAULT_MODE = "biases"
+
+
+def auto_mode(has_weights: bool) -> str:
+    """What ``--finetune auto`` trains: biases of pretrained weights, everything otherwise."""
+    return FINETUNE_DEFAULT_MODE if has_weights else "full"
+
+
+def add_mode_arguments(p: argparse.ArgumentParser) -> None:
+    """What is trained: ``--finetune`` and the LoRA settings (neox.finetune, neox.plan)."""
+    m = p.add_argument_group("fine-tuning mode")
+    m.add_argument("--finetune", choices=("auto",) + MODES, default="auto",
+                   help="what to train; auto: biases with --checkpoint, and without one (nothing "
+                        "pretrained to fine-tune) full training of the preset from scratch")
+    m.add_argument("--lora-rank", type=positive_int, default=8,
+                   help="rank r of each LoRA adapter (--finetune lora)")
+    m.add_argument("--lora-alpha", type=finite_float, default=16.0,
+                   help="LoRA scaling numerator: adapters add (alpha / r) * B A")
+    m.add_argument("--lora-targets", default="query_key_value,attention.dense",
+                   help="comma-separated projections that get adapters")
+
+
+# --activation-checkpointing given without a value.
+ALL_BLOCKS = "all"
+
+
+def add_step_arguments(p: argparse.ArgumentParser) -> None:
+    """What one training step holds in memory and moves: sequence length, batch, gradient
+    accumulation, the gradients' reduction dtype, optimizer offload and activation
+    recomputation (neox.finetune, neox.plan)."""
+    s = p.add_argument_group("the training step (what memory holds)")
+    s.add_argument("--seq-len", type=positive_int, default=128, help="tokens per sequence")
+    s.add_argument("--batch-size", type=positive_int, default=16,
+                   help="sequences per rank per micro-batch")
+    s.add_argument("--grad-accum", type=positive_int, default=1,
+                   help="micro-batches per optimizer step")
+    s.add_argument("--reduce-dtype", choices=list(DTYPES), default="fp32",
+                   help="dtype in which gradients are summed over the ranks: fp32 keeps every "
+                        "bit over many ranks; bf16 halves the traffic, losing bits at each hop "
+                        "(the compute dtype is --dtype)")
+    s.add_argument("--offload-optimizer", action="store_true",
+                   help="keep fp32 masters, gradients and Adam moments in CPU memory")
+    s.add_argument("--activation-checkpointing", nargs="?", const=ALL_BLOCKS, default=None,
+                   metavar="BLOCKS",
+                   help="recompute blocks' activations in backward instead of keeping them: "
+                        "alone, every kept block; or a block list as --filter-layers takes "
+                        "(checkpoint numbering, e.g. '0-21'); same results, bitwise, for one "
+                        "more forward of those blocks (default: off)")
+    s.add_argument("--activation-checkpointing-every", type=positive_int, default=1,
+                   metavar="K",
+                   help="of the blocks --activation-checkpointing chooses, recompute every K-th "
+                        "(the first, the K+1-th, ...): less memory saved, less time spent")
+
+
+def recompute_blocks(choice: str | tuple[int, ...] | None, kept: tuple[int, ...]
+                     ) -> tuple[int, ...]:
+    """The kept blocks (checkpoint indices) --activation-checkpointing chooses: none, all of
+    ``kept``, or the listed ones, each of which must be kept."""
+    if choice is None:
+        return ()
+    if choice == ALL_BLOCKS:
+        return kept
+    missing = [b for b in choice if b not in kept]
+    if missing:
+        raise UsageError(f"--activation-checkpointing: block(s) {missing} are not among the "
+                         f"kept blocks ({_ranges(kept)}); recompute only blocks the run keeps")
+    return tuple(b for b in kept if b in choice)
+
+
+def _ranges(blocks: tuple[int, ...]) -> str:
+    """``(0, 1, 2, 5)`` -> ``'0-2,5'``."""
+    parts: list[str] = []
+    for b in blocks:
+        if parts and b == int(parts[-1].split("-")[-1]) + 1:
+            parts[-1] = f"{parts[-1].split('-')[0]}-{b}"
+        else:
+            parts.append(str(b))
+    return ",".join(parts)
 
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:

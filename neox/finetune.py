@@ -21,10 +21,11 @@ from typing import Any, Sequence
 import torch
 
 from neox import data as nd
-from neox.cli import (DTYPES, HelpFormatter, UsageError, add_model_arguments,
-                      default_data_dir_flag, finite_float, nonnegative_int, parse_layers,
-                      positive_int, preset_config)
-from neox.finetune_modes import MODES, FinetuneMode
+from neox.cli import (ALL_BLOCKS, HelpFormatter, UsageError, add_mode_arguments,
+                      add_model_arguments, add_step_arguments, auto_mode, default_data_dir_flag,
+                      finite_float, nonnegative_int, parse_layers, positive_int, preset_config,
+                      recompute_blocks)
+from neox.finetune_modes import FinetuneMode
 from neox.launch import LaunchConfig, RunRequest, launch, run_under_torchrun
 from neox.recipe import (DataConfig, LoopConfig, ModelRecipe, OptimConfig, OutputConfig, Recipe,
                          RecipeError, recipe_from_checkpoint)
@@ -38,8 +39,9 @@ from zerocore.checkpoint import CheckpointError, read_manifest
 # weights: a randomly initialised model learns nothing useful through its biases alone, so the
 # built-in run (no --checkpoint) trains the whole preset, at a learning rate and for a number of
 # epochs at which the tiny preset visibly learns in a couple of minutes on 2 CPU cores.
-FINETUNE_DEFAULTS = {"finetune": "biases", "lr": 3e-4, "warmup": 0, "epochs": 1}
-FROM_SCRATCH = {"finetune": "full", "lr": 2e-3, "warmup": 5, "epochs": 3}
+FINETUNE_DEFAULTS = {"finetune": auto_mode(has_weights=True), "lr": 3e-4, "warmup": 0,
+                     "epochs": 1}
+FROM_SCRATCH = {"finetune": auto_mode(has_weights=False), "lr": 2e-3, "warmup": 5, "epochs": 3}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,16 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m neox.finetune", description=__doc__.split("\n\n")[0],
         formatter_class=HelpFormatter)
     add_model_arguments(p, for_training=True)
-    m = p.add_argument_group("fine-tuning mode")
-    m.add_argument("--finetune", choices=("auto",) + MODES, default="auto",
-                   help="what to train; auto: biases with --checkpoint, and without one (nothing "
-                        "pretrained to fine-tune) full training of the preset from scratch")
-    m.add_argument("--lora-rank", type=positive_int, default=8,
-                   help="rank r of each LoRA adapter (--finetune lora)")
-    m.add_argument("--lora-alpha", type=finite_float, default=16.0,
-                   help="LoRA scaling numerator: adapters add (alpha / r) * B A")
-    m.add_argument("--lora-targets", default="query_key_value,attention.dense",
-                   help="comma-separated projections that get adapters")
+    add_mode_arguments(p)
+    add_step_arguments(p)
     d = p.add_argument_group("data")
     d.add_argument("--data", type=Path, default=None,
                    help="a local UTF-8 text file to train on (default: tiny_shakespeare)")
@@ -68,7 +62,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "on the corpus and cached)")
     d.add_argument("--cache-dir", type=Path, default=nd.default_cache_dir(),
                    help="downloaded corpus, trained tokenizers and tokenised data are kept here")
-    d.add_argument("--seq-len", type=positive_int, default=128, help="tokens per sequence")
     d.add_argument("--val-fraction", type=finite_float, default=0.1,
                    help="fraction of the windows (the corpus's end) held out for validation")
     o = p.add_argument_group("optimisation (on --resume, given flags override the checkpoint's)")
@@ -85,23 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--eps", type=finite_float, default=1e-8, help="Adam's epsilon")
     o.add_argument("--clip", type=finite_float, default=1.0,
                    help="global gradient-norm clip (0: off)")
-    o.add_argument("--reduce-dtype", choices=list(DTYPES), default="fp32",
-                   help="dtype in which gradients are summed over the ranks: fp32 keeps every "
-                        "bit over many ranks; bf16 halves the traffic, losing bits at each hop "
-                        "(the compute dtype is --dtype)")
     t = p.add_argument_group("training loop")
-    t.add_argument("--batch-size", type=positive_int, default=16,
-                   help="sequences per rank per micro-batch")
-    t.add_argument("--grad-accum", type=positive_int, default=1,
-                   help="micro-batches per optimizer step")
     t.add_argument("--epochs", type=positive_int, default=FINETUNE_DEFAULTS["epochs"],
                    help=f"passes over the training windows, each seen once per epoch (default: "
                         f"{FINETUNE_DEFAULTS['epochs']}; {FROM_SCRATCH['epochs']} when training "
                         f"from scratch)")
     t.add_argument("--max-steps", type=positive_int, default=None,
                    help="stop after this many steps (default: the epochs' steps)")
-    t.add_argument("--offload-optimizer", action="store_true",
-                   help="keep fp32 masters, gradients and Adam moments in CPU memory")
     t.add_argument("--eval-every", type=nonnegative_int, default=0,
                    help="validate every N steps (0: at the end only)")
     t.add_argument("--max-nonfinite-steps", type=positive_int, default=3,
@@ -156,6 +139,8 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "epochs": ("loop", "epochs"), "max_steps": ("loop", "max_steps"),
     "eval_every": ("loop", "eval_every"), "offload_optimizer": ("loop", "offload_optimizer"),
     "max_nonfinite_steps": ("loop", "max_nonfinite_steps"),
+    "activation_checkpointing": ("loop", "activation_checkpointing"),
+    "activation_checkpointing_every": ("loop", "activation_checkpointing_every"),
     "output_dir": ("output", "output_dir"), "save_every": ("output", "save_every"),
     "keep_last": ("output", "keep_last"), "export_hf": ("output", "export_hf"),
     "sample_tokens": ("output", "sample_tokens"),
@@ -181,8 +166,19 @@ def _path(p: Path | None) -> str | None:
     return None if p is None else str(p.resolve())
 
 
-def recipe_from_flags(args: argparse.Namespace, filter_layers: tuple[int, ...] | None) -> Recipe:
-    """The recipe the flags describe (``filter_layers`` already checked against the model)."""
+def recipe_from_flags(args: argparse.Namespace, filter_layers: tuple[int, ...] | None,
+                      num_blocks: int | None = None) -> Recipe:
+    """The recipe the flags describe (``filter_layers`` already checked against the model's
+    ``num_blocks``, which is read from the model when not given)."""
+    recomputed: tuple[int, ...] = ()
+    if args.activation_checkpointing is not None:
+        if num_blocks is None:
+            num_blocks = model_blocks(args)
+        kept = filter_layers if filter_layers is not None else tuple(range(num_blocks))
+        choice = args.activation_checkpointing
+        if choice != ALL_BLOCKS:
+            choice = parse_layers(choice, flag="--activation-checkpointing").blocks(num_blocks)
+        recomputed = recompute_blocks(choice, kept)
     try:
         mode = FinetuneMode(args.finetune, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
                             lora_targets=tuple(t.strip() for t in args.lora_targets.split(",")
@@ -202,7 +198,9 @@ def recipe_from_flags(args: argparse.Namespace, filter_layers: tuple[int, ...] |
                             epochs=args.epochs, max_steps=args.max_steps,
                             eval_every=args.eval_every, seed=args.seed,
                             offload_optimizer=args.offload_optimizer,
-                            max_nonfinite_steps=args.max_nonfinite_steps),
+                            max_nonfinite_steps=args.max_nonfinite_steps,
+                            activation_checkpointing=recomputed,
+                            activation_checkpointing_every=args.activation_checkpointing_every),
             output=OutputConfig(output_dir=str(args.output_dir), save_every=args.save_every,
                                 keep_last=args.keep_last, export_hf=args.export_hf,
                                 sample_tokens=args.sample_tokens))
@@ -233,7 +231,7 @@ def resolve_auto_mode(args: argparse.Namespace, log: Any) -> None:
     if args.finetune != "auto":
         return
     if args.checkpoint is not None or args.resume is not None:
-        args.finetune = FINETUNE_DEFAULTS["finetune"]
+        args.finetune = auto_mode(has_weights=True)
         return
     for dest, value in FROM_SCRATCH.items():
         if dest not in args.explicit or dest == "finetune":
@@ -343,8 +341,9 @@ def main(argv: list[str] | None = None) -> int:
         check_flags(args, use_cuda)
         resolve_auto_mode(args, log)
         ranges = parse_layers(args.filter_layers)
-        kept = ranges.blocks(model_blocks(args)) if ranges is not None else None
-        recipe = recipe_from_flags(args, kept)
+        num_blocks = model_blocks(args)
+        kept = ranges.blocks(num_blocks) if ranges is not None else None
+        recipe = recipe_from_flags(args, kept, num_blocks)
         resume = None
         if args.resume is not None:
             resume = find_resume_checkpoint(args.resume, Path(recipe.output.output_dir)

@@ -137,6 +137,11 @@ class LoopConfig:
     seed: int = 0                  # data order
     offload_optimizer: bool = False
     max_nonfinite_steps: int = 3   # steps in a row with NaN/inf loss or gradients: stop
+    # Blocks (checkpoint indices, among the kept ones) whose activations are recomputed in
+    # backward instead of kept; () none. Of those, every k-th is (the first, the k+1-th, ...).
+    # Results are bitwise the same either way, so a resumed run may change them.
+    activation_checkpointing: tuple[int, ...] = ()
+    activation_checkpointing_every: int = 1
 
     def __post_init__(self) -> None:
         w = "recipe.loop"
@@ -149,6 +154,14 @@ class LoopConfig:
                f"eval_every must be >= 0, got {self.eval_every!r}")
         _check(_int(self.seed), w, f"seed must be an integer, got {self.seed!r}")
         _check(isinstance(self.offload_optimizer, bool), w, "offload_optimizer must be a bool")
+        _check(isinstance(self.activation_checkpointing, tuple)
+               and all(_int(i) and i >= 0 for i in self.activation_checkpointing), w,
+               f"activation_checkpointing must be block indices, got "
+               f"{self.activation_checkpointing!r}")
+        _check(_int(self.activation_checkpointing_every)
+               and self.activation_checkpointing_every >= 1, w,
+               f"activation_checkpointing_every must be >= 1, got "
+               f"{self.activation_checkpointing_every!r}")
 
 
 @dataclasses.dataclass(frozen=True)

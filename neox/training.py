@@ -31,6 +31,7 @@ from neox.lora import merge_lora
 from neox.model import layer_specs
 from neox.progress import Progress
 from neox.sampling import sample_sharded
+from neox.step import micro_batch_loss, recompute_policy
 from neox.recipe import DataConfig, LoopConfig, ModelRecipe, OptimConfig, Recipe
 from neox.run_dir import (CHECKPOINTS, HF_EXPORT, METRICS, TOKENIZER, TOKENIZER_SHA256,
                           TRAINABLE, MetricsFile, OutputDirError, describe_os_error,
@@ -138,17 +139,22 @@ def build(recipe: Recipe, data: RunData, *, device: torch.device, rank: int, wor
     dtype = resolve_dtype(recipe.model.dtype, device)
     mode = recipe.model.finetune
     kept = filtered_config(config, recipe.model.filter_layers).num_hidden_layers
+    recompute = recompute_policy(layer_specs(config, recipe.model.filter_layers), recipe.loop)
+    recomputed = ("" if recompute is None else
+                  f"; activations of {sum(map(recompute.selects, range(kept + 3)))} block(s) "
+                  f"recomputed in backward")
     log(f"model: {recipe.model.checkpoint or recipe.model.preset}, {config.num_hidden_layers} "
         f"blocks in the checkpoint, keeping {kept}; fine-tuning {mode.mode}; compute dtype "
-        f"{str(dtype).removeprefix('torch.')}, gradients summed in {recipe.model.reduce_dtype}; "
-        f"building layer by layer:")
+        f"{str(dtype).removeprefix('torch.')}, gradients summed in {recipe.model.reduce_dtype}"
+        f"{recomputed}; building layer by layer:")
     with reader:
         model = zerocore.shard(stream_layers(reader, config, recipe.model, log=log),
                                device=device,
                                mixed_precision=zerocore.MixedPrecision(
                                    param_dtype=dtype,
                                    reduce_dtype=DTYPES[recipe.model.reduce_dtype]),
-                               offload=zerocore.Offload(optimizer=recipe.loop.offload_optimizer))
+                               offload=zerocore.Offload(optimizer=recipe.loop.offload_optimizer),
+                               recompute=recompute)
     shards = model.trainable_shards()
 
     def check_trainable() -> None:
@@ -294,13 +300,13 @@ def train(state: TrainState, recipe: Recipe, data: RunData, metrics: MetricsFile
         totals[3] = 1.0 if metrics_error is not None else 0.0
         for _ in range(loop.grad_accum):
             x, y = nd.batch(ds.train, state.sampler.next_batch(), device=device)
-            logits = model(x).float()
-            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            loss, correct = micro_batch_loss(model(x), y)
             state.scaler.scale(loss / loop.grad_accum).backward()
             with torch.no_grad():
                 totals[0] += loss.detach() * y.numel()
-                totals[1] += (logits.argmax(-1) == y).sum()
+                totals[1] += correct
                 totals[2] += y.numel()
+            del loss, correct  # not held through the next micro-batch's forward
         result = state.scaler.step(state.optimizer, max_norm=recipe.optim.clip or None)
         if not result.skipped:
             state.scheduler.step()

@@ -1,0 +1,42 @@
+"""One training step of neox as the engine sees it, shared by the run (``neox.training``) and
+the plan (``neox.plan``), so that what the plan traces is what the run executes: the loss of a
+micro-batch, and the engine policies a recipe asks for.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import zerocore
+from neox.model import LayerSpec
+from neox.recipe import LoopConfig
+
+__all__ = ["micro_batch_loss", "recompute_policy"]
+
+
+def micro_batch_loss(logits: torch.Tensor, targets: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean token cross-entropy, number of correct argmax predictions) of logits (B, T, V) in
+    the compute dtype against targets (B, T).
+
+    The softmax runs in fp32 whatever the compute dtype. The fp32 copy of the logits is not
+    kept for backward (cross-entropy keeps its own fp32 log-probabilities) and goes when this
+    returns: at a 50k vocabulary it is the largest activation of a step, so the caller must not
+    hold it through backward either."""
+    logits = logits.float()                                                # (B, T, V) fp32
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    with torch.no_grad():
+        correct = (logits.argmax(-1) == targets).sum()
+    return loss, correct
+
+
+def recompute_policy(specs: list[LayerSpec], loop: LoopConfig) -> zerocore.Recompute | None:
+    """The engine's ``Recompute`` for the blocks ``loop.activation_checkpointing`` names
+    (checkpoint indices), at their positions in the stack ``specs`` describes; None for none."""
+    chosen = set(loop.activation_checkpointing)
+    positions = tuple(i for i, spec in enumerate(specs)
+                      if spec.kind == "block" and spec.source in chosen)
+    if not positions:
+        return None
+    return zerocore.Recompute(layers=positions, every=loop.activation_checkpointing_every)
