@@ -19,6 +19,7 @@ from zerocore.loss_scale import LossScaler, StepResult  # noqa: E402
 from zerocore.policies import (LossScaling, MixedPrecision, Offload, Prefetch,  # noqa: E402
                                Recompute)
 from zerocore.report import CommReport, MemoryReport  # noqa: E402
+from zerocore.meta_layer import MetaLayer  # noqa: E402
 from zerocore.sharded_param import ShardParameter  # noqa: E402
 from zerocore.sharded_sequential import ShardedSequential, shard  # noqa: E402
 from zerocore.agree import PeerError, run_agreed  # noqa: E402
@@ -35,4 +36,4 @@ __all__ = ["BUILD", "ops", "optim", "reference", "shard", "ShardedSequential", "
            "load_checkpoint", "latest_checkpoint", "list_checkpoints", "checkpoint_runs",
            "incomplete_checkpoints", "IncompleteCheckpoint", "open_checkpoint", "read_manifest",
            "verify_files", "iter_full_layers", "ShardReader", "CheckpointError",
-           "CheckpointWriteError", "Platform"]
+           "CheckpointWriteError", "Platform", "MetaLayer"]

@@ -24,6 +24,7 @@ from torch import nn
 
 from zerocore.flat_group import FlatGroup, GroupContext, PendingGrad
 from zerocore.flat_layout import FlatLayout
+from zerocore.meta_layer import RangeReader
 from zerocore import ops
 from zerocore.offload import GradToHost, accumulate_grad, start_grad_to_host
 from zerocore.recompute import ForwardState
@@ -44,6 +45,36 @@ def _collect_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list[tup
     return list(by_id.values())
 
 
+def _rank_slice(chosen: list[tuple[str, nn.Parameter]], layout: FlatLayout, rank: int,
+                dtype: torch.dtype, read: RangeReader | None) -> torch.Tensor:
+    """The group's unsharded flat buffer (1D, ``dtype``, padded_numel) with only this rank's
+    range ``[lo, hi)`` written (padding zero): what ``FlatGroup`` keeps. The rest is allocated
+    but never touched, so on the CPU it takes address space, not memory (pages are backed when
+    first written). A meta parameter's elements come from ``read``, only those in the range."""
+    lo, hi = layout.shard_range(rank)
+    device = next((p.device for _, p in chosen if not p.is_meta), torch.device("cpu"))
+    full = torch.empty(layout.padded_numel, dtype=dtype, device=device)
+    pieces, offsets = [], []
+    for (name, p), slot in zip(chosen, layout.slots):
+        start, stop = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if start >= stop:
+            continue
+        a, b = start - slot.offset, stop - slot.offset
+        if p.is_meta:
+            piece = read(name, a, b)
+            if piece.shape != (b - a,) or not piece.is_floating_point():
+                raise ValueError(f"MetaLayer.read({name!r}, {a}, {b}) returned "
+                                 f"{piece.dtype} {tuple(piece.shape)}; expected {b - a} "
+                                 f"floating-point elements")
+        else:
+            piece = p.detach().reshape(-1)[a:b]
+        pieces.append(piece.to(device))
+        offsets.append(start - lo)
+    with torch.no_grad():
+        ops.pack(pieces, offsets, full[lo:hi])   # zeros where no parameter lies
+    return full
+
+
 class ShardedLayer(nn.Module):
     """A layer whose parameters live in a trainable and a frozen ``FlatGroup``.
 
@@ -51,7 +82,9 @@ class ShardedLayer(nn.Module):
     ``model.parameters()`` yields exactly what this rank owns.
     """
 
-    def __init__(self, module: nn.Module, index: int, ctx: GroupContext, world_size: int):
+    def __init__(self, module: nn.Module, index: int, ctx: GroupContext, world_size: int,
+                 read: RangeReader | None = None):
+        """read: where the values of meta parameters come from (``zerocore.MetaLayer``)."""
         super().__init__()
         self.index = index
         params = _collect_params(module)
@@ -59,6 +92,10 @@ class ShardedLayer(nn.Module):
             if not p.is_floating_point() or p.dtype == torch.float64:
                 raise ValueError(f"layer {index}: parameter {name} has dtype {p.dtype}; zerocore "
                                  f"shards float32/float16/bfloat16 parameters")
+            if p.is_meta and read is None:
+                raise ValueError(f"layer {index}: parameter {name} is on the meta device, without "
+                                 f"values; materialise the layer, or give it as "
+                                 f"zerocore.MetaLayer(module, read) to read each rank's part")
         groups: dict[bool, FlatGroup | None] = {}
         self._owners: dict[bool, list[list[tuple[nn.Module, str]]]] = {}
         for trainable in (True, False):
@@ -69,10 +106,9 @@ class ShardedLayer(nn.Module):
                 continue
             layout = FlatLayout.build([(n, tuple(p.shape)) for n, p, _ in chosen], world_size)
             full_dtype = torch.float32 if trainable else ctx.param_dtype
-            full = torch.empty(layout.padded_numel, dtype=full_dtype, device=chosen[0][1].device)
-            with torch.no_grad():
-                ops.pack([p.detach() for _, p, _ in chosen], [s.offset for s in layout.slots],
-                         full)
+            # Only this rank's part is written: FlatGroup keeps only that slice.
+            full = _rank_slice([(n, p) for n, p, _ in chosen], layout, ctx.rank, full_dtype,
+                               read)
             groups[trainable] = FlatGroup(layout, full, trainable, ctx)
             del full
         # The module no longer owns its parameters: their values live in the groups, and

@@ -21,6 +21,7 @@ from zerocore import BUILD, collectives
 from zerocore.collectives import CommCounter
 from zerocore.device import Platform, agree_on_devices, resolve_device
 from zerocore.flat_group import GroupContext
+from zerocore.meta_layer import MetaLayer
 from zerocore.offload import OffloadStreams, cpu_threads
 from zerocore.policies import MixedPrecision, Offload, Prefetch, Recompute
 from zerocore.report import CommReport, MemoryReport
@@ -97,12 +98,15 @@ class ShardedSequential(nn.Module):
         iterator = iter(layers)
         while True:
             layer = next(iterator, None)
+            read = None
+            if isinstance(layer, MetaLayer):
+                layer, read = layer.module, layer.read
             if not _agree_on_layer(len(sharded), layer, group, device):
                 break
             _check_not_tied(layer, len(sharded), owners)
-            sharded.append(ShardedLayer(layer, len(sharded), ctx, self.world_size))
+            sharded.append(ShardedLayer(layer, len(sharded), ctx, self.world_size, read))
             sharded[-1].recompute = recompute is not None and recompute.selects(len(sharded) - 1)
-            del layer  # materialised layers may be freed one by one (see `shard`)
+            del layer, read  # materialised layers may be freed one by one (see `shard`)
         if not sharded:
             raise ValueError("zerocore.shard: got no layers")
         if recompute is not None:
@@ -256,7 +260,8 @@ def shard(layers: Iterable[nn.Module], *, group: dist.ProcessGroup | None = None
         tensor to one tensor, identical on every rank (same structure, same initial values: seed every rank
         alike or load the same checkpoint). Each layer's trainable parameters (``requires_grad`` now)
         and frozen parameters become two flat groups of which this rank keeps 1/N; the modules
-        keep only their buffers.
+        keep only their buffers. A ``zerocore.MetaLayer(module, read)`` in place of a layer has
+        its meta parameters read by range: each rank reads only its shard's elements.
     group: the process group (default: the world). torch.distributed must be initialised; one
         process works too (world size 1).
     device: where layers compute. Default: CUDA when any backend of the group is NCCL
