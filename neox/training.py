@@ -10,6 +10,7 @@ once, in one line.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import time
@@ -26,9 +27,9 @@ from zerocore.consolidate import save_trainable
 from neox import data as nd
 from neox.cli import DTYPES, preset_config, resolve_dtype
 from neox.config import NeoXConfig, filtered_config
-from neox.finetune_modes import prepare_layer
+from neox.finetune_modes import FinetuneMode, prepare_layer
 from neox.lora import merge_lora
-from neox.model import layer_specs
+from neox.model import LayerSpec, layer_specs
 from neox.progress import Progress
 from neox.sampling import sample_sharded
 from neox.step import micro_batch_loss, recompute_policy
@@ -36,7 +37,8 @@ from neox.recipe import DataConfig, LoopConfig, ModelRecipe, OptimConfig, Recipe
 from neox.run_dir import (CHECKPOINTS, HF_EXPORT, METRICS, TOKENIZER, TOKENIZER_SHA256,
                           TRAINABLE, MetricsFile, OutputDirError, describe_os_error,
                           tokenizer_bytes, write_tokenizer)
-from neox.weights import RandomInit, WeightsReader, iter_layers, open_weights, save_hf
+from neox.weights import (RandomInit, WeightsReader, materialize, meta_layer, open_weights,
+                          save_hf)
 
 Log = Callable[..., None]
 
@@ -96,21 +98,34 @@ def weights_source(model: ModelRecipe, tokenizer: Any) -> tuple[NeoXConfig, Weig
     return config, reader
 
 
+def source_layer(reader: WeightsReader, spec: LayerSpec, position: int,
+                 mode: FinetuneMode) -> nn.Module | zerocore.MetaLayer:
+    """One layer as the engine takes it, prepared for the fine-tuning mode: built on the meta
+    device with a range reader when the weights' format allows (each rank then reads only its
+    shard of it), materialised whole otherwise (random initialisation, old pickles)."""
+    layer = meta_layer(reader, spec)
+    if layer is None:
+        return prepare_layer(materialize(reader, spec), position, mode)
+    return zerocore.MetaLayer(prepare_layer(layer, position, mode),
+                              functools.partial(reader.read_range, spec.kind, spec.source))
+
+
 def stream_layers(reader: WeightsReader, config: NeoXConfig, model: ModelRecipe, *, log: Log,
-                  ) -> Iterator[nn.Module]:
-    """Materialises one layer at a time (the engine keeps only this rank's shard of it) and
-    says so, so a large model's build shows progress. A layer that cannot be read (missing file,
-    wrong shape) is agreed on by all ranks before the engine's next collective."""
+                  ) -> Iterator[nn.Module | zerocore.MetaLayer]:
+    """One layer at a time (the engine keeps only this rank's shard of it), saying so, so a
+    large model's build shows progress. A layer that cannot be opened (missing file, wrong
+    shape) is agreed on by all ranks before the engine's next collective."""
     specs = layer_specs(config, model.filter_layers)
-    layers = iter_layers(reader, filter_layers=model.filter_layers)
     for i, spec in enumerate(specs):
-        layer = zerocore.run_agreed(lambda: prepare_layer(next(layers), i, model.finetune))
-        n = sum(p.numel() for p in layer.parameters())
-        t = sum(p.numel() for p in layer.parameters() if p.requires_grad)
+        layer = zerocore.run_agreed(lambda: source_layer(reader, spec, i, model.finetune))
+        module = layer.module if isinstance(layer, zerocore.MetaLayer) else layer
+        n = sum(p.numel() for p in module.parameters())
+        t = sum(p.numel() for p in module.parameters() if p.requires_grad)
         where = f" (checkpoint block {spec.source})" if spec.kind == "block" else ""
         log(f"  layer {i + 1}/{len(specs)}: {spec.kind}{where}, {n:,} parameters, "
-            f"{t:,} trainable")
+            f"{t:,} trainable" + (", this rank's part read" if module is not layer else ""))
         yield layer
+        del layer, module  # before the next one is read
 
 
 def warmup_factor(warmup: int) -> Callable[[int], float]:

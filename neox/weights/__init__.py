@@ -1,7 +1,8 @@
 """Pretrained GPT-NeoX weights, read one layer at a time whatever their format.
 
 - ``base``: the reader interface (``WeightsReader``), its error (``WeightsError``), and
-  ``iter_layers``/``materialize``, which turn a reader into checked, materialised layers;
+  ``iter_layers``/``materialize``, which turn a reader into checked, materialised layers,
+  and ``meta_layer`` for readers that read by range (each rank reads only its shard);
 - ``hf``: Hugging Face directories (read layer by layer; ``save_hf`` writes them);
 - ``slim``: EleutherAI's GPT-NeoX-20B "slim weights", tensor-parallel partitions merged;
 - ``neox_yaml``: the NeoX library's YAML configs, translated into a ``NeoXConfig``;
@@ -13,7 +14,7 @@ checkpoint (``zerocore.save_checkpoint``), a different thing with its own error 
 """
 
 from neox.weights.base import (WeightsError, WeightsReader, iter_layer_states, iter_layers,
-                               layer_label, load_state_file, materialize)
+                               layer_label, load_state_file, materialize, meta_layer)
 from neox.weights.hf import HFReader, hf_key, is_hf_directory, save_hf
 from neox.weights.neox_yaml import config_from_neox_yaml, read_neox_yaml
 from neox.weights.random_init import RandomInit
@@ -22,6 +23,7 @@ from neox.weights.formats import from_pretrained, open_weights
 
 __all__ = [
     "WeightsError", "WeightsReader", "iter_layers", "iter_layer_states", "layer_label",
+    "meta_layer",
     "load_state_file", "materialize", "HFReader", "hf_key", "is_hf_directory", "save_hf",
     "config_from_neox_yaml", "read_neox_yaml", "RandomInit", "SlimReader", "find_slim_directory",
     "open_slim", "from_pretrained", "open_weights",

@@ -14,11 +14,18 @@ block, ``"embed_in.weight"`` for the embedding), on any device and in any floati
 ``iter_layers`` checks names and shapes against the model and reports problems through
 ``where``, so a reader only raises ``WeightsError`` for what it alone can see (a missing or
 unreadable file).
+
+Reading by range (rank-local loading): a reader that can return any element range of a tensor
+without reading the rest also implements ``shapes`` (names, shapes and dtypes of a layer, read
+from headers) and ``read_range``. ``meta_layer`` then builds the checked layer on the meta
+device, and a sharding engine reads only the ranges its rank keeps (``zerocore.MetaLayer``):
+host memory and I/O per rank fall with the number of ranks.
 """
 
 from __future__ import annotations
 
 import abc
+import math
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -29,7 +36,7 @@ from neox.config import NeoXConfig
 from neox.model import LayerKind, LayerSpec, build_layer, layer_specs
 
 __all__ = ["WeightsError", "WeightsReader", "load_state_file", "layer_label", "contained", "materialize",
-           "iter_layers", "iter_layer_states"]
+           "iter_layers", "iter_layer_states", "meta_layer", "flat_range"]
 
 
 class WeightsError(ValueError):
@@ -113,6 +120,20 @@ class WeightsReader(abc.ABC):
         the tensor's name in it. Override to be precise; the default names the checkpoint."""
         return f"{self.path}: {layer_label(kind, index)} tensor '{name}'"
 
+    def shapes(self, kind: LayerKind, index: int | None = None
+               ) -> dict[str, tuple[torch.Size, torch.dtype]] | None:
+        """``{local name: (shape, dtype)}`` of one layer's tensors, read without their values,
+        when this reader can read element ranges (``read_range``); None (this default) when it
+        can only read whole layers."""
+        return None
+
+    def read_range(self, kind: LayerKind, index: int | None, name: str, start: int,
+                   stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of tensor ``name`` of a layer, flattened row-major
+        (1-D, its stored dtype), reading little more than those elements. Only for readers
+        whose ``shapes`` is not None."""
+        raise NotImplementedError(f"{type(self).__name__} reads whole layers only")
+
     def close(self) -> None:
         """Releases open files. Reading again after closing may reopen them."""
 
@@ -163,6 +184,31 @@ def materialize(reader: WeightsReader, spec: LayerSpec, *, dtype: torch.dtype | 
     del tensors
     layer.load_state_dict(state, strict=True, assign=True)
     return layer
+
+
+def meta_layer(reader: WeightsReader, spec: LayerSpec) -> nn.Module | None:
+    """One layer on the meta device, its parameters in the stored dtypes, names and shapes
+    checked as ``materialize`` checks them, nothing read but headers; None when ``reader``
+    cannot read by range. Its values are ``reader.read_range(spec.kind, spec.source, ...)``."""
+    found = reader.shapes(spec.kind, spec.source)
+    if found is None:
+        return None
+    layer = build_layer(spec.kind, reader.config, device="meta")
+    tensors = {n: torch.empty(shape, dtype=dtype, device="meta")
+               for n, (shape, dtype) in found.items()}
+    _check_tensors(reader, spec, layer, tensors)
+    layer.load_state_dict(tensors, strict=True, assign=True)
+    return layer
+
+
+def flat_range(rows: Callable[[int, int], torch.Tensor], shape: tuple[int, ...], start: int,
+               stop: int) -> torch.Tensor:
+    """Elements ``[start, stop)`` of a row-major tensor of ``shape`` from a function giving its
+    rows ``[r0, r1)`` (along dim 0): the rows that hold the range, cut to it. Reads at most a
+    row on either side beyond the range."""
+    row = math.prod(shape[1:]) if len(shape) > 1 else 1
+    r0, r1 = start // row, -(-stop // row)
+    return rows(r0, r1).reshape(-1)[start - r0 * row: stop - r0 * row]
 
 
 def iter_layers(reader: WeightsReader, *, filter_layers: Iterable[int] | None = None,

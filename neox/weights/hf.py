@@ -7,6 +7,10 @@ are opened with ``safe_open`` and only the requested tensors are read; ``.bin`` 
 loaded with ``torch.load(mmap=True, weights_only=True)``, so only the pages of the tensors
 used are read (pre-1.6 non-zip pickles cannot be mapped and are loaded whole).
 
+Reading by range (``shapes``, ``read_range``; ``neox.weights.base``): safetensors through
+``get_slice`` (only the rows holding the range are copied out of the mapped file), ``.bin``
+through the memory-mapped tensor (only the pages of the range are touched).
+
 Checkpoint names map to layer-local names by a prefix (see ``neox.model``). The readout is
 ``embed_out.weight`` on disk (``lm_head.weight`` in a transformers-5 ``state_dict()``; both
 are accepted). Buffers older transformers versions saved (``attention.bias``,
@@ -25,14 +29,14 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from neox.weights.base import (WeightsError, WeightsReader, contained, layer_label,
-                               load_state_file)
+from neox.weights.base import (WeightsError, WeightsReader, contained, flat_range,
+                               layer_label, load_state_file)
 from neox.config import NeoXConfig
 from neox.model import LayerKind, build_layer
 
@@ -48,6 +52,13 @@ _LEGACY_BLOCK_BUFFERS = frozenset({"attention.bias", "attention.masked_bias",
 _LEGACY_MODEL_BUFFERS = frozenset({"rotary_emb.inv_freq"})  # after the gpt_neox. prefix
 
 _BLOCK_KEY = re.compile(r"layers\.(\d+)\.(.+)")
+
+# safetensors' dtype names; anything else is read as a non-float type, which the layer's
+# checks then refuse with the tensor's name.
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                       "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
 
 
 def hf_key(kind: LayerKind, index: int | None, name: str) -> str:
@@ -99,6 +110,7 @@ class HFReader(WeightsReader):
         self.path = Path(path)
         self._allow_outside = allow_outside
         self._bin_cache: tuple[Path, dict[str, torch.Tensor]] | None = None
+        self._safe_cache: tuple[Path, Any] | None = None  # the last safetensors file opened
         self.config = config if config is not None else self._read_config()
         self._weights = self._find_weights()  # the index or single weight file
         self._is_safetensors = self._weights.name.startswith("model.safetensors")
@@ -227,6 +239,61 @@ class HFReader(WeightsReader):
                     out[local] = state[key]
         return out
 
+    # -- reading by range -------------------------------------------------------------------
+
+    def _safe(self, file: Path) -> Any:
+        """An open safetensors file (the header parsed once per file, kept while the layers of
+        that file are read)."""
+        if self._safe_cache is None or self._safe_cache[0] != file:
+            self._safe_cache = None
+            try:
+                self._safe_cache = (file, safe_open(file, framework="pt"))
+            except Exception as e:  # safetensors raises its own error types
+                raise WeightsError(f"{file}: cannot read ({e})") from None
+        return self._safe_cache[1]
+
+    def _located(self, kind: LayerKind, index: int | None) -> list[tuple[str, str, Path]]:
+        """(local name, checkpoint key, file) of each tensor of a layer."""
+        return [(local, key, self._file_for(key))
+                for local, key in self._layers.get((kind, index), {}).items()]
+
+    def shapes(self, kind: LayerKind, index: int | None = None
+               ) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        out = {}
+        for local, key, file in self._located(kind, index):
+            if self._is_safetensors:
+                f = self._safe(file)
+                if key not in f.keys():
+                    raise WeightsError(f"{file}: tensor '{key}' is listed in "
+                                       f"{self._weights.name} but not in the file")
+                sl = f.get_slice(key)
+                out[local] = (torch.Size(sl.get_shape()),
+                              _SAFETENSORS_DTYPES.get(sl.get_dtype(), torch.uint8))
+            else:
+                t = self._bin_tensor(file, key)
+                out[local] = (t.shape, t.dtype)
+        return out
+
+    def read_range(self, kind: LayerKind, index: int | None, name: str, start: int,
+                   stop: int) -> torch.Tensor:
+        key = self._layers[(kind, index)][name]
+        file = self._file_for(key)
+        if not self._is_safetensors:
+            # A view of the mapped file: whoever copies it touches only the range's pages.
+            return self._bin_tensor(file, key).reshape(-1)[start:stop]
+        sl = self._safe(file).get_slice(key)
+        try:
+            return flat_range(lambda r0, r1: sl[r0:r1], tuple(sl.get_shape()), start, stop)
+        except Exception as e:
+            raise WeightsError(f"{file}: cannot read tensor '{key}' ({e})") from None
+
+    def _bin_tensor(self, file: Path, key: str) -> torch.Tensor:
+        state = self._load_bin(file)
+        if key not in state:
+            raise WeightsError(f"{file}: tensor '{key}' is listed in {self._weights.name} but "
+                               f"not in the file")
+        return state[key]
+
     def where(self, kind: LayerKind, index: int | None, name: str) -> str:
         key = self._layers.get((kind, index), {}).get(name)
         if key is not None:
@@ -235,6 +302,7 @@ class HFReader(WeightsReader):
 
     def close(self) -> None:
         self._bin_cache = None
+        self._safe_cache = None
 
 
 # -- writing ----------------------------------------------------------------------------------

@@ -40,6 +40,10 @@ How each tensor is merged (``BLOCK_RULES``):
   difference; so are the row-parallel bias copies when they are merged by "mean".
 - ``attention.rotary_emb.inv_freq``: a buffer recomputed from the configuration; skipped.
 
+Reading by range (``shapes``, ``read_range``): a merged row of a column-parallel tensor lives
+in one partition, and a row of a row-parallel weight is the same row of every partition side by
+side, so a range of the merged tensor is read from the memory-mapped partitions' rows alone.
+
 Configuration: a NeoX YAML (``20B.yml``: ``num-layers``, ``hidden-size``, ... with ``-`` and
 ``_`` interchangeable, JSON-ish with comments) found next to the weights, in ``configs/``
 there, or in ``../configs/`` (the release puts the layer files in ``global_step150000/`` and
@@ -66,8 +70,8 @@ import torch
 
 from neox.config import PRESETS, NeoXConfig
 from neox.model import LayerKind
-from neox.weights.base import (WeightsError, WeightsReader, contained, layer_label,
-                               load_state_file)
+from neox.weights.base import (WeightsError, WeightsReader, contained, flat_range,
+                               layer_label, load_state_file)
 from neox.weights.neox_yaml import config_from_neox_yaml, normalize_keys, read_neox_yaml
 
 __all__ = ["SlimReader", "open_slim", "is_slim_directory", "find_slim_directory",
@@ -313,6 +317,9 @@ class SlimReader(WeightsReader):
         # (kind, index) -> {local name: Megatron name} of the layers read, for messages: the
         # MLP has two possible names in the files.
         self._read_names: dict[tuple[LayerKind, int | None], dict[str, str]] = {}
+        # The last layer's checked partitions, for the range reads that follow ``shapes``.
+        self._parts_cache: tuple[tuple[LayerKind, int | None],
+                                 dict[str, tuple[str, MergeRule, list[torch.Tensor]]]] | None = None
         if not self._files:
             raise WeightsError(f"{self.path}: no layer_XX-model_YY-model_states.pt files")
 
@@ -446,10 +453,14 @@ class SlimReader(WeightsReader):
         n = self.config.num_hidden_layers
         return self._tied_output and not any((n + 4, r) in self._files for r in range(self.tp))
 
-    def read(self, kind: LayerKind, index: int | None = None) -> dict[str, torch.Tensor]:
-        if kind == "readout" and self._tied_readout():
-            embedding = self.read("embed")["embed_in.weight"]
-            return {"embed_out.weight": embedding}
+    def _layer(self, kind: LayerKind, index: int | None
+               ) -> dict[str, tuple[str, MergeRule, list[torch.Tensor]]]:
+        """``{local name: (Megatron name, merge rule, the partitions' tensors)}`` of one layer
+        (not a tied readout), after every check of the files; the partitions are memory-mapped,
+        so nothing is read but what is used. The last layer's are kept for ``read_range``."""
+        if self._parts_cache is not None and self._parts_cache[0] == (kind, index):
+            return self._parts_cache[1]
+        self._parts_cache = None
         layer, rules = self._source(kind, index)
         files = [self._partition_file(layer, r, kind, index) for r in range(self.tp)]
         parts = [self._load(f) for f in files]
@@ -463,8 +474,7 @@ class SlimReader(WeightsReader):
         if kind == "block":
             _block_mlp_width(files, parts)  # refuses a gated MLP with a message of its own
         renames = _RENAMES.get(kind, {})
-        out: dict[str, torch.Tensor] = {}
-        names: dict[str, str] = {}
+        out: dict[str, tuple[str, MergeRule, list[torch.Tensor]]] = {}
         for key, rule in rules.items():
             present = [key in state for state in parts]
             if not any(present):
@@ -474,10 +484,9 @@ class SlimReader(WeightsReader):
                 raise WeightsError(f"{file}: tensor '{key}' is missing from this partition "
                                       f"but present in {files[present.index(True)].name}")
             local = renames.get(key, key)
-            if local in names:
-                raise WeightsError(f"{files[0]}: tensors '{names[local]}' and '{key}' are both "
+            if local in out:
+                raise WeightsError(f"{files[0]}: tensors '{out[local][0]}' and '{key}' are both "
                                    f"{label} {local} (NeoX's older and newer name)")
-            names[local] = key
             tensors = [state[key] for state in parts]
             self._check_partitions(files, key, tensors)
             if len(tensors) > 1 and (rule == REPLICATED or (
@@ -485,10 +494,58 @@ class SlimReader(WeightsReader):
                 # "mean" is the merge for copies that should be identical (see
                 # row_parallel_bias_merge), so they are checked like the replicated ones.
                 _check_copies(files, key, label, tensors, rule)
-            out[local] = self._merge(rule, tensors)
+            out[local] = (key, rule, tensors)
         del parts
-        self._read_names[(kind, index)] = names
+        self._read_names[(kind, index)] = {local: key for local, (key, _, _) in out.items()}
+        self._parts_cache = ((kind, index), out)
         return out
+
+    def read(self, kind: LayerKind, index: int | None = None) -> dict[str, torch.Tensor]:
+        if kind == "readout" and self._tied_readout():
+            embedding = self.read("embed")["embed_in.weight"]
+            return {"embed_out.weight": embedding}
+        out = {local: self._merge(rule, tensors)
+               for local, (_, rule, tensors) in self._layer(kind, index).items()}
+        self._parts_cache = None  # read whole: nothing more to read from these files
+        return out
+
+    def shapes(self, kind: LayerKind, index: int | None = None
+               ) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        if kind == "readout" and self._tied_readout():
+            shape, dtype = self.shapes("embed")["embed_in.weight"]
+            return {"embed_out.weight": (shape, dtype)}
+        out = {}
+        for local, (_, rule, tensors) in self._layer(kind, index).items():
+            shape = list(tensors[0].shape)
+            if rule in (CAT_OUT, CAT_IN) and shape:
+                shape[0 if rule == CAT_OUT else 1] *= len(tensors)
+            out[local] = (torch.Size(shape), tensors[0].dtype)
+        return out
+
+    def read_range(self, kind: LayerKind, index: int | None, name: str, start: int,
+                   stop: int) -> torch.Tensor:
+        """Column-parallel tensors: the merged rows come from the partitions that hold them;
+        row-parallel weights: the same rows of every partition, side by side; the small
+        replicated tensors and row-parallel biases are merged whole and cut."""
+        if kind == "readout" and self._tied_readout():
+            return self.read_range("embed", None, "embed_in.weight", start, stop)
+        _, rule, tensors = self._layer(kind, index)[name]
+        shape = tuple(self.shapes(kind, index)[name][0])
+        if rule == CAT_OUT:
+            per = tensors[0].shape[0]
+
+            def rows(r0: int, r1: int) -> torch.Tensor:
+                return torch.cat([t[max(r0 - p * per, 0): max(min(r1 - p * per, per), 0)]
+                                  for p, t in enumerate(tensors)])
+        elif rule == CAT_IN:
+            def rows(r0: int, r1: int) -> torch.Tensor:
+                return torch.cat([t[r0:r1] for t in tensors], dim=1)
+        else:
+            merged = self._merge(rule, tensors)
+
+            def rows(r0: int, r1: int) -> torch.Tensor:
+                return merged[r0:r1]
+        return flat_range(rows, shape, start, stop)
 
     @staticmethod
     def _check_partitions(files: list[Path], key: str, tensors: list[Any]) -> None:
@@ -523,6 +580,9 @@ class SlimReader(WeightsReader):
             return acc.to(dtype)
         assert rule in (ROW_BIAS, REPLICATED), rule
         return (acc / len(tensors)).to(dtype)
+
+    def close(self) -> None:
+        self._parts_cache = None
 
     def where(self, kind: LayerKind, index: int | None, name: str) -> str:
         if kind == "readout" and self._tied_readout():
