@@ -1,41 +1,58 @@
-"""End-to-end training step of zerocore against PyTorch FSDP2, 2 gloo ranks on the CPU.
+"""End-to-end training step of zerocore against PyTorch FSDP2, DeepSpeed ZeRO-3 and one unsharded
+process, 2 gloo ranks on the CPU, at three model sizes.
 
 Run (not part of the default test run):
 
-    python -m pytest bench/bench_fsdp.py --benchmark-only
+    python -m pytest bench/bench_fsdp.py --benchmark-only -s
 
-Every engine trains the same model (DEPTH residual MLP blocks, each one layer, ~16.8M fp32
-parameters in all) from the same initial weights on the same per-rank batches, one engine after
-the other in the same pytest run, each in its own fresh pair of processes:
-- zerocore: ``zerocore.shard(layers)`` + ``zerocore.optim.AdamW`` (fused kernel on flat shards),
-  in three configurations: the default; ``Prefetch(keep_last=False)`` (the engine before the
-  last layer was kept gathered from forward to backward); and ``Offload(optimizer=True)``
-  (master, gradients and moments on the CPU: here, with CPU ranks, the same memory, so this
-  measures the offload path's own bookkeeping and copies);
-- FSDP2: ``fully_shard`` on every layer and on the root, over a 1-D "cpu" DeviceMesh, +
+Every engine trains the same model (DEPTH residual MLP blocks of width WIDTH, each one layer)
+from the same initial weights on the same batches, one engine after the other in the same pytest
+run, each in its own fresh processes:
+- ``zerocore``: ``zerocore.shard(layers)`` + ``zerocore.optim.AdamW`` (fused kernel on flat
+  shards). Optional configurations (``--engines``): ``zerocore-no-keep-last``
+  (``Prefetch(keep_last=False)``), ``zerocore-offload`` (``Offload(optimizer=True)``: with CPU
+  ranks the same memory, so this measures the offload path's own copies), and
+  ``zerocore-before``, the engine of another checkout (``--zerocore-before PATH``) for A/B runs
+  of an engine change, and ``zerocore-allreduce``, gradients all-reduced instead of exchanged
+  by halves (``FlatGroup.reduce_by_exchange`` off);
+- ``fsdp2``: ``fully_shard`` on every layer and on the root, over a 1-D "cpu" DeviceMesh, +
   ``torch.optim.AdamW(fused=True)`` (``foreach=True`` if fused is refused on DTensor parameters;
-  the table says which ran).
+  the table says which ran);
+- ``deepspeed`` and ``deepspeed-per-layer``: ``deepspeed.initialize`` with ZeRO stage 3 and its
+  own AdamW (FusedAdam, its CPU build compiled just in time on first use), gloo, on the CPU
+  accelerator (``DS_ACCELERATOR=cpu``). ``deepspeed`` keeps DeepSpeed's defaults, under which a
+  model this small is gathered whole once per step and kept gathered through backward
+  (``stage3_max_reuse_distance`` and ``stage3_max_live_parameters`` 1e9, prefetch bucket 5e7
+  elements); ``deepspeed-per-layer`` sets them so that it gathers one block at a time, with one
+  block prefetched, in forward and again in backward, as zerocore and FSDP2 do
+  (``DEEPSPEED_PER_LAYER``). Skipped, with the install line, when DeepSpeed is not installed;
+- ``unsharded``: one process, one thread, plain ``nn.Sequential`` + ``torch.optim.AdamW(fused=
+  True)``, on both ranks' batches at once (the same global batch): perfect 2-way scaling would
+  make the 2-rank engines' step time 0.50 of its.
 One step is forward + MSE loss + backward + optimizer step + ``zero_grad()``.
 
 What the numbers mean. The parent process drives the ranks step by step over pipes, and
 pytest-benchmark times each round trip (``benchmark.pedantic``, WARMUP untimed rounds, then
-STEPS timed rounds of one step): that is the figure in pytest-benchmark's own table; it includes
-the pipe round trip and waking the ranks (a few ms at most). Each rank also times its step with
-``time.perf_counter`` and counts the CPU time its process used meanwhile (``getrusage``: the
-compute thread and gloo's threads). The end-of-run table gives:
-- the median over steps of the slower rank's time, and the zerocore / FSDP2 ratio;
-- the median CPU time per step and rank: less sensitive to other processes than the wall time
-  (each rank computes on one thread, so two ranks fill this 2-core machine and any other load
-  stretches the steps), and what the collectives' own copying costs shows up there;
-- how many cores other processes kept busy meanwhile (a lower bound): figures taken under load
-  measure the scheduler as much as the engines;
+STEPS timed rounds of one step); it includes the pipe round trip and waking the ranks (a few ms
+at most). Each rank also times its step and its phases (forward with the loss, backward,
+optimizer step with zero_grad) with ``time.perf_counter``, and counts the CPU time its process
+used meanwhile (``getrusage``: the compute thread and gloo's threads). The end-of-run tables
+give, per model size:
+- the median over steps of the slower rank's time, its ratio to FSDP2, to DeepSpeed per layer
+  and to the unsharded process;
+- the median CPU time per step and rank, and how many cores other processes kept busy meanwhile
+  (a lower bound): figures taken under load measure the scheduler as much as the engines;
 - per rank, the model-state bytes (parameter, gradient and optimizer-state shards, measured from
   the tensors after a step, before ``zero_grad``) next to the ZeRO-3 prediction 16·Ψ/N in fp32;
-  the RSS before the model is built (interpreter, torch, gloo); the peak RSS over the process's
-  life (``ru_maxrss``, which includes building the unsharded model) and over training only
-  (Linux ``VmHWM``, reset once the model is sharded);
-- the largest relative difference between the two engines' per-rank losses: they train the same
-  model on the same data, so this shows both did the same work.
+  the RSS before the model is built; the peak RSS over the process's life (``ru_maxrss``, which
+  includes building the unsharded model) and over training only (Linux ``VmHWM``, reset once the
+  model is built and sharded);
+- where a step's time goes, mean over the timed steps (so the parts add up to the mean step):
+  for zerocore, computation in forward and in backward, time blocked waiting for all-gathers,
+  for gradient reductions, issuing both (the own shard's copy, packing gradients), the optimizer
+  step and other (the loss, between phases); for the others, forward, backward and optimizer;
+- the largest relative difference of every engine's per-rank losses from the reference
+  engine's (FSDP2's when it ran), asserted small: they train the same model on the same data.
 """
 
 from __future__ import annotations
@@ -43,10 +60,12 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import gc
+import importlib.util
 import os
 import resource
 import socket
 import statistics
+import sys
 import time
 import traceback
 from typing import Any
@@ -58,32 +77,47 @@ import torch.multiprocessing as mp
 from torch import nn
 
 WORLD_SIZE = 2
-# A residual MLP block of a transformer's width for a small CPU model: 2,100,736 parameters per
-# block, 16.8M in all (64 MiB in fp32), so the per-step traffic (3Ψ, ~200 MB) and the compute
-# are both substantial.
-WIDTH = 512
-HIDDEN = 4 * WIDTH
-DEPTH = 8
+# Model sizes, name -> (blocks, width); each block is width -> 4·width -> width. The issue's
+# three workloads: the engines' relative standing as the model grows (more blocks, or wider).
+SIZES = {"6x256": (6, 256), "12x256": (12, 256), "6x512": (6, 512)}
 # Tokens per rank per step, as (sequences, positions).
 BATCH = (8, 16)
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 WARMUP = 3   # untimed steps: first-touch allocations, optimizer state creation, gloo set-up
 STEPS = 15   # timed steps
 BATCHES = 4  # distinct batches per rank, drawn before timing and cycled
-# Seconds a rank may take to start (import torch and zerocore under load) and to answer a step.
-START_TIMEOUT_S = 300.0
+# Seconds a rank may take to start (import torch, zerocore, DeepSpeed and its first JIT build of
+# FusedAdam: about 2.5 minutes on 2 cores) and to answer a step.
+START_TIMEOUT_S = 600.0
 STEP_TIMEOUT_S = 300.0
+# Largest relative difference allowed between an engine's per-rank losses and the reference
+# engine's, over the WARMUP + STEPS + 1 steps. All run the same fp32 model on the same data;
+# what differs is rounding: the order of the gradient sums, FSDP2's and DeepSpeed's Adam
+# kernels (torch's fused AdamW and DeepSpeed's CPU FusedAdam use other instruction sequences
+# than zerocore's), and for the unsharded process one MSE over both ranks' batches instead of
+# the mean of two. Measured: about 1e-7 at every size; 1e-5 leaves room for the drift over
+# the steps while any real difference in what is trained (a missed gradient, a wrong
+# average) shows at 1e-3 or more from the second step on.
+LOSS_RTOL = 1e-5
 
-# zerocore's configurations (_Zerocore's arguments); FSDP2 runs between them, so that a drift of
-# the machine's speed during the run does not favour either side.
+# zerocore's configurations (_Zerocore's arguments).
 ZEROCORE_VARIANTS = {
     "zerocore": {},
     "zerocore-no-keep-last": {"keep_last": False},
     "zerocore-offload": {"offload": True},
+    "zerocore-before": {},
+    # Each communication optimisation turned off (FlatGroup attributes; tests/test_overlap.py).
+    "zerocore-allreduce": {"off": {"reduce_by_exchange": False}},
 }
-ENGINES = ["zerocore-no-keep-last", "zerocore", "fsdp2", "zerocore-offload"]
+ALL_ENGINES = ["fsdp2", "zerocore", "deepspeed", "unsharded", "deepspeed-per-layer",
+               *[name for name in ZEROCORE_VARIANTS if name != "zerocore"]]
+# The default run, in this order at each size: the sharded engines alternate with the others so
+# that a drift of the machine's speed during the run does not favour either side.
+DEFAULT_ENGINES = ["fsdp2", "zerocore", "deepspeed", "unsharded", "deepspeed-per-layer"]
 # ZeRO-3 model state per parameter in fp32: parameter 4 + gradient 4 + Adam moments 8.
 STATE_BYTES_PER_PARAM = 16
+DEEPSPEED_INSTALL = ("DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed  "
+                     "(see bench/README.md)")
 
 
 class Block(nn.Module):
@@ -99,18 +133,24 @@ class Block(nn.Module):
         return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
 
 
-def make_layers() -> list[nn.Module]:
-    torch.manual_seed(0)  # the same initial weights on every rank and for both engines
-    return [Block(WIDTH, HIDDEN) for _ in range(DEPTH)]
+def make_layers(depth: int, width: int) -> list[nn.Module]:
+    torch.manual_seed(0)  # the same initial weights on every rank and for every engine
+    return [Block(width, 4 * width) for _ in range(depth)]
 
 
-with torch.device("meta"):  # counted without allocating or drawing random numbers
-    NUM_PARAMS = DEPTH * sum(p.numel() for p in Block(WIDTH, HIDDEN).parameters())
+def block_numel(width: int) -> int:
+    with torch.device("meta"):  # counted without allocating or drawing random numbers
+        return sum(p.numel() for p in Block(width, 4 * width).parameters())
 
 
-def _batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def num_params(size: str) -> int:
+    depth, width = SIZES[size]
+    return depth * block_numel(width)
+
+
+def _batches(rank: int, width: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own data, alike per engine
-    return [(torch.randn(*BATCH, WIDTH, generator=gen), torch.randn(*BATCH, WIDTH, generator=gen))
+    return [(torch.randn(*BATCH, width, generator=gen), torch.randn(*BATCH, width, generator=gen))
             for _ in range(BATCHES)]
 
 
@@ -123,17 +163,84 @@ def _local_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-# -- the two engines, on a rank -------------------------------------------------------------------
+def deepspeed_config(size: str, per_layer: bool) -> dict[str, Any]:
+    """DeepSpeed's configuration: ZeRO-3, its own AdamW with our hyperparameters, fp32.
 
-class _Zerocore:
-    def __init__(self, keep_last: bool = True, offload: bool = False) -> None:
+    per_layer: gather one block at a time, as zerocore and FSDP2 do, instead of DeepSpeed's
+    defaults (under which this model stays gathered from its first use in forward to its last
+    in backward). DeepSpeed fetches per submodule (each Linear, LayerNorm) following the trace
+    of the previous step:
+    - ``stage3_max_reuse_distance`` 0: release a submodule's parameters right after use (the
+      default 1e9 keeps any parameter that is used again within 1e9 elements, i.e. all of them
+      until backward);
+    - ``stage3_max_live_parameters`` two blocks: the block computing and the one prefetched;
+    - ``stage3_prefetch_bucket_size`` one block: prefetch one block ahead (default 5e7
+      elements, the whole model here).
+    ``stage3_param_persistence_threshold`` stays at its default (1e5 elements): DeepSpeed keeps
+    tensors smaller than that whole on every rank in both configurations (here the norms and
+    biases: 1.2-1.4% of Ψ), a design choice of its own, not a gathering schedule.
+    """
+    zero: dict[str, Any] = {"stage": 3}
+    if per_layer:
+        b = block_numel(SIZES[size][1])
+        zero.update(stage3_max_reuse_distance=0, stage3_max_live_parameters=2 * b,
+                    stage3_prefetch_bucket_size=b)
+    return {
+        "train_micro_batch_size_per_gpu": BATCH[0],
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": ADAMW["lr"], "betas": list(ADAMW["betas"]),
+                                                  "eps": ADAMW["eps"],
+                                                  "weight_decay": ADAMW["weight_decay"]}},
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,
+    }
+
+
+# -- the engines, on a rank -----------------------------------------------------------------------
+
+class _Engine:
+    """One engine on one rank: ``forward`` (returns the output), ``backward``, ``step``."""
+
+    optimizer_kind: str
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, zero_grad: bool) -> None:
+        self.optimizer.step()
+        if zero_grad:
+            self.optimizer.zero_grad()
+
+    def comm_seconds(self) -> dict[str, float]:
+        """Seconds spent in communication so far, by kind (zerocore only)."""
+        return {}
+
+    def model_state(self) -> dict[str, int] | None:
+        return None
+
+
+class _Zerocore(_Engine):
+    def __init__(self, size: str, keep_last: bool = True, offload: bool = False,
+                 off: dict[str, Any] | None = None) -> None:
         import zerocore
 
-        self.model = zerocore.shard(make_layers(),
+        self.model = zerocore.shard(make_layers(*SIZES[size]),
                                     prefetch=zerocore.Prefetch(keep_last=keep_last),
                                     offload=zerocore.Offload(optimizer=offload))
+        for layer in self.model.layers:
+            for group in layer.groups:
+                for name, value in (off or {}).items():
+                    setattr(group, name, value)
         self.optimizer = zerocore.optim.AdamW(self.model.parameters(), **ADAMW)
         self.optimizer_kind = "zerocore.optim.AdamW (fused kernel)"
+
+    def comm_seconds(self) -> dict[str, float]:
+        c = self.model.counter
+        return {k: getattr(c, k, 0.0) for k in ("gather_issue_s", "gather_wait_s",
+                                                 "reduce_issue_s", "reduce_wait_s")}
 
     def model_state(self) -> dict[str, int]:
         r = self.model.memory_report(self.optimizer)
@@ -141,13 +248,13 @@ class _Zerocore:
                     optimizer=r.optimizer_bytes)
 
 
-class _Fsdp2:
-    def __init__(self) -> None:
+class _Fsdp2(_Engine):
+    def __init__(self, size: str) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (WORLD_SIZE,))
-        self.model = nn.Sequential(*make_layers())
+        self.model = nn.Sequential(*make_layers(*SIZES[size]))
         for layer in self.model:
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
@@ -167,15 +274,108 @@ class _Fsdp2:
                     optimizer=opt)
 
 
-def _train_step(engine: Any, batch: tuple[torch.Tensor, torch.Tensor],
-                zero_grad: bool = True) -> float:
+class _Unsharded(_Engine):
+    def __init__(self, size: str) -> None:
+        self.model = nn.Sequential(*make_layers(*SIZES[size]))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), **ADAMW, fused=True)
+        self.optimizer_kind = "torch.optim.AdamW(fused=True), 1 process"
+
+    def model_state(self) -> dict[str, int]:
+        params = list(self.model.parameters())
+        opt = sum(v.numel() * v.element_size() for st in self.optimizer.state.values()
+                  for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return dict(params=sum(p.numel() * 4 for p in params),
+                    grads=sum(p.grad.numel() * 4 for p in params if p.grad is not None),
+                    optimizer=opt)
+
+
+class _DeepSpeed(_Engine):
+    def __init__(self, size: str, per_layer: bool) -> None:
+        import logging
+
+        import deepspeed
+
+        deepspeed.utils.logger.setLevel(logging.WARNING)  # its INFO lines, every step
+        model = nn.Sequential(*make_layers(*SIZES[size]))
+        self.model, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(),
+            config=deepspeed_config(size, per_layer))
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        self.optimizer_kind = f"DeepSpeed {deepspeed.__version__} {type(inner).__name__}"
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.model.backward(loss)
+
+    def step(self, zero_grad: bool) -> None:
+        # DeepSpeed's step zeroes the gradients itself; its gradient buffer is allocated once.
+        self.model.step()
+
+    def model_state(self) -> dict[str, int] | None:
+        """DeepSpeed's ZeRO-3 optimizer's own buffers: the flat parameter partitions (in fp32
+        also its masters), the flat fp32 gradient partitions, Adam's moments."""
+        opt = self.optimizer
+        try:
+            params = sum(t.numel() * t.element_size() for t in opt.fp16_partitioned_groups_flat)
+            masters = sum(t.numel() * t.element_size() for t in opt.fp32_partitioned_groups_flat
+                          if not any(t is p for p in opt.fp16_partitioned_groups_flat))
+            grads = opt.grad_partitions_flat_buffer
+            moments = sum(v.numel() * v.element_size() for st in opt.optimizer.state.values()
+                          for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        except AttributeError:  # another DeepSpeed version's internals
+            return None
+        return dict(params=params + masters, grads=grads.numel() * grads.element_size(),
+                    optimizer=moments)
+
+
+def _make_engine(engine_name: str, size: str) -> _Engine:
+    if engine_name in ZEROCORE_VARIANTS:
+        return _Zerocore(size, **ZEROCORE_VARIANTS[engine_name])
+    if engine_name == "fsdp2":
+        return _Fsdp2(size)
+    if engine_name == "unsharded":
+        return _Unsharded(size)
+    if engine_name in ("deepspeed", "deepspeed-per-layer"):
+        return _DeepSpeed(size, per_layer=engine_name == "deepspeed-per-layer")
+    raise ValueError(f"unknown engine {engine_name!r}; known: {ALL_ENGINES}")
+
+
+def _world_size(engine_name: str) -> int:
+    return 1 if engine_name == "unsharded" else WORLD_SIZE
+
+
+def _rank_batches(engine_name: str, rank: int, width: int
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if engine_name != "unsharded":
+        return _batches(rank, width)
+    # One process doing both ranks' work: their batches side by side, batch i of each.
+    every = [_batches(r, width) for r in range(WORLD_SIZE)]
+    return [(torch.cat([b[i][0] for b in every]), torch.cat([b[i][1] for b in every]))
+            for i in range(BATCHES)]
+
+
+PHASES = ("forward_s", "backward_s", "optimizer_s")
+
+
+def _train_step(engine: _Engine, batch: tuple[torch.Tensor, torch.Tensor],
+                zero_grad: bool = True) -> tuple[float, dict[str, float]]:
+    """One step; returns the loss and the seconds of each phase, and of each kind of
+    communication within forward and backward (zerocore)."""
     x, y = batch
-    loss = nn.functional.mse_loss(engine.model(x), y)
-    loss.backward()
-    engine.optimizer.step()
-    if zero_grad:
-        engine.optimizer.zero_grad()
-    return loss.item()
+    c0 = engine.comm_seconds()
+    t0 = time.perf_counter()
+    loss = nn.functional.mse_loss(engine.forward(x), y)
+    t1 = time.perf_counter()
+    c1 = engine.comm_seconds()
+    engine.backward(loss)
+    t2 = time.perf_counter()
+    c2 = engine.comm_seconds()
+    engine.step(zero_grad)
+    t3 = time.perf_counter()
+    phases = dict(forward_s=t1 - t0, backward_s=t2 - t1, optimizer_s=t3 - t2)
+    for k in c0:
+        phases[f"forward_{k}"] = c1[k] - c0[k]
+        phases[f"backward_{k}"] = c2[k] - c1[k]
+    return loss.item(), phases
 
 
 def _status_kib(field: str) -> int:
@@ -202,22 +402,37 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _rank_main(rank: int, engine_name: str, port: int, conn: Any) -> None:
+def _rank_main(rank: int, world_size: int, engine_name: str, size: str, port: int,
+               zerocore_path: str | None, conn: Any) -> None:
     """One rank: join the group, build the engine, then answer the parent's commands."""
-    # Two ranks on two cores: more compute threads than cores would only contend.
+    # Two ranks on two cores: more compute threads than cores would only contend. The
+    # unsharded process does one core's work too (both ranks' batches, one after the other).
     torch.set_num_threads(1)
     try:
+        if zerocore_path is not None:  # zerocore-before: the engine of another checkout
+            sys.path.insert(0, zerocore_path)
+        if engine_name.startswith("deepspeed"):
+            # What DeepSpeed reads to pick its accelerator and join the group (the group
+            # already exists: it uses it).
+            os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank),
+                              WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size),
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=WORLD_SIZE,
+                                world_size=world_size,
                                 timeout=datetime.timedelta(seconds=STEP_TIMEOUT_S))
-        # Both engines' code is loaded before the baseline RSS is read, so it is alike for both.
+        # Every engine's code is loaded before the baseline RSS is read, so it is alike for all
+        # (DeepSpeed only in its own runs: it is optional).
         from torch.distributed import fsdp  # noqa: F401
-        import zerocore  # noqa: F401
+        import zerocore
+
+        if zerocore_path is not None:
+            assert zerocore.__file__.startswith(os.path.abspath(zerocore_path)), zerocore.__file__
+        if engine_name.startswith("deepspeed"):
+            import deepspeed  # noqa: F401
 
         base_rss_kib = _status_kib("VmRSS")
-        engine = (_Zerocore(**ZEROCORE_VARIANTS[engine_name])
-                  if engine_name in ZEROCORE_VARIANTS else _Fsdp2())
-        batches = _batches(rank)
+        engine = _make_engine(engine_name, size)
+        batches = _rank_batches(engine_name, rank, SIZES[size][1])
         gc.collect()  # the unsharded model built above is gone: measure training from here
         hwm_reset = _reset_peak_rss()
         conn.send(("ok", (engine.optimizer_kind, _cpu_s())))
@@ -228,15 +443,17 @@ def _rank_main(rank: int, engine_name: str, port: int, conn: Any) -> None:
                 break
             if command == "step":
                 t0, c0 = time.perf_counter(), _cpu_s()
-                loss = _train_step(engine, batches[step % BATCHES])
-                conn.send(("ok", (time.perf_counter() - t0, _cpu_s() - c0, loss)))
+                loss, phases = _train_step(engine, batches[step % BATCHES])
+                conn.send(("ok", (time.perf_counter() - t0, _cpu_s() - c0, loss, phases)))
             elif command == "report":
                 cpu_s = _cpu_s()  # before the extra step: the parent's load window ends here
                 # One more (untimed) step, measured before zero_grad frees the gradient shards.
-                loss = _train_step(engine, batches[step % BATCHES], zero_grad=False)
+                loss, _ = _train_step(engine, batches[step % BATCHES], zero_grad=False)
                 state = engine.model_state()
-                engine.optimizer.zero_grad()
-                conn.send(("ok", dict(state, loss=loss, cpu_s=cpu_s, base_rss_kib=base_rss_kib,
+                if hasattr(engine.optimizer, "zero_grad"):
+                    engine.optimizer.zero_grad()
+                conn.send(("ok", dict(state=state, loss=loss, cpu_s=cpu_s,
+                                      base_rss_kib=base_rss_kib,
                                       maxrss_kib=resource.getrusage(
                                           resource.RUSAGE_SELF).ru_maxrss,
                                       train_hwm_kib=_status_kib("VmHWM") if hwm_reset else None)))
@@ -248,7 +465,7 @@ def _rank_main(rank: int, engine_name: str, port: int, conn: Any) -> None:
     dist.destroy_process_group()
 
 
-# -- the parent: a pair of ranks driven step by step ----------------------------------------------
+# -- the parent: ranks driven step by step --------------------------------------------------------
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -266,18 +483,20 @@ def _machine_busy_s() -> float | None:
         return None
 
 
-class RankPair:
-    """WORLD_SIZE ranks running one engine; ``step()`` runs one training step on all of them."""
+class Ranks:
+    """The ranks running one engine at one size; ``step()`` runs one training step on all."""
 
-    def __init__(self, engine: str):
+    def __init__(self, engine: str, size: str, zerocore_path: str | None = None):
         self.engine = engine
         ctx = mp.get_context("spawn")
         port = _free_port()
+        world = _world_size(engine)
         self.conns, self.procs = [], []
-        for rank in range(WORLD_SIZE):
+        for rank in range(world):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_rank_main, args=(rank, engine, port, child), daemon=True,
-                            name=f"bench-{engine}-rank{rank}")
+            p = ctx.Process(target=_rank_main,
+                            args=(rank, world, engine, size, port, zerocore_path, child),
+                            daemon=True, name=f"bench-{engine}-{size}-rank{rank}")
             p.start()
             child.close()
             self.conns.append(parent)
@@ -288,6 +507,7 @@ class RankPair:
         self.step_times: list[list[float]] = []  # per step, per rank: seconds
         self.step_cpu: list[list[float]] = []    # per step, per rank: CPU seconds
         self.losses: list[list[float]] = []      # per step, per rank
+        self.phases: list[list[dict[str, float]]] = []  # per step, per rank
         self.wall0, self.busy0 = time.monotonic(), _machine_busy_s()
         self.parent_cpu0 = sum(os.times()[:2])
 
@@ -315,9 +535,10 @@ class RankPair:
 
     def step(self) -> None:
         answers = self._command("step", STEP_TIMEOUT_S)
-        self.step_times.append([seconds for seconds, _, _ in answers])
-        self.step_cpu.append([cpu for _, cpu, _ in answers])
-        self.losses.append([loss for _, _, loss in answers])
+        self.step_times.append([a[0] for a in answers])
+        self.step_cpu.append([a[1] for a in answers])
+        self.losses.append([a[2] for a in answers])
+        self.phases.append([a[3] for a in answers])
 
     def report(self) -> list[dict[str, Any]]:
         wall = time.monotonic() - self.wall0
@@ -347,10 +568,13 @@ class RankPair:
 @dataclasses.dataclass
 class EngineResult:
     engine: str
+    size: str
     optimizer_kind: str
     step_s: list[float]           # per timed step: the slower rank's in-rank time
     step_cpu_s: list[float]       # per timed step: CPU seconds, mean over ranks
     losses: list[list[float]]     # per step (warm-up included), per rank
+    # per timed step: the slower rank's phases (forward, backward, optimizer, communication)
+    phases: list[dict[str, float]]
     reports: list[dict[str, Any]]  # per rank
     benchmark_median_s: float | None
     other_load: float | None
@@ -363,25 +587,49 @@ class EngineResult:
     def median_cpu_s(self) -> float:
         return statistics.median(self.step_cpu_s)
 
+    def mean_phase(self, key: str) -> float:
+        return statistics.fmean(p.get(key, 0.0) for p in self.phases)
+
+    def mean_losses(self) -> list[float]:
+        """Per step, the loss over the global batch (the mean of the ranks' equal-size ones)."""
+        return [statistics.fmean(per_rank) for per_rank in self.losses]
+
+    @property
+    def peak_train_rss_kib(self) -> int | None:
+        values = [r["train_hwm_kib"] for r in self.reports]
+        return None if None in values else max(values)
+
+
+def loss_difference(a: EngineResult, b: EngineResult) -> float:
+    """Largest relative difference of two engines' losses over the steps both ran: per rank
+    when both ran the same ranks, else of the global-batch losses."""
+    n = min(len(a.losses), len(b.losses))
+    if len(a.losses[0]) == len(b.losses[0]):
+        pairs = [(x, y) for i in range(n) for x, y in zip(a.losses[i], b.losses[i])]
+    else:
+        pairs = list(zip(a.mean_losses()[:n], b.mean_losses()[:n]))
+    return max(abs(x - y) / abs(y) for x, y in pairs)
+
 
 class _SummaryPlugin:
-    """Prints the comparison table at the end of the run, next to pytest-benchmark's table
+    """Prints the comparison tables at the end of the run, next to pytest-benchmark's table
     (registered by the ``results`` fixture: a test module cannot define hooks itself)."""
 
-    def __init__(self, found: dict[str, "EngineResult"]):
+    def __init__(self, found: dict[tuple[str, str], EngineResult]):
         self.found = found
 
     def pytest_terminal_summary(self, terminalreporter):
         if self.found:
-            terminalreporter.section("zerocore vs FSDP2: training step, 2 gloo ranks on CPU, fp32")
-            for line in _table(self.found):
+            terminalreporter.section("zerocore vs FSDP2 vs DeepSpeed: training step, 2 gloo "
+                                     "ranks on CPU, fp32")
+            for line in summary_lines(self.found):
                 terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="module")
 def results(request):
-    """The engines' results, filled by the tests and printed at the end of the run."""
-    found: dict[str, EngineResult] = {}
+    """The engines' results by (size, engine), filled by the tests, printed at the end."""
+    found: dict[tuple[str, str], EngineResult] = {}
     request.config.pluginmanager.register(_SummaryPlugin(found), "zerocore-bench-fsdp-summary")
     return found
 
@@ -394,22 +642,38 @@ def _per_rank(values: list[str]) -> str:
     return " / ".join(values)
 
 
-def _table(found: dict[str, EngineResult]) -> list[str]:
-    predicted = STATE_BYTES_PER_PARAM * NUM_PARAMS // WORLD_SIZE
-    engines = [found[name] for name in ENGINES if name in found]
-    lines = [f"Model: {DEPTH} residual MLP blocks {WIDTH}->{HIDDEN}->{WIDTH}, Ψ = {NUM_PARAMS:,} "
-             f"fp32 parameters; batch {BATCH[0]}x{BATCH[1]} tokens per rank; {WARMUP} warm-up "
-             f"+ {STEPS} timed steps; 1 thread per rank; 'a / b' is rank 0 / rank 1.",
+def _ratio(a: EngineResult | None, b: EngineResult | None) -> str:
+    return "-" if a is None or b is None else f"{a.median_s / b.median_s:.3f}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{1e3 * seconds:.1f}"
+
+
+def _size_lines(size: str, engines: list[EngineResult]) -> list[str]:
+    depth, width = SIZES[size]
+    psi = num_params(size)
+    predicted = STATE_BYTES_PER_PARAM * psi // WORLD_SIZE
+    by_name = {r.engine: r for r in engines}
+    fsdp2, ds_layer, single = (by_name.get(n) for n in ("fsdp2", "deepspeed-per-layer",
+                                                         "unsharded"))
+    lines = [f"### {size}: {depth} residual MLP blocks {width}->{4 * width}->{width}, "
+             f"Ψ = {psi:,} fp32 parameters",
              "",
-             "| engine | optimizer | step ms, median (in-rank, slower rank) | min | "
-             "pytest-benchmark median ms | CPU ms per step and rank, median | "
-             "other load (cores) |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+             f"Batch {BATCH[0]}x{BATCH[1]} tokens per rank (the unsharded process: both ranks' "
+             f"batches); {WARMUP} warm-up + {STEPS} timed steps; 1 thread per process; 'a / b' "
+             f"is rank 0 / rank 1.",
+             "",
+             "| engine | optimizer | step ms, median (slower rank) | min | pytest-benchmark "
+             "median ms | CPU ms per step and rank | / FSDP2 | / DeepSpeed per layer | "
+             "/ unsharded | other load (cores) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in engines:
-        bench = "-" if r.benchmark_median_s is None else f"{1e3 * r.benchmark_median_s:.1f}"
+        bench = "-" if r.benchmark_median_s is None else _ms(r.benchmark_median_s)
         load = "-" if r.other_load is None else f"{r.other_load:.2f}"
-        lines.append(f"| {r.engine} | {r.optimizer_kind} | {1e3 * r.median_s:.1f} | "
-                     f"{1e3 * min(r.step_s):.1f} | {bench} | {1e3 * r.median_cpu_s:.1f} | "
+        lines.append(f"| {r.engine} | {r.optimizer_kind} | {_ms(r.median_s)} | "
+                     f"{_ms(min(r.step_s))} | {bench} | {_ms(r.median_cpu_s)} | "
+                     f"{_ratio(r, fsdp2)} | {_ratio(r, ds_layer)} | {_ratio(r, single)} | "
                      f"{load} |")
     lines += ["",
               "| engine | model state MiB per rank (params + grads + optimizer) | 16Ψ/N MiB | "
@@ -417,68 +681,142 @@ def _table(found: dict[str, EngineResult]) -> list[str]:
               "peak RSS MiB, training |",
               "|---|---|---:|---:|---:|---:|---:|"]
     for r in engines:
-        states = [rep["params"] + rep["grads"] + rep["optimizer"] for rep in r.reports]
-        parts = _per_rank([f"{_mib(s)} ({_mib(rep['params'])} + {_mib(rep['grads'])} + "
-                           f"{_mib(rep['optimizer'])})" for s, rep in zip(states, r.reports)])
-        ratio = _per_rank([f"{s / predicted:.4f}" for s in states])
-        base = _per_rank([_mib(rep["base_rss_kib"] * 1024) for rep in r.reports])
-        rss = _per_rank([_mib(rep["maxrss_kib"] * 1024) for rep in r.reports])
+        reps = r.reports
+        if all(rep["state"] for rep in reps):
+            states = [sum(rep["state"].values()) for rep in reps]
+            parts = _per_rank([f"{_mib(s)} ({_mib(rep['state']['params'])} + "
+                               f"{_mib(rep['state']['grads'])} + "
+                               f"{_mib(rep['state']['optimizer'])})"
+                               for s, rep in zip(states, reps)])
+            ratio = _per_rank([f"{s / predicted:.4f}" for s in states])
+        else:
+            parts = ratio = "-"
+        base = _per_rank([_mib(rep["base_rss_kib"] * 1024) for rep in reps])
+        rss = _per_rank([_mib(rep["maxrss_kib"] * 1024) for rep in reps])
         hwm = _per_rank([_mib(rep["train_hwm_kib"] and rep["train_hwm_kib"] * 1024)
-                         for rep in r.reports])
+                         for rep in reps])
         lines.append(f"| {r.engine} | {parts} | {_mib(predicted)} | {ratio} | {base} | {rss} | "
                      f"{hwm} |")
-    theirs = found.get("fsdp2")
-    if theirs is not None:
-        lines.append("")
-        for name in ZEROCORE_VARIANTS:
-            ours = found.get(name)
-            if ours is None:
-                continue
-            bench = ""
-            if ours.benchmark_median_s and theirs.benchmark_median_s:
-                bench = (f"; pytest-benchmark medians "
-                         f"{ours.benchmark_median_s / theirs.benchmark_median_s:.3f}")
-            n = min(len(ours.losses), len(theirs.losses))
-            diff = max((abs(a - b) / abs(b) for i in range(n)
-                        for a, b in zip(ours.losses[i], theirs.losses[i])),
-                       default=float("nan"))
-            lines.append(f"{name} / FSDP2: step time {ours.median_s / theirs.median_s:.3f} "
-                         f"(in-rank medians; target <= 1.0){bench}; CPU time per step "
-                         f"{ours.median_cpu_s / theirs.median_cpu_s:.3f}; largest relative "
-                         f"difference of the per-rank losses over {n} steps {diff:.2e}")
-    if "zerocore" in found and "zerocore-no-keep-last" in found:
-        after, before = found["zerocore"], found["zerocore-no-keep-last"]
-        lines.append(f"zerocore / zerocore-no-keep-last (the last layer kept gathered): step "
-                     f"time {after.median_s / before.median_s:.3f}, CPU time "
-                     f"{after.median_cpu_s / before.median_cpu_s:.3f}")
+    lines += ["", "Where a step's time goes, ms, mean over the timed steps of the slower rank:",
+              "",
+              "| engine | step | forward compute | backward compute | waiting on all-gathers | "
+              "waiting on reductions | issuing (own shard, packing gradients) | optimizer | "
+              "other |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in engines:
+        step = statistics.fmean(r.step_s)
+        fwd, bwd, opt = (r.mean_phase(k) for k in PHASES)
+        has_comm = any("forward_gather_wait_s" in p for p in r.phases)
+        if has_comm:
+            f_wait = r.mean_phase("forward_gather_wait_s")
+            b_wait = r.mean_phase("backward_gather_wait_s")
+            red_wait = r.mean_phase("backward_reduce_wait_s") + r.mean_phase(
+                "forward_reduce_wait_s")
+            issue = sum(r.mean_phase(f"{ph}_{k}") for ph in ("forward", "backward")
+                        for k in ("gather_issue_s", "reduce_issue_s"))
+            f_issue = r.mean_phase("forward_gather_issue_s")
+            fc = fwd - f_wait - f_issue
+            bc = bwd - b_wait - red_wait - (issue - f_issue)
+            cells = [_ms(fc), _ms(bc), _ms(f_wait + b_wait), _ms(red_wait), _ms(issue)]
+        else:
+            cells = [f"{_ms(fwd)} (with its communication)",
+                     f"{_ms(bwd)} (with its communication)", "-", "-", "-"]
+        lines.append(f"| {r.engine} | {_ms(step)} | " + " | ".join(cells) +
+                     f" | {_ms(opt)} | {_ms(step - fwd - bwd - opt)} |")
+    reference = engines[0]
+    lines += ["", f"Largest relative difference of the losses from {reference.engine}'s "
+                  f"(per rank; against the unsharded process, of the global batch's loss): " +
+              ", ".join(f"{r.engine} {loss_difference(r, reference):.2e}"
+                        for r in engines[1:])]
     return lines
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_training_step(benchmark, results, engine):
-    benchmark.group = "training step, 2 gloo ranks, CPU, fp32"
-    benchmark.name = f"training step :: {engine}"
-    pair = RankPair(engine)
+def summary_lines(found: dict[tuple[str, str], EngineResult]) -> list[str]:
+    sizes = [s for s in SIZES if any(k[0] == s for k in found)]
+    lines: list[str] = []
+    overview = ["| workload | Ψ | zerocore / FSDP2 | zerocore / DeepSpeed defaults | "
+                "zerocore / DeepSpeed per layer | zerocore / unsharded (perfect 2-way = 0.50) | "
+                "peak training RSS MiB, max over ranks: zerocore, FSDP2, DeepSpeed defaults, "
+                "per layer, unsharded |",
+                "|---|---:|---:|---:|---:|---:|---|"]
+    for size in sizes:
+        engines = [r for (s, _), r in found.items() if s == size]
+        lines += _size_lines(size, engines) + [""]
+        by = {r.engine: r for r in engines}
+        z = by.get("zerocore")
+        rss = ", ".join(_mib(by[n].peak_train_rss_kib and by[n].peak_train_rss_kib * 1024)
+                        if n in by else "-"
+                        for n in ("zerocore", "fsdp2", "deepspeed", "deepspeed-per-layer",
+                                  "unsharded"))
+        overview.append(f"| {size} | {num_params(size):,} | {_ratio(z, by.get('fsdp2'))} | "
+                        f"{_ratio(z, by.get('deepspeed'))} | "
+                        f"{_ratio(z, by.get('deepspeed-per-layer'))} | "
+                        f"{_ratio(z, by.get('unsharded'))} | {rss} |")
+    if "zerocore-before" in {k[1] for k in found}:
+        overview += ["", "| workload | zerocore-before ms | zerocore ms | after / before |",
+                     "|---|---:|---:|---:|"]
+        for size in sizes:
+            a, b = found.get((size, "zerocore")), found.get((size, "zerocore-before"))
+            if a and b:
+                overview.append(f"| {size} | {_ms(b.median_s)} | {_ms(a.median_s)} | "
+                                f"{_ratio(a, b)} |")
+    return lines + ["### All sizes: step time ratios (medians of the slower rank)", ""] + overview
+
+
+def pytest_generate_tests(metafunc):
+    if "case" in metafunc.fixturenames:
+        sizes = metafunc.config.getoption("--sizes").split(",")
+        engines = metafunc.config.getoption("--engines").split(",")
+        for name in sizes:
+            if name not in SIZES:
+                raise pytest.UsageError(f"--sizes: unknown size {name!r}; known: {list(SIZES)}")
+        for name in engines:
+            if name not in ALL_ENGINES:
+                raise pytest.UsageError(f"--engines: unknown engine {name!r}; known: "
+                                        f"{ALL_ENGINES}")
+        cases = [(s, e) for s in sizes for e in engines]
+        metafunc.parametrize("case", cases, ids=[f"{s}-{e}" for s, e in cases])
+
+
+def test_training_step(benchmark, results, request, case):
+    size, engine = case
+    if engine.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip(f"DeepSpeed is not installed; to include it: {DEEPSPEED_INSTALL}")
+    zerocore_path = None
+    if engine == "zerocore-before":
+        zerocore_path = request.config.getoption("--zerocore-before")
+        if not zerocore_path:
+            pytest.skip("zerocore-before needs --zerocore-before PATH (a checkout whose "
+                        "zerocore/ has its _C built)")
+    benchmark.group = f"training step, {size}, 2 gloo ranks, CPU, fp32"
+    benchmark.name = f"training step :: {size} :: {engine}"
+    ranks = Ranks(engine, size, zerocore_path)
     try:
-        benchmark.pedantic(pair.step, rounds=STEPS, warmup_rounds=WARMUP, iterations=1)
-        reports = pair.report()
+        benchmark.pedantic(ranks.step, rounds=STEPS, warmup_rounds=WARMUP, iterations=1)
+        reports = ranks.report()
     finally:
-        pair.close()
+        ranks.close()
+    timed = range(len(ranks.step_times) - STEPS, len(ranks.step_times))
+    slower = [max(range(len(ranks.step_times[i])), key=lambda r: ranks.step_times[i][r])
+              for i in timed]
     stats = benchmark.stats
-    result = EngineResult(engine, pair.optimizer_kind,
-                          [max(ts) for ts in pair.step_times[-STEPS:]],
-                          [statistics.fmean(cs) for cs in pair.step_cpu[-STEPS:]], pair.losses,
+    result = EngineResult(engine, size, ranks.optimizer_kind,
+                          [ranks.step_times[i][r] for i, r in zip(timed, slower)],
+                          [statistics.fmean(ranks.step_cpu[i]) for i in timed],
+                          ranks.losses + [[rep["loss"] for rep in reports]],
+                          [ranks.phases[i][r] for i, r in zip(timed, slower)],
                           reports, stats.stats.median if stats is not None else None,
-                          pair.other_load)
-    results[engine] = result
+                          ranks.other_load)
+    reference = next((r for (s, _), r in results.items() if s == size), None)
+    results[(size, engine)] = result
     benchmark.extra_info.update(
         optimizer=result.optimizer_kind,
         in_rank_median_ms=round(1e3 * result.median_s, 2),
         cpu_per_step_median_ms=round(1e3 * result.median_cpu_s, 2),
-        model_state_bytes_per_rank=[rep["params"] + rep["grads"] + rep["optimizer"]
-                                    for rep in reports],
-        predicted_bytes_per_rank=STATE_BYTES_PER_PARAM * NUM_PARAMS // WORLD_SIZE,
-        rss_before_model_kib=[rep["base_rss_kib"] for rep in reports],
         peak_rss_kib=[rep["maxrss_kib"] for rep in reports],
         training_peak_rss_kib=[rep["train_hwm_kib"] for rep in reports],
         other_load_cores=result.other_load)
+    if reference is not None:
+        diff = loss_difference(result, reference)
+        assert diff <= LOSS_RTOL, (f"{engine} at {size} trained differently from "
+                                   f"{reference.engine}: losses differ by {diff:.2e} (relative)")

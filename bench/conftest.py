@@ -69,7 +69,18 @@ _ROWS = pytest.StashKey[list]()
 
 def pytest_addoption(parser):
     parser.addoption("--kernel-table", default=None, metavar="PATH",
-                     help="also write the end-of-run GB/s table as Markdown to PATH")
+                     help="bench_kernels.py: also write the end-of-run tables as Markdown to PATH")
+    # bench_fsdp.py's choices (a test module cannot add options itself).
+    parser.addoption("--sizes", default="6x256,12x256,6x512",
+                     help="bench_fsdp.py: model sizes to run, comma-separated (blocks x width)")
+    parser.addoption("--engines", default="fsdp2,zerocore,deepspeed,unsharded,"
+                                          "deepspeed-per-layer",
+                     help="bench_fsdp.py: engines to run at each size, in this order, "
+                          "comma-separated (also: zerocore-no-keep-last, zerocore-offload, "
+                          "zerocore-allreduce, zerocore-before)")
+    parser.addoption("--zerocore-before", default=None, metavar="PATH",
+                     help="bench_fsdp.py: a checkout (with zerocore._C built) whose engine runs "
+                          "as 'zerocore-before', for A/B runs of an engine change")
 
 
 _CPU_AT_START = pytest.StashKey[tuple]()

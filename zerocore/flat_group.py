@@ -54,6 +54,11 @@ class PendingGrad:
     # The reusable buffer ``packed`` was cut from (see ``start_reduce_scatter``), if any: free
     # for the next layer once this gradient is delivered.
     scratch: torch.Tensor | None = None
+    # Two gloo ranks: the peer's contribution to this rank's slice (1D, reduce dtype,
+    # shard_numel), received while ``packed``'s other half is sent (``reduce_by_exchange``);
+    # added into this rank's slice of ``packed`` when it arrives. None otherwise.
+    received: torch.Tensor | None = None
+    handles: list[dist.Work | None] = dataclasses.field(default_factory=list)  # the exchange's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +122,12 @@ class FlatGroup:
         # uses the equivalent collectives.all_gather_by_broadcast / all_reduce_sum_in_place.
         self._gloo = (dist.get_backend(ctx.process_group) == "gloo"
                       and ctx.device.type == "cpu")
+        # Two gloo ranks reduce gradients by exchanging halves (collectives.
+        # reduce_scatter_by_exchange: half the traffic of the all-reduce, bitwise the same
+        # mean); False gives the all-reduce, kept for comparison (tests, benchmarks). With more
+        # ranks the all-reduce stays: its order of summation is gloo's ring's, which a
+        # rank-ordered sum would not reproduce bit for bit.
+        self.reduce_by_exchange = self._gloo and layout.world_size == 2
 
     # -- all-gather ------------------------------------------------------------------------------
 
@@ -156,6 +167,7 @@ class FlatGroup:
     def start_gather(self) -> None:
         if self.state is not GroupState.SHARDED:
             return
+        t0 = collectives.now()
         self._storage.resize_(self._storage_nbytes)  # allocated for the compute stream
         source = self._gather_input()
         group, counter = self.ctx.process_group, self.ctx.counter
@@ -177,13 +189,16 @@ class FlatGroup:
         else:
             self._handles = [collectives.all_gather(self._comm, source, group, counter)]
         self.state = GroupState.GATHERING
+        counter.gather_issue_s += collectives.now() - t0
 
     def wait_gather(self) -> None:
         self.start_gather()
         if self.state is GroupState.GATHERING:
+            t0 = collectives.now()
             for handle in self._handles:
                 if handle is not None:
                     handle.wait()
+            self.ctx.counter.gather_wait_s += collectives.now() - t0
             self._handles = []
             self.state = GroupState.GATHERED
             if self._mirror is not None and self.ctx.streams is not None:
@@ -245,6 +260,13 @@ class FlatGroup:
         reduce dtype on the device with at least padded_numel elements to pack into (reused
         from layer to layer), or None to allocate one."""
         assert self.trainable
+        t0 = collectives.now()
+        pending = self._start_reduce(grads, scratch)
+        self.ctx.counter.reduce_issue_s += collectives.now() - t0
+        return pending
+
+    def _start_reduce(self, grads: list[torch.Tensor | None],
+                      scratch: torch.Tensor | None) -> PendingGrad:
         numel, dtype, dev = self.layout.padded_numel, self.ctx.reduce_dtype, self.ctx.device
         if scratch is not None:
             assert scratch.numel() >= numel and scratch.dtype == dtype and scratch.device == dev
@@ -253,6 +275,13 @@ class FlatGroup:
             packed = torch.empty(numel, dtype=dtype, device=dev)
         present = [(g, s.offset) for g, s in zip(grads, self.layout.slots) if g is not None]
         ops.pack([g for g, _ in present], [o for _, o in present], packed)
+        if self._gloo and self.reduce_by_exchange:
+            received = torch.empty(self.layout.shard_numel, dtype=dtype, device=dev)
+            handles = collectives.reduce_scatter_by_exchange(packed, received,
+                                                             self.ctx.process_group,
+                                                             self.ctx.counter)
+            return PendingGrad(self, None, None, packed, summed_in_place=True, scratch=scratch,
+                               received=received, handles=handles)
         if self._gloo:
             handle = collectives.all_reduce_sum_in_place(packed, self.ctx.process_group,
                                                          self.ctx.counter)
@@ -267,12 +296,20 @@ class FlatGroup:
         """Waits for the reduce-scatter (on CUDA: makes the current stream wait) and returns this
         rank's averaged gradient shard (1D, reduce dtype, on the compute device); a view of
         ``pending.packed`` when summed in place, so to be used before that buffer is reused."""
-        if pending.handle is not None:
-            pending.handle.wait()
         group = pending.group
+        t0 = collectives.now()
+        for handle in [pending.handle, *pending.handles]:
+            if handle is not None:
+                handle.wait()
         if pending.summed_in_place:
             lo, hi = group.layout.shard_range(group.ctx.rank)
+            mine = pending.packed[lo:hi]
+            if pending.received is not None:
+                mine.add_(pending.received)  # x + y == y + x: the all-reduce's sum, bitwise
             # Sum, then divide: what gloo's AVG does, so bitwise the same mean.
-            return pending.packed[lo:hi].div_(group.layout.world_size)
-        assert pending.output is not None
-        return pending.output
+            out = mine.div_(group.layout.world_size)
+        else:
+            assert pending.output is not None
+            out = pending.output
+        group.ctx.counter.reduce_wait_s += collectives.now() - t0
+        return out
