@@ -13,8 +13,9 @@ run, each in its own fresh processes:
   (``Prefetch(keep_last=False)``), ``zerocore-offload`` (``Offload(optimizer=True)``: with CPU
   ranks the same memory, so this measures the offload path's own copies), and
   ``zerocore-before``, the engine of another checkout (``--zerocore-before PATH``) for A/B runs
-  of an engine change, and ``zerocore-allreduce``, gradients all-reduced instead of exchanged
-  by halves (``FlatGroup.reduce_by_exchange`` off);
+  of an engine change; ``zerocore-gloo``, ``zerocore-exchange`` and ``zerocore-read-gathers``,
+  the engine with some of its communication optimisations turned off (``ZEROCORE_VARIANTS``),
+  for before/after comparisons in one run;
 - ``fsdp2``: ``fully_shard`` on every layer and on the root, over a 1-D "cpu" DeviceMesh, +
   ``torch.optim.AdamW(fused=True)`` (``foreach=True`` if fused is refused on DTensor parameters;
   the table says which ran);
@@ -106,8 +107,14 @@ ZEROCORE_VARIANTS = {
     "zerocore-no-keep-last": {"keep_last": False},
     "zerocore-offload": {"offload": True},
     "zerocore-before": {},
-    # Each communication optimisation turned off (FlatGroup attributes; tests/test_overlap.py).
-    "zerocore-allreduce": {"off": {"reduce_by_exchange": False}},
+    # Communication optimisations turned off (FlatGroup attributes; tests/test_overlap.py), for
+    # before/after comparisons in one run: all of them (gloo's broadcasts and all-reduce, the
+    # engine before issue 15); gathers and reductions by gloo, reductions by exchanging halves;
+    # gathers by reading the other ranks' memory, reductions by exchanging halves.
+    "zerocore-gloo": {"off": {"gather_by_reading": False, "reduce_by_reading": False,
+                              "reduce_by_exchange": False}},
+    "zerocore-exchange": {"off": {"gather_by_reading": False, "reduce_by_reading": False}},
+    "zerocore-read-gathers": {"off": {"reduce_by_reading": False}},
 }
 ALL_ENGINES = ["fsdp2", "zerocore", "deepspeed", "unsharded", "deepspeed-per-layer",
                *[name for name in ZEROCORE_VARIANTS if name != "zerocore"]]

@@ -77,7 +77,8 @@ def pytest_addoption(parser):
                                           "deepspeed-per-layer",
                      help="bench_fsdp.py: engines to run at each size, in this order, "
                           "comma-separated (also: zerocore-no-keep-last, zerocore-offload, "
-                          "zerocore-allreduce, zerocore-before)")
+                          "zerocore-gloo, zerocore-exchange, zerocore-read-gathers, "
+                          "zerocore-before)")
     parser.addoption("--zerocore-before", default=None, metavar="PATH",
                      help="bench_fsdp.py: a checkout (with zerocore._C built) whose engine runs "
                           "as 'zerocore-before', for A/B runs of an engine change")

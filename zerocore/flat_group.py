@@ -59,6 +59,9 @@ class PendingGrad:
     # added into this rank's slice of ``packed`` when it arrives. None otherwise.
     received: torch.Tensor | None = None
     handles: list[dist.Work | None] = dataclasses.field(default_factory=list)  # the exchange's
+    # Reduction by reading (``FlatGroup.reduce_by_reading``): its number on the group's
+    # channel (collectives.PeerMemory). None otherwise.
+    reading_seq: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +76,9 @@ class GroupContext:
     offload: bool                  # optimizer state (trainable shards) on the CPU
     counter: collectives.CommCounter
     streams: OffloadStreams | None = None  # offload's side streams on CUDA; None otherwise
+    # Whether the ranks can read each other's memory (gloo ranks on one host), probed by the
+    # first group built with this context (a collective at the same point on every rank).
+    peers: collectives.PeerMemory = dataclasses.field(default_factory=collectives.PeerMemory)
 
 
 class FlatGroup:
@@ -122,6 +128,21 @@ class FlatGroup:
         # uses the equivalent collectives.all_gather_by_broadcast / all_reduce_sum_in_place.
         self._gloo = (dist.get_backend(ctx.process_group) == "gloo"
                       and ctx.device.type == "cpu")
+        # gloo ranks on one host that may read each other's memory gather by reading each
+        # other's shard from their gathered buffers, and two such ranks reduce gradients by
+        # reading each other's contribution (collectives.PeerMemory: one kernel copy instead of
+        # TCP over loopback; the values are the same bits, only how they travel changes). False
+        # gives the gloo collectives below, kept for comparison (tests, benchmarks).
+        available = self._gloo and ctx.peers.probe(ctx.process_group)
+        self.gather_by_reading = available
+        self.reduce_by_reading = available and layout.world_size == 2
+        # This group's messages among the ranks (collectives.PeerMemory) and how many gathers
+        # and reductions by reading it started: every rank counts alike.
+        self._channel = ctx.peers.new_channel() if available else 0
+        self._gathers = self._reductions = 0
+        # The gather whose buffer the other ranks may still be reading (``free`` waits until
+        # they are done); None when there is none.
+        self._being_read: int | None = None
         # Two gloo ranks reduce gradients by exchanging halves (collectives.
         # reduce_scatter_by_exchange: half the traffic of the all-reduce, bitwise the same
         # mean); False gives the all-reduce, kept for comparison (tests, benchmarks). With more
@@ -172,7 +193,12 @@ class FlatGroup:
         source = self._gather_input()
         group, counter = self.ctx.process_group, self.ctx.counter
         streams = self.ctx.streams
-        if self._gloo:
+        if self._gloo and self.gather_by_reading:
+            self._gathers += 1
+            collectives.start_gather_by_reading(self._comm, source, self.ctx.peers,
+                                                self._channel, self._gathers, group, counter)
+            self._handles = []
+        elif self._gloo:
             self._handles = collectives.all_gather_by_broadcast(self._comm, source, group,
                                                                 counter)
         elif self._mirror is not None and streams is not None:
@@ -198,6 +224,10 @@ class FlatGroup:
             for handle in self._handles:
                 if handle is not None:
                     handle.wait()
+            if self._gloo and self.gather_by_reading:
+                collectives.finish_gather_by_reading(self._comm, self.ctx.peers, self._channel,
+                                                     self._gathers, self.ctx.process_group)
+                self._being_read = self._gathers
             self.ctx.counter.gather_wait_s += collectives.now() - t0
             self._handles = []
             self.state = GroupState.GATHERED
@@ -207,6 +237,12 @@ class FlatGroup:
     def free(self) -> None:
         if self.state is GroupState.GATHERING:
             self.wait_gather()
+        if self._being_read is not None:
+            t0 = collectives.now()
+            # The other ranks may still be reading this buffer.
+            collectives.wait_gather_read(self.ctx.peers, self._channel, self._being_read)
+            self.ctx.counter.gather_wait_s += collectives.now() - t0
+            self._being_read = None
         self._storage.resize_(0)
         self.state = GroupState.SHARDED
 
@@ -275,6 +311,14 @@ class FlatGroup:
             packed = torch.empty(numel, dtype=dtype, device=dev)
         present = [(g, s.offset) for g, s in zip(grads, self.layout.slots) if g is not None]
         ops.pack([g for g, _ in present], [o for _, o in present], packed)
+        if self._gloo and self.reduce_by_reading:
+            self._reductions += 1
+            collectives.start_reduce_by_reading(packed, self.ctx.peers, self._channel,
+                                                self._reductions, self.ctx.process_group,
+                                                self.ctx.counter)
+            return PendingGrad(self, None, None, packed, summed_in_place=True, scratch=scratch,
+                               received=torch.empty(self.layout.shard_numel, dtype=dtype),
+                               reading_seq=self._reductions)
         if self._gloo and self.reduce_by_exchange:
             received = torch.empty(self.layout.shard_numel, dtype=dtype, device=dev)
             handles = collectives.reduce_scatter_by_exchange(packed, received,
@@ -301,6 +345,11 @@ class FlatGroup:
         for handle in [pending.handle, *pending.handles]:
             if handle is not None:
                 handle.wait()
+        if pending.reading_seq is not None:
+            assert pending.received is not None
+            collectives.finish_reduce_by_reading(pending.received, group.ctx.peers,
+                                                 group._channel, pending.reading_seq,
+                                                 group.ctx.process_group)
         if pending.summed_in_place:
             lo, hi = group.layout.shard_range(group.ctx.rank)
             mine = pending.packed[lo:hi]
