@@ -5,6 +5,7 @@ per step."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 MiB = 2**20
 
@@ -73,3 +74,26 @@ class CommReport:
             w = f"{want / MiB:14.3f}" if want is not None else f"{'-':>14}"
             lines.append(f"  {name:<16}{got / MiB:14.3f}{w}")
         return "\n".join(lines)
+
+
+def expected_traffic(layers: Sequence[Sequence[tuple[int, bool]]], *, param_bytes: int,
+                     reduce_bytes: int, keep_last: bool) -> tuple[int, int]:
+    """(bytes all-gathered, bytes reduce-scattered) by one forward and backward of a sharded
+    stack whose input needs no gradient, counted as the unsharded buffers (``CommCounter``).
+
+    layers: each layer's flat groups as ``(padded_numel, trainable)``. A layer is gathered for
+    forward, and again for backward unless no autograd node covers it (it comes before the
+    first layer with a trainable group) or it is the last layer kept gathered between the
+    passes (``Prefetch.keep_last``); trainable groups are reduce-scattered once."""
+    first = next((i for i, groups in enumerate(layers) if any(t for _, t in groups)),
+                 len(layers))
+    gather = reduce = 0
+    for i, groups in enumerate(layers):
+        in_backward = i >= first
+        kept = in_backward and i == len(layers) - 1 and keep_last
+        times = 2 if in_backward and not kept else 1
+        for padded, trainable in groups:
+            gather += padded * param_bytes * times
+            if trainable:
+                reduce += padded * reduce_bytes
+    return gather, reduce

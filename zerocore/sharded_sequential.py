@@ -24,7 +24,7 @@ from zerocore.flat_group import GroupContext
 from zerocore.meta_layer import MetaLayer
 from zerocore.offload import OffloadStreams, cpu_threads
 from zerocore.policies import MixedPrecision, Offload, Prefetch, Recompute
-from zerocore.report import CommReport, MemoryReport
+from zerocore.report import CommReport, MemoryReport, expected_traffic
 from zerocore.sharded_layer import BackwardCoordinator, LayerFunction, ShardedLayer
 from zerocore.sharded_param import ShardParameter
 
@@ -220,32 +220,18 @@ class ShardedSequential(nn.Module):
         autograd node covers (before the first trainable one, when the input needs no
         gradient) and the last layer when kept gathered between the passes
         (``Prefetch.keep_last``); trainable gradients reduced once."""
-        p_bytes = torch.tensor([], dtype=self.mixed_precision.param_dtype).element_size()
-        r_bytes = torch.tensor([], dtype=self.mixed_precision.grad_reduce_dtype).element_size()
-        gather = reduce = 0
-        first_in_backward = self._first_graph_layer()
-        last = len(self.layers) - 1
-        for layer in self.layers:
-            in_backward = layer.index >= first_in_backward
-            kept = in_backward and layer.index == last and self.prefetch.keep_last
-            times = 2 if in_backward and not kept else 1
-            for g in layer.groups:
-                gather += g.layout.padded_numel * p_bytes * times
-                if g.trainable:
-                    reduce += g.layout.padded_numel * r_bytes
+        gather, reduce = expected_traffic(
+            [[(g.layout.padded_numel, g.trainable) for g in layer.groups]
+             for layer in self.layers],
+            param_bytes=self.mixed_precision.param_dtype.itemsize,
+            reduce_bytes=self.mixed_precision.grad_reduce_dtype.itemsize,
+            keep_last=self.prefetch.keep_last)
         c = self.counter
         report = CommReport(c.all_gather_bytes, c.reduce_scatter_bytes, c.all_reduce_bytes,
                             gather, reduce)
         if reset:
             c.reset()
         return report
-
-    def _first_graph_layer(self) -> int:
-        """Index of the first layer that runs backward when the input needs no gradient."""
-        for layer in self.layers:
-            if layer.trainable is not None:
-                return layer.index
-        return len(self.layers)
 
 
 def shard(layers: Iterable[nn.Module], *, group: dist.ProcessGroup | None = None,
