@@ -125,6 +125,11 @@ class PeerMemory:
         self._rank = -1
         self._pipes = _Pipes()
         self._channels = 0
+        # Reductions whose buffer the other rank may still be reading: (channel, seq).
+        self._unsettled: list[tuple[int, int]] = []
+        # Where reductions read the other rank's contribution (1D bytes, grown as needed): one
+        # read at a time, each added into the gradient before the next.
+        self._received = torch.empty(0, dtype=torch.uint8)
 
     @property
     def available(self) -> bool:
@@ -252,13 +257,34 @@ class PeerMemory:
         most the process group's timeout)."""
         return self._pipes.hear(rank, _key(channel, kind, seq))
 
-    def lend(self, channel: int, seq: int, storage: torch.UntypedStorage) -> None:
+    def lend(self, kind: int, channel: int, seq: int, storage: torch.UntypedStorage) -> None:
         """Keeps ``storage`` allocated, whatever becomes of its owner, until ``returned``: the
-        others may be reading it."""
-        self._pipes.lent[(channel, seq)] = (storage, self.others())
+        others may be reading it, and will say so with a ``kind`` message."""
+        self._pipes.lent[(kind, channel, seq)] = (storage, self.others())
 
-    def returned(self, channel: int, seq: int) -> None:
-        self._pipes.lent.pop((channel, seq), None)
+    def returned(self, kind: int, channel: int, seq: int) -> None:
+        self._pipes.lent.pop((kind, channel, seq), None)
+
+    def settle_reductions(self) -> None:
+        """Returns once the other rank has read every reduction buffer this rank lent it (it
+        reads as it finishes each reduction, so this rarely waits): called before a buffer may
+        be written again, i.e. before packing the next gradients and before the next gather."""
+        for channel, seq in self._unsettled:
+            for q in self.others():
+                self.hear(q, channel, REDUCE_READ, seq)
+            self.returned(REDUCE_READ, channel, seq)
+        self._unsettled.clear()
+
+    def await_read(self, channel: int, seq: int) -> None:
+        """The other rank is to read this rank's buffer of reduction ``seq`` of ``channel``
+        (``settle_reductions`` waits for it)."""
+        self._unsettled.append((channel, seq))
+
+    def received_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = numel * dtype.itemsize
+        if self._received.numel() < nbytes:
+            self._received = torch.empty(nbytes, dtype=torch.uint8)
+        return self._received[:nbytes].view(dtype)
 
     def others(self) -> list[int]:
         assert self.pids is not None
@@ -276,8 +302,9 @@ class _Pipes:
         self.outbound: dict[int, int] = {}  # rank -> write end of the pipe to it
         self.inbound: dict[int, int] = {}   # rank -> read end (non-blocking) of the pipe from it
         self.early: dict[int, dict[int, int]] = {}  # rank -> {key: value} read before asked
-        # (channel, gather seq) -> (storage, the ranks that will say they read it)
-        self.lent: dict[tuple[int, int], tuple[torch.UntypedStorage, list[int]]] = {}
+        # (kind of the message that returns it, channel, seq) -> (storage, the ranks that will
+        # say they read it)
+        self.lent: dict[tuple[int, int, int], tuple[torch.UntypedStorage, list[int]]] = {}
         self.timeout_s = 1800.0
 
     def tell(self, ranks: list[int], key: int, value: int, required: bool) -> None:
@@ -321,10 +348,10 @@ class _Pipes:
     def drain_and_close(self) -> None:
         """Waits (a minute at most) for the others to finish reading lent buffers, then closes
         the pipes."""
-        for (channel, seq), (_, readers) in list(self.lent.items()):
+        for (kind, channel, seq), (_, readers) in list(self.lent.items()):
             for q in readers:
                 try:
-                    self.hear(q, _key(channel, seq=seq, kind=GATHER_READ), timeout_s=60.0)
+                    self.hear(q, _key(channel, kind, seq), timeout_s=60.0)
                 except (OSError, RuntimeError):
                     pass  # gone, or not answering: nothing more to wait for
         self.lent.clear()
@@ -362,7 +389,8 @@ def start_gather_by_reading(output: torch.Tensor, shard: torch.Tensor, peers: Pe
     counter.all_gather_bytes += _nbytes(output)
     counter.all_gather_calls += 1
     output.chunk(dist.get_world_size(group))[dist.get_rank(group)].copy_(shard)
-    peers.lend(channel, seq, output.untyped_storage())
+    peers.settle_reductions()  # (here for want of a better place: see its docstring)
+    peers.lend(GATHER_READ, channel, seq, output.untyped_storage())
     peers.tell(peers.others(), channel, GATHER_READY, seq, output.data_ptr())
 
 
@@ -383,30 +411,34 @@ def wait_gather_read(peers: PeerMemory, channel: int, seq: int) -> None:
     ``seq`` of ``channel``."""
     for q in peers.others():
         peers.hear(q, channel, GATHER_READ, seq)
-    peers.returned(channel, seq)
+    peers.returned(GATHER_READ, channel, seq)
 
 
 def start_reduce_by_reading(full: torch.Tensor, peers: PeerMemory, channel: int, seq: int,
                             group: dist.ProcessGroup, counter: CommCounter) -> None:
     """Two ranks: ``reduce_scatter_by_exchange`` by reading, first half: tells the other rank
-    where ``full`` is; ``finish_reduce_by_reading`` reads its contribution to this rank's half."""
+    where ``full`` is (once ``peers.settle_reductions()`` has returned, before ``full`` was
+    written); ``finish_reduce_by_reading`` reads its contribution to this rank's half."""
     assert dist.get_world_size(group) == 2, "the reduction by reading is for two ranks"
     counter.reduce_scatter_bytes += _nbytes(full)
     counter.reduce_scatter_calls += 1
+    peers.lend(REDUCE_READ, channel, seq, full.untyped_storage())
     peers.tell(peers.others(), channel, REDUCE_READY, seq, full.data_ptr())
 
 
-def finish_reduce_by_reading(received: torch.Tensor, peers: PeerMemory, channel: int, seq: int,
-                             group: dist.ProcessGroup) -> None:
-    """received (this rank's half of the other rank's ``full``) <- read, once it is ready;
-    returns once the other rank has read its half of this rank's ``full`` too, which may then
-    be reused."""
+def finish_reduce_by_reading(peers: PeerMemory, channel: int, seq: int, numel: int,
+                             dtype: torch.dtype, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's half of the other rank's ``full`` (1D, ``numel`` of ``dtype``), read once it
+    is ready, in a buffer valid until the next call. This rank's ``full`` stays lent until the
+    other rank has read it too (``settle_reductions``)."""
     rank = dist.get_rank(group)
     (peer,) = peers.others()
+    received = peers.received_buffer(numel, dtype)
     address = peers.hear(peer, channel, REDUCE_READY, seq)
     peers.read(received, peer, address + rank * _nbytes(received))
     peers.tell([peer], channel, REDUCE_READ, seq, 0)
-    peers.hear(peer, channel, REDUCE_READ, seq)
+    peers.await_read(channel, seq)
+    return received
 
 
 def all_reduce_sum_in_place(full: torch.Tensor, group: dist.ProcessGroup,

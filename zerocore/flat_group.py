@@ -304,6 +304,9 @@ class FlatGroup:
     def _start_reduce(self, grads: list[torch.Tensor | None],
                       scratch: torch.Tensor | None) -> PendingGrad:
         numel, dtype, dev = self.layout.padded_numel, self.ctx.reduce_dtype, self.ctx.device
+        if self._gloo and self.reduce_by_reading:
+            # The other rank may still be reading an earlier packed buffer (maybe ``scratch``).
+            self.ctx.peers.settle_reductions()
         if scratch is not None:
             assert scratch.numel() >= numel and scratch.dtype == dtype and scratch.device == dev
             packed = scratch[:numel]
@@ -317,7 +320,6 @@ class FlatGroup:
                                                 self._reductions, self.ctx.process_group,
                                                 self.ctx.counter)
             return PendingGrad(self, None, None, packed, summed_in_place=True, scratch=scratch,
-                               received=torch.empty(self.layout.shard_numel, dtype=dtype),
                                reading_seq=self._reductions)
         if self._gloo and self.reduce_by_exchange:
             received = torch.empty(self.layout.shard_numel, dtype=dtype, device=dev)
@@ -345,16 +347,16 @@ class FlatGroup:
         for handle in [pending.handle, *pending.handles]:
             if handle is not None:
                 handle.wait()
+        received = pending.received
         if pending.reading_seq is not None:
-            assert pending.received is not None
-            collectives.finish_reduce_by_reading(pending.received, group.ctx.peers,
-                                                 group._channel, pending.reading_seq,
-                                                 group.ctx.process_group)
+            received = collectives.finish_reduce_by_reading(
+                group.ctx.peers, group._channel, pending.reading_seq, group.layout.shard_numel,
+                group.ctx.reduce_dtype, group.ctx.process_group)
         if pending.summed_in_place:
             lo, hi = group.layout.shard_range(group.ctx.rank)
             mine = pending.packed[lo:hi]
-            if pending.received is not None:
-                mine.add_(pending.received)  # x + y == y + x: the all-reduce's sum, bitwise
+            if received is not None:
+                mine.add_(received)  # x + y == y + x: the all-reduce's sum, bitwise
             # Sum, then divide: what gloo's AVG does, so bitwise the same mean.
             out = mine.div_(group.layout.world_size)
         else:
