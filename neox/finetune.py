@@ -108,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--export-hf", action="store_true",
                    help="also write the fine-tuned model as a Hugging Face directory (LoRA "
                         "merged) to OUTPUT_DIR/hf")
+    c.add_argument("--measure-memory", action="store_true",
+                   help="measure each rank's peak memory over the training steps after the "
+                        "first (torch's profiler on the CPU, the allocator's peak on a GPU) and "
+                        "print it beside python -m neox.plan's prediction, with each rank's "
+                        "peak resident set")
     c.add_argument("--sample-tokens", type=nonnegative_int, default=48,
                    help="print a sample of this many tokens at the end, continuing the start of "
                         "the validation text (0: none)")
@@ -144,6 +149,7 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "output_dir": ("output", "output_dir"), "save_every": ("output", "save_every"),
     "keep_last": ("output", "keep_last"), "export_hf": ("output", "export_hf"),
     "sample_tokens": ("output", "sample_tokens"),
+    "measure_memory": ("output", "measure_memory"),
     "data_dir": ("data", "data_dir"), "cache_dir": ("data", "cache_dir"),
     "reduce_dtype": ("model", "reduce_dtype"),
 }
@@ -203,7 +209,8 @@ def recipe_from_flags(args: argparse.Namespace, filter_layers: tuple[int, ...] |
                             activation_checkpointing_every=args.activation_checkpointing_every),
             output=OutputConfig(output_dir=str(args.output_dir), save_every=args.save_every,
                                 keep_last=args.keep_last, export_hf=args.export_hf,
-                                sample_tokens=args.sample_tokens))
+                                sample_tokens=args.sample_tokens,
+                                measure_memory=args.measure_memory))
     except (RecipeError, ValueError) as e:
         raise UsageError(_flag_message(str(e))) from None
 

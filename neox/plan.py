@@ -29,11 +29,11 @@ from neox.cli import (DTYPES, HelpFormatter, UsageError, add_mode_arguments,
 from neox.config import NeoXConfig
 from neox.finetune_modes import FinetuneMode, prepare_layer
 from neox.model import build_layer, layer_specs
-from neox.recipe import LoopConfig
+from neox.recipe import LoopConfig, Recipe
 from neox.step import micro_batch_loss, recompute_policy
 from neox.weights import WeightsError, open_weights
 
-__all__ = ["PlanRequest", "plan_run", "build_parser", "main"]
+__all__ = ["PlanRequest", "plan_run", "request_from_recipe", "build_parser", "main"]
 
 GiB = 2**30
 # The tiny preset takes its vocabulary from the tokenizer a run trains (neox.data's byte-level
@@ -58,6 +58,19 @@ class PlanRequest:
     recompute_every: int
     world_size: int
     device: str                           # "cuda" or "cpu"
+
+
+def request_from_recipe(recipe: Recipe, config: NeoXConfig, *, world_size: int,
+                        device: str, dtype: torch.dtype) -> PlanRequest:
+    """The plan of a run of ``recipe`` on ``world_size`` ranks computing in ``dtype``."""
+    loop = recipe.loop
+    return PlanRequest(
+        config=config, filter_layers=recipe.model.filter_layers, mode=recipe.model.finetune,
+        dtype=dtype, reduce_dtype=DTYPES[recipe.model.reduce_dtype],
+        batch_size=loop.batch_size, seq_len=recipe.data.seq_len, grad_accum=loop.grad_accum,
+        offload=loop.offload_optimizer, recompute=loop.activation_checkpointing,
+        recompute_every=loop.activation_checkpointing_every, world_size=world_size,
+        device=device)
 
 
 def plan_run(request: PlanRequest, *, recompute: tuple[int, ...] | None = None
@@ -184,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{r.mode.mode}, {str(r.dtype).removeprefix('torch.')} compute, gradients reduced "
           f"in {str(r.reduce_dtype).removeprefix('torch.')}; {r.batch_size} x {r.seq_len} "
           f"tokens per rank and micro-batch, {r.grad_accum} micro-batch(es) per step; "
-          f"{recomputed}; optimizer {'offloaded to the host' if r.offload else 'on the GPU'}")
+          f"{recomputed}; optimizer {'offloaded to the host' if r.offload else 'on the device'}")
     print(f"{r.world_size} ranks ({args.gpus} {'GPUs' if r.device == 'cuda' else 'processes'} "
           f"x {args.nodes} node(s)), {args.gpu_memory:g} GiB each")
     print(chosen.table(memory if r.device == "cuda" else None))

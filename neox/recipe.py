@@ -173,6 +173,7 @@ class OutputConfig:
     keep_last: int = 3             # checkpoints of this run kept
     export_hf: bool = False
     sample_tokens: int = 48        # a text sample printed at the end; 0: none
+    measure_memory: bool = False   # each rank's peak over the steps, printed beside the plan
 
     def __post_init__(self) -> None:
         w = "recipe.output"
@@ -185,6 +186,7 @@ class OutputConfig:
         _check(isinstance(self.export_hf, bool), w, "export_hf must be a bool")
         _check(_int(self.sample_tokens) and self.sample_tokens >= 0, w,
                f"sample_tokens must be >= 0, got {self.sample_tokens!r}")
+        _check(isinstance(self.measure_memory, bool), w, "measure_memory must be a bool")
 
 
 _PARTS: dict[str, type] = {"model": ModelRecipe, "data": DataConfig, "optim": OptimConfig,

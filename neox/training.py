@@ -32,6 +32,7 @@ from neox.lora import merge_lora
 from neox.model import LayerSpec, layer_specs
 from neox.progress import Progress
 from neox.sampling import sample_sharded
+from neox.plan import plan_run, request_from_recipe
 from neox.step import micro_batch_loss, recompute_policy
 from neox.recipe import DataConfig, LoopConfig, ModelRecipe, OptimConfig, Recipe
 from neox.run_dir import (CHECKPOINTS, HF_EXPORT, METRICS, TOKENIZER, TOKENIZER_SHA256,
@@ -162,6 +163,7 @@ def build(recipe: Recipe, data: RunData, *, device: torch.device, rank: int, wor
         f"blocks in the checkpoint, keeping {kept}; fine-tuning {mode.mode}; compute dtype "
         f"{str(dtype).removeprefix('torch.')}, gradients summed in {recipe.model.reduce_dtype}"
         f"{recomputed}; building layer by layer:")
+    start = time.perf_counter()
     with reader:
         model = zerocore.shard(stream_layers(reader, config, recipe.model, log=log),
                                device=device,
@@ -170,6 +172,7 @@ def build(recipe: Recipe, data: RunData, *, device: torch.device, rank: int, wor
                                    reduce_dtype=DTYPES[recipe.model.reduce_dtype]),
                                offload=zerocore.Offload(optimizer=recipe.loop.offload_optimizer),
                                recompute=recompute)
+    log(f"built in {time.perf_counter() - start:.1f} s")
     shards = model.trainable_shards()
 
     def check_trainable() -> None:
@@ -291,6 +294,51 @@ class StepsDone:
     first_step: int
     memory: zerocore.MemoryReport | None   # taken at the last step, gradients included
     comm: zerocore.CommReport
+    measured: "MeasuredPeak | None" = None
+
+
+@dataclasses.dataclass
+class MeasuredPeak:
+    """This rank's memory over the training steps after the first (``--measure-memory``)."""
+
+    steps: int                   # steps measured
+    state_bytes: int             # model state when the measurement began (tensors)
+    peak_bytes: int              # most bytes of tensors allocated at once beyond that
+    rss_peak: int | None         # peak resident set over those steps
+    rss_run_peak: int | None     # over the whole process (the build too)
+
+    @property
+    def total(self) -> int:
+        return self.state_bytes + self.peak_bytes
+
+
+class MemoryProbe:
+    """``--measure-memory``: starts after the first step (nothing is created lazily any more)
+    and ends with the last one."""
+
+    def __init__(self, model: zerocore.ShardedSequential, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+        self.peak: zerocore.PeakMemory | None = None
+        self.first_step = 0
+        self.state_bytes = 0
+        self.rss_run_peak: int | None = None
+
+    def after_step(self, step: int) -> None:
+        if self.peak is None:
+            self.first_step = step
+            self.state_bytes = self.model.memory_report(self.optimizer).model_state_bytes
+            self.rss_run_peak = zerocore.peak_rss()
+            zerocore.reset_peak_rss()
+            self.peak = zerocore.PeakMemory(self.model.device)
+            self.peak.__enter__()
+
+    def finish(self, step: int) -> MeasuredPeak | None:
+        if self.peak is None:
+            return None
+        self.peak.__exit__(None, None, None)
+        rss = zerocore.peak_rss()
+        return MeasuredPeak(step - self.first_step, self.state_bytes, self.peak.peak_bytes, rss,
+                            max(rss or 0, self.rss_run_peak or 0) or None)
 
 
 def train(state: TrainState, recipe: Recipe, data: RunData, metrics: MetricsFile | None,
@@ -308,6 +356,7 @@ def train(state: TrainState, recipe: Recipe, data: RunData, metrics: MetricsFile
     first_step, memory = state.step, None
     nonfinite = 0               # consecutive steps with a non-finite loss or gradient
     metrics_error: OutputDirError | None = None    # rank 0's, reported at the next step
+    probe = MemoryProbe(model, state.optimizer) if recipe.output.measure_memory else None
     while state.step < total:
         start = time.perf_counter()
         # loss sum, correct, tokens, and whether rank 0 failed to write the last metrics line
@@ -365,9 +414,12 @@ def train(state: TrainState, recipe: Recipe, data: RunData, metrics: MetricsFile
         if recipe.output.save_every and state.step % recipe.output.save_every == 0 \
                 and state.step < total:
             save(state, recipe, data, run_id, rank=rank)
+        if probe is not None and state.step < total:
+            probe.after_step(state.step)
     progress.close()
+    measured = probe.finish(state.step) if probe is not None else None
     zerocore.run_agreed(lambda: _raise(metrics_error))
-    return StepsDone(first_step, memory, model.comm_report())
+    return StepsDone(first_step, memory, model.comm_report(), measured)
 
 
 def _raise(error: BaseException | None) -> None:
@@ -433,6 +485,9 @@ def finish(state: TrainState, recipe: Recipe, data: RunData, done: StepsDone,
         for t in tables:
             log(t)
         log("communication this run:\n" + done.comm.table(steps=state.step - done.first_step))
+    if recipe.output.measure_memory:
+        report_measured(state, recipe, done.measured, device=device, world_size=world_size,
+                        log=log)
     ckpt = save(state, recipe, data, run_id, rank=rank)
     trained = write_trainable(state, Path(recipe.output.output_dir) / TRAINABLE, rank=rank)
     log(f"saved: checkpoint {ckpt}")
@@ -441,6 +496,29 @@ def finish(state: TrainState, recipe: Recipe, data: RunData, done: StepsDone,
         log(f"saved: Hugging Face export {export_hf(state, recipe, data, rank=rank)}")
     if recipe.output.sample_tokens:
         log(sample_text(state, recipe, data, rank=rank))
+
+
+def report_measured(state: TrainState, recipe: Recipe, measured: MeasuredPeak | None, *,
+                    device: torch.device, world_size: int, log: Log) -> None:
+    """Each rank's measured peak beside the plan of this run (neox.plan). Collective."""
+    every: list[Any] = [None] * world_size
+    dist.all_gather_object(every, measured)
+    if every[0] is None:
+        log("memory: not measured (the run had a single step; the first is not measured)")
+        return
+    plan = plan_run(request_from_recipe(recipe, state.config, world_size=world_size,
+                                        device=device.type, dtype=state.dtype))
+    planned = plan.device_peak
+    mib = 2**20
+    log(f"memory per rank over steps {state.step - every[0].steps + 1}-{state.step} (tensors, "
+        f"{'torch.profiler allocation events' if device.type == 'cpu' else 'the CUDA allocator'}"
+        f"; planned by neox.plan: {planned / mib:,.1f} MiB, peak at {plan.peak_phase}):")
+    for rank, m in enumerate(every):
+        rss = "" if m.rss_peak is None else (f"; peak RSS {m.rss_peak / mib:,.0f} MiB in these "
+                                             f"steps, {m.rss_run_peak / mib:,.0f} MiB in the run")
+        log(f"  rank {rank}: measured {m.total / mib:,.1f} MiB ({m.state_bytes / mib:,.1f} model "
+            f"state + {m.peak_bytes / mib:,.1f} at the peak), planned / measured "
+            f"{planned / m.total:.3f}{rss}")
 
 
 # A short sample shows what the model learnt: continuing the first tokens of the validation

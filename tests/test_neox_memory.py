@@ -88,3 +88,32 @@ def test_only_the_writer_holds_the_trained_parameters(worlds):
     # 16 layers, or one full 4 MiB layer per gather) would exceed it.
     assert big[1]["growth"] - small[1]["growth"] < 8 * 2**20, (small[1], big[1])
     assert big[1]["growth"] < 16 * 2**20, big[1]
+
+
+# -- the 20B path, scaled down: neox.finetune on a preset with filtered blocks, bf16, 2 ranks,
+# each rank's measured peak printed beside the plan (bench/neox_20b_cpu.py runs the real shape).
+
+def _measured_lines(stdout: str) -> list[tuple[float, float]]:
+    import re
+    found = re.findall(r"rank \d: measured ([\d,.]+) MiB .* planned / measured ([\d.]+); peak RSS "
+                       r"([\d,]+) MiB", stdout)
+    return [(float(ratio), float(rss.replace(",", ""))) for _, ratio, rss in found]
+
+
+@pytest.mark.parametrize("mode", ["biases", "lora"])
+def test_filtered_preset_run_measures_what_the_plan_says(tmp_path, mode):
+    from neox_testing import BPE512, EXCERPT, run_module
+    proc = run_module("neox.finetune", "--cpu", "--nproc", 2, "--model", "pythia-70m",
+                      "--filter-layers", "0,5", "--dtype", "bf16", "--finetune", mode,
+                      "--seq-len", 16, "--batch-size", 2, "--max-steps", 3,
+                      "--val-fraction", 0.02, "--data", EXCERPT, "--tokenizer", BPE512,
+                      "--cache-dir", tmp_path / "cache", "--output-dir", tmp_path / "out",
+                      "--sample-tokens", 0, "--measure-memory")
+    assert proc.returncode == 0, proc.stderr
+    assert "built in" in proc.stdout
+    lines = _measured_lines(proc.stdout)
+    assert len(lines) == 2, proc.stdout
+    for ratio, rss in lines:
+        # The plan follows every allocation of the step (tests/test_plan.py); 5% as there.
+        assert abs(ratio - 1) < 0.05, proc.stdout
+        assert rss > 0

@@ -21,7 +21,7 @@ from zerocore.policies import (LossScaling, MixedPrecision, Offload, Prefetch,  
 from zerocore.report import CommReport, MemoryReport  # noqa: E402
 from zerocore.meta_layer import MetaLayer  # noqa: E402
 from zerocore import plan  # noqa: E402  (zerocore.plan.plan, MemoryPlan)
-from zerocore.peak_memory import PeakMemory  # noqa: E402
+from zerocore.peak_memory import PeakMemory, peak_rss, reset_peak_rss  # noqa: E402
 from zerocore.sharded_param import ShardParameter  # noqa: E402
 from zerocore.sharded_sequential import ShardedSequential, shard  # noqa: E402
 from zerocore.agree import PeerError, run_agreed  # noqa: E402
@@ -38,4 +38,5 @@ __all__ = ["BUILD", "ops", "optim", "reference", "shard", "ShardedSequential", "
            "load_checkpoint", "latest_checkpoint", "list_checkpoints", "checkpoint_runs",
            "incomplete_checkpoints", "IncompleteCheckpoint", "open_checkpoint", "read_manifest",
            "verify_files", "iter_full_layers", "ShardReader", "CheckpointError",
-           "CheckpointWriteError", "Platform", "MetaLayer", "plan", "PeakMemory"]
+           "CheckpointWriteError", "Platform", "MetaLayer", "plan", "PeakMemory",
+           "peak_rss", "reset_peak_rss"]

@@ -12,6 +12,7 @@ allocator's own rounding, not what gloo allocates outside torch.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -60,3 +61,28 @@ class PeakMemory:
             peak = max(peak, live)
         self.peak_bytes, self.net_bytes = peak, live
         self._profiler = None
+
+
+_STATUS = Path("/proc/self/status")
+
+
+def peak_rss() -> int | None:
+    """The process's peak resident set (VmHWM) in bytes since it started or since the last
+    ``reset_peak_rss``; None where /proc does not say (not Linux)."""
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Starts the peak resident set afresh from the current one (Linux: /proc/self/clear_refs);
+    False where that is not possible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False

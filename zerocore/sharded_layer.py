@@ -50,11 +50,12 @@ def _rank_slice(chosen: list[tuple[str, nn.Parameter]], layout: FlatLayout, rank
     """The group's unsharded flat buffer (1D, ``dtype``, padded_numel) with only this rank's
     range ``[lo, hi)`` written (padding zero): what ``FlatGroup`` keeps. The rest is allocated
     but never touched, so on the CPU it takes address space, not memory (pages are backed when
-    first written). A meta parameter's elements come from ``read``, only those in the range."""
+    first written). A meta parameter's elements come from ``read``, only those in the range,
+    one parameter at a time (each piece is packed and dropped before the next is read)."""
     lo, hi = layout.shard_range(rank)
     device = next((p.device for _, p in chosen if not p.is_meta), torch.device("cpu"))
     full = torch.empty(layout.padded_numel, dtype=dtype, device=device)
-    pieces, offsets = [], []
+    full[lo:hi].zero_()  # padding, and any gap between parameters
     for (name, p), slot in zip(chosen, layout.slots):
         start, stop = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
         if start >= stop:
@@ -68,10 +69,9 @@ def _rank_slice(chosen: list[tuple[str, nn.Parameter]], layout: FlatLayout, rank
                                  f"floating-point elements")
         else:
             piece = p.detach().reshape(-1)[a:b]
-        pieces.append(piece.to(device))
-        offsets.append(start - lo)
-    with torch.no_grad():
-        ops.pack(pieces, offsets, full[lo:hi])   # zeros where no parameter lies
+        with torch.no_grad():
+            ops.pack([piece.to(device)], [0], full[start:stop])  # pack's dtype conversion
+        del piece
     return full
 
 
