@@ -19,7 +19,7 @@ from neox.config import PRESETS, NeoXConfig
 from neox.finetune_modes import MODES
 
 __all__ = ["DTYPES", "UsageError", "BlockRanges", "parse_layers", "add_model_arguments",
-           "preset_config", "resolve_dtype", "HelpFormatter", "VOCAB_MULTIPLE", "positive_int", "nonnegative_int", "finite_float",
+           "preset_config", "resolve_dtype", "HelpFormatter", "Parser", "VOCAB_MULTIPLE", "positive_int", "nonnegative_int", "finite_float",
            "default_data_dir_flag", "add_mode_arguments", "add_step_arguments", "auto_mode",
            "FINETUNE_DEFAULT_MODE", "recompute_blocks", "ALL_BLOCKS"]
 
@@ -82,6 +82,15 @@ def parse_layers(text: str | None, *, flag: str = "--filter-layers") -> BlockRan
     if not ranges:
         raise UsageError(f"{flag} is empty: give at least one block index, e.g. '0,1'")
     return BlockRanges(text, tuple(ranges), flag)
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are two lines: the full usage of a tool with forty
+    flags buries the one line that says what is wrong, so it points to ``--help`` instead."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n"
+                     f"({self.prog} --help lists every flag)\n")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

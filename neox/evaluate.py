@@ -8,7 +8,6 @@ without a text is evaluated on its own validation windows. Every predicted token
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -18,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from neox import data as nd
-from neox.cli import HelpFormatter, positive_int
+from neox.cli import HelpFormatter, Parser, positive_int
 from neox.inference import Loaded, add_arguments, load_model
 from neox.progress import Progress
 
@@ -82,9 +81,9 @@ def evaluate_windows(model: torch.nn.Module, inputs: torch.Tensor, targets: torc
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m neox.evaluate",
-                                description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
+    p = Parser(prog="python -m neox.evaluate",
+               description=__doc__.split("\n\n")[0],
+               formatter_class=HelpFormatter)
     p.add_argument("text", type=Path, nargs="?", default=None,
                    help="UTF-8 text file (default: for a fine-tuning run, its own validation "
                         "windows; else tiny_shakespeare from the cache or --data-dir)")

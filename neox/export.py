@@ -11,7 +11,6 @@ unchanged and the adapters are written beside it in PEFT's layout
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from neox.cli import Parser
 from neox.config import filtered_config
 from neox.lora import merge_lora
 from neox.model import LayerKind, layer_specs
@@ -104,7 +104,7 @@ def export(ckpt: Path, out: Path, *, lora: str = "merged", overwrite: bool = Fal
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m neox.export", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m neox.export", description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", type=Path, help="a neox.finetune checkpoint (step-XXXXXXXX)")
     p.add_argument("out", type=Path, help="output directory (must not exist or be empty)")
     p.add_argument("--lora", choices=["merged", "separate"], default="merged",

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import torch
 
 from neox import data as nd
-from neox.cli import (ALL_BLOCKS, HelpFormatter, UsageError, add_mode_arguments,
+from neox.cli import (ALL_BLOCKS, HelpFormatter, Parser, UsageError, add_mode_arguments,
                       add_model_arguments, add_step_arguments, auto_mode, default_data_dir_flag,
                       finite_float, nonnegative_int, parse_layers, positive_int, preset_config,
                       recompute_blocks)
@@ -45,7 +45,7 @@ FROM_SCRATCH = {"finetune": auto_mode(has_weights=False), "lr": 2e-3, "warmup": 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m neox.finetune", description=__doc__.split("\n\n")[0],
         formatter_class=HelpFormatter)
     add_model_arguments(p, for_training=True)

@@ -6,12 +6,11 @@ run's export (OUTPUT_DIR/hf) or a preset. One process.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 
-from neox.cli import HelpFormatter, finite_float, nonnegative_int, positive_int
+from neox.cli import HelpFormatter, Parser, finite_float, nonnegative_int, positive_int
 from neox.inference import add_arguments, load_model
 from neox.model import NeoXModel
 from neox.sampling import choose_token
@@ -37,9 +36,9 @@ def generate(model: NeoXModel, prompt: torch.Tensor, *, max_new_tokens: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m neox.generate",
-                                description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
+    p = Parser(prog="python -m neox.generate",
+               description=__doc__.split("\n\n")[0],
+               formatter_class=HelpFormatter)
     add_arguments(p)
     p.add_argument("--prompt", default="ROMEO:", help="text to continue")
     p.add_argument("--max-new-tokens", type=positive_int, default=64)

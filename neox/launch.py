@@ -303,7 +303,7 @@ _PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken p
 
 
 def _is_lost_peer(e: BaseException) -> bool:
-    if isinstance(e, dist.DistBackendError):
+    if isinstance(e, (dist.DistBackendError, zerocore.PeerLost)):
         return True
     return isinstance(e, RuntimeError) and any(p in str(e) for p in _PEER_LOSS)
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 import zerocore
-from neox.cli import (DTYPES, HelpFormatter, UsageError, add_mode_arguments,
+from neox.cli import (DTYPES, HelpFormatter, Parser, UsageError, add_mode_arguments,
                       add_model_arguments, add_step_arguments, auto_mode, finite_float,
                       parse_layers, positive_int, preset_config, recompute_blocks, ALL_BLOCKS)
 from neox.config import NeoXConfig
@@ -100,8 +100,8 @@ def plan_run(request: PlanRequest, *, recompute: tuple[int, ...] | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m neox.plan", description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
+    p = Parser(prog="python -m neox.plan", description=__doc__.split("\n\n")[0],
+               formatter_class=HelpFormatter)
     add_model_arguments(p, for_training=True)
     add_mode_arguments(p)
     add_step_arguments(p)

@@ -25,6 +25,7 @@ from zerocore.peak_memory import PeakMemory, peak_rss, reset_peak_rss  # noqa: E
 from zerocore.sharded_param import ShardParameter  # noqa: E402
 from zerocore.sharded_sequential import ShardedSequential, shard  # noqa: E402
 from zerocore.agree import PeerError, run_agreed  # noqa: E402
+from zerocore.collectives import PeerLost  # noqa: E402
 from zerocore.checkpoint import (CheckpointError, CheckpointWriteError,  # noqa: E402
                                  IncompleteCheckpoint, ShardReader, checkpoint_runs,
                                  incomplete_checkpoints, iter_full_layers, latest_checkpoint,
@@ -34,7 +35,7 @@ from zerocore.checkpoint import (CheckpointError, CheckpointWriteError,  # noqa:
 __version__ = "0.1.0"
 __all__ = ["BUILD", "ops", "optim", "reference", "shard", "ShardedSequential", "ShardParameter",
            "MixedPrecision", "Prefetch", "Offload", "Recompute", "LossScaling", "LossScaler", "StepResult",
-           "MemoryReport", "CommReport", "run_agreed", "PeerError", "save_checkpoint",
+           "MemoryReport", "CommReport", "run_agreed", "PeerError", "PeerLost", "save_checkpoint",
            "load_checkpoint", "latest_checkpoint", "list_checkpoints", "checkpoint_runs",
            "incomplete_checkpoints", "IncompleteCheckpoint", "open_checkpoint", "read_manifest",
            "verify_files", "iter_full_layers", "ShardReader", "CheckpointError",

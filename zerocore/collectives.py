@@ -6,12 +6,18 @@ process group's own CUDA stream, which c10d orders after the work already queued
 stream (so an all-gather issued after the optimizer step sees the updated shards) and
 ``handle.wait()`` makes the current stream wait for it without blocking the host; on gloo it runs
 on gloo's threads, so the next layer's all-gather overlaps this layer's computation.
+
+gloo ranks of one host that may read each other's memory (``PeerMemory``) instead gather and,
+two of them, reduce by reading the others' buffers directly, in two halves: ``start_...``
+publishes this rank's buffer, ``finish_...`` reads the others' once they published theirs
+(docs/decisions.md, "Communication between gloo ranks of one host").
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import errno
 import os
 import select
 import struct
@@ -27,6 +33,12 @@ import torch.distributed as dist
 # run older torch. Resolve the name once, here.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class PeerLost(RuntimeError):
+    """Another rank of the group is gone (exited, killed, or silent past the group's timeout)
+    while this rank read its memory or waited for its message: the consequence of that rank's
+    failure, not a failure of this one (as gloo's "Connection closed by peer")."""
 
 
 @dataclasses.dataclass
@@ -237,6 +249,9 @@ class PeerMemory:
             n = self._readv(pid, ctypes.byref(lv), 1, ctypes.byref(rv), 1, 0)
             if n <= 0:
                 err = ctypes.get_errno()
+                if err == errno.ESRCH:
+                    raise PeerLost(f"zerocore: process {pid} (another rank) is gone: it exited "
+                                   f"or failed while this rank read its memory")
                 raise OSError(err, f"zerocore: reading {nbytes} bytes of process {pid}'s memory "
                                    f"failed: {os.strerror(err)}")
             done += n
@@ -316,7 +331,7 @@ class _Pipes:
                 # Rank q's model is gone: a "done reading" no longer matters to it; anything
                 # it was to wait for does.
                 if required:
-                    raise RuntimeError(f"zerocore: rank {q} closed its pipe to this rank (its "
+                    raise PeerLost(f"zerocore: rank {q} closed its pipe to this rank (its "
                                        f"model was released, or it exited or failed)") from None
 
     def hear(self, rank: int, key: int, timeout_s: float | None = None) -> int:
@@ -329,11 +344,11 @@ class _Pipes:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise TimeoutError(f"zerocore: rank {rank} did not answer within "
+                raise PeerLost(f"zerocore: rank {rank} did not answer within "
                                    f"{self.timeout_s:.0f} s (the process group's timeout)")
             chunk = os.read(fd, _MESSAGE.size - len(data))
             if not chunk:
-                raise RuntimeError(f"zerocore: rank {rank} closed its pipe to this rank (its "
+                raise PeerLost(f"zerocore: rank {rank} closed its pipe to this rank (its "
                                    f"model was released, or it exited or failed) while this "
                                    f"rank waited for it")
             data += chunk
