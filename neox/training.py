@@ -302,8 +302,8 @@ class MeasuredPeak:
     """This rank's memory over the training steps after the first (``--measure-memory``)."""
 
     steps: int                   # steps measured
-    state_bytes: int             # model state when the measurement began (tensors)
-    peak_bytes: int              # most bytes of tensors allocated at once beyond that
+    state_bytes: int             # model state when the window opened (tensors)
+    peak_bytes: int              # the most bytes of tensors at once beyond that
     rss_peak: int | None         # peak resident set over those steps
     rss_run_peak: int | None     # over the whole process (the build too)
 
@@ -313,37 +313,38 @@ class MeasuredPeak:
 
 
 class MemoryProbe:
-    """``--measure-memory``: starts after the first step (nothing is created lazily any more)
-    and ends with the last one."""
+    """``--measure-memory``: counts every tensor from before the model is built (so buffers the
+    engine keeps count too); the window opens after the first step (nothing is created lazily
+    any more) and closes with the last one."""
 
-    def __init__(self, model: zerocore.ShardedSequential, optimizer: torch.optim.Optimizer):
-        self.model, self.optimizer = model, optimizer
-        self.peak: zerocore.PeakMemory | None = None
-        self.first_step = 0
+    def __init__(self, device: torch.device):
+        self.peak = zerocore.PeakMemory(device)
+        self.peak.__enter__()
+        self.first_step: int | None = None
         self.state_bytes = 0
         self.rss_run_peak: int | None = None
 
-    def after_step(self, step: int) -> None:
-        if self.peak is None:
-            self.first_step = step
-            self.state_bytes = self.model.memory_report(self.optimizer).model_state_bytes
+    def after_step(self, state: "TrainState") -> None:
+        if self.first_step is None:
+            self.first_step = state.step
+            self.state_bytes = state.model.memory_report(state.optimizer).model_state_bytes
             self.rss_run_peak = zerocore.peak_rss()
             zerocore.reset_peak_rss()
-            self.peak = zerocore.PeakMemory(self.model.device)
-            self.peak.__enter__()
+            self.peak.mark()
 
     def finish(self, step: int) -> MeasuredPeak | None:
-        if self.peak is None:
-            return None
         self.peak.__exit__(None, None, None)
+        if self.first_step is None:
+            return None
         rss = zerocore.peak_rss()
-        return MeasuredPeak(step - self.first_step, self.state_bytes, self.peak.peak_bytes, rss,
+        return MeasuredPeak(step - self.first_step, self.state_bytes,
+                            self.peak.peak_bytes - self.state_bytes, rss,
                             max(rss or 0, self.rss_run_peak or 0) or None)
 
 
 def train(state: TrainState, recipe: Recipe, data: RunData, metrics: MetricsFile | None,
           run_id: str, *, device: torch.device, rank: int, world_size: int,
-          log: Log) -> StepsDone:
+          log: Log, probe: MemoryProbe | None = None) -> StepsDone:
     """The optimizer steps, until the epochs or ``max_steps`` are done."""
     loop, total = recipe.loop, total_steps(state, recipe.loop)
     ds, model = data.dataset, state.model
@@ -356,7 +357,6 @@ def train(state: TrainState, recipe: Recipe, data: RunData, metrics: MetricsFile
     first_step, memory = state.step, None
     nonfinite = 0               # consecutive steps with a non-finite loss or gradient
     metrics_error: OutputDirError | None = None    # rank 0's, reported at the next step
-    probe = MemoryProbe(model, state.optimizer) if recipe.output.measure_memory else None
     while state.step < total:
         start = time.perf_counter()
         # loss sum, correct, tokens, and whether rank 0 failed to write the last metrics line
@@ -415,7 +415,7 @@ def train(state: TrainState, recipe: Recipe, data: RunData, metrics: MetricsFile
                 and state.step < total:
             save(state, recipe, data, run_id, rank=rank)
         if probe is not None and state.step < total:
-            probe.after_step(state.step)
+            probe.after_step(state)
     progress.close()
     measured = probe.finish(state.step) if probe is not None else None
     zerocore.run_agreed(lambda: _raise(metrics_error))
@@ -549,6 +549,7 @@ def run_training(recipe: Recipe, *, resume: Path | None, run_id: str, rank: int,
     log: Log = print if rank == 0 else (lambda *a, **k: None)
     torch.manual_seed(recipe.loop.seed)
     data = prepare_data(recipe.data, recipe.model, rank=rank, log=log)
+    probe = MemoryProbe(device) if recipe.output.measure_memory else None
     state = build(recipe, data, device=device, rank=rank, world_size=world_size, log=log)
     if resume is not None:
         restore(state, resume, recipe.optim, rank=rank, log=log)
@@ -558,6 +559,6 @@ def run_training(recipe: Recipe, *, resume: Path | None, run_id: str, rank: int,
         out / METRICS, resume_step=state.step if resume is not None else None)
         if rank == 0 else None)
     done = train(state, recipe, data, metrics, run_id, device=device, rank=rank,
-                 world_size=world_size, log=log)
+                 world_size=world_size, log=log, probe=probe)
     finish(state, recipe, data, done, metrics, run_id, device=device, rank=rank,
            world_size=world_size, log=log)

@@ -5,6 +5,10 @@ is computed: each one, on the CPU over gloo, gives bitwise the results of the pa
   reduce_scatter_by_exchange``) instead of all-reducing the whole packed buffer
   (``FlatGroup.reduce_by_exchange``): with two summands the order of an addition does not
   change its result, so the mean is the all-reduce's to the bit.
+- Ranks of one host that may read each other's memory gather by reading the others' slices
+  out of their gathered buffers (``FlatGroup.gather_by_reading``: data movement only), and two
+  of them reduce by reading the other's contribution (``FlatGroup.reduce_by_reading``: the
+  exchange's sum), instead of gloo's broadcasts and exchanges (``collectives.PeerMemory``).
 
 Each optimisation is a public attribute of ``FlatGroup`` that is on by default where it applies;
 the tests turn it off on one model and compare it with a default one trained alike, at world
@@ -14,7 +18,6 @@ trivially), over several steps with accumulation, clipping, bf16 and offload.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 
 import pytest

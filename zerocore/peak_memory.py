@@ -20,10 +20,11 @@ from torch.profiler import ProfilerActivity, profile
 
 @dataclasses.dataclass
 class PeakMemory:
-    """``with PeakMemory(device) as m: ...`` then ``m.peak_bytes``: the most bytes allocated
-    at once during the region beyond those allocated when it began (tensors allocated before
-    and freed inside count negatively from then on). ``m.net_bytes``: allocated at the end
-    beyond the start."""
+    """``with PeakMemory(device) as m: ...`` then ``m.peak_bytes``: the most bytes of tensors
+    allocated inside the region and alive at once (tensors allocated before it and freed inside
+    count negatively from then on). ``m.mark()`` inside the region starts the window the peak
+    is taken over (what came before still counts if it is alive), e.g. after a build and a first
+    step; without it the window is the whole region. ``m.net_bytes``: allocated at the end."""
 
     device: torch.device
     peak_bytes: int = 0
@@ -33,6 +34,7 @@ class PeakMemory:
         self.device = torch.device(self.device)
         self._profiler: profile | None = None
         self._start = 0
+        self._marked = False
 
     def __enter__(self) -> "PeakMemory":
         if self.device.type == "cuda":
@@ -44,6 +46,17 @@ class PeakMemory:
             self._profiler.__enter__()
         return self
 
+    def mark(self) -> None:
+        """Starts the window over which the peak is taken."""
+        self._marked = True
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            # An event in the profiler's own clock: allocations after it are in the window.
+            with torch.profiler.record_function(_MARK):
+                pass
+
     def __exit__(self, *exc) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -52,15 +65,24 @@ class PeakMemory:
             return
         assert self._profiler is not None
         self._profiler.__exit__(*exc)
-        events = sorted((e.start_ns(), e.nbytes()) for e in
-                        self._profiler.profiler.kineto_results.events()
-                        if e.name() == "[memory]" and e.device_type().name == "CPU")
-        live = peak = 0
-        for _, nbytes in events:
-            live += nbytes
-            peak = max(peak, live)
-        self.peak_bytes, self.net_bytes = peak, live
+        events = list(self._profiler.profiler.kineto_results.events())
         self._profiler = None
+        marks = [e.start_ns() for e in events if e.name() == _MARK]
+        since = marks[-1] if self._marked and marks else None
+        allocations = sorted((e.start_ns(), e.nbytes()) for e in events
+                             if e.name() == "[memory]" and e.device_type().name == "CPU")
+        live = 0
+        peak = None
+        for t, nbytes in allocations:
+            if since is not None and t >= since and peak is None:
+                peak = live  # what is alive when the window opens
+            live += nbytes
+            if since is None or t >= since:
+                peak = max(peak if peak is not None else 0, live)
+        self.peak_bytes, self.net_bytes = (peak if peak is not None else live), live
+
+
+_MARK = "zerocore.PeakMemory.mark"
 
 
 _STATUS = Path("/proc/self/status")

@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from zerocore.flat_layout import FlatLayout
 from zerocore.meta_layer import MetaLayer
 from zerocore.policies import MixedPrecision, Offload, Prefetch, Recompute
-from zerocore.report import MiB, expected_traffic
+from zerocore.report import expected_traffic
 from zerocore.sharded_layer import _collect_params
 
 GiB = 2**30
@@ -300,6 +300,7 @@ class _Step:
         self.grad_shard_bytes = {l.index: l.trainable.layout.shard_numel * 4
                                  for l in layers if l.trainable is not None}
         self.has_grad: set[int] = set()
+        self.read_buffer = 0   # CPU, two ranks: see _deliver
         self.gathered: set[int] = set()
         self.peak_total = -1
         self.peak: dict[str, int] = {}
@@ -458,18 +459,11 @@ class _Step:
                         if reused >= need:
                             need = reused
                     packed = need
-                    # Two gloo ranks exchange halves (FlatGroup.reduce_by_exchange): the
-                    # peer's half arrives in a buffer of its own, freed on delivery.
-                    received = (group.layout.shard_numel * opt.reduce_bytes
-                                if opt.world_size == 2 else 0)
-                    self.ledger[GRAD_BUFFERS] += received
                 else:
                     # a packed buffer and this rank's reduce-scatter output
                     packed = need + group.layout.shard_numel * opt.reduce_bytes
                 self.ledger[GRAD_BUFFERS] += packed
                 self.point(f"{label}backward of layer {layer.index}: gradients packed")
-                if cpu:
-                    packed = (packed, received)
             self.free(layer)
             if pending is not None:
                 self._deliver(*pending, spare)
@@ -483,7 +477,7 @@ class _Step:
         self.ledger[GRAD_BUFFERS] -= sum(spare)
         self.point(f"{label}end of backward")
 
-    def _deliver(self, layer: _Layer, packed, spare: list[int]) -> None:
+    def _deliver(self, layer: _Layer, packed: int, spare: list[int]) -> None:
         """A reduce completes: the layer's gradient shard is created (first micro-batch) or
         added to; the CPU keeps the packed buffer as a spare, a GPU frees both buffers."""
         if layer.index not in self.has_grad:
@@ -491,9 +485,17 @@ class _Step:
             self.ledger[GRADIENTS] += self.grad_shard_bytes[layer.index]
             self.point(f"gradient shard of layer {layer.index} created")
         if self.opt.device == "cpu":
-            scratch, received = packed
-            spare.append(scratch)
-            self.ledger[GRAD_BUFFERS] -= received
+            spare.append(packed)
+            if self.opt.world_size == 2:
+                # Two ranks on one host read each other's contribution into one buffer the
+                # engine keeps, as large as the largest shard reduced so far
+                # (collectives.PeerMemory.received_buffer). Where ranks cannot read each
+                # other's memory they exchange halves instead, into a buffer per reduction in
+                # flight: one shard more, at most.
+                need = layer.trainable.layout.shard_numel * self.opt.reduce_bytes
+                if need > self.read_buffer:
+                    self.ledger[GRAD_BUFFERS] += need - self.read_buffer
+                    self.read_buffer = need
         else:
             self.ledger[GRAD_BUFFERS] -= packed
 
