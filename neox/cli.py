@@ -19,7 +19,7 @@ from neox.config import PRESETS, NeoXConfig
 from neox.finetune_modes import MODES
 
 __all__ = ["DTYPES", "UsageError", "BlockRanges", "parse_layers", "add_model_arguments",
-           "preset_config", "resolve_dtype", "HelpFormatter", "Parser", "VOCAB_MULTIPLE", "positive_int", "nonnegative_int", "finite_float",
+           "preset_config", "resolve_dtype", "HelpFormatter", "Parser", "byte_budget", "VOCAB_MULTIPLE", "positive_int", "nonnegative_int", "finite_float",
            "default_data_dir_flag", "add_mode_arguments", "add_step_arguments", "auto_mode",
            "FINETUNE_DEFAULT_MODE", "recompute_blocks", "ALL_BLOCKS"]
 
@@ -121,6 +121,28 @@ def nonnegative_int(text: str) -> int:
     return value
 
 
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def byte_budget(text: str) -> int | str:
+    """argparse type: ``all``, or a number of bytes with an optional unit (KiB, MiB, GiB,
+    TiB; kB, MB, GB, TB), e.g. ``2GiB`` or ``1.5GB``."""
+    t = text.strip().lower()
+    if t == "all":
+        return "all"
+    number = t.rstrip("kmgtib")
+    unit = t[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(
+            f"must be 'all' or a size such as 2GiB, 512MiB or 1000000 (bytes), got {text!r}")
+    return int(value * _UNITS[unit])
+
+
 def finite_float(text: str) -> float:
     """argparse type: a finite number (``inf`` and ``nan`` are refused)."""
     value = float(text)
@@ -218,6 +240,12 @@ def add_step_arguments(p: argparse.ArgumentParser) -> None:
                         "alone, every kept block; or a block list as --filter-layers takes "
                         "(checkpoint numbering, e.g. '0-21'); same results, bitwise, for one "
                         "more forward of those blocks (default: off)")
+    s.add_argument("--keep-gathered", type=byte_budget, default=0, metavar="SIZE",
+                   help="gathered-memory budget per rank (e.g. 2GiB, 512MiB, a byte count, or "
+                        "'all'): layers from the last one backwards that fit stay gathered, so "
+                        "their backward all-gather is skipped and their frozen weights are "
+                        "gathered once for the whole run; same results, bitwise (default: 0, "
+                        "none beyond the last layer)")
     s.add_argument("--activation-checkpointing-every", type=positive_int, default=1,
                    metavar="K",
                    help="of the blocks --activation-checkpointing chooses, recompute every K-th "

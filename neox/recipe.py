@@ -142,6 +142,9 @@ class LoopConfig:
     # Results are bitwise the same either way, so a resumed run may change them.
     activation_checkpointing: tuple[int, ...] = ()
     activation_checkpointing_every: int = 1
+    # Gathered-memory budget per rank (zerocore.Prefetch.keep_gathered): bytes, or "all".
+    # Bitwise neutral too: a resumed run may change it.
+    keep_gathered: int | str = 0
 
     def __post_init__(self) -> None:
         w = "recipe.loop"
@@ -162,6 +165,10 @@ class LoopConfig:
                and self.activation_checkpointing_every >= 1, w,
                f"activation_checkpointing_every must be >= 1, got "
                f"{self.activation_checkpointing_every!r}")
+        _check(self.keep_gathered == "all" or (_int(self.keep_gathered)
+                                               and self.keep_gathered >= 0), w,
+               f"keep_gathered must be a number of bytes >= 0 or 'all', got "
+               f"{self.keep_gathered!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,12 +243,17 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+# Fields added to this recipe version after recipes were first written with it: absent from
+# those, they take their defaults (which give the runs those recipes describe).
+_ADDED_LATER = frozenset({"keep_gathered"})
+
+
 def _from_fields(kind: type, d: Mapping[str, Any], where: str) -> Any:
     """A dataclass from its stored fields, with lists back to tuples where the field is one."""
     fields = {f.name: f for f in dataclasses.fields(kind)}
     unknown = sorted(set(d) - set(fields))
     _check(not unknown, where, f"unknown fields {unknown}")
-    missing = sorted(set(fields) - set(d))
+    missing = sorted(set(fields) - set(d) - _ADDED_LATER)
     _check(not missing, where, f"missing fields {missing}")
     values: dict[str, Any] = {}
     for name, value in d.items():

@@ -171,8 +171,15 @@ def build(recipe: Recipe, data: RunData, *, device: torch.device, rank: int, wor
                                    param_dtype=dtype,
                                    reduce_dtype=DTYPES[recipe.model.reduce_dtype]),
                                offload=zerocore.Offload(optimizer=recipe.loop.offload_optimizer),
+                               prefetch=zerocore.Prefetch(
+                                   keep_gathered=recipe.loop.keep_gathered),
                                recompute=recompute)
     log(f"built in {time.perf_counter() - start:.1f} s")
+    if model.kept_layers:
+        held = sum(model.layers[i].gathered_size for i in model.kept_layers)
+        log(f"--keep-gathered {recipe.loop.keep_gathered}: {len(model.kept_layers)} of "
+            f"{len(model.layers)} layers stay gathered ({held / 2**20:,.1f} MiB per rank; their "
+            f"frozen weights are gathered once, their backward all-gathers skipped)")
     shards = model.trainable_shards()
 
     def check_trainable() -> None:

@@ -169,14 +169,30 @@ def plain_loss(out: torch.Tensor) -> torch.Tensor:
                                                           device=out.device).flatten())
 
 
-def measure_plain(rank: int, world_size: int, recompute: bool) -> int:
+# Stacks beyond neox's: (recompute every layer, Prefetch.keep_gathered, embedding frozen).
+PLAIN = {"kept": (False, 0, False), "recomputed": (True, 0, False),
+         "keep-gathered-all-frozen-embedding": (False, "all", True),
+         "keep-gathered-budget": (False, 2 * 4 * 13 * D * D, False)}  # 3 of 4 layers
+
+
+def plain_policies(name: str, layers: list[nn.Module]) -> dict:
+    """shard()'s policies for a PLAIN configuration (and freezes what it freezes)."""
+    recompute, keep, frozen_embedding = PLAIN[name]
+    if frozen_embedding:
+        layers[0].requires_grad_(False)
+    return dict(recompute=zerocore.Recompute() if recompute else None,
+                prefetch=zerocore.Prefetch(keep_gathered=keep))
+
+
+def measure_plain(rank: int, world_size: int, name: str) -> int:
     with zerocore.PeakMemory("cpu") as peak:
-        _train_plain(recompute, peak)
+        _train_plain(name, peak)
     return peak.peak_bytes
 
 
-def _train_plain(recompute: bool, peak: zerocore.PeakMemory) -> None:
-    model = zerocore.shard(plain_stack(), recompute=zerocore.Recompute() if recompute else None)
+def _train_plain(name: str, peak: zerocore.PeakMemory) -> None:
+    layers = plain_stack()
+    model = zerocore.shard(layers, **plain_policies(name, layers))
     opt = zerocore.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step() -> None:
@@ -189,13 +205,13 @@ def _train_plain(recompute: bool, peak: zerocore.PeakMemory) -> None:
     step()
 
 
-@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
-def test_plan_of_any_stack_from_meta_layers(worlds, recompute):
-    plan = zerocore.plan.plan(plain_stack("meta"),
-                              torch.empty(BATCH, SEQ, dtype=torch.long, device="meta"),
+@pytest.mark.parametrize("name", sorted(PLAIN))
+def test_plan_of_any_stack_from_meta_layers(worlds, name):
+    layers = plain_stack("meta")
+    plan = zerocore.plan.plan(layers, torch.empty(BATCH, SEQ, dtype=torch.long, device="meta"),
                               world_size=2, loss=plain_loss, device="cpu",
-                              recompute=zerocore.Recompute() if recompute else None)
-    for measured in worlds(2).run(measure_plain, recompute):
+                              **plain_policies(name, layers))
+    for measured in worlds(2).run(measure_plain, name):
         assert abs(plan.device_peak / measured - 1) < REL_TOL, (plan.table(), measured)
 
 

@@ -369,6 +369,7 @@ def _restore(reader: ShardReader, model: ShardedSequential, optimizer: torch.opt
              scaler: LossScaler | None) -> None:
     """Copies a verified checkpoint into this rank's shards, optimizer and RNG."""
     manifest, rank = reader.manifest, model.rank
+    model.release_gathered()  # gathered copies of the values about to change
     with torch.no_grad():
         for layer in model.layers:
             if layer.trainable is not None:

@@ -149,6 +149,9 @@ class FlatGroup:
         # ranks the all-reduce stays: its order of summation is gloo's ring's, which a
         # rank-ordered sum would not reproduce bit for bit.
         self.reduce_by_exchange = self._gloo and layout.world_size == 2
+        # A frozen group chosen by Prefetch.keep_gathered: once gathered it stays so (``free``
+        # leaves it) until ``free(release=True)``; its values never change.
+        self.resident = False
 
     # -- all-gather ------------------------------------------------------------------------------
 
@@ -234,7 +237,11 @@ class FlatGroup:
             if self._mirror is not None and self.ctx.streams is not None:
                 self._mirror_read = torch.cuda.current_stream(self.ctx.device).record_event()
 
-    def free(self) -> None:
+    def free(self, release: bool = False) -> None:
+        """Gives the gathered buffer back, unless the group is resident (``release`` frees
+        it anyway)."""
+        if self.resident and not release:
+            return
         if self.state is GroupState.GATHERING:
             self.wait_gather()
         if self._being_read is not None:

@@ -301,7 +301,9 @@ class _Step:
                                  for l in layers if l.trainable is not None}
         self.has_grad: set[int] = set()
         self.read_buffer = 0   # CPU, two ranks: see _deliver
-        self.gathered: set[int] = set()
+        self.gathered: set[tuple[int, bool]] = set()   # (layer index, trainable) gathered
+        self.kept = opt.prefetch.layers_kept([l.gathered_bytes(opt.param_bytes)
+                                              for l in layers])
         self.peak_total = -1
         self.peak: dict[str, int] = {}
         self.peak_phase = ""
@@ -341,14 +343,18 @@ class _Step:
         self._observe(phase, self.tracker.live)
 
     def gather(self, layer: _Layer) -> None:
-        if layer.index not in self.gathered:
-            self.gathered.add(layer.index)
-            self.ledger[GATHERED] += layer.gathered_bytes(self.opt.param_bytes)
+        for g in layer.groups:
+            if (layer.index, g.trainable) not in self.gathered:
+                self.gathered.add((layer.index, g.trainable))
+                self.ledger[GATHERED] += g.layout.padded_numel * self.opt.param_bytes
 
     def free(self, layer: _Layer) -> None:
-        if layer.index in self.gathered:
-            self.gathered.discard(layer.index)
-            self.ledger[GATHERED] -= layer.gathered_bytes(self.opt.param_bytes)
+        for g in layer.groups:
+            if layer.index in self.kept and not g.trainable:
+                continue   # resident (Prefetch.keep_gathered): FlatGroup.free leaves it
+            if (layer.index, g.trainable) in self.gathered:
+                self.gathered.discard((layer.index, g.trainable))
+                self.ledger[GATHERED] -= g.layout.padded_numel * self.opt.param_bytes
 
     def install(self, layer: _Layer, with_grad_leaves: bool) -> list[torch.Tensor]:
         leaves: list[torch.Tensor] = []
@@ -406,7 +412,8 @@ class _Step:
                     with torch.no_grad():
                         self.install(layer, with_grad_leaves=False)
                         x = layer.module(x)
-            if not (needs_graph and i + 1 == len(layers) and self.opt.prefetch.keep_last):
+            if not (needs_graph and (i in self.kept or (i + 1 == len(layers)
+                                                        and self.opt.prefetch.keep_last))):
                 self.free(layer)
         return [nodes, x]
 
@@ -574,7 +581,8 @@ def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, worl
     step.run(fake_example, loss if loss is not None else (lambda y: y.sum()))
     gather, reduce = expected_traffic(
         [[(g.layout.padded_numel, g.trainable) for g in layer.groups] for layer in stack],
-        param_bytes=opt.param_bytes, reduce_bytes=opt.reduce_bytes, keep_last=prefetch.keep_last)
+        param_bytes=opt.param_bytes, reduce_bytes=opt.reduce_bytes, keep_last=prefetch.keep_last,
+        kept=step.kept)
     device_tensors = sum(v for k, v in step.peak.items()
                          if device == "cpu" or k not in state.on_host)
     headroom = (CUDA_FIXED_HEADROOM + int(CUDA_HEADROOM_FRACTION * device_tensors)

@@ -45,11 +45,39 @@ class Prefetch:
     gather could overlap nothing. Saves one layer's all-gather per forward/backward, for one
     layer's parameters held while the loss is computed. Only when the forward builds a graph
     (grad enabled); a forward never followed by backward releases it at the next forward.
+
+    keep_gathered: a gathered-memory budget per rank, in bytes (or ``"all"``): layers chosen
+    from the last one backwards (the order backward needs them), each taken while its gathered
+    size (all its parameters in the param dtype) fits in what is left, stay gathered instead of
+    being freed and gathered again. A chosen layer's frozen parameters, once gathered, stay so
+    across forward, backward, micro-batches and steps (they never change; released by
+    ``model.release_gathered()``, which ``zerocore.load_checkpoint`` calls); its trainable ones
+    stay gathered from forward to their backward (the optimizer changes them). The results are
+    the same bits; the chosen layers' all-gathers are skipped, for at most ``keep_gathered``
+    bytes held. 0 (default): none beyond ``keep_last``.
     """
 
     forward: bool = True
     backward: bool = True
     keep_last: bool = True
+    keep_gathered: int | str = 0
+
+    def __post_init__(self) -> None:
+        k = self.keep_gathered
+        if not (k == "all" or (type(k) is int and k >= 0)):
+            raise ValueError(f"Prefetch.keep_gathered must be a number of bytes >= 0 or 'all', "
+                             f"got {k!r}")
+
+    def layers_kept(self, gathered_bytes: list[int]) -> frozenset[int]:
+        """The layers ``keep_gathered`` chooses, given each layer's gathered size in bytes."""
+        if self.keep_gathered == "all":
+            return frozenset(range(len(gathered_bytes)))
+        left, chosen = self.keep_gathered, set()
+        for i in reversed(range(len(gathered_bytes))):
+            if 0 < gathered_bytes[i] <= left:
+                chosen.add(i)
+                left -= gathered_bytes[i]
+        return frozenset(chosen)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -139,8 +139,19 @@ class ShardedLayer(nn.Module):
             g.wait_gather()
 
     def free(self) -> None:
+        """Frees the gathered buffers, except a resident frozen group's (Prefetch.keep_gathered)."""
         for g in self.groups:
             g.free()
+
+    def release(self) -> None:
+        """Frees every gathered buffer, resident ones included."""
+        for g in self.groups:
+            g.free(release=True)
+
+    @property
+    def gathered_size(self) -> int:
+        """Bytes of this layer's gathered buffers when gathered (all groups, param dtype)."""
+        return sum(g.layout.padded_numel * g.ctx.param_dtype.itemsize for g in self.groups)
 
     def install(self, with_grad_leaves: bool) -> list[torch.Tensor]:
         """Puts unsharded views of the gathered buffers on the module; returns the trainable

@@ -113,9 +113,15 @@ class ShardedSequential(nn.Module):
             recompute.check_range(len(sharded))
         self.layers = nn.ModuleList(sharded)
         self._coordinator = BackwardCoordinator(sharded, prefetch.backward)
-        # The last layer, left gathered by a forward for its backward (Prefetch.keep_last);
-        # None when no layer is kept.
-        self._kept: ShardedLayer | None = None
+        # Prefetch.keep_gathered: the chosen layers' frozen groups stay gathered once gathered,
+        # and their trainable groups from forward to backward, as the last layer's do
+        # (keep_last). Every rank chooses alike: the sizes are the same everywhere.
+        self.kept_layers = prefetch.layers_kept([l.gathered_size for l in sharded])
+        for i in self.kept_layers:
+            if sharded[i].frozen is not None:
+                sharded[i].frozen.resident = True
+        # Layers left gathered by the last forward for their backward; empty when none is.
+        self._kept: list[ShardedLayer] = []
 
     def trainable_shards(self) -> list[ShardParameter]:
         """This rank's trainable shards, one per layer with trainable parameters: what the
@@ -125,12 +131,12 @@ class ShardedSequential(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layers: list[ShardedLayer] = list(self.layers)
-        if self._kept is not None:
+        for kept in self._kept:
             # Kept by the previous forward: already freed if its backward ran; if not (and it
-            # may never run), released now and gathered afresh below or in that backward (the
-            # weights may have changed since).
-            self._kept.free()
-            self._kept = None
+            # may never run), freed now and gathered afresh below or in that backward (the
+            # trainable weights may have changed since; resident frozen groups stay).
+            kept.free()
+        self._kept = []
         if self.offload.optimizer:
             # Every upload the optimizer made necessary, at once: they overlap the first layers'
             # gathers and computation, and each layer's all-gather waits for its own upload.
@@ -151,13 +157,22 @@ class ShardedSequential(nn.Module):
                 previous = layer
             else:
                 x = layer.run_without_graph(x)
-            if needs_graph and i + 1 == len(layers) and self.prefetch.keep_last:
-                # Its backward runs first and finds it gathered (then frees it); if none runs,
-                # the next forward or the end of another backward releases it.
-                self._kept = layer
+            if needs_graph and (i in self.kept_layers
+                                or (i + 1 == len(layers) and self.prefetch.keep_last)):
+                # Its backward finds it gathered (then frees it); if none runs, the next
+                # forward or the end of another backward frees it.
+                self._kept.append(layer)
             else:
                 layer.free()
         return x
+
+    def release_gathered(self) -> None:
+        """Frees every gathered buffer, the resident frozen groups of ``Prefetch.keep_gathered``
+        included (they are gathered again when next used). Call it after writing frozen shards
+        yourself; ``zerocore.load_checkpoint`` does."""
+        for layer in self.layers:
+            layer.release()
+        self._kept = []
 
     def iter_full_states(self, trainable_only: bool = False, *, to_rank: int | None = None
                          ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
@@ -225,7 +240,7 @@ class ShardedSequential(nn.Module):
              for layer in self.layers],
             param_bytes=self.mixed_precision.param_dtype.itemsize,
             reduce_bytes=self.mixed_precision.grad_reduce_dtype.itemsize,
-            keep_last=self.prefetch.keep_last)
+            keep_last=self.prefetch.keep_last, kept=self.kept_layers)
         c = self.counter
         report = CommReport(c.all_gather_bytes, c.reduce_scatter_bytes, c.all_reduce_bytes,
                             gather, reduce)
