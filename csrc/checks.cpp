@@ -129,4 +129,57 @@ std::vector<Segment> plan_segments(at::TensorList tensors, at::IntArrayRef offse
   return segments;
 }
 
+void check_quantize_blockwise(const at::Tensor& x, int64_t block) {
+  TORCH_CHECK(is_supported_float(x.scalar_type()),
+              "zerocore.quantize_blockwise: x must be float32, float16 or bfloat16, got ",
+              x.scalar_type());
+  TORCH_CHECK(x.dim() == 1 && x.is_contiguous(),
+              "zerocore.quantize_blockwise: x must be a contiguous 1-D tensor, got shape ",
+              x.sizes(), "; flatten it (.reshape(-1)) first");
+  TORCH_CHECK(block >= 1, "zerocore.quantize_blockwise: block must be >= 1, got ", block);
+  TORCH_CHECK(x.numel() % block == 0, "zerocore.quantize_blockwise: x has ", x.numel(),
+              " elements, not a multiple of block = ", block, "; pad x to a multiple of block");
+}
+
+void check_quantized_finite(const at::Tensor& scales, int64_t block) {
+  const at::Tensor bad = at::logical_not(at::isfinite(scales));
+  if (!bad.any().item<bool>()) return;
+  const int64_t b = bad.nonzero()[0][0].item<int64_t>();
+  TORCH_CHECK(false, "zerocore.quantize_blockwise: x has an inf or nan in block ", b,
+              " (elements ", b * block, " to ", (b + 1) * block - 1,
+              "); a non-finite weight cannot be quantized, so fix or replace it first");
+}
+
+void check_dequantize_blockwise(const at::Tensor& out, const at::Tensor& q,
+                                const at::Tensor& scales, int64_t block) {
+  TORCH_CHECK(is_supported_float(out.scalar_type()),
+              "zerocore.dequantize_blockwise_: out must be float32, float16 or bfloat16, got ",
+              out.scalar_type());
+  TORCH_CHECK(out.is_contiguous(), "zerocore.dequantize_blockwise_: out must be contiguous (a "
+              "slice of a flat buffer, say), got strides ", out.strides());
+  TORCH_CHECK(q.scalar_type() == at::kChar, "zerocore.dequantize_blockwise_: q must be int8, got ",
+              q.scalar_type());
+  TORCH_CHECK(q.dim() == 1 && q.is_contiguous(),
+              "zerocore.dequantize_blockwise_: q must be a contiguous 1-D tensor, got shape ",
+              q.sizes());
+  TORCH_CHECK(scales.scalar_type() == at::kFloat,
+              "zerocore.dequantize_blockwise_: scales must be float32, got ", scales.scalar_type());
+  TORCH_CHECK(scales.dim() == 1 && scales.is_contiguous(),
+              "zerocore.dequantize_blockwise_: scales must be a contiguous 1-D tensor, got shape ",
+              scales.sizes());
+  TORCH_CHECK(block >= 1, "zerocore.dequantize_blockwise_: block must be >= 1, got ", block);
+  TORCH_CHECK(q.numel() % block == 0, "zerocore.dequantize_blockwise_: q has ", q.numel(),
+              " elements, not a multiple of block = ", block);
+  TORCH_CHECK(scales.numel() == q.numel() / block, "zerocore.dequantize_blockwise_: scales has ",
+              scales.numel(), " elements but q has ", q.numel() / block, " blocks of ", block,
+              "; pass one scale per block");
+  TORCH_CHECK(out.numel() == q.numel(), "zerocore.dequantize_blockwise_: out has ", out.numel(),
+              " elements but q has ", q.numel(), "; they must match one to one");
+  TORCH_CHECK(q.device() == out.device(), "zerocore.dequantize_blockwise_: q is on ", q.device(),
+              " but out is on ", out.device(), "; move all arguments to one device");
+  TORCH_CHECK(scales.device() == out.device(), "zerocore.dequantize_blockwise_: scales is on ",
+              scales.device(), " but out is on ", out.device(),
+              "; move all arguments to one device");
+}
+
 }  // namespace zerocore

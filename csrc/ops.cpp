@@ -23,4 +23,11 @@ TORCH_LIBRARY(zerocore, m) {
   m.def("pack(Tensor[] tensors, int[] offsets, Tensor(a!) flat) -> ()");
   // tensors[i] = flat[offsets[i] : offsets[i] + tensors[i].numel()].view_as(tensors[i]).
   m.def("unpack(Tensor flat, int[] offsets, Tensor(a!)[] tensors) -> ()");
+  // Symmetric int8 quantization by blocks of `block` consecutive elements of x (1-D, a multiple
+  // of block long): scales[b] = absmax of block b / 127 in fp32; q = x / scales[b] rounded half to
+  // even, clamped to [-127, 127]; q = 0 where the scale is 0. Raises if x holds an inf or nan.
+  m.def("quantize_blockwise(Tensor x, int block) -> (Tensor q, Tensor scales)");
+  // out[i] = q[i] * scales[i // block], multiplied in fp32 and rounded once to out's dtype. out
+  // may be a slice of a larger buffer at any offset.
+  m.def("dequantize_blockwise_(Tensor(a!) out, Tensor q, Tensor scales, int block) -> ()");
 }

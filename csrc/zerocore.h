@@ -49,6 +49,22 @@ struct Segment {
 std::vector<Segment> plan_segments(at::TensorList tensors, at::IntArrayRef offsets,
                                    const at::Tensor& flat, const char* op_name);
 
+// Validates the arguments of zerocore::quantize_blockwise (x: a contiguous 1-D float32, float16 or
+// bfloat16 tensor whose length is a multiple of block >= 1).
+void check_quantize_blockwise(const at::Tensor& x, int64_t block);
+
+// After a quantize_blockwise kernel: raises, naming the first offending block, if a block of x
+// held an inf or nan. The kernels take each block's absmax with a max that propagates NaN, so such
+// a block, and only such a block, is left with a non-finite scale. On CUDA this reads one flag
+// back to the host (a synchronisation): quantizing is a one-off preparation of frozen weights.
+void check_quantized_finite(const at::Tensor& scales, int64_t block);
+
+// Validates the arguments of zerocore::dequantize_blockwise_ (out: contiguous, float32, float16 or
+// bfloat16, as many elements as q; q: contiguous 1-D int8; scales: contiguous 1-D float32, one per
+// block; all on one device).
+void check_dequantize_blockwise(const at::Tensor& out, const at::Tensor& q,
+                                const at::Tensor& scales, int64_t block);
+
 inline bool is_supported_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
 }

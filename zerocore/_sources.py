@@ -22,7 +22,7 @@ def repo_root() -> str:
 
 def cpu_sources(root: str) -> list[str]:
     names = ["checks.cpp", "ops.cpp", "cpu/fused_adam_cpu.cpp", "cpu/grad_stats_cpu.cpp",
-             "cpu/pack_cpu.cpp"]
+             "cpu/pack_cpu.cpp", "cpu/quant_cpu.cpp"]
     return [os.path.join(root, "csrc", n) for n in names]
 
 

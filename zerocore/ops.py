@@ -3,6 +3,8 @@ implementations so the ops trace under ``torch.compile``.
 
 Every op works in place on tensors the caller owns; none allocates in the hot path. The plain
 PyTorch definitions of what each op computes are in ``zerocore.reference``.
+``quantize_blockwise`` is the exception to "in place": it returns new tensors, since it prepares
+frozen weights once rather than running every step.
 """
 
 from __future__ import annotations
@@ -60,8 +62,40 @@ def unpack(flat: torch.Tensor, offsets: Sequence[int], tensors: Sequence[torch.T
     _ops.unpack(flat, list(offsets), list(tensors))
 
 
+def quantize_blockwise(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantization of a flat tensor by blocks of ``block`` consecutive elements.
+
+    x: 1-D, contiguous, fp32/fp16/bf16, its length a multiple of ``block`` (>= 1). Returns
+    ``(q, scales)``: q int8 like x, scales fp32 with one element per block, ``scales[b] = absmax of
+    block b / 127`` (in fp32), ``q = x / scales[b]`` rounded half to even, clamped to [-127, 127],
+    and 0 where the scale is 0 (an all-zero block). Raises if x holds an inf or nan (on CUDA this
+    synchronises with the host once). Exactly ``zerocore.reference.quantize_blockwise``.
+    """
+    q, scales = _ops.quantize_blockwise(x, block)
+    return q, scales
+
+
+def dequantize_blockwise_(out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                          block: int) -> torch.Tensor:
+    """``out[i] = q[i] * scales[i // block]``, the product in fp32 rounded once to out's dtype
+    (fp32/fp16/bf16, round to nearest even). out: contiguous, as many elements as q; typically a
+    slice of a flat buffer at any offset. Returns out. Exactly
+    ``zerocore.reference.dequantize_blockwise``."""
+    _ops.dequantize_blockwise_(out, q, scales, block)
+    return out
+
+
+def dequantize_blockwise(q: torch.Tensor, scales: torch.Tensor, block: int,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """``dequantize_blockwise_`` into a new 1-D tensor of ``dtype``."""
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    _ops.dequantize_blockwise_(out, q, scales, block)
+    return out
+
+
 # Fake implementations: shapes and dtypes only, for torch.compile and FakeTensor tracing. Every op
-# returns nothing and mutates its (a!) arguments, so there is nothing to compute here.
+# but quantize_blockwise returns nothing and mutates its (a!) arguments, so there is nothing to
+# compute here.
 @torch.library.register_fake("zerocore::fused_adam")
 def _fused_adam_fake(param, grad, exp_avg, exp_avg_sq, model_copy, lr, beta1, beta2, eps,
                      weight_decay, step, inv_grad_scale, adamw) -> None:
@@ -80,4 +114,24 @@ def _pack_fake(tensors, offsets, flat) -> None:
 
 @torch.library.register_fake("zerocore::unpack")
 def _unpack_fake(flat, offsets, tensors) -> None:
+    return None
+
+
+@torch.library.register_fake("zerocore::quantize_blockwise")
+def _quantize_blockwise_fake(x, block):
+    # The shape checks of csrc/checks.cpp that decide the outputs' shapes; the kernel repeats
+    # them all with their full messages.
+    torch._check(block >= 1,
+                 lambda: f"zerocore.quantize_blockwise: block must be >= 1, got {block}")
+    torch._check(x.dim() == 1, lambda: "zerocore.quantize_blockwise: x must be a contiguous 1-D "
+                                       f"tensor, got shape {tuple(x.shape)}")
+    n = x.shape[0]
+    torch._check(n % block == 0, lambda: f"zerocore.quantize_blockwise: x has {n} elements, not "
+                                         f"a multiple of block = {block}")
+    return (x.new_empty((n,), dtype=torch.int8),
+            x.new_empty((n // block,), dtype=torch.float32))
+
+
+@torch.library.register_fake("zerocore::dequantize_blockwise_")
+def _dequantize_blockwise_fake(out, q, scales, block) -> None:
     return None

@@ -59,3 +59,35 @@ def unpack(flat: torch.Tensor, offsets: Sequence[int], tensors: Sequence[torch.T
     """Reference for ``zerocore.ops.unpack``."""
     for t, off in zip(tensors, offsets):
         t.copy_(flat[off:off + t.numel()].view(t.shape))
+
+
+def quantize_blockwise(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference for ``zerocore.ops.quantize_blockwise``, bit for bit.
+
+    The two divisions are done in float64 and rounded to float32: the quotient of two float32
+    numbers rounded to float64 and then to float32 is the correctly rounded float32 quotient (53 >=
+    2 * 24 + 2 bits), which is what the kernels' IEEE float32 divisions give. A float32 division in
+    torch would not do: with a divisor that broadcasts as a scalar, torch may multiply by its
+    reciprocal instead, which can differ in the last bit.
+    """
+    if block < 1 or x.dim() != 1 or x.numel() % block:
+        raise ValueError(f"x must be 1-D with a length that is a multiple of block >= 1, got "
+                         f"shape {tuple(x.shape)} and block {block}")
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("x has an inf or nan; a non-finite weight cannot be quantized")
+    xs = x.float().view(-1, block)                              # (n_blocks, block)
+    absmax = xs.abs().amax(dim=1)                               # (n_blocks,)
+    scales = (absmax.double() / 127.0).float()                  # (n_blocks,)
+    ratio = (xs.double() / scales.double()[:, None]).float()   # nan where the scale is 0
+    q = torch.round(ratio).clamp(-127, 127)                     # round: half to even
+    q = torch.where(scales[:, None] == 0, 0.0, q)
+    return q.to(torch.int8).view(-1), scales
+
+
+def dequantize_blockwise(q: torch.Tensor, scales: torch.Tensor, block: int,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """Reference for ``zerocore.ops.dequantize_blockwise``: the fp32 product (exact in float64,
+    since an int8 times a float32 needs at most 32 bits, then rounded once to float32) rounded to
+    ``dtype`` by ``.to``, round to nearest even."""
+    prod = (q.double().view(-1, block) * scales.double()[:, None]).float()
+    return prod.to(dtype).view(-1)

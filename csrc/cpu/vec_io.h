@@ -1,5 +1,6 @@
 // Loading and storing 2 x Vectorized<float> (16 elements with AVX2) from float, Half or BFloat16
-// memory, so each CPU kernel is written once in float arithmetic for every dtype combination.
+// memory (and int8, for the quantization kernels), so each CPU kernel is written once in float
+// arithmetic for every dtype combination.
 // Loads and normal stores are unaligned (loadu/storeu), so any offset into a buffer is correct;
 // the streaming stores below need alignment, which their callers arrange.
 #pragma once
@@ -11,9 +12,9 @@
 #include <cstdint>
 #include <type_traits>
 
-// Streaming stores are written with AVX2 intrinsics on the 256-bit at::vec types, so only when
-// at::vec uses its AVX2 implementation (see zerocore/_sources.py); elsewhere they are normal
-// stores.
+// Streaming stores and the int8 conversions are written with AVX2 intrinsics on the 256-bit
+// at::vec types, so only when at::vec uses its AVX2 implementation (see zerocore/_sources.py);
+// elsewhere they are normal stores and plain loops.
 #if defined(CPU_CAPABILITY_AVX2) && defined(__AVX2__)
 #define ZEROCORE_AVX2_STREAMING 1
 #include <immintrin.h>
@@ -43,6 +44,41 @@ C10_ALWAYS_INLINE void store2(T* dst, const Vec& a, const Vec& b) {
   } else {
     at::vec::convert_from_float<T>(a, b).store(dst);
   }
+}
+
+// 16 int8 values (kBlock) to two float vectors, exactly (every int8 is a float). at::vec has no
+// int8 -> float load of this width, hence the intrinsics; elsewhere a loop the compiler
+// vectorises as it can.
+C10_ALWAYS_INLINE void load2_int8(const int8_t* src, Vec& a, Vec& b) {
+#if defined(ZEROCORE_AVX2_STREAMING)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
+#else
+  float f[kBlock];
+  for (int64_t j = 0; j < kBlock; ++j) f[j] = static_cast<float>(src[j]);
+  a = Vec::loadu(f);
+  b = Vec::loadu(f + Vec::size());
+#endif
+}
+
+// The reverse for vectors that already hold whole numbers in [-127, 127], so the conversion is
+// exact (the saturating packs never saturate).
+C10_ALWAYS_INLINE void store2_int8(int8_t* dst, const Vec& a, const Vec& b) {
+#if defined(ZEROCORE_AVX2_STREAMING)
+  // packs_epi32 interleaves the 128-bit lanes of its arguments (a0-3 b0-3 a4-7 b4-7 as int16);
+  // the permute restores a0-7 b0-7 before the final pack to bytes.
+  __m256i w = _mm256_packs_epi32(_mm256_cvtps_epi32(a), _mm256_cvtps_epi32(b));
+  w = _mm256_permute4x64_epi64(w, 0xD8);
+  const __m128i bytes =
+      _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), bytes);
+#else
+  float f[kBlock];
+  a.store(f);
+  b.store(f + Vec::size());
+  for (int64_t j = 0; j < kBlock; ++j) dst[j] = static_cast<int8_t>(f[j]);
+#endif
 }
 
 // Calls f with a null pointer of the C++ type of `t` (float, c10::Half or c10::BFloat16), so a
