@@ -240,6 +240,12 @@ def add_step_arguments(p: argparse.ArgumentParser) -> None:
                         "alone, every kept block; or a block list as --filter-layers takes "
                         "(checkpoint numbering, e.g. '0-21'); same results, bitwise, for one "
                         "more forward of those blocks (default: off)")
+    s.add_argument("--frozen-weights", choices=("compute", "int8"), default="compute",
+                   help="how frozen weights are held and all-gathered: in the compute dtype, or "
+                        "int8 with an fp32 scale per block of 128 (about half of bf16's bytes "
+                        "in memory and on the wire, dequantized after each gather; trainable "
+                        "weights, masters and optimizer state are never quantized; exports use "
+                        "the unquantized base)")
     s.add_argument("--keep-gathered", type=byte_budget, default=0, metavar="SIZE",
                    help="gathered-memory budget per rank (e.g. 2GiB, 512MiB, a byte count, or "
                         "'all'): layers from the last one backwards that fit stay gathered, so "

@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 # data a run trains are its identity: a resumed run must keep them. The others apply when
 # given on --resume, overriding the checkpoint's value with a log line.
 IDENTITY_FLAGS = ("checkpoint", "model", "filter_layers", "allow_outside_weights", "dtype",
-                  "seed", "finetune", "lora_rank", "lora_alpha", "lora_targets", "data",
+                  "frozen_weights", "seed", "finetune", "lora_rank", "lora_alpha", "lora_targets", "data",
                   "tokenizer", "seq_len", "val_fraction")
 FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "lr": ("optim", "lr"), "warmup": ("optim", "warmup"),
@@ -195,7 +195,8 @@ def recipe_from_flags(args: argparse.Namespace, filter_layers: tuple[int, ...] |
             model=ModelRecipe(checkpoint=_path(args.checkpoint), preset=args.model, seed=args.seed,
                               filter_layers=filter_layers, finetune=mode, dtype=args.dtype,
                               reduce_dtype=args.reduce_dtype,
-                              allow_outside_weights=args.allow_outside_weights),
+                              allow_outside_weights=args.allow_outside_weights,
+                              frozen_weights=args.frozen_weights),
             data=DataConfig(data=_path(args.data), data_dir=_path(args.data_dir),
                             tokenizer=_path(args.tokenizer), cache_dir=_path(args.cache_dir),
                             seq_len=args.seq_len, val_fraction=args.val_fraction),

@@ -59,6 +59,7 @@ class PlanRequest:
     world_size: int
     device: str                           # "cuda" or "cpu"
     keep_gathered: int | str = 0          # zerocore.Prefetch.keep_gathered
+    frozen_weights: str = "compute"       # "compute" or "int8" (zerocore.FrozenWeights)
 
 
 def request_from_recipe(recipe: Recipe, config: NeoXConfig, *, world_size: int,
@@ -71,7 +72,8 @@ def request_from_recipe(recipe: Recipe, config: NeoXConfig, *, world_size: int,
         batch_size=loop.batch_size, seq_len=recipe.data.seq_len, grad_accum=loop.grad_accum,
         offload=loop.offload_optimizer, recompute=loop.activation_checkpointing,
         recompute_every=loop.activation_checkpointing_every, world_size=world_size,
-        device=device, keep_gathered=loop.keep_gathered)
+        device=device, keep_gathered=loop.keep_gathered,
+        frozen_weights=recipe.model.frozen_weights)
 
 
 def plan_run(request: PlanRequest, *, recompute: tuple[int, ...] | None = None
@@ -98,6 +100,7 @@ def plan_run(request: PlanRequest, *, recompute: tuple[int, ...] | None = None
         mixed_precision=zerocore.MixedPrecision(param_dtype=r.dtype, reduce_dtype=r.reduce_dtype),
         offload=zerocore.Offload(optimizer=r.offload),
         prefetch=zerocore.Prefetch(keep_gathered=r.keep_gathered),
+        frozen_weights=zerocore.FrozenWeights("int8" if r.frozen_weights == "int8" else None),
         recompute=recompute_policy(specs, loop), micro_batches=r.grad_accum)
 
 
@@ -158,6 +161,7 @@ def _request(args: argparse.Namespace) -> PlanRequest:
         batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
         offload=args.offload_optimizer, recompute=recompute_blocks(choice, all_kept),
         recompute_every=args.activation_checkpointing_every, keep_gathered=args.keep_gathered,
+        frozen_weights=args.frozen_weights,
         world_size=args.gpus * args.nodes, device=args.device)
 
 
@@ -200,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
           f"in {str(r.reduce_dtype).removeprefix('torch.')}; {r.batch_size} x {r.seq_len} "
           f"tokens per rank and micro-batch, {r.grad_accum} micro-batch(es) per step; "
           f"{recomputed}; optimizer {'offloaded to the host' if r.offload else 'on the device'}"
-          + (f"; --keep-gathered {r.keep_gathered}" if r.keep_gathered else ""))
+          + (f"; --keep-gathered {r.keep_gathered}" if r.keep_gathered else "")
+          + ("; frozen weights in int8" if r.frozen_weights == "int8" else ""))
     print(f"{r.world_size} ranks ({args.gpus} {'GPUs' if r.device == 'cuda' else 'processes'} "
           f"x {args.nodes} node(s)), {args.gpu_memory:g} GiB each")
     print(chosen.table(memory if r.device == "cuda" else None))

@@ -60,6 +60,9 @@ class ModelRecipe:
     dtype: str | None = None               # "fp32" | "bf16" | "fp16"; None: fp32 CPU, bf16 GPU
     reduce_dtype: str = "fp32"             # gradients are reduce-scattered in this dtype
     allow_outside_weights: bool = False    # weight files outside the checkpoint directory
+    # How frozen weights are held and gathered: "compute" (the compute dtype) or "int8"
+    # (zerocore.FrozenWeights("int8"): quantized once, dequantized after each gather).
+    frozen_weights: str = "compute"
 
     def __post_init__(self) -> None:
         w = "recipe.model"
@@ -76,6 +79,8 @@ class ModelRecipe:
         _check(self.reduce_dtype in ("fp32", "bf16", "fp16"), w,
                f"reduce_dtype must be fp32, bf16 or fp16, got {self.reduce_dtype!r}")
         _check(isinstance(self.finetune, FinetuneMode), w, "finetune must be a FinetuneMode")
+        _check(self.frozen_weights in ("compute", "int8"), w,
+               f"frozen_weights must be compute or int8, got {self.frozen_weights!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,7 +250,7 @@ def _jsonable(value: Any) -> Any:
 
 # Fields added to this recipe version after recipes were first written with it: absent from
 # those, they take their defaults (which give the runs those recipes describe).
-_ADDED_LATER = frozenset({"keep_gathered"})
+_ADDED_LATER = frozenset({"keep_gathered", "frozen_weights"})
 
 
 def _from_fields(kind: type, d: Mapping[str, Any], where: str) -> Any:

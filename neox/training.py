@@ -34,6 +34,7 @@ from neox.progress import Progress
 from neox.sampling import sample_sharded
 from neox.plan import plan_run, request_from_recipe
 from neox.step import micro_batch_loss, recompute_policy
+from neox.trained import trained_layers
 from neox.recipe import DataConfig, LoopConfig, ModelRecipe, OptimConfig, Recipe
 from neox.run_dir import (CHECKPOINTS, HF_EXPORT, METRICS, TOKENIZER, TOKENIZER_SHA256,
                           TRAINABLE, MetricsFile, OutputDirError, describe_os_error,
@@ -148,6 +149,11 @@ class TrainState:
     step: int = 0
 
 
+def frozen_weights(model: ModelRecipe) -> zerocore.FrozenWeights:
+    """The engine's policy for ``--frozen-weights``."""
+    return zerocore.FrozenWeights("int8" if model.frozen_weights == "int8" else None)
+
+
 def build(recipe: Recipe, data: RunData, *, device: torch.device, rank: int, world_size: int,
           log: Log) -> TrainState:
     """The sharded model, its optimizer, schedule, loss scaler and data sampler."""
@@ -159,10 +165,12 @@ def build(recipe: Recipe, data: RunData, *, device: torch.device, rank: int, wor
     recomputed = ("" if recompute is None else
                   f"; activations of {sum(map(recompute.selects, range(kept + 3)))} block(s) "
                   f"recomputed in backward")
+    int8 = ("; frozen weights held and gathered in int8"
+            if recipe.model.frozen_weights == "int8" else "")
     log(f"model: {recipe.model.checkpoint or recipe.model.preset}, {config.num_hidden_layers} "
         f"blocks in the checkpoint, keeping {kept}; fine-tuning {mode.mode}; compute dtype "
         f"{str(dtype).removeprefix('torch.')}, gradients summed in {recipe.model.reduce_dtype}"
-        f"{recomputed}; building layer by layer:")
+        f"{recomputed}{int8}; building layer by layer:")
     start = time.perf_counter()
     with reader:
         model = zerocore.shard(stream_layers(reader, config, recipe.model, log=log),
@@ -173,6 +181,7 @@ def build(recipe: Recipe, data: RunData, *, device: torch.device, rank: int, wor
                                offload=zerocore.Offload(optimizer=recipe.loop.offload_optimizer),
                                prefetch=zerocore.Prefetch(
                                    keep_gathered=recipe.loop.keep_gathered),
+                               frozen_weights=frozen_weights(recipe.model),
                                recompute=recompute)
     log(f"built in {time.perf_counter() - start:.1f} s")
     if model.kept_layers:
@@ -445,16 +454,24 @@ def write_trainable(state: TrainState, path: Path, *, rank: int) -> Path:
     return path
 
 
-def export_hf(state: TrainState, recipe: Recipe, data: RunData, *, rank: int) -> Path:
+def export_hf(state: TrainState, recipe: Recipe, data: RunData, checkpoint: Path, *,
+              rank: int) -> Path:
     """The fine-tuned model (kept layers only, LoRA merged) as a Hugging Face directory with the
-    run's tokenizer, gathered one layer at a time to rank 0, which alone writes. Collective."""
+    run's tokenizer, gathered one layer at a time to rank 0, which alone writes. Collective.
+    With int8 frozen weights the engine holds quantized copies of them: rank 0 then takes the
+    base weights and the trained tensors of ``checkpoint`` instead, as ``neox.export`` does."""
     model = recipe.model
     specs = layer_specs(state.config, model.filter_layers)
     built = filtered_config(state.config, model.filter_layers)
     out = Path(recipe.output.output_dir) / HF_EXPORT
     scaling = model.finetune.lora_scaling
-    states = ((s.kind, s.index, merge_lora(full, scaling)) for s, (_, full) in
-              zip(specs, state.model.iter_full_states(to_rank=0)))
+    if model.frozen_weights == "int8":
+        states = (((s.kind, s.index, merge_lora(full, scaling))
+                   for s, full in trained_layers(checkpoint, log=lambda *_: None))
+                  if rank == 0 else iter(()))
+    else:
+        states = ((s.kind, s.index, merge_lora(full, scaling)) for s, (_, full) in
+                  zip(specs, state.model.iter_full_states(to_rank=0)))
 
     def write() -> None:
         if rank != 0:
@@ -500,7 +517,7 @@ def finish(state: TrainState, recipe: Recipe, data: RunData, done: StepsDone,
     log(f"saved: checkpoint {ckpt}")
     log(f"saved: trained parameters only {trained}")
     if recipe.output.export_hf:
-        log(f"saved: Hugging Face export {export_hf(state, recipe, data, rank=rank)}")
+        log(f"saved: Hugging Face export {export_hf(state, recipe, data, ckpt, rank=rank)}")
     if recipe.output.sample_tokens:
         log(sample_text(state, recipe, data, rank=rank))
 

@@ -169,19 +169,23 @@ def plain_loss(out: torch.Tensor) -> torch.Tensor:
                                                           device=out.device).flatten())
 
 
-# Stacks beyond neox's: (recompute every layer, Prefetch.keep_gathered, embedding frozen).
-PLAIN = {"kept": (False, 0, False), "recomputed": (True, 0, False),
-         "keep-gathered-all-frozen-embedding": (False, "all", True),
-         "keep-gathered-budget": (False, 2 * 4 * 13 * D * D, False)}  # 3 of 4 layers
+# Stacks beyond neox's: (recompute every layer, Prefetch.keep_gathered, embedding frozen,
+# FrozenWeights dtype).
+PLAIN = {"kept": (False, 0, False, None), "recomputed": (True, 0, False, None),
+         "keep-gathered-all-frozen-embedding": (False, "all", True, None),
+         "keep-gathered-budget": (False, 2 * 4 * 13 * D * D, False, None),  # 3 of 4 layers
+         "int8-frozen-embedding": (False, 0, True, "int8"),
+         "int8-keep-gathered-all": (False, "all", True, "int8")}
 
 
 def plain_policies(name: str, layers: list[nn.Module]) -> dict:
     """shard()'s policies for a PLAIN configuration (and freezes what it freezes)."""
-    recompute, keep, frozen_embedding = PLAIN[name]
+    recompute, keep, frozen_embedding, frozen_dtype = PLAIN[name]
     if frozen_embedding:
         layers[0].requires_grad_(False)
     return dict(recompute=zerocore.Recompute() if recompute else None,
-                prefetch=zerocore.Prefetch(keep_gathered=keep))
+                prefetch=zerocore.Prefetch(keep_gathered=keep),
+                frozen_weights=zerocore.FrozenWeights(frozen_dtype))
 
 
 def measure_plain(rank: int, world_size: int, name: str) -> int:

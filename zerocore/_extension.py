@@ -111,11 +111,32 @@ def _compile_now() -> BuildInfo:
                      "compiled on first import")
 
 
+def _prebuilt_is_stale(package_dir: str) -> bool:
+    """Whether the sources beside an installed build (an editable install: the checkout) have
+    changed since it was built, e.g. after a ``git pull``: its library would lack their new ops."""
+    root = _sources.repo_root()
+    if not os.path.isdir(os.path.join(root, "csrc")):
+        return False
+    with open(os.path.join(package_dir, "_C_build.json")) as f:
+        info = json.load(f)
+    if "fingerprint" not in info:
+        return False
+    current = _sources.fingerprint(root, with_cuda=info["cuda"] is not None,
+                                   torch_version=info["torch"],
+                                   cuda_arch_list=info["cuda_arch_list"])
+    return current != info["fingerprint"]
+
+
 def load() -> BuildInfo:
     """Makes torch.ops.zerocore.* available and returns what was loaded."""
     package_dir = os.path.dirname(os.path.abspath(__file__))
     if os.path.exists(os.path.join(package_dir, "_C_build.json")):
-        return _import_prebuilt(package_dir)
+        if not _prebuilt_is_stale(package_dir):
+            return _import_prebuilt(package_dir)
+        print("zerocore: csrc/ changed since zerocore._C was installed; using a build of these "
+              "sources instead (`pip install --no-build-isolation -e .` rebuilds the installed "
+              "one)", file=sys.stderr, flush=True)
+        return _compile_now()
     if os.path.isdir(os.path.join(_sources.repo_root(), "csrc")):
         return _compile_now()
     raise ImportError(f"zerocore._C is not built and its sources are not available; "

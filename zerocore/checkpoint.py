@@ -260,6 +260,12 @@ def save_checkpoint(root: str | Path, step: int, model: ShardedSequential,
     Raises ``CheckpointWriteError`` (a ``CheckpointError`` and an ``OSError``) on every rank when
     anything cannot be written; nothing is then committed and earlier checkpoints are intact.
     """
+    if include_frozen and model.frozen_weights.int8_block is not None:
+        # The same answer on every rank (the policy is the model's), so no rank waits.
+        raise ValueError("save_checkpoint: include_frozen=True with FrozenWeights('int8'): the "
+                         "frozen shards are int8 copies of the base weights, not the weights; "
+                         "save without include_frozen and consolidate or export from the base "
+                         "checkpoint (neox.export does)")
     root = Path(root)
     group, rank, world = model.group, model.rank, model.world_size
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
@@ -390,7 +396,8 @@ def _restore(reader: ShardReader, model: ShardedSequential, optimizer: torch.opt
                     state["step"] = torch.tensor(float(step))
             if manifest["include_frozen"] and layer.frozen is not None:
                 lo, hi = layer.frozen.layout.shard_range(rank)
-                layer.frozen.shard.copy_(reader.read(layer.index, "frozen", lo, hi))
+                layer.frozen.load_frozen(reader.read_as(layer.index, "frozen",
+                                                        layer.frozen.layout, lo, hi))
     for mine, saved in zip(optimizer.param_groups, manifest["optimizer"]["param_groups"]):
         for key, value in saved.items():
             mine[key] = tuple(value) if key == "betas" else value

@@ -212,8 +212,9 @@ def _finite_everywhere(value: Any, field: str) -> None:
 
 def _check_layout(d: Any, field: str, world_size: int) -> list[str]:
     """A flat group's layout, recomputed from its names and shapes; returns the names."""
-    _keys(d, field, ("world_size", "padded_numel", "slots"))
+    _keys(d, field, ("world_size", "padded_numel", "slots"), ("block",))
     ws = _int(d["world_size"], f"{field}.world_size", 1)
+    multiple = _int(d.get("block", 1), f"{field}.block", 1)
     if ws != world_size:
         raise _Invalid(f"{field}.world_size", f"{ws}, but the manifest's world_size is "
                                               f"{world_size}")
@@ -232,7 +233,7 @@ def _check_layout(d: Any, field: str, world_size: int) -> list[str]:
                       for j, n in enumerate(_array(slot[1], f"{at}.shape")))
         named.append((name, shape))
         offsets.append(_int(slot[2], f"{at}.offset", 0))
-    want = FlatLayout.build(named, world_size)
+    want = FlatLayout.build(named, world_size, block=multiple)
     for i, (slot, offset) in enumerate(zip(want.slots, offsets)):
         if offset != slot.offset:
             raise _Invalid(f"{field}.slots[{i}].offset",

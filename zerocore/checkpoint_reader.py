@@ -150,6 +150,20 @@ class ShardReader:
         ``layer`` belongs to."""
         return FlatLayout.from_dict(self.manifest["layers"][layer][GROUP_OF[key]])
 
+    def read_as(self, layer: int, key: str, layout: FlatLayout, lo: int, hi: int
+                ) -> torch.Tensor:
+        """Elements [lo, hi) of ``key``'s flat vector laid out as ``layout`` (the same
+        parameters, possibly at other offsets: an int8 frozen group puts each on a block
+        boundary), as fp32; padding is zeros."""
+        saved = {s.name: s.offset for s in self.layout(layer, key).slots}
+        out = torch.zeros(hi - lo)
+        for s in layout.slots:
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if a < b:
+                at = saved[s.name] - s.offset
+                out[a - lo:b - lo] = self.read(layer, key, a + at, b + at)
+        return out
+
     def read(self, layer: int, key: str, lo: int, hi: int) -> torch.Tensor:
         """Elements [lo, hi) of the unsharded flat vector stored under ``key``, as fp32;
         elements past the saved padded size (the padding of a larger world size) are zeros."""

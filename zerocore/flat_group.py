@@ -76,6 +76,9 @@ class GroupContext:
     offload: bool                  # optimizer state (trainable shards) on the CPU
     counter: collectives.CommCounter
     streams: OffloadStreams | None = None  # offload's side streams on CUDA; None otherwise
+    # Frozen groups stored and gathered as int8 with an fp32 scale per block of this many
+    # elements (FrozenWeights(dtype="int8")); None: in param_dtype.
+    int8_block: int | None = None
     # Whether the ranks can read each other's memory (gloo ranks on one host), probed by the
     # first group built with this context (a collective at the same point on every rank).
     peers: collectives.PeerMemory = dataclasses.field(default_factory=collectives.PeerMemory)
@@ -91,6 +94,7 @@ class FlatGroup:
         self.ctx = ctx
         lo, hi = layout.shard_range(ctx.rank)
         dev, dt = ctx.device, ctx.param_dtype
+        self.int8_block: int | None = None
         if trainable:
             master_device = torch.device("cpu") if ctx.offload else dev
             pin = ctx.offload and dev.type == "cuda"
@@ -109,8 +113,17 @@ class FlatGroup:
                             if ctx.offload else None)
             self._mirror_generation = -1
         else:
-            self.shard = torch.nn.Parameter(full[lo:hi].to(device=dev, dtype=dt, copy=True),
-                                            requires_grad=False)
+            # int8 frozen weights (FrozenWeights): the shard is this rank's int8 values and
+            # their fp32 scales, one byte buffer (``q | scales``), so one collective gathers
+            # both; blocks never straddle shards (the layout pads to whole blocks per rank), so
+            # every rank's part is quantized exactly as the whole tensor would be.
+            self.int8_block = ctx.int8_block
+            values = full[lo:hi].to(device=dev, copy=True)
+            if self.int8_block is not None:
+                self.shard = torch.nn.Parameter(self._quantized(values), requires_grad=False)
+            else:
+                self.shard = torch.nn.Parameter(values.to(dt), requires_grad=False)
+            del values
             self._mirror = None
         # Offload on CUDA: recorded on the compute stream once it has waited for an all-gather
         # that read the mirror; the next upload into the mirror waits for it.
@@ -122,6 +135,16 @@ class FlatGroup:
                                                                   (layout.padded_numel,))
         storage.resize_(0)
         self._storage = storage
+        if not trainable and self.int8_block is not None:
+            # int8: every rank's ``q | scales`` arrive in a byte buffer of their own, which is
+            # dequantized into the gathered buffer; it lives while the group is gathered (other
+            # ranks may read it) and is given back by ``free`` (resident groups too).
+            self._comm_numel = layout.world_size * self.shard.numel()
+            q8 = torch.empty(self._comm_numel, dtype=torch.uint8, device=dev).untyped_storage()
+            self._comm = torch.empty(0, dtype=torch.uint8, device=dev).set_(
+                q8, 0, (self._comm_numel,))
+            q8.resize_(0)
+            self._q8_storage = q8
         self._handles: list[dist.Work | None] = []  # the all-gather in flight
         self.state = GroupState.SHARDED
         # gloo's own all-gather and reduce-scatter copy more than they must; on it the engine
@@ -193,6 +216,8 @@ class FlatGroup:
             return
         t0 = collectives.now()
         self._storage.resize_(self._storage_nbytes)  # allocated for the compute stream
+        if self.int8_block is not None:
+            self._q8_storage.resize_(self._comm_numel)
         source = self._gather_input()
         group, counter = self.ctx.process_group, self.ctx.counter
         streams = self.ctx.streams
@@ -233,6 +258,8 @@ class FlatGroup:
                 self._being_read = self._gathers
             self.ctx.counter.gather_wait_s += collectives.now() - t0
             self._handles = []
+            if self.int8_block is not None:
+                self._dequantize(self._comm, self._compute)
             self.state = GroupState.GATHERED
             if self._mirror is not None and self.ctx.streams is not None:
                 self._mirror_read = torch.cuda.current_stream(self.ctx.device).record_event()
@@ -240,7 +267,7 @@ class FlatGroup:
     def free(self, release: bool = False) -> None:
         """Gives the gathered buffer back, unless the group is resident (``release`` frees
         it anyway)."""
-        if self.resident and not release:
+        if self.resident and not release and self.int8_block is None:
             return
         if self.state is GroupState.GATHERING:
             self.wait_gather()
@@ -250,6 +277,10 @@ class FlatGroup:
             collectives.wait_gather_read(self.ctx.peers, self._channel, self._being_read)
             self.ctx.counter.gather_wait_s += collectives.now() - t0
             self._being_read = None
+        if self.int8_block is not None:
+            self._q8_storage.resize_(0)  # the int8 bytes: dequantized already
+            if self.resident and not release:
+                return
         self._storage.resize_(0)
         self.state = GroupState.SHARDED
 
@@ -262,15 +293,55 @@ class FlatGroup:
         shard = self.shard.data.to(self.ctx.device)
         group = self.ctx.process_group
         if to_rank is None:
-            full = torch.empty(self.layout.padded_numel, dtype=shard.dtype, device=shard.device)
+            full = torch.empty(self.layout.world_size * shard.numel(), dtype=shard.dtype,
+                               device=shard.device)
             collectives.all_gather_sync(full, shard, group)
         else:
             full = collectives.gather_to(shard, to_rank, group)
             if full is None:
                 return {}
+        if self.int8_block is not None:  # every rank's q | scales -> the dequantized values
+            values = torch.empty(self.layout.padded_numel, dtype=self.ctx.param_dtype,
+                                 device=full.device)
+            self._dequantize(full, values)
+            full = values
         full = full.cpu()
         return {s.name: full[s.offset:s.offset + s.numel].view(s.shape).clone()
                 for s in self.layout.slots}
+
+    # -- int8 frozen weights (FrozenWeights) -------------------------------------------------------
+
+    def _quantized(self, values: torch.Tensor) -> torch.Tensor:
+        """This rank's shard values (any float dtype) as one byte buffer: the int8 values, then
+        their fp32 scales."""
+        q, scales = ops.quantize_blockwise(values.contiguous(), self.int8_block)
+        return torch.cat([q.view(torch.uint8), scales.view(torch.uint8)])
+
+    def _dequantize(self, packed: torch.Tensor, out: torch.Tensor) -> None:
+        """out ([padded_numel], param dtype) <- every rank's ``q | scales`` in ``packed``
+        (rank order, as gathered), one fused dequantization per rank's part."""
+        n = self.layout.shard_numel
+        for r, part in enumerate(packed.chunk(self.layout.world_size)):
+            ops.dequantize_blockwise_(out[r * n:(r + 1) * n], part[:n].view(torch.int8),
+                                      part[n:].view(torch.float32), self.int8_block)
+
+    def load_frozen(self, values: torch.Tensor) -> None:
+        """Sets this frozen group's shard from its values (``[shard_numel]``, any float dtype):
+        quantized for int8 groups. Frees a gathered copy of the old values."""
+        assert not self.trainable
+        self.free(release=True)
+        with torch.no_grad():
+            if self.int8_block is not None:
+                self.shard.data = self._quantized(values.to(self.shard.device))
+            else:
+                self.shard.copy_(values)
+
+    @property
+    def gather_bytes(self) -> int:
+        """Bytes one all-gather of this group moves (the unsharded buffer, as counted)."""
+        if self.int8_block is not None:
+            return self._comm_numel
+        return self.layout.padded_numel * self.ctx.param_dtype.itemsize
 
     @property
     def mirror_bytes(self) -> int:
@@ -280,8 +351,10 @@ class FlatGroup:
 
     @property
     def gathered_bytes(self) -> int:
-        """Bytes the gathered buffer holds right now (0 when sharded)."""
-        return self._storage.nbytes()
+        """Bytes the gathered buffers hold right now (0 when sharded): the values, and for an
+        int8 group while gathered its int8 parts too."""
+        extra = self._q8_storage.nbytes() if self.int8_block is not None else 0
+        return self._storage.nbytes() + extra
 
     def views(self, requires_grad: bool) -> list[torch.Tensor]:
         """One tensor per parameter slot, viewing the gathered buffer. With requires_grad, each

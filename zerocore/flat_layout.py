@@ -36,6 +36,7 @@ class FlatLayout:
     slots: tuple[ParamSlot, ...]
     world_size: int
     padded_numel: int        # unsharded flat size, a multiple of ALIGN * world_size
+    block: int = 1           # int8 frozen groups: slots and shards on whole blocks (build)
 
     @property
     def shard_numel(self) -> int:
@@ -50,22 +51,30 @@ class FlatLayout:
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
     @staticmethod
-    def build(named_shapes: list[tuple[str, tuple[int, ...]]], world_size: int) -> "FlatLayout":
+    def build(named_shapes: list[tuple[str, tuple[int, ...]]], world_size: int,
+              block: int = 1) -> "FlatLayout":
+        """block: int8 frozen groups' quantization block: every parameter starts on a block
+        boundary and every shard is whole blocks, so no block mixes two parameters (a
+        LayerNorm weight of ~1 would set the scale of a matrix's ~0.02 values) or two ranks."""
+        unit = math.lcm(ALIGN, block)
         slots, cursor = [], 0
         for name, shape in named_shapes:
             slots.append(ParamSlot(name, tuple(shape), cursor))
-            cursor = _round_up(cursor + math.prod(shape), ALIGN)
-        padded = _round_up(max(cursor, 1), ALIGN * world_size) if slots else 0
-        return FlatLayout(tuple(slots), world_size, padded)
+            cursor = _round_up(cursor + math.prod(shape), unit)
+        padded = _round_up(max(cursor, 1), unit * world_size) if slots else 0
+        return FlatLayout(tuple(slots), world_size, padded, block)
 
     def to_dict(self) -> dict:
-        return {"world_size": self.world_size, "padded_numel": self.padded_numel,
-                "slots": [[s.name, list(s.shape), s.offset] for s in self.slots]}
+        d = {"world_size": self.world_size, "padded_numel": self.padded_numel,
+             "slots": [[s.name, list(s.shape), s.offset] for s in self.slots]}
+        if self.block != 1:  # absent otherwise: layouts read as before
+            d["block"] = self.block
+        return d
 
     @staticmethod
     def from_dict(d: dict) -> "FlatLayout":
         return FlatLayout(tuple(ParamSlot(n, tuple(sh), o) for n, sh, o in d["slots"]),
-                          d["world_size"], d["padded_numel"])
+                          d["world_size"], d["padded_numel"], d.get("block", 1))
 
 
 def _round_up(x: int, m: int) -> int:

@@ -86,7 +86,9 @@ class Adam(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         for p in group["params"]:
-            if p.dtype not in (torch.float32, *_LOW_PRECISION):
+            # Frozen parameters are never stepped, whatever they hold (zerocore's int8 frozen
+            # shards, FrozenWeights, are bytes).
+            if p.requires_grad and p.dtype not in (torch.float32, *_LOW_PRECISION):
                 raise ValueError(f"zerocore.optim: parameter of dtype {p.dtype} is not supported; "
                                  f"parameters must be float32, float16 or bfloat16")
         self._buckets.append(self._make_buckets(group["params"]))

@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from zerocore.flat_layout import FlatLayout
 from zerocore.meta_layer import MetaLayer
-from zerocore.policies import MixedPrecision, Offload, Prefetch, Recompute
+from zerocore.policies import FrozenWeights, MixedPrecision, Offload, Prefetch, Recompute
 from zerocore.report import expected_traffic
 from zerocore.sharded_layer import _collect_params
 
@@ -240,16 +240,18 @@ class _Layer:
         return sum(g.layout.padded_numel for g in self.groups) * param_bytes
 
 
-def _plan_layer(module: nn.Module, index: int, world_size: int) -> _Layer:
+def _plan_layer(module: nn.Module, index: int, world_size: int,
+                int8_block: int | None) -> _Layer:
     module = copy.deepcopy(module)  # the caller's layer keeps its parameters
     params = _collect_params(module)
     groups = []
     for trainable in (True, False):
         chosen = [(n, p, o) for n, p, o in params if p.requires_grad == trainable]
         if chosen:
+            multiple = int8_block if int8_block is not None and not trainable else 1
             groups.append(_Group(FlatLayout.build([(n, tuple(p.shape)) for n, p, _ in chosen],
-                                                  world_size), trainable,
-                                 [o for _, _, o in chosen]))
+                                                  world_size, block=multiple),
+                                 trainable, [o for _, _, o in chosen]))
     for _, _, owners in params:
         for mod, attr in owners:
             del mod._parameters[attr]
@@ -284,6 +286,14 @@ class _Options:
     prefetch: Prefetch
     offload: bool
     micro_batches: int
+    int8_block: int | None = None       # FrozenWeights("int8")
+
+    def gather_bytes(self, g: "_Group") -> int:
+        """What one all-gather of the group moves: int8 frozen groups move their values and
+        an fp32 scale per block (FlatGroup.gather_bytes)."""
+        if self.int8_block is not None and not g.trainable:
+            return g.layout.padded_numel + 4 * g.layout.padded_numel // self.int8_block
+        return g.layout.padded_numel * self.param_bytes
 
 
 class _Step:
@@ -302,6 +312,7 @@ class _Step:
         self.has_grad: set[int] = set()
         self.read_buffer = 0   # CPU, two ranks: see _deliver
         self.gathered: set[tuple[int, bool]] = set()   # (layer index, trainable) gathered
+        self.int8_held: set[tuple[int, bool]] = set()  # int8 parts still held (FrozenWeights)
         self.kept = opt.prefetch.layers_kept([l.gathered_bytes(opt.param_bytes)
                                               for l in layers])
         self.peak_total = -1
@@ -342,18 +353,30 @@ class _Step:
     def point(self, phase: str) -> None:
         self._observe(phase, self.tracker.live)
 
+    def _int8(self, g: _Group) -> int:
+        """Bytes of an int8 frozen group's gathered int8 parts (0 for other groups)."""
+        return self.opt.gather_bytes(g) if self.opt.int8_block and not g.trainable else 0
+
     def gather(self, layer: _Layer) -> None:
         for g in layer.groups:
-            if (layer.index, g.trainable) not in self.gathered:
-                self.gathered.add((layer.index, g.trainable))
+            key = (layer.index, g.trainable)
+            if key not in self.gathered:
+                self.gathered.add(key)
                 self.ledger[GATHERED] += g.layout.padded_numel * self.opt.param_bytes
+                if self._int8(g):   # received as int8, dequantized into the buffer
+                    self.int8_held.add(key)
+                    self.ledger[GATHERED] += self._int8(g)
 
     def free(self, layer: _Layer) -> None:
         for g in layer.groups:
+            key = (layer.index, g.trainable)
+            if key in self.int8_held:   # FlatGroup.free gives the int8 parts back first
+                self.int8_held.discard(key)
+                self.ledger[GATHERED] -= self._int8(g)
             if layer.index in self.kept and not g.trainable:
                 continue   # resident (Prefetch.keep_gathered): FlatGroup.free leaves it
-            if (layer.index, g.trainable) in self.gathered:
-                self.gathered.discard((layer.index, g.trainable))
+            if key in self.gathered:
+                self.gathered.discard(key)
                 self.ledger[GATHERED] -= g.layout.padded_numel * self.opt.param_bytes
 
     def install(self, layer: _Layer, with_grad_leaves: bool) -> list[torch.Tensor]:
@@ -525,7 +548,8 @@ def _model_state(layers: list[_Layer], opt: _Options) -> ModelState:
     return ModelState(
         trainable_numel=t_numel, frozen_numel=f_numel,
         trainable_params=t_shard * (opt.param_bytes if sixteen else 4),
-        frozen_params=f_shard * opt.param_bytes,
+        frozen_params=(f_shard + 4 * f_shard // opt.int8_block if opt.int8_block
+                       else f_shard * opt.param_bytes),
         masters=t_shard * 4 if sixteen else 0, optimizer=t_shard * 8, gradients=t_shard * 4,
         mirrors=t_shard * opt.param_bytes if opt.offload else 0, on_host=on_host)
 
@@ -534,7 +558,7 @@ def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, worl
          loss: Callable[[torch.Tensor], torch.Tensor] | None = None, device: str = "cuda",
          mixed_precision: MixedPrecision = MixedPrecision(), prefetch: Prefetch = Prefetch(),
          offload: Offload = Offload(), recompute: Recompute | None = None,
-         micro_batches: int = 1) -> MemoryPlan:
+         micro_batches: int = 1, frozen_weights: FrozenWeights = FrozenWeights()) -> MemoryPlan:
     """The memory and communication of one training step of ``zerocore.shard(layers, ...)``
     on ``world_size`` ranks, per rank, from shapes alone.
 
@@ -554,7 +578,8 @@ def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, worl
         raise ValueError(f"plan: world_size must be a positive int, got {world_size!r}")
     if type(micro_batches) is not int or micro_batches < 1:
         raise ValueError(f"plan: micro_batches must be a positive int, got {micro_batches!r}")
-    stack = [_plan_layer(l.module if isinstance(l, MetaLayer) else l, i, world_size)
+    stack = [_plan_layer(l.module if isinstance(l, MetaLayer) else l, i, world_size,
+                         frozen_weights.int8_block)
              for i, l in enumerate(layers)]
     if not stack:
         raise ValueError("plan: got no layers")
@@ -566,7 +591,8 @@ def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, worl
                    param_bytes=mixed_precision.param_dtype.itemsize,
                    reduce_bytes=mixed_precision.grad_reduce_dtype.itemsize,
                    param_dtype=mixed_precision.param_dtype, prefetch=prefetch,
-                   offload=offload.optimizer, micro_batches=micro_batches)
+                   offload=offload.optimizer, micro_batches=micro_batches,
+                   int8_block=frozen_weights.int8_block)
     state = _model_state(stack, opt)
     fake = FakeTensorMode()
     with fake:
@@ -580,7 +606,8 @@ def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, worl
     step.excluded.add(fake_example.untyped_storage()._cdata)
     step.run(fake_example, loss if loss is not None else (lambda y: y.sum()))
     gather, reduce = expected_traffic(
-        [[(g.layout.padded_numel, g.trainable) for g in layer.groups] for layer in stack],
+        [[(g.layout.padded_numel, g.trainable, opt.gather_bytes(g)) for g in layer.groups]
+         for layer in stack],
         param_bytes=opt.param_bytes, reduce_bytes=opt.reduce_bytes, keep_last=prefetch.keep_last,
         kept=step.kept)
     device_tensors = sum(v for k, v in step.peak.items()

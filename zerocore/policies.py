@@ -177,3 +177,30 @@ class LossScaling:
         if self.init_scale <= 0 or self.min_scale <= 0 or self.window < 1 or self.hysteresis < 1:
             raise ValueError(f"invalid LossScaling {self}: scales must be > 0, window and "
                              f"hysteresis >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenWeights:
+    """How frozen parameters are kept and gathered. ``dtype=None`` (default): in the compute
+    dtype, as the trainable ones. ``dtype="int8"``: each frozen flat group is quantized once,
+    at ``shard()``, from its fp32 values, symmetrically by blocks of ``block`` consecutive
+    elements (int8 values, an fp32 scale = block absmax / 127 per block); shards are stored and
+    all-gathered so (1 + 4 / block bytes per parameter: about half of bf16, a quarter of fp32)
+    and dequantized into the compute dtype right after each gather, in one fused pass per rank's
+    part (``zerocore.ops.dequantize_blockwise_``). Each element is off by at most half its
+    block's scale. Trainable parameters, master weights and optimizer state are never
+    quantized. (docs/decisions.md: why fp32 scales and blocks of 128.)"""
+
+    dtype: str | None = None
+    block: int = 128
+
+    def __post_init__(self) -> None:
+        if self.dtype not in (None, "int8"):
+            raise ValueError(f"FrozenWeights.dtype must be None or 'int8', got {self.dtype!r}")
+        if type(self.block) is not int or not 16 <= self.block <= 4096:
+            raise ValueError(f"FrozenWeights.block must be an int in [16, 4096], got "
+                             f"{self.block!r}")
+
+    @property
+    def int8_block(self) -> int | None:
+        return self.block if self.dtype == "int8" else None

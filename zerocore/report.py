@@ -82,24 +82,26 @@ def expected_traffic(layers: Sequence[Sequence[tuple[int, bool]]], *, param_byte
     """(bytes all-gathered, bytes reduce-scattered) by one forward and backward of a sharded
     stack whose input needs no gradient, counted as the unsharded buffers (``CommCounter``).
 
-    layers: each layer's flat groups as ``(padded_numel, trainable)``. A layer is gathered for
+    layers: each layer's flat groups as ``(padded_numel, trainable)``, or ``(padded_numel,
+    trainable, bytes gathered)`` where that is not ``padded_numel * param_bytes`` (int8 frozen
+    groups: values and scales). A layer is gathered for
     forward, and again for backward unless no autograd node covers it (it comes before the
     first layer with a trainable group) or it is kept gathered between the passes (the last
     layer with ``Prefetch.keep_last``; ``kept``, the layers ``Prefetch.keep_gathered`` chose).
     The frozen groups of ``kept`` layers stay gathered from step to step: they count nothing
     here (the step that first gathers them moves them once more). Trainable groups are
     reduce-scattered once."""
-    first = next((i for i, groups in enumerate(layers) if any(t for _, t in groups)),
+    first = next((i for i, groups in enumerate(layers) if any(g[1] for g in groups)),
                  len(layers))
     gather = reduce = 0
     for i, groups in enumerate(layers):
         in_backward = i >= first
         held = in_backward and (i in kept or (i == len(layers) - 1 and keep_last))
         times = 2 if in_backward and not held else 1
-        for padded, trainable in groups:
+        for padded, trainable, *size in groups:
             if i in kept and not trainable:
                 continue
-            gather += padded * param_bytes * times
+            gather += (size[0] if size else padded * param_bytes) * times
             if trainable:
                 reduce += padded * reduce_bytes
     return gather, reduce

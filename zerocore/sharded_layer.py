@@ -104,8 +104,11 @@ class ShardedLayer(nn.Module):
             if not chosen:
                 groups[trainable] = None
                 continue
-            layout = FlatLayout.build([(n, tuple(p.shape)) for n, p, _ in chosen], world_size)
-            full_dtype = torch.float32 if trainable else ctx.param_dtype
+            int8 = not trainable and ctx.int8_block is not None
+            layout = FlatLayout.build([(n, tuple(p.shape)) for n, p, _ in chosen], world_size,
+                                      block=ctx.int8_block if int8 else 1)
+            # Trainable masters, and frozen values about to be quantized, from fp32.
+            full_dtype = torch.float32 if trainable or int8 else ctx.param_dtype
             # Only this rank's part is written: FlatGroup keeps only that slice.
             full = _rank_slice([(n, p) for n, p, _ in chosen], layout, ctx.rank, full_dtype,
                                read)

@@ -23,7 +23,7 @@ from zerocore.device import Platform, agree_on_devices, resolve_device
 from zerocore.flat_group import GroupContext
 from zerocore.meta_layer import MetaLayer
 from zerocore.offload import OffloadStreams, cpu_threads
-from zerocore.policies import MixedPrecision, Offload, Prefetch, Recompute
+from zerocore.policies import FrozenWeights, MixedPrecision, Offload, Prefetch, Recompute
 from zerocore.report import CommReport, MemoryReport, expected_traffic
 from zerocore.sharded_layer import BackwardCoordinator, LayerFunction, ShardedLayer
 from zerocore.sharded_param import ShardParameter
@@ -77,7 +77,8 @@ class ShardedSequential(nn.Module):
 
     def __init__(self, layers: Iterable[nn.Module], *, group: dist.ProcessGroup,
                  device: torch.device, mixed_precision: MixedPrecision, prefetch: Prefetch,
-                 offload: Offload, recompute: Recompute | None = None):
+                 offload: Offload, recompute: Recompute | None = None,
+                 frozen_weights: FrozenWeights = FrozenWeights()):
         super().__init__()
         self.group = group
         self.rank = dist.get_rank(group)
@@ -90,9 +91,10 @@ class ShardedSequential(nn.Module):
         self.counter = CommCounter()
         streams = (OffloadStreams(device)
                    if offload.optimizer and device.type == "cuda" else None)
+        self.frozen_weights = frozen_weights
         ctx = GroupContext(group, self.rank, device, mixed_precision.param_dtype,
                            mixed_precision.grad_reduce_dtype, offload.optimizer, self.counter,
-                           streams)
+                           streams, int8_block=frozen_weights.int8_block)
         sharded: list[ShardedLayer] = []
         owners: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
         iterator = iter(layers)
@@ -221,7 +223,11 @@ class ShardedSequential(nn.Module):
                     param += shard.numel() * shard.element_size()
         n = self.world_size
         k = 8 if p_bytes == 4 else 12  # Adam moments, plus an fp32 master when computing in 16 bit
-        predicted = ((p_bytes + p_bytes + k) * trainable_numel + p_bytes * frozen_numel) // n
+        block = self.frozen_weights.int8_block
+        # int8 frozen weights: a byte per parameter and an fp32 scale per block
+        frozen = (frozen_numel + 4 * frozen_numel // block if block is not None
+                  else p_bytes * frozen_numel)
+        predicted = ((p_bytes + p_bytes + k) * trainable_numel + frozen) // n
         dev_alloc = dev_peak = None
         if self.device.type == "cuda":
             dev_alloc = torch.cuda.memory_allocated(self.device)
@@ -236,7 +242,7 @@ class ShardedSequential(nn.Module):
         gradient) and the last layer when kept gathered between the passes
         (``Prefetch.keep_last``); trainable gradients reduced once."""
         gather, reduce = expected_traffic(
-            [[(g.layout.padded_numel, g.trainable) for g in layer.groups]
+            [[(g.layout.padded_numel, g.trainable, g.gather_bytes) for g in layer.groups]
              for layer in self.layers],
             param_bytes=self.mixed_precision.param_dtype.itemsize,
             reduce_bytes=self.mixed_precision.grad_reduce_dtype.itemsize,
@@ -253,6 +259,7 @@ def shard(layers: Iterable[nn.Module], *, group: dist.ProcessGroup | None = None
           device: torch.device | str | None = None,
           mixed_precision: MixedPrecision = MixedPrecision(), prefetch: Prefetch = Prefetch(),
           offload: Offload = Offload(), recompute: Recompute | None = None,
+          frozen_weights: FrozenWeights = FrozenWeights(),
           platform: Platform | None = None) -> ShardedSequential:
     """Shards a stack of layers across the ranks of a process group (ZeRO-3).
 
@@ -272,6 +279,8 @@ def shard(layers: Iterable[nn.Module], *, group: dist.ProcessGroup | None = None
         ranks check together that each can compute on its device (a CUDA build of torch, a
         visible GPU, zerocore's CUDA kernels built) and that no two share one GPU; any failure is
         raised on every rank as a ValueError saying what to do.
+    frozen_weights: how frozen parameters are stored and gathered (``zerocore.FrozenWeights``;
+        ``FrozenWeights("int8")``: int8 with a scale per block, dequantized after each gather).
     recompute: which layers keep only their input in forward and run it again in backward
         (``zerocore.Recompute``); None (default): every layer keeps what its backward needs.
     platform: what this process can run on (default ``zerocore.Platform.detect``: torch,
@@ -298,4 +307,4 @@ def shard(layers: Iterable[nn.Module], *, group: dist.ProcessGroup | None = None
             ranks_on_host=placement.ranks_on_host, current=torch.get_num_threads()))
     return ShardedSequential(layers, group=group, device=dev,
                              mixed_precision=mixed_precision, prefetch=prefetch, offload=offload,
-                             recompute=recompute)
+                             recompute=recompute, frozen_weights=frozen_weights)
