@@ -5,10 +5,11 @@ Run (not part of the default test run):
     python -m pytest bench/bench_kernels.py --benchmark-only
 
 Every operation is one test that times zerocore, the torch baselines a user would pick (the
-fused and foreach optimizers, torch.cat, copy loops, ``torch._foreach_copy_``, and the same
-operation written by hand and compiled with ``torch.compile``) and a plain copy of the same
-number of bytes (the bandwidth ceiling), interleaved: every round calls each variant once, in a
-shuffled order (bench/conftest.py). The end-of-run tables give zerocore against the fastest
+fused and foreach optimizers, torch.cat, copy loops, ``torch._foreach_copy_``, int8
+dequantization by repeat_interleave or broadcasting, and the same operation written by hand and
+compiled with ``torch.compile``) and a plain copy of the same number of bytes (the bandwidth
+ceiling), interleaved: every round calls each variant once, in a shuffled order
+(bench/conftest.py). The end-of-run tables give zerocore against the fastest
 baseline of the run, with the spread of the per-round ratios, and every variant's median, IQR,
 GB/s and fraction of the copy bandwidth. Buffers are allocated and first touched before timing,
 and compiled variants compiled (and checked against zerocore's result) before it; only the
@@ -348,3 +349,57 @@ def test_unpack(interleaved_bench, device, conversion):
                     else _unpack_variant(v, src, dst, device)) for v in UNPACK_VARIANTS}
     interleaved_bench(variants, group=f"unpack {conversion}, 2^24 flat -> 48 tensors",
                       nbytes=nbytes, device=device)
+
+
+# --- blockwise int8 dequantization --------------------------------------------------------------
+
+# Frozen weights gathered as int8 with one fp32 scale per QUANT_BLOCK elements, widened into the
+# compute dtype in the gathered flat buffer.
+QUANT_BLOCK = 128
+DEQUANT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DEQUANT_VARIANTS = ["zerocore", "torch repeat_interleave", "torch view-broadcast",
+                    "torch.compile (view-broadcast)", "copy (ceiling)"]
+
+
+def _dequant_by_hand(q, scales, out):
+    """The view-based baseline written into out, for torch.compile to fuse into one pass."""
+    out.view(-1, QUANT_BLOCK).copy_((q.view(-1, QUANT_BLOCK).float() * scales[:, None])
+                                    .to(out.dtype))
+
+
+def _dequant_bytes(dtype) -> int:
+    """Read q and the scales, write the output once."""
+    return N * (1 + dtype.itemsize) + (N // QUANT_BLOCK) * 4
+
+
+def _dequant_variant(variant: str, dtype, device: str):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (N,), generator=g, dtype=torch.int8).to(device)
+    scales = (torch.rand(N // QUANT_BLOCK, generator=g) * 1e-2).to(device)
+    flat = torch.full((N,), float("nan"), dtype=dtype, device=device)  # first touch
+    if variant == "zerocore":
+        return lambda: ops.dequantize_blockwise_(flat, q, scales, QUANT_BLOCK)
+    if variant == "torch repeat_interleave":
+        return lambda: flat.copy_((q.float() * scales.repeat_interleave(QUANT_BLOCK)).to(dtype))
+    if variant == "torch view-broadcast":
+        rows = flat.view(-1, QUANT_BLOCK)
+        return lambda: rows.copy_((q.view(-1, QUANT_BLOCK).float() * scales[:, None]).to(dtype))
+    if variant == "torch.compile (view-broadcast)":
+        compiled = torch.compile(_dequant_by_hand, fullgraph=True, dynamic=False)
+        compiled(q, scales, flat)
+        expected = torch.empty_like(flat)
+        ops.dequantize_blockwise_(expected, q, scales, QUANT_BLOCK)
+        assert torch.equal(flat, expected), "compiled dequantization differs from zerocore's"
+        return lambda: compiled(q, scales, flat)
+    raise AssertionError(variant)
+
+
+@pytest.mark.parametrize("dtype", list(DEQUANT_DTYPES))
+@pytest.mark.parametrize("device", DEVICES)
+def test_dequant(interleaved_bench, device, dtype):
+    nbytes = _dequant_bytes(DEQUANT_DTYPES[dtype])
+    variants = {v: (_copy_ceiling(nbytes, device) if v == "copy (ceiling)"
+                    else _dequant_variant(v, DEQUANT_DTYPES[dtype], device))
+                for v in DEQUANT_VARIANTS}
+    interleaved_bench(variants, group=f"dequantize int8 -> {dtype}, block {QUANT_BLOCK}, "
+                                      f"2^24 elements", nbytes=nbytes, device=device)

@@ -27,7 +27,8 @@ def cpu_sources(root: str) -> list[str]:
 
 
 def cuda_sources(root: str) -> list[str]:
-    names = ["cuda/fused_adam_cuda.cu", "cuda/grad_stats_cuda.cu", "cuda/pack_cuda.cu"]
+    names = ["cuda/fused_adam_cuda.cu", "cuda/grad_stats_cuda.cu", "cuda/pack_cuda.cu",
+             "cuda/quant_cuda.cu"]
     return [os.path.join(root, "csrc", n) for n in names]
 
 
@@ -46,6 +47,8 @@ def cxx_flags() -> list[str]:
 
 
 def nvcc_flags() -> list[str]:
+    # Never --use_fast_math: it makes divisions and square roots approximate (and flushes
+    # subnormals), and the CUDA kernels must round exactly as the CPU kernels and the references.
     return ["-O3", "-std=c++20", "-lineinfo"]
 
 
