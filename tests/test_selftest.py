@@ -32,7 +32,7 @@ def test_quick_run_passes_and_prints_the_table(capsys):
                  "copy bandwidth", "fused_adam bandwidth"):
         assert name in out, name
     assert "FAIL" not in out
-    assert "7 passed, 0 failed, 2 measured" in out
+    assert "8 passed, 0 failed, 3 measured" in out
 
 
 def test_command_exits_zero_and_finishes():
@@ -107,6 +107,25 @@ BROKEN = {
 }
 
 
+def _dequantize_one_ulp(out, q, scales, block):
+    ops.dequantize_blockwise_(out, q, scales, block)
+    out.view(torch.int16 if out.element_size() == 2 else torch.int32)[-1] += 1
+    return out
+
+
+def _quantize_rounding_down(x, block):
+    q, scales = ops.quantize_blockwise(x, block)
+    return q.clamp(max=126), scales
+
+
+@pytest.mark.parametrize("kwargs", [{"dequantize": _dequantize_one_ulp},
+                                    {"quantize": _quantize_rounding_down}],
+                         ids=["dequantize-one-ulp", "quantize-clamped"])
+def test_wrong_int8_op_fails(kwargs):
+    result = selftest.check_int8(CPU, SIZES, **kwargs)
+    assert result.status == "FAIL", result
+
+
 @pytest.mark.parametrize("case", list(BROKEN))
 def test_wrong_op_fails(case):
     check, kernel = BROKEN[case]
@@ -116,7 +135,8 @@ def test_wrong_op_fails(case):
 
 
 @pytest.mark.parametrize("check", [selftest.check_fused_adam, selftest.check_grad_stats,
-                                   selftest.check_pack, selftest.check_unpack],
+                                   selftest.check_pack, selftest.check_unpack,
+                                   selftest.check_int8],
                          ids=lambda f: f.__name__)
 def test_right_op_passes(check):
     result = check(CPU, SIZES)

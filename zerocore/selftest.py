@@ -126,6 +126,8 @@ class Kernels:
     grad_stats: Callable[..., torch.Tensor] = ops.grad_stats
     pack: Callable[..., torch.Tensor] = ops.pack
     unpack: Callable[..., None] = ops.unpack
+    quantize_blockwise: Callable[..., tuple[torch.Tensor, torch.Tensor]] = ops.quantize_blockwise
+    dequantize_blockwise_: Callable[..., torch.Tensor] = ops.dequantize_blockwise_
 
 
 def _sync(device: torch.device) -> None:
@@ -376,6 +378,41 @@ def check_unpack(device: torch.device, sizes: Sequence[int], *,
                    time.perf_counter() - t0, where)
 
 
+INT8_BLOCK = 128  # FrozenWeights' default
+
+
+def check_int8(device: torch.device, sizes: Sequence[int], *,
+               quantize: Callable[..., tuple[torch.Tensor, torch.Tensor]] = ops.quantize_blockwise,
+               dequantize: Callable[..., torch.Tensor] = ops.dequantize_blockwise_) -> Result:
+    """``quantize`` and ``dequantize`` (int8 frozen weights) against ``reference``, bit for bit:
+    values over seven orders of magnitude and an all-zero block, rounded up to whole blocks,
+    quantized from each float dtype, dequantized into each at an odd offset of a larger buffer
+    (the rest of which must stay untouched)."""
+    t0 = time.perf_counter()
+    worst, where = 0, ""
+    for i, dtype in enumerate(FLOAT_DTYPES):
+        for n in sizes:
+            n = -(-n // INT8_BLOCK) * INT8_BLOCK
+            # finite (a weight with inf or nan cannot be quantized: the op refuses it)
+            x = (torch.randn(n, generator=_gen(5000 + i)) * 10.0 ** torch.randint(
+                -4, 3, (n,), generator=_gen(5100 + i))).to(dtype)
+            x[INT8_BLOCK:2 * INT8_BLOCK] = 0  # an all-zero block (scale 0)
+            x = x.to(device)
+            q, scales = quantize(x, INT8_BLOCK)
+            want_q, want_scales = reference.quantize_blockwise(x, INT8_BLOCK)
+            bad = int((q != want_q).sum()) + _bit_mismatches(scales, want_scales)
+            got = torch.full((n + 6,), math.nan, dtype=dtype, device=device)
+            dequantize(got[3:3 + n], want_q, want_scales, INT8_BLOCK)
+            want = reference.dequantize_blockwise(want_q, want_scales, INT8_BLOCK, dtype)
+            bad += _bit_mismatches(got[3:3 + n], want)
+            bad += int((~torch.isnan(got[:3])).sum() + (~torch.isnan(got[3 + n:])).sum())
+            if bad > worst:
+                worst, where = bad, f"{DTYPE_NAMES[dtype]}, {n} elements"
+    _sync(device)
+    return _judged("int8 quantize/dequantize vs reference", device.type, worst, 0,
+                   "elements differ", time.perf_counter() - t0, where)
+
+
 def check_cuda_matches_cpu(device: torch.device, sizes: Sequence[int], *,
                            kernels: Kernels = Kernels()) -> Result:
     """The CUDA kernels against the CPU kernels on the same inputs, bit for bit: both use IEEE
@@ -613,6 +650,20 @@ def measure_bandwidth(device: torch.device, sizes: Sizes, *,
                        time.perf_counter() - t0,
                        f"{adam_gbps / copy_gbps:.2f} of copy; 2^{numel.bit_length() - 1} params, "
                        f"fp16 grad + copy, {1e3 * adam_s:.3f} ms"))
+
+    # Dequantizing int8 frozen weights into bf16 (issue 12's target on a GPU: >= 80% of copy):
+    # reads a byte and 4/128 of a scale, writes two bytes, per element.
+    t0 = time.perf_counter()
+    q = torch.randint(-127, 128, (numel,), dtype=torch.int8, device=device)
+    scales = torch.rand(numel // INT8_BLOCK, device=device)
+    out = torch.empty(numel, dtype=torch.bfloat16, device=device)
+    deq_s = _median_seconds(lambda: ops.dequantize_blockwise_(out, q, scales, INT8_BLOCK),
+                            device, sizes.rounds[kind])
+    deq_gbps = (3 + 4 / INT8_BLOCK) * numel / deq_s / 1e9
+    rows.append(Result("int8 dequantize bandwidth", kind, "INFO", deq_gbps, None, "GB/s",
+                       time.perf_counter() - t0,
+                       f"{deq_gbps / copy_gbps:.2f} of copy; 2^{numel.bit_length() - 1} "
+                       f"elements into bf16, block {INT8_BLOCK}, {1e3 * deq_s:.3f} ms"))
     return rows
 
 
@@ -645,6 +696,10 @@ def plan(devices: Sequence[torch.device], sizes: Sizes, kernels: Kernels = Kerne
                 d, s, kernel=kernels.pack)]),
             Planned("unpack vs reference", dev, lambda d=dev, s=op_sizes: [check_unpack(
                 d, s, kernel=kernels.unpack)]),
+            Planned("int8 quantize/dequantize vs reference", dev,
+                    lambda d=dev, s=op_sizes: [check_int8(
+                        d, s, quantize=kernels.quantize_blockwise,
+                        dequantize=kernels.dequantize_blockwise_)]),
         ]
         if dev.type == "cuda":
             steps.append(Planned("cuda kernels = cpu kernels", dev,
