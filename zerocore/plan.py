@@ -33,6 +33,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -423,12 +424,14 @@ class _Step:
                         with torch.no_grad():
                             self.install(layer, with_grad_leaves=False)
                             y = layer.module(x_in)
-                        nodes.append([layer, x_in, None, None, previous])
+                        nodes.append([layer, x_in, None, None, previous, True])
                     else:
                         with torch.enable_grad():
                             leaves = self.install(layer, with_grad_leaves=True)
                             y = layer.module(x_in)
-                        nodes.append([layer, x_in, leaves, y, previous])
+                        # LayerFunction keeps the output's gradient edge, not the output
+                        edge = get_gradient_edge(y) if y.requires_grad else None
+                        nodes.append([layer, x_in, leaves, edge, previous, False])
                     previous = layer
                     x = y.detach().requires_grad_(True)
                 else:
@@ -458,20 +461,22 @@ class _Step:
         pending = None   # the reduce in flight: (layer, its buffers' bytes)
         spare: list[int] = []                       # CPU: packed buffers kept for reuse
         for node in reversed(nodes):
-            layer, x_in, leaves, y, previous = node
+            layer, x_in, leaves, output, previous, recomputed = node
             node[1:4] = [None, None, None]          # ctx.inner = None
             self.gather(layer)                      # (prefetched by the layer after it)
             if opt.prefetch.backward and previous is not None:
                 self.gather(previous)
             with self.region(f"{label}backward of layer {layer.index}"), self.fake, \
                     self.tracker, self.tracker.saved_hooks():
-                if y is None:   # recomputed: the forward again, under autograd
+                y = None
+                if recomputed:   # the forward again, under autograd
                     with torch.enable_grad():
                         leaves = self.install(layer, with_grad_leaves=True)
                         y = layer.module(x_in)
+                    output = y if y.requires_grad else None
                 inputs = ([x_in] if x_in.requires_grad else []) + leaves
-                grads = (list(torch.autograd.grad(y, inputs, dy, allow_unused=True))
-                         if y.requires_grad and inputs else [None] * len(inputs))
+                grads = (list(torch.autograd.grad(output, inputs, dy, allow_unused=True))
+                         if output is not None and inputs else [None] * len(inputs))
                 dx = grads.pop(0) if x_in.requires_grad else None
             # LayerFunction.backward holds y, grad_y and the parameters' gradients until it
             # returns, after packing and after delivering the previous layer's reduce.

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from zerocore.flat_group import FlatGroup, GroupContext, PendingGrad
 from zerocore.flat_layout import FlatLayout
@@ -305,30 +306,35 @@ class LayerFunction(torch.autograd.Function):
             if not isinstance(y, torch.Tensor):
                 raise TypeError(f"layer {layer.index} returned {type(y).__name__}; zerocore "
                                 f"layers must map one tensor to one tensor")
-            ctx.inner = (x_in, None, None)
+            ctx.inner = (x_in, None, None, True)
             return y.detach()
         leaves, y = layer.run_with_graph(x_in)
-        ctx.inner = (x_in, leaves, y)
+        # The inner graph is kept by its output's gradient edge, not by the output itself:
+        # holding y would hold its storage until this layer's backward, and the last layer's
+        # output (the logits, B x T x vocabulary) is then dead weight through the whole
+        # backward once the loss has used it. Autograd needs y's node, not its values.
+        ctx.inner = (x_in, leaves, get_gradient_edge(y) if y.requires_grad else None, False)
         return y.detach()
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         coordinator: BackwardCoordinator = ctx.coordinator
         layer: ShardedLayer = ctx.layer
-        x_in, leaves, y = ctx.inner
+        x_in, leaves, output, recomputed = ctx.inner
         ctx.inner = None  # the inner graph is used once
         coordinator.before_layer_backward(layer, ctx.previous)
-        if y is None:
+        if recomputed:
             # Recomputation: the parameters are gathered again; the same forward, in the
             # first run's random-number and autocast state, builds the graph to differentiate.
             with ctx.forward_state.reinstated():
                 leaves, y = layer.run_with_graph(x_in)
+            output = y if y.requires_grad else None
             ctx.forward_state = None
         inputs = ([x_in] if x_in.requires_grad else []) + leaves
         grad_x = None
         pending = None
-        if y.requires_grad and inputs:
-            grads = torch.autograd.grad(y, inputs, grad_y, allow_unused=True)
+        if output is not None and inputs:
+            grads = torch.autograd.grad(output, inputs, grad_y, allow_unused=True)
             if x_in.requires_grad:
                 grad_x, grads = grads[0], grads[1:]
             if layer.trainable is not None:
