@@ -31,7 +31,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -308,8 +308,8 @@ def _is_lost_peer(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(p in str(e) for p in _PEER_LOSS)
 
 
-def run_under_torchrun(request: RunRequest, config: LaunchConfig) -> int:
-    """This process is rank RANK of torchrun's WORLD_SIZE processes."""
+def run_under_torchrun(request: RunRequest, config: LaunchConfig) -> NoReturn:
+    """This process is rank RANK of torchrun's WORLD_SIZE processes; exits with the rank's code."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if rank == 0:
         describe_environment(config.use_cuda, print)
@@ -318,11 +318,12 @@ def run_under_torchrun(request: RunRequest, config: LaunchConfig) -> int:
         os.environ.update(cuda_environment(dict(os.environ)))
     task = RankTask(request, None, world, "env://", config.use_cuda, config.timeout)
     code = _run_rank(rank, task)
-    if code:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # As _rank_main, and after a success too: objects of the run (the engine's gloo pairs and
+    # threads) can outlive the process group and abort the interpreter's exit ("terminate
+    # called without an active exception"), which torchrun reports as the rank failing.
+    os._exit(code)
 
 
 def _run_rank(rank: int, task: RankTask) -> int:
