@@ -206,3 +206,49 @@ def test_clear_errors(worlds):
     assert "root unit" in res["the-model"]
     assert "must not nest" in res["nested"]
     assert "gradient checkpointing" in res["checkpointing"]
+
+
+# -- what is gathered, and when -------------------------------------------------------------------
+
+def gathered_run(rank: int, world_size: int, mode: str) -> dict:
+    model = prepare(build("neox"), mode)
+    sharded = zerocore.shard_model(model, decoder_layers(model))
+    opt = zerocore.optim.AdamW(model.parameters(), lr=LR)
+    units = sharded.layers[:-1]
+    seen: list[int] = []
+
+    def count(module, args):  # runs after shard_model's own pre-hook: this unit is gathered
+        seen.append(sum(1 for l in units if any(g.gathered_bytes for g in l.groups)))
+
+    for layer in decoder_layers(model):
+        layer.register_forward_pre_hook(count)
+    per_step = []
+    for step in range(2):
+        sharded.counter.reset()
+        ids = batch(step, LOCAL_ROWS * world_size).chunk(world_size)[rank]
+        loss_of(model, ids).backward()
+        opt.step()
+        opt.zero_grad()
+        per_step.append((sharded.counter.all_gather_bytes, sharded.counter.all_gather_calls,
+                         sharded.counter.reduce_scatter_bytes + sharded.counter.all_reduce_bytes))
+    left = sum(g.gathered_bytes for l in sharded.layers for g in l.groups)
+    size = {i: sum(g.gather_bytes for g in l.groups) for i, l in enumerate(sharded.layers)}
+    reduce = sum(l.trainable.layout.padded_numel * 4 for l in sharded.layers
+                 if l.trainable is not None)
+    return {"seen": seen, "per_step": per_step, "left": left, "size": size, "reduce": reduce,
+            "n_units": len(units)}
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_units_are_gathered_one_at_a_time(world, mode):
+    """Forward holds at most the running unit and the next (prefetched); everything is freed
+    when a step ends; per step every unit is gathered in forward and again in backward except
+    the last (kept for its backward), the root once, and every trainable group reduced once."""
+    for res in world.run(gathered_run, mode):
+        assert max(res["seen"]) <= 2, res["seen"]
+        assert res["left"] == 0
+        n, size = res["n_units"], res["size"]
+        want = sum(size[i] for i in range(n)) * 2 - size[n - 1] + size[n]
+        for gathered, _, reduced in res["per_step"]:
+            assert gathered == want, (gathered, want)
+            assert reduced == res["reduce"] or reduced == 0  # world size 1 moves nothing
