@@ -229,6 +229,7 @@ def gathered_run(rank: int, world_size: int, mode: str) -> dict:
         sharded.counter.reset()
         ids = batch(step, LOCAL_ROWS * world_size).chunk(world_size)[rank]
         loss_of(model, ids).backward()
+        report = sharded.memory_report(opt)  # with gradients, and Adam's state from step 0 on
         opt.step()
         opt.zero_grad()
         per_step.append((sharded.counter.all_gather_bytes, sharded.counter.all_gather_calls,
@@ -237,8 +238,11 @@ def gathered_run(rank: int, world_size: int, mode: str) -> dict:
     size = {i: sum(g.gather_bytes for g in l.groups) for i, l in enumerate(sharded.layers)}
     reduce = sum(l.trainable.layout.padded_numel * 4 for l in sharded.layers
                  if l.trainable is not None)
+    ref = prepare(build("neox"), mode)
     return {"seen": seen, "per_step": per_step, "left": left, "size": size, "reduce": reduce,
-            "n_units": len(units)}
+            "n_units": len(units), "report": report,
+            "psi": [sum(p.numel() for p in ref.parameters() if p.requires_grad == t)
+                    for t in (True, False)]}
 
 
 @pytest.mark.parametrize("mode", ["full", "lora"])
@@ -254,6 +258,14 @@ def test_units_are_gathered_one_at_a_time(world, mode):
         for gathered, _, reduced in res["per_step"]:
             assert gathered == want, (gathered, want)
             assert reduced == res["reduce"] or reduced == 0  # world size 1 moves nothing
+        # Model state per rank, measured from the tensors, against 16Ψ_t/N + 4Ψ_f/N (fp32):
+        # every parameter counted once (a tied one too), frozen ones without gradient or Adam
+        # state; the excess is padding (16 elements per parameter, the round-up per group),
+        # under 10% for these tiny groups.
+        rep: zerocore.MemoryReport = res["report"]
+        assert (rep.trainable_numel, rep.frozen_numel) == tuple(res["psi"])
+        assert rep.gather_bytes == 0
+        assert abs(rep.ratio_to_prediction - 1) < 0.1, rep.table()
 
 
 # -- two forwards before one backward; bf16 ---------------------------------------------------------
