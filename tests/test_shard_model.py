@@ -322,3 +322,24 @@ def test_bf16_trains_close_to_fp32(world):
     # bf16 keeps 8 bits of mantissa: a loss of ~4.6 computed through a few layers in bf16 is
     # off by a few 1e-3 relative; 5e-2 is tests/test_shard.py's bound for bf16 training.
     torch.testing.assert_close(torch.tensor(bf16), torch.tensor(fp32), rtol=5e-2, atol=0.0)
+
+
+def input_grad_run(rank: int, world_size: int, mode: str) -> float:
+    model = prepare(build("llama"), mode)
+    ref = copy.deepcopy(model)
+    zerocore.shard_model(model, decoder_layers(model))
+    ids = batch(rank, 2)
+    torch.manual_seed(10 + rank)
+    embeds = torch.randn(2, ids.shape[1], 32, requires_grad=True)
+    ref_embeds = embeds.detach().clone().requires_grad_()
+    model(inputs_embeds=embeds, labels=ids, use_cache=False).loss.backward()
+    ref(inputs_embeds=ref_embeds, labels=ids, use_cache=False).loss.backward()
+    return ((embeds.grad - ref_embeds.grad).abs().max() / ref_embeds.grad.abs().max()).item()
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_gradient_reaches_the_inputs(world, mode):
+    """An input that needs a gradient (inputs_embeds instead of token ids) gets the unsharded
+    model's, through every unit (each rank its own input: input gradients are not averaged)."""
+    for worst in world.run(input_grad_run, mode):
+        assert worst < 1e-5, worst  # GRAD_TOL of tests/test_shard.py
