@@ -17,3 +17,19 @@ def test_train_mlp_example_runs_and_loss_falls():
     losses = [float(m) for m in re.findall(r"loss (\d+\.\d+)", proc.stdout)]
     assert len(losses) >= 2 and losses[-1] < losses[0], proc.stdout
     assert "measured / predicted" in proc.stdout
+
+
+def test_finetune_hf_lora_example(tmp_path):
+    """The transformers + PEFT LoRA example trains under shard_model, exports the adapter, and
+    PEFT's reload generates what the sharded model generated."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore",
+           # this checkout's zerocore, as `pip install -e .` would give it
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "finetune_hf_lora.py"),
+                           "--steps", "12", "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [float(m) for m in re.findall(r"loss (\d+\.\d+)", proc.stdout)]
+    assert len(losses) >= 2 and losses[-1] < losses[0], proc.stdout
+    assert "same as the sharded model's: True" in proc.stdout, proc.stdout
+    assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()

@@ -24,6 +24,7 @@ from zerocore import plan  # noqa: E402  (zerocore.plan.plan, MemoryPlan)
 from zerocore.peak_memory import PeakMemory, peak_rss, reset_peak_rss  # noqa: E402
 from zerocore.sharded_param import ShardParameter  # noqa: E402
 from zerocore.sharded_sequential import ShardedSequential, shard  # noqa: E402
+from zerocore.sharded_model import ShardedModel, shard_model, sharding_of  # noqa: E402
 from zerocore.agree import PeerError, run_agreed  # noqa: E402
 from zerocore.collectives import PeerLost  # noqa: E402
 from zerocore.checkpoint import (CheckpointError, CheckpointWriteError,  # noqa: E402
@@ -34,6 +35,7 @@ from zerocore.checkpoint import (CheckpointError, CheckpointWriteError,  # noqa:
 
 __version__ = "0.1.0"
 __all__ = ["BUILD", "ops", "optim", "reference", "shard", "ShardedSequential", "ShardParameter",
+           "shard_model", "ShardedModel", "sharding_of",
            "MixedPrecision", "Prefetch", "Offload", "Recompute", "FrozenWeights", "LossScaling", "LossScaler", "StepResult",
            "MemoryReport", "CommReport", "run_agreed", "PeerError", "PeerLost", "save_checkpoint",
            "load_checkpoint", "latest_checkpoint", "list_checkpoints", "checkpoint_runs",

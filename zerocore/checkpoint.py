@@ -71,6 +71,7 @@ from zerocore.checkpoint_reader import (ShardReader, iter_full_layers, open_chec
 from zerocore.durable_io import fsync_dir, make_dir, rename, write_file
 from zerocore.loss_scale import LossScaler
 from zerocore.sharded_param import ShardParameter
+from zerocore.sharded_model import ShardedModel, sharding_of
 from zerocore.sharded_sequential import ShardedSequential
 
 __all__ = ["save_checkpoint", "load_checkpoint", "list_checkpoints", "latest_checkpoint",
@@ -110,7 +111,12 @@ def _noting(fn: Callable[[], T], note: str) -> Callable[[], T]:
     return run
 
 
-def _layouts(model: ShardedSequential) -> list[dict[str, Any]]:
+def _sharded(model: Any) -> ShardedSequential | ShardedModel:
+    """A ``zerocore.shard`` model as it is; a model given to ``shard_model``, its sharding."""
+    return model if isinstance(model, ShardedSequential) else sharding_of(model)
+
+
+def _layouts(model: ShardedSequential | ShardedModel) -> list[dict[str, Any]]:
     return [{"trainable": l.trainable.layout.to_dict() if l.trainable else None,
              "frozen": l.frozen.layout.to_dict() if l.frozen else None} for l in model.layers]
 
@@ -176,7 +182,7 @@ def _check_replaceable(final: Path, run_id: str | None) -> None:
                               f"left alone: move them away, or save into another root")
 
 
-def _rank_payload(model: ShardedSequential, optimizer: torch.optim.Optimizer,
+def _rank_payload(model: ShardedSequential | ShardedModel, optimizer: torch.optim.Optimizer,
                   include_frozen: bool) -> dict[str, Any]:
     layers: dict[int, dict[str, Any]] = {}
     for layer in model.layers:
@@ -243,12 +249,15 @@ def _tidy(root: Path, final: Path, run_id: str | None, keep_last: int) -> None:
         remove_tree(path)
 
 
-def save_checkpoint(root: str | Path, step: int, model: ShardedSequential,
+def save_checkpoint(root: str | Path, step: int, model: Any,
                     optimizer: torch.optim.Optimizer, *, scaler: LossScaler | None = None,
                     extra: dict[str, Any] | None = None, keep_last: int = 3,
                     include_frozen: bool = False, run_id: str | None = None) -> Path:
     """Collective: every rank calls it, with the same arguments. Writes ``root/step-<step>/``
     and returns its path.
+
+    model: a ``zerocore.shard`` model, or a model sharded by ``zerocore.shard_model`` (or its
+        ``ShardedModel``): its units are the checkpoint's layers (the root last).
 
     extra: JSON-serialisable state of the caller (data sampler position, scheduler, config),
         stored in the manifest and returned by ``load_checkpoint``.
@@ -260,6 +269,7 @@ def save_checkpoint(root: str | Path, step: int, model: ShardedSequential,
     Raises ``CheckpointWriteError`` (a ``CheckpointError`` and an ``OSError``) on every rank when
     anything cannot be written; nothing is then committed and earlier checkpoints are intact.
     """
+    model = _sharded(model)
     if include_frozen and model.frozen_weights.int8_block is not None:
         # The same answer on every rank (the policy is the model's), so no rank waits.
         raise ValueError("save_checkpoint: include_frozen=True with FrozenWeights('int8'): the "
@@ -351,7 +361,7 @@ def _layer_difference(mine: dict[str, Any], saved: dict[str, Any]) -> str:
     return "the parameters differ"
 
 
-def _check_matches(path: Path, manifest: dict[str, Any], model: ShardedSequential,
+def _check_matches(path: Path, manifest: dict[str, Any], model: ShardedSequential | ShardedModel,
                    optimizer: torch.optim.Optimizer) -> None:
     mf = path / MANIFEST
     mine = _layouts(model)
@@ -371,7 +381,7 @@ def _check_matches(path: Path, manifest: dict[str, Any], model: ShardedSequentia
                               f"groups, this one has {len(optimizer.param_groups)}")
 
 
-def _restore(reader: ShardReader, model: ShardedSequential, optimizer: torch.optim.Optimizer,
+def _restore(reader: ShardReader, model: ShardedSequential | ShardedModel, optimizer: torch.optim.Optimizer,
              scaler: LossScaler | None) -> None:
     """Copies a verified checkpoint into this rank's shards, optimizer and RNG."""
     manifest, rank = reader.manifest, model.rank
@@ -409,7 +419,7 @@ def _restore(reader: ShardReader, model: ShardedSequential, optimizer: torch.opt
         torch.cuda.set_rng_state(rng["cuda"], model.device)
 
 
-def load_checkpoint(path: str | Path, model: ShardedSequential,
+def load_checkpoint(path: str | Path, model: Any,
                     optimizer: torch.optim.Optimizer, *,
                     scaler: LossScaler | None = None) -> dict[str, Any]:
     """Collective: restores master shards, Adam moments, step counts, RNG states and loss-scaler
@@ -418,6 +428,7 @@ def load_checkpoint(path: str | Path, model: ShardedSequential,
     file's size, checksum and contents; and the model match) before anything is modified; a failure
     on any rank raises ``CheckpointError`` on every rank."""
     path = Path(path)
+    model = _sharded(model)
 
     def verify() -> ShardReader:
         # open_checkpoint's checks, with the model match before the files': a manifest of

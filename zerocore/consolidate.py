@@ -1,7 +1,8 @@
 """python -m zerocore.consolidate CKPT OUT: rebuild full (unsharded) weights from a sharded
 checkpoint, on the CPU, one layer at a time.
 
-OUT becomes a directory of safetensors files named ``layers.<i>.<parameter name>``:
+OUT becomes a directory of safetensors files named ``layers.<i>.<parameter name>`` (with
+``--model-names``, a ``zerocore.shard_model`` checkpoint's tensors by the model's own names):
 - default: one file per layer plus ``model.safetensors.index.json`` (Hugging Face's sharded
   layout), streamed so host memory stays near one layer;
 - ``--trainable-only``: one ``trainable.safetensors`` with only the trained parameters (biases or
@@ -30,20 +31,29 @@ from zerocore.checkpoint_manifest import read_manifest
 from zerocore.checkpoint_reader import DTYPES, iter_full_layers, open_checkpoint
 from zerocore.durable_io import write_error
 
-__all__ = ["consolidate", "iter_full_layers", "save_trainable", "TRAINABLE_FILE", "main"]
+__all__ = ["consolidate", "iter_full_layers", "save_trainable", "tensor_name", "TRAINABLE_FILE",
+           "main"]
 
 TRAINABLE_FILE = "trainable.safetensors"
 
 
-def save_trainable(path: Path, layers: Iterable[tuple[int, dict[str, torch.Tensor]]]) -> Path:
+def tensor_name(index: int, name: str, model_names: bool) -> str:
+    """A consolidated tensor's name: ``layers.<i>.<name>``, or the name alone with
+    ``model_names`` (``shard_model`` checkpoints, whose names are the model's own)."""
+    return name if model_names else f"layers.{index}.{name}"
+
+
+def save_trainable(path: Path, layers: Iterable[tuple[int, dict[str, torch.Tensor]]], *,
+                   model_names: bool = False) -> Path:
     """The trained parameters only, as one safetensors file whose tensors are named
-    ``layers.<i>.<parameter name>``, written atomically (a temporary file beside it, renamed).
-    What ``--trainable-only`` writes from a checkpoint, and what an application writes from a
-    live model (``ShardedSequential.iter_full_states(trainable_only=True, to_rank=...)``).
-    A write error is one ``CheckpointWriteError`` line naming the path and the errno."""
+    ``layers.<i>.<parameter name>`` (``model_names``: ``<parameter name>``), written atomically
+    (a temporary file beside it, renamed). What ``--trainable-only`` writes from a checkpoint,
+    and what an application writes from a live model (``ShardedSequential.iter_full_states(
+    trainable_only=True, to_rank=...)``). A write error is one ``CheckpointWriteError`` line
+    naming the path and the errno."""
     tensors: dict[str, torch.Tensor] = {}
     for index, state in layers:
-        tensors.update({f"layers.{index}.{name}": t for name, t in state.items()})
+        tensors.update({tensor_name(index, name, model_names): t for name, t in state.items()})
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
@@ -56,9 +66,11 @@ def save_trainable(path: Path, layers: Iterable[tuple[int, dict[str, torch.Tenso
 
 
 def consolidate(ckpt: Path, out: Path, *, trainable_only: bool = False,
-                dtype: torch.dtype | None = None, log=print) -> Path:
+                dtype: torch.dtype | None = None, model_names: bool = False, log=print) -> Path:
     """Writes the consolidated weights to ``out`` (atomically: a temporary directory renamed at
-    the end). Returns out."""
+    the end). Returns out. model_names: tensors named by their parameter names alone, without
+    ``layers.<i>.`` (for checkpoints of ``zerocore.shard_model``, whose parameter names are the
+    model's own); refused when two layers hold the same name."""
     if out.exists():
         raise FileExistsError(f"{out} exists; choose a new output directory (nothing is "
                               f"overwritten)")
@@ -75,6 +87,14 @@ def consolidate(ckpt: Path, out: Path, *, trainable_only: bool = False,
                 f"weights (it was saved without include_frozen, so layers {missing} keep theirs "
                 f"in the base model); use --trainable-only, or export through the application "
                 f"with the base model")
+    if model_names:
+        names = [slot[0] for saved in manifest["layers"] for g in (saved["trainable"],
+                 saved["frozen"]) if g is not None for slot in g["slots"]]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise CheckpointError(f"{ckpt}: --model-names: layers share parameter names "
+                                  f"({twice[:3]}...); this checkpoint's names are per layer "
+                                  f"(zerocore.shard): leave --model-names out")
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
@@ -82,7 +102,7 @@ def consolidate(ckpt: Path, out: Path, *, trainable_only: bool = False,
         index: dict[str, str] = {}
         total = 0
         for i, tensors in reader.full_layers(trainable_only=trainable_only, dtype=dtype):
-            named = {f"layers.{i}.{k}": v for k, v in tensors.items()}
+            named = {tensor_name(i, k, model_names): v for k, v in tensors.items()}
             total += sum(t.numel() * t.element_size() for t in named.values())
             if trainable_only:
                 trainable.append((i, tensors))
@@ -92,7 +112,7 @@ def consolidate(ckpt: Path, out: Path, *, trainable_only: bool = False,
                 index.update({k: name for k in named})
             log(f"layer {i + 1}/{n_layers}: {len(named)} tensors")
         if trainable_only:
-            save_trainable(tmp / TRAINABLE_FILE, trainable)
+            save_trainable(tmp / TRAINABLE_FILE, trainable, model_names=model_names)
         else:
             with open(tmp / "model.safetensors.index.json", "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": index}, f, indent=1)
@@ -112,13 +132,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="write only the trained parameters")
     p.add_argument("--dtype", choices=["fp32", "training"], default="fp32",
                    help="fp32, or the dtype the model was trained in")
+    p.add_argument("--model-names", action="store_true",
+                   help="name tensors by the model's own parameter names, without "
+                        "'layers.<i>.' (checkpoints of zerocore.shard_model)")
     args = p.parse_args(argv)
     dtype = None
     try:
         if args.dtype == "training":
             dtype = DTYPES[read_manifest(args.checkpoint)["param_dtype"]]
         out = consolidate(args.checkpoint, args.out, trainable_only=args.trainable_only,
-                          dtype=dtype)
+                          dtype=dtype, model_names=args.model_names)
     except (CheckpointError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

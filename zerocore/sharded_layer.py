@@ -19,6 +19,8 @@ and differentiates the graph it just built, as it would have the kept one.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
@@ -84,11 +86,14 @@ class ShardedLayer(nn.Module):
     """
 
     def __init__(self, module: nn.Module, index: int, ctx: GroupContext, world_size: int,
-                 read: RangeReader | None = None):
-        """read: where the values of meta parameters come from (``zerocore.MetaLayer``)."""
+                 read: RangeReader | None = None,
+                 params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] | None = None):
+        """read: where the values of meta parameters come from (``zerocore.MetaLayer``).
+        params: (name, parameter, its (owner module, attribute) pairs) to shard, when not all of
+        ``module``'s (``shard_model``'s root unit: what no other unit owns)."""
         super().__init__()
         self.index = index
-        params = _collect_params(module)
+        params = _collect_params(module) if params is None else params
         for name, p, _ in params:
             if not p.is_floating_point() or p.dtype == torch.float64:
                 raise ValueError(f"layer {index}: parameter {name} has dtype {p.dtype}; zerocore "
@@ -157,14 +162,18 @@ class ShardedLayer(nn.Module):
         """Bytes of this layer's gathered buffers when gathered (all groups, param dtype)."""
         return sum(g.layout.padded_numel * g.ctx.param_dtype.itemsize for g in self.groups)
 
-    def install(self, with_grad_leaves: bool) -> list[torch.Tensor]:
+    def install(self, with_grad_leaves: bool,
+                trainable_views: tuple[torch.Tensor, ...] | None = None) -> list[torch.Tensor]:
         """Puts unsharded views of the gathered buffers on the module; returns the trainable
-        parameters' views (autograd leaves when with_grad_leaves)."""
+        parameters' views (autograd leaves when with_grad_leaves). trainable_views: the
+        trainable parameters' tensors to install instead (``shard_model``'s, outputs of the
+        autograd node that reduce-scatters their gradients)."""
         leaves: list[torch.Tensor] = []
         for trainable, group in ((True, self.trainable), (False, self.frozen)):
             if group is None:
                 continue
-            views = group.views(requires_grad=with_grad_leaves and trainable)
+            views = (list(trainable_views) if trainable and trainable_views is not None
+                     else group.views(requires_grad=with_grad_leaves and trainable))
             for view, owners in zip(views, self._owners[trainable]):
                 for mod, attr in owners:
                     setattr(mod, attr, view)
@@ -205,9 +214,12 @@ class BackwardCoordinator:
     offloaded masters, and the end-of-backward callback that completes them. Owned by the
     sharded model; passed explicitly to each node."""
 
-    def __init__(self, layers: list[ShardedLayer], prefetch: bool):
+    def __init__(self, layers: list[ShardedLayer], prefetch: bool,
+                 on_finish: Callable[[], None] | None = None):
+        """on_finish: called at the end of ``finish`` (the sharded model's own bookkeeping)."""
         self.layers = layers
         self.prefetch = prefetch
+        self.on_finish = on_finish
         self.pending: list[PendingGrad] = []
         # CPU offload: gradient shards copied (or being copied) to the host, in backward order;
         # each is added into its master's .grad once its own copy is complete.
@@ -221,10 +233,14 @@ class BackwardCoordinator:
         # ends.
         self._spare: list[torch.Tensor] = []
 
-    def before_layer_backward(self, layer: ShardedLayer, previous: ShardedLayer | None) -> None:
+    def queue_finish(self) -> None:
+        """Makes ``finish`` run when the backward pass in progress ends (once per pass)."""
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
             self._callback_queued = True
+
+    def before_layer_backward(self, layer: ShardedLayer, previous: ShardedLayer | None) -> None:
+        self.queue_finish()
         layer.wait_gather()
         if self.prefetch and previous is not None:
             previous.start_gather()
@@ -284,6 +300,8 @@ class BackwardCoordinator:
         self._spare.clear()
         for layer in self.layers:
             layer.free()
+        if self.on_finish is not None:
+            self.on_finish()
 
 
 class LayerFunction(torch.autograd.Function):

@@ -29,34 +29,45 @@ from zerocore.sharded_layer import BackwardCoordinator, LayerFunction, ShardedLa
 from zerocore.sharded_param import ShardParameter
 
 
-def _fingerprint(layer: nn.Module) -> int:
-    """A 63-bit hash of a layer's parameter names, shapes, dtypes and trainability."""
-    desc = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}"
-                    for n, p in layer.named_parameters())
+def fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """A 63-bit hash of parameters' names, shapes, dtypes and trainability."""
+    desc = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in named)
     return int.from_bytes(hashlib.sha1(desc.encode()).digest()[:8], "little") >> 1
 
 
-def _agree_on_layer(index: int, layer: nn.Module | None, group: dist.ProcessGroup,
-                    device: torch.device) -> bool:
-    """Checks that every rank is at the same layer with the same structure; False when every
-    rank has run out of layers. Ranks given different stacks would otherwise issue mismatched
-    collectives and hang; here each fails at once with a clear message. One tiny all-gather per
-    layer, so layers can be materialised one at a time."""
+def agree_on_structure(index: int, print_: int | None, group: dist.ProcessGroup,
+                       device: torch.device, what: str = "zerocore.shard") -> bool:
+    """Checks that every rank is at the same layer (or unit) with the same structure
+    (``fingerprint``, None when this rank has none left); False when every rank has run out.
+    Ranks given different stacks would otherwise issue mismatched collectives and hang; here
+    each fails at once with a clear message. One tiny all-gather per layer, so layers can be
+    materialised one at a time."""
     world = dist.get_world_size(group)
-    mine = torch.tensor([0 if layer is None else 1, 0 if layer is None else _fingerprint(layer)],
+    mine = torch.tensor([0 if print_ is None else 1, 0 if print_ is None else print_],
                         dtype=torch.int64, device=device)
     every = torch.empty(world * 2, dtype=torch.int64, device=device)
     collectives.all_gather_sync(every, mine, group)
     present, prints = every.view(world, 2).unbind(1)
     if present.min() != present.max():
-        raise ValueError(f"zerocore.shard: ranks were given different numbers of layers (ranks "
+        raise ValueError(f"{what}: ranks were given different numbers of layers (ranks "
                          f"{present.eq(0).nonzero().flatten().tolist()} have no layer {index}); "
                          f"every rank must pass the same stack")
     if prints.min() != prints.max():
-        raise ValueError(f"zerocore.shard: layer {index} differs between ranks (parameter names, "
+        raise ValueError(f"{what}: layer {index} differs between ranks (parameter names, "
                          f"shapes, dtypes or requires_grad); every rank must pass the same stack "
                          f"with the same trainable parameters")
     return bool(present[0])
+
+
+def build_context(group: dist.ProcessGroup, device: torch.device,
+                  mixed_precision: MixedPrecision, offload: Offload,
+                  frozen_weights: FrozenWeights) -> GroupContext:
+    """What every flat group of one sharded model shares (its counter, offload's streams)."""
+    streams = (OffloadStreams(device)
+               if offload.optimizer and device.type == "cuda" else None)
+    return GroupContext(group, dist.get_rank(group), device, mixed_precision.param_dtype,
+                        mixed_precision.grad_reduce_dtype, offload.optimizer, CommCounter(),
+                        streams, int8_block=frozen_weights.int8_block)
 
 
 def _check_not_tied(layer: nn.Module, index: int,
@@ -70,6 +81,61 @@ def _check_not_tied(layer: nn.Module, index: int,
                              f"(untie them or put both users in one layer)")
     for p in layer.parameters():
         owners[id(p)] = p
+
+
+def memory_report_of(layers: list[ShardedLayer], rank: int, world_size: int,
+                     device: torch.device, mixed_precision: MixedPrecision,
+                     frozen_weights: FrozenWeights,
+                     optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
+    """``memory_report`` of any sharded model: its layers' (or units') groups measured."""
+    p_bytes = torch.tensor([], dtype=mixed_precision.param_dtype).element_size()
+    param = master = grad = opt = gather = 0
+    trainable_numel = frozen_numel = 0
+    for layer in layers:
+        for g in layer.groups:
+            gather += g.gathered_bytes
+            shard = g.shard
+            if g.trainable:
+                trainable_numel += g.layout.numel
+                if isinstance(shard, ShardParameter) and shard.model_copy is not None:
+                    param += shard.model_copy.numel() * shard.model_copy.element_size()
+                    master += shard.numel() * 4
+                else:
+                    param += shard.numel() * 4
+                param += g.mirror_bytes
+                if shard.grad is not None:
+                    grad += shard.grad.numel() * shard.grad.element_size()
+                if optimizer is not None:
+                    for key, t in optimizer.state.get(shard, {}).items():
+                        if isinstance(t, torch.Tensor) and t.dim() > 0:
+                            opt += t.numel() * t.element_size()
+            else:
+                frozen_numel += g.layout.numel
+                param += shard.numel() * shard.element_size()
+    n = world_size
+    k = 8 if p_bytes == 4 else 12  # Adam moments, plus an fp32 master when computing in 16 bit
+    block = frozen_weights.int8_block
+    # int8 frozen weights: a byte per parameter and an fp32 scale per block
+    frozen = (frozen_numel + 4 * frozen_numel // block if block is not None
+              else p_bytes * frozen_numel)
+    predicted = ((p_bytes + p_bytes + k) * trainable_numel + frozen) // n
+    dev_alloc = dev_peak = None
+    if device.type == "cuda":
+        dev_alloc = torch.cuda.memory_allocated(device)
+        dev_peak = torch.cuda.max_memory_allocated(device)
+    return MemoryReport(rank, n, trainable_numel, frozen_numel, param, master, grad, opt,
+                        gather, predicted, dev_alloc, dev_peak)
+
+
+def iter_full_states_of(layers: list[ShardedLayer], world_size: int, trainable_only: bool,
+                        to_rank: int | None) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """``iter_full_states`` of any sharded model (its layers, or units); to_rank checked now,
+    before the first collective."""
+    if to_rank is not None and (type(to_rank) is not int or not 0 <= to_rank < world_size):
+        raise ValueError(f"iter_full_states: to_rank must be a rank of the group "
+                         f"(0 .. {world_size - 1}) or None, got {to_rank!r}")
+    return ((layer.index, layer.full_state(trainable_only, to_rank=to_rank))
+            for layer in layers)
 
 
 class ShardedSequential(nn.Module):
@@ -88,13 +154,9 @@ class ShardedSequential(nn.Module):
         self.prefetch = prefetch
         self.offload = offload
         self.recompute = recompute
-        self.counter = CommCounter()
-        streams = (OffloadStreams(device)
-                   if offload.optimizer and device.type == "cuda" else None)
         self.frozen_weights = frozen_weights
-        ctx = GroupContext(group, self.rank, device, mixed_precision.param_dtype,
-                           mixed_precision.grad_reduce_dtype, offload.optimizer, self.counter,
-                           streams, int8_block=frozen_weights.int8_block)
+        ctx = build_context(group, device, mixed_precision, offload, frozen_weights)
+        self.counter = ctx.counter
         sharded: list[ShardedLayer] = []
         owners: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
         iterator = iter(layers)
@@ -103,7 +165,8 @@ class ShardedSequential(nn.Module):
             read = None
             if isinstance(layer, MetaLayer):
                 layer, read = layer.module, layer.read
-            if not _agree_on_layer(len(sharded), layer, group, device):
+            print_ = None if layer is None else fingerprint(layer.named_parameters())
+            if not agree_on_structure(len(sharded), print_, group, device):
                 break
             _check_not_tied(layer, len(sharded), owners)
             sharded.append(ShardedLayer(layer, len(sharded), ctx, self.world_size, read))
@@ -185,55 +248,15 @@ class ShardedSequential(nn.Module):
         to_rank: None, every rank receives every layer; r, only rank r of the group does (the
         one that writes an export): the others yield empty dicts, but must iterate as far,
         since each layer is a collective."""
-        if to_rank is not None and (type(to_rank) is not int
-                                    or not 0 <= to_rank < self.world_size):
-            raise ValueError(f"iter_full_states: to_rank must be a rank of the group "
-                             f"(0 .. {self.world_size - 1}) or None, got {to_rank!r}")
-        for layer in self.layers:
-            yield layer.index, layer.full_state(trainable_only, to_rank=to_rank)
+        return iter_full_states_of(list(self.layers), self.world_size, trainable_only, to_rank)
 
     # -- accounting ----------------------------------------------------------------------------
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
         """Bytes of model state this rank holds, measured from the tensors, next to the
         (2+2+K)·Ψ/N_d prediction. Pass the optimizer to count its state."""
-        p_bytes = torch.tensor([], dtype=self.mixed_precision.param_dtype).element_size()
-        param = master = grad = opt = gather = 0
-        trainable_numel = frozen_numel = 0
-        for layer in self.layers:
-            for g in layer.groups:
-                gather += g.gathered_bytes
-                shard = g.shard
-                if g.trainable:
-                    trainable_numel += g.layout.numel
-                    if isinstance(shard, ShardParameter) and shard.model_copy is not None:
-                        param += shard.model_copy.numel() * shard.model_copy.element_size()
-                        master += shard.numel() * 4
-                    else:
-                        param += shard.numel() * 4
-                    param += g.mirror_bytes
-                    if shard.grad is not None:
-                        grad += shard.grad.numel() * shard.grad.element_size()
-                    if optimizer is not None:
-                        for key, t in optimizer.state.get(shard, {}).items():
-                            if isinstance(t, torch.Tensor) and t.dim() > 0:
-                                opt += t.numel() * t.element_size()
-                else:
-                    frozen_numel += g.layout.numel
-                    param += shard.numel() * shard.element_size()
-        n = self.world_size
-        k = 8 if p_bytes == 4 else 12  # Adam moments, plus an fp32 master when computing in 16 bit
-        block = self.frozen_weights.int8_block
-        # int8 frozen weights: a byte per parameter and an fp32 scale per block
-        frozen = (frozen_numel + 4 * frozen_numel // block if block is not None
-                  else p_bytes * frozen_numel)
-        predicted = ((p_bytes + p_bytes + k) * trainable_numel + frozen) // n
-        dev_alloc = dev_peak = None
-        if self.device.type == "cuda":
-            dev_alloc = torch.cuda.memory_allocated(self.device)
-            dev_peak = torch.cuda.max_memory_allocated(self.device)
-        return MemoryReport(self.rank, n, trainable_numel, frozen_numel, param, master, grad, opt,
-                            gather, predicted, dev_alloc, dev_peak)
+        return memory_report_of(list(self.layers), self.rank, self.world_size, self.device,
+                                self.mixed_precision, self.frozen_weights, optimizer)
 
     def comm_report(self, reset: bool = False) -> CommReport:
         """Bytes moved by each kind of collective since the last reset, and the per-step
@@ -253,6 +276,32 @@ class ShardedSequential(nn.Module):
         if reset:
             c.reset()
         return report
+
+
+def process_group(group: dist.ProcessGroup | None, what: str) -> dist.ProcessGroup:
+    """The group to shard over (default: the world); RuntimeError before init_process_group."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{what} needs torch.distributed to be initialised: call "
+                           f"torch.distributed.init_process_group(...) first (for one process: "
+                           f"backend='gloo', world_size=1, rank=0)")
+    return group if group is not None else dist.group.WORLD
+
+
+def prepare_device(device: torch.device | str | None, group: dist.ProcessGroup,
+                   offload: Offload, platform: Platform | None) -> torch.device:
+    """Where this rank computes, checked by every rank together before anything is allocated
+    (see ``shard``'s ``device``); GPU ranks that offload get their share of the host's CPU
+    threads."""
+    dev = resolve_device(device, group)
+    if platform is None:
+        platform = Platform.detect(dev, kernels_cuda=BUILD.has_cuda)
+    placement = agree_on_devices(group, dev, platform)
+    if offload.optimizer and dev.type == "cuda":
+        # This rank's optimizer steps on the CPU, as every other rank's on this host does.
+        torch.set_num_threads(cpu_threads(
+            offload.cpu_threads, usable_cores=platform.usable_cores,
+            ranks_on_host=placement.ranks_on_host, current=torch.get_num_threads()))
+    return dev
 
 
 def shard(layers: Iterable[nn.Module], *, group: dist.ProcessGroup | None = None,
@@ -288,23 +337,11 @@ def shard(layers: Iterable[nn.Module], *, group: dist.ProcessGroup | None = None
     Returns a module running the layers in order. Give ``model.parameters()`` (or
     ``model.trainable_shards()``) to ``zerocore.optim.AdamW``.
     """
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("zerocore.shard needs torch.distributed to be initialised: call "
-                           "torch.distributed.init_process_group(...) first (for one process: "
-                           "backend='gloo', world_size=1, rank=0)")
-    group = group if group is not None else dist.group.WORLD
+    group = process_group(group, "zerocore.shard")
     if isinstance(layers, nn.Module) and not isinstance(layers, (nn.Sequential, nn.ModuleList)):
         raise TypeError("zerocore.shard expects a sequence of layers (nn.Sequential, "
                         "nn.ModuleList or list), not a single module")
-    dev = resolve_device(device, group)
-    if platform is None:
-        platform = Platform.detect(dev, kernels_cuda=BUILD.has_cuda)
-    placement = agree_on_devices(group, dev, platform)
-    if offload.optimizer and dev.type == "cuda":
-        # This rank's optimizer steps on the CPU, as every other rank's on this host does.
-        torch.set_num_threads(cpu_threads(
-            offload.cpu_threads, usable_cores=platform.usable_cores,
-            ranks_on_host=placement.ranks_on_host, current=torch.get_num_threads()))
+    dev = prepare_device(device, group, offload, platform)
     return ShardedSequential(layers, group=group, device=dev,
                              mixed_precision=mixed_precision, prefetch=prefetch, offload=offload,
                              recompute=recompute, frozen_weights=frozen_weights)

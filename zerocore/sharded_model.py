@@ -1,0 +1,513 @@
+"""``zerocore.shard_model``: shards a whole model in place — a Hugging Face causal LM as it is,
+PEFT-wrapped or not — by units the caller names (its decoder layers); every parameter no single
+unit owns belongs to the root unit. The model keeps its class, ``forward``, ``generate`` and
+module tree; only where its parameters live changes.
+
+How a unit runs (docs/decisions.md, "shard_model"):
+- forward: a forward pre-hook on the unit's module gathers its flat groups (the next unit in
+  the previous forward's order is prefetched) and installs unsharded views as the modules'
+  attributes; a forward hook frees them after it ran. The forward itself is the module's own,
+  with any arguments and any nesting of outputs.
+- the trainable views are the outputs of one autograd node per call (``UnitParams``), whose
+  input is the trainable shard: autograd hands it every parameter's gradient once all of them
+  are computed, and it packs them and starts their reduce-scatter (``BackwardCoordinator``, the
+  same as ``zerocore.shard``'s).
+- backward: a gradient hook on the unit's outputs re-gathers the unit before the first of its
+  operations runs backward (and prefetches the unit that ran before it); the unit is freed once
+  its parameters' node and the gradient of its inputs (a hook on them) are both done: only then
+  has every operation that saved a view of its weights, frozen ones included, run.
+- the root unit (embeddings, final norm, head, and every parameter tied across units) is
+  gathered by a pre-hook on the model (or on a module owning root parameters, when something
+  calls an inner module directly, as PEFT's generate does) and stays gathered through the
+  forward and, when a graph was built, through the backward: a first design, the root being
+  needed at both ends of the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils import _pytree as pytree
+
+from zerocore.device import Platform
+from zerocore.flat_group import GroupState
+from zerocore.policies import FrozenWeights, MixedPrecision, Offload, Prefetch
+from zerocore.report import MemoryReport
+from zerocore.sharded_layer import BackwardCoordinator, ShardedLayer
+from zerocore.sharded_param import ShardParameter
+from zerocore.sharded_sequential import (agree_on_structure, build_context, fingerprint,
+                                         iter_full_states_of, memory_report_of,
+                                         prepare_device, process_group)
+
+# Where a unit's shards are registered on its module (the root's: on the model), so that
+# ``model.parameters()`` yields exactly what this rank owns, as for ``zerocore.shard``.
+TRAINABLE_SHARD = "zerocore_trainable_shard"
+FROZEN_SHARD = "zerocore_frozen_shard"
+# The attribute of the model holding its ``ShardedModel`` (a plain object, not a submodule).
+SHARDING_ATTR = "zerocore_sharding"
+
+Params = list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]
+
+
+@dataclasses.dataclass(eq=False)
+class Unit:
+    """One unit of a sharded model: its module and its flat groups (``ShardedLayer``)."""
+
+    name: str                 # the module's path in the model; "" for the root
+    module: nn.Module         # the unit's module; the model itself for the root
+    layer: ShardedLayer
+    # The trainable shard's version when its group was last gathered: a group still gathered
+    # after the optimizer changed the shard (a prefetch no forward used) is gathered afresh.
+    gathered_version: int = -1
+    active: int = 0           # calls of this unit whose backward has begun and not ended
+    call: "UnitCall | None" = None  # the call in progress (between the two forward hooks)
+
+
+@dataclasses.dataclass(eq=False)
+class UnitCall:
+    """One forward call of a unit that built a graph, until its backward is done."""
+
+    unit: Unit
+    previous: Unit | None     # the unit that ran before it in this forward: backward's next
+    # Parts of the backward still to come before the unit may be freed: its parameters' node
+    # and its inputs' gradient; None for the root (freed when the whole backward ends).
+    waiting: int | None = 0
+    started: bool = False
+
+
+class UnitParams(torch.autograd.Function):
+    """views = the unit's trainable parameters, as views of the gathered buffer. Its input is the
+    trainable shard, so autograd calls backward with every parameter's gradient (None for one
+    not used) once all are computed; it packs them and starts their reduce-scatter into the
+    shard's ``.grad`` (so autograd receives None for the shard)."""
+
+    @staticmethod
+    def forward(ctx, sharded: "ShardedModel", call: UnitCall, shard: torch.Tensor):
+        ctx.sharded, ctx.call = sharded, call
+        ctx.set_materialize_grads(False)
+        return tuple(call.unit.layer.trainable.views(requires_grad=False))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        sharded: ShardedModel = ctx.sharded
+        call: UnitCall = ctx.call
+        group = call.unit.layer.trainable
+        coordinator = sharded.coordinator
+        coordinator.queue_finish()
+        pending = group.start_reduce_scatter(list(grads), coordinator.scratch_for(group))
+        coordinator.after_layer_backward(pending)
+        sharded.part_done(call)
+        return None, None, None
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _assign(model: nn.Module, units: list[nn.Module]) -> tuple[list[Params], Params]:
+    """Each unit's parameters, and the root's: a parameter reached only through one unit is that
+    unit's; one also reached outside every unit, or through two units (tied weights), is the
+    root's, once. Names are the model's (as ``named_parameters`` gives them); every (module,
+    attribute) holding the parameter is kept, to install its views there."""
+    unit_index = {id(u): i for i, u in enumerate(units)}
+    places: dict[int, set[int]] = {}
+    found: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = {}
+    seen: set[tuple[int, str]] = set()
+    # Every path to every module: a module shared by a unit and the rest of the model appears
+    # on a path through the unit and on one outside it, which makes its parameters the root's.
+    stack: list[tuple[str, nn.Module, int]] = [("", model, -1)]
+    while stack:  # depth first, children in order: the order of ``named_parameters``
+        path, mod, where = stack.pop()
+        for attr, p in mod._parameters.items():
+            if p is None:
+                continue
+            places.setdefault(id(p), set()).add(where)
+            if (id(mod), attr) not in seen:
+                seen.add((id(mod), attr))
+                name = f"{path}.{attr}" if path else attr
+                found.setdefault(id(p), (name, p, []))[2].append((mod, attr))
+        for child_name, child in reversed(mod._modules.items()):
+            if child is not None:
+                child_path = f"{path}.{child_name}" if path else child_name
+                stack.append((child_path, child, unit_index.get(id(child), where)))
+    per_unit: list[Params] = [[] for _ in units]
+    root: Params = []
+    for key, entry in found.items():
+        where = places[key]
+        if len(where) == 1 and -1 not in where:
+            per_unit[next(iter(where))].append(entry)
+        else:
+            root.append(entry)
+    return per_unit, root
+
+
+class ShardedModel:
+    """The sharding of a model by ``zerocore.shard_model``: its units, their flat groups and
+    the hooks that gather and free them. ``model.zerocore_sharding`` holds it; the model keeps
+    working as before (``forward``, ``generate``) with 1/N of its parameters per rank.
+
+    ``layers`` (the units in the order given, then the root) is what checkpoints index:
+    ``save_checkpoint``/``load_checkpoint`` take the model or this object.
+    """
+
+    def __init__(self, model: nn.Module, units: list[nn.Module], *, group: dist.ProcessGroup,
+                 device: torch.device, mixed_precision: MixedPrecision, prefetch: Prefetch,
+                 offload: Offload, frozen_weights: FrozenWeights):
+        self.model = model
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.device = device
+        self.mixed_precision = mixed_precision
+        self.prefetch = prefetch
+        self.offload = offload
+        self.frozen_weights = frozen_weights
+        ctx = build_context(group, device, mixed_precision, offload, frozen_weights)
+        self.counter = ctx.counter
+        per_unit, root_params = _assign(model, units)
+        names = {id(m): n for n, m in model.named_modules()}
+        agree_on_structure(0, len(units), group, device,
+                           what="zerocore.shard_model: the number of units")
+        self.units: list[Unit] = []
+        for i, (module, params) in enumerate(zip(units + [model], per_unit + [root_params])):
+            what = "the root unit" if module is model else f"unit {i} ({names[id(module)]})"
+            agree_on_structure(i, fingerprint((n, p) for n, p, _ in params), group, device,
+                               what=f"zerocore.shard_model: {what}")
+            layer = ShardedLayer(module, i, ctx, self.world_size, params=params)
+            self.units.append(Unit("" if module is model else names[id(module)], module, layer))
+        self.root = self.units[-1]
+        self.layers: list[ShardedLayer] = [u.layer for u in self.units]
+        if not any(l.groups for l in self.layers):
+            raise ValueError("zerocore.shard_model: the model has no parameters to shard")
+        # Registered only now: the root's ``module.to(device)`` above must not move them.
+        for unit in self.units:
+            for attr, shard in ((TRAINABLE_SHARD, unit.layer.trainable_shard),
+                                (FROZEN_SHARD, unit.layer.frozen_shard)):
+                if shard is not None:
+                    unit.module.register_parameter(attr, shard)
+        self.coordinator = BackwardCoordinator(self.layers, prefetch.backward,
+                                               on_finish=self._backward_ended)
+        # Forward prefetch: the order units ran in the previous forward (the order given
+        # before the first), and the order of the one in progress.
+        self._order_before: list[Unit] = self.units[:-1]
+        self._order_now: list[Unit] = []
+        self._depth = 0           # model forwards in progress (its pre-hook ran, not its hook)
+        self._kept: list[Unit] = []  # kept gathered by the last forward for its backward
+        self._handles = []
+        for unit in self.units[:-1]:
+            self._handles.append(unit.module.register_forward_pre_hook(
+                self._unit_hook_pre(unit), with_kwargs=True))
+            self._handles.append(unit.module.register_forward_hook(
+                self._unit_hook_post(unit), with_kwargs=True))
+        self._handles.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+        self._handles.append(model.register_forward_hook(self._root_post, with_kwargs=True))
+        owners = {id(m): m for _, _, os in root_params for m, _ in os if m is not model}
+        for mod in owners.values():
+            self._handles.append(mod.register_forward_pre_hook(self._root_owner_pre))
+
+    # -- gathering ---------------------------------------------------------------------------
+
+    def _start(self, unit: Unit) -> None:
+        trainable = unit.layer.trainable
+        if trainable is not None and trainable.state is GroupState.SHARDED:
+            unit.gathered_version = trainable.shard._version
+        unit.layer.start_gather()
+
+    def _ready(self, unit: Unit) -> None:
+        """Gathers the unit (waiting for a prefetch in flight); values gathered before the
+        optimizer changed the shard are gathered again."""
+        trainable = unit.layer.trainable
+        if (trainable is not None and trainable.state is not GroupState.SHARDED
+                and unit.gathered_version != trainable.shard._version and unit.active == 0):
+            unit.layer.free()
+        self._start(unit)
+        unit.layer.wait_gather()
+
+    def _install(self, unit: Unit, with_graph: bool) -> UnitCall | None:
+        """Installs the unit's views; with a graph, its trainable ones through ``UnitParams``,
+        returning the call that tracks its backward."""
+        layer = unit.layer
+        if not with_graph:
+            layer.install(with_grad_leaves=False)
+            return None
+        call = UnitCall(unit, self._order_now[-2] if len(self._order_now) > 1 else None,
+                        waiting=None if unit is self.root else 0)
+        views = None
+        if layer.trainable is not None:
+            views = UnitParams.apply(self, call, layer.trainable_shard)
+            if call.waiting is not None:
+                call.waiting += 1
+        layer.install(with_grad_leaves=False, trainable_views=views)
+        return call
+
+    # -- the hooks -----------------------------------------------------------------------------
+
+    def _unit_hook_pre(self, unit: Unit):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            self._before_unit(unit, args, kwargs)
+        return hook
+
+    def _unit_hook_post(self, unit: Unit):
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            self._after_unit(unit, output)
+        return hook
+
+    def _before_unit(self, unit: Unit, args: tuple, kwargs: dict) -> None:
+        if self._depth == 0 and self._order_now and unit is self._order_now[0]:
+            self._new_forward()  # a forward through an inner module (no model pre-hook)
+        position = len(self._order_now)
+        self._order_now.append(unit)
+        self._ready(unit)
+        before = self._order_before
+        if (self.prefetch.forward and position + 1 < len(before) and before[position] is unit
+                and before[position + 1] is not unit):
+            self._start(before[position + 1])
+        inputs = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+        with_graph = torch.is_grad_enabled() and (unit.layer.trainable is not None
+                                                  or bool(inputs))
+        call = self._install(unit, with_graph)
+        unit.call = call
+        if call is not None and inputs:
+            call.waiting += 1
+            register_multi_grad_hook(inputs, lambda grads: self.part_done(call), mode="all")
+
+    def _after_unit(self, unit: Unit, output: Any) -> None:
+        call, unit.call = unit.call, None
+        outputs = ([t for t in _tensors(output) if t.requires_grad] if call is not None else [])
+        if outputs:
+            register_multi_grad_hook(outputs, lambda grad: self._backward_begins(call),
+                                     mode="any")
+            last = self._order_before[-1] if self._order_before else None
+            if self.prefetch.keep_last and unit is last:
+                # The first unit backward needs: kept gathered for it (then freed), or freed
+                # by the next forward if no backward comes.
+                self._kept.append(unit)
+                return
+        unit.layer.free()
+
+    def _backward_begins(self, call: UnitCall) -> None:
+        """The first gradient reached one of the unit's outputs: gather it again before its
+        operations run backward; prefetch the unit that ran before it."""
+        call.started = True
+        call.unit.active += 1
+        previous = call.previous.layer if call.previous is not None else None
+        self.coordinator.before_layer_backward(call.unit.layer, previous)
+
+    def part_done(self, call: UnitCall) -> None:
+        """One part of a unit call's backward (its parameters' gradients, its inputs'
+        gradient) is done; after the last the unit is freed, unless another call of it is
+        still running backward."""
+        if call.waiting is None:
+            return  # the root: freed when the whole backward ends
+        call.waiting -= 1
+        if call.waiting > 0:
+            return
+        unit = call.unit
+        if call.started:
+            call.started = False
+            unit.active -= 1
+        if unit.active == 0:
+            unit.layer.free()
+
+    def _backward_ended(self) -> None:
+        # Every unit was freed (the coordinator's finish); calls whose backward did not reach
+        # their end (a partial torch.autograd.grad) count no longer.
+        for unit in self.units:
+            unit.active = 0
+
+    def _new_forward(self) -> None:
+        if self._order_now:
+            self._order_before = self._order_now
+        self._order_now = []
+        for unit in self._kept:
+            if unit.active == 0:
+                unit.layer.free()
+        self._kept = []
+
+    def _enter_root(self) -> None:
+        self._ready(self.root)
+        self.root.call = self._install(self.root, torch.is_grad_enabled())
+
+    def _root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._depth += 1
+        if self._depth == 1:
+            self._new_forward()
+            self._enter_root()
+
+    def _root_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        self._depth -= 1
+        if self._depth > 0:
+            return
+        call, self.root.call = self.root.call, None
+        outputs = [t for t in _tensors(output) if t.requires_grad]
+        if outputs:
+            # Backward needs the root from its first operation (the head) to its last (the
+            # embedding): gathered throughout, freed when it ends (the coordinator's finish).
+            root = self.root
+            register_multi_grad_hook(
+                outputs, lambda grad: self.coordinator.before_layer_backward(root.layer, None),
+                mode="any")
+        else:
+            self.root.layer.free()
+
+    def _root_owner_pre(self, module: nn.Module, args: tuple) -> None:
+        # A module owning root parameters called outside a forward of the model (an inner
+        # model's generate, say): the root is gathered for it and stays so (gathered afresh
+        # once the optimizer changed it; freed by the model's next forward or backward).
+        if self._depth == 0:
+            self._enter_root()
+
+    # -- for optimizers, checkpoints and exports ------------------------------------------
+
+    def trainable_shards(self) -> list[ShardParameter]:
+        """This rank's trainable shards, one per unit with trainable parameters."""
+        return [l.trainable_shard for l in self.layers if l.trainable_shard is not None]
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """Every shard this rank holds (trainable, then frozen, unit by unit): what
+        ``model.parameters()`` yields too."""
+        for layer in self.layers:
+            for g in layer.groups:
+                yield g.shard
+
+    def release_gathered(self) -> None:
+        """Frees every gathered buffer (``load_checkpoint`` calls it)."""
+        for layer in self.layers:
+            layer.release()
+        self._kept = []
+
+    def iter_full_states(self, trainable_only: bool = False, *, to_rank: int | None = None
+                         ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """Collective: ``(unit index, {the model's parameter name: full CPU tensor})`` unit by
+        unit (the root last), trainable parameters in fp32 from the masters, frozen ones in the
+        param dtype (none with ``trainable_only``). With ``to_rank`` only that rank receives
+        them; the others yield empty dicts but must iterate as far."""
+        return iter_full_states_of(self.layers, self.world_size, trainable_only, to_rank)
+
+    def full_state_dict(self, trainable_only: bool = False, *, to_rank: int | None = 0
+                        ) -> dict[str, torch.Tensor]:
+        """Collective: the model's parameters under its own names (``named_parameters`` of the
+        unsharded model; a tied parameter once, under its first name), gathered unit by unit
+        onto ``to_rank`` (default 0; None: every rank). What ``save_pretrained(dir,
+        state_dict=...)`` writes, on the rank that writes it."""
+        out: dict[str, torch.Tensor] = {}
+        for _, state in self.iter_full_states(trainable_only, to_rank=to_rank):
+            out.update(state)
+        return out
+
+    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
+        """Bytes of model state this rank holds, beside the (2+2+K)·Ψ/N_d prediction."""
+        return memory_report_of(self.layers, self.rank, self.world_size, self.device,
+                                self.mixed_precision, self.frozen_weights, optimizer)
+
+    def remove(self) -> None:
+        """Removes the hooks (the model can no longer run: its parameters stay sharded)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def sharding_of(model: nn.Module | ShardedModel) -> ShardedModel:
+    """The ``ShardedModel`` of a model sharded by ``shard_model`` (or the object itself)."""
+    if isinstance(model, ShardedModel):
+        return model
+    sharding = getattr(model, SHARDING_ATTR, None) if isinstance(model, nn.Module) else None
+    if not isinstance(sharding, ShardedModel):
+        raise TypeError(f"{type(model).__name__} was not sharded by zerocore.shard_model "
+                        f"(nor is it a zerocore.shard model)")
+    return sharding
+
+
+def _unit_modules(model: nn.Module, units: Any) -> list[nn.Module]:
+    if isinstance(units, nn.Module) and not isinstance(units, (nn.ModuleList, nn.Sequential)):
+        units = [units]
+    try:
+        units = list(units)
+    except TypeError:
+        raise TypeError(f"zerocore.shard_model: units must be an nn.ModuleList or a list of "
+                        f"submodules of the model, got {type(units).__name__}") from None
+    inside = {id(m) for m in model.modules()}
+    seen: set[int] = set()
+    for i, unit in enumerate(units):
+        if not isinstance(unit, nn.Module):
+            raise TypeError(f"zerocore.shard_model: units[{i}] is a {type(unit).__name__}, not "
+                            f"an nn.Module")
+        if unit is model:
+            raise ValueError("zerocore.shard_model: the model itself cannot be a unit (it is "
+                             "the root unit already); name its layers, e.g. "
+                             "model.model.layers")
+        if id(unit) not in inside:
+            raise ValueError(f"zerocore.shard_model: units[{i}] ({type(unit).__name__}) is not "
+                             f"a submodule of the model")
+        if id(unit) in seen:
+            raise ValueError(f"zerocore.shard_model: units[{i}] is given twice")
+        seen.add(id(unit))
+    for i, unit in enumerate(units):
+        nested = [j for j, other in enumerate(units)
+                  if other is not unit and any(m is unit for m in other.modules())]
+        if nested:
+            raise ValueError(f"zerocore.shard_model: units[{i}] lies inside units{nested}; "
+                             f"units must not nest")
+    return units
+
+
+def shard_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module = (), *,
+                group: dist.ProcessGroup | None = None,
+                device: torch.device | str | None = None,
+                mixed_precision: MixedPrecision = MixedPrecision(),
+                prefetch: Prefetch = Prefetch(), offload: Offload = Offload(),
+                frozen_weights: FrozenWeights = FrozenWeights(),
+                platform: Platform | None = None) -> ShardedModel:
+    """Shards ``model`` in place across the ranks of a process group (ZeRO-3), unit by unit.
+
+    model: any module, e.g. a ``transformers`` causal LM, or a PEFT model around one; the same
+        on every rank (structure, values, which parameters ``requires_grad``). It keeps its
+        class, ``forward``, ``generate`` and module tree: each parameter becomes a view of a
+        gathered buffer while its unit runs; ``model.parameters()`` yields this rank's flat
+        shards (``zerocore_trainable_shard``/``zerocore_frozen_shard`` on each unit's module
+        and on the model), for ``zerocore.optim.AdamW``.
+    units: the modules gathered and freed one at a time, typically the decoder layers
+        (``model.gpt_neox.layers``, ``model.model.layers``, ``peft_model.base_model.model.
+        model.layers``): an ``nn.ModuleList`` or a list of submodules, none inside another.
+        Their forward may take any arguments and return any nesting of tensors and other
+        objects (a KV cache, say), with or without grad. Every parameter not owned by exactly
+        one unit (embeddings, final norm, head, weights tied between units or with the root)
+        forms the root unit, gathered for the model's whole forward (and backward).
+    group, device, mixed_precision, prefetch, offload, frozen_weights, platform: as for
+        ``zerocore.shard`` (``Prefetch.keep_gathered`` is not supported here).
+    Returns the ``ShardedModel`` (also ``model.zerocore_sharding``): ``.group``,
+    ``.full_state_dict()``, ``.memory_report()``; ``save_checkpoint``/``load_checkpoint`` take
+    the model or it.
+    """
+    group = process_group(group, "zerocore.shard_model")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"zerocore.shard_model expects an nn.Module, got {type(model).__name__}")
+    if isinstance(getattr(model, SHARDING_ATTR, None), ShardedModel):
+        raise ValueError("zerocore.shard_model: this model is sharded already")
+    # transformers' flag (is_gradient_checkpointing before 5.x, deprecated since)
+    checkpointing = getattr(model, "is_activation_checkpointing", None)
+    if checkpointing is None:
+        checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    if checkpointing:
+        raise ValueError("zerocore.shard_model: gradient checkpointing "
+                         "(model.gradient_checkpointing_enable()) is not supported: it runs "
+                         "units' forwards again inside backward; call "
+                         "model.gradient_checkpointing_disable() first")
+    if prefetch.keep_gathered != 0:
+        raise ValueError("zerocore.shard_model: Prefetch.keep_gathered is not supported yet "
+                         "(only with zerocore.shard); leave it 0")
+    if frozen_weights.int8_block is not None:
+        raise ValueError("zerocore.shard_model: FrozenWeights('int8') is not supported yet "
+                         "(only with zerocore.shard)")
+    unit_list = _unit_modules(model, units)
+    dev = prepare_device(device, group, offload, platform)
+    sharding = ShardedModel(model, unit_list, group=group, device=dev,
+                            mixed_precision=mixed_precision, prefetch=prefetch, offload=offload,
+                            frozen_weights=frozen_weights)
+    setattr(model, SHARDING_ATTR, sharding)
+    return sharding
