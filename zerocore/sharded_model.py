@@ -501,9 +501,6 @@ def shard_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module = (), *
     if prefetch.keep_gathered != 0:
         raise ValueError("zerocore.shard_model: Prefetch.keep_gathered is not supported yet "
                          "(only with zerocore.shard); leave it 0")
-    if frozen_weights.int8_block is not None:
-        raise ValueError("zerocore.shard_model: FrozenWeights('int8') is not supported yet "
-                         "(only with zerocore.shard)")
     unit_list = _unit_modules(model, units)
     dev = prepare_device(device, group, offload, platform)
     sharding = ShardedModel(model, unit_list, group=group, device=dev,
