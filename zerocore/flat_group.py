@@ -267,8 +267,6 @@ class FlatGroup:
     def free(self, release: bool = False) -> None:
         """Gives the gathered buffer back, unless the group is resident (``release`` frees
         it anyway)."""
-        if self.resident and not release and self.int8_block is None:
-            return
         if self.state is GroupState.GATHERING:
             self.wait_gather()
         if self._being_read is not None:
@@ -279,8 +277,8 @@ class FlatGroup:
             self._being_read = None
         if self.int8_block is not None:
             self._q8_storage.resize_(0)  # the int8 bytes: dequantized already
-            if self.resident and not release:
-                return
+        if self.resident and not release:
+            return
         self._storage.resize_(0)
         self.state = GroupState.SHARDED
 

@@ -287,14 +287,13 @@ class _Options:
     prefetch: Prefetch
     offload: bool
     micro_batches: int
-    int8_block: int | None = None       # FrozenWeights("int8")
+    frozen_weights: FrozenWeights = FrozenWeights()
 
     def gather_bytes(self, g: "_Group") -> int:
-        """What one all-gather of the group moves: int8 frozen groups move their values and
-        an fp32 scale per block (FlatGroup.gather_bytes)."""
-        if self.int8_block is not None and not g.trainable:
-            return g.layout.padded_numel + 4 * g.layout.padded_numel // self.int8_block
-        return g.layout.padded_numel * self.param_bytes
+        """What one all-gather of the group moves (FlatGroup.gather_bytes)."""
+        if g.trainable:
+            return g.layout.padded_numel * self.param_bytes
+        return self.frozen_weights.frozen_nbytes(g.layout.padded_numel, self.param_bytes)
 
 
 class _Step:
@@ -356,7 +355,8 @@ class _Step:
 
     def _int8(self, g: _Group) -> int:
         """Bytes of an int8 frozen group's gathered int8 parts (0 for other groups)."""
-        return self.opt.gather_bytes(g) if self.opt.int8_block and not g.trainable else 0
+        int8 = self.opt.frozen_weights.int8_block is not None and not g.trainable
+        return self.opt.gather_bytes(g) if int8 else 0
 
     def gather(self, layer: _Layer) -> None:
         for g in layer.groups:
@@ -553,8 +553,7 @@ def _model_state(layers: list[_Layer], opt: _Options) -> ModelState:
     return ModelState(
         trainable_numel=t_numel, frozen_numel=f_numel,
         trainable_params=t_shard * (opt.param_bytes if sixteen else 4),
-        frozen_params=(f_shard + 4 * f_shard // opt.int8_block if opt.int8_block
-                       else f_shard * opt.param_bytes),
+        frozen_params=opt.frozen_weights.frozen_nbytes(f_shard, opt.param_bytes),
         masters=t_shard * 4 if sixteen else 0, optimizer=t_shard * 8, gradients=t_shard * 4,
         mirrors=t_shard * opt.param_bytes if opt.offload else 0, on_host=on_host)
 
@@ -597,7 +596,7 @@ def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, worl
                    reduce_bytes=mixed_precision.grad_reduce_dtype.itemsize,
                    param_dtype=mixed_precision.param_dtype, prefetch=prefetch,
                    offload=offload.optimizer, micro_batches=micro_batches,
-                   int8_block=frozen_weights.int8_block)
+                   frozen_weights=frozen_weights)
     state = _model_state(stack, opt)
     fake = FakeTensorMode()
     with fake:

@@ -204,3 +204,11 @@ class FrozenWeights:
     @property
     def int8_block(self) -> int | None:
         return self.block if self.dtype == "int8" else None
+
+    def frozen_nbytes(self, numel: int, param_bytes: int) -> int:
+        """Bytes that ``numel`` frozen elements take (and one gather of them moves): a byte each
+        and an fp32 scale per block in int8 (``numel`` a whole number of blocks, as shards
+        are), else ``param_bytes`` each."""
+        if self.dtype == "int8":
+            return numel + 4 * numel // self.block
+        return numel * param_bytes

@@ -343,7 +343,7 @@ class ShardedModel:
         self._depth -= 1
         if self._depth > 0:
             return
-        call, self.root.call = self.root.call, None
+        self.root.call = None
         outputs = [t for t in _tensors(output) if t.requires_grad]
         if outputs:
             # Backward needs the root from its first operation (the head) to its last (the

@@ -114,11 +114,8 @@ def memory_report_of(layers: list[ShardedLayer], rank: int, world_size: int,
                 param += shard.numel() * shard.element_size()
     n = world_size
     k = 8 if p_bytes == 4 else 12  # Adam moments, plus an fp32 master when computing in 16 bit
-    block = frozen_weights.int8_block
-    # int8 frozen weights: a byte per parameter and an fp32 scale per block
-    frozen = (frozen_numel + 4 * frozen_numel // block if block is not None
-              else p_bytes * frozen_numel)
-    predicted = ((p_bytes + p_bytes + k) * trainable_numel + frozen) // n
+    predicted = ((p_bytes + p_bytes + k) * trainable_numel
+                 + frozen_weights.frozen_nbytes(frozen_numel, p_bytes)) // n
     dev_alloc = dev_peak = None
     if device.type == "cuda":
         dev_alloc = torch.cuda.memory_allocated(device)
