@@ -612,8 +612,7 @@ def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, worl
     gather, reduce = expected_traffic(
         [[(g.layout.padded_numel, g.trainable, opt.gather_bytes(g)) for g in layer.groups]
          for layer in stack],
-        param_bytes=opt.param_bytes, reduce_bytes=opt.reduce_bytes, keep_last=prefetch.keep_last,
-        kept=step.kept)
+        reduce_bytes=opt.reduce_bytes, keep_last=prefetch.keep_last, kept=step.kept)
     device_tensors = sum(v for k, v in step.peak.items()
                          if device == "cpu" or k not in state.on_host)
     headroom = (CUDA_FIXED_HEADROOM + int(CUDA_HEADROOM_FRACTION * device_tensors)

@@ -76,16 +76,15 @@ class CommReport:
         return "\n".join(lines)
 
 
-def expected_traffic(layers: Sequence[Sequence[tuple[int, bool]]], *, param_bytes: int,
-                     reduce_bytes: int, keep_last: bool,
+def expected_traffic(layers: Sequence[Sequence[tuple[int, bool, int]]], *, reduce_bytes: int,
+                     keep_last: bool,
                      kept: AbstractSet[int] = frozenset()) -> tuple[int, int]:
     """(bytes all-gathered, bytes reduce-scattered) by one forward and backward of a sharded
     stack whose input needs no gradient, counted as the unsharded buffers (``CommCounter``).
 
-    layers: each layer's flat groups as ``(padded_numel, trainable)``, or ``(padded_numel,
-    trainable, bytes gathered)`` where that is not ``padded_numel * param_bytes`` (int8 frozen
-    groups: values and scales). A layer is gathered for
-    forward, and again for backward unless no autograd node covers it (it comes before the
+    layers: each layer's flat groups as ``(padded_numel, trainable, bytes one gather moves)``
+    (``FlatGroup.gather_bytes``: the param dtype's, or int8 values and scales). A layer is
+    gathered for forward, and again for backward unless no autograd node covers it (it comes before the
     first layer with a trainable group) or it is kept gathered between the passes (the last
     layer with ``Prefetch.keep_last``; ``kept``, the layers ``Prefetch.keep_gathered`` chose).
     The frozen groups of ``kept`` layers stay gathered from step to step: they count nothing
@@ -98,10 +97,10 @@ def expected_traffic(layers: Sequence[Sequence[tuple[int, bool]]], *, param_byte
         in_backward = i >= first
         held = in_backward and (i in kept or (i == len(layers) - 1 and keep_last))
         times = 2 if in_backward and not held else 1
-        for padded, trainable, *size in groups:
+        for padded, trainable, nbytes in groups:
             if i in kept and not trainable:
                 continue
-            gather += (size[0] if size else padded * param_bytes) * times
+            gather += nbytes * times
             if trainable:
                 reduce += padded * reduce_bytes
     return gather, reduce

@@ -264,7 +264,6 @@ class ShardedSequential(nn.Module):
         gather, reduce = expected_traffic(
             [[(g.layout.padded_numel, g.trainable, g.gather_bytes) for g in layer.groups]
              for layer in self.layers],
-            param_bytes=self.mixed_precision.param_dtype.itemsize,
             reduce_bytes=self.mixed_precision.grad_reduce_dtype.itemsize,
             keep_last=self.prefetch.keep_last, kept=self.kept_layers)
         c = self.counter
