@@ -9,6 +9,7 @@ just before they run and freed after. The same script works under torchrun (it j
 """
 
 import argparse
+import gc
 import os
 import socket
 
@@ -52,7 +53,9 @@ def train(rank: int, world_size: int, port: int, steps: int, backend: str) -> No
         run(rank, steps)
     finally:
         # After the model (which holds the group) is gone: a process group destroyed while
-        # objects still use it can abort the process at exit.
+        # objects still use it can abort the process at exit. The model's objects refer to
+        # each other, so returning from run() alone does not free them: collect them now.
+        gc.collect()
         dist.destroy_process_group()
 
 
