@@ -193,7 +193,13 @@ class ShardedLayer(nn.Module):
         return out
 
     def run_without_graph(self, x: torch.Tensor) -> torch.Tensor:
-        self.install(with_grad_leaves=False)
+        """The layer's forward with no graph recorded (grad mode off, or a recomputed layer's
+        first forward). The trainable views are still leaves that require grad: torch chooses
+        some kernels by whether a weight requires grad (a Linear on a non-contiguous 3-D input,
+        as nn.MultiheadAttention(batch_first=True) does), so views that did not would compute
+        other bits than the recomputation, than a run without recomputation and than the
+        unsharded model, whose parameters require grad whatever the grad mode."""
+        self.install(with_grad_leaves=True)
         return self.module(x)
 
     def run_with_graph(self, x_in: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
