@@ -489,15 +489,6 @@ def shard_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module = (), *
         raise TypeError(f"zerocore.shard_model expects an nn.Module, got {type(model).__name__}")
     if isinstance(getattr(model, SHARDING_ATTR, None), ShardedModel):
         raise ValueError("zerocore.shard_model: this model is sharded already")
-    # transformers' flag (is_gradient_checkpointing before 5.x, deprecated since)
-    checkpointing = getattr(model, "is_activation_checkpointing", None)
-    if checkpointing is None:
-        checkpointing = getattr(model, "is_gradient_checkpointing", False)
-    if checkpointing:
-        raise ValueError("zerocore.shard_model: gradient checkpointing "
-                         "(model.gradient_checkpointing_enable()) is not supported: it runs "
-                         "units' forwards again inside backward; call "
-                         "model.gradient_checkpointing_disable() first")
     if prefetch.keep_gathered != 0:
         raise ValueError("zerocore.shard_model: Prefetch.keep_gathered is not supported yet "
                          "(only with zerocore.shard); leave it 0")
