@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
-from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import (GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM,
+                          MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig,
+                          Qwen2MoeForCausalLM)
 
 VOCAB = 96
 SEQ = 12
@@ -38,6 +40,23 @@ def build(arch: str, seed: int = 0) -> nn.Module:
                              max_position_embeddings=64, tie_word_embeddings=True,
                              attn_implementation="eager")
         return LlamaForCausalLM(config)
+    # Mixture-of-experts models, whose experts are 3-D parameters (experts x out x in) of one
+    # module: what LoraConfig(target_parameters=...) adapts.
+    if arch == "mixtral":
+        config = MixtralConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2,
+                               intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                               max_position_embeddings=64, tie_word_embeddings=False,
+                               attn_implementation="eager")
+        return MixtralForCausalLM(config)
+    if arch == "qwen2moe":
+        config = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2,
+                                intermediate_size=64, moe_intermediate_size=24, num_experts=4,
+                                num_experts_per_tok=2, shared_expert_intermediate_size=32,
+                                max_position_embeddings=64, tie_word_embeddings=False,
+                                attn_implementation="eager")
+        return Qwen2MoeForCausalLM(config)
     raise ValueError(arch)
 
 
@@ -50,18 +69,25 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 def prepare(model: nn.Module, mode: str) -> nn.Module:
     """The model to train in ``mode``:
     full: every parameter; lora: PEFT LoRA adapters (r 4) on the attention and MLP projections,
-    the rest frozen; biases: biases only (GPT-NeoX); norms: the norm weights and the tied
+    the rest frozen; lora-experts (MoE models): LoRA on the query and value projections and on
+    the experts' 3-D weights (``target_parameters``); biases: biases only (GPT-NeoX); norms: the norm weights and the tied
     embedding only (Llama, which has no biases: trainable parameters in the root unit, one of
     them tied to the head, and in every decoder layer)."""
     if mode == "full":
         return model
-    if mode == "lora":
+    if mode in ("lora", "lora-experts"):
         targets = (["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
                    if isinstance(model, GPTNeoXForCausalLM)
                    else ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                          "down_proj"])
+        extra = {}
+        if mode == "lora-experts":
+            # PEFT's way to adapt 3-D expert weights: LoRA on the parameters themselves,
+            # parametrized around every forward; attention's projections as modules.
+            targets = ["q_proj", "v_proj"]
+            extra["target_parameters"] = ["experts.gate_up_proj", "experts.down_proj"]
         peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                      target_modules=targets))
+                                                      target_modules=targets, **extra))
         # LoRA's B starts at 0, so the adapters' first gradients reach B only; a seeded
         # non-zero B makes every adapter parameter move from the first step.
         torch.manual_seed(1)

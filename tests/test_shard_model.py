@@ -156,6 +156,14 @@ def test_parity(world, arch, mode):
     check_parity(world.run(train_run, Spec(arch=arch, mode=mode)))
 
 
+@pytest.mark.parametrize("arch,mode", [("mixtral", "lora-experts"), ("qwen2moe", "lora-experts"),
+                                       ("mixtral", "full")])
+def test_parity_moe(world, arch, mode):
+    """Mixture-of-experts models, LoRA on the 3-D expert weights through PEFT's
+    target_parameters (parametrized around every forward) or trained in full."""
+    check_parity(world.run(train_run, Spec(arch=arch, mode=mode)))
+
+
 @pytest.mark.parametrize("arch,mode", [("neox", "lora"), ("llama", "full")])
 def test_parity_offload(world, arch, mode):
     check_parity(world.run(train_run, Spec(arch=arch, mode=mode, offload=True)))
@@ -213,11 +221,19 @@ def errors_run(rank: int, world_size: int) -> dict:
     out = {}
     model = build("neox")
     other = build("llama")
+    normed = build("neox")  # a parametrization registered before sharding (weight norm)
+    nn.utils.parametrizations.weight_norm(normed.gpt_neox.layers[0].mlp.dense_h_to_4h)
+    moe = prepare(build("mixtral"), "lora-experts")
+    for n, p in moe.named_parameters():
+        if n.endswith("down_proj") and p.ndim == 3:  # an expert weight PEFT parametrizes
+            p.requires_grad_(True)
     for name, call in {
         "not-a-submodule": lambda: zerocore.shard_model(model, [other.model.layers[0]]),
         "the-model": lambda: zerocore.shard_model(model, [model]),
         "nested": lambda: zerocore.shard_model(model, [model.gpt_neox.layers,
                                                        model.gpt_neox.layers[0]]),
+        "parametrized": lambda: zerocore.shard_model(normed, normed.gpt_neox.layers),
+        "trainable-target": lambda: zerocore.shard_model(moe, decoder_layers(moe)),
     }.items():
         try:
             call()
@@ -232,6 +248,14 @@ def test_clear_errors(worlds):
     assert "not a submodule" in res["not-a-submodule"]
     assert "root unit" in res["the-model"]
     assert "must not nest" in res["nested"]
+    assert res["parametrized"] == (
+        "zerocore.shard_model: gpt_neox.layers.0.mlp.dense_h_to_4h has parametrized parameters "
+        "(weight, torch.nn.utils.parametrize), which cannot be sharded; remove the "
+        "parametrizations (parametrize.remove_parametrizations) before sharding")
+    assert res["trainable-target"] == (
+        "zerocore.shard_model: MixtralExperts.down_proj is parametrized by PEFT "
+        "(target_parameters) and also trainable; only frozen parametrized weights can be "
+        "sharded (PEFT freezes them unless told otherwise)")
 
 
 # -- what is gathered, and when -------------------------------------------------------------------

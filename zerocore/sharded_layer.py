@@ -78,6 +78,13 @@ def _rank_slice(chosen: list[tuple[str, nn.Parameter]], layout: FlatLayout, rank
     return full
 
 
+def _own_tensor(view: torch.Tensor) -> torch.Tensor:
+    """A tensor on ``view``'s memory with a version counter of its own (not a view)."""
+    with torch.no_grad():
+        return torch.empty(0, dtype=view.dtype, device=view.device).set_(
+            view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+
+
 class ShardedLayer(nn.Module):
     """A layer whose parameters live in a trainable and a frozen ``FlatGroup``.
 
@@ -134,6 +141,12 @@ class ShardedLayer(nn.Module):
         # Whether the forward keeps only its input and backward runs it again (Recompute);
         # set by the sharded model, which knows the policy.
         self.recompute = False
+        # (id(module), attribute) of frozen parameters whose view is installed as a tensor of
+        # its own: the same storage, but its own version counter. Views of one buffer share
+        # one counter, so an in-place operation on one (torch.nn.utils.parametrize's set_
+        # when PEFT parametrizes an expert weight each forward) would look like a change of
+        # every other weight saved for backward. Set by ``shard_model``.
+        self.own_versions: set[tuple[int, str]] = set()
 
     @property
     def groups(self) -> list[FlatGroup]:
@@ -176,7 +189,8 @@ class ShardedLayer(nn.Module):
                      else group.views(requires_grad=with_grad_leaves and trainable))
             for view, owners in zip(views, self._owners[trainable]):
                 for mod, attr in owners:
-                    setattr(mod, attr, view)
+                    own = not trainable and (id(mod), attr) in self.own_versions
+                    setattr(mod, attr, _own_tensor(view) if own else view)
             if trainable:
                 leaves = views
         return leaves

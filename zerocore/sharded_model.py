@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
+from torch.nn.utils import parametrize
 from torch.utils import _pytree as pytree
 
 from zerocore.device import Platform
@@ -169,6 +170,7 @@ class ShardedModel:
         self.frozen_weights = frozen_weights
         ctx = build_context(group, device, mixed_precision, offload, frozen_weights)
         self.counter = ctx.counter
+        targets = _parametrized_each_forward(model)  # before the parameters are taken out
         per_unit, root_params = _assign(model, units)
         names = {id(m): n for n, m in model.named_modules()}
         agree_on_structure(0, len(units), group, device,
@@ -184,6 +186,15 @@ class ShardedModel:
         self.layers: list[ShardedLayer] = [u.layer for u in self.units]
         if not any(l.groups for l in self.layers):
             raise ValueError("zerocore.shard_model: the model has no parameters to shard")
+        # Parameters that PEFT parametrizes around every forward (``LoraConfig(
+        # target_parameters=...)``, e.g. 3-D MoE expert weights): torch.nn.utils.parametrize
+        # needs the name registered on the module, as a parameter or a buffer, each time. Their
+        # views are installed as non-persistent buffers, so it finds them (and state_dict does
+        # not hold them); every other view stays a plain attribute.
+        for mod, attr in targets:
+            mod.register_buffer(attr, None, persistent=False)
+        for layer in self.layers:
+            layer.own_versions.update((id(mod), attr) for mod, attr in targets)
         # Registered only now: the root's ``module.to(device)`` above must not move them.
         for unit in self.units:
             for attr, shard in ((TRAINABLE_SHARD, unit.layer.trainable_shard),
@@ -423,6 +434,39 @@ def sharding_of(model: nn.Module | ShardedModel) -> ShardedModel:
     return sharding
 
 
+def _parametrized_each_forward(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, parameter name) of each parameter a PEFT ``ParamWrapper`` (LoRA on a parameter,
+    ``target_parameters``) parametrizes for the duration of every forward: a module naming
+    ``parameter_name`` on the base layer it wraps."""
+    out = []
+    for mod in model.modules():
+        name = getattr(mod, "parameter_name", None)
+        base = getattr(mod, "get_base_layer", None)
+        if isinstance(name, str) and callable(base):
+            target = base()
+            p = target._parameters.get(name)
+            if p is not None and p.requires_grad:
+                raise ValueError(f"zerocore.shard_model: {type(target).__name__}.{name} is "
+                                 f"parametrized by PEFT (target_parameters) and also trainable; "
+                                 f"only frozen parametrized weights can be sharded (PEFT "
+                                 f"freezes them unless told otherwise)")
+            out.append((target, name))
+    return out
+
+
+def _refuse_parametrized(model: nn.Module) -> None:
+    """Parametrizations registered before sharding (torch.nn.utils.parametrize: weight norm,
+    orthogonal, a PEFT merge in progress) compute a parameter from originals on every access;
+    sharding would replace the originals under them. Refused, in one line, up front."""
+    for name, mod in model.named_modules():
+        if parametrize.is_parametrized(mod):
+            what = ", ".join(sorted(mod.parametrizations.keys()))
+            raise ValueError(f"zerocore.shard_model: {name or 'the model'} has parametrized "
+                             f"parameters ({what}, torch.nn.utils.parametrize), which cannot be "
+                             f"sharded; remove the parametrizations (parametrize."
+                             f"remove_parametrizations) before sharding")
+
+
 def _unit_modules(model: nn.Module, units: Any) -> list[nn.Module]:
     if isinstance(units, nn.Module) and not isinstance(units, (nn.ModuleList, nn.Sequential)):
         units = [units]
@@ -492,6 +536,7 @@ def shard_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module = (), *
     if prefetch.keep_gathered != 0:
         raise ValueError("zerocore.shard_model: Prefetch.keep_gathered is not supported yet "
                          "(only with zerocore.shard); leave it 0")
+    _refuse_parametrized(model)
     unit_list = _unit_modules(model, units)
     dev = prepare_device(device, group, offload, platform)
     sharding = ShardedModel(model, unit_list, group=group, device=dev,
