@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import pickle
 import queue
 import socket
@@ -221,3 +222,20 @@ def global_mean(x: torch.Tensor) -> float:
     t = x.detach().double().reshape(1).clone()
     dist.all_reduce(t)
     return t.item() / dist.get_world_size()
+
+
+def inject_overflow(layers: list, rank: int) -> None:
+    """Puts an inf into this rank's gradient shard at a real parameter element (not padding)
+    of the first of ``layers`` (a sharded model's ``ShardedLayer``s) whose shard on this rank
+    holds one: an overflow only this rank's own statistics can reveal."""
+    for layer in layers:
+        group = layer.trainable
+        if group is None:
+            continue
+        lo, hi = group.layout.shard_range(rank)
+        for s in group.layout.slots:
+            first = max(lo, s.offset)
+            if first < min(hi, s.offset + s.numel):
+                group.shard.grad[first - lo] = math.inf
+                return
+    raise AssertionError("this rank holds no trainable parameter element")

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerocore
+from dist_utils import inject_overflow
 
 LR = 1e-3
 # A moderate start (DeepSpeed's 2**16 would be fine too) keeps the scaled gradients far from
@@ -44,19 +45,6 @@ def local_batch(rank: int, world_size: int, step: int) -> tuple[torch.Tensor, to
     return x.chunk(world_size)[rank].half(), y.chunk(world_size)[rank]
 
 
-def inject_overflow(model: zerocore.ShardedSequential) -> None:
-    """Puts an inf into this rank's gradient shard of the first layer, at a real parameter (not
-    padding)."""
-    group = model.layers[0].trainable
-    lo, hi = group.layout.shard_range(model.rank)
-    for s in group.layout.slots:
-        first = max(lo, s.offset)
-        if first < min(hi, s.offset + s.numel):
-            group.shard.grad[first - lo] = math.inf
-            return
-    raise AssertionError("this rank's shard of layer 0 holds no parameter")
-
-
 def snapshot(model: zerocore.ShardedSequential, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Everything an optimizer step may change on this rank: masters, fp16 copies, Adam state."""
     out = []
@@ -79,7 +67,7 @@ def run_steps(rank: int, world_size: int, policy: zerocore.LossScaling,
         loss = (model(x).float() - y).pow(2).mean()
         scaler.scale(loss).backward()
         if step in overflow_steps and rank == world_size - 1:
-            inject_overflow(model)
+            inject_overflow(model.layers[:1], model.rank)
         # The unscaled global gradient norm, computed here from the shards.
         sum_sq = torch.tensor([sum(p.grad.double().square().sum().item()
                                    for p in model.trainable_shards())])

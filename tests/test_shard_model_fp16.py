@@ -8,13 +8,11 @@ step) within fp16's precision.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 import zerocore
-from dist_utils import global_mean
+from dist_utils import global_mean, inject_overflow
 from hf_models import batch, build, decoder_layers, prepare
 
 LR = 1e-2
@@ -30,22 +28,6 @@ POLICY = zerocore.LossScaling(init_scale=2.0**10, hysteresis=1)
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"ws{n}")
 def world(request, worlds):
     return worlds(request.param)
-
-
-def inject_overflow(sharded: zerocore.ShardedModel) -> None:
-    """An inf in this rank's gradient shard, at a real parameter element (not padding) of the
-    first unit whose shard on this rank holds one."""
-    for layer in sharded.layers:
-        group = layer.trainable
-        if group is None:
-            continue
-        lo, hi = group.layout.shard_range(sharded.rank)
-        for s in group.layout.slots:
-            first = max(lo, s.offset)
-            if first < min(hi, s.offset + s.numel):
-                group.shard.grad[first - lo] = math.inf
-                return
-    raise AssertionError("this rank holds no trainable parameter element")
 
 
 def snapshot(sharded: zerocore.ShardedModel, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -72,7 +54,7 @@ def fp16_run(rank: int, world_size: int, arch: str, mode: str, dtype: torch.dtyp
         scaler.scale(loss).backward()
         out["losses"].append(global_mean(loss.float()))
         if fp16 and step == OVERFLOW_STEP and rank == world_size - 1:
-            inject_overflow(sharded)
+            inject_overflow(sharded.layers, sharded.rank)
         before = snapshot(sharded, opt)
         if fp16 or step != OVERFLOW_STEP:
             result = scaler.step(opt)
