@@ -18,16 +18,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from neox.cli import Parser
+from neox.cli import HelpFormatter, Parser
 from neox.config import filtered_config
 from neox.lora import merge_lora
 from neox.model import LayerKind, layer_specs
 from neox.recipe import RecipeError
-from neox.run_dir import TOKENIZER, TRAINABLE
-from neox.trained import checkpoint_tokenizer, run_settings, trained_layers
+from neox.run_dir import TOKENIZER, TRAINABLE, OutputDirError
+from neox.trained import checkpoint_tokenizer, run_checkpoint, run_settings, trained_layers
 from neox.weights import WeightsError, save_hf
 from neox.weights.hf import hf_key
 from zerocore.checkpoint import CheckpointError, iter_full_layers
+from zerocore.durable_io import make_dir, write_atomically
 
 __all__ = ["export", "export_trainable", "main"]
 
@@ -66,11 +67,8 @@ def export_trainable(ckpt: Path, out: Path, *, overwrite: bool = False) -> Path:
                         for name, t in trained.items()})
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".{TRAINABLE}.tmp"
-    save_file(tensors, str(tmp))
-    tmp.replace(out / TRAINABLE)
-    return out / TRAINABLE
+    make_dir(out, parents=True)
+    return write_atomically(out / TRAINABLE, lambda tmp: save_file(tensors, str(tmp)))
 
 
 def export(ckpt: Path, out: Path, *, lora: str = "merged", overwrite: bool = False,
@@ -92,20 +90,25 @@ def export(ckpt: Path, out: Path, *, lora: str = "merged", overwrite: bool = Fal
             extra_files=_tokenizer_file(ckpt, tokenizer, log))
     if lora == "separate" and adapters:
         adapter_dir = out / "adapter"
-        adapter_dir.mkdir()
-        save_file(adapters, str(adapter_dir / "adapter_model.safetensors"))
+        make_dir(adapter_dir, parents=True)
+        write_atomically(adapter_dir / "adapter_model.safetensors",
+                         lambda tmp: save_file(adapters, str(tmp)))
         # PEFT matches a target against the end of a module's dotted name, as neox.lora does.
-        (adapter_dir / "adapter_config.json").write_text(json.dumps({
+        config = json.dumps({
             "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": mode.lora_rank,
             "lora_alpha": mode.lora_alpha, "lora_dropout": 0.0, "bias": "none",
             "fan_in_fan_out": False, "target_modules": list(mode.lora_targets),
-            "base_model_name_or_path": str(out)}, indent=1))
+            "base_model_name_or_path": str(out)}, indent=1)
+        write_atomically(adapter_dir / "adapter_config.json", lambda tmp: tmp.write_text(config))
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="python -m neox.export", description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoint", type=Path, help="a neox.finetune checkpoint (step-XXXXXXXX)")
+    p = Parser(prog="python -m neox.export", description=__doc__.split("\n\n")[0],
+               formatter_class=HelpFormatter)
+    p.add_argument("checkpoint", type=Path,
+                   help="a neox.finetune checkpoint (step-XXXXXXXX), or a run's output directory "
+                        "or its checkpoints folder (the run's newest checkpoint)")
     p.add_argument("out", type=Path, help="output directory (must not exist or be empty)")
     p.add_argument("--lora", choices=["merged", "separate"], default="merged",
                    help="merge LoRA adapters into the weights, or write them beside the base "
@@ -124,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --tokenizer {args.tokenizer}: no such file", file=sys.stderr)
         return 2
     try:
+        found = run_checkpoint(args.checkpoint)
+        if found is not None and found != args.checkpoint:
+            print(f"the newest checkpoint of the run in {args.checkpoint}: {found}")
+            args.checkpoint = found
         if args.trainable_only:
             out = export_trainable(args.checkpoint, args.out, overwrite=args.overwrite)
         else:
@@ -133,7 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.out} exists and is not an empty directory; choose another output "
               f"directory, or pass --overwrite to replace it", file=sys.stderr)
         return 2
+    except OutputDirError as e:  # a run directory without a checkpoint: run_checkpoint's words
+        print(f"error: {str(e).replace('--resume ', '')}", file=sys.stderr)
+        return 2
     except (WeightsError, CheckpointError, RecipeError) as e:
+        # (CheckpointWriteError, a CheckpointError, is every write's: one line, path and reason)
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:

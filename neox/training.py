@@ -37,7 +37,7 @@ from neox.step import micro_batch_loss, recompute_policy
 from neox.trained import trained_layers
 from neox.recipe import DataConfig, LoopConfig, ModelRecipe, OptimConfig, Recipe
 from neox.run_dir import (CHECKPOINTS, HF_EXPORT, METRICS, TOKENIZER, TOKENIZER_SHA256,
-                          TRAINABLE, MetricsFile, OutputDirError, describe_os_error,
+                          TRAINABLE, MetricsFile, OutputDirError,
                           tokenizer_bytes, write_tokenizer)
 from neox.weights import (RandomInit, WeightsReader, materialize, meta_layer, open_weights,
                           save_hf)
@@ -479,10 +479,8 @@ def export_hf(state: TrainState, recipe: Recipe, data: RunData, checkpoint: Path
                 pass
             return
         tok = Path(recipe.output.output_dir) / TOKENIZER  # written when the run started
-        try:
-            save_hf(out, built, states, overwrite=True, extra_files={TOKENIZER: tok})
-        except OSError as e:
-            raise OutputDirError(describe_os_error(e, e.filename or out)) from None
+        # A failed write is one CheckpointWriteError line naming the file (zerocore.durable_io)
+        save_hf(out, built, states, overwrite=True, extra_files={TOKENIZER: tok})
     zerocore.run_agreed(write)
     return out
 

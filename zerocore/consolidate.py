@@ -26,10 +26,11 @@ import torch
 from safetensors.torch import save_file
 
 from zerocore.checkpoint_errors import CheckpointError
-from zerocore.checkpoint_manifest import read_manifest
+from zerocore.checkpoint_dirs import latest_checkpoint
+from zerocore.checkpoint_manifest import MANIFEST, read_manifest
 # iter_full_layers lived here: importers of zerocore.consolidate.iter_full_layers keep working.
 from zerocore.checkpoint_reader import DTYPES, iter_full_layers, open_checkpoint
-from zerocore.durable_io import write_error
+from zerocore.durable_io import make_dir, write_atomically, write_error, writing
 
 __all__ = ["consolidate", "iter_full_layers", "save_trainable", "tensor_name", "TRAINABLE_FILE",
            "main"]
@@ -50,19 +51,12 @@ def save_trainable(path: Path, layers: Iterable[tuple[int, dict[str, torch.Tenso
     (a temporary file beside it, renamed). What ``--trainable-only`` writes from a checkpoint,
     and what an application writes from a live model (``ShardedSequential.iter_full_states(
     trainable_only=True, to_rank=...)``). A write error is one ``CheckpointWriteError`` line
-    naming the path and the errno."""
+    naming the path and the reason (whatever safetensors or the OS raised); an earlier file at
+    ``path`` is then unchanged."""
     tensors: dict[str, torch.Tensor] = {}
     for index, state in layers:
         tensors.update({tensor_name(index, name, model_names): t for name, t in state.items()})
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        save_file(tensors, str(tmp))
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise write_error("write", path, e) from None
-    return path
+    return write_atomically(Path(path), lambda tmp: save_file(tensors, str(tmp)))
 
 
 def consolidate(ckpt: Path, out: Path, *, trainable_only: bool = False,
@@ -96,7 +90,7 @@ def consolidate(ckpt: Path, out: Path, *, trainable_only: bool = False,
                                   f"({twice[:3]}...); this checkpoint's names are per layer "
                                   f"(zerocore.shard): leave --model-names out")
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
+    make_dir(tmp, parents=True)
     try:
         trainable: list[tuple[int, dict[str, torch.Tensor]]] = []
         index: dict[str, str] = {}
@@ -108,15 +102,18 @@ def consolidate(ckpt: Path, out: Path, *, trainable_only: bool = False,
                 trainable.append((i, tensors))
             elif named:
                 name = f"model-{i + 1:05d}-of-{n_layers:05d}.safetensors"
-                save_file(named, str(tmp / name))
+                with writing(out / name):  # safetensors' own error, as one line
+                    save_file(named, str(tmp / name))
                 index.update({k: name for k in named})
             log(f"layer {i + 1}/{n_layers}: {len(named)} tensors")
         if trainable_only:
             save_trainable(tmp / TRAINABLE_FILE, trainable, model_names=model_names)
         else:
-            with open(tmp / "model.safetensors.index.json", "w") as f:
+            with writing(out / "model.safetensors.index.json"), \
+                    open(tmp / "model.safetensors.index.json", "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": index}, f, indent=1)
-        os.rename(tmp, out)
+        with writing(out, f"rename {tmp} to"):
+            os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -126,7 +123,9 @@ def consolidate(ckpt: Path, out: Path, *, trainable_only: bool = False,
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m zerocore.consolidate",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoint", type=Path, help="a checkpoint directory (step-XXXXXXXX)")
+    p.add_argument("checkpoint", type=Path,
+                   help="a checkpoint directory (step-XXXXXXXX), or a folder of them (the newest "
+                        "committed one is used, and named)")
     p.add_argument("out", type=Path, help="output directory (must not exist)")
     p.add_argument("--trainable-only", action="store_true",
                    help="write only the trained parameters")
@@ -138,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     dtype = None
     try:
+        if not (args.checkpoint / MANIFEST).is_file():
+            newest = latest_checkpoint(args.checkpoint) if args.checkpoint.is_dir() else None
+            if newest is not None:
+                print(f"the newest checkpoint in {args.checkpoint}: {newest}")
+                args.checkpoint = newest
         if args.dtype == "training":
             dtype = DTYPES[read_manifest(args.checkpoint)["param_dtype"]]
         out = consolidate(args.checkpoint, args.out, trainable_only=args.trainable_only,

@@ -1,29 +1,93 @@
-"""The filesystem operations of a save, each durable (flushed and fsynced) and each failing with
-one ``CheckpointWriteError`` line that names the path and the errno:
+"""The filesystem operations of every writer (checkpoints, consolidation, exports, a run's
+files), each durable (flushed and fsynced) and each failing with one ``CheckpointWriteError``
+line that names the path and the reason:
 
     cannot write .../step-00000005.tmp-1a2b3c4d/manifest.json: [Errno 28] No space left on device
 
-``torch.save`` reports a failed write of its file object as a ``RuntimeError`` from its zip
-writer ("unexpected pos ..."), without the path or the errno; ``write_file`` hands it a file
-object that keeps the ``OSError`` behind it, and hashes what is written on the way (so the rank
-files are not read back to be hashed).
+The writers' libraries do not all fail with an ``OSError``: ``torch.save`` reports a failed
+write of its file object as a ``RuntimeError`` from its zip writer ("unexpected pos ..."),
+without the path or the errno, and safetensors raises its own ``SafetensorError`` ("Error while
+serializing: I/O error: No space left on device (os error 28)"). ``write_error`` turns any of
+them into the one line (the errno recovered from the text where the library kept only that);
+``writing(path)`` does so for a block of writes, ``write_atomically`` for one file written
+beside its final name and renamed. ``write_file`` hands ``torch.save`` a file object that keeps
+the ``OSError`` behind it, and hashes what is written on the way (so the rank files are not
+read back to be hashed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import re
+import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from zerocore.checkpoint_errors import CheckpointWriteError
 
 
-def write_error(verb: str, path: Path, e: OSError) -> CheckpointWriteError:
-    """``cannot <verb> <path>: [Errno N] <strerror>``, as an exception."""
-    reason = f"[Errno {e.errno}] {e.strerror}" if e.errno is not None else str(e)
-    return CheckpointWriteError(f"cannot {verb} {path}: {reason}", errno=e.errno,
+# safetensors (Rust) and other libraries keep only the text of the OS error: "... (os error 28)".
+_OS_ERROR_TEXT = re.compile(r"\(os error (\d+)\)")
+
+
+def failure_reason(e: BaseException) -> tuple[int | None, str]:
+    """(errno or None, ``[Errno N] <strerror>``) for a failed write of any library: the errno
+    of an ``OSError``, or the one a library's message names; else the message's first line."""
+    if isinstance(e, CheckpointWriteError):
+        return e.errno, str(e)
+    if isinstance(e, OSError) and e.errno is not None:
+        return e.errno, f"[Errno {e.errno}] {e.strerror or os.strerror(e.errno)}"
+    found = _OS_ERROR_TEXT.search(str(e))
+    if found:
+        code = int(found.group(1))
+        return code, f"[Errno {code}] {os.strerror(code)}"
+    lines = str(e).strip().splitlines()
+    return None, f"{type(e).__name__}: {lines[0] if lines else 'failed'}"
+
+
+def write_error(verb: str, path: Path | str, e: BaseException) -> CheckpointWriteError:
+    """``cannot <verb> <path>: [Errno N] <strerror>``, as an exception, from any exception a
+    write raised (an ``OSError``, safetensors' ``SafetensorError``, torch's ``RuntimeError``).
+    A ``CheckpointWriteError`` (already one line naming its path) is returned as it is."""
+    if isinstance(e, CheckpointWriteError):
+        return e
+    code, reason = failure_reason(e)
+    return CheckpointWriteError(f"cannot {verb} {path}: {reason}", errno=code,
                                 filename=str(path))
+
+
+@contextlib.contextmanager
+def writing(path: Path | str, verb: str = "write") -> Iterator[None]:
+    """Any exception of the writes in the block becomes one ``CheckpointWriteError`` naming
+    ``path``: wrap only writes (not checks of their input, whose errors are the user's)."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001  (whatever the library raises: one line)
+        raise write_error(verb, path, e) from None
+
+
+def write_atomically(path: Path | str, write: Callable[[Path], Any]) -> Path:
+    """``write(tmp)`` creates a temporary file beside ``path`` (safetensors' ``save_file``,
+    ``Path.write_text``, ...); it is then fsynced and renamed to ``path``. Any failure is one
+    ``CheckpointWriteError`` naming ``path``; the temporary file is removed and whatever was at
+    ``path`` before is unchanged. Returns ``path``."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with writing(path):
+            write(tmp)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
 
 
 class _HashingWriter:
@@ -68,7 +132,7 @@ def write_file(path: Path, write: Callable[[Any], Any]) -> dict[str, Any]:
             f.flush()
             os.fsync(f.fileno())
             assert f.tell() == out.size, f"{path}: the writer moved the file position"
-    except OSError as e:
+    except (OSError, RuntimeError) as e:  # torch's error without an OS error behind it too
         raise write_error("write", path, e) from None
     return {"sha256": out.hexdigest(), "bytes": out.size}
 

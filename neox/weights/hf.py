@@ -39,6 +39,7 @@ from neox.weights.base import (WeightsError, WeightsReader, contained, flat_rang
                                layer_label, load_state_file)
 from neox.config import NeoXConfig
 from neox.model import LayerKind, build_layer
+from zerocore.durable_io import writing
 
 __all__ = ["HFReader", "is_hf_directory", "save_hf", "hf_key", "WEIGHT_FILES"]
 
@@ -341,9 +342,10 @@ def save_hf(directory: str | Path, config: NeoXConfig,
     n_files = len(order)
     file_names = {spec: f"model-{i + 1:05d}-of-{n_files:05d}.safetensors"
                   for i, spec in enumerate(order)}
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".partial",
-                                dir=directory.parent))
+    with writing(directory, "create"):
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".partial",
+                                    dir=directory.parent))
     try:
         weight_map: dict[str, str] = {}
         total_size = 0
@@ -372,7 +374,8 @@ def save_hf(directory: str | Path, config: NeoXConfig,
                     device="cpu", memory_format=torch.contiguous_format, copy=True)
             if kind == "embed":
                 dtype = tensors["gpt_neox.embed_in.weight"].dtype
-            save_file(tensors, tmp / file_names[spec], metadata={"format": "pt"})
+            with writing(directory / file_names[spec]):  # safetensors' error: one line
+                save_file(tensors, tmp / file_names[spec], metadata={"format": "pt"})
             for key, t in tensors.items():
                 weight_map[key] = file_names[spec]
                 total_size += t.numel() * t.element_size()
@@ -384,14 +387,28 @@ def save_hf(directory: str | Path, config: NeoXConfig,
 
         hf_config = dataclasses.replace(config, tie_word_embeddings=False).to_hf_dict()
         hf_config["dtype"] = str(dtype).removeprefix("torch.")
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+        with writing(directory / "config.json"):
+            (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True)
+                                             + "\n")
         index = {"metadata": {"total_size": total_size},
                  "weight_map": dict(sorted(weight_map.items()))}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        with writing(directory / "model.safetensors.index.json"):
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         for name, source in (extra_files or {}).items():
-            shutil.copyfile(source, tmp / name)
+            with writing(directory / name):
+                shutil.copyfile(source, tmp / name)
 
         os.chmod(tmp, 0o755)  # mkdtemp makes it private to the user
+        _replace_dir(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def _replace_dir(tmp: Path, directory: Path) -> None:
+    """``tmp`` becomes ``directory`` (an earlier one is removed only once replaced)."""
+    with writing(directory, f"rename {tmp} to"):
         if directory.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".old",
                                         dir=directory.parent))
@@ -400,7 +417,3 @@ def save_hf(directory: str | Path, config: NeoXConfig,
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return directory
