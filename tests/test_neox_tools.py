@@ -18,6 +18,7 @@ from neox.finetune import build_parser as finetune_parser
 from neox.generate import main as generate_main
 from neox.run_dir import CHECKPOINTS, METRICS, TOKENIZER
 from neox_testing import EXCERPT, REPO, call_main, run_module
+from small_disk import small_disk  # noqa: F401  (a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +133,97 @@ def test_every_flag_an_error_message_suggests_exists(capsys):
     assert suggested, "the pattern finds the suggestions"
     unknown = {flag: where for flag, where in suggested.items() if flag not in known}
     assert not unknown, f"messages suggest flags no tool has: {unknown}"
+
+
+# -- every writer on a full disk: one line naming the path and the reason ---------------------------
+# (The checkpoint writer's own full-disk tests are in test_checkpoint_manifest.py.)
+
+def _one_error_line(proc, path_prefix: str, reason: str) -> None:
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"error: cannot write {path_prefix}"), lines[0]
+    assert lines[0].endswith(reason), lines[0]
+
+
+def _leftovers(root: Path) -> list[str]:
+    """Temporary files or directories a failed write left behind."""
+    return sorted(p.name for p in root.rglob("*") if ".tmp" in p.name or ".partial" in p.name)
+
+
+def test_export_on_a_full_disk_is_one_line(run, small_disk, capsys):
+    ckpt = run / CHECKPOINTS / "step-00000006"
+    for extra in ((), ("--trainable-only",), ("--lora", "separate")):
+        out = small_disk.root / "hf"
+        with small_disk.full():
+            proc = call_main(export.main, capsys, ckpt, out, *extra)
+        _one_error_line(proc, str(out), small_disk.reason)
+        assert _leftovers(small_disk.root) == [], extra
+
+
+def test_an_export_that_fails_leaves_the_earlier_one(run, small_disk, capsys):
+    from safetensors.torch import save_file
+    import torch
+    out = small_disk.root / "t"
+    out.mkdir()
+    save_file({"x": torch.ones(4)}, str(out / "trainable.safetensors"))
+    before = (out / "trainable.safetensors").read_bytes()
+    with small_disk.full():
+        proc = call_main(export.main, capsys, run / CHECKPOINTS / "step-00000006", out,
+                         "--trainable-only", "--overwrite")
+    _one_error_line(proc, str(out / "trainable.safetensors"), small_disk.reason)
+    assert (out / "trainable.safetensors").read_bytes() == before
+    assert _leftovers(small_disk.root) == []
+
+
+def test_consolidate_on_a_full_disk_is_one_line(run, small_disk, capsys):
+    from zerocore import consolidate
+    for extra in ((), ("--trainable-only",)):
+        out = small_disk.root / "out"
+        with small_disk.full():
+            proc = call_main(consolidate.main, capsys, run / CHECKPOINTS, out, *extra)
+        _one_error_line(proc, str(small_disk.root / ".out.tmp-")
+                        if extra else str(out), small_disk.reason)
+        assert not out.exists() and _leftovers(small_disk.root) == [], extra
+
+
+def test_the_runs_trainable_file_on_a_full_disk_keeps_the_earlier_one(small_disk):
+    """save_trainable is what a run writes at its end (neox.training.write_trainable)."""
+    import torch
+    from zerocore.checkpoint import CheckpointWriteError
+    from zerocore.consolidate import save_trainable
+    path = small_disk.root / "trainable.safetensors"
+    save_trainable(path, [(0, {"bias": torch.ones(3)})])
+    before = path.read_bytes()
+    with small_disk.full(), pytest.raises(CheckpointWriteError) as raised:
+        save_trainable(path, [(0, {"weight": torch.ones(64, 1024)})])
+    assert str(raised.value) == f"cannot write {path}: {small_disk.reason}"
+    assert path.read_bytes() == before and _leftovers(small_disk.root) == []
+
+
+def test_metrics_on_a_full_disk_is_one_line(small_disk):
+    from neox.run_dir import MetricsFile, OutputDirError
+    metrics = MetricsFile(small_disk.root / METRICS, resume_step=None)
+    metrics.write({"step": 1, "loss": 1.0})
+    with small_disk.full(), pytest.raises(OutputDirError) as raised:
+        metrics.write({"step": 2, "note": "x" * (2 * 65536)})
+    assert str(raised.value) == f"cannot write {small_disk.root / METRICS}: {small_disk.reason}"
+    assert (small_disk.root / METRICS).read_text().splitlines()[0] == \
+        '{"step": 1, "loss": 1.0}'
+
+
+def test_write_error_takes_any_librarys_exception(tmp_path):
+    """safetensors keeps only the text of the OS error; torch's zip writer not even that."""
+    from safetensors import SafetensorError
+    from zerocore.durable_io import write_error
+    e = SafetensorError("Error while serializing: I/O error: No space left on device "
+                        "(os error 28)")
+    made = write_error("write", tmp_path / "x", e)
+    assert isinstance(made, OSError) and made.errno == 28
+    assert str(made) == f"cannot write {tmp_path / 'x'}: [Errno 28] No space left on device"
+    made = write_error("write", tmp_path / "y", RuntimeError("[enforce fail at inline_container"
+                                                             ".cc:626] . unexpected pos 64\nmore"))
+    assert str(made) == (f"cannot write {tmp_path / 'y'}: RuntimeError: [enforce fail at "
+                         f"inline_container.cc:626] . unexpected pos 64")
+    assert write_error("write", tmp_path / "z", made) is made
