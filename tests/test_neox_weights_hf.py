@@ -565,3 +565,30 @@ def test_hub_cache_snapshot_links_into_its_blobs(hf_model, tmp_path):
     snapshot.rename(other)
     with pytest.raises(WeightsError, match="leads outside the weights directory"):
         neox.open_weights(other)
+
+
+class _RunsCode:
+    """A pickled object whose loading would call a function (here: create a file)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_bin_that_would_run_code_is_refused_in_one_line(tmp_path):
+    """torch's own refusal ends by saying weights_only=False "will likely succeed": the advice
+    not to take with an untrusted file; neox says what was refused, in one line, and nothing
+    of the file runs."""
+    from neox.weights.base import load_state_file
+    marker = tmp_path / "it-ran"
+    torch.save({"gpt_neox.embed_in.weight": torch.zeros(2), "x": _RunsCode(marker)},
+               tmp_path / "pytorch_model.bin")
+    with pytest.raises(WeightsError) as raised:
+        load_state_file(tmp_path / "pytorch_model.bin")
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith(f"{tmp_path / 'pytorch_model.bin'}: refused")
+    assert "weights_only" not in message and "likely succeed" not in message
+    assert "unsupported global" in message.lower(), message
+    assert not marker.exists()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import abc
 import math
+import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -55,10 +56,28 @@ def load_state_file(path: Path) -> dict[str, Any]:
                 raise
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # unpickling raises many types
-        raise WeightsError(f"{path}: cannot load ({e})") from None
+        raise WeightsError(f"{path}: {_load_failure(e)}") from None
     if not isinstance(state, dict):
         raise WeightsError(f"{path}: holds a {type(state).__name__}, not a state dict")
     return state
+
+
+def _load_failure(e: Exception) -> str:
+    """Why ``torch.load(weights_only=True)`` failed, in one line. Its refusal of a pickle that
+    would import code is five lines that end by advising ``weights_only=False`` ("will likely
+    succeed"): exactly what must not be done with a file one does not trust, so only the
+    refused object is named."""
+    text = str(e)
+    if text.startswith("Weights only load failed"):
+        # torch words it differently by version and path: "Unsupported global: GLOBAL getattr
+        # was not an allowed global by default." / "... unsupported GLOBAL posix.system whose
+        # module posix is blocked."
+        found = re.search(r"(?i)unsupported global[^.\n]*", text)
+        what = found.group(0) if found else "an object that is not a tensor"
+        return (f"refused: the file holds pickled objects that loading would have to import and "
+                f"run, not only tensors ({what}); neox loads tensors only: use the model's "
+                f"safetensors files, or a copy of the weights you trust")
+    return f"cannot load ({' '.join(text.split())})"
 
 
 def _inside_roots(root: Path) -> list[Path]:
