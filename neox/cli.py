@@ -19,7 +19,7 @@ from neox.config import PRESETS, NeoXConfig
 from neox.finetune_modes import MODES
 
 __all__ = ["DTYPES", "UsageError", "BlockRanges", "parse_layers", "add_model_arguments",
-           "preset_config", "resolve_dtype", "HelpFormatter", "Parser", "byte_budget", "VOCAB_MULTIPLE", "positive_int", "nonnegative_int", "finite_float",
+           "preset_config", "resolve_dtype", "HelpFormatter", "Parser", "byte_budget", "VOCAB_MULTIPLE", "positive_int", "nonnegative_int", "finite_float", "nonnegative_float",
            "default_data_dir_flag", "add_mode_arguments", "add_step_arguments", "auto_mode",
            "FINETUNE_DEFAULT_MODE", "recompute_blocks", "ALL_BLOCKS"]
 
@@ -148,6 +148,14 @@ def finite_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    value = finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 

@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(p)
     p.add_argument("--seq-len", type=positive_int, default=128,
                    help="tokens per window of TEXT (a run's validation windows keep the run's)")
-    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--batch-size", type=positive_int, default=8,
+                   help="windows per forward (more: faster, more memory)")
     p.add_argument("--max-windows", type=positive_int, default=None,
                    help="evaluate only the first N")
     p.add_argument("--json", action="store_true", help="print one JSON object (machine output)")
@@ -105,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if text is None:
                 text = read_text(None, args.data_dir)
+            positions = loaded.model.config.max_position_embeddings
+            if args.seq_len > positions:  # as neox.generate refuses a prompt beyond them
+                raise ValueError(f"--seq-len {args.seq_len} exceeds the model's {positions} "
+                                 f"positions; give --seq-len {positions} or less")
             tokens = torch.from_numpy(nd.encode_text(loaded.tokenizer, text).astype("int64"))
             inputs, targets = token_windows(tokens, args.seq_len)
             what = str(args.text or "tiny_shakespeare")

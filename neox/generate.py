@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from neox.cli import HelpFormatter, Parser, finite_float, nonnegative_int, positive_int
+from neox.cli import HelpFormatter, Parser, nonnegative_float, nonnegative_int, positive_int
 from neox.inference import add_arguments, load_model
 from neox.model import NeoXModel
 from neox.sampling import choose_token
@@ -41,12 +41,15 @@ def main(argv: list[str] | None = None) -> int:
                formatter_class=HelpFormatter)
     add_arguments(p)
     p.add_argument("--prompt", default="ROMEO:", help="text to continue")
-    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64,
+                   help="tokens to generate after the prompt")
     # Sampling by default: a small model's greedy continuation soon repeats one token.
-    p.add_argument("--temperature", type=finite_float, default=0.8, help="0: greedy")
+    p.add_argument("--temperature", type=nonnegative_float, default=0.8,
+                   help="sampling temperature, >= 0 (0: greedy, always the likeliest token)")
     p.add_argument("--top-k", type=nonnegative_int, default=40,
                    help="sample among the k likeliest (0: all)")
-    p.add_argument("--num-samples", type=positive_int, default=1)
+    p.add_argument("--num-samples", type=positive_int, default=1,
+                   help="independent continuations of the prompt, each printed")
     args = p.parse_args(argv)
     try:
         loaded = load_model(args)

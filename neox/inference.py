@@ -45,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the GPT-NeoX tokenizer in --data-dir)")
     p.add_argument("--data-dir", type=Path, default=default_data_dir_flag(),
                    help="local data (default: shared/data beside the repository)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
 
 
 def _tokenizer(path: Path) -> Tokenizer:
@@ -54,10 +55,34 @@ def _tokenizer(path: Path) -> Tokenizer:
     return tokenizer
 
 
+def choose_device(name: str | None) -> torch.device:
+    """``--device``: cpu, cuda or cuda:N, checked against what this torch and machine have
+    (ValueError, one line, otherwise)."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name}: not a device these tools run on; use cpu, cuda or "
+                         f"cuda:N")
+    if device.type == "cuda":
+        if torch.version.cuda is None:
+            raise ValueError(f"--device {name}: this torch ({torch.__version__}) is a CPU-only "
+                             f"build; use --device cpu, or install a CUDA build of torch")
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: no CUDA GPU is visible; use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} "
+                             f"GPU(s), numbered from 0")
+    return device
+
+
 def load_model(args: argparse.Namespace) -> Loaded:
     """The model and tokenizer the arguments describe. Raises ValueError (with a message for
     the user) on bad input."""
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = choose_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     source = args.checkpoint
     if source is None and args.model is None:

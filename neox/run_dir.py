@@ -231,6 +231,11 @@ def claim_output_dir(directory: Path, *, resume_run_id: str | None, resuming: bo
         if resuming:
             raise OutputDirError(f"{directory} holds another run ({what}); resume into another "
                                  f"--output-dir")
+        if not checkpoint_runs(directory / CHECKPOINTS):  # stopped before its first save
+            raise OutputDirError(
+                f"{directory} holds another run ({what}) that saved no checkpoint, so it cannot "
+                f"be resumed; start over with --overwrite (deletes its metrics and exports), or "
+                f"choose another --output-dir")
         raise OutputDirError(
             f"{directory} holds another run ({what}); continue it with --resume "
             f"{directory / CHECKPOINTS}, start over with --overwrite (deletes its checkpoints, "
@@ -244,9 +249,20 @@ def claim_output_dir(directory: Path, *, resume_run_id: str | None, resuming: bo
                 target.unlink()
         log(f"overwrite: deleted the outputs of {'; '.join(others)} in {directory}")
     warn_incomplete(directory / CHECKPOINTS, log)
-    _atomic_json(directory / RUN_FILE, {
-        "run_id": run_id, "created": datetime.datetime.now().isoformat(timespec="seconds")})
+    # "created" is when the run first took the directory: a resume keeps it.
+    if not (resuming and _run_file(directory).get("run_id") == run_id):
+        _atomic_json(directory / RUN_FILE, {
+            "run_id": run_id, "created": datetime.datetime.now().isoformat(timespec="seconds")})
     return run_id
+
+
+def _run_file(directory: Path) -> dict[str, Any]:
+    """``run.json`` as it is (an empty dict when absent; ``read_run_id`` checked it)."""
+    try:
+        d = json.loads((directory / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return d if isinstance(d, dict) else {}
 
 
 def warn_incomplete(folder: Path, log: Callable[[str], None]) -> None:

@@ -19,7 +19,9 @@ def choose_token(logits: torch.Tensor, *, temperature: float, top_k: int,
     temperature 0, else a sample among the ``top_k`` likeliest (all when 0) at ``temperature``.
     ``generator`` is a CPU generator (sampling runs on the CPU, so a seed gives the same text on
     any device)."""
-    if temperature <= 0:
+    if temperature < 0:
+        raise ValueError(f"temperature {temperature}: must be >= 0 (0: greedy)")
+    if temperature == 0:
         return logits.argmax(-1, keepdim=True)
     scores = logits.float() / temperature
     if top_k > 0:

@@ -152,3 +152,30 @@ def test_cuda_ranks_get_expandable_segments_unless_the_user_chose():
     from neox.launch import cuda_environment
     assert cuda_environment({}) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert cuda_environment({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) == {}
+
+
+def test_resume_keeps_the_created_time(finished_run, tmp_path):
+    """run.json's "created" is when the run first took the directory; resuming (even a resume
+    that is refused later, in the ranks) does not rewrite it."""
+    out = _copy(finished_run, tmp_path / "out")
+    owner = json.loads((out / RUN_FILE).read_text())["run_id"]
+    (out / RUN_FILE).write_text(json.dumps({"run_id": owner, "created": "2026-01-01T00:00:00"}))
+    claim_output_dir(out, resume_run_id=owner, resuming=True, overwrite=False, log=Log())
+    assert json.loads((out / RUN_FILE).read_text()) == {"run_id": owner,
+                                                        "created": "2026-01-01T00:00:00"}
+
+
+def test_a_run_killed_before_its_first_checkpoint_is_not_offered_to_resume(tmp_path):
+    """What a run killed before its first save leaves: run.json and metrics, no checkpoint.
+    --resume could not continue it, so the refusal offers --overwrite only; that works."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / RUN_FILE).write_text(json.dumps({"run_id": "0123456789ab", "created": "t"}))
+    (out / METRICS).write_text('{"step": 1, "loss": 9.0}\n')
+    with pytest.raises(OutputDirError) as raised:
+        claim_output_dir(out, resume_run_id=None, resuming=False, overwrite=False, log=Log())
+    message = str(raised.value)
+    assert "saved no checkpoint" in message and "--overwrite" in message, message
+    assert "--resume" not in message, message
+    claim_output_dir(out, resume_run_id=None, resuming=False, overwrite=True, log=Log())
+    assert not (out / METRICS).exists()

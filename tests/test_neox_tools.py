@@ -227,3 +227,41 @@ def test_write_error_takes_any_librarys_exception(tmp_path):
     assert str(made) == (f"cannot write {tmp_path / 'y'}: RuntimeError: [enforce fail at "
                          f"inline_container.cc:626] . unexpected pos 64")
     assert write_error("write", tmp_path / "z", made) is made
+
+
+# -- the edges of neox.evaluate and neox.generate: one line each -------------------------------------
+
+def _one_line_error(proc, phrase: str) -> None:
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and phrase in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize("main", [evaluate.main, generate_main], ids=["evaluate", "generate"])
+def test_a_device_that_is_not_there_is_one_line(run, main, capsys):
+    proc = call_main(main, capsys, "--checkpoint", run, "--device", "tpu")
+    _one_line_error(proc, "--device tpu: not a device these tools run on; use cpu, cuda")
+    import torch
+    if not torch.cuda.is_available():
+        proc = call_main(main, capsys, "--checkpoint", run, "--device", "cuda")
+        _one_line_error(proc, "--device cuda: " + ("this torch" if torch.version.cuda is None
+                                                   else "no CUDA GPU is visible"))
+
+
+def test_evaluate_refuses_windows_beyond_the_models_positions(run, capsys):
+    from neox.trained import run_checkpoint, run_settings
+    positions = run_settings(run_checkpoint(run))[1].max_position_embeddings
+    proc = call_main(evaluate.main, capsys, EXCERPT, "--checkpoint", run, "--seq-len",
+                     positions + 1)
+    _one_line_error(proc, f"--seq-len {positions + 1} exceeds the model's {positions} positions")
+
+
+def test_a_negative_temperature_is_refused(run, capsys):
+    proc = call_main(generate_main, capsys, "--checkpoint", run, "--temperature", "-0.5")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "argument --temperature: must be >= 0, got -0.5" in proc.stderr
+    from neox.sampling import choose_token
+    import torch
+    with pytest.raises(ValueError, match="must be >= 0"):
+        choose_token(torch.zeros(1, 4), temperature=-1.0, top_k=0, generator=None)
