@@ -1,7 +1,9 @@
 """Fine-tune a transformers causal LM with PEFT LoRA under zerocore.shard_model: the model as
 transformers builds it, sharded in place by its decoder layers (ZeRO-3), CPU-offloaded optimizer
 state, fp32 on gloo processes; then the adapter is exported with PEFT's save_pretrained,
-reloaded by PEFT onto the base weights, and used to generate a line.
+reloaded by PEFT onto the base weights, and used to generate 40 bytes greedily, which must be
+the sharded model's own (a check of the export: LoRA on a random base learns little in 40
+steps, so the bytes are letters and fragments of words, not verse).
 
     python examples/finetune_hf_lora.py [--data FILE] [--steps 40] [--nproc 2] [--out DIR]
 
@@ -25,6 +27,10 @@ import zerocore
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = "ROMEO:\n"
+# Greedy, so the sharded model and PEFT's reload must give the same bytes. A byte model this
+# small, greedy, soon repeats its likeliest byte (a newline after "ROMEO:\n", forever): no
+# byte pair may repeat, so the line shows the letters and words it learnt.
+GENERATE = dict(max_new_tokens=40, do_sample=False, no_repeat_ngram_size=2, pad_token_id=0)
 
 
 def base_model() -> GPTNeoXForCausalLM:
@@ -68,8 +74,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     prompt = torch.tensor([list(PROMPT.encode())])
     model.eval()
     with torch.no_grad():
-        sharded_line = model.generate(input_ids=prompt, max_new_tokens=40, do_sample=False,
-                                      pad_token_id=0)
+        sharded_line = model.generate(input_ids=prompt, **GENERATE)
     adapter = sharded.full_state_dict(trainable_only=True, to_rank=0)  # collective
     if rank == 0:
         model.save_pretrained(out / "adapter", state_dict=adapter)
@@ -78,8 +83,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
         reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out / "base"),
                                              out / "adapter").eval()
         with torch.no_grad():
-            line = reloaded.generate(input_ids=prompt, max_new_tokens=40, do_sample=False,
-                                     pad_token_id=0)
+            line = reloaded.generate(input_ids=prompt, **GENERATE)
         print("reloaded by peft:", repr(bytes(line[0].tolist()).decode(errors="replace")))
         print("same as the sharded model's:", torch.equal(line, sharded_line))
 
@@ -96,7 +100,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=str(REPO / "tests" / "data" / "shakespeare_excerpt.txt"),
                    help="a text file to train on (default: the tests' Shakespeare excerpt)")
     p.add_argument("--steps", type=int, default=40, help="optimizer steps (default 40)")

@@ -82,7 +82,8 @@ def run(rank: int, steps: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=None,
                         help="processes to spawn (default: one per GPU with NCCL, else 2)")
     parser.add_argument("--steps", type=int, default=50, help="optimizer steps (default 50)")

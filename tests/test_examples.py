@@ -32,4 +32,18 @@ def test_finetune_hf_lora_example(tmp_path):
     losses = [float(m) for m in re.findall(r"loss (\d+\.\d+)", proc.stdout)]
     assert len(losses) >= 2 and losses[-1] < losses[0], proc.stdout
     assert "same as the sharded model's: True" in proc.stdout, proc.stdout
+    # The line shows something: not only the newlines a greedy byte model first falls into.
+    line = re.search(r"reloaded by peft: '(.*)'", proc.stdout).group(1)
+    continuation = line.encode().decode("unicode_escape")[len("ROMEO:\n"):]
+    assert len(set(continuation) - set(" \n\t")) >= 5, line
     assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_example_help_shows_the_whole_description():
+    for name in ("train_mlp.py", "finetune_hf_lora.py"):
+        proc = subprocess.run([sys.executable, str(ROOT / "examples" / name), "--help"],
+                              capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        assert proc.returncode == 0, proc.stderr
+        first_paragraph = (ROOT / "examples" / name).read_text().split('"""')[1].split("\n\n")[0]
+        assert " ".join(first_paragraph.split()) in " ".join(proc.stdout.split()), proc.stdout

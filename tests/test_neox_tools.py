@@ -265,3 +265,62 @@ def test_a_negative_temperature_is_refused(run, capsys):
     import torch
     with pytest.raises(ValueError, match="must be >= 0"):
         choose_token(torch.zeros(1, 4), temperature=-1.0, top_k=0, generator=None)
+
+
+# -- every flag of every tool is documented ----------------------------------------------------------
+
+class _Parsed(Exception):
+    def __init__(self, parser):
+        self.parser = parser
+
+
+def _parser_of(main, monkeypatch):
+    """The parser a tool's main builds (stopped as it parses, before it does anything)."""
+    import argparse
+
+    def capture(self, *args, **kwargs):
+        raise _Parsed(self)
+    with monkeypatch.context() as m:
+        m.setattr(argparse.ArgumentParser, "parse_args", capture)
+        try:
+            main([])
+        except _Parsed as got:
+            return got.parser
+    raise AssertionError(f"{main} parsed no arguments")
+
+
+def _tool_mains():
+    from neox import finetune, plan
+    from zerocore import __main__ as zerocore_main, consolidate, selftest
+    return {"neox.finetune": finetune.main, "neox.evaluate": evaluate.main,
+            "neox.generate": generate_main, "neox.export": export.main, "neox.plan": plan.main,
+            "zerocore": zerocore_main.main, "zerocore.consolidate": consolidate.main,
+            "zerocore.selftest": selftest.main}
+
+
+def test_every_flag_of_every_tool_has_help_and_neox_shows_defaults(monkeypatch):
+    import argparse
+    from neox.cli import HelpFormatter
+    undocumented, no_default = [], []
+    for tool, main in _tool_mains().items():
+        parser = _parser_of(main, monkeypatch)
+        for action in parser._actions:
+            name = "/".join(action.option_strings) or action.dest
+            if not action.help or action.help == argparse.SUPPRESS:
+                undocumented.append(f"{tool} {name}")
+            if tool.startswith("neox.") and action.option_strings and action.default not in (
+                    None, False, argparse.SUPPRESS):
+                # neox's formatter adds "(default: ...)" unless the help says it already.
+                shown = HelpFormatter("x")._get_help_string(action) \
+                    if issubclass(parser.formatter_class, HelpFormatter) else action.help
+                if "default" not in shown:
+                    no_default.append(f"{tool} {name}")
+    assert not undocumented, f"flags without help: {undocumented}"
+    assert not no_default, f"flags whose --help does not show their default: {no_default}"
+
+
+def test_python_m_zerocore_has_help(capsys):
+    from zerocore.__main__ import main
+    proc = call_main(main, capsys, "--help")
+    assert proc.returncode == 0 and "usage: python -m zerocore" in proc.stdout
+    assert "zerocore._C" not in proc.stdout  # --help only: nothing was run
