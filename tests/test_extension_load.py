@@ -26,3 +26,51 @@ def test_a_build_of_other_sources_is_stale(tmp_path):
     assert _extension._prebuilt_is_stale(str(tmp_path))
     _write_info(tmp_path, None)  # a build that recorded no fingerprint: trusted as before
     assert not _extension._prebuilt_is_stale(str(tmp_path))
+
+
+# -- the compile is never silent -------------------------------------------------------------------
+
+def test_compile_progress_says_each_file_and_keeps_talking_between(tmp_path):
+    """What setup.py and the first-import compile show: a line as each object file appears, and
+    one every quiet_s seconds while none does (the clock is fake, the thread real)."""
+    import os
+    import threading
+    import time
+    now = [0.0]
+    lines: list[str] = []
+    said = threading.Event()
+
+    def say(line: str) -> None:
+        lines.append(line)
+        said.set()
+
+    def step(seconds: float, write: str | None = None) -> None:
+        """Advances the fake clock (and writes an object file), then waits for the watcher."""
+        said.clear()
+        if write:
+            (tmp_path / write).write_bytes(b"")
+        now[0] += seconds
+        assert said.wait(5), lines
+
+    since = time.time() - 1
+    (tmp_path / "old.o").write_bytes(b"")  # a leftover of an earlier build: not counted
+    os.utime(tmp_path / "old.o", (since - 100, since - 100))
+    with _sources.compile_progress(say, 3, lambda: _sources.objects_written_since(
+            str(tmp_path), since), poll_s=0.01, quiet_s=20.0, clock=lambda: now[0]):
+        step(7, "a.o")
+        step(30)               # nothing done for 20 s: a heartbeat
+        step(5, "b.o")
+    assert lines == ["zerocore: 1 of 3 files compiled (7 s)",
+                     "zerocore: 1 of 3 files compiled (37 s)",
+                     "zerocore: 2 of 3 files compiled (42 s)"]
+
+
+def test_one_compile_time_is_stated():
+    """setup.py and the first-import compile quote the figure measured (docs/decisions.md); the
+    README quotes the same."""
+    from pathlib import Path
+    root = Path(_sources.repo_root())
+    for path in (root / "setup.py", root / "zerocore" / "_extension.py"):
+        text = path.read_text()
+        assert "CPU_COMPILE_TIME" in text and "minutes on 2 cores" not in text, path
+    assert f"{_sources.CPU_COMPILE_TIME} to compile" in (root / "README.md").read_text()

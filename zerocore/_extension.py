@@ -11,6 +11,7 @@ Three cases, each with a clear outcome:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -18,6 +19,7 @@ import os
 import platform
 import re
 import sys
+import time
 
 import torch
 
@@ -80,6 +82,10 @@ def _import_prebuilt(package_dir: str) -> BuildInfo:
     return BuildInfo(info["torch"], info["cuda"], info["cuda_arch_list"], "built by setup.py")
 
 
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def _compile_now() -> BuildInfo:
     from torch.utils import cpp_extension
 
@@ -97,15 +103,22 @@ def _compile_now() -> BuildInfo:
     build_dir = os.path.join(os.path.expanduser("~"), ".cache", "zerocore", "kernels", name)
     os.makedirs(build_dir, exist_ok=True)
     _check_cpu(_sources.built_with_avx2())
-    if not os.path.isfile(os.path.join(build_dir, f"{name}.so")):
-        print(f"zerocore: compiling the kernels for torch {torch.__version__} "
-              f"({'CPU+CUDA' if with_cuda else 'CPU only'}) into {build_dir}: about "
-              f"{'5-10' if with_cuda else '1-3'} minutes, once", file=sys.stderr, flush=True)
-    cpp_extension.load(
-        name=name, sources=srcs, is_python_module=False, verbose=False,
-        build_directory=build_dir,
-        extra_cflags=_sources.cxx_flags() + (["-DZEROCORE_WITH_CUDA"] if with_cuda else []),
-        extra_cuda_cflags=_sources.nvcc_flags(), extra_ldflags=["-fopenmp"])
+    compiling = not os.path.isfile(os.path.join(build_dir, f"{name}.so"))
+    if compiling:
+        took = _sources.CUDA_COMPILE_TIME if with_cuda else _sources.CPU_COMPILE_TIME
+        _say(f"zerocore: compiling the kernels for torch {torch.__version__} "
+             f"({'CPU+CUDA' if with_cuda else 'CPU only'}) into {build_dir}: {len(srcs)} files, "
+             f"{took}, once; a line as each file is done")
+    since = time.time()
+    progress = (_sources.compile_progress(
+        _say, len(srcs), lambda: _sources.objects_written_since(build_dir, since))
+        if compiling else contextlib.nullcontext())
+    with progress:
+        cpp_extension.load(
+            name=name, sources=srcs, is_python_module=False, verbose=False,
+            build_directory=build_dir,
+            extra_cflags=_sources.cxx_flags() + (["-DZEROCORE_WITH_CUDA"] if with_cuda else []),
+            extra_cuda_cflags=_sources.nvcc_flags(), extra_ldflags=["-fopenmp"])
     return BuildInfo(torch.__version__, torch.version.cuda if with_cuda else None,
                      os.environ.get("TORCH_CUDA_ARCH_LIST") if with_cuda else None,
                      "compiled on first import")
