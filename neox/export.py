@@ -7,6 +7,9 @@ recorded in the checkpoint's manifest (the run's recipe and model configuration)
 are merged into the weights (default) or, with ``--lora separate``, the base model is exported
 unchanged and the adapters are written beside it in PEFT's layout
 (``adapter/adapter_model.safetensors`` + ``adapter_config.json``).
+
+The checkpoint is verified whole before any path its recipe names is opened; one of a format
+older than rank-file identities is exported only with ``--allow-unverified``.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ from neox.lora import merge_lora
 from neox.model import LayerKind, layer_specs
 from neox.recipe import RecipeError
 from neox.run_dir import TOKENIZER, TRAINABLE, OutputDirError
-from neox.trained import checkpoint_tokenizer, run_checkpoint, run_settings, trained_layers
+from neox.trained import RunCheckpoint, checkpoint_tokenizer, open_run, run_checkpoint, trained_layers
 from neox.weights import WeightsError, save_hf
 from neox.weights.hf import hf_key
-from zerocore.checkpoint import CheckpointError, iter_full_layers
+from zerocore.checkpoint import CheckpointError
 from zerocore.durable_io import make_dir, write_atomically
 
 __all__ = ["export", "export_trainable", "main"]
@@ -43,7 +46,7 @@ def _take_adapters(state: dict[str, torch.Tensor], kind: LayerKind, index: int |
     return state
 
 
-def _tokenizer_file(ckpt: Path, given: Path | None, log) -> dict[str, Path]:
+def _tokenizer_file(ckpt: RunCheckpoint, given: Path | None, log) -> dict[str, Path]:
     """The run's tokenizer for the export (``given`` wins), or nothing, with a note saying where
     it was looked for."""
     if given is not None:
@@ -56,13 +59,23 @@ def _tokenizer_file(ckpt: Path, given: Path | None, log) -> dict[str, Path]:
     return {TOKENIZER: found}
 
 
-def export_trainable(ckpt: Path, out: Path, *, overwrite: bool = False) -> Path:
+def _verified(ckpt: Path, allow_unverified: bool, log) -> RunCheckpoint:
+    run = open_run(ckpt, allow_unverified=allow_unverified)
+    if run.unverified:
+        log(f"note: {ckpt} cannot be verified ({run.unverified}); exporting it as "
+            f"--allow-unverified asks")
+    return run
+
+
+def export_trainable(ckpt: Path, out: Path, *, overwrite: bool = False,
+                     allow_unverified: bool = False, log=print) -> Path:
     """Only the trained tensors, under the model's own (Hugging Face) names: small, and no base
     weights are read. ``out/trainable.safetensors``."""
-    recipe, config = run_settings(ckpt)
+    run = _verified(ckpt, allow_unverified, log)
+    recipe, config = run.recipe, run.config
     specs = layer_specs(config, recipe.model.filter_layers)
     tensors = {}
-    for spec, (_, trained) in zip(specs, iter_full_layers(ckpt, trainable_only=True)):
+    for spec, (_, trained) in zip(specs, run.reader.full_layers(trainable_only=True)):
         tensors.update({hf_key(spec.kind, spec.index, name): t.contiguous()
                         for name, t in trained.items()})
     if out.exists() and any(out.iterdir()) and not overwrite:
@@ -72,14 +85,15 @@ def export_trainable(ckpt: Path, out: Path, *, overwrite: bool = False) -> Path:
 
 
 def export(ckpt: Path, out: Path, *, lora: str = "merged", overwrite: bool = False,
-           tokenizer: Path | None = None, log=print) -> Path:
-    recipe, config = run_settings(ckpt)
+           tokenizer: Path | None = None, log=print, allow_unverified: bool = False) -> Path:
+    run = _verified(ckpt, allow_unverified, log)
+    recipe, config = run.recipe, run.config
     mode = recipe.model.finetune
     built = filtered_config(config, recipe.model.filter_layers)
     adapters: dict[str, torch.Tensor] = {}
 
     def states():
-        for spec, state in trained_layers(ckpt, log):
+        for spec, state in trained_layers(run, log):
             if lora == "separate":
                 yield spec.kind, spec.index, _take_adapters(state, spec.kind, spec.index,
                                                             adapters)
@@ -87,7 +101,7 @@ def export(ckpt: Path, out: Path, *, lora: str = "merged", overwrite: bool = Fal
                 yield spec.kind, spec.index, merge_lora(state, mode.lora_scaling)
 
     save_hf(out, built, states(), overwrite=overwrite,
-            extra_files=_tokenizer_file(ckpt, tokenizer, log))
+            extra_files=_tokenizer_file(run, tokenizer, log))
     if lora == "separate" and adapters:
         adapter_dir = out / "adapter"
         make_dir(adapter_dir, parents=True)
@@ -122,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trainable-only", action="store_true",
                    help="write only the trained tensors (biases, LoRA adapters, ...) under the "
                         "model's own names to OUT/trainable.safetensors; no base weights read")
+    p.add_argument("--allow-unverified", action="store_true",
+                   help="read a checkpoint of an older format (1 or 2), whose rank files do not "
+                        "record which save, rank and step they are of")
     args = p.parse_args(argv)
     if args.tokenizer is not None and not args.tokenizer.is_file():
         print(f"error: --tokenizer {args.tokenizer}: no such file", file=sys.stderr)
@@ -132,10 +149,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"the newest checkpoint of the run in {args.checkpoint}: {found}")
             args.checkpoint = found
         if args.trainable_only:
-            out = export_trainable(args.checkpoint, args.out, overwrite=args.overwrite)
+            out = export_trainable(args.checkpoint, args.out, overwrite=args.overwrite,
+                                   allow_unverified=args.allow_unverified)
         else:
             out = export(args.checkpoint, args.out, lora=args.lora, overwrite=args.overwrite,
-                         tokenizer=args.tokenizer)
+                         tokenizer=args.tokenizer, allow_unverified=args.allow_unverified)
     except FileExistsError:
         print(f"error: {args.out} exists and is not an empty directory; choose another output "
               f"directory, or pass --overwrite to replace it", file=sys.stderr)

@@ -32,7 +32,7 @@ from neox.recipe import (DataConfig, LoopConfig, ModelRecipe, OptimConfig, Outpu
 from neox.run_dir import (CHECKPOINTS, OutputDirError, find_resume_checkpoint,
                            warn_incomplete)
 from neox.weights import WeightsError, open_weights
-from zerocore.checkpoint import CheckpointError, read_manifest
+from zerocore.checkpoint import CheckpointError, open_checkpoint, unverified_reason
 
 
 # The defaults of a fine-tuning run, and what replaces them when there are no pretrained
@@ -102,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue a run from a checkpoint (a step-XXXXXXXX directory, or a folder "
                         "of them: the newest of its run); flags not given are the checkpoint's; "
                         "any number of ranks")
+    c.add_argument("--allow-unverified", action="store_true",
+                   help="with --resume: accept a checkpoint of an older format (1 or 2), whose "
+                        "rank files do not record which save, rank and step they are of")
+    c.add_argument("--data-changed", action="store_true",
+                   help="with --resume: the training text differs from the one the run trained "
+                        "on, and that is intended; the weights and optimizer continue, the data "
+                        "order restarts at the beginning of the current epoch")
     c.add_argument("--overwrite", action="store_true",
                    help="start a new run in an output directory that holds another run, deleting "
                         "its checkpoints, metrics and exports first")
@@ -298,11 +305,18 @@ def model_blocks(args: argparse.Namespace) -> int:
 def resume_recipe(args: argparse.Namespace, flags: Recipe, checkpoint: Path,
                   log: Any) -> Recipe:
     """The recipe of a resumed run: the checkpoint's, with the flags that were given applied.
-    Flags that change which model or data is trained must agree with the checkpoint."""
+    Flags that change which model or data is trained must agree with the checkpoint. The whole
+    checkpoint is verified first (every rank file's checksum, identity and contents): nothing
+    its recipe names (data, cache, output directory, weights) is opened before."""
     try:
-        stored, _ = recipe_from_checkpoint(read_manifest(checkpoint)["extra"], str(checkpoint))
+        manifest = open_checkpoint(checkpoint,
+                                   allow_unverified=args.allow_unverified).manifest
+        stored, _ = recipe_from_checkpoint(manifest["extra"], str(checkpoint))
     except (RecipeError, CheckpointError) as e:
         raise UsageError(f"--resume: {e}") from None
+    if unverified_reason(manifest):
+        log(f"note: {checkpoint} cannot be verified ({unverified_reason(manifest)}); resuming "
+            f"from it as --allow-unverified asks")
     mine, theirs = flags.to_dict(), stored.to_dict()
     for dest in [d for d in IDENTITY_FLAGS if d in args.explicit]:
         ours, saved = _identity_value(mine, dest), _identity_value(theirs, dest)
@@ -355,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
         kept = ranges.blocks(num_blocks) if ranges is not None else None
         recipe = recipe_from_flags(args, kept, num_blocks)
         resume = None
+        for flag in ("allow_unverified", "data_changed"):
+            if getattr(args, flag) and args.resume is None:
+                raise UsageError(f"--{flag.replace('_', '-')} applies to --resume only")
         if args.resume is not None:
             resume = find_resume_checkpoint(args.resume, Path(recipe.output.output_dir)
                                             if "output_dir" in args.explicit else None)
@@ -368,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     launch_config = LaunchConfig(nproc=args.nproc, port=args.port, timeout=args.timeout,
                                  use_cuda=use_cuda)
-    request = RunRequest(recipe=recipe, resume=resume, overwrite=args.overwrite)
+    request = RunRequest(recipe=recipe, resume=resume, overwrite=args.overwrite,
+                         allow_unverified=args.allow_unverified, data_changed=args.data_changed)
     if torchrun:  # possibly many machines: this process is one rank of torchrun's group
         return run_under_torchrun(request, launch_config)
     return launch(request, launch_config)

@@ -20,7 +20,7 @@ from neox.config import filtered_config
 from neox.model import NeoXModel
 from neox.recipe import OutputConfig, Recipe
 from neox.run_dir import OutputDirError
-from neox.trained import checkpoint_tokenizer, run_checkpoint, run_settings, trained_model
+from neox.trained import checkpoint_tokenizer, open_run, run_checkpoint, trained_model
 from neox.weights import RandomInit, iter_layers, open_weights
 
 GPT_NEOX_TOKENIZER = "gpt-neox-20b-tokenizer.json"
@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="local data (default: shared/data beside the repository)")
     p.add_argument("--device", default=None,
                    help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    p.add_argument("--allow-unverified", action="store_true",
+                   help="read a run's checkpoint of an older format (1 or 2), whose rank files "
+                        "do not record which save, rank and step they are of")
 
 
 def _tokenizer(path: Path) -> Tokenizer:
@@ -101,14 +104,16 @@ def load_model(args: argparse.Namespace) -> Loaded:
         if args.filter_layers is not None:
             raise ValueError("--filter-layers applies to pretrained weights; a run's checkpoint "
                              "holds the blocks the run kept")
+        # Verified once, before any path its recipe names is opened.
+        ckpt = open_run(ckpt, allow_unverified=getattr(args, "allow_unverified", False))
         tok_path = args.tokenizer
         if tok_path is None:
             tok_path, looked = checkpoint_tokenizer(ckpt)
             if tok_path is None:
-                raise ValueError(f"the tokenizer of the run of {ckpt} was not found (looked in "
+                raise ValueError(f"the tokenizer of the run of {ckpt.path} was not found (looked in "
                                  f"{', '.join(str(p) for p in looked)}); pass --tokenizer FILE")
         model = trained_model(ckpt, dtype=dtype, device=device)
-        loaded = Loaded(model, _tokenizer(tok_path), device, str(ckpt), run_settings(ckpt)[0])
+        loaded = Loaded(model, _tokenizer(tok_path), device, str(ckpt.path), ckpt.recipe)
     else:
         ranges = parse_layers(args.filter_layers)
         if source is not None:

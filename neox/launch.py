@@ -64,11 +64,15 @@ class LaunchConfig:
 @dataclasses.dataclass(frozen=True)
 class RunRequest:
     """What the user asked for: the recipe, the checkpoint to resume from (already resolved to
-    a step directory), and whether to start over in a directory that holds another run."""
+    a step directory, and verified), whether to start over in a directory that holds another
+    run, and on resume whether an unverifiable checkpoint (--allow-unverified) or changed
+    training data (--data-changed) is accepted."""
 
     recipe: Recipe
     resume: Path | None = None
     overwrite: bool = False
+    allow_unverified: bool = False
+    data_changed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,7 +361,9 @@ def _run_rank(rank: int, task: RankTask) -> int:
         device = (torch.device("cuda", torch.cuda.current_device()) if task.use_cuda
                   else torch.device("cpu"))
         run_training(task.request.recipe, resume=task.request.resume, run_id=run_id, rank=rank,
-                     world_size=task.world_size, device=device)
+                     world_size=task.world_size, device=device,
+                     allow_unverified=task.request.allow_unverified,
+                     data_changed=task.request.data_changed)
     except RunFailed as e:  # reported in one line, agreed by every rank
         if e.message:
             print(f"error: {e.message}", file=sys.stderr, flush=True)

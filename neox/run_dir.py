@@ -37,7 +37,8 @@ from zerocore.consolidate import TRAINABLE_FILE
 
 __all__ = ["OutputDirError", "OutputDirLock", "check_writable", "claim_output_dir",
            "find_resume_checkpoint", "warn_incomplete", "MetricsFile", "RUN_FILE", "CHECKPOINTS", "METRICS",
-           "TRAINABLE", "HF_EXPORT", "TOKENIZER", "TOKENIZER_SHA256", "describe_os_error",
+           "TRAINABLE", "HF_EXPORT", "TOKENIZER", "TOKENIZER_SHA256", "DATA_SHA256",
+           "describe_os_error",
            "tokenizer_bytes", "write_tokenizer"]
 
 LOCK_FILE = ".lock"
@@ -49,6 +50,8 @@ HF_EXPORT = "hf"
 TOKENIZER = "tokenizer.json"
 # The key of a checkpoint's extra state that holds the SHA-256 of the run's tokenizer.json.
 TOKENIZER_SHA256 = "tokenizer_sha256"
+# ... and the one that holds the SHA-256 of the text the run trains on (``Corpus.sha256``).
+DATA_SHA256 = "data_sha256"
 # Everything a run writes into its directory: what --overwrite deletes, and nothing else.
 RUN_OUTPUTS = (CHECKPOINTS, METRICS, TRAINABLE, HF_EXPORT, TOKENIZER, RUN_FILE)
 
@@ -302,9 +305,11 @@ def find_resume_checkpoint(path: Path, output_dir: Path | None) -> Path:
 
 
 def checkpoint_run_id(checkpoint: Path) -> str | None:
-    """The run id stored in a checkpoint's manifest (None for checkpoints before run ids)."""
+    """The run id stored in a checkpoint's manifest (None for checkpoints before run ids). The
+    checkpoint was verified by neox.finetune (or its unverifiability accepted) before the run
+    was launched; only the manifest's COMMIT and fields are checked again here."""
     try:
-        return read_manifest(checkpoint).get("run_id")
+        return read_manifest(checkpoint, allow_unverified=True).get("run_id")
     except CheckpointError as e:
         raise OutputDirError(f"--resume: {e}") from None
 

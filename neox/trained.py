@@ -5,10 +5,17 @@ tensors in place, layer by layer, and the tokenizer the run used.
 Everything needed is recorded in the checkpoint (the run's recipe, the model's configuration,
 the tokenizer's checksum), so ``neox.export``, ``neox.evaluate`` and ``neox.generate`` work from
 a checkpoint alone, without the processes that trained it.
+
+The recipe names paths (the base weights, the tokenizer, the output directory): none is opened
+before the whole checkpoint is verified (``open_run``: manifest, COMMIT, every rank file's
+checksum, identity and contents), since a manifest edited with its checksums recomputed would
+otherwise point the readers anywhere. Each function takes a checkpoint directory (verified
+then) or a ``RunCheckpoint`` that ``open_run`` returned (verified once for all of them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from pathlib import Path
 from typing import Iterator
@@ -23,27 +30,62 @@ from neox.recipe import Recipe, recipe_from_checkpoint
 from neox.run_dir import (CHECKPOINTS, RUN_FILE, TOKENIZER, TOKENIZER_SHA256,
                           find_resume_checkpoint)
 from neox.weights import RandomInit, iter_layers, open_weights
-from zerocore.checkpoint import CheckpointError, MANIFEST, iter_full_layers, read_manifest
+from zerocore.checkpoint import (CheckpointError, MANIFEST, ShardReader, open_checkpoint,
+                                 unverified_reason)
 
-__all__ = ["run_settings", "trained_layers", "trained_model", "run_checkpoint",
-           "find_tokenizer", "checkpoint_tokenizer"]
+__all__ = ["RunCheckpoint", "open_run", "run_settings", "trained_layers", "trained_model",
+           "run_checkpoint", "find_tokenizer", "checkpoint_tokenizer"]
 
 
-def run_settings(ckpt: Path) -> tuple[Recipe, NeoXConfig]:
+@dataclasses.dataclass(frozen=True)
+class RunCheckpoint:
+    """A neox.finetune checkpoint, verified, with the recipe and model configuration it
+    stored."""
+
+    path: Path
+    reader: ShardReader        # every rank file checked; reads the trained tensors
+    recipe: Recipe
+    config: NeoXConfig
+
+    @property
+    def extra(self) -> dict:
+        return self.reader.manifest["extra"]
+
+    @property
+    def unverified(self) -> str | None:
+        """Why the checkpoint could not be verified (an older format, read as asked)."""
+        return unverified_reason(self.reader.manifest)
+
+
+def open_run(ckpt: "Path | RunCheckpoint", *, allow_unverified: bool = False) -> RunCheckpoint:
+    """The checkpoint verified (``zerocore.open_checkpoint``), then its recipe read. Raises
+    ``CheckpointError`` or ``RecipeError``. ``allow_unverified``: accept a checkpoint of a
+    format older than rank-file identities."""
+    if isinstance(ckpt, RunCheckpoint):
+        return ckpt
+    reader = open_checkpoint(ckpt, allow_unverified=allow_unverified)
+    recipe, config = recipe_from_checkpoint(reader.manifest["extra"], str(ckpt))
+    return RunCheckpoint(Path(ckpt), reader, recipe, config)
+
+
+def run_settings(ckpt: "Path | RunCheckpoint") -> tuple[Recipe, NeoXConfig]:
     """The recipe and model configuration stored in a neox.finetune checkpoint."""
-    return recipe_from_checkpoint(read_manifest(ckpt)["extra"], str(ckpt))
+    run = open_run(ckpt)
+    return run.recipe, run.config
 
 
-def trained_layers(ckpt: Path, log=print) -> Iterator[tuple[LayerSpec, dict[str, torch.Tensor]]]:
+def trained_layers(ckpt: "Path | RunCheckpoint", log=print
+                   ) -> Iterator[tuple[LayerSpec, dict[str, torch.Tensor]]]:
     """(layer spec, full fine-tuned state) per kept layer: the base weights with the
     checkpoint's trained tensors in place."""
-    recipe, config = run_settings(ckpt)
+    run = open_run(ckpt)
+    recipe, config, ckpt = run.recipe, run.config, run.path
     model = recipe.model
     reader = (open_weights(model.checkpoint, allow_outside=model.allow_outside_weights)
               if model.checkpoint is not None else RandomInit(config, seed=model.seed))
     specs = layer_specs(config, model.filter_layers)
     base = iter_layers(reader, filter_layers=model.filter_layers)
-    trained = iter_full_layers(ckpt, trainable_only=True)
+    trained = run.reader.full_layers(trainable_only=True)
     with reader:
         for i, (spec, layer, (j, tensors)) in enumerate(zip(specs, base, trained)):
             assert i == j
@@ -59,10 +101,11 @@ def trained_layers(ckpt: Path, log=print) -> Iterator[tuple[LayerSpec, dict[str,
             yield spec, state
 
 
-def trained_model(ckpt: Path, *, dtype: torch.dtype | None = None,
+def trained_model(ckpt: "Path | RunCheckpoint", *, dtype: torch.dtype | None = None,
                   device: torch.device | str | None = None) -> NeoXModel:
     """The fine-tuned model of a checkpoint (kept blocks only, LoRA merged), in one process."""
-    recipe, config = run_settings(ckpt)
+    ckpt = open_run(ckpt)
+    recipe, config = ckpt.recipe, ckpt.config
     built = filtered_config(config, recipe.model.filter_layers)
     scaling = recipe.model.finetune.lora_scaling
     layers = []
@@ -110,8 +153,8 @@ def find_tokenizer(ckpt: Path, recipe: Recipe, sha256: str | None) -> tuple[Path
     return None, candidates
 
 
-def checkpoint_tokenizer(ckpt: Path) -> tuple[Path | None, list[Path]]:
+def checkpoint_tokenizer(ckpt: "Path | RunCheckpoint") -> tuple[Path | None, list[Path]]:
     """``find_tokenizer`` for a checkpoint, reading what it recorded."""
-    recipe, _ = run_settings(ckpt)
-    sha = read_manifest(ckpt)["extra"].get(TOKENIZER_SHA256)
-    return find_tokenizer(ckpt, recipe, sha if isinstance(sha, str) else None)
+    run = open_run(ckpt)
+    sha = run.extra.get(TOKENIZER_SHA256)
+    return find_tokenizer(run.path, run.recipe, sha if isinstance(sha, str) else None)

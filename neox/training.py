@@ -34,10 +34,10 @@ from neox.progress import Progress
 from neox.sampling import sample_sharded
 from neox.plan import plan_run, request_from_recipe
 from neox.step import micro_batch_loss, recompute_policy
-from neox.trained import trained_layers
+from neox.trained import find_tokenizer, trained_layers
 from neox.recipe import DataConfig, LoopConfig, ModelRecipe, OptimConfig, Recipe
-from neox.run_dir import (CHECKPOINTS, HF_EXPORT, METRICS, TOKENIZER, TOKENIZER_SHA256,
-                          TRAINABLE, MetricsFile, OutputDirError,
+from neox.run_dir import (CHECKPOINTS, DATA_SHA256, HF_EXPORT, METRICS, TOKENIZER,
+                          TOKENIZER_SHA256, TRAINABLE, MetricsFile, OutputDirError,
                           tokenizer_bytes, write_tokenizer)
 from neox.weights import (RandomInit, WeightsReader, materialize, meta_layer, open_weights,
                           save_hf)
@@ -61,25 +61,86 @@ class RunData:
     tokenizer: Any
     dataset: nd.TokenDataset
     corpus: nd.Corpus
+    changed: bool = False      # a resumed run's text changed, as --data-changed accepts
 
 
-def prepare_data(data: DataConfig, model: ModelRecipe, *, rank: int, log: Log) -> RunData:
+@dataclasses.dataclass(frozen=True)
+class ResumedData:
+    """What the checkpoint a run resumes from says about the text it trained on."""
+
+    checkpoint: Path
+    sha256: str | None            # Corpus.sha256; None: saved before neox recorded it
+    tokenizer_copy: Path | None   # the run's tokenizer.json (its checksum matches), if found
+    accept_change: bool           # --data-changed
+
+
+def resumed_data(checkpoint: Path, recipe: Recipe, *, allow_unverified: bool,
+                 accept_change: bool) -> ResumedData:
+    """``ResumedData`` of a checkpoint that neox.finetune verified before the launch."""
+    extra = zerocore.read_manifest(checkpoint, allow_unverified=allow_unverified)["extra"]
+    sha, tok_sha = extra.get(DATA_SHA256), extra.get(TOKENIZER_SHA256)
+    copy = (find_tokenizer(checkpoint, recipe, tok_sha)[0] if isinstance(tok_sha, str)
+            else None)
+    return ResumedData(checkpoint, sha if isinstance(sha, str) else None, copy, accept_change)
+
+
+def check_data(corpus: nd.Corpus, resumed: ResumedData | None, log: Log) -> bool:
+    """Whether a resumed run's text is the one its checkpoint trained on: refused when it
+    changed (the sampler's position would point into other text, and samples be trained twice
+    or never), unless ``--data-changed``; then True."""
+    if resumed is None:
+        return False
+    if resumed.sha256 is None:
+        log(f"note: {resumed.checkpoint} records no digest of its training data (saved before "
+            f"neox recorded one): {corpus.source} is used unchecked")
+        return False
+    old, new = resumed.sha256[:12], corpus.sha256[:12]
+    if corpus.sha256 == resumed.sha256:
+        if resumed.accept_change:
+            log(f"data: --data-changed, but {corpus.source} is the text the run trained on "
+                f"(sha256 {new}...): the run continues at its sampler's position")
+        return False
+    if not resumed.accept_change:
+        raise nd.DataError(
+            f"--resume: the training data changed: {corpus.source} (sha256 {new}...) is not the "
+            f"text the run of {resumed.checkpoint} trained on (sha256 {old}...); restore it, or "
+            f"pass --data-changed to continue the run on the new text")
+    log(f"data: --data-changed: {corpus.source} differs from the text the run trained on "
+        f"(sha256 {old}... -> {new}...): the weights, optimizer state and schedule continue from "
+        f"the checkpoint; the data order restarts at the beginning of the current epoch, over "
+        f"the new text's windows")
+    return True
+
+
+def prepare_data(data: DataConfig, model: ModelRecipe, *, rank: int, log: Log,
+                 resumed: ResumedData | None = None) -> RunData:
     """Rank 0 prepares (downloads, trains the tokenizer, tokenises) into the cache first; the
-    others then read the cache instead of repeating the work."""
+    others then read the cache instead of repeating the work. A resumed run's text is checked
+    against its checkpoint's (``check_data``) before anything is derived from it."""
     cache_dir = Path(data.cache_dir) if data.cache_dir else nd.default_cache_dir()
 
     def load() -> RunData:
         data_dir = Path(data.data_dir) if data.data_dir else nd.default_data_dir()
         corpus = nd.load_corpus(data.data, cache_dir=cache_dir, data_dir=data_dir, log=log)
+        changed = check_data(corpus, resumed, log)
         tok_path = Path(data.tokenizer) if data.tokenizer else None
         if tok_path is None and model.checkpoint is not None and (
                 Path(model.checkpoint) / TOKENIZER).is_file():
             tok_path = Path(model.checkpoint) / TOKENIZER
+        if tok_path is None and changed:
+            # The run's tokenizer was trained on the earlier text: a new one would not match
+            # the embeddings. The run keeps a copy of it.
+            if resumed.tokenizer_copy is None:
+                raise nd.DataError(
+                    f"--data-changed: the run of {resumed.checkpoint} trained its tokenizer on "
+                    f"the earlier text, and its copy (tokenizer.json beside the checkpoints, "
+                    f"matching the checkpoint's checksum) was not found; restore it")
+            tok_path = resumed.tokenizer_copy
         tokenizer = nd.load_tokenizer(tok_path, corpus=corpus, cache_dir=cache_dir, log=log)
         dataset = nd.TokenDataset.from_corpus(corpus, tokenizer, seq_len=data.seq_len,
                                               cache_dir=cache_dir,
                                               val_fraction=data.val_fraction, log=log)
-        return RunData(tokenizer, dataset, corpus)
+        return RunData(tokenizer, dataset, corpus, changed)
 
     first = zerocore.run_agreed(load if rank == 0 else (lambda: None))
     return zerocore.run_agreed(lambda: first if first is not None else load())
@@ -210,20 +271,24 @@ def build(recipe: Recipe, data: RunData, *, device: torch.device, rank: int, wor
 
 
 def restore(state: TrainState, checkpoint: Path, optim: OptimConfig, *, rank: int,
-            log: Log) -> None:
+            log: Log, allow_unverified: bool = False, data_changed: bool = False) -> None:
     """Continues from ``checkpoint``: shards, moments, loss scale, RNG, data position and
     schedule; then the recipe's optimisation settings, which are the checkpoint's unless the
-    command line overrode them (``neox.finetune.resume_recipe`` logged which)."""
+    command line overrode them (``neox.finetune.resume_recipe`` logged which). ``data_changed``
+    (the text changed, as --data-changed accepts): the sampler starts its epoch again."""
     try:
         extra = zerocore.load_checkpoint(checkpoint, state.model, state.optimizer,
-                                         scaler=state.scaler)
+                                         scaler=state.scaler, allow_unverified=allow_unverified)
     except zerocore.CheckpointError as e:  # raised alike on every rank: reported once
         raise RunFailed(str(e) if rank == 0 else None) from None
 
     def restore_loop() -> None:
         try:
             state.step = int(extra["step"])
-            state.sampler.load_state_dict(extra["sampler"])
+            saved = extra["sampler"]
+            state.sampler.load_state_dict(
+                {"epoch": saved["epoch"], "seed": saved["seed"], "samples_done": 0}
+                if data_changed else saved)
             state.scheduler.load_state_dict(extra["scheduler"])
         except KeyError as e:
             raise zerocore.CheckpointError(f"{checkpoint}: the manifest's extra state lacks "
@@ -295,7 +360,8 @@ def save(state: TrainState, recipe: Recipe, data: RunData, run_id: str, *, rank:
     extra = {"step": state.step, "sampler": state.sampler.state_dict(),
              "scheduler": state.scheduler.state_dict(), "recipe": recipe.to_dict(),
              "config": state.config.to_hf_dict(),  # what neox.export needs to rebuild the model
-             TOKENIZER_SHA256: hashlib.sha256(tokenizer_bytes(data.tokenizer)).hexdigest()}
+             TOKENIZER_SHA256: hashlib.sha256(tokenizer_bytes(data.tokenizer)).hexdigest(),
+             DATA_SHA256: data.corpus.sha256}  # what a resume checks its text against
     try:
         return zerocore.save_checkpoint(Path(recipe.output.output_dir) / CHECKPOINTS,
                                         state.step, state.model, state.optimizer,
@@ -566,15 +632,20 @@ def sample_text(state: TrainState, recipe: Recipe, data: RunData, *, rank: int) 
 
 
 def run_training(recipe: Recipe, *, resume: Path | None, run_id: str, rank: int,
-                 world_size: int, device: torch.device) -> None:
-    """The whole run of one rank: from ``resume`` (a checkpoint directory) when given."""
+                 world_size: int, device: torch.device, allow_unverified: bool = False,
+                 data_changed: bool = False) -> None:
+    """The whole run of one rank: from ``resume`` (a checkpoint directory, verified by
+    neox.finetune before the launch, and again as it is loaded) when given."""
     log: Log = print if rank == 0 else (lambda *a, **k: None)
     torch.manual_seed(recipe.loop.seed)
-    data = prepare_data(recipe.data, recipe.model, rank=rank, log=log)
+    resumed = None if resume is None else zerocore.run_agreed(lambda: resumed_data(
+        resume, recipe, allow_unverified=allow_unverified, accept_change=data_changed))
+    data = prepare_data(recipe.data, recipe.model, rank=rank, log=log, resumed=resumed)
     probe = MemoryProbe(device) if recipe.output.measure_memory else None
     state = build(recipe, data, device=device, rank=rank, world_size=world_size, log=log)
     if resume is not None:
-        restore(state, resume, recipe.optim, rank=rank, log=log)
+        restore(state, resume, recipe.optim, rank=rank, log=log,
+                allow_unverified=allow_unverified, data_changed=data.changed)
     out = Path(recipe.output.output_dir)
     zerocore.run_agreed(lambda: write_tokenizer(out, data.tokenizer) if rank == 0 else None)
     metrics = zerocore.run_agreed(lambda: MetricsFile(

@@ -11,7 +11,11 @@ files' contents, incomplete step directories, and write errors during a save.
 - Rank files whose SHA-256 and size match the manifest but whose contents do not (not a
   pickle, a tensor of the wrong size or dtype, a layer or the RNG state missing) are refused
   naming the file and the layer.
-- Format-1 checkpoints (no COMMIT) still load, with the same field checks.
+- Every rank file records whose it is; with every checksum recomputed, a downgrade to format 1
+  or 2, swapped rank files, a rank file of another run (or of another save without any run id),
+  an edited step or extra state and a rank file that is a symlink out of the checkpoint are all
+  refused in one line, by every reader. Formats 1 (the recorded fixture) and 2 load only with
+  ``allow_unverified``, with the same field checks.
 - Incomplete step directories are never loaded, are reported, and are removed by the next save
   only when they hold nothing but files zerocore writes.
 - Write errors (ENOSPC, EIO) injected into each step of a save on some ranks of a 2-rank group,
@@ -43,13 +47,14 @@ from torch import nn
 
 import zerocore
 from zerocore import durable_io
-from zerocore.checkpoint import (COMMIT, MANIFEST, CheckpointError, CheckpointWriteError,
+from zerocore.checkpoint import (COMMIT, FORMAT, MANIFEST, CheckpointError, CheckpointWriteError,
                                  incomplete_checkpoints, iter_full_layers, latest_checkpoint,
                                  list_checkpoints, open_checkpoint, read_manifest)
 from zerocore.consolidate import main as consolidate_main
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE_V1 = REPO / "tests" / "fixtures" / "recipe_v0_lora"
+FORMAT_V1, FORMAT_V2 = "zerocore-checkpoint/1", "zerocore-checkpoint/2"
 
 D_IN, HIDDEN, D_OUT = 13, 31, 7   # odd sizes: padding inside and at the end of every group
 LR = 1e-2
@@ -111,7 +116,8 @@ def _same(a: list[Any], b: list[Any]) -> bool:
             and torch.equal(a[1], b[1]) and a[2:] == b[2:])
 
 
-def try_loads(rank: int, world_size: int, paths: list[str]) -> list[dict[str, Any]]:
+def try_loads(rank: int, world_size: int, paths: list[str], allow_unverified: bool = False
+              ) -> list[dict[str, Any]]:
     """Loads each path into a fresh model whose every value differs from the checkpoint's;
     for each, the error message (None if it loaded), whether a failed load left everything as
     it was, and the full parameters after a successful one."""
@@ -121,7 +127,8 @@ def try_loads(rank: int, world_size: int, paths: list[str]) -> list[dict[str, An
         torch.manual_seed(7)
         before = _snapshot(model, optimizer, scaler)
         try:
-            extra = zerocore.load_checkpoint(path, model, optimizer, scaler=scaler)
+            extra = zerocore.load_checkpoint(path, model, optimizer, scaler=scaler,
+                                             allow_unverified=allow_unverified)
         except CheckpointError as e:
             out.append({"message": str(e), "type": type(e).__name__,
                         "unchanged": _same(before, _snapshot(model, optimizer, scaler))})
@@ -137,7 +144,8 @@ def recommit(path: Path) -> None:
     """Rewrites COMMIT for the manifest as it now is (written here, not by zerocore, as an
     attacker would)."""
     raw = (path / MANIFEST).read_bytes()
-    (path / COMMIT).write_text(json.dumps({"format": "zerocore-checkpoint/2",
+    fmt = json.loads(raw).get("format")
+    (path / COMMIT).write_text(json.dumps({"format": fmt if fmt == FORMAT_V2 else FORMAT,
                                            "manifest_sha256": hashlib.sha256(raw).hexdigest(),
                                            "manifest_bytes": len(raw)}))
 
@@ -272,7 +280,7 @@ RANK_EDITS: dict[str, tuple[int, Callable[[Path], None], str]] = {
                       "holds layers [0, 1, 2], the manifest has 4"),
     "moment-missing": (1, _rank_data_edit(lambda d: d["layers"][0].pop("exp_avg_sq")),
                        "layer 0 holds ['exp_avg', 'master', 'step']"),
-    "rng-missing": (0, _rank_data_edit(lambda d: d.pop("rng")), "holds ['layers']"),
+    "rng-missing": (0, _rank_data_edit(lambda d: d.pop("rng")), "holds ['identity', 'layers']"),
     "step-nan": (1, _rank_data_edit(lambda d: d["layers"][0].update(step=math.nan)),
                  "layer 0: optimizer step nan"),
 }
@@ -422,41 +430,197 @@ def test_every_rank_refuses_the_same_way(worlds, good, tmp_path, world_size):
         assert torch.equal(ok[0]["full"][name], t), name
 
 
-# -- format 1 ----------------------------------------------------------------------------------
+# -- identity: formats that cannot be verified, rank files of another rank, run or save --------
+#
+# The attacker of these tests fixes every checksum: the manifest's files table and COMMIT are
+# recomputed after each edit (``edit_rank_file``, ``recommit``), so only the rank files'
+# identities can tell.
+
+UNVERIFIED = "cannot be verified"
 
 
 def _as_format_1(m: dict[str, Any]) -> None:
-    m["format"] = "zerocore-checkpoint/1"
+    m["format"] = FORMAT_V1
     m.pop("run_id", None)
+    m.pop("save_id", None)
 
 
-def test_format_1_loads_and_is_checked_alike(worlds, good, tmp_path):
+def _strip_identity(path: Path, fmt: str) -> None:
+    """``path`` as the zerocore before rank-file identities wrote it: format ``fmt`` (1 or 2),
+    rank files without identity, checksums (and for format 2 the COMMIT) recomputed."""
+    for rank in range(2):
+        edit_rank_file(path, rank, _rank_data_edit(lambda d: d.pop("identity")))
+    edit_manifest(path, _as_format_1 if fmt == FORMAT_V1 else
+                  (lambda m: (m.update(format=FORMAT_V2), m.pop("save_id"))), commit=True)
+    if fmt == FORMAT_V1:
+        (path / COMMIT).unlink()
+
+
+def _refusals(path: Path, capsys, **kwargs: Any) -> str:
+    """The one-line refusal of ``path`` by open_checkpoint, iter_full_layers and the
+    consolidate command, which must be the same; returns it."""
+    with pytest.raises(CheckpointError) as e:
+        open_checkpoint(path, **kwargs)
+    _assert_one_line(str(e.value))
+    with pytest.raises(CheckpointError) as again:
+        next(iter_full_layers(path, trainable_only=True, **kwargs))
+    assert str(again.value) == str(e.value)
+    capsys.readouterr()
+    argv = [str(path), str(path.parent / "out"), "--trainable-only"]
+    argv += ["--allow-unverified"] if kwargs.get("allow_unverified") else []
+    assert consolidate_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {e.value}\n" and not (path.parent / "out").exists()
+    return str(e.value)
+
+
+def test_old_formats_load_only_when_asked(worlds, good, tmp_path, capsys):
+    """Formats 1 (the recorded fixture) and 2 (before rank-file identities) cannot be verified:
+    refused in one line saying how to opt in; with allow_unverified they load, values intact,
+    with the same field checks."""
     # The fixture, written before COMMIT records existed, through what neox.export calls.
-    manifest = read_manifest(FIXTURE_V1)
-    assert manifest["format"] == "zerocore-checkpoint/1" and not (FIXTURE_V1 / COMMIT).exists()
-    layers = dict(iter_full_layers(FIXTURE_V1, trainable_only=True))
+    manifest = read_manifest(FIXTURE_V1, allow_unverified=True)
+    assert manifest["format"] == FORMAT_V1 and not (FIXTURE_V1 / COMMIT).exists()
+    with pytest.raises(CheckpointError, match=f"{UNVERIFIED}.*--allow-unverified"):
+        read_manifest(FIXTURE_V1)
+    layers = dict(iter_full_layers(FIXTURE_V1, trainable_only=True, allow_unverified=True))
     assert len(layers) == len(manifest["layers"])
     assert sum(len(t) for t in layers.values()) > 0
-    # Our checkpoint, rewritten as format 1 (no COMMIT, no run id): loads, values intact.
-    v1 = _copy(good, tmp_path / "v1")
-    (v1 / COMMIT).unlink()
-    edit_manifest(v1, _as_format_1, commit=False)
-    assert list_checkpoints(tmp_path / "v1") == [v1] and incomplete_checkpoints(v1.parent) == []
-    # ... and edited: the same field checks as format 2; a run id is not a format-1 field.
+    paths = {}
+    for name, fmt in (("v1", FORMAT_V1), ("v2", FORMAT_V2)):
+        paths[name] = _copy(good, tmp_path / name)
+        _strip_identity(paths[name], fmt)
+        refusal = _refusals(paths[name], capsys)
+        assert refusal.startswith(f"{paths[name]}: {UNVERIFIED} (format {fmt[-1]}")
+        assert "--allow-unverified" in refusal and "allow_unverified=True" in refusal
+        capsys.readouterr()
+        assert consolidate_main([str(paths[name]), str(tmp_path / f"{name}-out"),
+                                 "--trainable-only", "--allow-unverified"]) == 0
+        assert "note: " in capsys.readouterr().out
+        assert list_checkpoints(tmp_path / name) == [paths[name]]
+    # ... and edited: the same field checks; a run id is not a format-1 field.
     edited = _copy(good, tmp_path / "v1-edited")
-    (edited / COMMIT).unlink()
-    edit_manifest(edited, lambda m: (_as_format_1(m), _grow_padding(m)), commit=False)
+    _strip_identity(edited, FORMAT_V1)
+    edit_manifest(edited, _grow_padding, commit=False)
     with_run = _copy(good, tmp_path / "v1-run")
-    (with_run / COMMIT).unlink()
-    edit_manifest(with_run, lambda m: m.update(format="zerocore-checkpoint/1"), commit=False)
-    results = worlds(2).run(try_loads, [str(v1), str(edited), str(with_run)])
-    for res in results:
+    _strip_identity(with_run, FORMAT_V1)
+    edit_manifest(with_run, lambda m: m.update(run_id="run-a"), commit=False)
+    order = [paths["v1"], paths["v2"], edited, with_run, paths["v1"]]
+    results = worlds(2).run(try_loads, [str(p) for p in order[:4]], True)
+    refused = worlds(2).run(try_loads, [str(order[4])])
+    for res, no in zip(results, refused):
         assert res[0]["message"] is None and res[0]["extra"] == {"step": 4}
-        _assert_one_line(res[1]["message"], str(edited / MANIFEST),
+        assert res[1]["message"] is None and res[1]["extra"] == {"step": 4}
+        _assert_one_line(res[2]["message"], str(edited / MANIFEST),
                          "layers[0].trainable.padded_numel: ")
-        _assert_one_line(res[2]["message"], str(with_run / MANIFEST), "run_id: unknown field")
+        _assert_one_line(res[3]["message"], str(with_run / MANIFEST), "run_id: unknown field")
+        _assert_one_line(no[0]["message"], UNVERIFIED, "allow_unverified=True")
+        assert no[0]["unchanged"]
     for name, t in good["full"].items():
         assert torch.equal(results[0][0]["full"][name], t), name
+        assert torch.equal(results[0][1]["full"][name], t), name
+
+
+def _downgrade_v1(path: Path) -> None:
+    """The hostile tester's downgrade: format 1, no run id (nor save id), no COMMIT."""
+    edit_manifest(path, lambda m: (_as_format_1(m), m["extra"].update(step=2)), commit=False)
+    (path / COMMIT).unlink()
+
+
+def _downgrade_v2(path: Path) -> None:
+    edit_manifest(path, lambda m: (m.update(format=FORMAT_V2), m.pop("save_id"),
+                                   m["extra"].update(step=2)), commit=True)
+
+
+def _swap_ranks(path: Path) -> None:
+    a, b = path / "rank-00000.pt", path / "rank-00001.pt"
+    a.rename(path / "tmp.pt")
+    b.rename(a)
+    (path / "tmp.pt").rename(b)
+    for f in (a, b):
+        edit_rank_file(path, int(f.stem[-5:]), lambda _: None)
+
+
+def _edit_step(path: Path) -> Path:
+    edit_manifest(path, _set("step", 6), commit=True)
+    return Path(shutil.move(path, path.with_name("step-00000006")))
+
+
+def _edit_extra(path: Path) -> None:
+    edit_manifest(path, _set("extra", "step", 2), commit=True)
+
+
+def _symlink_out(path: Path) -> None:
+    outside = path.parent / "elsewhere.pt"
+    shutil.move(path / "rank-00001.pt", outside)
+    (path / "rank-00001.pt").symlink_to(outside)
+
+
+@pytest.fixture(scope="module")
+def other_run(worlds, tmp_path_factory) -> dict[str, Path]:
+    """Checkpoints of the same shape and step as ``good``: of another run, and two saved
+    through the library without any run id (their save ids tell them apart)."""
+    out = {}
+    for name, run_id in (("run-b", "run-b"), ("no-id-1", None), ("no-id-2", None)):
+        root = tmp_path_factory.mktemp(name)
+        worlds(2).run(save_trained, str(root), [4], run_id)
+        out[name] = latest_checkpoint(root)
+    return out
+
+
+def _foreign(source: Path) -> Callable[[Path], None]:
+    return lambda f: shutil.copyfile(source / f.name, f)
+
+
+def test_unverifiable_and_foreign_rank_files_are_refused(worlds, good, other_run, tmp_path,
+                                                         capsys):
+    """Each attack with every checksum recomputed: refused in one line naming the rank file and
+    what it records, by open_checkpoint, iter_full_layers, the consolidate command and
+    load_checkpoint on every rank (nothing modified); --allow-unverified does not let a
+    downgraded manifest pass either."""
+    cases: dict[str, tuple[Path, list[str]]] = {}
+
+    def case(name: str, attack: Callable[[Path], Any], *parts: str, source: Path | None = None
+             ) -> None:
+        path = Path(shutil.copytree(source or good["path"],
+                                    tmp_path / name / (source or good["path"]).name))
+        path = attack(path) or path
+        cases[name] = (path, [p.format(path=path) for p in parts])
+
+    case("downgrade-v1", _downgrade_v1, "{path}: " + UNVERIFIED, "--allow-unverified")
+    case("downgrade-v2", _downgrade_v2, "{path}: " + UNVERIFIED, "--allow-unverified")
+    case("swapped", _swap_ranks, "{path}/rank-00000.pt: is rank 1's file of 2, not rank 0's",
+         "swapped")
+    case("other-run", lambda p: edit_rank_file(p, 1, _foreign(other_run["run-b"])) and None,
+         "{path}/rank-00001.pt: belongs to another save", "run 'run-b'")
+    case("no-run-id", lambda p: edit_rank_file(p, 0, _foreign(other_run["no-id-2"])) and None,
+         "{path}/rank-00000.pt: belongs to another save", "run None",
+         source=other_run["no-id-1"])
+    case("step-edited", _edit_step, "{path}/rank-00000.pt: was saved with step 4, but the "
+         "manifest says 6")
+    case("extra-edited", _edit_extra, "{path}/rank-00000.pt: was saved with manifest content "
+         "(its digest)", "edited after the save")
+    case("symlink", _symlink_out, "{path}/rank-00001.pt: a symbolic link (to ", "elsewhere.pt")
+    for name, (path, parts) in cases.items():
+        _assert_one_line(_refusals(path, capsys), *parts)
+    for name in ("downgrade-v1", "downgrade-v2"):  # opting in does not let the downgrade pass
+        path, _ = cases[name]
+        _assert_one_line(_refusals(path, capsys, allow_unverified=True),
+                         f"{path}/rank-00000.pt: records the save it belongs to", "edited")
+    names = list(cases)
+    world = worlds(2)
+    for allow in (False, True):
+        results = world.run(try_loads, [str(cases[n][0]) for n in names], allow, timeout=600)
+        for i, name in enumerate(names):
+            messages = {res[i]["message"] for res in results}
+            assert len(messages) == 1 and None not in messages, (name, messages)
+            for res in results:
+                assert res[i]["unchanged"] and res[i]["type"] == "CheckpointError", name
+            if not allow or not name.startswith("downgrade"):
+                _assert_one_line(results[0][i]["message"], *cases[name][1])
+    # Neither checkpoint of the pair saved without a run id was harmed: each loads alone.
+    ok = world.run(try_loads, [str(other_run["no-id-1"]), str(other_run["no-id-2"])])
+    assert all(r["message"] is None for res in ok for r in res)
 
 
 def save_with_nan_lr(rank: int, world_size: int, root: str) -> str | None:

@@ -119,13 +119,22 @@ def _digests(directory: Path) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("lora", ["merged", "separate"])
-def test_a_checkpoint_from_before_the_recipe_still_exports_bit_for_bit(tmp_path, lora):
+def test_a_checkpoint_from_before_the_recipe_still_exports_bit_for_bit(tmp_path, capsys,
+                                                                        lora):
     # The fixture was written by neox.finetune before the recipe existed; its export then was
     # recorded tensor by tensor (tests/fixtures/recipe_v0_lora/README.md).
     ckpt = tmp_path / "step-00000003"
     shutil.copytree(FIXTURE, ckpt)
     want = json.loads((FIXTURE / "export_sha256.json").read_text())[lora]
-    assert export.main([str(ckpt), str(tmp_path / "out"), "--lora", lora]) == 0
+    # Format 1 cannot be verified (its rank files do not record whose they are): refused in
+    # one line that says how to opt in, then exported as asked.
+    assert export.main([str(ckpt), str(tmp_path / "refused"), "--lora", lora]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot be verified" in err and "--allow-unverified" in err
+    assert not (tmp_path / "refused").exists()
+    assert export.main([str(ckpt), str(tmp_path / "out"), "--lora", lora,
+                        "--allow-unverified"]) == 0
+    assert "cannot be verified (format 1" in capsys.readouterr().out
     assert _digests(tmp_path / "out") == want
 
 

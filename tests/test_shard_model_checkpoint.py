@@ -9,9 +9,16 @@ LoRA adapters (tests/hf_models.py).
 - The live export: ``full_state_dict`` gathered onto rank 0, written by ``save_pretrained``
   (PEFT's adapter directory; transformers' safetensors for a fully trained model) and loaded
   back by PEFT / transformers with the trained values.
+- Rank files swapped between ranks or taken from another run of the same shape (saved without
+  run ids; checksums recomputed) are refused on every rank, nothing loaded.
 """
 
 from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
 
 import torch
 from peft import PeftModel
@@ -134,3 +141,54 @@ def test_export_reloads(worlds, tmp_path):
         # The same weights (checked bitwise above); the ranks compute with one thread and
         # this process with several, which sum matmuls in another order: a few ulps.
         torch.testing.assert_close(logits, r0["logits"], rtol=1e-5, atol=1e-6)
+
+
+def try_load(rank: int, world_size: int, path: str) -> dict:
+    """Loads ``path`` into a fresh (perturbed) model: the refusal, and whether the model's
+    trainable values stayed as they were."""
+    model, sharded, opt = _sharded_lora(perturb=True)
+    before = sharded.full_state_dict(trainable_only=True, to_rank=None)
+    try:
+        zerocore.load_checkpoint(path, model, opt)
+    except zerocore.CheckpointError as e:
+        after = sharded.full_state_dict(trainable_only=True, to_rank=None)
+        return {"message": str(e), "unchanged": all(torch.equal(after[k], v)
+                                                    for k, v in before.items())}
+    return {"message": None}
+
+
+def _fix_checksum(path: Path, name: str) -> None:
+    """What anyone copying files can do: the manifest's checksum and its COMMIT recomputed."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    data = (path / name).read_bytes()
+    manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    raw = json.dumps(manifest).encode()
+    (path / "manifest.json").write_bytes(raw)
+    (path / "COMMIT").write_text(json.dumps({"format": manifest["format"],
+                                             "manifest_sha256": hashlib.sha256(raw).hexdigest(),
+                                             "manifest_bytes": len(raw)}))
+
+
+def test_rank_files_of_another_rank_or_save_are_refused(worlds, tmp_path):
+    """shard_model's checkpoint path: two runs of the same shape saved without run ids; a rank
+    file swapped or taken from the other run, checksums recomputed, is refused on every rank
+    before anything is loaded."""
+    a = Path(worlds(2).run(save_and_continue, str(tmp_path / "a"))[0]["path"])
+    b = Path(worlds(2).run(save_and_continue, str(tmp_path / "b"))[0]["path"])
+    swapped = Path(shutil.copytree(a, tmp_path / "swapped" / a.name))
+    (swapped / "rank-00000.pt").rename(swapped / "tmp")
+    (swapped / "rank-00001.pt").rename(swapped / "rank-00000.pt")
+    (swapped / "tmp").rename(swapped / "rank-00001.pt")
+    _fix_checksum(swapped, "rank-00000.pt")
+    _fix_checksum(swapped, "rank-00001.pt")
+    foreign = Path(shutil.copytree(a, tmp_path / "foreign" / a.name))
+    shutil.copyfile(b / "rank-00001.pt", foreign / "rank-00001.pt")
+    _fix_checksum(foreign, "rank-00001.pt")
+    for path, text in ((swapped, f"{swapped}/rank-00000.pt: is rank 1's file of 2, not rank "
+                                 f"0's"),
+                       (foreign, f"{foreign}/rank-00001.pt: belongs to another save")):
+        results = worlds(2).run(try_load, str(path))
+        assert {r["message"] for r in results} == {results[0]["message"]}
+        assert results[0]["message"].startswith(text) and "\n" not in results[0]["message"]
+        assert all(r["unchanged"] for r in results)
+    assert worlds(2).run(try_load, str(b))[0]["message"] is None

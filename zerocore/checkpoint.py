@@ -4,11 +4,15 @@ A checkpoint is a directory::
 
     step-00000100/
         rank-00000.pt ... rank-0000{N-1}.pt   each rank's trainable master shards, Adam moments,
-                                              step counts, RNG states (and frozen shards if asked)
+                                              step counts, RNG states (and frozen shards if asked),
+                                              and its identity: the save id, its rank, the world
+                                              size, step, run id, and digests of the layouts and
+                                              of the manifest (but its files table)
         manifest.json                         world size, every layer's flat layout, dtypes,
                                               optimizer hyper-parameters, loss-scaler state, the
                                               caller's extra state (data position...), the run id,
-                                              and the SHA-256 and size of every rank file
+                                              the save id (random, one per save), and the SHA-256
+                                              and size of every rank file
         COMMIT                                the SHA-256 and size of manifest.json, and the format
 
 Saving never gathers the model: each rank writes what it holds. It is atomic: everything is
@@ -20,8 +24,12 @@ Loading trusts nothing it has not checked, and checks everything before it modif
 COMMIT against the manifest, every field of the manifest against the schema (layouts recomputed
 from the parameter names and shapes; checkpoint_manifest.py), every rank file's size and SHA-256,
 and each rank file's contents against the layouts (checkpoint_reader.py). Every failure is one
-``CheckpointError`` line naming the file (and the field or layer), raised on every rank.
-Format-1 checkpoints (no COMMIT, no run id) still load, with the same checks.
+``CheckpointError`` line naming the file (and the field or layer), raised on every rank. Each rank
+file's identity is checked against the manifest before any of its tensors is used: a file of
+another rank (swapped), of another save (another run of the same shape, another step) or under a
+manifest edited after the save (checksums recomputed or not) is refused; so is a rank file that
+is a symbolic link. Checkpoints of older formats (1: no COMMIT; 2: rank files without identity)
+cannot be verified so: they load only with ``allow_unverified=True``, with the other checks.
 
 Writing errors (disk full, permissions, I/O) of any file, rename or fsync are one
 ``CheckpointWriteError`` line naming the path and the errno, raised on every rank; the save's
@@ -65,9 +73,10 @@ from zerocore.checkpoint_dirs import (LEFTOVER_DIR, UNKNOWN_RUN, IncompleteCheck
                                       same_run_checkpoints, step_dir_name)
 from zerocore.checkpoint_errors import CheckpointError, CheckpointWriteError
 from zerocore.checkpoint_manifest import (COMMIT, FORMAT, MANIFEST, commit_record,
-                                          model_fingerprint, rank_file, read_manifest)
-from zerocore.checkpoint_reader import (ShardReader, iter_full_layers, open_checkpoint,
-                                        verify_files)
+                                          manifest_digest, model_fingerprint, rank_file,
+                                          read_manifest, unverified_reason)
+from zerocore.checkpoint_reader import (ShardReader, identity_record, iter_full_layers,
+                                        open_checkpoint, verify_files)
 from zerocore.durable_io import fsync_dir, make_dir, rename, write_file
 from zerocore.loss_scale import LossScaler
 from zerocore.sharded_param import ShardParameter
@@ -77,8 +86,8 @@ from zerocore.sharded_sequential import ShardedSequential
 __all__ = ["save_checkpoint", "load_checkpoint", "list_checkpoints", "latest_checkpoint",
            "checkpoint_runs", "incomplete_checkpoints", "IncompleteCheckpoint", "read_manifest",
            "verify_files", "open_checkpoint", "iter_full_layers", "ShardReader",
-           "model_fingerprint", "rank_file", "CheckpointError", "CheckpointWriteError", "MANIFEST",
-           "COMMIT", "FORMAT"]
+           "model_fingerprint", "rank_file", "unverified_reason", "CheckpointError",
+           "CheckpointWriteError", "MANIFEST", "COMMIT", "FORMAT"]
 
 T = TypeVar("T")
 
@@ -183,7 +192,7 @@ def _check_replaceable(final: Path, run_id: str | None) -> None:
 
 
 def _rank_payload(model: ShardedSequential | ShardedModel, optimizer: torch.optim.Optimizer,
-                  include_frozen: bool) -> dict[str, Any]:
+                  include_frozen: bool, identity: dict[str, Any]) -> dict[str, Any]:
     layers: dict[int, dict[str, Any]] = {}
     for layer in model.layers:
         entry: dict[str, Any] = {}
@@ -200,7 +209,7 @@ def _rank_payload(model: ShardedSequential | ShardedModel, optimizer: torch.opti
         if include_frozen and layer.frozen is not None:
             entry["frozen"] = layer.frozen.shard.detach().cpu()  # 1D, param_dtype, shard_numel
         layers[layer.index] = entry
-    return {"layers": layers, "rng": _rng_state(model.device)}
+    return {"identity": identity, "layers": layers, "rng": _rng_state(model.device)}
 
 
 def _commit(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
@@ -282,10 +291,13 @@ def save_checkpoint(root: str | Path, step: int, model: Any,
     scaler_state = scaler.state_dict() if scaler is not None else None
     # Rank 0 names the temporary directory and says what it was asked to save, so that every
     # rank can check it was asked the same.
-    plan: list[Any] = [(uuid.uuid4().hex[:8], step, run_id, include_frozen) if rank == 0
-                       else None]
-    dist.broadcast_object_list(plan, src=dist.get_global_rank(group, 0), group=group)
-    nonce, *asked = plan[0]
+    # It also draws the save's id, which every rank file records: a file of another save (of
+    # another run of the same shape, saved without a run id too) is then told apart.
+    plan: list[Any] = [(uuid.uuid4().hex[:8], uuid.uuid4().hex, step, run_id, include_frozen)
+                       if rank == 0 else None]
+    src = dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(plan, src=src, group=group)
+    nonce, save_id, *asked = plan[0]
 
     def prepare() -> None:
         _check_save_args(step, run_id, keep_last, [extra or {}, groups, scaler_state],
@@ -305,15 +317,11 @@ def save_checkpoint(root: str | Path, step: int, model: Any,
     final = root / step_dir_name(step)
     tmp = root / f"{final.name}.tmp-{nonce}"
     try:
-        info = _agreed(_noting(lambda: write_file(
-            tmp / rank_file(rank),
-            lambda f: torch.save(_rank_payload(model, optimizer, include_frozen), f)),
-            not_saved), group)
-        infos: list[Any] = [None] * world
-        dist.all_gather_object(infos, info, group=group)
         layouts = _layouts(model)
+        # The manifest but for its files table, written before the rank files so that each
+        # can record it (rank 0's is the one written, so its digest is the one recorded).
         manifest = {
-            "format": FORMAT, "step": step, "world_size": world,
+            "format": FORMAT, "save_id": save_id, "step": step, "world_size": world,
             "param_dtype": str(model.mixed_precision.param_dtype).removeprefix("torch."),
             "reduce_dtype": str(model.mixed_precision.grad_reduce_dtype).removeprefix("torch."),
             "include_frozen": include_frozen,
@@ -322,10 +330,19 @@ def save_checkpoint(root: str | Path, step: int, model: Any,
             "optimizer": {"class": type(optimizer).__name__, "param_groups": groups},
             "loss_scaler": scaler_state,
             "extra": extra or {},
-            "files": {rank_file(r): infos[r] for r in range(world)},
         }
         if run_id is not None:
             manifest["run_id"] = run_id
+        digest: list[Any] = [manifest_digest(manifest) if rank == 0 else None]
+        dist.broadcast_object_list(digest, src=src, group=group)
+        identity = {**identity_record(manifest, rank), "manifest_sha256": digest[0]}
+        info = _agreed(_noting(lambda: write_file(
+            tmp / rank_file(rank),
+            lambda f: torch.save(_rank_payload(model, optimizer, include_frozen, identity), f)),
+            not_saved), group)
+        infos: list[Any] = [None] * world
+        dist.all_gather_object(infos, info, group=group)
+        manifest["files"] = {rank_file(r): infos[r] for r in range(world)}
         _agreed(_noting(lambda: _commit(tmp, final, manifest) if rank == 0 else None,
                         not_saved), group)
     except BaseException:
@@ -421,19 +438,22 @@ def _restore(reader: ShardReader, model: ShardedSequential | ShardedModel, optim
 
 def load_checkpoint(path: str | Path, model: Any,
                     optimizer: torch.optim.Optimizer, *,
-                    scaler: LossScaler | None = None) -> dict[str, Any]:
+                    scaler: LossScaler | None = None,
+                    allow_unverified: bool = False) -> dict[str, Any]:
     """Collective: restores master shards, Adam moments, step counts, RNG states and loss-scaler
     state into a model sharded over any number of ranks; returns the caller's ``extra`` state.
     Everything is verified (what ``open_checkpoint`` checks: COMMIT, manifest fields, every rank
-    file's size, checksum and contents; and the model match) before anything is modified; a failure
-    on any rank raises ``CheckpointError`` on every rank."""
+    file's size, checksum, identity and contents; and the model match) before anything is
+    modified; a failure on any rank raises ``CheckpointError`` on every rank.
+    allow_unverified: load a checkpoint of a format whose rank files do not record whose they
+    are (format 1 or 2, written by an older zerocore); refused otherwise."""
     path = Path(path)
     model = _sharded(model)
 
     def verify() -> ShardReader:
         # open_checkpoint's checks, with the model match before the files': a manifest of
         # another model is reported as that, not as rank files that do not match it.
-        manifest = read_manifest(path)
+        manifest = read_manifest(path, allow_unverified=allow_unverified)
         _check_matches(path, manifest, model, optimizer)
         verify_files(path, manifest)
         reader = ShardReader(path, manifest)

@@ -2,14 +2,14 @@
 leftovers, and how they are removed.
 
     root/
-        step-00000100/                 a committed checkpoint (format 2: it has a COMMIT record;
-                                       format 1: a manifest)
+        step-00000100/                 a committed checkpoint (formats 3 and 2: it has a
+                                       COMMIT record; format 1: a manifest)
         step-00000101.tmp-1a2b3c4d/    a save in progress, or killed: never loaded
         step-00000097.deleting-…/      a deletion in progress, or killed: never loaded
-        step-00000102/                 without a manifest (or, format 2, without COMMIT): an
+        step-00000102/                 without a manifest (or, formats 3/2, without COMMIT): an
                                        incomplete checkpoint, never loaded
 
-Only a ``step-XXXXXXXX`` directory with a manifest and (format 2) a COMMIT record is a
+Only a ``step-XXXXXXXX`` directory with a manifest and (formats 3, 2) a COMMIT record is a
 checkpoint. An incomplete one is a leftover when every entry in it is a file zerocore writes
 (``rank-NNNNN.pt``, ``manifest.json``, ``COMMIT``): the next save removes it. Anything else in it
 (another file, a directory, a link) means it is not zerocore's: it is left alone and reported
@@ -31,7 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from zerocore.checkpoint_manifest import COMMIT, FORMAT, MANIFEST, peek_manifest
+from zerocore.checkpoint_manifest import COMMIT, FORMAT, FORMAT_V2, MANIFEST, peek_manifest
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 # Leftovers of a save that was killed (``step-X.tmp-<nonce>``) or of a deletion that was
@@ -63,7 +63,7 @@ def is_complete(path: Path) -> bool:
     if (path / COMMIT).is_file():
         return True
     manifest = peek_manifest(path)
-    return not (isinstance(manifest, dict) and manifest.get("format") == FORMAT)
+    return not (isinstance(manifest, dict) and manifest.get("format") in (FORMAT, FORMAT_V2))
 
 
 def holds_only_our_files(path: Path) -> bool:
@@ -126,8 +126,8 @@ def same_run_checkpoints(root: Path, run_id: str | None) -> list[Path]:
 
 def incomplete_checkpoints(root: str | Path) -> list[IncompleteCheckpoint]:
     """``step-XXXXXXXX`` directories under root that are not checkpoints (no manifest, or a
-    format-2 manifest without its COMMIT record), oldest first, each with whether it holds only
-    files zerocore writes (then the next save removes it) or not (then it is left alone)."""
+    format-3 or -2 manifest without its COMMIT record), oldest first, each with whether it holds
+    only files zerocore writes (then the next save removes it) or not (then it is left alone)."""
     return [IncompleteCheckpoint(p, holds_only_our_files(p))
             for _, p in _step_dirs(Path(root)) if not is_complete(p)]
 

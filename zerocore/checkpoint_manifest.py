@@ -13,8 +13,18 @@ after an edit): every field is checked against the schema below, and the layouts
 or resized slots and a changed ``padded_numel``. Each violation is one ``CheckpointError`` line
 naming the file and the field: ``.../manifest.json: layers[3].trainable.slots[1].offset: ...``.
 
-Formats: ``zerocore-checkpoint/2`` (with COMMIT and an optional ``run_id``) is written;
-``zerocore-checkpoint/1`` (no COMMIT, no run id) is still read, with the same field checks.
+Identity: a manifest of format 3 has a ``save_id``, random per save, and every rank file of the
+save records it with its rank, world size, step, run id, a digest of the layouts and a digest of
+the manifest's content (``manifest_digest``: everything but the ``files`` table, which describes
+the rank files themselves). So a recomputed COMMIT does not make an edit pass: the rank files
+still say what was saved (checkpoint_reader.py checks them).
+
+Formats: ``zerocore-checkpoint/3`` (COMMIT, ``save_id``, an optional ``run_id``, rank files that
+record their identity) is written. Older formats cannot be verified that way: format 2 (COMMIT,
+rank files without identity) and format 1 (no COMMIT, no run id) are read only when the caller
+opts in (``allow_unverified=True``; the commands' ``--allow-unverified``), with the same field
+checks. A rank file that records an identity is never read under an older format's manifest (a
+downgraded manifest).
 """
 
 from __future__ import annotations
@@ -29,8 +39,15 @@ from typing import Any
 from zerocore.checkpoint_errors import CheckpointError
 from zerocore.flat_layout import FlatLayout
 
-FORMAT = "zerocore-checkpoint/2"
-FORMAT_V1 = "zerocore-checkpoint/1"  # before COMMIT records and run ids; read, never written
+FORMAT = "zerocore-checkpoint/3"
+# Read only with allow_unverified, never written: format 2 has COMMIT records and run ids but its
+# rank files do not record whose they are; format 1 has neither.
+FORMAT_V2 = "zerocore-checkpoint/2"
+FORMAT_V1 = "zerocore-checkpoint/1"
+UNVERIFIED_FORMATS = {
+    FORMAT_V1: "format 1: no COMMIT record, rank files that do not record whose they are",
+    FORMAT_V2: "format 2: rank files that do not record which save, rank and step they are of",
+}
 MANIFEST = "manifest.json"
 COMMIT = "COMMIT"
 # The dtypes a sharded model computes or reduces in (zerocore shards fp32/fp16/bf16 only).
@@ -38,9 +55,11 @@ DTYPE_NAMES = ("float32", "float16", "bfloat16")
 
 _FIELDS_V1 = ("format", "step", "world_size", "param_dtype", "reduce_dtype", "include_frozen",
               "model_fingerprint", "layers", "optimizer", "loss_scaler", "extra", "files")
-_OPTIONAL = {FORMAT_V1: (), FORMAT: ("run_id",)}
+_OPTIONAL = {FORMAT_V1: (), FORMAT_V2: ("run_id",), FORMAT: ("run_id",)}
+_REQUIRED = {FORMAT_V1: _FIELDS_V1, FORMAT_V2: _FIELDS_V1, FORMAT: _FIELDS_V1 + ("save_id",)}
 _COMMIT_FIELDS = ("format", "manifest_sha256", "manifest_bytes")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
 # What was edited, in the words a user needs: the files were changed after the save.
 _EDITED = "the manifest was edited or damaged after the save; use another checkpoint"
 
@@ -54,6 +73,31 @@ def model_fingerprint(layouts: list[dict[str, Any]]) -> str:
     desc = json.dumps([[None if g is None else [s[:2] for s in g["slots"]]
                         for g in (l["trainable"], l["frozen"])] for l in layouts])
     return hashlib.sha256(desc.encode()).hexdigest()
+
+
+def _digest(value: Any) -> str:
+    """SHA-256 of a JSON value in one canonical form: keys sorted (and made strings, as JSON
+    makes them), tuples as lists, so that a value and its parsed manifest copy hash alike."""
+    canonical = json.loads(json.dumps(value))
+    return hashlib.sha256(json.dumps(canonical, sort_keys=True,
+                                     separators=(",", ":")).encode()).hexdigest()
+
+
+def layout_digest(layouts: list[dict[str, Any]]) -> str:
+    """The layouts a save was written for (names, shapes, offsets, padding, world size)."""
+    return _digest(layouts)
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """Everything a manifest says except its ``files`` table (the rank files' checksums, known
+    only after they are written): what each rank file records of its manifest."""
+    return _digest({k: v for k, v in manifest.items() if k != "files"})
+
+
+def unverified_reason(manifest: dict[str, Any]) -> str | None:
+    """Why a checked manifest's checkpoint cannot be verified (its format is older than rank
+    files recording their identity), or None when it can."""
+    return UNVERIFIED_FORMATS.get(manifest.get("format"))
 
 
 def commit_record(manifest_bytes: bytes) -> bytes:
@@ -72,14 +116,20 @@ def peek_manifest(path: Path) -> Any:
         return None
 
 
-def read_manifest(path: str | Path) -> dict[str, Any]:
-    """The manifest of checkpoint directory ``path``, verified: its COMMIT record (format 2) and
-    every field (see the module docstring). Raises ``CheckpointError`` naming the file and the
-    field. The rank files are not read here (``verify_files``, ``open_checkpoint``)."""
+def read_manifest(path: str | Path, *, allow_unverified: bool = False) -> dict[str, Any]:
+    """The manifest of checkpoint directory ``path``, verified: its COMMIT record and every
+    field (see the module docstring). Raises ``CheckpointError`` naming the file and the field.
+    A checkpoint of an older format (``UNVERIFIED_FORMATS``) is refused unless
+    ``allow_unverified``. The rank files are not read here (``verify_files``,
+    ``open_checkpoint``)."""
     path = Path(path)
     mf = path / MANIFEST
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint directory")
+    for own in (mf, path / COMMIT):
+        if own.is_symlink():  # zerocore writes files, never links; one may point anywhere
+            raise CheckpointError(f"{own}: a symbolic link, not the file a save writes; copy "
+                                  f"the checkpoint's own files")
     if not mf.is_file():
         raise CheckpointError(f"{path}: no {MANIFEST}; the checkpoint is incomplete (a save that "
                               f"did not finish leaves only a .tmp directory) — use an earlier one")
@@ -89,25 +139,30 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{mf}: cannot read ({e})") from None
     commit = path / COMMIT
     has_commit = commit.is_file()
-    if has_commit:
-        _check_commit(commit, raw)
+    committed = _check_commit(commit, raw) if has_commit else None
     try:
         manifest = json.loads(raw)
     except ValueError as e:  # invalid JSON or UTF-8
         raise CheckpointError(f"{mf}: unreadable manifest ({e})") from None
     fmt = manifest.get("format") if isinstance(manifest, dict) else None
-    if has_commit and fmt != FORMAT:
+    if has_commit and fmt != committed:
         raise CheckpointError(f"{mf}: format: {_show(fmt)}, but its {COMMIT} record is of "
-                              f"{FORMAT!r}: {_EDITED}")
+                              f"{committed!r}: {_EDITED}")
     if not has_commit and fmt != FORMAT_V1:
         raise CheckpointError(f"{path}: no {COMMIT} record; the checkpoint is incomplete (its "
                               f"save did not finish, or it was copied in part) — use an earlier "
                               f"one")
     check_manifest(manifest, mf)
+    if fmt in UNVERIFIED_FORMATS and not allow_unverified:
+        raise CheckpointError(
+            f"{path}: cannot be verified ({UNVERIFIED_FORMATS[fmt]}), so a swapped, foreign or "
+            f"edited file would load unnoticed; if you trust it, pass --allow-unverified "
+            f"(library: allow_unverified=True)")
     return manifest
 
 
-def _check_commit(commit: Path, manifest_bytes: bytes) -> None:
+def _check_commit(commit: Path, manifest_bytes: bytes) -> str:
+    """Checks a COMMIT record against the manifest's bytes; returns the format it records."""
     try:
         record = json.loads(commit.read_bytes())
     except (OSError, ValueError) as e:
@@ -115,7 +170,7 @@ def _check_commit(commit: Path, manifest_bytes: bytes) -> None:
                               f"damaged — use another one") from None
     try:
         _keys(record, "", _COMMIT_FIELDS)
-        if record["format"] != FORMAT:
+        if record["format"] not in (FORMAT, FORMAT_V2):  # format 1 had no COMMIT
             raise _Invalid("format", f"expected {FORMAT!r}, got {_show(record['format'])}")
         digest = _text(record["manifest_sha256"], "manifest_sha256")
         if not _HEX64.match(digest):
@@ -130,6 +185,7 @@ def _check_commit(commit: Path, manifest_bytes: bytes) -> None:
                               f"{size}: {_EDITED}")
     if hashlib.sha256(manifest_bytes).hexdigest() != digest:
         raise CheckpointError(f"{mf}: SHA-256 differs from its {COMMIT} record's: {_EDITED}")
+    return record["format"]
 
 
 # -- the schema ----------------------------------------------------------------------------------
@@ -316,12 +372,12 @@ def check_manifest(manifest: Any, where: str | Path) -> dict[str, Any]:
     """Checks every field of a parsed manifest (see the module docstring); returns it. Raises
     ``CheckpointError`` naming ``where`` (the manifest file) and the first bad field."""
     try:
-        _keys(manifest, "", ("format",), _FIELDS_V1 + ("run_id",))
+        _keys(manifest, "", ("format",), _REQUIRED[FORMAT] + ("run_id",))
         fmt = manifest["format"]
         if fmt not in _OPTIONAL:
             raise _Invalid("format", f"{_show(fmt)} is not a format this zerocore reads "
-                                     f"({FORMAT_V1!r}, {FORMAT!r})")
-        _keys(manifest, "", _FIELDS_V1, _OPTIONAL[fmt])
+                                     f"({FORMAT_V1!r}, {FORMAT_V2!r}, {FORMAT!r})")
+        _keys(manifest, "", _REQUIRED[fmt], _OPTIONAL[fmt])
         _int(manifest["step"], "step", 0)
         world_size = _int(manifest["world_size"], "world_size", 1)
         for key in ("param_dtype", "reduce_dtype"):
@@ -341,6 +397,8 @@ def check_manifest(manifest: Any, where: str | Path) -> dict[str, Any]:
         _check_files(manifest["files"], world_size)
         if "run_id" in manifest:
             _text(manifest["run_id"], "run_id")
+        if "save_id" in manifest and not _SAVE_ID.match(_text(manifest["save_id"], "save_id")):
+            raise _Invalid("save_id", f"expected 32 hex digits, got {_show(manifest['save_id'])}")
     except _Invalid as e:
         raise CheckpointError(f"{where}: {e.field}: {e.problem}; {_EDITED}") from None
     return manifest

@@ -3,11 +3,16 @@ groups out of them, for a load at any world size and for consolidation.
 
 ``open_checkpoint(path)`` does everything a reader needs before trusting a checkpoint: the
 manifest and its COMMIT record (``read_manifest``), the size and SHA-256 of every rank file
-(``verify_files``), and each rank file's contents against the manifest's layouts (layers
-present; masters and Adam moments 1-D fp32 of padded_numel / world_size elements; frozen shards
-likewise, in param_dtype, when the checkpoint holds them; an RNG state). It returns a
-``ShardReader``; every failure is one ``CheckpointError`` naming the file (and the layer).
-Rank files are memory-mapped: checking them reads their headers, not their data.
+(``verify_files``; a rank file that is a symbolic link is refused: it may point out of the
+checkpoint), each rank file's identity against the manifest (``check_identity``: the save id,
+rank, world size, step, run id, layout digest and manifest digest it recorded when it was
+written, so a file of another rank, run or save, or a manifest edited with its checksums
+recomputed, is refused), and its contents against the manifest's layouts (layers present;
+masters and Adam moments 1-D fp32 of padded_numel / world_size elements; frozen shards likewise,
+in param_dtype, when the checkpoint holds them; an RNG state). The identity is checked before
+any tensor of the file is used. It returns a ``ShardReader``; every failure is one
+``CheckpointError`` naming the file (and the layer or the field). Rank files are memory-mapped:
+checking them reads their headers, not their data.
 """
 
 from __future__ import annotations
@@ -20,13 +25,43 @@ from typing import Any, Iterator
 import torch
 
 from zerocore.checkpoint_errors import CheckpointError
-from zerocore.checkpoint_manifest import MANIFEST, check_manifest, rank_file, read_manifest
+from zerocore.checkpoint_manifest import (FORMAT, MANIFEST, UNVERIFIED_FORMATS, check_manifest,
+                                          layout_digest, manifest_digest, rank_file,
+                                          read_manifest)
 from zerocore.flat_layout import FlatLayout
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Which flat group each tensor of a rank file's layer entry belongs to.
 GROUP_OF = {"master": "trainable", "exp_avg": "trainable", "exp_avg_sq": "trainable",
             "frozen": "frozen"}
+# The key of a rank file (format 3) that records whose it is (``identity_record``).
+IDENTITY = "identity"
+_IDENTITY_FIELDS = ("format", "save_id", "rank", "world_size", "step", "run_id", "layout_sha256",
+                    "manifest_sha256")
+
+
+def identity_record(manifest: dict[str, Any], rank: int) -> dict[str, Any]:
+    """What rank ``rank``'s file of the save that ``manifest`` describes records about itself
+    (``manifest`` without its ``files`` table suffices: the save writes it before them)."""
+    return {"format": manifest["format"], "save_id": manifest["save_id"], "rank": rank,
+            "world_size": manifest["world_size"], "step": manifest["step"],
+            "run_id": manifest.get("run_id"), "layout_sha256": layout_digest(manifest["layers"]),
+            "manifest_sha256": manifest_digest(manifest)}
+
+
+def _own_file(f: Path, world_size: int) -> None:
+    """A rank file that is there and is a regular file of the checkpoint, not a link."""
+    if f.is_symlink():
+        try:
+            target = f"to {f.readlink()}"
+        except OSError:
+            target = "unreadable"
+        raise CheckpointError(f"{f}: a symbolic link ({target}), not a rank file of this "
+                              f"checkpoint; zerocore writes rank files, never links: copy the "
+                              f"checkpoint's own files")
+    if not f.is_file():
+        raise CheckpointError(f"{f}: rank file missing (the checkpoint was written by "
+                              f"{world_size} ranks)")
 
 
 def _sha256(path: Path) -> str:
@@ -45,9 +80,7 @@ def verify_files(path: str | Path, manifest: dict[str, Any], ranks: list[int] | 
         name = rank_file(r)
         f = Path(path) / name
         want = manifest["files"][name]
-        if not f.is_file():
-            raise CheckpointError(f"{f}: rank file missing (the checkpoint was written by "
-                                  f"{manifest['world_size']} ranks)")
+        _own_file(f, manifest["world_size"])
         try:
             size = f.stat().st_size
             digest = _sha256(f) if size == want["bytes"] else None
@@ -71,13 +104,55 @@ def _expect_tensor(t: Any, dtype: torch.dtype, numel: int | None, where: str) ->
                               f"does not match its manifest")
 
 
-def check_rank_data(data: Any, manifest: dict[str, Any], file: Path) -> None:
-    """Checks an unpickled rank file against its (checked) manifest; raises CheckpointError
-    naming the file and the layer."""
+def check_identity(data: dict[str, Any], manifest: dict[str, Any], file: Path, rank: int
+                   ) -> None:
+    """Checks what rank file ``file`` (of rank ``rank``) records about itself against its
+    (checked) manifest; raises CheckpointError naming the file and what differs."""
+    fmt = manifest["format"]
+    if fmt in UNVERIFIED_FORMATS:
+        if IDENTITY in data:  # only a format-3 save writes one: its manifest was downgraded
+            raise CheckpointError(f"{file}: records the save it belongs to (format {FORMAT!r}), "
+                                  f"but the manifest is of {fmt!r}: the manifest was edited "
+                                  f"after the save; use another checkpoint")
+        return
+    got = data.get(IDENTITY)
+    if not isinstance(got, dict) or set(got) != set(_IDENTITY_FIELDS):
+        raise CheckpointError(f"{file}: records no valid identity (which save, rank and step it "
+                              f"is of), which every rank file of a {fmt!r} checkpoint does: it "
+                              f"is not this checkpoint's file; use the checkpoint's own files")
+    want = identity_record(manifest, rank)
+    # In the order that names the likeliest cause first: a file of another save (another run,
+    # another step of this run), a file of another rank, then what the manifest says.
+    if got["save_id"] != want["save_id"]:
+        raise CheckpointError(f"{file}: belongs to another save (save id {got['save_id']!s:.12}"
+                              f"..., step {got['step']}, run {got['run_id']!r}; the manifest's "
+                              f"is {want['save_id'][:12]}...): a rank file of another run or "
+                              f"checkpoint was copied in; use the checkpoint's own files")
+    if (got["rank"], got["world_size"]) != (rank, want["world_size"]):
+        raise CheckpointError(f"{file}: is rank {got['rank']}'s file of {got['world_size']}, "
+                              f"not rank {rank}'s of {want['world_size']}: rank files were "
+                              f"swapped or renamed; use the checkpoint's own files")
+    for key, what in (("step", "step"), ("run_id", "run id"), ("format", "format"),
+                      ("layout_sha256", "layouts (their digest)"),
+                      ("manifest_sha256", "manifest content (its digest)")):
+        if got[key] != want[key]:
+            shown = (lambda v: f"{v[:12]}..." if key.endswith("sha256") and isinstance(v, str)
+                     else repr(v))
+            raise CheckpointError(f"{file}: was saved with {what} {shown(got[key])}, but the "
+                                  f"manifest says {shown(want[key])}: the manifest was edited "
+                                  f"after the save; use another checkpoint")
+
+
+def check_rank_data(data: Any, manifest: dict[str, Any], file: Path, rank: int) -> None:
+    """Checks an unpickled rank file (of rank ``rank``) against its (checked) manifest: its
+    identity first, then its contents; raises CheckpointError naming the file and the layer."""
     world = manifest["world_size"]
-    if not isinstance(data, dict) or set(data) != {"layers", "rng"}:
+    keys_wanted = {"layers", "rng"} | ({IDENTITY} if manifest["format"] == FORMAT else set())
+    if isinstance(data, dict):
+        check_identity(data, manifest, file, rank)
+    if not isinstance(data, dict) or set(data) != keys_wanted:
         keys = sorted(data) if isinstance(data, dict) else type(data).__name__
-        raise CheckpointError(f"{file}: holds {keys}, expected 'layers' and 'rng': not a "
+        raise CheckpointError(f"{file}: holds {keys}, expected {sorted(keys_wanted)}: not a "
                               f"zerocore rank file")
     layers = data["layers"]
     n_layers = len(manifest["layers"])
@@ -129,6 +204,7 @@ class ShardReader:
         """Rank r's file, unpickled (tensors memory-mapped) and checked against the manifest."""
         if r not in self._files:
             f = self.path / rank_file(r)
+            _own_file(f, self.world_size)  # also for callers that verified the files earlier
             try:
                 data = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
             except Exception as e:  # noqa: BLE001  (unpickling raises many kinds)
@@ -136,7 +212,7 @@ class ShardReader:
                 raise CheckpointError(f"{f}: cannot be read as a rank file ({type(e).__name__}"
                                       f"{': ' + first if first else ''}); the checkpoint is "
                                       f"damaged — use another one") from None
-            check_rank_data(data, self.manifest, f)
+            check_rank_data(data, self.manifest, f, r)
             self._files[r] = data
         return self._files[r]
 
@@ -209,11 +285,12 @@ class ShardReader:
             yield index, out
 
 
-def open_checkpoint(path: str | Path) -> ShardReader:
+def open_checkpoint(path: str | Path, *, allow_unverified: bool = False) -> ShardReader:
     """Opens and fully verifies a checkpoint directory: manifest and COMMIT record, every rank
-    file's size, SHA-256 and contents. Raises ``CheckpointError``; returns a ``ShardReader``
-    (``reader.manifest`` is the checked manifest)."""
-    manifest = read_manifest(path)
+    file's size, SHA-256, identity and contents. Raises ``CheckpointError``; returns a
+    ``ShardReader`` (``reader.manifest`` is the checked manifest). ``allow_unverified``: read a
+    checkpoint of a format older than rank-file identities (``read_manifest``)."""
+    manifest = read_manifest(path, allow_unverified=allow_unverified)
     verify_files(path, manifest)
     reader = ShardReader(path, manifest)
     reader.check_all()
@@ -221,15 +298,18 @@ def open_checkpoint(path: str | Path) -> ShardReader:
 
 
 def iter_full_layers(ckpt: str | Path, *, trainable_only: bool, dtype: torch.dtype | None = None,
-                     manifest: dict[str, Any] | None = None
+                     manifest: dict[str, Any] | None = None, allow_unverified: bool = False
                      ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
     """``ShardReader.full_layers`` of a checkpoint directory, everything verified first
     (``open_checkpoint``). A caller that passes ``manifest`` has verified the files' checksums
-    itself; its fields and the files' contents are checked here all the same."""
+    itself; its fields and the files' identities and contents are checked here all the same."""
     ckpt = Path(ckpt)
     if manifest is None:
-        reader = open_checkpoint(ckpt)
+        reader = open_checkpoint(ckpt, allow_unverified=allow_unverified)
     else:
-        reader = ShardReader(ckpt, check_manifest(manifest, ckpt / MANIFEST))
+        manifest = check_manifest(manifest, ckpt / MANIFEST)
+        if manifest["format"] in UNVERIFIED_FORMATS and not allow_unverified:
+            read_manifest(ckpt, allow_unverified=False)  # refuses it, in the same words
+        reader = ShardReader(ckpt, manifest)
         reader.check_all()
     yield from reader.full_layers(trainable_only=trainable_only, dtype=dtype)

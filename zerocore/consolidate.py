@@ -9,6 +9,8 @@ OUT becomes a directory of safetensors files named ``layers.<i>.<parameter name>
   LoRA adapters): its size is proportional to what was trained, not to the model.
 Frozen weights are in a checkpoint only if it was saved with ``include_frozen``; otherwise they
 are the base model's, and a full export goes through the application (``neox`` export).
+The checkpoint is verified first (``open_checkpoint``); one of a format older than rank-file
+identities is consolidated only with ``--allow-unverified``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from safetensors.torch import save_file
 
 from zerocore.checkpoint_errors import CheckpointError
 from zerocore.checkpoint_dirs import latest_checkpoint
-from zerocore.checkpoint_manifest import MANIFEST, read_manifest
+from zerocore.checkpoint_manifest import MANIFEST, read_manifest, unverified_reason
 # iter_full_layers lived here: importers of zerocore.consolidate.iter_full_layers keep working.
 from zerocore.checkpoint_reader import DTYPES, iter_full_layers, open_checkpoint
 from zerocore.durable_io import make_dir, write_atomically, write_error, writing
@@ -60,18 +62,23 @@ def save_trainable(path: Path, layers: Iterable[tuple[int, dict[str, torch.Tenso
 
 
 def consolidate(ckpt: Path, out: Path, *, trainable_only: bool = False,
-                dtype: torch.dtype | None = None, model_names: bool = False, log=print) -> Path:
+                dtype: torch.dtype | None = None, model_names: bool = False, log=print,
+                allow_unverified: bool = False) -> Path:
     """Writes the consolidated weights to ``out`` (atomically: a temporary directory renamed at
     the end). Returns out. model_names: tensors named by their parameter names alone, without
     ``layers.<i>.`` (for checkpoints of ``zerocore.shard_model``, whose parameter names are the
-    model's own); refused when two layers hold the same name."""
+    model's own); refused when two layers hold the same name. allow_unverified: consolidate a
+    checkpoint of a format whose rank files do not record whose they are (logged)."""
     if out.exists():
         raise FileExistsError(f"{out} exists; choose a new output directory (nothing is "
                               f"overwritten)")
     # Everything that can be known to fail is checked before anything is written: the whole
     # checkpoint is verified (manifest, COMMIT, every rank file).
-    reader = open_checkpoint(ckpt)
+    reader = open_checkpoint(ckpt, allow_unverified=allow_unverified)
     manifest = reader.manifest
+    if unverified_reason(manifest):
+        log(f"note: {ckpt} cannot be verified ({unverified_reason(manifest)}); consolidating it "
+            f"as --allow-unverified asks")
     n_layers = len(manifest["layers"])
     if not trainable_only and not manifest["include_frozen"]:
         missing = [i for i, saved in enumerate(manifest["layers"]) if saved["frozen"] is not None]
@@ -134,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-names", action="store_true",
                    help="name tensors by the model's own parameter names, without "
                         "'layers.<i>.' (checkpoints of zerocore.shard_model)")
+    p.add_argument("--allow-unverified", action="store_true",
+                   help="read a checkpoint of an older format (1 or 2), whose rank files do not "
+                        "record which save, rank and step they are of")
     args = p.parse_args(argv)
     dtype = None
     try:
@@ -143,9 +153,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"the newest checkpoint in {args.checkpoint}: {newest}")
                 args.checkpoint = newest
         if args.dtype == "training":
-            dtype = DTYPES[read_manifest(args.checkpoint)["param_dtype"]]
+            dtype = DTYPES[read_manifest(args.checkpoint,
+                                         allow_unverified=args.allow_unverified)["param_dtype"]]
         out = consolidate(args.checkpoint, args.out, trainable_only=args.trainable_only,
-                          dtype=dtype, model_names=args.model_names)
+                          dtype=dtype, model_names=args.model_names,
+                          allow_unverified=args.allow_unverified)
     except (CheckpointError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
