@@ -268,6 +268,7 @@ def _watch(procs: list[subprocess.Popen], links: list[socket.socket], stop_signa
     open_links = set(range(len(links)))
     lost: dict[int, int] = {}                 # reporter -> the rank it lost contact with
     silent: dict[int, int] = {}               # rank killed for not answering -> who saw it
+    lingering: list[int] = []                 # ranks still running well after a rank gave up
     killed: set[int] = set()                  # ranks this launcher ended
     deadline: float | None = None             # when the ranks still alive are ended
     first_lost: float | None = None           # when a rank first lost contact with another
@@ -301,8 +302,8 @@ def _watch(procs: list[subprocess.Popen], links: list[socket.socket], stop_signa
                     if code is None:
                         if first_lost is not None and not stop_signal:
                             # Still running well after another rank gave up waiting: it is
-                            # the one that stopped answering (or waits for it).
-                            silent.setdefault(rank, codes.index(EXIT_LOST_PEER))
+                            # the one that stopped answering, or waits for it.
+                            lingering.append(rank)
                         end(rank, "kill")
             else:
                 for rank, code in enumerate(codes):
@@ -320,20 +321,27 @@ def _watch(procs: list[subprocess.Popen], links: list[socket.socket], stop_signa
         print(f"stopped by {signal.Signals(stop_signal[0]).name}", file=sys.stderr, flush=True)
         return 128 + stop_signal[0]
     codes = [p.returncode for p in procs]
-    if silent:
-        rank, reporter = min(silent.items())
-        print(f"error: rank {rank} (pid {procs[rank].pid}) stopped answering: rank {reporter} "
-              f"waited {timeout:g} s (--timeout) for it; the launcher killed it"
-              + ("" if len(procs) <= 2 else " and stopped the other ranks")
-              + " (a stopped or hung process; if it was only slow, raise --timeout)",
-              file=sys.stderr, flush=True)
-        return EXIT_LOST_PEER
     # Read after every rank has ended (or been stopped): ranks often end between two looks, and
     # the first to be seen is not always the one that failed first.
     cause = _cause(codes, killed)
     if cause is None:
         return 0
     rank, code = cause
+    if code == EXIT_LOST_PEER and (silent or lingering):  # no failure of its own explains it
+        if silent:
+            rank, reporter = min(silent.items())
+            print(f"error: rank {rank} (pid {procs[rank].pid}) stopped answering: rank "
+                  f"{reporter} waited {timeout:g} s (--timeout) for it; the launcher killed it"
+                  + ("" if len(procs) <= 2 else " and stopped the other ranks")
+                  + " (a stopped or hung process; if it was only slow, raise --timeout)",
+                  file=sys.stderr, flush=True)
+        else:
+            named = ", ".join(f"{r} (pid {procs[r].pid})" for r in lingering)
+            print(f"error: rank {rank} lost contact with another rank after {timeout:g} s "
+                  f"(--timeout); rank(s) {named} still ran {LOST_GRACE_S:g} s later: stopped "
+                  f"or hung, or waiting for one that is; the launcher killed them", file=sys.stderr,
+                  flush=True)
+        return EXIT_LOST_PEER
     if code != EXIT_REPORTED:  # 2: the rank said why, in one line
         print(f"error: rank {rank} (pid {procs[rank].pid}) {_exit_description(code)}"
               + ("" if len(procs) == 1 else "; the other ranks were stopped"),
@@ -472,7 +480,7 @@ def _run_rank(rank: int, task: RankTask,
               report_lost: Callable[[int], None] | None = None) -> int:
     """Sets up the device and the process group, runs the training, and turns what can go
     wrong into an exit code with one message. report_lost: told the rank this one lost contact
-    with, when zerocore's transport knows it (the launcher kills that rank if still alive)."""
+    with when zerocore's transport found it silent (the launcher kills that rank)."""
     lock = None
     try:
         if task.use_cuda:
@@ -517,8 +525,9 @@ def _run_rank(rank: int, task: RankTask,
         if not _is_lost_peer(e):
             traceback.print_exc()
             return EXIT_CRASH
-        if report_lost is not None and isinstance(e, zerocore.PeerLost) and e.rank is not None:
-            report_lost(e.rank)
+        if (report_lost is not None and isinstance(e, zerocore.PeerLost) and e.silent
+                and e.rank is not None):
+            report_lost(e.rank)  # still there, but silent: the launcher is to kill it
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"error (rank {rank}): lost contact with another rank ({first[:200]}); it failed "
               f"or was killed (see above)", file=sys.stderr, flush=True)

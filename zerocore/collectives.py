@@ -40,15 +40,18 @@ class PeerLost(RuntimeError):
     hung) while this rank read its memory or waited for its message: the consequence of that
     rank's failure, not a failure of this one (as gloo's "Connection closed by peer").
 
-    rank: the global rank of the lost process, when known (None otherwise)."""
+    rank: the global rank of the lost process, when known (None otherwise).
+    silent: True when that rank is still there but did not answer within the timeout (stopped
+    or hung: whoever supervises the processes may have to kill it); False when it is gone."""
 
-    def __init__(self, message: str, rank: int | None = None):
+    def __init__(self, message: str, rank: int | None = None, silent: bool = False):
         super().__init__(message)
         self.rank = rank
+        self.silent = silent
 
     def __reduce__(self):
-        # Exceptions unpickle as cls(*self.args): keep the rank (process pools pickle them).
-        return PeerLost, (str(self), self.rank)
+        # Exceptions unpickle as cls(*self.args): keep the rest (process pools pickle them).
+        return PeerLost, (str(self), self.rank, self.silent)
 
 
 @dataclasses.dataclass
@@ -377,15 +380,15 @@ class _Pipes:
         self.lost: set[int] = set()
         self.names: dict[int, int] = {}  # group rank -> global rank, for messages
 
-    def _lose(self, rank: int, what: str) -> PeerLost:
+    def _lose(self, rank: int, what: str, silent: bool = False) -> PeerLost:
         self.lost.add(rank)
         name = self.names.get(rank, rank)
-        return PeerLost(f"zerocore: rank {name} {what}", name)
+        return PeerLost(f"zerocore: rank {name} {what}", name, silent)
 
     def _silent(self, rank: int, what: str) -> PeerLost:
         return self._lose(rank, f"did not {what} within {self.timeout_s:g} s (the timeout of "
-                                f"zerocore.Comm): it is stopped, hung or gone; if it is only "
-                                f"slow, raise the timeout")
+                                f"zerocore.Comm): it is stopped or hung; if it is only slow, "
+                                f"raise the timeout", silent=True)
 
     def tell(self, ranks: list[int], key: int, value: int, required: bool) -> None:
         message = _MESSAGE.pack(key, value)
