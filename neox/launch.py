@@ -1,12 +1,17 @@
 """Starting, watching and stopping the processes of a fine-tuning run.
 
 ``launch`` (one machine): takes the output directory (lock, ownership, a write test), starts one
-process per rank, and watches them. Ranks never outlive it: each holds the read end of a pipe
-whose write end only the launcher has, and a thread in each rank leaves the moment that pipe
-closes (the launcher died, even by SIGKILL) or says stop (the launcher got SIGTERM or Ctrl-C);
-``PR_SET_PDEATHSIG`` backs this up. When a rank fails, the launcher names it and how it ended
-(its exit code, or the signal that killed it), gives the others a moment to stop by themselves,
-then stops them.
+process per rank, and watches them. Ranks never outlive it, from their first instruction: the
+first code a rank runs, before it imports anything, asks the kernel for SIGKILL when the
+launcher dies (``PR_SET_PDEATHSIG``, which needs no handler in the launcher, so it holds after
+a SIGKILL of the launcher too) and leaves if the launcher is gone already. Each rank also holds
+one end of a socket whose other end only the launcher has; a thread in each rank prints why and
+leaves the moment it closes or says stop (the launcher got SIGTERM or Ctrl-C), and the launcher
+kills whatever has not left ``STOP_GRACE_S`` later. When a rank fails, the launcher names it
+and how it ended (its exit code, or the signal that killed it), gives the others a moment to
+stop by themselves, then stops them. A rank that stops answering (stopped, hung) is named by
+the rank that waited for it past ``--timeout`` (through the socket), killed at once, and named
+in the launcher's error.
 
 ``run_under_torchrun``: the process is one rank of torchrun's group (possibly many machines);
 torchrun watches the processes, and global rank 0 takes the output directory.
@@ -21,17 +26,21 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import datetime
-import multiprocessing
-import multiprocessing.connection
+import json
+import math
 import os
+import pickle
+import select
 import signal
 import socket
+import struct
+import subprocess
 import sys
 import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -47,6 +56,12 @@ __all__ = ["LaunchConfig", "RunRequest", "launch", "run_under_torchrun"]
 # Seconds the other ranks get to stop by themselves once one has failed, before they are
 # terminated (after a user error they all stop at once, having agreed on it).
 SHUTDOWN_GRACE_S = 10.0
+# Seconds the ranks get to leave after the launcher was told to stop (SIGTERM, Ctrl-C): their
+# watchers leave at once, but a rank still importing has none yet; then they are killed.
+STOP_GRACE_S = 1.0
+# Seconds the other ranks get once one lost contact with another (past --timeout): waiting for
+# the same silent rank, or for one the launcher has just killed, they fail within moments.
+LOST_GRACE_S = 3.0
 # Exit codes (see the module docstring).
 EXIT_REPORTED = 2
 EXIT_CRASH = 1
@@ -157,41 +172,51 @@ def launch(request: RunRequest, config: LaunchConfig) -> int:
 
 
 def _run_ranks(task: RankTask) -> int:
-    ctx = multiprocessing.get_context("spawn")
-    procs, lifelines = [], []
-    for rank in range(task.world_size):
-        # The rank keeps the read end; only this process keeps the write end, so the pipe
-        # closes when this process ends, however it ends.
-        reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_rank_main, args=(rank, task, reader, os.getpid()),
-                           name=f"neox-rank-{rank}")
-        proc.start()
-        reader.close()
-        procs.append(proc)
-        lifelines.append(writer)
-
+    links: list[socket.socket] = []
+    procs: list[subprocess.Popen] = []
     stop_signal: list[int] = []
 
     def on_signal(signum: int, _frame: Any) -> None:
         stop_signal.append(signum)
-        for writer in lifelines:  # each rank's watcher prints why and leaves
+        for link in links:  # each rank's watcher prints why and leaves
             try:
-                writer.send(("stop", signal.Signals(signum).name))
+                link.send(f"stop {signal.Signals(signum).name}\n".encode())
             except OSError:
                 pass
 
+    # Before the first rank exists: a signal from here on stops the ranks started so far.
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        code = _watch(procs, stop_signal)
+        frame = pickle.dumps(task)
+        for rank in range(task.world_size):
+            if stop_signal:
+                break
+            # The rank keeps one end; only this process keeps the other, so the rank sees EOF
+            # when this process ends, however it ends.
+            mine, theirs = socket.socketpair()
+            try:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-c", _BOOTSTRAP, RANK_MARKER, str(os.getpid()),
+                     str(theirs.fileno()), str(rank), json.dumps(sys.path)],
+                    pass_fds=(theirs.fileno(),)))
+            finally:
+                theirs.close()
+            links.append(mine)
+        for link in links:  # the ranks read it right after tying themselves to this process
+            try:
+                link.sendall(struct.pack("<Q", len(frame)) + frame)
+            except OSError:
+                pass  # that rank is gone already: the watch says how it ended
+        code = _watch(procs, links, stop_signal, task.timeout)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        for writer in lifelines:
-            writer.close()
+        for link in links:
+            link.close()
         for proc in procs:
-            if proc.is_alive():
+            if proc.poll() is None:
                 proc.kill()
-            proc.join()
+            proc.wait()
     return code
 
 
@@ -203,43 +228,124 @@ def _exit_description(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-def _cause(procs: list[multiprocessing.Process]) -> tuple[int, int] | None:
+def _cause(codes: list[int | None], killed: set[int]) -> tuple[int, int] | None:
     """(rank, exit code) of the failure that explains the others: a rank that lost contact
     with another (exit 3) is a consequence, so any other failure is preferred; among equals the
-    lowest rank. None while no rank has failed."""
-    failed = [(rank, p.exitcode) for rank, p in enumerate(procs) if p.exitcode not in (None, 0)]
+    lowest rank. Ranks the launcher killed (``killed``) are consequences too. None while no
+    rank has failed."""
+    failed = [(rank, code) for rank, code in enumerate(codes)
+              if code not in (None, 0) and rank not in killed]
     if not failed:
         return None
     causes = [f for f in failed if f[1] != EXIT_LOST_PEER]
     return (causes or failed)[0]
 
 
-def _watch(procs: list[multiprocessing.Process], stop_signal: list[int]) -> int:
-    """Waits for every rank; once one fails, lets the others stop by themselves for
-    ``SHUTDOWN_GRACE_S``, then terminates them. Names the failure that explains the others and
+def _read_reports(links: list[socket.socket], open_links: set[int],
+                  lost: dict[int, int], timeout: float) -> None:
+    """Waits at most ``timeout`` for a rank to report (``lost <rank>``: the rank it lost
+    contact with; recorded in ``lost`` by reporter) or to end (its link reaches EOF)."""
+    ready, _, _ = select.select([links[r] for r in open_links], [], [], timeout)
+    for link in ready:
+        rank = links.index(link)
+        try:
+            data = link.recv(4096)
+        except OSError:
+            data = b""
+        if not data:
+            open_links.discard(rank)
+            continue
+        for line in data.decode(errors="replace").splitlines():
+            kind, _, value = line.partition(" ")
+            if kind == "lost" and value.strip().isdigit():
+                lost.setdefault(rank, int(value))
+
+
+def _watch(procs: list[subprocess.Popen], links: list[socket.socket], stop_signal: list[int],
+           timeout: float) -> int:
+    """Waits for every rank. A signal to the launcher: the ranks get ``STOP_GRACE_S`` to leave,
+    then are killed. A rank that lost contact with another: the one it names (or, if it could
+    not tell, any rank still running ``LOST_GRACE_S`` later) stopped answering, and is killed
+    at once, the others shortly after. Another failure: the others get ``SHUTDOWN_GRACE_S`` to
+    stop by themselves, then are terminated. Names the failure that explains the others and
     returns the run's exit code."""
-    deadline: float | None = None             # when the ranks still alive are terminated
-    while any(p.exitcode is None for p in procs):
-        multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None],
-                                        timeout=0.5)
-        if deadline is None and (stop_signal or _cause(procs) is not None):
-            deadline = time.monotonic() + SHUTDOWN_GRACE_S
-        if deadline is not None and time.monotonic() > deadline:
+    open_links = set(range(len(links)))
+    lost: dict[int, int] = {}                 # reporter -> the rank it lost contact with
+    silent: dict[int, int] = {}               # rank killed for not answering -> who saw it
+    lingering: list[int] = []                 # ranks still running well after a rank gave up
+    killed: set[int] = set()                  # ranks this launcher ended
+    deadline: float | None = None             # when the ranks still alive are ended
+    first_lost: float | None = None           # when a rank first lost contact with another
+
+    def end(rank: int, how: str) -> None:
+        if procs[rank].poll() is None:
+            killed.add(rank)
+            procs[rank].kill() if how == "kill" else procs[rank].terminate()
+
+    while any(p.poll() is None for p in procs):
+        if open_links:
+            _read_reports(links, open_links, lost, 0.1)
+        else:
+            time.sleep(0.1)
+        now = time.monotonic()
+        codes = [p.poll() for p in procs]
+        if stop_signal:
+            deadline = min(deadline or math.inf, now + STOP_GRACE_S)
+        for reporter, rank in lost.items():
+            if rank != reporter and 0 <= rank < len(procs) and codes[rank] is None:
+                silent.setdefault(rank, reporter)  # alive, yet another rank gave up on it
+                end(rank, "kill")                  # SIGKILL: a stopped process ignores the rest
+        if first_lost is None and EXIT_LOST_PEER in codes:
+            first_lost = now
+            deadline = min(deadline or math.inf, now + LOST_GRACE_S)
+        if deadline is None and _cause(codes, killed) is not None:
+            deadline = now + SHUTDOWN_GRACE_S
+        if deadline is not None and now > deadline:
+            if stop_signal or first_lost is not None:
+                for rank, code in enumerate(codes):
+                    if code is None:
+                        if first_lost is not None and not stop_signal:
+                            # Still running well after another rank gave up waiting: it is
+                            # the one that stopped answering, or waits for it.
+                            lingering.append(rank)
+                        end(rank, "kill")
+            else:
+                for rank, code in enumerate(codes):
+                    if code is None:
+                        end(rank, "terminate")
+                end_by = time.monotonic() + SHUTDOWN_GRACE_S
+                while any(p.poll() is None for p in procs) and time.monotonic() < end_by:
+                    time.sleep(0.1)
+                for rank, p in enumerate(procs):
+                    end(rank, "kill")
             for p in procs:
-                if p.exitcode is None:
-                    p.terminate()
-            multiprocessing.connection.wait(
-                [p.sentinel for p in procs if p.exitcode is None], timeout=SHUTDOWN_GRACE_S)
-            break  # whatever is still alive is killed by the caller
+                p.wait()
+            break
     if stop_signal:
         print(f"stopped by {signal.Signals(stop_signal[0]).name}", file=sys.stderr, flush=True)
         return 128 + stop_signal[0]
+    codes = [p.returncode for p in procs]
     # Read after every rank has ended (or been stopped): ranks often end between two looks, and
     # the first to be seen is not always the one that failed first.
-    cause = _cause(procs)
+    cause = _cause(codes, killed)
     if cause is None:
         return 0
     rank, code = cause
+    if code == EXIT_LOST_PEER and (silent or lingering):  # no failure of its own explains it
+        if silent:
+            rank, reporter = min(silent.items())
+            print(f"error: rank {rank} (pid {procs[rank].pid}) stopped answering: rank "
+                  f"{reporter} waited {timeout:g} s (--timeout) for it; the launcher killed it"
+                  + ("" if len(procs) <= 2 else " and stopped the other ranks")
+                  + " (a stopped or hung process; if it was only slow, raise --timeout)",
+                  file=sys.stderr, flush=True)
+        else:
+            named = ", ".join(f"{r} (pid {procs[r].pid})" for r in lingering)
+            print(f"error: rank {rank} lost contact with another rank after {timeout:g} s "
+                  f"(--timeout); rank(s) {named} still ran {LOST_GRACE_S:g} s later: stopped "
+                  f"or hung, or waiting for one that is; the launcher killed them", file=sys.stderr,
+                  flush=True)
+        return EXIT_LOST_PEER
     if code != EXIT_REPORTED:  # 2: the rank said why, in one line
         print(f"error: rank {rank} (pid {procs[rank].pid}) {_exit_description(code)}"
               + ("" if len(procs) == 1 else "; the other ranks were stopped"),
@@ -249,7 +355,62 @@ def _watch(procs: list[multiprocessing.Process], stop_signal: list[int]) -> int:
 
 # -- a rank ----------------------------------------------------------------------------------------
 
-def _die_with_parent(rank: int, lifeline: Any, parent_pid: int) -> None:
+# Marks a rank's command line (``ps``, tests), after ``-c`` and the bootstrap.
+RANK_MARKER = "neox-rank"
+
+# The first code a rank process runs (``python -c``, before anything but the interpreter's own
+# start-up is imported): it ties itself to the launcher before importing torch, which takes
+# seconds, so that it cannot outlive the launcher even then. PR_SET_PDEATHSIG: the kernel sends
+# SIGKILL when the launcher dies (by SIGKILL too, which runs no handler); had the launcher died
+# before that call, the parent is already another process and the rank leaves. Then it becomes
+# a rank (``_rank_process``), with the launcher's import path.
+_BOOTSTRAP = """\
+import ctypes, json, os, signal, sys
+_, _, launcher, fd, rank, path = sys.argv
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which stops us
+if sys.platform.startswith("linux"):
+    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+if os.getppid() != int(launcher):
+    os._exit(128 + int(signal.SIGKILL))
+sys.path[:] = json.loads(path)
+from neox.launch import _rank_process
+_rank_process(int(rank), int(fd), int(launcher))
+"""
+
+
+def _rank_process(rank: int, fd: int, launcher_pid: int) -> NoReturn:
+    """A rank started by ``launch``: reads its task from the launcher, watches it, runs."""
+    link = socket.socket(fileno=fd)
+    size = struct.unpack("<Q", _recv_exactly(link, 8))[0]
+    task = pickle.loads(_recv_exactly(link, size))
+    _die_with_parent(rank, link, launcher_pid)
+
+    def report_lost(lost: int) -> None:
+        try:
+            link.sendall(f"lost {lost}\n".encode())
+        except OSError:
+            pass
+
+    code = _run_rank(rank, task, report_lost=report_lost)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leave at once when the run failed: its objects still hold the process group, and tearing
+    # it down under them at interpreter exit can abort the process (gloo: "terminate called
+    # without an active exception"), which would bury the message.
+    os._exit(code)
+
+
+def _recv_exactly(link: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = link.recv(n - len(data))
+        if not chunk:
+            os._exit(128 + signal.SIGTERM)  # the launcher ended before this rank started
+        data += chunk
+    return data
+
+
+def _die_with_parent(rank: int, link: socket.socket, parent_pid: int) -> None:
     """Makes this rank leave when the launcher ends or asks it to stop (see the module
     docstring), saying why on stderr first."""
     said = threading.Lock()
@@ -261,17 +422,17 @@ def _die_with_parent(rank: int, lifeline: Any, parent_pid: int) -> None:
 
     def watch() -> None:
         try:
-            message = lifeline.recv()
-        except (EOFError, OSError):
+            message = link.recv(4096)
+        except OSError:
+            message = b""
+        if not message:
             leave("the launcher ended", 128 + signal.SIGTERM)
-        else:
-            leave(f"the launcher was stopped by {message[1]}", 128 + signal.SIGTERM)
+        name = message.decode(errors="replace").split()[-1]
+        leave(f"the launcher was stopped by {name}", 128 + signal.SIGTERM)
 
     threading.Thread(target=watch, name="neox-lifeline", daemon=True).start()
-    _set_parent_death_signal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, lambda s, f: leave(
         "the launcher ended" if os.getppid() != parent_pid else "received SIGTERM", 128 + s))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which stops us
     if os.getppid() != parent_pid:  # the launcher died before the watch began
         leave("the launcher ended before this rank started", 128 + signal.SIGTERM)
 
@@ -287,17 +448,6 @@ def _set_parent_death_signal(sig: int) -> None:
         libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     except (OSError, AttributeError):
         pass
-
-
-def _rank_main(rank: int, task: RankTask, lifeline: Any, parent_pid: int) -> None:
-    _die_with_parent(rank, lifeline, parent_pid)
-    code = _run_rank(rank, task)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Leave at once when the run failed: its objects still hold the process group, and tearing
-    # it down under them at interpreter exit can abort the process (gloo: "terminate called
-    # without an active exception"), which would bury the message.
-    os._exit(code)
 
 
 # How gloo and NCCL say that another process of the group is gone (gloo raises a plain
@@ -324,15 +474,17 @@ def run_under_torchrun(request: RunRequest, config: LaunchConfig) -> NoReturn:
     code = _run_rank(rank, task)
     sys.stdout.flush()
     sys.stderr.flush()
-    # As _rank_main, and after a success too: objects of the run (the engine's gloo pairs and
+    # As _rank_process, and after a success too: objects of the run (the engine's gloo pairs and
     # threads) can outlive the process group and abort the interpreter's exit ("terminate
     # called without an active exception"), which torchrun reports as the rank failing.
     os._exit(code)
 
 
-def _run_rank(rank: int, task: RankTask) -> int:
+def _run_rank(rank: int, task: RankTask,
+              report_lost: Callable[[int], None] | None = None) -> int:
     """Sets up the device and the process group, runs the training, and turns what can go
-    wrong into an exit code with one message."""
+    wrong into an exit code with one message. report_lost: told the rank this one lost contact
+    with when zerocore's transport found it silent (the launcher kills that rank)."""
     lock = None
     try:
         if task.use_cuda:
@@ -360,10 +512,12 @@ def _run_rank(rank: int, task: RankTask) -> int:
             run_id = ids[0]
         device = (torch.device("cuda", torch.cuda.current_device()) if task.use_cuda
                   else torch.device("cpu"))
+        # The transport's waits end when the process group's do (--timeout).
         run_training(task.request.recipe, resume=task.request.resume, run_id=run_id, rank=rank,
                      world_size=task.world_size, device=device,
                      allow_unverified=task.request.allow_unverified,
-                     data_changed=task.request.data_changed)
+                     data_changed=task.request.data_changed,
+                     comm=zerocore.Comm(timeout=task.timeout))
     except RunFailed as e:  # reported in one line, agreed by every rank
         if e.message:
             print(f"error: {e.message}", file=sys.stderr, flush=True)
@@ -377,6 +531,9 @@ def _run_rank(rank: int, task: RankTask) -> int:
         if not _is_lost_peer(e):
             traceback.print_exc()
             return EXIT_CRASH
+        if (report_lost is not None and isinstance(e, zerocore.PeerLost) and e.silent
+                and e.rank is not None):
+            report_lost(e.rank)  # still there, but silent: the launcher is to kill it
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"error (rank {rank}): lost contact with another rank ({first[:200]}); it failed "
               f"or was killed (see above)", file=sys.stderr, flush=True)

@@ -216,8 +216,9 @@ def frozen_weights(model: ModelRecipe) -> zerocore.FrozenWeights:
 
 
 def build(recipe: Recipe, data: RunData, *, device: torch.device, rank: int, world_size: int,
-          log: Log) -> TrainState:
-    """The sharded model, its optimizer, schedule, loss scaler and data sampler."""
+          log: Log, comm: zerocore.Comm = zerocore.Comm()) -> TrainState:
+    """The sharded model, its optimizer, schedule, loss scaler and data sampler. comm: how the
+    ranks exchange data, and the timeout of every wait (the launcher's --timeout)."""
     config, reader = zerocore.run_agreed(lambda: weights_source(recipe.model, data.tokenizer))
     dtype = resolve_dtype(recipe.model.dtype, device)
     mode = recipe.model.finetune
@@ -243,7 +244,7 @@ def build(recipe: Recipe, data: RunData, *, device: torch.device, rank: int, wor
                                prefetch=zerocore.Prefetch(
                                    keep_gathered=recipe.loop.keep_gathered),
                                frozen_weights=frozen_weights(recipe.model),
-                               recompute=recompute)
+                               recompute=recompute, comm=comm)
     log(f"built in {time.perf_counter() - start:.1f} s")
     if model.kept_layers:
         held = sum(model.layers[i].gathered_size for i in model.kept_layers)
@@ -633,16 +634,18 @@ def sample_text(state: TrainState, recipe: Recipe, data: RunData, *, rank: int) 
 
 def run_training(recipe: Recipe, *, resume: Path | None, run_id: str, rank: int,
                  world_size: int, device: torch.device, allow_unverified: bool = False,
-                 data_changed: bool = False) -> None:
+                 data_changed: bool = False, comm: zerocore.Comm = zerocore.Comm()) -> None:
     """The whole run of one rank: from ``resume`` (a checkpoint directory, verified by
-    neox.finetune before the launch, and again as it is loaded) when given."""
+    neox.finetune before the launch, and again as it is loaded) when given. comm: as for
+    ``build`` (give it the process group's timeout)."""
     log: Log = print if rank == 0 else (lambda *a, **k: None)
     torch.manual_seed(recipe.loop.seed)
     resumed = None if resume is None else zerocore.run_agreed(lambda: resumed_data(
         resume, recipe, allow_unverified=allow_unverified, accept_change=data_changed))
     data = prepare_data(recipe.data, recipe.model, rank=rank, log=log, resumed=resumed)
     probe = MemoryProbe(device) if recipe.output.measure_memory else None
-    state = build(recipe, data, device=device, rank=rank, world_size=world_size, log=log)
+    state = build(recipe, data, device=device, rank=rank, world_size=world_size, log=log,
+                  comm=comm)
     if resume is not None:
         restore(state, resume, recipe.optim, rank=rank, log=log,
                 allow_unverified=allow_unverified, data_changed=data.changed)

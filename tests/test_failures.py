@@ -1,10 +1,14 @@
-"""A rank that dies mid-training must not hang the others: they fail with an error within the
-process group's timeout."""
+"""A rank that dies, stops or hangs mid-training must not hang the others: they fail with an
+error within the timeout (naming the rank when zerocore's own transport waited for it), exit,
+and leave nothing of the transport behind on disk."""
 
 import datetime
 import os
+import queue
+import signal
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -15,6 +19,12 @@ from dist_utils import free_port
 # The survivors must give up within this many seconds (the process group's timeout is 10 s; the
 # rest is slack for a loaded 2-core machine).
 BOUND_S = 60.0
+# Seconds for two or three fresh interpreters to import torch and join the group, loaded.
+START_S = 180.0
+# The timeout of the stop tests (zerocore.Comm and the process group alike), and the slack a
+# loaded 2-core machine needs on top of it (the requirement: timeout + a few seconds).
+TIMEOUT_S = 3.0
+SLACK_S = 7.0
 
 
 def _rank(rank: int, port: int, results) -> None:
@@ -51,3 +61,133 @@ def test_dead_rank_gives_an_error_not_a_hang():
                 p.kill()
     assert kind != "no error"
     assert seconds < BOUND_S
+
+
+# -- a stopped rank, a rank killed at chosen moments -----------------------------------------------
+
+def _die_in_probe(when: str) -> None:
+    """Makes this process SIGKILL itself in the transport's probe: ``before-take`` once its
+    pipes exist and are published, ``after-take`` once it holds the others' write ends too."""
+    from zerocore import collectives
+    take = collectives._take_write_ends
+
+    def dying(*args):
+        if when == "before-take":
+            os.kill(os.getpid(), signal.SIGKILL)
+        taken = take(*args)
+        os.kill(os.getpid(), signal.SIGKILL)
+        return taken
+
+    collectives._take_write_ends = dying  # this rank's process only (a spawned test process)
+
+
+def _training_rank(rank: int, world: int, port: int, tmpdir: str, die_in_probe: str | None,
+                   results) -> None:
+    """Trains until something fails; reports ("ready", ...) after a few steps, then how it
+    failed. The temporary directory is ``tmpdir``, for the test to find what is left there."""
+    os.environ["TMPDIR"] = tmpdir
+    import tempfile
+    tempfile.tempdir = None  # read TMPDIR again
+    import zerocore
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    if die_in_probe is not None and rank == 1:
+        _die_in_probe(die_in_probe)
+    torch.manual_seed(0)
+    try:
+        model = zerocore.shard([nn.Linear(64, 64) for _ in range(3)],
+                               comm=zerocore.Comm(timeout=TIMEOUT_S))
+        reading = model.layers[0].groups[0].gather_by_reading
+        for _ in range(3):
+            model(torch.randn(4, 64)).sum().backward()
+        results.put(("ready", rank, os.getpid(), reading))
+        for _ in range(1_000_000):
+            model(torch.randn(4, 64)).sum().backward()
+    except Exception as e:  # noqa: BLE001  (the test looks at what it was)
+        results.put(("raised", rank, type(e).__name__, str(e).splitlines()[0][:300],
+                     getattr(e, "rank", None), time.monotonic()))
+        return  # exits as any script would: finalizers, the process group's teardown
+    results.put(("no error", rank))
+
+
+def _start(world: int, tmp_path, die_in_probe: str | None = None):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_training_rank, name=f"zerocore-test-rank{r}",
+                         args=(r, world, port, str(tmp_path), die_in_probe, results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    return procs, results
+
+
+def _messages(results, want: int, timeout: float, kind: str) -> dict[int, tuple]:
+    got: dict[int, tuple] = {}
+    deadline = time.monotonic() + timeout
+    while len(got) < want:
+        try:
+            message = results.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"only {sorted(got)} answered {kind!r} within {timeout} s")
+        assert message[0] in (kind, "raised"), message
+        got[message[1]] = message
+    return got
+
+
+def _stop_all(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(30)
+
+
+@pytest.mark.parametrize("world", [2, 3], ids=lambda n: f"ws{n}")
+def test_a_stopped_rank_makes_the_others_raise_naming_it_and_exit(world, tmp_path):
+    procs, results = _start(world, tmp_path)
+    try:
+        ready = _messages(results, world, START_S, "ready")
+        assert all(m[0] == "ready" for m in ready.values()), ready
+        assert all(m[3] for m in ready.values()), "the ranks do not read each other's memory"
+        os.kill(procs[1].pid, signal.SIGSTOP)  # as a debugger, ^Z or a frozen container would
+        stopped = time.monotonic()
+        survivors = [r for r in range(world) if r != 1]
+        raised = _messages(results, len(survivors), TIMEOUT_S + SLACK_S + 30, "raised")
+        for r in survivors:
+            _, _, kind, message, lost, when = raised[r]
+            assert when - stopped < TIMEOUT_S + SLACK_S, (r, when - stopped, message)
+            if kind == "PeerLost":  # zerocore's transport waited for it: it names the rank
+                assert lost == 1 and "rank 1 did not answer within 3 s" in message, message
+            else:  # gloo's own collective timed out first (3 ranks reduce through gloo)
+                assert world > 2 and "Timed out" in message, (kind, message)
+        assert any(raised[r][2] == "PeerLost" for r in survivors), raised
+        # ... and exit: nothing of the transport waits for the stopped rank at the end.
+        for r in survivors:
+            procs[r].join(max(0.0, stopped + TIMEOUT_S + SLACK_S - time.monotonic()))
+            assert procs[r].exitcode is not None, f"rank {r} did not exit"
+        assert procs[1].is_alive()  # still stopped: nothing waited for it to go
+    finally:
+        _stop_all(procs)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("moment", ["probe-before-take", "probe-after-take", "training"])
+def test_a_rank_killed_at_any_moment_leaves_no_transport_file(moment, tmp_path):
+    die = moment.removeprefix("probe-") if moment.startswith("probe-") else None
+    procs, results = _start(2, tmp_path, die_in_probe=die)
+    try:
+        if die is None:
+            ready = _messages(results, 2, START_S, "ready")
+            assert all(m[0] == "ready" for m in ready.values()), ready
+            os.kill(procs[1].pid, signal.SIGKILL)
+        procs[1].join(START_S)
+        assert procs[1].exitcode == -signal.SIGKILL
+        gone = time.monotonic()
+        survivor = _messages(results, 1, START_S if die else TIMEOUT_S + SLACK_S, "raised")[0]
+        assert survivor[0] == "raised", survivor
+        procs[0].join(max(1.0, gone + TIMEOUT_S + SLACK_S - time.monotonic()))
+        assert procs[0].exitcode is not None, "rank 0 did not exit"
+    finally:
+        _stop_all(procs)
+    assert list(tmp_path.iterdir()) == []

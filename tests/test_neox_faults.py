@@ -2,8 +2,10 @@
 reproduces one way a run could be lost, corrupted or left running, and checks that it is not.
 
 - two runs on one output directory: the second refuses at once; the first completes intact;
-- the launcher killed (SIGKILL, SIGTERM): no rank is left after 5 s; a killed rank is named
-  with its signal;
+- the launcher killed (SIGKILL, SIGTERM), in training and at several moments of start-up, with
+  2 and 16 ranks: no process of the run is left after 2 s; a killed rank is named with its
+  signal; a stopped rank (SIGSTOP) ends the run within --timeout + a few seconds, named, and
+  is killed;
 - impossible settings are refused before any process starts;
 - a diverging run stops with a message and never saves non-finite weights; metrics stay JSON;
 - flags given on --resume: optimisation flags apply (said in the log), identity flags refused;
@@ -24,20 +26,25 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 
 from neox.finetune import main as finetune_main
+from neox.launch import RANK_MARKER
 from neox.run_dir import CHECKPOINTS, METRICS, RUN_FILE
-from neox_testing import (EXCERPT, REPO, assert_clean_error, call_main, run_module,
+from neox_testing import (EXCERPT, REPO, assert_clean_error, call_main, cli_env, run_module,
                           start_module)
 
 # A small run: the tiny preset (4 blocks, 64 wide) on the excerpt, 2 sequences of 16 tokens per
 # rank per step: about 1,100 steps per epoch, a few hundred steps a second on 2 ranks.
 SMALL = ["--cpu", "--data", EXCERPT, "--seq-len", 16, "--batch-size", 2, "--seed", 1]
-# Seconds a process may take to notice that its launcher is gone (the issue's bound).
-ORPHAN_DEADLINE_S = 5.0
+# Seconds a process of the run may outlive its launcher (the issue's bound).
+ORPHAN_DEADLINE_S = 2.0
+# The environment variable that marks every process of one run started by a test (each
+# descendant inherits it, whoever its parent is by then), to find them all in /proc.
+RUN_MARK = "NEOX_TEST_RUN"
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +90,50 @@ def children(pid: int) -> list[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
                 found.append(int(entry.name))
     return found
+
+
+def rank_pids(launcher: int) -> list[int]:
+    """The rank processes the launcher ``launcher`` started (their command line says so)."""
+    return sorted(p for p in children(launcher) if _cmdline(p).split(b"\0")[3:4] == [
+        RANK_MARKER.encode()])
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def marked(mark: str) -> list[int]:
+    """The live processes whose environment carries ``RUN_MARK=mark``."""
+    found, needle = [], f"{RUN_MARK}={mark}".encode()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                environ = (entry / "environ").read_bytes()
+            except OSError:
+                continue
+            if needle in environ.split(b"\0") and alive(int(entry.name)):
+                found.append(int(entry.name))
+    return found
+
+
+def start_marked(*argv) -> tuple[subprocess.Popen, str]:
+    """``python -m neox.finetune argv...`` in the background, its processes marked."""
+    mark = uuid.uuid4().hex
+    env = dict(cli_env(), **{RUN_MARK: mark})
+    proc = subprocess.Popen([sys.executable, "-m", "neox.finetune", *map(str, argv)], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, mark
+
+
+def left_after(mark: str, seconds: float) -> list[int]:
+    """The processes marked ``mark`` still alive ``seconds`` from now (or as soon as none is)."""
+    deadline = time.monotonic() + seconds
+    while marked(mark) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return marked(mark)
 
 
 def alive(pid: int) -> bool:
@@ -137,18 +188,15 @@ def test_a_fresh_run_refuses_another_runs_outputs_unless_told(cache, four_steps,
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_ranks_do_not_outlive_their_launcher(cache, tmp_path, sig):
     out = tmp_path / "out"
-    launcher = start_module("neox.finetune", *args(cache, out, "--epochs", 50))
+    launcher, mark = start_marked(*args(cache, out, "--epochs", 50))
     try:
         wait_for_steps(out, 2, launcher)
-        ranks = children(launcher.pid)
-        ranks = [pid for pid in ranks if Path(f"/proc/{pid}/cmdline").read_bytes().find(
-            b"spawn_main") >= 0]
+        ranks = rank_pids(launcher.pid)
         assert len(ranks) == 2, ranks
         os.kill(launcher.pid, sig)
-        deadline = time.monotonic() + ORPHAN_DEADLINE_S
-        while any(alive(p) for p in ranks) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not [p for p in ranks if alive(p)], "ranks still running after the launcher died"
+        if sig == signal.SIGKILL:
+            launcher.wait()  # (a zombie until reaped)
+        assert not left_after(mark, ORPHAN_DEADLINE_S), "processes left after the launcher died"
         _, stderr = launcher.communicate(timeout=60)
     finally:
         if launcher.poll() is None:
@@ -165,8 +213,7 @@ def test_a_killed_rank_is_named_with_its_signal(cache, tmp_path):
     launcher = start_module("neox.finetune", *args(cache, out, "--epochs", 50))
     try:
         wait_for_steps(out, 2, launcher)
-        ranks = sorted(p for p in children(launcher.pid)
-                       if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes())
+        ranks = rank_pids(launcher.pid)
         os.kill(ranks[1], signal.SIGKILL)
         _, stderr = launcher.communicate(timeout=120)
     finally:
@@ -175,6 +222,88 @@ def test_a_killed_rank_is_named_with_its_signal(cache, tmp_path):
     assert launcher.returncode == 128 + signal.SIGKILL
     assert f"(pid {ranks[1]}) was killed by SIGKILL" in stderr
     assert "Traceback" not in stderr, stderr
+
+
+# When the test kills the launcher during start-up: "importing" while the launcher itself
+# starts (no rank yet), "spawned" as soon as every rank process exists (they are importing
+# torch), "joining" 1.5 s later (imports, the process group, the data).
+START_UP_MOMENTS = {"importing": 0.3, "spawned": 0.0, "joining": 1.5}
+
+
+def _kill_during_start_up(cache, out, sig, moment, nproc: int) -> tuple[list[int], str]:
+    more = ["--nproc", nproc, "--oversubscribe"] if nproc > 2 else []
+    launcher, mark = start_marked(*args(cache, out, "--max-steps", 2, *more))
+    try:
+        if moment == "importing":
+            time.sleep(START_UP_MOMENTS[moment])
+        else:
+            deadline = time.monotonic() + 120
+            while len(rank_pids(launcher.pid)) < nproc:
+                assert launcher.poll() is None and time.monotonic() < deadline, \
+                    launcher.communicate()
+                time.sleep(0.01)
+            time.sleep(START_UP_MOMENTS[moment])
+        assert launcher.poll() is None, "the run ended before the kill"
+        os.kill(launcher.pid, sig)
+        launcher.wait(timeout=30)
+        left = left_after(mark, ORPHAN_DEADLINE_S)
+        _, stderr = launcher.communicate(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in marked(mark):  # (so that a failure does not leave them running)
+            os.kill(pid, signal.SIGKILL)
+    return left, stderr
+
+
+@pytest.mark.parametrize("moment", list(START_UP_MOMENTS))
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_no_process_outlives_a_launcher_killed_during_start_up(cache, tmp_path, sig, moment):
+    left, stderr = _kill_during_start_up(cache, tmp_path / "out", sig, moment, nproc=2)
+    assert not left, f"{len(left)} processes left {ORPHAN_DEADLINE_S} s after the launcher died"
+    assert "Traceback" not in stderr, stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_no_process_of_16_ranks_outlives_a_launcher_killed_as_they_start(cache, tmp_path, sig):
+    left, stderr = _kill_during_start_up(cache, tmp_path / "out", sig, "spawned", nproc=16)
+    assert not left, f"{len(left)} processes left {ORPHAN_DEADLINE_S} s after the launcher died"
+    assert "Traceback" not in stderr, stderr
+
+
+# Seconds the stopped-rank run waits (--timeout), and the slack a loaded 2-core machine needs
+# beyond the required --timeout + 5 s.
+STOP_TIMEOUT_S = 5.0
+STOP_SLACK_S = 5.0
+
+
+def test_a_stopped_rank_ends_the_run_named_and_killed(cache, tmp_path):
+    out = tmp_path / "out"
+    launcher, mark = start_marked(*args(cache, out, "--epochs", 50, "--timeout",
+                                        STOP_TIMEOUT_S))
+    try:
+        wait_for_steps(out, 2, launcher)
+        ranks = rank_pids(launcher.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1], signal.SIGSTOP)  # as a debugger, ^Z or a frozen container would
+        stopped = time.monotonic()
+        _, stderr = launcher.communicate(timeout=STOP_TIMEOUT_S + 5 + STOP_SLACK_S + 60)
+        took = time.monotonic() - stopped
+        left = marked(mark)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in marked(mark):
+            os.kill(pid, signal.SIGKILL)
+    assert took < STOP_TIMEOUT_S + 5 + STOP_SLACK_S, (took, stderr)
+    assert launcher.returncode == 3, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stderr
+    assert errors[0].startswith(f"error: rank 1 (pid {ranks[1]}) stopped answering: rank 0 "
+                                f"waited {STOP_TIMEOUT_S:g} s (--timeout) for it; the launcher "
+                                f"killed it"), stderr
+    assert "Traceback" not in stderr, stderr
+    assert not left, "the stopped rank (or another process of the run) is still there"
 
 
 # -- impossible settings -------------------------------------------------------------------------

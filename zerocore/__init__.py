@@ -16,7 +16,7 @@ BUILD = _extension.load()
 from zerocore import ops, optim, reference  # noqa: E402
 from zerocore.device import Platform  # noqa: E402
 from zerocore.loss_scale import LossScaler, StepResult  # noqa: E402
-from zerocore.policies import (FrozenWeights, LossScaling, MixedPrecision,  # noqa: E402
+from zerocore.policies import (Comm, FrozenWeights, LossScaling, MixedPrecision,  # noqa: E402
                                Offload, Prefetch, Recompute)
 from zerocore.report import CommReport, MemoryReport  # noqa: E402
 from zerocore.meta_layer import MetaLayer  # noqa: E402
@@ -36,7 +36,7 @@ from zerocore.checkpoint import (CheckpointError, CheckpointWriteError,  # noqa:
 __version__ = "0.1.0"
 __all__ = ["BUILD", "ops", "optim", "reference", "shard", "ShardedSequential", "ShardParameter",
            "shard_model", "ShardedModel", "sharding_of",
-           "MixedPrecision", "Prefetch", "Offload", "Recompute", "FrozenWeights", "LossScaling", "LossScaler", "StepResult",
+           "MixedPrecision", "Prefetch", "Offload", "Recompute", "FrozenWeights", "Comm", "LossScaling", "LossScaler", "StepResult",
            "MemoryReport", "CommReport", "run_agreed", "PeerError", "PeerLost", "save_checkpoint",
            "load_checkpoint", "latest_checkpoint", "list_checkpoints", "checkpoint_runs",
            "incomplete_checkpoints", "IncompleteCheckpoint", "open_checkpoint", "read_manifest",

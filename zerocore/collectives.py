@@ -19,9 +19,9 @@ import ctypes
 import dataclasses
 import errno
 import os
+import fcntl
 import select
 import struct
-import tempfile
 import time
 import weakref
 
@@ -36,9 +36,22 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 class PeerLost(RuntimeError):
-    """Another rank of the group is gone (exited, killed, or silent past the group's timeout)
-    while this rank read its memory or waited for its message: the consequence of that rank's
-    failure, not a failure of this one (as gloo's "Connection closed by peer")."""
+    """Another rank of the group is gone (exited, killed, or silent past the timeout: stopped,
+    hung) while this rank read its memory or waited for its message: the consequence of that
+    rank's failure, not a failure of this one (as gloo's "Connection closed by peer").
+
+    rank: the global rank of the lost process, when known (None otherwise).
+    silent: True when that rank is still there but did not answer within the timeout (stopped
+    or hung: whoever supervises the processes may have to kill it); False when it is gone."""
+
+    def __init__(self, message: str, rank: int | None = None, silent: bool = False):
+        super().__init__(message)
+        self.rank = rank
+        self.silent = silent
+
+    def __reduce__(self):
+        # Exceptions unpickle as cls(*self.args): keep the rest (process pools pickle them).
+        return PeerLost, (str(self), self.rank, self.silent)
 
 
 @dataclasses.dataclass
@@ -118,24 +131,34 @@ class PeerMemory:
     cores the layers compute on.
 
     When a buffer may be read, and when its readers are done with it, travels as 16-byte
-    messages through a named pipe from each rank to each other one (a write and a blocking
-    read: tens of µs; a tiny gloo all-reduce takes ~180 µs here and wakes three threads). The
-    system calls on both sides order the buffer's writes before its reads. Messages carry a key
+    messages through an anonymous pipe from each rank to each other one (a write and a read:
+    tens of µs; a tiny gloo all-reduce takes ~180 µs here and wakes three threads). The system
+    calls on both sides order the buffer's writes before its reads. Messages carry a key
     (channel, kind, sequence number); both sides number them alike, since every rank runs the
     same program, and one that arrives before it is asked for is kept until it is.
 
-    ``probe`` (collective) finds out whether every rank can read every other one, with the same
-    answer on every rank: the ranks share a boot, a PID and a mount namespace, the pipes open,
-    and each reads a random token from each other's memory and finds it (ranks in other
-    containers or on other hosts, a kernel or seccomp profile that refuses the call: no one
-    uses it, and the gloo collectives run)."""
+    Every wait (a message, room in a pipe, readers of lent buffers at the end) is bounded by
+    ``timeout_s``, given by the caller (``zerocore.Comm.timeout``): a rank that stays silent
+    past it is stopped, hung or gone, and this rank raises ``PeerLost`` naming it; a rank once
+    lost is never waited for again (so the end of a failed run is not another wait).
 
-    def __init__(self) -> None:
+    ``probe`` (collective) finds out whether every rank can read every other one, with the same
+    answer on every rank: the ranks share a boot, a PID and a mount namespace, each takes its
+    copies of the pipes' write ends out of the others (``pidfd_getfd``: nothing is ever named in
+    a file system, so nothing is left behind whoever dies when), and each reads a random token
+    from each other's memory and finds it (ranks in other containers or on other hosts, a kernel
+    before 5.6 or a seccomp profile that refuses the calls: no one uses it, and the gloo
+    collectives run)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"PeerMemory: timeout_s must be > 0, got {timeout_s!r}")
+        self.timeout_s = float(timeout_s)
         self.probed = False
         self.pids: list[int] | None = None  # by group rank; None: not usable
         self._readv = None
         self._rank = -1
-        self._pipes = _Pipes()
+        self._pipes = _Pipes(self.timeout_s)
         self._channels = 0
         # Reductions whose buffer the other rank may still be reading: (channel, seq).
         self._unsettled: list[tuple[int, int]] = []
@@ -168,79 +191,74 @@ class PeerMemory:
             readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
                               ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
             readv.restype = ctypes.c_ssize_t
+            syscall = libc.syscall
+            syscall.restype = ctypes.c_long
             with open("/proc/sys/kernel/random/boot_id") as f:
                 boot = int(f.read().strip().replace("-", "")[:15], 16)
             namespaces = [os.stat(f"/proc/self/ns/{ns}").st_ino for ns in ("pid", "mnt")]
         except (OSError, AttributeError, ValueError):
-            readv, boot, namespaces = None, -1, [-1, -1]
+            readv, syscall, boot, namespaces = None, None, -1, [-1, -1]
         token = int.from_bytes(os.urandom(7), "little")
         beacon = torch.full((4,), token, dtype=torch.int64)
-        mine = torch.tensor([os.getpid(), beacon.data_ptr(), token, boot, *namespaces],
-                            dtype=torch.int64)
-        every = torch.empty(world * mine.numel(), dtype=torch.int64)
-        all_gather_sync(every, mine, group)
-        rows = every.view(world, -1).tolist()
-        ok = readv is not None and boot >= 0 and all(r[3:] == rows[rank][3:] for r in rows)
-        if ok:
-            self._readv = readv
-            for q, (pid, address, their_token, *_) in enumerate(rows):
-                if q == rank:
-                    continue
-                seen = torch.zeros(4, dtype=torch.int64)
-                try:
-                    self._read_bytes(seen.data_ptr(), pid, address, seen.numel() * 8)
-                except OSError:
-                    ok = False
-                    break
-                if seen.tolist() != [their_token] * 4:
-                    ok = False
-                    break
-        # The pipes, named after rank 0's token (the same on every rank): each rank makes the
-        # ones towards it, then opens their read ends, then the others open the write ends.
-        ok = _agree(ok, group)  # also keeps every beacon alive until every rank has read
-        if ok:
-            ok = _agree(self._open_pipes(rank, world, rows[0][2], group), group)
-        if ok:
-            self.pids = [row[0] for row in rows]
-            self._rank = rank
-            self._pipes.timeout_s = _timeout_s(group)
-            # When the model goes, buffers the others may still be reading stay allocated
-            # until they have (or have gone), and then the pipes close.
-            weakref.finalize(self, self._pipes.drain_and_close)
-        else:
-            self._pipes.drain_and_close()
-            self._readv = None
-        return self.available
-
-    def _open_pipes(self, rank: int, world: int, token: int, group: dist.ProcessGroup) -> bool:
-        base = os.path.join(tempfile.gettempdir(), f"zerocore-{token:x}")
-        made, ok = [], True
+        # Each rank makes the pipes towards it now and publishes their write ends' numbers (by
+        # sending rank), which the others take with pidfd_getfd below.
+        pipes = self._pipes
+        writers = [-1] * world
         try:
             for q in range(world):
                 if q != rank:
-                    path = f"{base}-{q}-to-{rank}"
-                    os.mkfifo(path, 0o600)
-                    made.append(path)
-                    # Non-blocking, so that opening does not wait for the writer.
-                    self._pipes.inbound[q] = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+                    r, w = os.pipe()
+                    os.set_blocking(r, False)
+                    pipes.inbound[q] = r
+                    writers[q] = w
         except OSError:
-            ok = False
-        if _agree(ok, group):
-            try:
-                for q in range(world):
-                    if q != rank:
-                        self._pipes.outbound[q] = os.open(f"{base}-{rank}-to-{q}", os.O_WRONLY)
-            except OSError:
-                ok = False
+            boot = -1  # no pipes: no reading
+        try:
+            mine = torch.tensor([os.getpid(), beacon.data_ptr(), token, boot, *namespaces,
+                                 *writers], dtype=torch.int64)
+            every = torch.empty(world * mine.numel(), dtype=torch.int64)
+            all_gather_sync(every, mine, group)
+            rows = every.view(world, -1).tolist()
+            ok = (readv is not None and boot >= 0
+                  and all(r[3:6] == rows[rank][3:6] for r in rows))
+            if ok:
+                self._readv = readv
+                for q, (pid, address, their_token, *_) in enumerate(rows):
+                    if q == rank:
+                        continue
+                    seen = torch.zeros(4, dtype=torch.int64)
+                    try:
+                        self._read_bytes(seen.data_ptr(), pid, address, seen.numel() * 8)
+                    except OSError:
+                        ok = False
+                        break
+                    if seen.tolist() != [their_token] * 4:
+                        ok = False
+                        break
+            if ok:
+                ok = _take_write_ends(pipes, syscall, rank, [(r[0], r[6:]) for r in rows])
+            # Every rank holds its write ends (or none uses any): the published numbers may
+            # close, so that a pipe's only writer is the rank it comes from (EOF when that rank
+            # goes). Also keeps every beacon alive until every rank has read.
+            ok = _agree(ok, group)
+        except BaseException:
+            pipes.drain_and_close()  # a rank failed during the probe: close what was opened
+            raise
+        finally:
+            for w in writers:
+                if w >= 0:
+                    os.close(w)
+        if ok:
+            self.pids = [row[0] for row in rows]
+            self._rank = rank
+            pipes.names = {q: dist.get_global_rank(group, q) for q in range(world)}
+            # When the model goes, buffers the others may still be reading stay allocated
+            # until they have (or have gone, or ``timeout_s`` passed), and then the pipes close.
+            weakref.finalize(self, pipes.drain_and_close)
         else:
-            ok = False
-        ok = _agree(ok, group)  # every end is open (or none is used): the names may go
-        for path in made:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-        return ok
+            pipes.drain_and_close()
+            self._readv = None
+        return self.available
 
     def _read_bytes(self, local: int, pid: int, remote: int, nbytes: int) -> None:
         done = 0
@@ -259,8 +277,14 @@ class PeerMemory:
     def read(self, dst: torch.Tensor, rank: int, address: int) -> None:
         """dst (contiguous, CPU) <- the bytes at ``address`` in group rank ``rank``'s memory."""
         assert self.pids is not None and dst.is_contiguous() and dst.device.type == "cpu"
-        self._read_bytes(dst.data_ptr(), self.pids[rank], address,
-                         dst.numel() * dst.element_size())
+        try:
+            self._read_bytes(dst.data_ptr(), self.pids[rank], address,
+                             dst.numel() * dst.element_size())
+        except PeerLost as e:
+            self._pipes.lost.add(rank)
+            name = self._pipes.names.get(rank, rank)
+            raise PeerLost(f"zerocore: rank {name} (pid {self.pids[rank]}) is gone: it exited "
+                           f"or failed while this rank read its memory", name) from e
 
     def tell(self, ranks: list[int], channel: int, kind: int, seq: int, value: int) -> None:
         """Sends (channel, kind, seq) -> value to each of ``ranks``."""
@@ -269,7 +293,7 @@ class PeerMemory:
 
     def hear(self, rank: int, channel: int, kind: int, seq: int) -> int:
         """The value ``rank`` sent for (channel, kind, seq); blocks until it has arrived (at
-        most the process group's timeout)."""
+        most ``timeout_s``)."""
         return self._pipes.hear(rank, _key(channel, kind, seq))
 
     def lend(self, kind: int, channel: int, seq: int, storage: torch.UntypedStorage) -> None:
@@ -306,51 +330,119 @@ class PeerMemory:
         return [q for q in range(len(self.pids)) if q != self._rank]
 
 
+# pidfd_getfd(2) (Linux 5.6): the same number on every architecture but alpha.
+_SYS_PIDFD_GETFD = 438
+
+
+def _take_write_ends(pipes: "_Pipes", syscall, rank: int,
+                     published: list[tuple[int, list[int]]]) -> bool:
+    """This rank's copy of the write end of each pipe towards another rank, taken out of that
+    rank's process (``published``: by rank, its pid and the descriptor numbers of its write
+    ends, by sending rank). Non-blocking, so that a write never waits beyond the deadline."""
+    if syscall is None:
+        return False
+    for q, (pid, writers) in enumerate(published):
+        if q == rank:
+            continue
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            return False
+        try:
+            fd = syscall(ctypes.c_long(_SYS_PIDFD_GETFD), ctypes.c_long(pidfd),
+                         ctypes.c_long(writers[rank]), ctypes.c_long(0))
+        finally:
+            os.close(pidfd)
+        if fd < 0:
+            return False
+        pipes.outbound[q] = fd
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
+    return True
+
+
 def _key(channel: int, kind: int, seq: int) -> int:
     return ((channel * 4 + kind) << 32) | (seq & 0xFFFFFFFF)
 
 
 class _Pipes:
-    """PeerMemory's pipes and what outlives it: buffers still lent to readers."""
+    """PeerMemory's pipes and what outlives it: buffers still lent to readers. Every wait ends
+    by ``timeout_s`` (a message, room in a pipe) or by one deadline (``drain_and_close``)."""
 
-    def __init__(self) -> None:
-        self.outbound: dict[int, int] = {}  # rank -> write end of the pipe to it
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.outbound: dict[int, int] = {}  # rank -> write end (non-blocking) of the pipe to it
         self.inbound: dict[int, int] = {}   # rank -> read end (non-blocking) of the pipe from it
         self.early: dict[int, dict[int, int]] = {}  # rank -> {key: value} read before asked
         # (kind of the message that returns it, channel, seq) -> (storage, the ranks that will
         # say they read it)
         self.lent: dict[tuple[int, int, int], tuple[torch.UntypedStorage, list[int]]] = {}
-        self.timeout_s = 1800.0
+        # Group ranks found gone or silent past the timeout: never waited for again.
+        self.lost: set[int] = set()
+        self.names: dict[int, int] = {}  # group rank -> global rank, for messages
+
+    def _lose(self, rank: int, what: str, silent: bool = False) -> PeerLost:
+        self.lost.add(rank)
+        name = self.names.get(rank, rank)
+        return PeerLost(f"zerocore: rank {name} {what}", name, silent)
+
+    def _silent(self, rank: int, what: str) -> PeerLost:
+        return self._lose(rank, f"did not {what} within {self.timeout_s:g} s (the timeout of "
+                                f"zerocore.Comm): it is stopped or hung; if it is only slow, "
+                                f"raise the timeout", silent=True)
 
     def tell(self, ranks: list[int], key: int, value: int, required: bool) -> None:
         message = _MESSAGE.pack(key, value)
         for q in ranks:
-            try:
-                os.write(self.outbound[q], message)  # 16 bytes < PIPE_BUF: whole, in order
-            except BrokenPipeError:
-                # Rank q's model is gone: a "done reading" no longer matters to it; anything
-                # it was to wait for does.
+            if q in self.lost:
                 if required:
-                    raise PeerLost(f"zerocore: rank {q} closed its pipe to this rank (its "
-                                       f"model was released, or it exited or failed)") from None
+                    raise self._lose(q, "was lost earlier (see the first error)")
+                continue
+            fd = self.outbound[q]
+            deadline = time.monotonic() + self.timeout_s
+            while True:
+                try:
+                    os.write(fd, message)  # 16 bytes < PIPE_BUF: whole or not at all, in order
+                    break
+                except BlockingIOError:
+                    # The pipe is full: rank q has not read for thousands of messages.
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not select.select([], [fd], [], left)[1]:
+                        error = self._silent(q, "read this rank's messages")
+                        if required:
+                            raise error from None
+                        break
+                except BrokenPipeError:
+                    # Rank q's model is gone: a "done reading" no longer matters to it; anything
+                    # it was to wait for does.
+                    error = self._lose(q, "closed its pipe to this rank (its model was "
+                                          "released, or it exited or failed)")
+                    if required:
+                        raise error from None
+                    break
 
-    def hear(self, rank: int, key: int, timeout_s: float | None = None) -> int:
+    def hear(self, rank: int, key: int, deadline: float | None = None) -> int:
+        """The value ``rank`` sent for ``key``; waits until ``deadline`` (time.monotonic;
+        default: ``timeout_s`` from now)."""
         early = self.early.setdefault(rank, {})
         if key in early:
             return early.pop(key)
+        if rank in self.lost:
+            raise self._lose(rank, "was lost earlier (see the first error)")
         fd = self.inbound[rank]
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout_s
         data = b""
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise PeerLost(f"zerocore: rank {rank} did not answer within "
-                                   f"{self.timeout_s:.0f} s (the process group's timeout)")
-            chunk = os.read(fd, _MESSAGE.size - len(data))
+                raise self._silent(rank, "answer")
+            try:
+                chunk = os.read(fd, _MESSAGE.size - len(data))
+            except BlockingIOError:
+                continue  # woken for nothing
             if not chunk:
-                raise PeerLost(f"zerocore: rank {rank} closed its pipe to this rank (its "
-                                   f"model was released, or it exited or failed) while this "
-                                   f"rank waited for it")
+                raise self._lose(rank, "closed its pipe to this rank (its model was released, "
+                                       "or it exited or failed) while this rank waited for it")
             data += chunk
             if len(data) < _MESSAGE.size:
                 continue
@@ -361,12 +453,16 @@ class _Pipes:
             early[got] = value
 
     def drain_and_close(self) -> None:
-        """Waits (a minute at most) for the others to finish reading lent buffers, then closes
-        the pipes."""
+        """Waits for the others to finish reading lent buffers, all of them within one
+        ``timeout_s`` and never for a rank already lost, then closes the pipes. (Runs from a
+        finalizer: it must end.)"""
+        deadline = time.monotonic() + self.timeout_s
         for (kind, channel, seq), (_, readers) in list(self.lent.items()):
             for q in readers:
+                if q in self.lost or time.monotonic() >= deadline:
+                    continue
                 try:
-                    self.hear(q, _key(channel, kind, seq), timeout_s=60.0)
+                    self.hear(q, _key(channel, kind, seq), deadline=deadline)
                 except (OSError, RuntimeError):
                     pass  # gone, or not answering: nothing more to wait for
         self.lent.clear()
@@ -377,14 +473,6 @@ class _Pipes:
                 pass
         self.outbound.clear()
         self.inbound.clear()
-
-
-def _timeout_s(group: dist.ProcessGroup) -> float:
-    """The process group's timeout in seconds (what its collectives wait at most)."""
-    try:
-        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-    except (AttributeError, RuntimeError):
-        return 1800.0
 
 
 def _agree(ok: bool, group: dist.ProcessGroup) -> bool:

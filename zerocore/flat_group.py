@@ -79,9 +79,10 @@ class GroupContext:
     # Frozen groups stored and gathered as int8 with an fp32 scale per block of this many
     # elements (FrozenWeights(dtype="int8")); None: in param_dtype.
     int8_block: int | None = None
-    # Whether the ranks can read each other's memory (gloo ranks on one host), probed by the
-    # first group built with this context (a collective at the same point on every rank).
-    peers: collectives.PeerMemory = dataclasses.field(default_factory=collectives.PeerMemory)
+    # Reading each other's memory (gloo ranks on one host; whether they can is probed by the
+    # first group built with this context, a collective at the same point on every rank), with
+    # the waits bounded by zerocore.Comm's timeout; None: not tried (Comm(peer_read="off")).
+    peers: collectives.PeerMemory | None = None
 
 
 class FlatGroup:
@@ -156,7 +157,8 @@ class FlatGroup:
         # reading each other's contribution (collectives.PeerMemory: one kernel copy instead of
         # TCP over loopback; the values are the same bits, only how they travel changes). False
         # gives the gloo collectives below, kept for comparison (tests, benchmarks).
-        available = self._gloo and ctx.peers.probe(ctx.process_group)
+        available = (self._gloo and ctx.peers is not None
+                     and ctx.peers.probe(ctx.process_group))
         self.gather_by_reading = available
         self.reduce_by_reading = available and layout.world_size == 2
         # This group's messages among the ranks (collectives.PeerMemory) and how many gathers

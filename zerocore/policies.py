@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import math
 
 import torch
 
@@ -212,3 +214,47 @@ class FrozenWeights:
         if self.dtype == "int8":
             return numel + 4 * numel // self.block
         return numel * param_bytes
+
+
+# What the ranks' own transport waits when no timeout is given: gloo's default process-group
+# timeout (torch.distributed.init_process_group's documentation: 30 minutes for backends other
+# than NCCL). The transport cannot read the group's own timeout (torch has no public way), so a
+# run with a shorter one should pass it here too.
+DEFAULT_TIMEOUT_S = 1800.0
+PEER_READ_CHOICES = ("auto", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class Comm:
+    """How the ranks exchange parameters and gradients, and how long one waits for another.
+
+    timeout: seconds (or a ``datetime.timedelta``) that any wait of zerocore's own transport
+        (below) may last before this rank raises ``zerocore.PeerLost`` naming the rank it
+        waited for (stopped, hung, or gone); give the timeout of ``init_process_group``, which
+        bounds gloo's and NCCL's collectives the same way. None: 1800 s (gloo's default).
+    peer_read: ``"auto"`` (default): gloo ranks of one Linux host that may read each other's
+        memory gather (and two of them reduce) by reading it directly, signalling through
+        anonymous pipes (docs/decisions.md, "Communication between gloo ranks of one host");
+        ``"off"``: gloo's collectives only. The values are the same bits either way.
+    """
+
+    timeout: float | datetime.timedelta | None = None
+    peer_read: str = "auto"
+
+    def __post_init__(self) -> None:
+        t = self.timeout
+        seconds = t.total_seconds() if isinstance(t, datetime.timedelta) else t
+        if t is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                              or not 0 < seconds < math.inf):
+            raise ValueError(f"Comm.timeout must be a number of seconds > 0 (or a timedelta), "
+                             f"got {t!r}")
+        if self.peer_read not in PEER_READ_CHOICES:
+            raise ValueError(f"Comm.peer_read must be one of {PEER_READ_CHOICES}, got "
+                             f"{self.peer_read!r}")
+
+    @property
+    def timeout_s(self) -> float:
+        t = self.timeout
+        if t is None:
+            return DEFAULT_TIMEOUT_S
+        return float(t.total_seconds() if isinstance(t, datetime.timedelta) else t)

@@ -37,7 +37,7 @@ from torch.utils import _pytree as pytree
 
 from zerocore.device import Platform
 from zerocore.flat_group import GroupState
-from zerocore.policies import FrozenWeights, MixedPrecision, Offload, Prefetch
+from zerocore.policies import Comm, FrozenWeights, MixedPrecision, Offload, Prefetch
 from zerocore.report import MemoryReport
 from zerocore.sharded_layer import BackwardCoordinator, ShardedLayer
 from zerocore.sharded_param import ShardParameter
@@ -158,7 +158,7 @@ class ShardedModel:
 
     def __init__(self, model: nn.Module, units: list[nn.Module], *, group: dist.ProcessGroup,
                  device: torch.device, mixed_precision: MixedPrecision, prefetch: Prefetch,
-                 offload: Offload, frozen_weights: FrozenWeights):
+                 offload: Offload, frozen_weights: FrozenWeights, comm: Comm = Comm()):
         self.model = model
         self.group = group
         self.rank = dist.get_rank(group)
@@ -168,7 +168,8 @@ class ShardedModel:
         self.prefetch = prefetch
         self.offload = offload
         self.frozen_weights = frozen_weights
-        ctx = build_context(group, device, mixed_precision, offload, frozen_weights)
+        self.comm = comm
+        ctx = build_context(group, device, mixed_precision, offload, frozen_weights, comm)
         self.counter = ctx.counter
         targets = _parametrized_each_forward(model)  # before the parameters are taken out
         per_unit, root_params = _assign(model, units)
@@ -505,7 +506,7 @@ def shard_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module = (), *
                 device: torch.device | str | None = None,
                 mixed_precision: MixedPrecision = MixedPrecision(),
                 prefetch: Prefetch = Prefetch(), offload: Offload = Offload(),
-                frozen_weights: FrozenWeights = FrozenWeights(),
+                frozen_weights: FrozenWeights = FrozenWeights(), comm: Comm = Comm(),
                 platform: Platform | None = None) -> ShardedModel:
     """Shards ``model`` in place across the ranks of a process group (ZeRO-3), unit by unit.
 
@@ -522,7 +523,7 @@ def shard_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module = (), *
         objects (a KV cache, say), with or without grad. Every parameter not owned by exactly
         one unit (embeddings, final norm, head, weights tied between units or with the root)
         forms the root unit, gathered for the model's whole forward (and backward).
-    group, device, mixed_precision, prefetch, offload, frozen_weights, platform: as for
+    group, device, mixed_precision, prefetch, offload, frozen_weights, comm, platform: as for
         ``zerocore.shard`` (``Prefetch.keep_gathered`` is not supported here).
     Returns the ``ShardedModel`` (also ``model.zerocore_sharding``): ``.group``,
     ``.full_state_dict()``, ``.memory_report()``; ``save_checkpoint``/``load_checkpoint`` take
@@ -541,6 +542,6 @@ def shard_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module = (), *
     dev = prepare_device(device, group, offload, platform)
     sharding = ShardedModel(model, unit_list, group=group, device=dev,
                             mixed_precision=mixed_precision, prefetch=prefetch, offload=offload,
-                            frozen_weights=frozen_weights)
+                            frozen_weights=frozen_weights, comm=comm)
     setattr(model, SHARDING_ATTR, sharding)
     return sharding

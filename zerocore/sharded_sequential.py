@@ -18,12 +18,12 @@ import torch.distributed as dist
 from torch import nn
 
 from zerocore import BUILD, collectives
-from zerocore.collectives import CommCounter
+from zerocore.collectives import CommCounter, PeerMemory
 from zerocore.device import Platform, agree_on_devices, resolve_device
 from zerocore.flat_group import GroupContext
 from zerocore.meta_layer import MetaLayer
 from zerocore.offload import OffloadStreams, cpu_threads
-from zerocore.policies import FrozenWeights, MixedPrecision, Offload, Prefetch, Recompute
+from zerocore.policies import Comm, FrozenWeights, MixedPrecision, Offload, Prefetch, Recompute
 from zerocore.report import CommReport, MemoryReport, expected_traffic
 from zerocore.sharded_layer import BackwardCoordinator, LayerFunction, ShardedLayer
 from zerocore.sharded_param import ShardParameter
@@ -61,13 +61,15 @@ def agree_on_structure(index: int, print_: int | None, group: dist.ProcessGroup,
 
 def build_context(group: dist.ProcessGroup, device: torch.device,
                   mixed_precision: MixedPrecision, offload: Offload,
-                  frozen_weights: FrozenWeights) -> GroupContext:
-    """What every flat group of one sharded model shares (its counter, offload's streams)."""
+                  frozen_weights: FrozenWeights, comm: Comm) -> GroupContext:
+    """What every flat group of one sharded model shares (its counter, offload's streams, the
+    transport between ranks of one host)."""
     streams = (OffloadStreams(device)
                if offload.optimizer and device.type == "cuda" else None)
+    peers = PeerMemory(comm.timeout_s) if comm.peer_read == "auto" else None
     return GroupContext(group, dist.get_rank(group), device, mixed_precision.param_dtype,
                         mixed_precision.grad_reduce_dtype, offload.optimizer, CommCounter(),
-                        streams, int8_block=frozen_weights.int8_block)
+                        streams, int8_block=frozen_weights.int8_block, peers=peers)
 
 
 def _check_not_tied(layer: nn.Module, index: int,
@@ -141,7 +143,7 @@ class ShardedSequential(nn.Module):
     def __init__(self, layers: Iterable[nn.Module], *, group: dist.ProcessGroup,
                  device: torch.device, mixed_precision: MixedPrecision, prefetch: Prefetch,
                  offload: Offload, recompute: Recompute | None = None,
-                 frozen_weights: FrozenWeights = FrozenWeights()):
+                 frozen_weights: FrozenWeights = FrozenWeights(), comm: Comm = Comm()):
         super().__init__()
         self.group = group
         self.rank = dist.get_rank(group)
@@ -152,7 +154,8 @@ class ShardedSequential(nn.Module):
         self.offload = offload
         self.recompute = recompute
         self.frozen_weights = frozen_weights
-        ctx = build_context(group, device, mixed_precision, offload, frozen_weights)
+        self.comm = comm
+        ctx = build_context(group, device, mixed_precision, offload, frozen_weights, comm)
         self.counter = ctx.counter
         sharded: list[ShardedLayer] = []
         owners: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
@@ -304,7 +307,7 @@ def shard(layers: Iterable[nn.Module], *, group: dist.ProcessGroup | None = None
           device: torch.device | str | None = None,
           mixed_precision: MixedPrecision = MixedPrecision(), prefetch: Prefetch = Prefetch(),
           offload: Offload = Offload(), recompute: Recompute | None = None,
-          frozen_weights: FrozenWeights = FrozenWeights(),
+          frozen_weights: FrozenWeights = FrozenWeights(), comm: Comm = Comm(),
           platform: Platform | None = None) -> ShardedSequential:
     """Shards a stack of layers across the ranks of a process group (ZeRO-3).
 
@@ -328,6 +331,9 @@ def shard(layers: Iterable[nn.Module], *, group: dist.ProcessGroup | None = None
         ``FrozenWeights("int8")``: int8 with a scale per block, dequantized after each gather).
     recompute: which layers keep only their input in forward and run it again in backward
         (``zerocore.Recompute``); None (default): every layer keeps what its backward needs.
+    comm: how ranks exchange data and how long one waits for another (``zerocore.Comm``: pass
+        ``Comm(timeout=...)`` with the process group's timeout, so that a stopped or hung rank
+        makes the others raise ``zerocore.PeerLost`` naming it within that time).
     platform: what this process can run on (default ``zerocore.Platform.detect``: torch,
         ``zerocore.BUILD``); pass one to check a configuration without the hardware.
     Returns a module running the layers in order. Give ``model.parameters()`` (or
@@ -340,4 +346,4 @@ def shard(layers: Iterable[nn.Module], *, group: dist.ProcessGroup | None = None
     dev = prepare_device(device, group, offload, platform)
     return ShardedSequential(layers, group=group, device=dev,
                              mixed_precision=mixed_precision, prefetch=prefetch, offload=offload,
-                             recompute=recompute, frozen_weights=frozen_weights)
+                             recompute=recompute, frozen_weights=frozen_weights, comm=comm)
