@@ -31,7 +31,10 @@ def repo_root() -> str:
 
 
 def cpu_sources(root: str) -> list[str]:
-    names = ["checks.cpp", "ops.cpp", "cpu/fused_adam_cpu.cpp", "cpu/grad_stats_cpu.cpp",
+    # fused_adam_{scalar,avx2,avx512}.cpp: one file per instruction set, each compiled for its
+    # own target by pragmas inside it, chosen at run time (see cpu/fused_adam_cpu.cpp).
+    names = ["checks.cpp", "ops.cpp", "cpu/fused_adam_cpu.cpp", "cpu/fused_adam_scalar.cpp",
+             "cpu/fused_adam_avx2.cpp", "cpu/fused_adam_avx512.cpp", "cpu/grad_stats_cpu.cpp",
              "cpu/pack_cpu.cpp", "cpu/quant_cpu.cpp"]
     return [os.path.join(root, "csrc", n) for n in names]
 

@@ -33,6 +33,19 @@ def fused_adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                     weight_decay, step, inv_grad_scale, adamw)
 
 
+def _cpu_adam_isa(isa: str | None = None) -> str:
+    """Which CPU kernels ``fused_adam`` runs on: "scalar", "avx2" or "avx512" (by default the
+    widest this CPU supports, or the environment variable ``ZEROCORE_CPU_ISA``, read at the first
+    step). With ``isa``, switches this process to those kernels. Every choice computes the same
+    bits; this is for tests and benchmarks. Returns the name now in use."""
+    return _ops._cpu_adam_isa(isa)
+
+
+def _cpu_adam_isas() -> list[str]:
+    """The CPU kernel sets ``_cpu_adam_isa`` accepts on this CPU and build, narrowest first."""
+    return list(_ops._cpu_adam_isas())
+
+
 def grad_stats(grad: torch.Tensor, stats: torch.Tensor | None = None) -> torch.Tensor:
     """Accumulates gradient statistics without a host synchronisation.
 

@@ -1,99 +1,109 @@
 // zerocore::fused_adam on CPU: one pass over (grad, param, exp_avg, exp_avg_sq[, model_copy]),
-// threads across cores (at::parallel_for) and AVX2 inside each thread (at::vec). The loop is
-// bound by memory bandwidth on a large shard (28 bytes per element for an fp16 gradient and model
-// copy against ~10 flops, two divisions and a square root), so it makes exactly one pass.
+// threads across cores (at::parallel_for) and SIMD inside each thread. A large shard is bound by
+// memory bandwidth (28 bytes per element for an fp32 gradient and no copy, against ~14 flops, two
+// divisions and a square root), so the kernels stream through memory exactly once.
+//
+// The element loop is compiled once per instruction set (fused_adam_{scalar,avx2,avx512}.cpp,
+// each for its own target whatever the build's flags) and chosen at run time: the widest the CPU
+// supports (cpuid), or the one named by the environment variable ZEROCORE_CPU_ISA (scalar, avx2,
+// avx512; read once, at the first step), or, for tests, by the op zerocore::_cpu_adam_isa. All of
+// them compute the same bits (fused_adam_common.h), so the choice changes speed only.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <atomic>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <vector>
+
 #include "../zerocore.h"
+#include "fused_adam_isa.h"
 #include "vec_io.h"
 
 namespace zerocore::cpu {
 namespace {
 
-// The update of one element, in the exact order of torch.optim.adam._single_tensor_adam, so the
-// scalar tail and the vector body round identically to PyTorch's own float arithmetic.
-template <typename G, typename M>
-C10_ALWAYS_INLINE void adam_scalar(float* p, const G* g_ptr, float* m, float* v, M* copy,
-                                   const AdamConsts& c) {
-  float g = static_cast<float>(*g_ptr) * c.inv_grad_scale;
-  float pv = *p;
-  g = g + c.weight_decay * pv;  // Adam's L2 term; weight_decay is 0 here for AdamW
-  pv = pv * c.decay_factor;     // AdamW's decoupled decay; decay_factor is 1 for Adam
-  float mv = *m + c.one_minus_beta1 * (g - *m);
-  float vv = *v * c.beta2 + c.one_minus_beta2 * (g * g);
-  float denom = std::sqrt(vv) / c.bias_correction2_sqrt + c.eps;
-  pv = pv + (-c.step_size) * (mv / denom);
-  *p = pv;
-  *m = mv;
-  *v = vv;
-  if (copy != nullptr) *copy = static_cast<M>(pv);
-}
-
-// The step's scalars broadcast once per thread. Held in locals rather than re-read through the
-// AdamConsts reference, which the compiler must assume the stores to param may overwrite.
-struct AdamVecs {
-  Vec inv_grad_scale, weight_decay, decay_factor, one_minus_beta1, beta2, one_minus_beta2,
-      bias_correction2_sqrt, eps, neg_step_size;
-  explicit AdamVecs(const AdamConsts& c)
-      : inv_grad_scale(c.inv_grad_scale), weight_decay(c.weight_decay),
-        decay_factor(c.decay_factor), one_minus_beta1(c.one_minus_beta1), beta2(c.beta2),
-        one_minus_beta2(c.one_minus_beta2), bias_correction2_sqrt(c.bias_correction2_sqrt),
-        eps(c.eps), neg_step_size(-c.step_size) {}
-};
-
-// Always inlined: GCC otherwise leaves it out of line in most of the nine dtype instantiations,
-// and each call passes the vectors through the stack (8-25% slower on a 2^24 shard here).
-C10_ALWAYS_INLINE void adam_vec(Vec& p, Vec g, Vec& m, Vec& v, const AdamVecs& c) {
-  g = g * c.inv_grad_scale;
-  g = g + c.weight_decay * p;
-  p = p * c.decay_factor;
-  m = m + c.one_minus_beta1 * (g - m);
-  v = v * c.beta2 + c.one_minus_beta2 * (g * g);
-  Vec denom = v.sqrt() / c.bias_correction2_sqrt + c.eps;
-  p = p + c.neg_step_size * (m / denom);
-}
-
-// One thread's share [begin, end). With kStream the model copy is written with streaming stores
-// (vec_io.h): the elements before its first 32-byte boundary go through the scalar path, which
-// rounds like the vector body, so the result does not depend on the alignment.
-template <bool kStream, typename G, typename M>
-void adam_range(float* p, const G* g, float* m, float* v, M* copy, int64_t begin, int64_t end,
-                const AdamConsts& c) {
-  const AdamVecs cv(c);
-  int64_t i = begin;
-  if constexpr (kStream) {
-    const int64_t head = streaming_head(copy + begin);
-    if (head < 0 || begin + head + kBlock > end) {
-      adam_range<false>(p, g, m, v, copy, begin, end, c);
-      return;
-    }
-    for (; i < begin + head; ++i) adam_scalar(p + i, g + i, m + i, v + i, copy + i, c);
-  }
-  for (; i + kBlock <= end; i += kBlock) {
-    Vec p0 = Vec::loadu(p + i), p1 = Vec::loadu(p + i + Vec::size());
-    Vec m0 = Vec::loadu(m + i), m1 = Vec::loadu(m + i + Vec::size());
-    Vec v0 = Vec::loadu(v + i), v1 = Vec::loadu(v + i + Vec::size());
-    Vec g0, g1;
-    load2(g + i, g0, g1);
-    adam_vec(p0, g0, m0, v0, cv);
-    adam_vec(p1, g1, m1, v1, cv);
-    p0.store(p + i);
-    p1.store(p + i + Vec::size());
-    m0.store(m + i);
-    m1.store(m + i + Vec::size());
-    v0.store(v + i);
-    v1.store(v + i + Vec::size());
-    if constexpr (kStream) {
-      stream2(copy + i, p0, p1);
-    } else {
-      if (copy != nullptr) store2(copy + i, p0, p1);
+// The ISAs this build has kernels for and this CPU can run, narrowest first.
+std::vector<const adam::Kernels*> runnable_isas() {
+  std::vector<const adam::Kernels*> out{adam::scalar_kernels()};
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  // __builtin_cpu_supports also checks that the OS saves the vector registers (XCR0).
+  if (adam::avx2_kernels() != nullptr && __builtin_cpu_supports("avx2") &&
+      __builtin_cpu_supports("f16c")) {
+    out.push_back(adam::avx2_kernels());
+    if (adam::avx512_kernels() != nullptr && __builtin_cpu_supports("avx512f") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512dq")) {
+      out.push_back(adam::avx512_kernels());
     }
   }
-  for (; i < end; ++i) {
-    adam_scalar(p + i, g + i, m + i, v + i, copy == nullptr ? nullptr : copy + i, c);
+#endif
+  return out;
+}
+
+const adam::Kernels* find_isa(const std::string& name) {
+  for (const adam::Kernels* k : runnable_isas()) {
+    if (name == k->name) return k;
+  }
+  return nullptr;
+}
+
+std::string isa_names() {
+  std::string names;
+  for (const adam::Kernels* k : runnable_isas()) names += std::string(names.empty() ? "" : ", ") + k->name;
+  return names;
+}
+
+std::atomic<const adam::Kernels*> g_isa{nullptr};
+std::once_flag g_isa_once;
+
+const adam::Kernels* active_isa() {
+  std::call_once(g_isa_once, [] {
+    const adam::Kernels* chosen = runnable_isas().back();
+    const char* env = std::getenv("ZEROCORE_CPU_ISA");
+    if (env != nullptr && *env != '\0' && std::string(env) != "auto") {
+      chosen = find_isa(env);
+      TORCH_CHECK(chosen != nullptr, "zerocore: ZEROCORE_CPU_ISA=", env, " is not one this CPU "
+                  "and build can run (", isa_names(), ", or auto)");
+    }
+    const adam::Kernels* expected = nullptr;  // set only if _cpu_adam_isa did not run first
+    g_isa.compare_exchange_strong(expected, chosen);
+  });
+  return g_isa.load(std::memory_order_relaxed);
+}
+
+// The test hook: with a name, makes that ISA's kernels the ones used from now on (in this
+// process); returns the name of the ISA in use.
+std::string cpu_adam_isa(const c10::optional<std::string>& name) {
+  active_isa();
+  if (name.has_value()) {
+    const adam::Kernels* k = find_isa(*name);
+    TORCH_CHECK(k != nullptr, "zerocore._cpu_adam_isa: '", *name, "' is not one this CPU and "
+                "build can run (", isa_names(), ")");
+    g_isa.store(k);
+  }
+  return active_isa()->name;
+}
+
+std::vector<std::string> cpu_adam_isas() {
+  std::vector<std::string> out;
+  for (const adam::Kernels* k : runnable_isas()) out.emplace_back(k->name);
+  return out;
+}
+
+adam::Dtype dtype_of(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return adam::kF32;
+    case at::kHalf: return adam::kF16;
+    case at::kBFloat16: return adam::kBF16;
+    default: TORCH_CHECK(false, "zerocore.fused_adam: unsupported dtype ", t);
   }
 }
+
+// Threads take whole units of 64 elements (256 bytes of each fp32 array, a multiple of every
+// ISA's block), so no cache line of an aligned shard is written by two threads.
+constexpr int64_t kUnit = 64;
 
 void fused_adam_cpu(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg,
                     at::Tensor exp_avg_sq, const c10::optional<at::Tensor>& model_copy, double lr,
@@ -104,37 +114,42 @@ void fused_adam_cpu(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg
   TORCH_CHECK(param.device().is_cpu(), "zerocore.fused_adam (CPU): param must be on the CPU");
   const int64_t n = param.numel();
   if (n == 0) return;
+  const adam::Scalars s{c.inv_grad_scale, c.weight_decay,  c.decay_factor,
+                        c.one_minus_beta1, c.beta2,         c.one_minus_beta2,
+                        c.bias_correction2_sqrt, c.eps,     -c.step_size};
+  const adam::Dtype gd = dtype_of(grad.scalar_type());
+  const adam::Dtype cd = model_copy.has_value() ? dtype_of(model_copy->scalar_type()) : adam::kNone;
+  const adam::Kernels* isa = active_isa();
+  const adam::RangeFn fn = isa->fn[gd][cd];
   float* p = param.data_ptr<float>();
   float* m = exp_avg.data_ptr<float>();
   float* v = exp_avg_sq.data_ptr<float>();
-  const at::ScalarType copy_type =
-      model_copy.has_value() ? model_copy->scalar_type() : at::kFloat;
-  void* copy_raw = model_copy.has_value() ? model_copy->data_ptr() : nullptr;
-  dispatch_float(grad.scalar_type(), [&](auto* g_tag) {
-    using G = std::remove_pointer_t<decltype(g_tag)>;
-    const G* g = static_cast<const G*>(grad.data_ptr());
-    dispatch_float(copy_type, [&](auto* m_tag) {
-      using M = std::remove_pointer_t<decltype(m_tag)>;
-      M* copy = static_cast<M*>(copy_raw);
-      // Only the model copy is worth streaming: param and the moments are stored to lines that
-      // were just read, so they are in the cache already.
-      const int64_t bytes = n * static_cast<int64_t>(3 * 2 * sizeof(float) + sizeof(G) +
-                                                     (copy != nullptr ? sizeof(M) : 0));
-      const bool stream = copy != nullptr && use_streaming_stores(bytes);
-      at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-        if (stream) {
-          adam_range<true>(p, g, m, v, copy, begin, end, c);
-          streaming_fence();
-        } else {
-          adam_range<false>(p, g, m, v, copy, begin, end, c);
-        }
-      });
-    });
+  const void* g = grad.data_ptr();
+  void* copy = model_copy.has_value() ? model_copy->data_ptr() : nullptr;
+  // Only the model copy is worth streaming: param and the moments are stored to lines that were
+  // just read, so they are in the cache already, while a normal store of the copy first reads
+  // each of its lines from memory.
+  const int64_t bytes = n * static_cast<int64_t>(3 * 2 * sizeof(float) + grad.element_size() +
+                                                 (copy != nullptr ? model_copy->element_size() : 0));
+  const bool stream = copy != nullptr && bytes > kStreamingMinBytes;
+  const int64_t units = (n + kUnit - 1) / kUnit;
+  at::parallel_for(0, units, kGrain / kUnit, [&](int64_t u0, int64_t u1) {
+    fn(p, g, m, v, copy, u0 * kUnit, std::min(n, u1 * kUnit), s, stream);
+    if (stream) streaming_fence();
   });
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(zerocore, CPU, m) { m.impl("fused_adam", &fused_adam_cpu); }
+
+// Ops without tensor arguments (so no dispatch key): kernels for every backend at once.
+TORCH_LIBRARY_FRAGMENT(zerocore, m) {
+  // Which CPU kernels zerocore.fused_adam uses ("scalar", "avx2", "avx512"); with a name, use
+  // those from now on. For tests and benchmarks: every choice computes the same bits.
+  m.def("_cpu_adam_isa(str? isa=None) -> str", &cpu_adam_isa);
+  // The ISAs this CPU and build can run, narrowest first.
+  m.def("_cpu_adam_isas() -> str[]", &cpu_adam_isas);
+}
 
 }  // namespace zerocore::cpu
