@@ -78,6 +78,7 @@ from zerocore.checkpoint_manifest import (COMMIT, FORMAT, MANIFEST, commit_recor
 from zerocore.checkpoint_reader import (ShardReader, identity_record, iter_full_layers,
                                         open_checkpoint, verify_files)
 from zerocore.durable_io import fsync_dir, make_dir, rename, write_file
+from zerocore.from_deepspeed import is_deepspeed_checkpoint, load_deepspeed_checkpoint
 from zerocore.loss_scale import LossScaler
 from zerocore.sharded_param import ShardParameter
 from zerocore.sharded_model import ShardedModel, sharding_of
@@ -446,8 +447,15 @@ def load_checkpoint(path: str | Path, model: Any,
     file's size, checksum, identity and contents; and the model match) before anything is
     modified; a failure on any rank raises ``CheckpointError`` on every rank.
     allow_unverified: load a checkpoint of a format whose rank files do not record whose they
-    are (format 1 or 2, written by an older zerocore); refused otherwise."""
+    are (format 1 or 2, written by an older zerocore); refused otherwise.
+
+    ``path`` may also be a DeepSpeed ZeRO-3 checkpoint directory (the one holding ``latest``, or
+    a ``global_stepN`` directory): its weights, Adam moments and step, optimizer settings and
+    loss-scaler state are loaded (``zerocore.from_deepspeed.load_deepspeed_checkpoint``) and
+    ``{"deepspeed": {...}}`` is returned."""
     path = Path(path)
+    if is_deepspeed_checkpoint(path):
+        return load_deepspeed_checkpoint(path, model, optimizer, scaler=scaler)
     model = _sharded(model)
 
     def verify() -> ShardReader:
