@@ -140,7 +140,9 @@ ATTACKS = {
 def _refused_by_every_tool(capsys, ckpt: Path, out: Path, phrase: str, *flags: str) -> None:
     """Resume, export (full and --trainable-only) and consolidate refuse ``ckpt`` in one line
     holding ``phrase``, exit 2, before anything is written."""
-    resume = call_main(finetune_main, capsys, "--resume", ckpt.parent, "--output-dir", out,
+    # The checkpoint itself: given its parent, --resume would pick the newest complete one,
+    # which after a downgrade (no COMMIT) is the untouched step 2.
+    resume = call_main(finetune_main, capsys, "--resume", ckpt, "--output-dir", out,
                        "--max-steps", 6, *flags)
     assert_clean_error(resume, phrase)
     assert resume.returncode == 2 and "Distributed:" not in resume.stdout  # no rank started
@@ -209,8 +211,9 @@ def test_forged_recipe_paths_are_not_opened_before_the_checkpoint_is_verified(ru
         m["extra"]["recipe"]["data"].update(data=str(forged_data), cache_dir=str(forged_cache))
     _fix_checksums(ckpt, forge)
     before = _snapshot(out)
-    proc = subprocess.run([sys.executable, "-c", _WATCHED, forged_data, forged_cache,
-                           "--resume", ckpt, "--output-dir", out, "--max-steps", 6],
+    argv = [_WATCHED, forged_data, forged_cache, "--resume", ckpt, "--output-dir", out,
+            "--max-steps", 6]
+    proc = subprocess.run([sys.executable, "-c", *map(str, argv)],
                           cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert "TOUCHED" not in proc.stderr, proc.stderr
     assert_clean_error(proc, f"{ckpt}/rank-00000.pt: was saved with manifest content")

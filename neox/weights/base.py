@@ -73,10 +73,15 @@ def _load_failure(e: Exception) -> str:
         # was not an allowed global by default." / "... unsupported GLOBAL posix.system whose
         # module posix is blocked."
         found = re.search(r"(?i)unsupported global[^.\n]*", text)
-        what = found.group(0) if found else "an object that is not a tensor"
-        return (f"refused: the file holds pickled objects that loading would have to import and "
-                f"run, not only tensors ({what}); neox loads tensors only: use the model's "
-                f"safetensors files, or a copy of the weights you trust")
+        if found:
+            return (f"refused: the file holds pickled objects that loading would have to import "
+                    f"and run, not only tensors ({found.group(0)}); neox loads tensors only: use "
+                    f"the model's safetensors files, or a copy of the weights you trust")
+        # Anything else the weights-only unpickler rejects is a damaged or foreign file
+        # ("Unsupported operand 103" for bytes that are not a pickle at all).
+        found = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)
+        reason = found.group(1).strip() if found else "unreadable"
+        return f"cannot load (not a readable torch file: {reason})"
     return f"cannot load ({' '.join(text.split())})"
 
 
