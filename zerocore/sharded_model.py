@@ -25,6 +25,7 @@ How a unit runs (docs/decisions.md, "shard_model"):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Iterable, Iterator
 
@@ -210,6 +211,8 @@ class ShardedModel:
         self._order_now: list[Unit] = []
         self._depth = 0           # model forwards in progress (its pre-hook ran, not its hook)
         self._kept: list[Unit] = []  # kept gathered by the last forward for its backward
+        # Units that stay gathered until a ``gathered()`` block ends (None: outside one).
+        self._held: set[int] | None = None
         self._handles = []
         for unit in self.units[:-1]:
             self._handles.append(unit.module.register_forward_pre_hook(
@@ -270,6 +273,7 @@ class ShardedModel:
         return hook
 
     def _before_unit(self, unit: Unit, args: tuple, kwargs: dict) -> None:
+        self._refuse_graph_while_held()
         if self._depth == 0 and self._order_now and unit is self._order_now[0]:
             self._new_forward()  # a forward through an inner module (no model pre-hook)
         position = len(self._order_now)
@@ -300,7 +304,7 @@ class ShardedModel:
                 # by the next forward if no backward comes.
                 self._kept.append(unit)
                 return
-        unit.layer.free()
+        self._free_unless_held(unit)
 
     def _backward_begins(self, call: UnitCall) -> None:
         """The first gradient reached one of the unit's outputs: gather it again before its
@@ -342,10 +346,13 @@ class ShardedModel:
         self._kept = []
 
     def _enter_root(self) -> None:
+        self._refuse_graph_while_held()  # before any state changes
         self._ready(self.root)
         self.root.call = self._install(self.root, torch.is_grad_enabled())
 
     def _root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._depth == 0:
+            self._refuse_graph_while_held()  # before _depth counts a forward that never runs
         self._depth += 1
         if self._depth == 1:
             self._new_forward()
@@ -365,7 +372,7 @@ class ShardedModel:
                 outputs, lambda grad: self.coordinator.before_layer_backward(root.layer, None),
                 mode="any")
         else:
-            self.root.layer.free()
+            self._free_unless_held(self.root)
 
     def _root_owner_pre(self, module: nn.Module, args: tuple) -> None:
         # A module owning root parameters called outside a forward of the model (an inner
@@ -373,6 +380,49 @@ class ShardedModel:
         # once the optimizer changed it; freed by the model's next forward or backward).
         if self._depth == 0:
             self._enter_root()
+
+    # -- generation ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def gathered(self, max_bytes: int | None = None) -> Iterator[None]:
+        """Within the block, a unit gathered for a forward stays gathered until the block ends,
+        so ``model.generate(...)`` gathers each unit once for the whole call instead of once
+        per new token (ZeRO-3's known generation slowdown); the tokens are the same, bit for
+        bit (the same gathered values). Collective in effect: every rank must run the same
+        forwards inside, as always. ``max_bytes`` bounds what is held: the units in their order,
+        then the root, while their gathered bytes fit (the rest gather per forward as usual);
+        None holds every unit (the whole model's parameters in the param dtype, per rank).
+        Forwards inside must not build a graph (``generate`` runs under ``torch.no_grad``):
+        one that would is refused, since its backward would free what the block holds. The
+        optimizer must not step inside."""
+        if self._held is not None:
+            raise RuntimeError("zerocore: ShardedModel.gathered() is already active; nest "
+                               "nothing inside it")
+        held, total = set(), 0
+        for unit in self.units:
+            size = unit.layer.gathered_size
+            if max_bytes is None or total + size <= max_bytes:
+                held.add(id(unit))
+                total += size
+        self._held = held
+        try:
+            yield
+        finally:
+            self._held = None
+            for unit in self.units:
+                if id(unit) in held and unit.active == 0:
+                    unit.layer.free()
+
+    def _free_unless_held(self, unit: Unit) -> None:
+        if self._held is None or id(unit) not in self._held:
+            unit.layer.free()
+
+    def _refuse_graph_while_held(self) -> None:
+        if self._held is not None and torch.is_grad_enabled():
+            raise RuntimeError("zerocore: a forward with autograd enabled inside "
+                               "ShardedModel.gathered(), which holds units gathered for "
+                               "generation only; run it under torch.no_grad() (generate() "
+                               "does), or outside the block")
 
     # -- for optimizers, checkpoints and exports ------------------------------------------
 
