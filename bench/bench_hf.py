@@ -23,19 +23,18 @@ import argparse
 import os
 import platform
 import random
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import transformers
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 import zerocore
+from ranks import run_ranks
 
 SEQ, ROWS = 128, 4
 ADAMW = dict(lr=1e-4, weight_decay=0.01)
@@ -72,51 +71,45 @@ def step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) 
     return loss.item()
 
 
-def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)  # the ranks share the cores
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
+    engines = {}
+    model = build(args.layers, args.hidden)
+    zerocore.shard_model(model, model.gpt_neox.layers)
+    engines["shard_model"] = (model, zerocore.optim.AdamW(model.parameters(), **ADAMW))
+    model = build(args.layers, args.hidden)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.gpt_neox.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     try:
-        engines = {}
-        model = build(args.layers, args.hidden)
-        zerocore.shard_model(model, model.gpt_neox.layers)
-        engines["shard_model"] = (model, zerocore.optim.AdamW(model.parameters(), **ADAMW))
-        model = build(args.layers, args.hidden)
-        mesh = init_device_mesh("cpu", (world,))
-        for layer in model.gpt_neox.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        try:
-            opt = torch.optim.AdamW(model.parameters(), **ADAMW, fused=True)
-        except (RuntimeError, TypeError, NotImplementedError):
-            opt = torch.optim.AdamW(model.parameters(), **ADAMW, foreach=True)
-        engines["fsdp2"] = (model, opt)
-        g = torch.Generator().manual_seed(rank)
-        batches = [torch.randint(0, 4096, (ROWS, SEQ), generator=g) for _ in range(4)]
-        times: dict[str, list[float]] = {k: [] for k in engines}
-        losses: dict[str, list[float]] = {k: [] for k in engines}
-        order = random.Random(0)
-        for r in range(args.steps + 2):  # two warm-up rounds
-            names = list(engines)
-            order.shuffle(names)
-            for name in names:
-                model, opt = engines[name]
-                dist.barrier()
-                t0 = time.perf_counter()
-                losses[name].append(step(model, opt, batches[r % len(batches)]))
-                dist.barrier()
-                if r >= 2:
-                    times[name].append(time.perf_counter() - t0)
-        out = {}
-        for name, (model, opt) in engines.items():
-            with zerocore.PeakMemory(torch.device("cpu")) as peak:
-                step(model, opt, batches[0])
-            out[name] = dict(median_s=statistics.median(times[name]),
-                             state_bytes=model_state(model, opt), step_peak=peak.peak_bytes,
-                             losses=losses[name][:3])
-        results.put((rank, out))
-    finally:
-        dist.destroy_process_group()
+        opt = torch.optim.AdamW(model.parameters(), **ADAMW, fused=True)
+    except (RuntimeError, TypeError, NotImplementedError):
+        opt = torch.optim.AdamW(model.parameters(), **ADAMW, foreach=True)
+    engines["fsdp2"] = (model, opt)
+    g = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, 4096, (ROWS, SEQ), generator=g) for _ in range(4)]
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    losses: dict[str, list[float]] = {k: [] for k in engines}
+    order = random.Random(0)
+    for r in range(args.steps + 2):  # two warm-up rounds
+        names = list(engines)
+        order.shuffle(names)
+        for name in names:
+            model, opt = engines[name]
+            dist.barrier()
+            t0 = time.perf_counter()
+            losses[name].append(step(model, opt, batches[r % len(batches)]))
+            dist.barrier()
+            if r >= 2:
+                times[name].append(time.perf_counter() - t0)
+    out = {}
+    for name, (model, opt) in engines.items():
+        with zerocore.PeakMemory(torch.device("cpu")) as peak:
+            step(model, opt, batches[0])
+        out[name] = dict(median_s=statistics.median(times[name]),
+                         state_bytes=model_state(model, opt), step_peak=peak.peak_bytes,
+                         losses=losses[name][:3])
+    return out
 
 
 def main() -> None:
@@ -126,18 +119,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--hidden", type=int, default=256)
     args = p.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, args.nproc, port, args, results))
-             for r in range(args.nproc)]
-    for proc in procs:
-        proc.start()
-    per_rank = dict(results.get(timeout=1800) for _ in procs)
-    for proc in procs:
-        proc.join()
+    per_rank = dict(enumerate(run_ranks(rank_main, args.nproc, args)))
     model = build(args.layers, args.hidden)
     n = sum(p.numel() for p in model.parameters())
     print(f"GPT-NeoX {args.layers} layers, hidden {args.hidden}, vocab 4096, {n:,} parameters, "

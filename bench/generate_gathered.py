@@ -1,0 +1,96 @@
+"""Generation under ZeRO-3: tokens/s of ``generate`` on a ``shard_model`` model, gathering per
+token vs inside ``ShardedModel.gathered()``, beside the unsharded model in the same ranks.
+
+    python bench/generate_gathered.py [--nproc 2] [--layers 6] [--hidden 256] [--tokens 32]
+
+The GPT-NeoX of bench/bench_hf.py (from a config, fp32), greedy decoding of ``--tokens`` new
+tokens from a 16-token prompt, 2 sequences per rank, KV cache on. Every rank runs the three
+ways in a seeded random order per round (the machine's load affects them alike); reported: the
+median over the rounds of new tokens per second per rank, the all-gathers one generate issued,
+and whether the tokens agree (they must: the same gathered values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import platform
+import random
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import transformers
+
+import zerocore
+from bench_hf import build
+from ranks import run_ranks
+
+PROMPT, ROWS = 16, 2
+
+
+def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
+    model = build(args.layers, args.hidden).eval()
+    plain = copy.deepcopy(model)
+    sharded = zerocore.shard_model(model, model.gpt_neox.layers)
+    prompt = torch.randint(0, 4096, (ROWS, PROMPT), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False,
+                  pad_token_id=0)
+
+    def per_token():
+        return model.generate(input_ids=prompt, **kwargs)
+
+    def gathered():
+        with sharded.gathered():
+            return model.generate(input_ids=prompt, **kwargs)
+
+    ways = {"unsharded": lambda: plain.generate(input_ids=prompt, **kwargs),
+            "per token": per_token, "gathered()": gathered}
+    times = {k: [] for k in ways}
+    tokens, gathers = {}, {}
+    order = random.Random(0)
+    for r in range(args.rounds + 1):  # one warm-up round
+        names = list(ways)
+        order.shuffle(names)
+        for name in names:
+            dist.barrier()
+            sharded.counter.reset()
+            t0 = time.perf_counter()
+            tokens[name] = ways[name]()
+            elapsed = time.perf_counter() - t0
+            gathers[name] = sharded.counter.all_gather_calls
+            if r > 0:
+                times[name].append(elapsed)
+    return {"tok_s": {k: ROWS * args.tokens / statistics.median(v) for k, v in times.items()},
+            "gathers": gathers,
+            "same": all(torch.equal(t, tokens["unsharded"]) for t in tokens.values())}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--tokens", type=int, default=32, help="new tokens per generate")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds (default 5)")
+    args = p.parse_args()
+    per_rank = run_ranks(rank_main, args.nproc, args)
+    print(f"GPT-NeoX {args.layers} layers, hidden {args.hidden}, vocab 4096, fp32; greedy, "
+          f"{ROWS} x {PROMPT}-token prompts + {args.tokens} new tokens per rank; "
+          f"{args.nproc} gloo ranks; {args.rounds} rounds")
+    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
+          f"{torch.__version__}, transformers {transformers.__version__}, "
+          f"{time.strftime('%Y-%m-%d')}, load average {os.getloadavg()[0]:.1f}")
+    print("| per rank (slowest rank) | new tokens/s | all-gathers per generate | vs unsharded |")
+    print("|---|---:|---:|---:|")
+    base = min(r["tok_s"]["unsharded"] for r in per_rank)
+    for name in ("unsharded", "per token", "gathered()"):
+        rate = min(r["tok_s"][name] for r in per_rank)
+        print(f"| {name} | {rate:.1f} | {per_rank[0]['gathers'][name]} | {rate / base:.2f} |")
+    print("tokens identical on every rank and way:", all(r["same"] for r in per_rank))
+
+
+if __name__ == "__main__":
+    main()
