@@ -219,6 +219,64 @@ def test_plan_of_any_stack_from_meta_layers(worlds, name):
         assert abs(plan.device_peak / measured - 1) < REL_TOL, (plan.table(), measured)
 
 
+# -- a large layer among small ones (issue 18): what the engine keeps from step to step -----------
+# On 2 CPU ranks the on-host transport reads the peer's gradient contribution into one buffer it
+# keeps between steps, as large as the largest shard reduced so far; a plan that started each
+# step without it under-counted the peak by that layer's fp32 shard (0.93-0.96 of measured
+# here). Two ranks: 2%, the issue's bound (measured after the fix: 1.000 in fp32, 0.986-0.987 in
+# bf16, with and without offload; the buffer is 5-7% of these totals). Three ranks have no such
+# buffer, but their peak depends on when gloo completes a reduction: measured 0.983 on most runs
+# and 0.954 on some (one rank holding the embedding's packed gradient, 0.18 MiB, a little
+# longer), so 5%, the tolerance of the plan's other tests, as for any stack.
+MIXED_TOL = {2: 0.02, 3: REL_TOL}
+MIXED = {"bf16": (torch.bfloat16, False), "bf16-offload": (torch.bfloat16, True),
+         "fp32": (torch.float32, False)}
+
+
+def mixed_stack(device: str | None = None) -> list[nn.Module]:
+    torch.manual_seed(0)
+    small = [nn.Sequential(nn.Linear(D, D, device=device), nn.GELU()) for _ in range(8)]
+    large = nn.Sequential(nn.Linear(D, 16 * D, device=device), nn.GELU(),
+                          nn.Linear(16 * D, D, device=device))
+    return [nn.Embedding(VOCAB, D, device=device), *small[:4], large, *small[4:],
+            nn.Linear(D, VOCAB, device=device)]
+
+
+def mixed_policies(name: str) -> dict:
+    dtype, offload = MIXED[name]
+    return dict(mixed_precision=zerocore.MixedPrecision(dtype, torch.float32),
+                offload=zerocore.Offload(optimizer=offload))
+
+
+def measure_mixed(rank: int, world_size: int, name: str) -> int:
+    with zerocore.PeakMemory("cpu") as peak:
+        model = zerocore.shard(mixed_stack(), **mixed_policies(name))
+        opt = zerocore.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step() -> None:
+            plain_loss(model(torch.zeros(BATCH, SEQ, dtype=torch.long))).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step()
+        peak.mark()
+        step()
+        step()
+    return peak.peak_bytes
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("name", list(MIXED))
+def test_plan_of_a_large_layer_among_small_ones(worlds, name, world_size):
+    layers = mixed_stack("meta")
+    plan = zerocore.plan.plan(layers, torch.empty(BATCH, SEQ, dtype=torch.long, device="meta"),
+                              world_size=world_size, loss=plain_loss, device="cpu",
+                              **mixed_policies(name))
+    for measured in worlds(world_size).run(measure_mixed, name):
+        ratio = plan.device_peak / measured
+        assert abs(ratio - 1) < MIXED_TOL[world_size], (ratio, plan.table())
+
+
 def test_plan_argument_checks():
     ids = torch.empty(2, 3, dtype=torch.long, device="meta")
     with pytest.raises(ValueError, match="device must be"):

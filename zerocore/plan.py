@@ -310,7 +310,15 @@ class _Step:
         self.grad_shard_bytes = {l.index: l.trainable.layout.shard_numel * 4
                                  for l in layers if l.trainable is not None}
         self.has_grad: set[int] = set()
-        self.read_buffer = 0   # CPU, two ranks: see _deliver
+        # CPU, two ranks: the buffer the peer's gradient contributions are read into (see
+        # _deliver). The engine keeps it from step to step, as large as the largest shard
+        # reduced so far, so every step after the first starts with it at its largest: the
+        # step planned here (the first one's peak is no higher).
+        self.read_buffer = 0
+        if opt.device == "cpu" and opt.world_size == 2:
+            self.read_buffer = max((l.trainable.layout.shard_numel * opt.reduce_bytes
+                                    for l in layers if l.trainable is not None), default=0)
+            self.ledger[GRAD_BUFFERS] += self.read_buffer
         self.gathered: set[tuple[int, bool]] = set()   # (layer index, trainable) gathered
         self.int8_held: set[tuple[int, bool]] = set()  # int8 parts still held (FrozenWeights)
         self.kept = opt.prefetch.layers_kept([l.gathered_bytes(opt.param_bytes)
