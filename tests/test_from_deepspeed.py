@@ -338,18 +338,13 @@ def test_pickle_payload_does_not_run(tmp_path, capsys, kind):
     ckpt, tag = copy_ckpt(tmp_path)
     victim = tag / f"zero_pp_rank_1_mp_rank_00_{kind}_states.pt"
     marker = tmp_path / "marker"
-    with torch.serialization.safe_globals(list(fds.STAND_INS)):
-        obj = torch.load(victim, weights_only=True)
-    obj["extra"] = _Payload(marker)
-    torch.save(obj, victim)
-    # The file is live: an unrestricted load runs the payload (so the check below can fail).
-    proof = tmp_path / "proof"
-    torch.save({"x": _Payload(proof)}, tmp_path / "live.pt")
-    torch.load(tmp_path / "live.pt", weights_only=False)
-    assert proof.exists()
+    rewrite(victim, lambda o: o.update(extra=_Payload(marker)))
     err = refused(ckpt, capsys)
     assert f"{victim}: refused: it names posix.system" in err
     assert not marker.exists()
+    # The same file is live: an unrestricted load runs its payload (so the check above can fail).
+    torch.load(victim, weights_only=False)
+    assert marker.exists()
 
 
 def test_resume_refuses_payload_too(tmp_path):
@@ -360,6 +355,8 @@ def test_resume_refuses_payload_too(tmp_path):
     with pytest.raises(DeepSpeedCheckpointError, match="refused: it names posix.system"):
         fds.DeepSpeedCheckpoint(ckpt)
     assert not marker.exists()
+    torch.load(victim, weights_only=False)  # the payload is live
+    assert marker.exists()
 
 
 def test_deepspeed_classes_are_inert_records():
