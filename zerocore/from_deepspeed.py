@@ -63,7 +63,8 @@ from zerocore.checkpoint_errors import CheckpointError, CheckpointWriteError
 from zerocore.durable_io import fsync_dir, make_dir, rename, write_error, write_file
 
 __all__ = ["DeepSpeedCheckpoint", "DeepSpeedCheckpointError", "export",
-           "load_deepspeed_checkpoint", "is_deepspeed_checkpoint", "peft_name", "main",
+           "load_deepspeed_checkpoint", "is_deepspeed_checkpoint", "peft_name", "adapter_names",
+           "main",
            "MODEL_FILE", "TRAINABLE_FILE", "ADAPTER_FILE", "ADAPTER_CONFIG"]
 
 MODEL_FILE = "model.safetensors"
@@ -657,7 +658,8 @@ _LORA_RE = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|"
                       r"lora_magnitude_vector)\.([^.]+)(?=\.|$)")
 
 
-def _adapter_names(names: list[str]) -> set[str]:
+def adapter_names(names: list[str]) -> set[str]:
+    """The PEFT adapter names (``default``...) that LoRA parameter names carry."""
     return {m.group(2) for n in names for m in [_LORA_RE.search(n)] if m}
 
 
@@ -711,7 +713,7 @@ def export(checkpoint: str | Path, out: str | Path, *, tag: str | None = None,
             f"enables neither bf16 nor fp16), so it has no 16-bit values; leave --dtype out")
     names = ckpt.names(trainable_only=trainable_only)
     trained = set(ckpt.trainable)
-    adapters = _adapter_names(names) if trainable_only else set()
+    adapters = adapter_names(names) if trainable_only else set()
     if len(adapters) > 1:
         raise DeepSpeedCheckpointError(f"{ckpt.tag_dir}: the run trained {len(adapters)} "
                                        f"adapters ({sorted(adapters)}); a PEFT directory holds "
@@ -778,8 +780,8 @@ def _sequential_name(index: int, name: str) -> str:
 
 def load_deepspeed_checkpoint(path: str | Path, model: Any, optimizer: torch.optim.Optimizer,
                               *, scaler: Any = None, tag: str | None = None,
-                              ds_name: Callable[[int, str], str] | None = None
-                              ) -> dict[str, Any]:
+                              ds_name: Callable[[int, str], str] | None = None,
+                              frozen: str = "load") -> dict[str, Any]:
     """Collective: resumes a DeepSpeed ZeRO-3 run on a zerocore model sharded over any number
     of ranks: fp32 master weights, Adam's moments and step, the optimizer's hyper-parameters
     (lr, betas, eps, weight_decay), the loss-scaler state and the frozen weights the checkpoint
@@ -791,12 +793,18 @@ def load_deepspeed_checkpoint(path: str | Path, model: Any, optimizer: torch.opt
         ``f"{i}.{name}"``, the names of an ``nn.Sequential`` of the layers); ``ds_name(i, name)``
         overrides the mapping. Every trained parameter of the model must be one of the
         checkpoint's trained parameters with the same shape, and the reverse.
+    frozen: "load" takes the frozen weights the checkpoint holds; "check" keeps the model's
+        and refuses the checkpoint unless they are its frozen weights (cast to the model's
+        dtype; an int8-quantized frozen group cannot be compared and is not checked): for an
+        application whose base weights come from elsewhere, and must be the run's.
     Every rank reads the pieces it needs from the DeepSpeed files (no rank gathers the
     model). Everything is checked before anything is changed; a failure on any rank raises
     ``DeepSpeedCheckpointError`` (one line) on every rank."""
     from zerocore.checkpoint import _agreed, _sharded
     from zerocore.sharded_sequential import ShardedSequential
 
+    if frozen not in ("load", "check"):
+        raise ValueError(f"frozen must be 'load' or 'check', got {frozen!r}")
     sharded = _sharded(model)
     if ds_name is None:
         ds_name = (_sequential_name if isinstance(sharded, ShardedSequential)
@@ -845,6 +853,8 @@ def load_deepspeed_checkpoint(path: str | Path, model: Any, optimizer: torch.opt
                 any(g.get("amsgrad") for g in ckpt.param_groups):
             raise DeepSpeedCheckpointError(f"{where}: Adam without bias correction or with "
                                            f"amsgrad: zerocore's Adam has neither")
+        if frozen == "check":
+            _check_frozen_weights(ckpt, sharded, rank, ds_name)
         if scaler is not None and ckpt.loss_scaler is not None and \
                 bool(ckpt.dynamic_loss_scale) != bool(scaler.dynamic):
             raise DeepSpeedCheckpointError(
@@ -876,7 +886,7 @@ def load_deepspeed_checkpoint(path: str | Path, model: Any, optimizer: torch.opt
                         state["step"].fill_(step)
                     else:
                         state["step"] = torch.tensor(step)
-                if layer.frozen is not None and all(
+                if frozen == "load" and layer.frozen is not None and all(
                         ds_name(layer.index, s.name) in ckpt.frozen
                         for s in layer.frozen.layout.slots):
                     layout = layer.frozen.layout
@@ -910,6 +920,30 @@ def _shard_of(ckpt: DeepSpeedCheckpoint, layout: Any, rank: int, index: int,
         full = ckpt.read(ds_name(index, slot.name), what).reshape(-1)
         out[a - lo:b - lo] = full[a - slot.offset:b - slot.offset].to(dtype)
     return out
+
+
+def _check_frozen_weights(ckpt: DeepSpeedCheckpoint, sharded: Any, rank: int,
+                          ds_name: Callable[[int, str], str]) -> None:
+    """Refuses the checkpoint unless this rank's shard of every frozen group equals the
+    checkpoint's frozen weights there (cast to the shard's dtype)."""
+    for layer in sharded.layers:
+        group = layer.frozen
+        if group is None or not group.shard.dtype.is_floating_point:
+            continue  # none, or int8-quantized: nothing to compare the run's values with
+        slots = group.layout.slots
+        if not all(ds_name(layer.index, s.name) in ckpt.frozen for s in slots):
+            continue  # as "load": the checkpoint holds no copy of this layer's frozen weights
+        lo, _ = group.layout.shard_range(rank)
+        want = _shard_of(ckpt, group.layout, rank, layer.index, ds_name, "fp32",
+                         dtype=group.shard.dtype)
+        held = group.shard.detach().cpu().reshape(-1)
+        for slot in slots:
+            a, b = max(lo, slot.offset) - lo, min(lo + held.numel(), slot.offset + slot.numel) - lo
+            if a < b and not torch.equal(held[a:b], want[a:b]):
+                raise DeepSpeedCheckpointError(
+                    f"{ckpt.tag_dir}: frozen parameter {ds_name(layer.index, slot.name)!r} "
+                    f"differs from the model's: the base weights given are not the ones the "
+                    f"DeepSpeed run trained on")
 
 
 def _scaler_state(ds: dict[str, Any], scaler: Any) -> dict[str, Any]:
