@@ -522,28 +522,29 @@ def test_resume_continues_as_deepspeed(worlds, name, world):
     assert got == pytest.approx(want, rel=RTOL[fx["dtype"]])
 
 
-def frozen_checked(rank: int, world: int, tamper: bool) -> str:
+def frozen_checked(rank: int, world: int, name: str, tamper: bool) -> str:
     """frozen="check": the model's own frozen weights (the base the run started from) are kept
     when they are the checkpoint's; one changed element on one rank is refused on every rank."""
     import zerocore
     from zerocore.sharded_model import sharding_of
 
-    model, optimizer = build("lora_fp32_ws2")
+    model, optimizer = build(name)
     layers = [l for l in sharding_of(model).layers if l.frozen is not None]
     if tamper and rank == world - 1:
         with torch.no_grad():
             layers[-1].frozen.shard.view(-1)[0] += 1.0
     try:
-        fds.load_deepspeed_checkpoint(FIXTURES / "lora_fp32_ws2" / "ckpt", model, optimizer,
+        fds.load_deepspeed_checkpoint(FIXTURES / name / "ckpt", model, optimizer,
                                       frozen="check")
     except DeepSpeedCheckpointError as e:
         return str(e)
     return f"loaded {len(layers)} frozen groups"
 
 
-@pytest.mark.parametrize("tamper", [False, True])
-def test_resume_checks_frozen_weights(worlds, tamper):
-    got = worlds(2).run(frozen_checked, tamper)
+@pytest.mark.parametrize("name, tamper", [("lora_fp32_ws2", False), ("lora_fp32_ws2", True),
+                                          ("lora_bf16_ws2", False)])
+def test_resume_checks_frozen_weights(worlds, name, tamper):
+    got = worlds(2).run(frozen_checked, name, tamper)
     assert got[0] == got[1]
     if tamper:
         assert "differs from the model's: the base weights given are not the ones the " \

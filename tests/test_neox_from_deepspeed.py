@@ -118,9 +118,12 @@ def test_full_run_resumed_holds_deepspeeds_state(inputs, tmp_path):
     assert checked == 2 * len(ref)
 
 
-def test_lora_run_continues(inputs, tmp_path):
+@pytest.mark.parametrize("name", ["lora_fp32_ws2", "lora_bf16_ws2"])
+def test_lora_run_continues(inputs, tmp_path, name):
+    """In fp32 either way: a bf16 run's frozen copy is the base rounded to bf16, which the
+    check accepts (the model's fp32 base rounds to it)."""
     out = tmp_path / "out"
-    proc = run_module("neox.finetune", *flags(inputs, "lora_fp32_ws2", out, *LORA_FLAGS,
+    proc = run_module("neox.finetune", *flags(inputs, name, out, *LORA_FLAGS,
                                               "--max-steps", 5, "--nproc", 2))
     assert proc.returncode == 0, proc.stderr
     assert "at step 3" in proc.stdout and "training 2 steps" in proc.stdout
@@ -129,8 +132,8 @@ def test_lora_run_continues(inputs, tmp_path):
     assert [r["step"] for r in steps] == [4, 5]
     assert all(r["lr"] == 0.01 and 0 < r["loss"] < 10 for r in steps)
     # The adapters moved on from the DeepSpeed run's; the rest was not trained.
-    ref = load_file(str(FIXTURES / "lora_fp32_ws2" / "zero_to_fp32.safetensors"))
-    _, ds_name = names("lora_fp32_ws2", FinetuneMode("lora", lora_rank=4, lora_alpha=8,
+    ref = load_file(str(FIXTURES / name / "zero_to_fp32.safetensors"))
+    _, ds_name = names(name, FinetuneMode("lora", lora_rank=4, lora_alpha=8,
                                                       lora_targets=("query_key_value",
                                                                     "dense_4h_to_h")))
     trained = load_file(str(out / TRAINABLE))

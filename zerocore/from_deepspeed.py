@@ -925,7 +925,8 @@ def _shard_of(ckpt: DeepSpeedCheckpoint, layout: Any, rank: int, index: int,
 def _check_frozen_weights(ckpt: DeepSpeedCheckpoint, sharded: Any, rank: int,
                           ds_name: Callable[[int, str], str]) -> None:
     """Refuses the checkpoint unless this rank's shard of every frozen group equals the
-    checkpoint's frozen weights there (cast to the shard's dtype)."""
+    checkpoint's frozen weights there, compared in the narrower of the two dtypes (a bf16 run
+    holds the fp32 base rounded; a bf16 model holds it rounded too)."""
     for layer in sharded.layers:
         group = layer.frozen
         if group is None or not group.shard.dtype.is_floating_point:
@@ -933,17 +934,20 @@ def _check_frozen_weights(ckpt: DeepSpeedCheckpoint, sharded: Any, rank: int,
         slots = group.layout.slots
         if not all(ds_name(layer.index, s.name) in ckpt.frozen for s in slots):
             continue  # as "load": the checkpoint holds no copy of this layer's frozen weights
-        lo, _ = group.layout.shard_range(rank)
-        want = _shard_of(ckpt, group.layout, rank, layer.index, ds_name, "fp32",
-                         dtype=group.shard.dtype)
         held = group.shard.detach().cpu().reshape(-1)
+        lo, hi = group.layout.shard_range(rank)
         for slot in slots:
-            a, b = max(lo, slot.offset) - lo, min(lo + held.numel(), slot.offset + slot.numel) - lo
-            if a < b and not torch.equal(held[a:b], want[a:b]):
+            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if a >= b:
+                continue
+            name = ds_name(layer.index, slot.name)
+            theirs = ckpt.read(name).reshape(-1)[a - slot.offset:b - slot.offset]
+            mine = held[a - lo:b - lo]
+            common = theirs.dtype if theirs.dtype.itemsize <= mine.dtype.itemsize else mine.dtype
+            if not torch.equal(mine.to(common), theirs.to(common)):
                 raise DeepSpeedCheckpointError(
-                    f"{ckpt.tag_dir}: frozen parameter {ds_name(layer.index, slot.name)!r} "
-                    f"differs from the model's: the base weights given are not the ones the "
-                    f"DeepSpeed run trained on")
+                    f"{ckpt.tag_dir}: frozen parameter {name!r} differs from the model's: the "
+                    f"base weights given are not the ones the DeepSpeed run trained on")
 
 
 def _scaler_state(ds: dict[str, Any], scaler: Any) -> dict[str, Any]:
