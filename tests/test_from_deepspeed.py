@@ -212,8 +212,19 @@ def test_refuses_missing_rank_file(tmp_path, capsys):
     ckpt, tag = copy_ckpt(tmp_path)
     (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
     err = refused(ckpt, capsys)
-    assert "1 model-state files and 1 optimizer-state" not in err
-    assert "2 model-state files and 1 optimizer-state files" in err
+    assert f"{tag / 'zero_pp_rank_1_mp_rank_00_optim_states.pt'}: missing (2 model-state files " \
+           f"and 1 optimizer-state files here)" in err
+
+
+def test_refuses_missing_files_of_a_bf16_run(tmp_path, capsys):
+    ckpt, tag = copy_ckpt(tmp_path, "lora_bf16_ws2")
+    (tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    assert f"{tag / 'bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt'}: missing" in \
+        refused(ckpt, capsys)
+    # both of rank 1's files gone: what is left says it was partitioned over 2 ranks
+    (tag / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
+    assert "written by a run of 2 data-parallel ranks, but 1 ranks' files are here" in \
+        refused(ckpt, capsys)
 
 
 def test_refuses_missing_rank_zero(tmp_path, capsys):

@@ -320,9 +320,15 @@ class DeepSpeedCheckpoint:
         optim_files = self._rank_files(OPTIM_FILE_RE, "optim_states")
         n = len(optim_files)
         if len(model_files) != n:
+            # Each list is ranks 0.. without a gap (_rank_files): the shorter one lacks the
+            # file of the rank after its last.
+            rank = min(len(model_files), n)
+            missing = (optim_files[0].name.split("zero_pp_rank_")[0] +
+                       f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" if n == rank else
+                       f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
             raise DeepSpeedCheckpointError(
-                f"{self.tag_dir}: {len(model_files)} model-state files and {n} optimizer-state "
-                f"files: a rank's files are missing; copy the whole directory again")
+                f"{self.tag_dir / missing}: missing ({len(model_files)} model-state files and "
+                f"{n} optimizer-state files here); copy the whole directory again")
         self.world_size = n
         self.model_states = [self._model_states(p) for p in model_files]
         self.optim_states = [self._optim_states(p) for p in optim_files]
