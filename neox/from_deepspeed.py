@@ -21,12 +21,12 @@ Everything that can be known from the flags and the files is checked before any 
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from pathlib import Path
 from typing import Any, Callable
 
 from neox.config import NeoXConfig
-from neox.finetune_modes import BIAS_NAMES, FinetuneMode, prepare_layer
+from neox.finetune_modes import FinetuneMode, prepare_layer
 from neox.model import LayerSpec, build_layer, layer_specs
 from neox.recipe import ModelRecipe
 from zerocore.from_deepspeed import (ADAPTER_CONFIG, DeepSpeedCheckpoint, adapter_names,
@@ -110,22 +110,36 @@ def _lora_config(ckpt: DeepSpeedCheckpoint) -> dict[str, Any] | None:
     return None
 
 
-def _mode_flags(ckpt: DeepSpeedCheckpoint, alpha: Any) -> str:
-    """The --finetune flags that train what the DeepSpeed run trained, as far as neox can."""
-    trained = list(ckpt.trainable)
-    lora_a = [n for n in trained if ".lora_A." in n]
+def _trained_names(ckpt: DeepSpeedCheckpoint, config: NeoXConfig, model: ModelRecipe) -> set[str]:
+    """DeepSpeed's names of the parameters ``model`` trains."""
+    name = namer(ckpt, layer_specs(config, model.filter_layers), model.finetune)
+    return {name(i, n) for i, n in _trained_here(config, model)}
+
+
+def _mode_flags(ckpt: DeepSpeedCheckpoint, config: NeoXConfig, model: ModelRecipe,
+                alpha: Any) -> str:
+    """The --finetune flags that train exactly what the DeepSpeed run trained, if any: each
+    candidate is tried as check_resume tries the flags."""
+    lora_a = [n for n in ckpt.trainable if ".lora_A." in n]
+    candidates = [("--finetune full", FinetuneMode("full")),
+                  ("--finetune biases", FinetuneMode("biases"))]
     if lora_a:
-        ranks = sorted({ckpt.trainable[n].shape[0] for n in lora_a})
+        rank = ckpt.trainable[lora_a[0]].shape[0]
         modules = sorted({n.split(".lora_A.")[0].rsplit(".", 1)[-1] for n in lora_a})
-        targets = ",".join("attention.dense" if m == "dense" else m for m in modules)
-        return (f"--finetune lora --lora-rank {ranks[0]}"
-                + (f" --lora-alpha {alpha:g}" if isinstance(alpha, (int, float)) else "")
-                + f" --lora-targets {targets}")
-    if not ckpt.frozen:
-        return "--finetune full"
-    if all(n.endswith(tuple(BIAS_NAMES)) for n in trained):
-        return "--finetune biases"
-    return "(no neox fine-tuning mode trains exactly these)"
+        # neox matches a target by the end of the module's name: "dense" alone is the
+        # attention's output projection ("attention.dense"; the MLP's are dense_*).
+        targets = tuple("attention.dense" if m == "dense" else m for m in modules)
+        lora_alpha = float(alpha) if isinstance(alpha, (int, float)) else model.finetune.lora_alpha
+        candidates.insert(0, (f"--finetune lora --lora-rank {rank}"
+                              + (f" --lora-alpha {alpha:g}" if isinstance(alpha, (int, float))
+                                 else "") + f" --lora-targets {','.join(targets)}",
+                              FinetuneMode("lora", lora_rank=rank, lora_alpha=lora_alpha,
+                                           lora_targets=targets)))
+    there = set(ckpt.trainable)
+    for text, mode in candidates:
+        if _trained_names(ckpt, config, dataclasses.replace(model, finetune=mode)) == there:
+            return text
+    return "none of neox's fine-tuning modes trains exactly these"
 
 
 def check_resume(ckpt: DeepSpeedCheckpoint, config: NeoXConfig, model: ModelRecipe) -> None:
@@ -135,9 +149,7 @@ def check_resume(ckpt: DeepSpeedCheckpoint, config: NeoXConfig, model: ModelReci
     mode = model.finetune
     lora = _lora_config(ckpt)
     alpha = lora.get("lora_alpha") if lora else None
-    specs = layer_specs(config, model.filter_layers)
-    name = namer(ckpt, specs, mode)
-    here = {name(i, n) for i, n in _trained_here(config, model)}
+    here = _trained_names(ckpt, config, model)
     there = set(ckpt.trainable)
     if here != there:
         only_here, only_there = sorted(here - there), sorted(there - here)
@@ -145,7 +157,7 @@ def check_resume(ckpt: DeepSpeedCheckpoint, config: NeoXConfig, model: ModelReci
             f"{where}: the flags (--finetune {mode.mode}) train {len(here)} parameters, "
             f"the DeepSpeed run trained {len(there)} ({len(only_here)} only here, e.g. "
             f"{only_here[:1]}; {len(only_there)} only there, e.g. {only_there[:1]}); give the "
-            f"model and mode the run trained: {_mode_flags(ckpt, alpha)}")
+            f"model and mode the run trained: {_mode_flags(ckpt, config, model, alpha)}")
     if mode.mode == "lora" and lora is not None:
         if isinstance(alpha, (int, float)) and float(alpha) != float(mode.lora_alpha):
             raise ValueError(f"{where}: the DeepSpeed run's LoRA alpha was {alpha:g} (its "
