@@ -25,6 +25,8 @@ from neox.cli import (ALL_BLOCKS, HelpFormatter, Parser, UsageError, add_mode_ar
                       add_model_arguments, add_step_arguments, auto_mode, default_data_dir_flag,
                       finite_float, nonnegative_int, parse_layers, positive_int, preset_config,
                       recompute_blocks)
+from neox import from_deepspeed as nds
+from neox.config import NeoXConfig
 from neox.finetune_modes import FinetuneMode
 from neox.launch import LaunchConfig, RunRequest, launch, run_under_torchrun
 from neox.recipe import (DataConfig, LoopConfig, ModelRecipe, OptimConfig, OutputConfig, Recipe,
@@ -101,7 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--resume", type=Path, default=None,
                    help="continue a run from a checkpoint (a step-XXXXXXXX directory, or a folder "
                         "of them: the newest of its run); flags not given are the checkpoint's; "
-                        "any number of ranks")
+                        "any number of ranks. Or continue a DeepSpeed ZeRO-3 run of a GPT-NeoX "
+                        "model (its directory holding 'latest', or a global_stepN directory) as "
+                        "a new run of the flags given (the same model and --finetune mode): its "
+                        "weights, Adam state and step are loaded, the optimizer flags not given "
+                        "are its; its data order is not saved, so the sampler starts at the "
+                        "beginning")
     c.add_argument("--allow-unverified", action="store_true",
                    help="with --resume: accept a checkpoint of an older format (1 or 2), whose "
                         "rank files do not record which save, rank and step they are of")
@@ -291,15 +298,54 @@ def check_flags(args: argparse.Namespace, use_cuda: bool) -> None:
                              f"--oversubscribe to run them anyway")
 
 
-def model_blocks(args: argparse.Namespace) -> int:
-    """The block count of the model the flags name, reading at most a config file."""
+def model_config(args: argparse.Namespace) -> NeoXConfig:
+    """The configuration of the model the flags name, reading at most a config file (a tiny
+    preset's vocabulary is the tokenizer's, not known yet)."""
     if args.checkpoint is None:
-        return preset_config(args.model).num_hidden_layers
+        return preset_config(args.model)
     try:
         with open_weights(args.checkpoint, allow_outside=args.allow_outside_weights) as reader:
-            return reader.config.num_hidden_layers
+            return reader.config
     except WeightsError as e:
         raise UsageError(f"--checkpoint: {e}") from None
+
+
+def model_blocks(args: argparse.Namespace) -> int:
+    """The block count of the model the flags name."""
+    return model_config(args).num_hidden_layers
+
+
+# The optimizer flags a run resumed from DeepSpeed takes from the DeepSpeed run when not given.
+DEEPSPEED_OPTIM_FLAGS = ("lr", "betas", "eps", "weight_decay")
+
+
+def deepspeed_recipe(args: argparse.Namespace, flags: Recipe, log: Any) -> Recipe:
+    """The recipe of a run continuing the DeepSpeed checkpoint ``args.resume``: the flags',
+    with the DeepSpeed run's optimizer settings for the optimizer flags not given. The
+    checkpoint is opened and checked whole (its pickles read safely), and what the flags train
+    is checked against what it trained, before any process starts."""
+    for flag in ("allow_unverified", "data_changed"):
+        if getattr(args, flag):
+            raise UsageError(f"--{flag.replace('_', '-')} applies to a neox checkpoint; a "
+                             f"DeepSpeed checkpoint is checked whole, and records no data order "
+                             f"(the run's sampler starts at the beginning)")
+    try:
+        ckpt = nds.DeepSpeedCheckpoint(args.resume)
+        nds.check_resume(ckpt, model_config(args), flags.model)
+    except (CheckpointError, ValueError) as e:  # DeepSpeedCheckpointError is both
+        raise UsageError(f"--resume: {e}") from None
+    theirs = nds.optimizer_settings(ckpt)
+    parts = flags.to_dict()
+    for dest in DEEPSPEED_OPTIM_FLAGS:
+        if dest in theirs and dest not in args.explicit:
+            value = list(theirs[dest]) if dest == "betas" else theirs[dest]
+            if parts["optim"][dest] != value:
+                log(f"resume: --{dest.replace('_', '-')} {_show(value)}: the DeepSpeed run's "
+                    f"(give the flag to change it)")
+            parts["optim"][dest] = value
+    log(f"resume: continuing the DeepSpeed run of {nds.describe(ckpt)} as a new run of these "
+        f"flags")
+    return Recipe.from_dict(parts)
 
 
 def resume_recipe(args: argparse.Namespace, flags: Recipe, checkpoint: Path,
@@ -368,11 +414,14 @@ def main(argv: list[str] | None = None) -> int:
         num_blocks = model_blocks(args)
         kept = ranges.blocks(num_blocks) if ranges is not None else None
         recipe = recipe_from_flags(args, kept, num_blocks)
-        resume = None
+        resume = deepspeed = None
         for flag in ("allow_unverified", "data_changed"):
             if getattr(args, flag) and args.resume is None:
                 raise UsageError(f"--{flag.replace('_', '-')} applies to --resume only")
-        if args.resume is not None:
+        if args.resume is not None and nds.is_deepspeed_checkpoint(args.resume):
+            deepspeed = args.resume.resolve()
+            recipe = deepspeed_recipe(args, recipe, log)
+        elif args.resume is not None:
             resume = find_resume_checkpoint(args.resume, Path(recipe.output.output_dir)
                                             if "output_dir" in args.explicit else None)
             recipe = resume_recipe(args, recipe, resume, log)
@@ -386,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     launch_config = LaunchConfig(nproc=args.nproc, port=args.port, timeout=args.timeout,
                                  use_cuda=use_cuda)
     request = RunRequest(recipe=recipe, resume=resume, overwrite=args.overwrite,
-                         allow_unverified=args.allow_unverified, data_changed=args.data_changed)
+                         allow_unverified=args.allow_unverified, data_changed=args.data_changed,
+                         deepspeed=deepspeed)
     if torchrun:  # possibly many machines: this process is one rank of torchrun's group
         return run_under_torchrun(request, launch_config)
     return launch(request, launch_config)

@@ -81,13 +81,15 @@ class RunRequest:
     """What the user asked for: the recipe, the checkpoint to resume from (already resolved to
     a step directory, and verified), whether to start over in a directory that holds another
     run, and on resume whether an unverifiable checkpoint (--allow-unverified) or changed
-    training data (--data-changed) is accepted."""
+    training data (--data-changed) is accepted. ``deepspeed``: a DeepSpeed checkpoint the run
+    continues (checked by neox.finetune); the run is a new run of its output directory."""
 
     recipe: Recipe
     resume: Path | None = None
     overwrite: bool = False
     allow_unverified: bool = False
     data_changed: bool = False
+    deepspeed: Path | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -516,7 +518,7 @@ def _run_rank(rank: int, task: RankTask,
         run_training(task.request.recipe, resume=task.request.resume, run_id=run_id, rank=rank,
                      world_size=task.world_size, device=device,
                      allow_unverified=task.request.allow_unverified,
-                     data_changed=task.request.data_changed,
+                     data_changed=task.request.data_changed, deepspeed=task.request.deepspeed,
                      comm=zerocore.Comm(timeout=task.timeout))
     except RunFailed as e:  # reported in one line, agreed by every rank
         if e.message:

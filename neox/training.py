@@ -24,7 +24,9 @@ from torch import nn
 
 import zerocore
 from zerocore.consolidate import save_trainable
+from zerocore.from_deepspeed import load_deepspeed_checkpoint
 from neox import data as nd
+from neox import from_deepspeed as nds
 from neox.cli import DTYPES, preset_config, resolve_dtype
 from neox.config import NeoXConfig, filtered_config
 from neox.finetune_modes import FinetuneMode, prepare_layer
@@ -299,6 +301,13 @@ def restore(state: TrainState, checkpoint: Path, optim: OptimConfig, *, rank: in
             raise zerocore.CheckpointError(f"{checkpoint}: the manifest's extra state is "
                                            f"invalid ({e})") from None
     zerocore.run_agreed(restore_loop)
+    apply_optim(state, optim)
+    log(f"resumed from {checkpoint} at step {state.step} (epoch {state.sampler.epoch}, "
+        f"batch {state.sampler.batches_done})")
+
+
+def apply_optim(state: TrainState, optim: OptimConfig) -> None:
+    """The recipe's optimisation settings, at the schedule's current position."""
     # LambdaLR sets lr = base_lr * factor(step); the same product, so unchanged settings give
     # bitwise the same learning rate as the checkpoint's.
     factor = warmup_factor(optim.warmup)(state.scheduler.last_epoch)
@@ -306,8 +315,35 @@ def restore(state: TrainState, checkpoint: Path, optim: OptimConfig, *, rank: in
     for group in state.optimizer.param_groups:
         group.update(lr=optim.lr * factor, betas=optim.betas, eps=optim.eps,
                      weight_decay=optim.weight_decay)
-    log(f"resumed from {checkpoint} at step {state.step} (epoch {state.sampler.epoch}, "
-        f"batch {state.sampler.batches_done})")
+
+
+def restore_deepspeed(state: TrainState, checkpoint: Path, recipe: Recipe, *, rank: int,
+                      log: Log) -> None:
+    """Continues the DeepSpeed run of ``checkpoint`` (checked by neox.finetune before the
+    launch): its trained masters, Adam's moments and step, the loss-scale state and the step
+    count; the frozen weights stay --checkpoint's, refused unless they are the run's. The
+    schedule is placed at that step (a warm-up counts as done for the steps DeepSpeed ran); the
+    data order cannot be: DeepSpeed does not save it, so the sampler starts at the beginning."""
+    specs = layer_specs(state.config, recipe.model.filter_layers)
+    try:
+        name = zerocore.run_agreed(lambda: nds.namer(nds.DeepSpeedCheckpoint(checkpoint), specs,
+                                                     recipe.model.finetune))
+        run = load_deepspeed_checkpoint(checkpoint, state.model, state.optimizer,
+                                        scaler=state.scaler, ds_name=name,
+                                        frozen="check")["deepspeed"]
+    except (zerocore.CheckpointError, ValueError) as e:  # raised alike on every rank
+        raise RunFailed(f"--resume: {e}" if rank == 0 else None) from None
+    state.step = int(run["global_steps"] or 0)
+    state.scheduler.last_epoch = state.step
+    apply_optim(state, recipe.optim)
+    if recipe.model.frozen_weights == "int8":
+        log("note: --frozen-weights int8: the frozen weights are held quantized, so they were "
+            "not compared with the DeepSpeed run's; --checkpoint must be the base it trained on")
+    log(f"resumed the DeepSpeed run of {checkpoint} at step {state.step} (DeepSpeed "
+        f"{run['ds_version']}, {run['world_size']} ranks, {run['global_samples']} samples seen): "
+        f"trained weights, Adam moments and step, loss scale; DeepSpeed saves no data order, so "
+        f"the sampler starts at the beginning of epoch 0 (--seed {recipe.loop.seed}'s order): "
+        f"samples the DeepSpeed run trained on may come again before the others")
 
 
 # -- training -------------------------------------------------------------------------------------------
@@ -634,10 +670,12 @@ def sample_text(state: TrainState, recipe: Recipe, data: RunData, *, rank: int) 
 
 def run_training(recipe: Recipe, *, resume: Path | None, run_id: str, rank: int,
                  world_size: int, device: torch.device, allow_unverified: bool = False,
-                 data_changed: bool = False, comm: zerocore.Comm = zerocore.Comm()) -> None:
+                 data_changed: bool = False, deepspeed: Path | None = None,
+                 comm: zerocore.Comm = zerocore.Comm()) -> None:
     """The whole run of one rank: from ``resume`` (a checkpoint directory, verified by
-    neox.finetune before the launch, and again as it is loaded) when given. comm: as for
-    ``build`` (give it the process group's timeout)."""
+    neox.finetune before the launch, and again as it is loaded) when given, or continuing the
+    DeepSpeed checkpoint ``deepspeed``. comm: as for ``build`` (give it the process group's
+    timeout)."""
     log: Log = print if rank == 0 else (lambda *a, **k: None)
     torch.manual_seed(recipe.loop.seed)
     resumed = None if resume is None else zerocore.run_agreed(lambda: resumed_data(
@@ -649,6 +687,8 @@ def run_training(recipe: Recipe, *, resume: Path | None, run_id: str, rank: int,
     if resume is not None:
         restore(state, resume, recipe.optim, rank=rank, log=log,
                 allow_unverified=allow_unverified, data_changed=data.changed)
+    elif deepspeed is not None:
+        restore_deepspeed(state, deepspeed, recipe, rank=rank, log=log)
     out = Path(recipe.output.output_dir)
     zerocore.run_agreed(lambda: write_tokenizer(out, data.tokenizer) if rank == 0 else None)
     metrics = zerocore.run_agreed(lambda: MetricsFile(

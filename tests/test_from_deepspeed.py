@@ -15,9 +15,12 @@ the losses of DeepSpeed's run continued 3 steps after the save. These tests need
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import resource
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -209,8 +212,19 @@ def test_refuses_missing_rank_file(tmp_path, capsys):
     ckpt, tag = copy_ckpt(tmp_path)
     (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
     err = refused(ckpt, capsys)
-    assert "1 model-state files and 1 optimizer-state" not in err
-    assert "2 model-state files and 1 optimizer-state files" in err
+    assert f"{tag / 'zero_pp_rank_1_mp_rank_00_optim_states.pt'}: missing (2 model-state files " \
+           f"and 1 optimizer-state files here)" in err
+
+
+def test_refuses_missing_files_of_a_bf16_run(tmp_path, capsys):
+    ckpt, tag = copy_ckpt(tmp_path, "lora_bf16_ws2")
+    (tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    assert f"{tag / 'bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt'}: missing" in \
+        refused(ckpt, capsys)
+    # both of rank 1's files gone: what is left says it was partitioned over 2 ranks
+    (tag / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
+    assert "written by a run of 2 data-parallel ranks, but 1 ranks' files are here" in \
+        refused(ckpt, capsys)
 
 
 def test_refuses_missing_rank_zero(tmp_path, capsys):
@@ -323,6 +337,26 @@ def test_library_raises_value_error(tmp_path):
         fds.export(tmp_path / "nothing", tmp_path / "out")
 
 
+# Below the model file's 29,000 bytes and above the adapter config's: the write fails midway.
+FILE_LIMIT = 8 * 1024
+
+
+def test_a_write_that_fails_midway_leaves_nothing(tmp_path, capsys):
+    """A real write(2) error while model.safetensors is written (a soft RLIMIT_FSIZE: EFBIG, as
+    a full disk gives ENOSPC): one line naming the file, no OUT and no temporary directory."""
+    ckpt, _ = copy_ckpt(tmp_path)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the error, not a kill
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, hard))
+    try:
+        err = refused(ckpt, capsys)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    assert "File too large" in err and "model.safetensors" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
 # -- safety ---------------------------------------------------------------------------------------
 
 class _Payload:
@@ -338,18 +372,22 @@ def test_pickle_payload_does_not_run(tmp_path, capsys, kind):
     ckpt, tag = copy_ckpt(tmp_path)
     victim = tag / f"zero_pp_rank_1_mp_rank_00_{kind}_states.pt"
     marker = tmp_path / "marker"
-    with torch.serialization.safe_globals(list(fds.STAND_INS)):
-        obj = torch.load(victim, weights_only=True)
-    obj["extra"] = _Payload(marker)
-    torch.save(obj, victim)
-    # The file is live: an unrestricted load runs the payload (so the check below can fail).
-    proof = tmp_path / "proof"
-    torch.save({"x": _Payload(proof)}, tmp_path / "live.pt")
-    torch.load(tmp_path / "live.pt", weights_only=False)
-    assert proof.exists()
+    rewrite(victim, lambda o: o.update(extra=_Payload(marker)))
     err = refused(ckpt, capsys)
     assert f"{victim}: refused: it names posix.system" in err
     assert not marker.exists()
+    # The same file is live: an unrestricted load runs its payload (so the check above can fail).
+    torch.load(victim, weights_only=False)
+    assert marker.exists()
+
+
+def test_refuses_a_class_outside_the_allowlist(tmp_path, capsys):
+    """Not a payload, just a class no DeepSpeed checkpoint holds: refused all the same."""
+    ckpt, tag = copy_ckpt(tmp_path)
+    victim = tag / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    rewrite(victim, lambda o: o.update(args=argparse.Namespace(lr=0.1)))
+    assert f"{victim}: refused: it names argparse.Namespace, which is neither a tensor type " \
+           f"nor one of DeepSpeed's checkpoint classes" in refused(ckpt, capsys)
 
 
 def test_resume_refuses_payload_too(tmp_path):
@@ -360,6 +398,8 @@ def test_resume_refuses_payload_too(tmp_path):
     with pytest.raises(DeepSpeedCheckpointError, match="refused: it names posix.system"):
         fds.DeepSpeedCheckpoint(ckpt)
     assert not marker.exists()
+    torch.load(victim, weights_only=False)  # the payload is live
+    assert marker.exists()
 
 
 def test_deepspeed_classes_are_inert_records():
@@ -418,12 +458,42 @@ def build(name: str):
     return model, optimizer
 
 
+def assert_state_is_deepspeeds(model, optimizer, name: str, rank: int) -> None:
+    """What this rank holds after the load, bitwise: its shard of the fp32 masters (against
+    zero_to_fp32's output, which our reader did not make), of Adam's moments (assembled from
+    DeepSpeed's partitions by the reader, whose masters the export tests prove bitwise) and
+    Adam's step. The losses below then only have to show that training continues alike."""
+    from zerocore.sharded_model import sharding_of
+
+    ckpt = fds.DeepSpeedCheckpoint(FIXTURES / name / "ckpt")
+    masters = reference(name)
+    checked = 0
+    for layer in sharding_of(model).layers:
+        group = layer.trainable
+        if group is None:
+            continue
+        layout, shard = group.layout, group.shard
+        state = optimizer.state[shard]
+        lo, hi = layout.shard_range(rank)
+        for what, held in (("fp32", shard), ("exp_avg", state["exp_avg"]),
+                           ("exp_avg_sq", state["exp_avg_sq"])):
+            full = torch.zeros(layout.padded_numel)
+            for slot in layout.slots:
+                value = masters[slot.name] if what == "fp32" else ckpt.read(slot.name, what)
+                full[slot.offset:slot.offset + slot.numel] = value.reshape(-1)
+            assert torch.equal(held.detach().cpu().reshape(-1), full[lo:hi]), (what, layer.index)
+        assert float(state["step"]) == 3.0
+        checked += len(layout.slots)
+    assert checked == len(trained_names(name))
+
+
 def resumed_losses(rank: int, world: int, name: str) -> list[float]:
     import zerocore
 
     model, optimizer = build(name)
     extra = zerocore.load_checkpoint(FIXTURES / name / "ckpt", model, optimizer)
     assert extra["deepspeed"]["global_steps"] == 3
+    assert_state_is_deepspeeds(model, optimizer, name, rank)
     assert optimizer.param_groups[0]["lr"] == info(name)["adamw"]["lr"]
     cont = info(name)["continued"]
     losses = []
@@ -438,17 +508,18 @@ def resumed_losses(rank: int, world: int, name: str) -> list[float]:
     return losses
 
 
-# Why these tolerances: the resumed run starts from DeepSpeed's exact fp32 masters and moments,
-# so what differs is rounding: the gradients are summed over ranks in another order and shape
-# (DeepSpeed reduce-scatters per bucket over its ranks, zerocore per unit over its own), each
-# rank's batch has another size (different matmul blockings), and the Adam kernels differ
-# (torch's AdamW inside DeepSpeed, zerocore's fused kernel). Measured (2026-12-01, all 18
-# cases): fp32 at most 1.1e-7 relative (one or two ulps of a loss of ~4.2; 0 exactly where the
-# world size is DeepSpeed's); 1e-6 leaves a 10x margin and still fails on any wrong moment or
-# step (a wrong step count changes the third loss by ~1e-3). bf16: the forward runs on bf16
-# weights and activations, so one flipped bf16 rounding moves the loss by ~1e-5; measured at
-# most 3.6e-5, allowed 2e-4 (well under the ~1e-2 a wrong value gives).
-RTOL = {"fp32": 1e-6, "bf16": 2e-4}
+# Why these tolerances: the state the resumed run starts from is checked bitwise above, so what
+# differs in the losses is rounding: the gradients are summed over ranks in another order and
+# shape (DeepSpeed reduce-scatters per bucket over its ranks, zerocore per unit over its own), each
+# rank's batch has another size (other matmul blockings), and the Adam kernels differ (torch's
+# AdamW inside DeepSpeed, zerocore's fused kernel). Measured on this machine (2026-12-01, all 18
+# cases): fp32 at most 1.14e-7 relative, one ulp of a loss of ~4.2 (0 in some cases at
+# DeepSpeed's own world size); 5e-7 allows ~4 ulps, and still fails when Adam's step is one off
+# (measured 2e-5 to 8e-5 on the second and third losses). bf16: the forward runs on bf16
+# weights and activations, where one flipped rounding moves a loss by ~1e-5; measured at most
+# 3.6e-5; 2e-4 leaves a 5x margin. It would not catch a step one off (8e-5) on its own: the
+# bitwise state check does.
+RTOL = {"fp32": 5e-7, "bf16": 2e-4}
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -460,6 +531,37 @@ def test_resume_continues_as_deepspeed(worlds, name, world):
     # the continued losses must differ from the first steps' (the check could fail)
     assert want[0] != pytest.approx(fx["losses_before"][-1], rel=RTOL[fx["dtype"]])
     assert got == pytest.approx(want, rel=RTOL[fx["dtype"]])
+
+
+def frozen_checked(rank: int, world: int, name: str, tamper: bool) -> str:
+    """frozen="check": the model's own frozen weights (the base the run started from) are kept
+    when they are the checkpoint's; one changed element on one rank is refused on every rank."""
+    import zerocore
+    from zerocore.sharded_model import sharding_of
+
+    model, optimizer = build(name)
+    layers = [l for l in sharding_of(model).layers if l.frozen is not None]
+    if tamper and rank == world - 1:
+        with torch.no_grad():
+            layers[-1].frozen.shard.view(-1)[0] += 1.0
+    try:
+        fds.load_deepspeed_checkpoint(FIXTURES / name / "ckpt", model, optimizer,
+                                      frozen="check")
+    except DeepSpeedCheckpointError as e:
+        return str(e)
+    return f"loaded {len(layers)} frozen groups"
+
+
+@pytest.mark.parametrize("name, tamper", [("lora_fp32_ws2", False), ("lora_fp32_ws2", True),
+                                          ("lora_bf16_ws2", False)])
+def test_resume_checks_frozen_weights(worlds, name, tamper):
+    got = worlds(2).run(frozen_checked, name, tamper)
+    assert got[0] == got[1]
+    if tamper:
+        assert "differs from the model's: the base weights given are not the ones the " \
+               "DeepSpeed run trained on" in got[0]
+    else:
+        assert got[0].startswith("loaded") and not got[0].startswith("loaded 0")
 
 
 def wrong_model(rank: int, world: int) -> str:

@@ -78,7 +78,8 @@ from zerocore.checkpoint_manifest import (COMMIT, FORMAT, MANIFEST, commit_recor
 from zerocore.checkpoint_reader import (ShardReader, identity_record, iter_full_layers,
                                         open_checkpoint, verify_files)
 from zerocore.durable_io import fsync_dir, make_dir, rename, write_file
-from zerocore.from_deepspeed import is_deepspeed_checkpoint, load_deepspeed_checkpoint
+from zerocore.from_deepspeed import (DeepSpeedCheckpointError, is_deepspeed_checkpoint,
+                                     load_deepspeed_checkpoint)
 from zerocore.loss_scale import LossScaler
 from zerocore.sharded_param import ShardParameter
 from zerocore.sharded_model import ShardedModel, sharding_of
@@ -95,7 +96,8 @@ T = TypeVar("T")
 # What a peer's failure is re-raised as on the ranks that did not fail, so that every rank
 # raises the same type (by name: run_agreed gathers names and messages, not objects).
 _SAME_ON_EVERY_RANK = {cls.__name__: cls for cls in
-                       (CheckpointWriteError, CheckpointError, TypeError, ValueError)}
+                       (CheckpointWriteError, CheckpointError, DeepSpeedCheckpointError,
+                        TypeError, ValueError)}
 
 
 def _agreed(fn: Callable[[], T], group: dist.ProcessGroup) -> T:

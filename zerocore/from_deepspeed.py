@@ -63,7 +63,8 @@ from zerocore.checkpoint_errors import CheckpointError, CheckpointWriteError
 from zerocore.durable_io import fsync_dir, make_dir, rename, write_error, write_file
 
 __all__ = ["DeepSpeedCheckpoint", "DeepSpeedCheckpointError", "export",
-           "load_deepspeed_checkpoint", "is_deepspeed_checkpoint", "peft_name", "main",
+           "load_deepspeed_checkpoint", "is_deepspeed_checkpoint", "peft_name", "adapter_names",
+           "main",
            "MODEL_FILE", "TRAINABLE_FILE", "ADAPTER_FILE", "ADAPTER_CONFIG"]
 
 MODEL_FILE = "model.safetensors"
@@ -319,9 +320,15 @@ class DeepSpeedCheckpoint:
         optim_files = self._rank_files(OPTIM_FILE_RE, "optim_states")
         n = len(optim_files)
         if len(model_files) != n:
+            # Each list is ranks 0.. without a gap (_rank_files): the shorter one lacks the
+            # file of the rank after its last.
+            rank = min(len(model_files), n)
+            missing = (optim_files[0].name.split("zero_pp_rank_")[0] +
+                       f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" if n == rank else
+                       f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
             raise DeepSpeedCheckpointError(
-                f"{self.tag_dir}: {len(model_files)} model-state files and {n} optimizer-state "
-                f"files: a rank's files are missing; copy the whole directory again")
+                f"{self.tag_dir / missing}: missing ({len(model_files)} model-state files and "
+                f"{n} optimizer-state files here); copy the whole directory again")
         self.world_size = n
         self.model_states = [self._model_states(p) for p in model_files]
         self.optim_states = [self._optim_states(p) for p in optim_files]
@@ -657,7 +664,8 @@ _LORA_RE = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|"
                       r"lora_magnitude_vector)\.([^.]+)(?=\.|$)")
 
 
-def _adapter_names(names: list[str]) -> set[str]:
+def adapter_names(names: list[str]) -> set[str]:
+    """The PEFT adapter names (``default``...) that LoRA parameter names carry."""
     return {m.group(2) for n in names for m in [_LORA_RE.search(n)] if m}
 
 
@@ -711,7 +719,7 @@ def export(checkpoint: str | Path, out: str | Path, *, tag: str | None = None,
             f"enables neither bf16 nor fp16), so it has no 16-bit values; leave --dtype out")
     names = ckpt.names(trainable_only=trainable_only)
     trained = set(ckpt.trainable)
-    adapters = _adapter_names(names) if trainable_only else set()
+    adapters = adapter_names(names) if trainable_only else set()
     if len(adapters) > 1:
         raise DeepSpeedCheckpointError(f"{ckpt.tag_dir}: the run trained {len(adapters)} "
                                        f"adapters ({sorted(adapters)}); a PEFT directory holds "
@@ -778,8 +786,8 @@ def _sequential_name(index: int, name: str) -> str:
 
 def load_deepspeed_checkpoint(path: str | Path, model: Any, optimizer: torch.optim.Optimizer,
                               *, scaler: Any = None, tag: str | None = None,
-                              ds_name: Callable[[int, str], str] | None = None
-                              ) -> dict[str, Any]:
+                              ds_name: Callable[[int, str], str] | None = None,
+                              frozen: str = "load") -> dict[str, Any]:
     """Collective: resumes a DeepSpeed ZeRO-3 run on a zerocore model sharded over any number
     of ranks: fp32 master weights, Adam's moments and step, the optimizer's hyper-parameters
     (lr, betas, eps, weight_decay), the loss-scaler state and the frozen weights the checkpoint
@@ -791,12 +799,18 @@ def load_deepspeed_checkpoint(path: str | Path, model: Any, optimizer: torch.opt
         ``f"{i}.{name}"``, the names of an ``nn.Sequential`` of the layers); ``ds_name(i, name)``
         overrides the mapping. Every trained parameter of the model must be one of the
         checkpoint's trained parameters with the same shape, and the reverse.
+    frozen: "load" takes the frozen weights the checkpoint holds; "check" keeps the model's
+        and refuses the checkpoint unless they are its frozen weights (cast to the model's
+        dtype; an int8-quantized frozen group cannot be compared and is not checked): for an
+        application whose base weights come from elsewhere, and must be the run's.
     Every rank reads the pieces it needs from the DeepSpeed files (no rank gathers the
     model). Everything is checked before anything is changed; a failure on any rank raises
     ``DeepSpeedCheckpointError`` (one line) on every rank."""
     from zerocore.checkpoint import _agreed, _sharded
     from zerocore.sharded_sequential import ShardedSequential
 
+    if frozen not in ("load", "check"):
+        raise ValueError(f"frozen must be 'load' or 'check', got {frozen!r}")
     sharded = _sharded(model)
     if ds_name is None:
         ds_name = (_sequential_name if isinstance(sharded, ShardedSequential)
@@ -845,6 +859,8 @@ def load_deepspeed_checkpoint(path: str | Path, model: Any, optimizer: torch.opt
                 any(g.get("amsgrad") for g in ckpt.param_groups):
             raise DeepSpeedCheckpointError(f"{where}: Adam without bias correction or with "
                                            f"amsgrad: zerocore's Adam has neither")
+        if frozen == "check":
+            _check_frozen_weights(ckpt, sharded, rank, ds_name)
         if scaler is not None and ckpt.loss_scaler is not None and \
                 bool(ckpt.dynamic_loss_scale) != bool(scaler.dynamic):
             raise DeepSpeedCheckpointError(
@@ -876,7 +892,7 @@ def load_deepspeed_checkpoint(path: str | Path, model: Any, optimizer: torch.opt
                         state["step"].fill_(step)
                     else:
                         state["step"] = torch.tensor(step)
-                if layer.frozen is not None and all(
+                if frozen == "load" and layer.frozen is not None and all(
                         ds_name(layer.index, s.name) in ckpt.frozen
                         for s in layer.frozen.layout.slots):
                     layout = layer.frozen.layout
@@ -910,6 +926,34 @@ def _shard_of(ckpt: DeepSpeedCheckpoint, layout: Any, rank: int, index: int,
         full = ckpt.read(ds_name(index, slot.name), what).reshape(-1)
         out[a - lo:b - lo] = full[a - slot.offset:b - slot.offset].to(dtype)
     return out
+
+
+def _check_frozen_weights(ckpt: DeepSpeedCheckpoint, sharded: Any, rank: int,
+                          ds_name: Callable[[int, str], str]) -> None:
+    """Refuses the checkpoint unless this rank's shard of every frozen group equals the
+    checkpoint's frozen weights there, compared in the narrower of the two dtypes (a bf16 run
+    holds the fp32 base rounded; a bf16 model holds it rounded too)."""
+    for layer in sharded.layers:
+        group = layer.frozen
+        if group is None or not group.shard.dtype.is_floating_point:
+            continue  # none, or int8-quantized: nothing to compare the run's values with
+        slots = group.layout.slots
+        if not all(ds_name(layer.index, s.name) in ckpt.frozen for s in slots):
+            continue  # as "load": the checkpoint holds no copy of this layer's frozen weights
+        held = group.shard.detach().cpu().reshape(-1)
+        lo, hi = group.layout.shard_range(rank)
+        for slot in slots:
+            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if a >= b:
+                continue
+            name = ds_name(layer.index, slot.name)
+            theirs = ckpt.read(name).reshape(-1)[a - slot.offset:b - slot.offset]
+            mine = held[a - lo:b - lo]
+            common = theirs.dtype if theirs.dtype.itemsize <= mine.dtype.itemsize else mine.dtype
+            if not torch.equal(mine.to(common), theirs.to(common)):
+                raise DeepSpeedCheckpointError(
+                    f"{ckpt.tag_dir}: frozen parameter {name!r} differs from the model's: the "
+                    f"base weights given are not the ones the DeepSpeed run trained on")
 
 
 def _scaler_state(ds: dict[str, Any], scaler: Any) -> dict[str, Any]:
