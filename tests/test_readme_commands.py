@@ -6,7 +6,8 @@
 - Every command it shows for working with the run's output, from the fine-tuning section to the
   end of the checkpoint section, works when typed in order after the first command, in a fresh
   directory (everything it writes lands under ``runs/``, which git ignores). Lines naming a
-  placeholder (``path/to``, ``CKPT``, ``...``) are templates, not commands, and are not run.
+  placeholder (``path/to``, ``CKPT``, a DeepSpeed run's ``ds_run/``, ...) are templates, not
+  commands, and are not run.
 
 Marked shared_data: the built-in run trains on tiny_shakespeare, which a fresh clone downloads
 and CI takes from ../shared/data (no network there). The run takes about 2 minutes on 2 cores.
@@ -41,6 +42,8 @@ PROGRESS = re.compile(r"^\[[#.]+\] (\d+)/(\d+) ")
 # seeds), but another CPU's BLAS may round its matrix products differently, and over 207 steps
 # that moves a printed loss in its third or fourth digit, not its second.
 REL = 1e-2
+# What marks a template (a path the reader supplies) rather than a command to type as is.
+PLACEHOLDERS = ("path/to", "CKPT", "BASE_MODEL", "ds_run/", "...")
 
 
 def section(text: str, first: str, last: str) -> str:
@@ -72,7 +75,7 @@ def readme_commands() -> list[str]:
             pending += stripped[:-1]
             continue
         command, pending = pending + stripped, ""
-        if not any(p in command for p in ("path/to", "CKPT", "...")):
+        if not any(p in command for p in PLACEHOLDERS):
             commands.append(command)
     return commands
 
