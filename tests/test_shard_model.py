@@ -63,6 +63,9 @@ class Spec:
     # transformers' own gradient checkpointing, enabled on both models: None, or (when:
     # "before"/"after" shard_model, use_reentrant)
     checkpointing: tuple[str, bool] | None = None
+    # Per-parameter settings: no weight decay on biases and norms (zerocore's param_overrides;
+    # torch-style groups for the reference)
+    no_decay: bool = False
 
 
 def loss_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -98,11 +101,17 @@ def train_run(rank: int, world_size: int, spec: Spec) -> dict:
         layer.mlp.register_forward_pre_hook(lambda m, a, i=i: unit_calls.__setitem__(
             i, unit_calls[i] + 1))
     assert type(model).__name__ == type(ref or model).__name__
+    rule = zerocore.optim.no_decay_on_biases_and_norms(model) if spec.no_decay else None
     opt = zerocore.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
-                                eps=EPS)
+                                eps=EPS, param_overrides=rule)
     if ref is not None:
-        ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR,
+        named = [(n, p) for n, p in ref.named_parameters() if p.requires_grad]
+        undecayed = [p for n, p in named if rule is not None and rule(n)]
+        decayed = [p for n, p in named if rule is None or not rule(n)]
+        ref_opt = torch.optim.AdamW([{"params": decayed},
+                                     {"params": undecayed, "weight_decay": 0.0}], lr=LR,
                                     weight_decay=WEIGHT_DECAY, eps=EPS)
+        assert not spec.no_decay or (undecayed and decayed), "the rule splits the model"
     losses, ref_losses = [], []
     for step in range(spec.steps):
         total = ref_total = 0.0
@@ -130,7 +139,7 @@ def train_run(rank: int, world_size: int, spec: Spec) -> dict:
             "unit_calls": unit_calls}
 
 
-def check_parity(results: list[dict]) -> dict:
+def check_parity(results: list[dict], param_tol: dict = PARAM_TOL) -> dict:
     r0 = results[0]
     for r, res in enumerate(results[1:], 1):
         assert res["losses"] == r0["losses"], f"rank {r} saw other global losses than rank 0"
@@ -141,7 +150,7 @@ def check_parity(results: list[dict]) -> dict:
     for name, want in r0["ref_params"].items():
         got = r0["params"][name]
         if name in r0["trainable"]:
-            torch.testing.assert_close(got, want, **PARAM_TOL,
+            torch.testing.assert_close(got, want, **param_tol,
                                        msg=lambda m: f"parameter {name}: {m}")
             assert not torch.equal(got, r0["initial"][name]), f"{name} was not trained"
         else:
@@ -162,6 +171,19 @@ def test_parity_moe(world, arch, mode):
     """Mixture-of-experts models, LoRA on the 3-D expert weights through PEFT's
     target_parameters (parametrized around every forward) or trained in full."""
     check_parity(world.run(train_run, Spec(arch=arch, mode=mode)))
+
+
+@pytest.mark.parametrize("arch,mode,offload", [("neox", "full", False), ("llama", "full", False),
+                                               ("neox", "full", True)])
+def test_parity_no_decay_on_biases_and_norms(world, arch, mode, offload):
+    """Per-parameter settings on flat shards (issue 21, item 1): transformers Trainer's default
+    groups, against torch.optim.AdamW with the same groups."""
+    # 5e-3·lr: one element of GPT-NeoX's embedding (1 of 3,072) measured 3.2e-3·lr off at
+    # world size 3, the near-cancelling gradient that PARAM_TOL's comment describes, met on
+    # this trajectory; a norm weight (1.0) decayed by mistake moves lr·wd = 0.1·lr per step.
+    tol = dict(PARAM_TOL, atol=5e-3 * LR)
+    check_parity(world.run(train_run, Spec(arch=arch, mode=mode, offload=offload,
+                                           no_decay=True)), param_tol=tol)
 
 
 @pytest.mark.parametrize("arch,mode", [("neox", "lora"), ("llama", "full")])

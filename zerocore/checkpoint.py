@@ -81,6 +81,7 @@ from zerocore.durable_io import fsync_dir, make_dir, rename, write_file
 from zerocore.from_deepspeed import (DeepSpeedCheckpointError, is_deepspeed_checkpoint,
                                      load_deepspeed_checkpoint)
 from zerocore.loss_scale import LossScaler
+from zerocore.optim import overrides_mismatch
 from zerocore.sharded_param import ShardParameter
 from zerocore.sharded_model import ShardedModel, sharding_of
 from zerocore.sharded_sequential import ShardedSequential
@@ -399,6 +400,10 @@ def _check_matches(path: Path, manifest: dict[str, Any], model: ShardedSequentia
     if len(saved_groups) != len(optimizer.param_groups):
         raise CheckpointError(f"{mf}: the checkpoint's optimizer has {len(saved_groups)} param "
                               f"groups, this one has {len(optimizer.param_groups)}")
+    for mine, saved in zip(optimizer.param_groups, saved_groups):
+        problem = overrides_mismatch(mine, saved)
+        if problem:
+            raise CheckpointError(f"{mf}: {problem}")
 
 
 def _restore(reader: ShardReader, model: ShardedSequential | ShardedModel, optimizer: torch.optim.Optimizer,

@@ -109,6 +109,7 @@ class FlatGroup:
                 copy.copy_(master)
             kind = OffloadedShard if ctx.offload else ShardParameter
             self.shard: torch.nn.Parameter = kind(master, copy)
+            self.shard.set_layout([(sl.name, sl.offset, sl.numel) for sl in layout.slots], lo)
             # With offload the gather input is a device mirror of the CPU copy.
             self._mirror = (torch.empty(layout.shard_numel, dtype=dt, device=dev)
                             if ctx.offload else None)

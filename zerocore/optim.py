@@ -48,6 +48,64 @@ class _Bucket:
     exp_avg_sq: torch.Tensor         # 1D, fp32
     model_copy: torch.Tensor | None  # 1D, fp16/bf16: what the model computes with; None if fp32
     grad_flat: torch.Tensor | None   # 1D, gradient dtype; None for a shard (its grad is flat)
+    # Per-parameter settings (param_overrides) where they differ within the bucket: (start,
+    # end, weight_decay or None for the group's, lr scale), covering the flat buffers; one
+    # kernel call per run. None: the group's settings for everything, one call.
+    runs: list[tuple[int, int, float | None, float]] | None = None
+
+
+# param_overrides: a parameter's name (the model's own; "<layer index>.<name>" for
+# zerocore.shard, as nn.Sequential(*layers) names it) -> the settings that differ for it:
+# {"weight_decay": absolute, "lr_scale": multiplies the group's lr}, or None.
+Overrides = Callable[[str], "dict[str, float] | None"]
+
+
+def _with(hyper: dict[str, Any], weight_decay: float | None, lr_scale: float) -> dict[str, Any]:
+    """The kernel's settings for a run with its own weight decay (None: the group's) and lr
+    scale."""
+    out = dict(hyper)
+    if weight_decay is not None:
+        out["weight_decay"] = weight_decay
+    if lr_scale != 1.0:
+        out["lr"] = hyper["lr"] * lr_scale
+    return out
+
+
+def no_decay_on_biases_and_norms(model: torch.nn.Module | Iterable[torch.nn.Module]
+                                 ) -> Overrides:
+    """The usual per-parameter setting, as ``param_overrides``: no weight decay for biases and
+    for every parameter of a normalization module (a class whose name ends in "Norm":
+    LayerNorm, RMSNorm, LlamaRMSNorm, GroupNorm, ...), the parameters transformers' ``Trainer``
+    leaves undecayed. ``model``: the model given to ``shard_model`` (before or after it), or
+    the layers given to ``shard``. Decided from the module tree, so it holds after sharding,
+    when the modules no longer own their parameters."""
+    if isinstance(model, torch.nn.Module):
+        named = list(model.named_modules())
+    else:
+        named = [(f"{i}" + (f".{n}" if n else ""), m)
+                 for i, layer in enumerate(model) for n, m in layer.named_modules()]
+    norms = {name for name, m in named if type(m).__name__.endswith("Norm")}
+
+    def overrides(name: str) -> dict[str, float] | None:
+        owner = name.rpartition(".")[0]
+        # A PEFT-wrapped model names a layer's parameters base_layer.weight etc.: the owner is
+        # the module path either way.
+        if name.endswith("bias") or owner in norms:
+            return {"weight_decay": 0.0}
+        return None
+    return overrides
+
+
+def overrides_mismatch(mine: dict[str, Any], saved: dict[str, Any]) -> str | None:
+    """Why a saved param group's per-parameter settings are not this optimizer's group's (None
+    when they agree): stepping on with other settings than the run's is refused, not guessed."""
+    have, had = mine.get("param_overrides") or {}, saved.get("param_overrides") or {}
+    if have == had:
+        return None
+    differ = sorted(n for n in set(have) | set(had) if have.get(n) != had.get(n))
+    return (f"the state was saved with other per-parameter settings (param_overrides) for "
+            f"{len(differ)} parameter(s), e.g. {differ[0]}: saved {had.get(differ[0], {})}, "
+            f"now {have.get(differ[0], {})}; build the optimizer with the run's param_overrides")
 
 
 def _flat_views(flat: torch.Tensor, params: list[torch.nn.Parameter],
@@ -63,7 +121,7 @@ class Adam(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, *, adamw: bool = False, amsgrad: bool = False,
-                 maximize: bool = False):
+                 maximize: bool = False, param_overrides: Overrides | None = None):
         if amsgrad or maximize:
             raise ValueError("zerocore.optim.Adam does not implement amsgrad or maximize; use "
                              "torch.optim.Adam for those")
@@ -76,6 +134,7 @@ class Adam(torch.optim.Optimizer):
         if not 0.0 <= weight_decay:
             raise ValueError(f"invalid weight_decay {weight_decay}: must be >= 0")
         self._adamw = adamw
+        self._overrides = param_overrides
         self._buckets: list[list[_Bucket]] = []  # per param group
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
@@ -91,12 +150,38 @@ class Adam(torch.optim.Optimizer):
             if p.requires_grad and p.dtype not in (torch.float32, *_LOW_PRECISION):
                 raise ValueError(f"zerocore.optim: parameter of dtype {p.dtype} is not supported; "
                                  f"parameters must be float32, float16 or bfloat16")
-        self._buckets.append(self._make_buckets(group["params"]))
+        names = group.get("param_names", [None] * len(group["params"]))
+        if self._overrides is not None:
+            # What each named parameter's settings are, recorded with the group: state dicts
+            # and checkpoints carry it, and loading checks it (the rule itself is code).
+            found = {}
+            for p, name in zip(group["params"], names):
+                for n in (p.names if isinstance(p, ShardParameter) else [name]):
+                    ov = self._override(n) if p.requires_grad and n is not None else {}
+                    if ov:
+                        found[n] = ov
+            group["param_overrides"] = found
+        self._buckets.append(self._make_buckets(group["params"], names))
 
-    def _make_buckets(self, params: list[torch.nn.Parameter]) -> list[_Bucket]:
+    def _override(self, name: str) -> dict[str, float]:
+        """The settings ``param_overrides`` gives the parameter ``name``, checked."""
+        assert self._overrides is not None
+        ov = dict(self._overrides(name) or {})
+        unknown = set(ov) - {"weight_decay", "lr_scale"}
+        if unknown:
+            raise ValueError(f"zerocore.optim: param_overrides({name!r}) gave {sorted(unknown)}; "
+                             f"only 'weight_decay' and 'lr_scale' can differ per parameter")
+        for key, value in ov.items():
+            if not (isinstance(value, (int, float)) and value >= 0):
+                raise ValueError(f"zerocore.optim: param_overrides({name!r}) gave {key}="
+                                 f"{value!r}; it must be a number >= 0")
+        return {k: float(v) for k, v in ov.items()}
+
+    def _make_buckets(self, params: list[torch.nn.Parameter],
+                      names: list[str | None]) -> list[_Bucket]:
         buckets = []
-        plain: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
-        for p in params:
+        plain: dict[tuple, list[torch.nn.Parameter]] = {}
+        for p, name in zip(params, names):
             if not p.requires_grad:
                 # Frozen (e.g. zerocore's frozen shards, which model.parameters() yields):
                 # never stepped, so no state, as torch.optim never creates state for them.
@@ -104,16 +189,41 @@ class Adam(torch.optim.Optimizer):
             if isinstance(p, ShardParameter):
                 buckets.append(self._shard_bucket(p))
             else:
-                plain.setdefault((p.device, p.dtype), []).append(p)
-        for (device, dtype), ps in plain.items():
-            buckets.append(self._flat_bucket(ps, device, dtype))
+                ov = self._override(name) if self._overrides and name is not None else {}
+                key = (p.device, p.dtype, ov.get("weight_decay"), ov.get("lr_scale", 1.0))
+                plain.setdefault(key, []).append(p)
+        for (device, dtype, wd, scale), ps in plain.items():
+            bucket = self._flat_bucket(ps, device, dtype)
+            if wd is not None or scale != 1.0:
+                bucket.runs = [(0, bucket.master.numel(), wd, scale)]
+            buckets.append(bucket)
         return buckets
+
+    def _shard_runs(self, p: ShardParameter) -> list[tuple[int, int, float | None, float]] | None:
+        """A shard's runs of equal settings: each parameter's segment, extended over the
+        padding after it (zeros, whatever step they get), equal neighbours merged."""
+        if self._overrides is None or not p.segments:
+            return None
+        runs: list[tuple[int, int, float | None, float]] = []
+        for i, (name, start, _) in enumerate(p.segments):
+            end = p.segments[i + 1][1] if i + 1 < len(p.segments) else p.numel()
+            ov = self._override(name)
+            setting = (ov.get("weight_decay"), ov.get("lr_scale", 1.0))
+            if not runs:
+                start = 0  # padding before the first segment: with it
+            if runs and runs[-1][2:] == setting:
+                runs[-1] = (runs[-1][0], end, *setting)
+            else:
+                runs.append((start, end, *setting))
+        if len(runs) == 1 and runs[0][2:] == (None, 1.0):
+            return None
+        return runs
 
     def _shard_bucket(self, p: ShardParameter) -> _Bucket:
         if p.dtype != torch.float32 or p.dim() != 1:
             raise ValueError("zerocore.optim: a ShardParameter must be a 1-D float32 master shard")
         bucket = _Bucket([p], [0], p.data, torch.zeros_like(p.data), torch.zeros_like(p.data),
-                         p.model_copy, None)
+                         p.model_copy, None, self._shard_runs(p))
         self._bind_state(bucket)
         return bucket
 
@@ -191,8 +301,17 @@ class Adam(torch.optim.Optimizer):
                 grad_flat = grads[0]
             else:
                 grad_flat = ops.pack(grads, b.offsets, b.grad_flat)
-            ops.fused_adam(b.master, grad_flat, b.exp_avg, b.exp_avg_sq, b.model_copy,
-                           step=step, **hyper)
+            if b.runs is None:
+                ops.fused_adam(b.master, grad_flat, b.exp_avg, b.exp_avg_sq, b.model_copy,
+                               step=step, **hyper)
+            else:
+                # Each run with its own settings: the same elementwise kernel on slices, so
+                # every element is read and written once, as in one call.
+                for lo, hi, wd, scale in b.runs:
+                    copy = None if b.model_copy is None else b.model_copy[lo:hi]
+                    ops.fused_adam(b.master[lo:hi], grad_flat[lo:hi], b.exp_avg[lo:hi],
+                                   b.exp_avg_sq[lo:hi], copy, step=step,
+                                   **_with(hyper, wd, scale))
             stepped = b.params
         else:
             # Some parameters have no gradient (or were skipped before): step the others one by
@@ -207,9 +326,10 @@ class Adam(torch.optim.Optimizer):
                 s += 1
                 n = p.numel()
                 copy = None if b.model_copy is None else b.model_copy[off:off + n]
+                run = b.runs[0] if b.runs else (0, 0, None, 1.0)  # plain buckets: one run
                 ops.fused_adam(b.master[off:off + n], g.contiguous().view(-1),
                                b.exp_avg[off:off + n], b.exp_avg_sq[off:off + n], copy,
-                               step=int(s.item()), **hyper)
+                               step=int(s.item()), **_with(hyper, run[2], run[3]))
         # Only a shard the kernel just wrote has a fresh model copy: a skipped one keeps whatever
         # outside write made it stale, for refresh_model_copy() to see.
         for p in stepped:
@@ -241,6 +361,9 @@ class Adam(torch.optim.Optimizer):
             if len(mine["params"]) != len(saved["params"]):
                 raise ValueError(f"a param group of the state dict has {len(saved['params'])} "
                                  f"parameters but the optimizer's has {len(mine['params'])}")
+            problem = overrides_mismatch(mine, saved)
+            if problem:
+                raise ValueError(f"zerocore.optim: {problem}")
             for flag in ("amsgrad", "maximize"):
                 if saved.get(flag, False):
                     raise ValueError(f"state dict was saved with {flag}=True, which "
@@ -286,6 +409,7 @@ class AdamW(Adam):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, amsgrad: bool = False, maximize: bool = False):
+                 weight_decay: float = 1e-2, *, amsgrad: bool = False, maximize: bool = False,
+                 param_overrides: Overrides | None = None):
         super().__init__(params, lr, betas, eps, weight_decay, adamw=True, amsgrad=amsgrad,
-                         maximize=maximize)
+                         maximize=maximize, param_overrides=param_overrides)

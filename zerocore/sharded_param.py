@@ -26,6 +26,12 @@ class ShardParameter(torch.nn.Parameter):
     model_copy: torch.Tensor | None  # 1D, fp16/bf16, same numel and device; None in fp32
     copy_generation: int             # bumped each time the master (and its copy) change
     _synced_version: int             # the master's version when model_copy was last derived
+    # The parameters of the layer's trainable group, by the name the model gives them, and the
+    # part of each this shard holds: (name, start, end) in shard coordinates (a parameter may
+    # straddle shards; alignment padding belongs to none). For per-parameter optimizer
+    # settings (``zerocore.optim``'s ``param_overrides``). Set by the engine.
+    names: tuple[str, ...]
+    segments: tuple[tuple[str, int, int], ...]
 
     def __new__(cls, data: torch.Tensor, model_copy: torch.Tensor | None = None,
                 requires_grad: bool = True) -> "ShardParameter":
@@ -34,7 +40,21 @@ class ShardParameter(torch.nn.Parameter):
         p.model_copy = model_copy
         p.copy_generation = 0
         p._synced_version = p._version
+        p.names, p.segments = (), ()
         return p
+
+    def set_layout(self, slots: list[tuple[str, int, int]], lo: int) -> None:
+        """slots: (name, first element, numel) of each parameter in the unsharded flat group;
+        lo: where this shard starts in it."""
+        hi = lo + self.numel()
+        self.names = tuple(name for name, _, _ in slots)
+        self.segments = tuple((name, max(start, lo) - lo, min(start + n, hi) - lo)
+                              for name, start, n in slots if start < hi and start + n > lo)
+
+    def prefix_names(self, prefix: str) -> None:
+        """Names relative to a container (``zerocore.shard``'s layer index)."""
+        self.names = tuple(prefix + n for n in self.names)
+        self.segments = tuple((prefix + n, a, b) for n, a, b in self.segments)
 
     def mark_model_copy_synced(self) -> None:
         """Called by a writer that updated the master and model_copy together."""

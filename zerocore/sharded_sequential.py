@@ -170,6 +170,9 @@ class ShardedSequential(nn.Module):
                 break
             _check_not_tied(layer, len(sharded), owners)
             sharded.append(ShardedLayer(layer, len(sharded), ctx, self.world_size, read))
+            if sharded[-1].trainable_shard is not None:
+                # Named as nn.Sequential(*layers) names them: "<layer index>.<name>".
+                sharded[-1].trainable_shard.prefix_names(f"{len(sharded) - 1}.")
             sharded[-1].recompute = recompute is not None and recompute.selects(len(sharded) - 1)
             del layer, read  # materialised layers may be freed one by one (see `shard`)
         if not sharded:
