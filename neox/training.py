@@ -24,7 +24,7 @@ from torch import nn
 
 import zerocore
 from zerocore.consolidate import save_trainable
-from zerocore.from_deepspeed import load_deepspeed_checkpoint
+from zerocore.deepspeed_checkpoint import load_deepspeed_checkpoint
 from neox import data as nd
 from neox import from_deepspeed as nds
 from neox.cli import DTYPES, preset_config, resolve_dtype

@@ -28,8 +28,9 @@ import torch
 from safetensors.torch import load_file
 
 from tests.dist_utils import global_mean, worlds_by_size
-from zerocore import from_deepspeed as fds
-from zerocore.from_deepspeed import DeepSpeedCheckpointError
+from zerocore import deepspeed_checkpoint as fds
+from zerocore import from_deepspeed
+from zerocore.deepspeed_checkpoint import DeepSpeedCheckpointError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
 ALL = ["full_fp32_ws2", "full_fp32_ws3", "full_bf16_ws3", "lora_fp32_ws2", "lora_fp32_ws3",
@@ -60,7 +61,7 @@ def trained_names(name: str) -> list[str]:
 
 
 def run_cli(*args: str) -> int:
-    return fds.main([str(a) for a in args])
+    return from_deepspeed.main([str(a) for a in args])
 
 
 # -- export -------------------------------------------------------------------------------------
@@ -405,7 +406,7 @@ def test_resume_refuses_payload_too(tmp_path):
 def test_deepspeed_classes_are_inert_records():
     ckpt = fds.DeepSpeedCheckpoint(FIXTURES / "full_bf16_ws3" / "ckpt")
     scaler = ckpt.optim_states[0]["loss_scaler"]
-    assert type(scaler).__module__ == "zerocore.from_deepspeed"
+    assert type(scaler).__module__ == "zerocore.deepspeed_checkpoint"
     assert scaler.ds_class == "deepspeed.runtime.fp16.loss_scaler.LossScaler"
     assert ckpt.loss_scaler == {"cur_scale": 1.0, "dynamic": False}
     assert type(ckpt.optim_states[0]["zero_stage"]) is fds.ZeroStage

@@ -78,7 +78,7 @@ from zerocore.checkpoint_manifest import (COMMIT, FORMAT, MANIFEST, commit_recor
 from zerocore.checkpoint_reader import (ShardReader, identity_record, iter_full_layers,
                                         open_checkpoint, verify_files)
 from zerocore.durable_io import fsync_dir, make_dir, rename, write_file
-from zerocore.from_deepspeed import (DeepSpeedCheckpointError, is_deepspeed_checkpoint,
+from zerocore.deepspeed_checkpoint import (DeepSpeedCheckpointError, is_deepspeed_checkpoint,
                                      load_deepspeed_checkpoint)
 from zerocore.loss_scale import LossScaler
 from zerocore.optim import overrides_mismatch
@@ -458,7 +458,7 @@ def load_checkpoint(path: str | Path, model: Any,
 
     ``path`` may also be a DeepSpeed ZeRO-3 checkpoint directory (the one holding ``latest``, or
     a ``global_stepN`` directory): its weights, Adam moments and step, optimizer settings and
-    loss-scaler state are loaded (``zerocore.from_deepspeed.load_deepspeed_checkpoint``) and
+    loss-scaler state are loaded (``zerocore.deepspeed_checkpoint.load_deepspeed_checkpoint``) and
     ``{"deepspeed": {...}}`` is returned."""
     path = Path(path)
     if is_deepspeed_checkpoint(path):
