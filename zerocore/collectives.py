@@ -104,6 +104,11 @@ def all_gather_by_broadcast(output: torch.Tensor, shard: torch.Tensor, group: di
     counter.all_gather_bytes += _nbytes(output)
     counter.all_gather_calls += 1
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if world == 1:
+        # One rank: the gather is a copy, and a collective of one would cost ~50-150 µs of
+        # gloo's bookkeeping per call (bench/layer_cost.py).
+        output.copy_(shard)
+        return []
     slices = output.chunk(world)
     handles = [dist.broadcast(shard if r == rank else slices[r],
                               src=dist.get_global_rank(group, r), group=group, async_op=True)
@@ -553,6 +558,8 @@ def all_reduce_sum_in_place(full: torch.Tensor, group: dist.ProcessGroup,
     reduce-scatter it stands for."""
     counter.reduce_scatter_bytes += _nbytes(full)
     counter.reduce_scatter_calls += 1
+    if dist.get_world_size(group) == 1:
+        return None  # the sum over one rank is its own values (as gloo's would be, bitwise)
     return dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 

@@ -1,0 +1,129 @@
+"""The engine's own host cost per layer (issue 23, item 3): a deep stack of small layers, where
+the step is almost all overhead, at world sizes 1 and 2.
+
+    python bench/layer_cost.py [--layers 96] [--width 64] [--rounds 10] [--nproc 1 2]
+
+Each layer is ``Linear(width, width)`` + GELU, fp32, a batch of 8 x 16 rows per rank, so the
+arithmetic of a layer is a few microseconds and the step's time is what each engine does
+around it: gathering, installing views, autograd bookkeeping, reducing, the optimizer. Engines
+in the same ranks, stepped alternately in a seeded random order per round (the machine's load
+affects them alike):
+- ``shard``: ``zerocore.shard(layers)``, zerocore's AdamW;
+- ``shard_model``: ``zerocore.shard_model(nn.Sequential(*layers), layers)`` (a unit per layer);
+- ``fsdp2``: ``fully_shard`` on every layer and on the stack, ``torch.optim.AdamW`` (fused
+  where available);
+- ``unsharded``: the plain stack and ``torch.optim.AdamW(fused=True)``, the floor: what the
+  arithmetic, autograd and a fused optimizer cost without sharding.
+Reported: the median step time over the rounds divided by the number of layers (microseconds
+per layer per step, the slowest rank), and for zerocore the part spent issuing and waiting for
+its collectives (``CommCounter``'s timers: the transport's share). DeepSpeed is not run here:
+it lives in a separate venv (bench/bench_fsdp.py runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import platform
+import random
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import zerocore
+from ranks import run_ranks
+
+ROWS, SEQ = 8, 16
+
+
+def stack(layers: int, width: int) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(layers)]
+
+
+def torch_adamw(params) -> torch.optim.Optimizer:
+    try:
+        return torch.optim.AdamW(params, lr=1e-4, fused=True)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+
+
+def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
+    base = stack(args.layers, args.width)
+    engines = {}
+    model = zerocore.shard(copy.deepcopy(base))
+    engines["shard"] = (model, zerocore.optim.AdamW(model.parameters(), lr=1e-4),
+                        model.counter)
+    layers = copy.deepcopy(base)
+    seq = nn.Sequential(*layers)
+    sharded = zerocore.shard_model(seq, layers)
+    engines["shard_model"] = (seq, zerocore.optim.AdamW(seq.parameters(), lr=1e-4),
+                              sharded.counter)
+    fsdp = nn.Sequential(*copy.deepcopy(base))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in fsdp:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(fsdp, mesh=mesh)
+    engines["fsdp2"] = (fsdp, torch_adamw(fsdp.parameters()), None)
+    plain = nn.Sequential(*copy.deepcopy(base))
+    engines["unsharded"] = (plain, torch_adamw(plain.parameters()), None)
+    x = torch.randn(ROWS, SEQ, args.width, generator=torch.Generator().manual_seed(rank))
+    times = {k: [] for k in engines}
+    comm = {k: [] for k in engines}
+    order = random.Random(0)
+    for r in range(args.rounds + 2):  # two warm-up rounds
+        names = list(engines)
+        order.shuffle(names)
+        for name in names:
+            model, opt, counter = engines[name]
+            if counter is not None:
+                counter.reset()
+            dist.barrier()
+            t0 = time.perf_counter()
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            elapsed = time.perf_counter() - t0
+            if r >= 2:
+                times[name].append(elapsed)
+                if counter is not None:
+                    comm[name].append(counter.gather_issue_s + counter.gather_wait_s +
+                                      counter.reduce_issue_s + counter.reduce_wait_s)
+    return {name: dict(us=statistics.median(t) / args.layers * 1e6,
+                       comm_us=(statistics.median(comm[name]) / args.layers * 1e6
+                                if comm[name] else None))
+            for name, t in times.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=96)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=10, help="timed rounds (default 10)")
+    p.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
+    args = p.parse_args()
+    print(f"{args.layers} layers of Linear({args.width}, {args.width}) + GELU, fp32, "
+          f"{ROWS} x {SEQ} rows per rank; {args.rounds} rounds")
+    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
+          f"{torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}, load average "
+          f"{os.getloadavg()[0]:.1f}")
+    print("| world size | engine | µs per layer per step | of which collectives | vs FSDP2 |")
+    print("|---:|---|---:|---:|---:|")
+    for nproc in args.nproc:
+        per_rank = run_ranks(rank_main, nproc, args)
+        worst = {name: max(r[name]["us"] for r in per_rank) for name in per_rank[0]}
+        for name in ("shard", "shard_model", "fsdp2", "unsharded"):
+            comm = per_rank[0][name]["comm_us"]
+            print(f"| {nproc} | {name} | {worst[name]:.1f} | "
+                  f"{'-' if comm is None else f'{comm:.1f}'} | "
+                  f"{worst[name] / worst['fsdp2']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
