@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import zerocore
+from conftest import RMW_VARIANT, ZEROCORE_VARIANT
 from zerocore import ops
 
 # The shard size of the issue's targets.
@@ -155,6 +156,113 @@ def test_fused_adam(interleaved_bench, device):
     variants = {v: _adam_variant(v, device) for v in ADAM_VARIANTS}
     interleaved_bench(variants, group="adamw step, fp16 grad + fp16 model copy, 2^24 params",
                       nbytes=ADAM_BYTES_PER_PARAM * N, device=device)
+
+
+# --- the CPU Adam: against the memory system and DeepSpeedCPUAdam --------------------------------
+
+# One AdamW step on a 2^24-element shard with fp32 master weights and moments, for every gradient
+# dtype, with and without the 16-bit model copy written in the same pass: what the host steps
+# under Offload(optimizer=True) and what zerocore.optim.AdamW steps on CPU ranks. Each group (one
+# variant at one thread count) interleaves zerocore with the RMW ceiling and, when DeepSpeed is
+# installed, DeepSpeedCPUAdam's step with the casts its users need around it.
+CPU_ADAM_GRADS = ["fp32", "bf16", "fp16"]
+CPU_ADAM_COPIES = ["none", "bf16", "fp16"]
+CPU_ADAM_THREADS = [1, 2]
+CPU_ADAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DS_VARIANT = "DeepSpeedCPUAdam (+ casts)"
+DS_INSTALL = "pip install deepspeed==0.19.8 (in a venv of its own: it is never a zerocore dependency)"
+
+
+def _deepspeed_cpu_adam():
+    """DeepSpeedCPUAdam, or None when DeepSpeed (or its CPU Adam op) cannot be loaded here."""
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except Exception:  # noqa: BLE001  (any failure to import: no DeepSpeed rows)
+        return None
+    return DeepSpeedCPUAdam
+
+
+def cpu_adam_bytes(grad: str, copy: str) -> int:
+    """Bytes per element the step must move: read and write master, exp_avg and exp_avg_sq (24),
+    read the gradient, write the copy."""
+    size = {"fp32": 4, "bf16": 2, "fp16": 2, "none": 0}
+    return 24 + size[grad] + size[copy]
+
+
+def _cpu_adam_variants(grad: str, copy: str) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    g32 = torch.randn(N, generator=gen) * 1e-2
+    g = g32.to(CPU_ADAM_DTYPES[grad])
+    copy_t = None if copy == "none" else torch.zeros(N, dtype=CPU_ADAM_DTYPES[copy])
+    param = torch.randn(N, generator=gen)
+    exp_avg, exp_avg_sq = torch.zeros(N), torch.zeros(N)
+    hyper = dict(lr=ADAM["lr"], beta1=ADAM["betas"][0], beta2=ADAM["betas"][1], eps=ADAM["eps"],
+                 weight_decay=ADAM["weight_decay"], adamw=True)
+    step = 0
+    # _cpu_adam_isa sets a process-wide choice: each zerocore variant sets its own before its
+    # call (a few microseconds, against milliseconds of step).
+    best = ops._cpu_adam_isas()[-1]
+
+    def zerocore_step(isa):
+        def fn():
+            nonlocal step
+            step += 1
+            ops._cpu_adam_isa(isa)
+            ops.fused_adam(param, g, exp_avg, exp_avg_sq, copy_t, step=step, **hyper)
+        return fn
+
+    # The same work on a shard that stays in cache, as many elements in all: what the arithmetic
+    # alone allows (the compute roof beside the memory one). 2^16 elements (1.8 MB of state):
+    # two kGrain pieces, so two threads each get one.
+    small = 1 << 16
+    cached = [param[:small].clone(), g[:small].clone(), exp_avg[:small].clone(),
+              exp_avg_sq[:small].clone(), None if copy_t is None else copy_t[:small].clone()]
+
+    def in_cache():
+        nonlocal step
+        step += 1
+        ops._cpu_adam_isa(best)
+        for _ in range(N // small):
+            ops.fused_adam(*cached, step=step, **hyper)
+
+    a, b = torch.ones(N), torch.ones(N)
+    variants = {ZEROCORE_VARIANT: zerocore_step(best), RMW_VARIANT: lambda: b.add_(a),
+                f"{ZEROCORE_VARIANT}, in cache (2^16 elements x {N // small})": in_cache}
+    if grad == "fp32" and copy == "none" and "avx2" in ops._cpu_adam_isas() and best != "avx2":
+        variants[f"{ZEROCORE_VARIANT} avx2"] = zerocore_step("avx2")
+    DeepSpeedCPUAdam = _deepspeed_cpu_adam()
+    if DeepSpeedCPUAdam is not None:
+        ds_param = torch.nn.Parameter(torch.randn(N, generator=gen))
+        ds_param.grad = g32.clone()
+        ds_opt = DeepSpeedCPUAdam([ds_param], lr=ADAM["lr"], betas=ADAM["betas"], eps=ADAM["eps"],
+                                  weight_decay=ADAM["weight_decay"], adamw_mode=True)
+        ds_opt.step()  # allocates its state (and builds its op) outside the timed region
+
+        @torch.no_grad()
+        def ds():
+            # DeepSpeed's step takes an fp32 gradient and writes no 16-bit copy (0.19.8): ZeRO-
+            # Offload widens the gradient into it and casts the new parameters back.
+            if grad != "fp32":
+                ds_param.grad.copy_(g)
+            ds_opt.step()
+            if copy_t is not None:
+                copy_t.copy_(ds_param)
+        variants[DS_VARIANT] = ds
+    return variants
+
+
+@pytest.mark.parametrize("copy", CPU_ADAM_COPIES, ids=lambda c: f"copy_{c}")
+@pytest.mark.parametrize("grad", CPU_ADAM_GRADS, ids=lambda g: f"grad_{g}")
+@pytest.mark.parametrize("threads", CPU_ADAM_THREADS, ids=lambda t: f"{t}thread")
+def test_cpu_adam(interleaved_bench, bench_note, threads, grad, copy):
+    variants = _cpu_adam_variants(grad, copy)
+    if DS_VARIANT not in variants:
+        bench_note(f"DeepSpeed is not importable here: the CPU Adam groups ran without "
+                   f"{DS_VARIANT}; install: {DS_INSTALL}")
+    interleaved_bench(variants, group=f"cpu adamw, {grad} grad, copy {copy}, 2^24 params, "
+                                      f"{threads} thread(s)",
+                      nbytes=cpu_adam_bytes(grad, copy) * N, device="cpu",
+                      variant_bytes={RMW_VARIANT: 12 * N}, threads=threads)
 
 
 # --- pack / unpack ------------------------------------------------------------------------------

@@ -29,14 +29,19 @@ WARMUP = 3
 CUDA_CALLS_PER_ROUND = 20
 
 COPY_VARIANT = "copy (ceiling)"
+# The CPU Adam's ceiling (bench_kernels.py, test_cpu_adam): b.add_(a) on fp32 tensors of the
+# shard's size reads two arrays and writes one back in place, the access pattern of the Adam
+# step's state arrays (a plain copy writes to lines it never read).
+RMW_VARIANT = "RMW b.add_(a) (ceiling)"
+CEILING_VARIANTS = (COPY_VARIANT, RMW_VARIANT)
 ZEROCORE_VARIANT = "zerocore"
 
 
 @dataclasses.dataclass(frozen=True)
 class Row:
     group: str    # the operation and its dtypes, e.g. "pack fp32->fp16 [cpu]"
-    variant: str  # who does it: "zerocore", a torch baseline, or COPY_VARIANT
-    nbytes: int   # bytes the operation must move (read + written)
+    variant: str  # who does it: "zerocore", a baseline, or one of CEILING_VARIANTS
+    nbytes: int   # bytes this variant must move (read + written)
     times_s: tuple[float, ...]        # one time per timed round
     # per round: this variant's time / zerocore's time in the same round (None: no zerocore)
     ratios: tuple[float, ...] | None
@@ -54,8 +59,11 @@ class Row:
         return self.nbytes / self.median_s / 1e9
 
     @property
-    def is_torch_baseline(self) -> bool:
-        return self.variant not in (ZEROCORE_VARIANT, COPY_VARIANT)
+    def is_baseline(self) -> bool:
+        """What users run instead (torch, or DeepSpeed): neither a zerocore variant ("zerocore",
+        "zerocore avx2", ...) nor a ceiling."""
+        return (not self.variant.startswith(ZEROCORE_VARIANT)
+                and self.variant not in CEILING_VARIANTS)
 
 
 def quartiles(values) -> tuple[float, float, float]:
@@ -65,6 +73,7 @@ def quartiles(values) -> tuple[float, float, float]:
 
 
 _ROWS = pytest.StashKey[list]()
+_NOTES = pytest.StashKey[list]()
 
 
 def pytest_addoption(parser):
@@ -102,6 +111,7 @@ def _cpu_seconds() -> tuple[float, float] | None:
 
 def pytest_configure(config):
     config.stash[_ROWS] = []
+    config.stash[_NOTES] = []
     config.stash[_CPU_AT_START] = (time.monotonic(), _cpu_seconds())
 
 
@@ -117,8 +127,19 @@ def _other_load(config) -> str:
 
 
 @pytest.fixture
+def bench_note(request):
+    """``bench_note(text)``: a line printed (once) under the end-of-run tables, e.g. why some
+    rows are missing. A skip would not do: --benchmark-only skips tests that time nothing."""
+    def note(text: str) -> None:
+        if text not in request.config.stash[_NOTES]:
+            request.config.stash[_NOTES].append(text)
+    return note
+
+
+@pytest.fixture
 def interleaved_bench(benchmark, request):
-    """``interleaved_bench(variants, group=..., nbytes=..., device=...)`` times every variant of
+    """``interleaved_bench(variants, group=..., nbytes=..., device=...[, variant_bytes=...])``
+    times every variant of
     one operation (a dict name -> callable; "zerocore" among them) interleaved: each round
     calls every variant once, in an order shuffled afresh per round, so that a drift of the
     machine's speed (other work, frequency, the allocator's state) reaches every variant alike
@@ -127,10 +148,15 @@ def interleaved_bench(benchmark, request):
     around its call. Rows for the summary tables go to the session's stash."""
 
     def run(variants: dict[str, Callable[[], object]], *, group: str, nbytes: int,
-            device: str) -> None:
+            device: str, variant_bytes: dict[str, int] | None = None,
+            threads: int | None = None) -> None:
+        """nbytes: what the operation moves; variant_bytes: the variants that move another amount
+        (a ceiling measured at the operation's size rather than its bytes). threads: the torch
+        thread count of the timed calls, restored after."""
         group = f"{group} [{device}]"
         calls = CUDA_CALLS_PER_ROUND if device == "cuda" else 1
         names = list(variants)
+        variant_bytes = variant_bytes or {}
         times: dict[str, list[float]] = {n: [] for n in names}
         # Seeded by the group's name: the same orders in every run of the benchmark.
         rng = random.Random(group)
@@ -153,7 +179,13 @@ def interleaved_bench(benchmark, request):
         benchmark.name = f"{group} :: interleaved round of {len(names)} variants"
         benchmark.extra_info.update(group=group, variants=names, bytes=nbytes,
                                     calls_per_round=calls)
-        benchmark.pedantic(one_round, rounds=ROUNDS, warmup_rounds=WARMUP)
+        old_threads = torch.get_num_threads()
+        if threads is not None:
+            torch.set_num_threads(threads)
+        try:
+            benchmark.pedantic(one_round, rounds=ROUNDS, warmup_rounds=WARMUP)
+        finally:
+            torch.set_num_threads(old_threads)
         if benchmark.stats is None:  # --benchmark-disable: nothing was timed
             return
         timed = {n: tuple(ts[-ROUNDS:]) for n, ts in times.items()}  # warm-up rounds dropped
@@ -161,7 +193,7 @@ def interleaved_bench(benchmark, request):
         for name in names:
             ratios = (tuple(t / z for t, z in zip(timed[name], ours))
                       if ours is not None else None)
-            row = Row(group, name, nbytes, timed[name], ratios)
+            row = Row(group, name, variant_bytes.get(name, nbytes), timed[name], ratios)
             benchmark.extra_info[f"{name} median ms"] = round(1e3 * row.median_s, 4)
             request.config.stash[_ROWS].append(row)
 
@@ -182,32 +214,41 @@ def _ratio_text(r: Row) -> str:
     return f"{mid:.2f}x [{lo:.2f}-{hi:.2f}]"
 
 
+def _per_round_fraction(r: Row, ceiling: Row) -> str:
+    """This variant's GB/s over the ceiling's, taken round by round (the two calls moments
+    apart), as median [IQR]: steadier than the ratio of medians when other work comes and goes."""
+    f = [(r.nbytes / t) / (ceiling.nbytes / c) for t, c in zip(r.times_s, ceiling.times_s)]
+    lo, mid, hi = quartiles(f)
+    return f"{100 * mid:.0f}% [{100 * lo:.0f}-{100 * hi:.0f}]"
+
+
 def _table(rows: list[Row]) -> list[str]:
     lines = [
-        "| operation | variant | median ms | IQR ms | min ms | GB/s | % of copy | "
-        "time / zerocore's, per round: median [IQR] |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| operation | variant | median ms | IQR ms | min ms | GB/s | % of ceiling | "
+        "% of ceiling, per round: median [IQR] | time / zerocore's, per round: median [IQR] |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for group, members in _groups(rows).items():
-        copy = next((r for r in members if r.variant == COPY_VARIANT), None)
+        copy = next((r for r in members if r.variant in CEILING_VARIANTS), None)
         for r in members:
             lo, _, hi = quartiles(r.times_s)
             frac = f"{100 * r.gbps / copy.gbps:.0f}%" if copy else "-"
+            per_round = _per_round_fraction(r, copy) if copy else "-"
             lines.append(f"| {group} | {r.variant} | {1e3 * r.median_s:.3f} | "
                          f"{1e3 * lo:.3f}-{1e3 * hi:.3f} | {1e3 * r.min_s:.3f} | "
-                         f"{r.gbps:.1f} | {frac} | {_ratio_text(r)} |")
+                         f"{r.gbps:.1f} | {frac} | {per_round} | {_ratio_text(r)} |")
     return lines
 
 
 def _reference_table(rows: list[Row]) -> list[str]:
-    """Per operation: zerocore against the fastest torch baseline of that run (by median), the
+    """Per operation: zerocore against the fastest baseline of that run (by median), the
     reference a speed-up is quoted against."""
-    lines = ["| operation | zerocore median ms | fastest torch baseline | its median ms | "
+    lines = ["| operation | zerocore median ms | fastest baseline | its median ms | "
              "speed-up, per round: median [IQR] | rounds zerocore was faster |",
              "|---|---:|---|---:|---:|---:|"]
     for group, members in _groups(rows).items():
         ours = next((r for r in members if r.variant == ZEROCORE_VARIANT), None)
-        baselines = [r for r in members if r.is_torch_baseline]
+        baselines = [r for r in members if r.is_baseline]
         if ours is None or not baselines:
             continue
         best = min(baselines, key=lambda r: r.median_s)
@@ -224,13 +265,14 @@ def pytest_terminal_summary(terminalreporter, config):
         return
     intro = (f"Every operation's variants ran interleaved: {ROUNDS} timed rounds (after "
              f"{WARMUP} warm-up rounds), each calling every variant once in a shuffled order. "
-             f"GB/s counts the bytes each operation must move (read + written), from the median; "
-             f"'% of copy' compares with a plain copy of as many bytes; 'time / zerocore's' is "
+             f"GB/s counts the bytes each variant must move (read + written), from the median; "
+             f"'% of ceiling' compares GB/s with a plain copy of as many bytes (or, for the CPU "
+             f"Adam, b.add_(a) on the shard's size); 'time / zerocore's' is "
              f"taken round by round (> 1: zerocore was faster in that round), then summarised.")
     load = f"Other processes kept {_other_load(config)} busy on average during the run."
     meta = (f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
             f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} at the end of the run.")
-    lines = _table(rows)
+    lines = _table(rows) + [""] + config.stash.get(_NOTES, [])
     ref = _reference_table(rows)
     terminalreporter.section("zerocore kernels against the fastest torch baseline, interleaved")
     for line in [intro, load, meta, ""] + ref + [""] + lines:

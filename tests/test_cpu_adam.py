@@ -23,6 +23,7 @@ import torch
 
 import zerocore  # noqa: F401  (registers torch.ops.zerocore)
 from zerocore import ops
+from zerocore._extension import _cpu_flags
 from test_ops import HYPER, SLACK, _assert_slack_untouched, _exact_adam, _placed, _randn
 
 ALL_ISAS = ["scalar", "avx2", "avx512"]
@@ -84,10 +85,38 @@ def test_default_is_the_widest_runnable_and_env_overrides():
     assert out.stdout.strip() == "scalar"
 
 
+@pytest.mark.skipif(not _cpu_flags(), reason="needs Linux's /proc/cpuinfo")
+def test_runnable_isas_agree_with_the_kernel():
+    """The kernels offered are exactly those this CPU and OS can run. Linux lists a vector
+    extension in /proc/cpuinfo only when the CPU has it and the kernel saves its register state
+    (it clears the AVX-512 flags when XSAVE does not cover the zmm state), which is what the
+    dispatch checks itself with cpuid and XGETBV."""
+    flags = _cpu_flags()
+    x86 = "sse2" in flags
+    avx2 = x86 and {"avx2", "f16c"} <= flags
+    avx512 = avx2 and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
+    expected = ["scalar"] + (["avx2"] if avx2 else []) + (["avx512"] if avx512 else [])
+    assert RUNNABLE == expected
+
+
+def test_env_naming_an_isa_this_cpu_cannot_run_is_refused():
+    """ZEROCORE_CPU_ISA naming an unknown ISA (or one this CPU lacks) fails the first step with
+    the list of those it can run, instead of running something else or crashing."""
+    code = ("import torch; from zerocore import ops; "
+            "ops.fused_adam(torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.zeros(4), "
+            "lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, step=1)")
+    env = dict(os.environ, ZEROCORE_CPU_ISA="avx1024")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode != 0
+    assert "ZEROCORE_CPU_ISA=avx1024 is not one this CPU" in out.stderr
+    assert ", ".join(RUNNABLE) in out.stderr
+
+
 def _step_all(isa, threads, n, grad_dtype, copy_dtype, offsets, seed):
-    """Three steps (Adam with L2 decay and a loss scale, then AdamW twice, so every constant of
-    the update is exercised) through ``isa`` at ``threads`` threads, each compared bit for bit
-    with the exact replay."""
+    """Three steps (Adam with L2 decay and a loss scale, then AdamW twice, the last with a
+    clipping coefficient folded into the unscaling, so every constant of the update is exercised)
+    through ``isa`` at ``threads`` threads, each compared bit for bit with the exact replay."""
     p_buf, p = _placed(_randn(n, seed, "cpu"), offsets[0])
     m_buf, m = _placed(_randn(n, seed + 1, "cpu", scale=0.1), offsets[2])
     v_buf, v = _placed(_randn(n, seed + 2, "cpu", scale=0.1).square(), offsets[3])
@@ -95,11 +124,13 @@ def _step_all(isa, threads, n, grad_dtype, copy_dtype, offsets, seed):
     if copy_dtype is not None:
         c_buf, copy = _placed(torch.zeros(n, dtype=copy_dtype), offsets[4])
     ex = [t.clone() for t in (p, m, v)]
-    for step, (adamw, wd, loss_scale) in enumerate([(False, 0.1, 1024.0), (True, 0.1, 1.0),
-                                                    (True, 0.0, 8.0)], start=1):
+    # (adamw, weight decay, loss scale, clip coefficient): inv_grad_scale = clip / loss_scale,
+    # as zerocore.optim passes it; 0.37 is not a power of two, so the product really rounds.
+    for step, (adamw, wd, loss_scale, clip) in enumerate(
+            [(False, 0.1, 1024.0, 1.0), (True, 0.1, 1.0, 1.0), (True, 0.0, 8.0, 0.37)], start=1):
         g_buf, g = _placed((_randn(n, seed + 10 + step, "cpu") * loss_scale).to(grad_dtype),
                            offsets[1])
-        kw = dict(HYPER, weight_decay=wd, step=step, inv_grad_scale=1.0 / loss_scale,
+        kw = dict(HYPER, weight_decay=wd, step=step, inv_grad_scale=clip / loss_scale,
                   adamw=adamw)
         with _using(isa, threads):
             ops.fused_adam(p, g, m, v, copy, **kw)

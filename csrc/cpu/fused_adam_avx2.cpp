@@ -42,6 +42,8 @@ struct Avx2Ops {
     }
   }
 
+  static void fence() { _mm_sfence(); }
+
   static void store(float* dst, V x) { _mm256_storeu_ps(dst, x); }
 
   template <class M>

@@ -29,8 +29,8 @@ enum Dtype : int { kF32 = 0, kF16 = 1, kBF16 = 2, kNone = 3 };
 
 // Steps elements [begin, end) of the flat shard. p, m, v: fp32 master, exp_avg, exp_avg_sq; g:
 // the gradient in its Dtype; copy: the model copy in its Dtype, or null with kNone. With stream,
-// the model copy is written with non-temporal stores (the caller fences before other threads
-// read it); the scalar kernels ignore the flag.
+// the model copy is written with non-temporal stores, fenced before the function returns; the
+// scalar kernels ignore the flag.
 using RangeFn = void (*)(float* p, const void* g, float* m, float* v, void* copy, int64_t begin,
                          int64_t end, const Scalars& c, bool stream);
 

@@ -3,7 +3,7 @@
 // set1/add/sub/mul/div/sqrt (IEEE, each rounded once), load<D> (kLanes elements of storage type D
 // widened to float, exactly), store (kLanes floats), store_copy<M, kStream> (2 * kLanes floats
 // narrowed to M, to nearest even; with kStream, non-temporal stores to a kStreamAlign-aligned
-// address).
+// address) and fence (orders those stores before the ones after it).
 //
 // Each call streams once through memory in blocks of 2 * kLanes elements: 64 bytes of every fp32
 // array with AVX2, 128 with AVX-512, every load and store a full vector, no branch per element.
@@ -103,6 +103,9 @@ struct VecKernels {
           if (head > 0) partial<G, M>(p + begin, g + begin, m + begin, v + begin, copy + begin,
                                       head, c);
           blocks<G, M, true>(p, g, m, v, copy, begin + head, end, c);
+          // Streaming stores are weakly ordered: fenced here, by the code that issued them, so
+          // the copy is complete for any thread that synchronises with this one afterwards.
+          Ops::fence();
           return;
         }
       }

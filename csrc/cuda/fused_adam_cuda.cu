@@ -20,7 +20,7 @@ __device__ __forceinline__ float sub(float a, float b) { return __fsub_rn(a, b);
 __device__ __forceinline__ float mul(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ float div(float a, float b) { return __fdiv_rn(a, b); }
 
-// The update of one element in the order of adam_scalar in cpu/fused_adam_cpu.cpp (which follows
+// The update of one element in the order of adam_math in cpu/fused_adam_common.h (which follows
 // torch.optim.adam._single_tensor_adam).
 __device__ __forceinline__ void adam_math(float& p, float g, float& m, float& v,
                                           const AdamConsts& c) {
