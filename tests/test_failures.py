@@ -3,9 +3,11 @@ error within the timeout (naming the rank when zerocore's own transport waited f
 and leave nothing of the transport behind on disk."""
 
 import datetime
+import errno
 import os
 import queue
 import signal
+import sys
 import time
 
 import pytest
@@ -191,3 +193,83 @@ def test_a_rank_killed_at_any_moment_leaves_no_transport_file(moment, tmp_path):
     finally:
         _stop_all(procs)
     assert list(tmp_path.iterdir()) == []
+
+
+# -- where the kernel refuses pidfd_getfd: gloo's collectives, and one line saying why --------
+
+def _refuse_pidfd_getfd(err: int) -> None:
+    """From now on pidfd_getfd fails with ``err`` in this process, as on a kernel before 5.6
+    (ENOSYS) or under a seccomp profile or ptrace rules that refuse it (EPERM): a seccomp
+    filter, the kernel's own mechanism, installed in this spawned test process only."""
+    import ctypes
+
+    class Filter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
+                    ("k", ctypes.c_uint32)]
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
+
+    # Load the syscall number; if it is pidfd_getfd's (438 on every architecture but alpha),
+    # return the errno, else allow. (No architecture check: the process runs one ABI.)
+    program = (Filter * 4)(Filter(0x20, 0, 0, 0), Filter(0x15, 0, 1, 438),
+                           Filter(0x06, 0, 0, 0x00050000 | err), Filter(0x06, 0, 0, 0x7FFF0000))
+    prog = Program(len(program), program)
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+    if (libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
+            or libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0):
+        raise OSError(ctypes.get_errno(), "cannot install the seccomp filter")
+
+
+def _fallback_rank(rank: int, port: int, refuse: int | None, stderr: str, results) -> None:
+    fd = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 2)  # what this rank prints, for the test to read
+    import zerocore
+    if refuse is not None and rank == 1:
+        _refuse_pidfd_getfd(refuse)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(0)
+    model = zerocore.shard([nn.Linear(16, 16) for _ in range(3)],
+                           comm=zerocore.Comm(timeout=60))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+    for _ in range(3):
+        model(x).sum().backward()
+    sys.stderr.flush()
+    results.put((rank, model.layers[0].groups[0].gather_by_reading))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("refuse", [None, errno.ENOSYS, errno.EPERM],
+                         ids=["allowed", "ENOSYS", "EPERM"])
+def test_a_refused_pidfd_getfd_falls_back_to_gloo_with_one_line(refuse, tmp_path):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_fallback_rank,
+                         args=(r, port, refuse, str(tmp_path / f"rank{r}.err"), results))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(results.get(timeout=START_S) for _ in procs)
+        for p in procs:
+            p.join(60)
+    finally:
+        _stop_all(procs)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert got == {0: refuse is None, 1: refuse is None}  # the ranks agreed
+    lines = {r: [line for line in (tmp_path / f"rank{r}.err").read_text().splitlines()
+                 if line.startswith("zerocore:")] for r in range(2)}
+    if refuse is None:
+        assert lines == {0: [], 1: []}
+        return
+    assert lines[1] == [] and len(lines[0]) == 1, lines  # one line for the run, from rank 0
+    name = errno.errorcode[refuse]
+    want = (f"rank 1 has no pidfd_getfd ({name}: " if refuse == errno.ENOSYS
+            else f"rank 1 may not take another's pipe with pidfd_getfd ({name}: ")
+    assert want in lines[0][0] and "through gloo's collectives instead" in lines[0][0], lines
+    if refuse == errno.ENOSYS:
+        assert "Linux 5.6" in lines[0][0]
