@@ -496,12 +496,14 @@ class _Pipes:
 
     def drain_and_close(self) -> None:
         """Waits for the others to finish reading lent buffers, all of them within one
-        ``timeout_s`` and never for a rank already lost, then closes the pipes. (Runs from a
-        finalizer: it must end.)"""
+        ``timeout_s``, and not at all once a rank was lost, then closes the pipes. (Runs from a
+        finalizer: it must end.) Once a rank is lost the group can complete no collective
+        again, so what the others may still read of these buffers feeds no result; waiting
+        for them would only keep this rank (and them, waiting for each other) from exiting."""
         deadline = time.monotonic() + self.timeout_s
         for (kind, channel, seq), (_, readers) in list(self.lent.items()):
             for q in readers:
-                if q in self.lost or time.monotonic() >= deadline:
+                if self.lost or time.monotonic() >= deadline:
                     continue
                 try:
                     self.hear(q, _key(channel, kind, seq), deadline=deadline)
