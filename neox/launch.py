@@ -8,9 +8,9 @@ a SIGKILL of the launcher too) and leaves if the launcher is gone already. Each 
 one end of a socket whose other end only the launcher has; a thread in each rank prints why and
 leaves the moment it closes or says stop (the launcher got SIGTERM or Ctrl-C); the launcher
 kills at once the ranks still starting (their watcher not yet running) and whatever has not
-left ``STOP_GRACE_S`` later. When a rank fails, the launcher names it
-and how it ended (its exit code, or the signal that killed it), gives the others a moment to
-stop by themselves, then stops them. A rank that stops answering (stopped, hung) is named by
+left ``STOP_GRACE_S`` later. When a rank fails, the launcher names it and how it ended (its
+exit code, or the signal that killed it), gives the others a moment to stop by themselves,
+then stops them. A rank that stops answering (stopped, hung) is named by
 the rank that waited for it past ``--timeout`` (through the socket), or found a stopped
 process once another rank gave up, killed at once, and named in the launcher's error.
 
@@ -287,8 +287,8 @@ def _watch(procs: list[subprocess.Popen], links: list[socket.socket], stop_signa
     killed at once (gloo's timeouts do not say whom they waited for); one named by the rank
     that lost contact with it is killed ``REPORTED_GRACE_S`` later if still running; if none
     is found so, any rank still running ``LOST_GRACE_S`` later is killed and named. Another
-    failure: the others get ``SHUTDOWN_GRACE_S`` to stop by themselves, then are terminated. Names the failure that explains the others and
-    returns the run's exit code."""
+    failure: the others get ``SHUTDOWN_GRACE_S`` to stop by themselves, then are terminated.
+    Names the failure that explains the others and returns the run's exit code."""
     open_links = set(range(len(links)))
     lost: dict[int, int] = {}                 # reporter -> the rank it lost contact with
     reported: dict[int, float] = {}           # rank named by a reporter -> when first seen

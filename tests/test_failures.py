@@ -23,10 +23,11 @@ from dist_utils import free_port
 BOUND_S = 60.0
 # Seconds for two or three fresh interpreters to import torch and join the group, loaded.
 START_S = 180.0
-# The timeout of the stop tests (zerocore.Comm and the process group alike), and the slack a
-# loaded 2-core machine needs on top of it (the requirement: timeout + a few seconds).
+# The timeout of the stop tests (zerocore.Comm and the process group alike), and what a rank
+# may take beyond it to raise and exit: issue 20's bound for a whole run (--timeout + 5 s),
+# which the library's part must meet on its own.
 TIMEOUT_S = 3.0
-SLACK_S = 7.0
+SLACK_S = 5.0
 
 
 def _rank(rank: int, port: int, results) -> None:
@@ -170,7 +171,8 @@ def test_a_stopped_rank_makes_the_others_raise_naming_it_and_exit(world, tmp_pat
                 assert lost == 1 and "rank 1 did not answer within 3 s" in message, message
             else:  # gloo's own collective timed out first (3 ranks reduce through gloo)
                 assert world > 2 and "Timed out" in message, (kind, message)
-        assert any(raised[r][2] == "PeerLost" for r in survivors), raised
+        # (With 3 ranks either may come first, depending on where the stop lands: a gather
+        # waits in zerocore's transport, a reduction in gloo.)
         # ... and exit: nothing of the transport waits for the stopped rank at the end.
         for r in survivors:
             procs[r].join(max(0.0, stopped + TIMEOUT_S + SLACK_S - time.monotonic()))
