@@ -269,9 +269,10 @@ class PeerMemory:
         else:
             pipes.drain_and_close()
             self._readv = None
-            q, code, err = failed[0]
-            # One line for the run (rank 0 says what the first rank that could not found): the
-            # run is as correct through gloo, only slower, which the user may want to fix.
+            # One line for the run (rank 0 says what the first rank that could not found, a
+            # call missing or refused before another host): the run is as correct through
+            # gloo, only slower, which the user may want to fix.
+            q, code, err = min(failed, key=lambda f: (f[1] == _PROBE_OTHER_HOST, f[0]))
             if rank == 0 and code != _PROBE_OTHER_HOST:
                 print(f"zerocore: the gloo ranks of this host do not read each other's memory: "
                       f"rank {dist.get_global_rank(group, q)} {_probe_reason(code, err)}; "
