@@ -495,10 +495,12 @@ def _set_parent_death_signal(sig: int) -> None:
         pass
 
 
-# How gloo and NCCL say that another process of the group is gone (gloo raises a plain
-# RuntimeError from its transport).
+# How gloo and NCCL say that another process of the group is gone or silent past the timeout
+# (gloo raises a plain RuntimeError from its transport; "Application timeout caused pair
+# closure": an operation waiting on a pair that another one's timeout closed).
 _PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-              "gloo/transport", "NCCL communicator was aborted", "Timed out")
+              "gloo/transport", "NCCL communicator was aborted", "Timed out",
+              "Application timeout caused pair closure")
 
 
 def _is_lost_peer(e: BaseException) -> bool:

@@ -498,25 +498,37 @@ class _Pipes:
     def drain_and_close(self) -> None:
         """Waits for the others to finish reading lent buffers, all of them within one
         ``timeout_s``, and not at all once a rank was lost, then closes the pipes. (Runs from a
-        finalizer: it must end.) Once a rank is lost the group can complete no collective
-        again, so what the others may still read of these buffers feeds no result; waiting
-        for them would only keep this rank (and them, waiting for each other) from exiting."""
-        deadline = time.monotonic() + self.timeout_s
-        for (kind, channel, seq), (_, readers) in list(self.lent.items()):
-            for q in readers:
-                if self.lost or time.monotonic() >= deadline:
-                    continue
-                try:
-                    self.hear(q, _key(channel, kind, seq), deadline=deadline)
-                except (OSError, RuntimeError):
-                    pass  # gone, or not answering: nothing more to wait for
-        self.lent.clear()
-        for fd in [*self.outbound.values(), *self.inbound.values()]:
+        finalizer: it must end.)
+
+        The pipes to the others close first: this rank reads nothing more (nothing uses this
+        object any longer, so no read is in flight), and their EOF tells every rank that
+        waits for this one to be done reading its buffers that it is (a rank draining at the
+        same time, after a failed collective, would otherwise wait out the timeout for this
+        one, and this one for it). Once a rank is lost the group can complete no collective
+        again, so what the others may still read of these buffers feeds no result: waiting
+        would only keep this rank from exiting."""
+        for fd in self.outbound.values():
             try:
                 os.close(fd)
             except OSError:
                 pass
         self.outbound.clear()
+        deadline = time.monotonic() + self.timeout_s
+        failed = bool(self.lost)  # (a rank found done here is not a failure of the group)
+        for (kind, channel, seq), (_, readers) in list(self.lent.items()):
+            for q in readers:
+                if failed or q in self.lost or time.monotonic() >= deadline:
+                    continue
+                try:
+                    self.hear(q, _key(channel, kind, seq), deadline=deadline)
+                except (OSError, RuntimeError):
+                    pass  # gone, or done with this rank: nothing more to wait for
+        self.lent.clear()
+        for fd in self.inbound.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
         self.inbound.clear()
 
 
