@@ -507,12 +507,7 @@ class _Pipes:
         one, and this one for it). Once a rank is lost the group can complete no collective
         again, so what the others may still read of these buffers feeds no result: waiting
         would only keep this rank from exiting."""
-        for fd in self.outbound.values():
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self.outbound.clear()
+        _close_all(self.outbound)
         deadline = time.monotonic() + self.timeout_s
         failed = bool(self.lost)  # (a rank found done here is not a failure of the group)
         for (kind, channel, seq), (_, readers) in list(self.lent.items()):
@@ -524,12 +519,17 @@ class _Pipes:
                 except (OSError, RuntimeError):
                     pass  # gone, or done with this rank: nothing more to wait for
         self.lent.clear()
-        for fd in self.inbound.values():
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self.inbound.clear()
+        _close_all(self.inbound)
+
+
+def _close_all(fds: dict[int, int]) -> None:
+    """Closes the descriptors of ``fds`` (by rank) and forgets them."""
+    for fd in fds.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
 
 
 def start_gather_by_reading(output: torch.Tensor, shard: torch.Tensor, peers: PeerMemory,
