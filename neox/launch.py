@@ -284,7 +284,8 @@ def _watch(procs: list[subprocess.Popen], links: list[socket.socket], stop_signa
     """Waits for every rank. A signal to the launcher: ranks still starting (no watcher yet)
     are killed at once, the others get ``STOP_GRACE_S`` to leave, then are killed. A rank that
     lost contact with another: any rank that is a stopped process stopped answering and is
-    killed at once (gloo's timeouts do not say whom they waited for); one named by the rank
+    killed at once (gloo's timeouts do not say whom they waited for), as is one stopped for
+    ``timeout`` seconds whether or not another rank said so yet; one named by the rank
     that lost contact with it is killed ``REPORTED_GRACE_S`` later if still running; if none
     is found so, any rank still running ``LOST_GRACE_S`` later is killed and named. Another
     failure: the others get ``SHUTDOWN_GRACE_S`` to stop by themselves, then are terminated.
@@ -292,9 +293,10 @@ def _watch(procs: list[subprocess.Popen], links: list[socket.socket], stop_signa
     open_links = set(range(len(links)))
     lost: dict[int, int] = {}                 # reporter -> the rank it lost contact with
     reported: dict[int, float] = {}           # rank named by a reporter -> when first seen
+    stopped_since: dict[int, float] = {}      # rank seen a stopped process -> since when
     watching: set[int] = set()                # ranks whose watcher runs (they said "up")
-    silent: dict[int, tuple[int, bool]] = {}  # rank killed for not answering -> (who saw it,
-                                              # whether it was found a stopped process)
+    silent: dict[int, tuple[int | None, bool]] = {}  # rank killed for not answering -> (who
+                                              # saw it, if one did; whether it was stopped)
     lingering: list[int] = []                 # ranks still running well after a rank gave up
     killed: set[int] = set()                  # ranks this launcher ended
     deadline: float | None = None             # when the ranks still alive are ended
@@ -327,6 +329,15 @@ def _watch(procs: list[subprocess.Popen], links: list[socket.socket], stop_signa
                 if code is None and _is_stopped(procs[rank].pid):
                     silent.setdefault(rank, (reporter, True))
                     end(rank, "kill")
+        for rank, code in enumerate(codes if not stop_signal else ()):
+            # Stopped as long as --timeout: the others' waits for it end now, or already have
+            # (perhaps unseen: a wait queued behind another in gloo starts its own timeout).
+            if code is None and _is_stopped(procs[rank].pid):
+                if now - stopped_since.setdefault(rank, now) >= timeout:
+                    silent.setdefault(rank, (None, True))
+                    end(rank, "kill")
+            else:
+                stopped_since.pop(rank, None)
         for reporter, rank in lost.items():
             if rank != reporter and 0 <= rank < len(procs) and codes[rank] is None:
                 # Alive, yet another rank gave up on it: silent, unless it was itself waiting
@@ -371,7 +382,9 @@ def _watch(procs: list[subprocess.Popen], links: list[socket.socket], stop_signa
         if silent:  # (those found stopped first: the others may have waited for them)
             rank, (reporter, found_stopped) = min(silent.items(),
                                                   key=lambda item: (not item[1][1], item[0]))
-            seen = (f" (a stopped process): rank {reporter} gave up waiting after {timeout:g} s "
+            seen = (f" (a stopped process): stopped for {timeout:g} s (--timeout)"
+                    if reporter is None else
+                    f" (a stopped process): rank {reporter} gave up waiting after {timeout:g} s "
                     f"(--timeout)" if found_stopped else
                     f": rank {reporter} waited {timeout:g} s (--timeout) for it")
             print(f"error: rank {rank} (pid {procs[rank].pid}) stopped answering{seen}; the "

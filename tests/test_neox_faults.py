@@ -373,7 +373,8 @@ def test_a_stopped_rank_ends_the_run_named_and_killed(cache, tmp_path, nproc):
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, stderr
     # (": rank 0 waited 5 s (--timeout) for it" where zerocore's transport waited for it; " (a
-    # stopped process): rank 0 gave up waiting after 5 s" where a gloo collective timed out.)
+    # stopped process): rank 0 gave up waiting after 5 s" where a gloo collective timed out;
+    # " (a stopped process): stopped for 5 s" where the launcher saw it before any rank said.)
     assert errors[0].startswith(f"error: rank 1 (pid {ranks[1]}) stopped answering"), stderr
     assert f" {STOP_TIMEOUT_S:g} s (--timeout)" in errors[0], stderr
     assert "; the launcher killed it" in errors[0], stderr
