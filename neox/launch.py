@@ -6,12 +6,13 @@ first code a rank runs, before it imports anything, asks the kernel for SIGKILL 
 launcher dies (``PR_SET_PDEATHSIG``, which needs no handler in the launcher, so it holds after
 a SIGKILL of the launcher too) and leaves if the launcher is gone already. Each rank also holds
 one end of a socket whose other end only the launcher has; a thread in each rank prints why and
-leaves the moment it closes or says stop (the launcher got SIGTERM or Ctrl-C), and the launcher
-kills whatever has not left ``STOP_GRACE_S`` later. When a rank fails, the launcher names it
-and how it ended (its exit code, or the signal that killed it), gives the others a moment to
-stop by themselves, then stops them. A rank that stops answering (stopped, hung) is named by
-the rank that waited for it past ``--timeout`` (through the socket), killed at once, and named
-in the launcher's error.
+leaves the moment it closes or says stop (the launcher got SIGTERM or Ctrl-C); the launcher
+kills at once the ranks still starting (their watcher not yet running) and whatever has not
+left ``STOP_GRACE_S`` later. When a rank fails, the launcher names it and how it ended (its
+exit code, or the signal that killed it), gives the others a moment to stop by themselves,
+then stops them. A rank that stops answering (stopped, hung) is named by
+the rank that waited for it past ``--timeout`` (through the socket), or found a stopped
+process once another rank gave up, killed at once, and named in the launcher's error.
 
 ``run_under_torchrun``: the process is one rank of torchrun's group (possibly many machines);
 torchrun watches the processes, and global rank 0 takes the output directory.
@@ -62,6 +63,10 @@ STOP_GRACE_S = 1.0
 # Seconds the other ranks get once one lost contact with another (past --timeout): waiting for
 # the same silent rank, or for one the launcher has just killed, they fail within moments.
 LOST_GRACE_S = 3.0
+# Seconds a rank named silent by another (and not a stopped process) gets to exit by itself
+# before it is killed as the silent one: blocked waiting for the silent rank, it looks silent
+# too, and its own wait ends about when the reporter's did.
+REPORTED_GRACE_S = 1.0
 # Exit codes (see the module docstring).
 EXIT_REPORTED = 2
 EXIT_CRASH = 1
@@ -204,7 +209,8 @@ def _run_ranks(task: RankTask) -> int:
             finally:
                 theirs.close()
             links.append(mine)
-        for link in links:  # the ranks read it right after tying themselves to this process
+        for link in links if not stop_signal else ():  # (stopped: the ranks are killed)
+            # The ranks read it right after tying themselves to this process.
             try:
                 link.sendall(struct.pack("<Q", len(frame)) + frame)
             except OSError:
@@ -244,9 +250,10 @@ def _cause(codes: list[int | None], killed: set[int]) -> tuple[int, int] | None:
 
 
 def _read_reports(links: list[socket.socket], open_links: set[int],
-                  lost: dict[int, int], timeout: float) -> None:
-    """Waits at most ``timeout`` for a rank to report (``lost <rank>``: the rank it lost
-    contact with; recorded in ``lost`` by reporter) or to end (its link reaches EOF)."""
+                  lost: dict[int, int], watching: set[int], timeout: float) -> None:
+    """Waits at most ``timeout`` for a rank to report (``up``: its watcher runs, recorded in
+    ``watching``; ``lost <rank>``: the rank it lost contact with, recorded in ``lost`` by
+    reporter) or to end (its link reaches EOF)."""
     ready, _, _ = select.select([links[r] for r in open_links], [], [], timeout)
     for link in ready:
         rank = links.index(link)
@@ -261,19 +268,37 @@ def _read_reports(links: list[socket.socket], open_links: set[int],
             kind, _, value = line.partition(" ")
             if kind == "lost" and value.strip().isdigit():
                 lost.setdefault(rank, int(value))
+            elif kind == "up":
+                watching.add(rank)
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP, ^Z, a debugger): it can answer no one."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False  # gone, or no /proc (not Linux)
+    return state in ("T", "t")
 
 
 def _watch(procs: list[subprocess.Popen], links: list[socket.socket], stop_signal: list[int],
            timeout: float) -> int:
-    """Waits for every rank. A signal to the launcher: the ranks get ``STOP_GRACE_S`` to leave,
-    then are killed. A rank that lost contact with another: the one it names (or, if it could
-    not tell, any rank still running ``LOST_GRACE_S`` later) stopped answering, and is killed
-    at once, the others shortly after. Another failure: the others get ``SHUTDOWN_GRACE_S`` to
-    stop by themselves, then are terminated. Names the failure that explains the others and
-    returns the run's exit code."""
+    """Waits for every rank. A signal to the launcher: ranks still starting (no watcher yet)
+    are killed at once, the others get ``STOP_GRACE_S`` to leave, then are killed. A rank that
+    lost contact with another: any rank that is a stopped process stopped answering and is
+    killed at once (gloo's timeouts do not say whom they waited for), as is one stopped for
+    ``timeout`` seconds whether or not another rank said so yet; one named by the rank
+    that lost contact with it is killed ``REPORTED_GRACE_S`` later if still running; if none
+    is found so, any rank still running ``LOST_GRACE_S`` later is killed and named. Another
+    failure: the others get ``SHUTDOWN_GRACE_S`` to stop by themselves, then are terminated.
+    Names the failure that explains the others and returns the run's exit code."""
     open_links = set(range(len(links)))
     lost: dict[int, int] = {}                 # reporter -> the rank it lost contact with
-    silent: dict[int, int] = {}               # rank killed for not answering -> who saw it
+    reported: dict[int, float] = {}           # rank named by a reporter -> when first seen
+    stopped_since: dict[int, float] = {}      # rank seen a stopped process -> since when
+    watching: set[int] = set()                # ranks whose watcher runs (they said "up")
+    silent: dict[int, tuple[int | None, bool]] = {}  # rank killed for not answering -> (who
+                                              # saw it, if one did; whether it was stopped)
     lingering: list[int] = []                 # ranks still running well after a rank gave up
     killed: set[int] = set()                  # ranks this launcher ended
     deadline: float | None = None             # when the ranks still alive are ended
@@ -286,20 +311,42 @@ def _watch(procs: list[subprocess.Popen], links: list[socket.socket], stop_signa
 
     while any(p.poll() is None for p in procs):
         if open_links:
-            _read_reports(links, open_links, lost, 0.1)
+            _read_reports(links, open_links, lost, watching, 0.1)
         else:
             time.sleep(0.1)
         now = time.monotonic()
         codes = [p.poll() for p in procs]
         if stop_signal:
             deadline = min(deadline or math.inf, now + STOP_GRACE_S)
-        for reporter, rank in lost.items():
-            if rank != reporter and 0 <= rank < len(procs) and codes[rank] is None:
-                silent.setdefault(rank, reporter)  # alive, yet another rank gave up on it
-                end(rank, "kill")                  # SIGKILL: a stopped process ignores the rest
+            for rank, code in enumerate(codes):
+                if code is None and rank not in watching:
+                    end(rank, "kill")  # still importing: nothing to lose, nothing to tell it
         if first_lost is None and EXIT_LOST_PEER in codes:
             first_lost = now
             deadline = min(deadline or math.inf, now + LOST_GRACE_S)
+        if (lost or first_lost is not None) and not stop_signal:
+            # SIGKILL: a stopped process ignores the rest.
+            reporter = min(lost) if lost else codes.index(EXIT_LOST_PEER)
+            for rank, code in enumerate(codes):
+                if code is None and _is_stopped(procs[rank].pid):
+                    silent.setdefault(rank, (reporter, True))
+                    end(rank, "kill")
+        for rank, code in enumerate(codes if not stop_signal else ()):
+            # Stopped as long as --timeout: the others' waits for it end now, or already have
+            # (perhaps unseen: a wait queued behind another in gloo starts its own timeout).
+            if code is None and _is_stopped(procs[rank].pid):
+                if now - stopped_since.setdefault(rank, now) >= timeout:
+                    silent.setdefault(rank, (None, True))
+                    end(rank, "kill")
+            else:
+                stopped_since.pop(rank, None)
+        for reporter, rank in lost.items():
+            if rank != reporter and 0 <= rank < len(procs) and codes[rank] is None:
+                # Alive, yet another rank gave up on it: silent, unless it was itself waiting
+                # for the silent one and is about to exit (its own timeout, as long).
+                if now - reported.setdefault(rank, now) >= REPORTED_GRACE_S:
+                    silent.setdefault(rank, (reporter, False))
+                    end(rank, "kill")
         if deadline is None and _cause(codes, killed) is not None:
             deadline = now + SHUTDOWN_GRACE_S
         if deadline is not None and now > deadline:
@@ -334,12 +381,19 @@ def _watch(procs: list[subprocess.Popen], links: list[socket.socket], stop_signa
         return 0
     rank, code = cause
     if code == EXIT_LOST_PEER and (silent or lingering):  # no failure of its own explains it
-        if silent:
-            rank, reporter = min(silent.items())
-            print(f"error: rank {rank} (pid {procs[rank].pid}) stopped answering: rank "
-                  f"{reporter} waited {timeout:g} s (--timeout) for it; the launcher killed it"
-                  + ("" if len(procs) <= 2 else " and stopped the other ranks")
-                  + " (a stopped or hung process; if it was only slow, raise --timeout)",
+        if silent:  # (those found stopped first: the others may have waited for them)
+            rank, (reporter, found_stopped) = min(silent.items(),
+                                                  key=lambda item: (not item[1][1], item[0]))
+            seen = (f" (a stopped process): stopped for {timeout:g} s (--timeout)"
+                    if reporter is None else
+                    f" (a stopped process): rank {reporter} gave up waiting after {timeout:g} s "
+                    f"(--timeout)" if found_stopped else
+                    f": rank {reporter} waited {timeout:g} s (--timeout) for it")
+            print(f"error: rank {rank} (pid {procs[rank].pid}) stopped answering{seen}; the "
+                  f"launcher killed it" + ("" if len(procs) <= 2 else " and stopped the other "
+                                                                       "ranks")
+                  + ("" if found_stopped else " (a stopped or hung process; if it was only "
+                                              "slow, raise --timeout)"),
                   file=sys.stderr, flush=True)
         else:
             named = ", ".join(f"{r} (pid {procs[r].pid})" for r in lingering)
@@ -386,6 +440,10 @@ def _rank_process(rank: int, fd: int, launcher_pid: int) -> NoReturn:
     size = struct.unpack("<Q", _recv_exactly(link, 8))[0]
     task = pickle.loads(_recv_exactly(link, size))
     _die_with_parent(rank, link, launcher_pid)
+    try:
+        link.sendall(b"up\n")  # from now on a stop request is heard (see _watch)
+    except OSError:
+        pass  # the launcher is gone: the watcher leaves
 
     def report_lost(lost: int) -> None:
         try:
@@ -452,10 +510,12 @@ def _set_parent_death_signal(sig: int) -> None:
         pass
 
 
-# How gloo and NCCL say that another process of the group is gone (gloo raises a plain
-# RuntimeError from its transport).
+# How gloo and NCCL say that another process of the group is gone or silent past the timeout
+# (gloo raises a plain RuntimeError from its transport; "Application timeout caused pair
+# closure": an operation waiting on a pair that another one's timeout closed).
 _PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-              "gloo/transport", "NCCL communicator was aborted", "Timed out")
+              "gloo/transport", "NCCL communicator was aborted", "Timed out",
+              "Application timeout caused pair closure")
 
 
 def _is_lost_peer(e: BaseException) -> bool:

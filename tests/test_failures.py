@@ -3,9 +3,11 @@ error within the timeout (naming the rank when zerocore's own transport waited f
 and leave nothing of the transport behind on disk."""
 
 import datetime
+import errno
 import os
 import queue
 import signal
+import sys
 import time
 
 import pytest
@@ -21,10 +23,11 @@ from dist_utils import free_port
 BOUND_S = 60.0
 # Seconds for two or three fresh interpreters to import torch and join the group, loaded.
 START_S = 180.0
-# The timeout of the stop tests (zerocore.Comm and the process group alike), and the slack a
-# loaded 2-core machine needs on top of it (the requirement: timeout + a few seconds).
+# The timeout of the stop tests (zerocore.Comm and the process group alike), and what a rank
+# may take beyond it to raise and exit: issue 20's bound for a whole run (--timeout + 5 s),
+# which the library's part must meet on its own.
 TIMEOUT_S = 3.0
-SLACK_S = 7.0
+SLACK_S = 5.0
 
 
 def _rank(rank: int, port: int, results) -> None:
@@ -113,10 +116,12 @@ def _training_rank(rank: int, world: int, port: int, tmpdir: str, die_in_probe: 
 
 def _start(world: int, tmp_path, die_in_probe: str | None = None):
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    # A queue per rank: a queue's writers share a lock, which a rank stopped (SIGSTOP) while
+    # its queue's thread held it would keep from the others.
+    results = [ctx.Queue() for _ in range(world)]
     port = free_port()
     procs = [ctx.Process(target=_training_rank, name=f"zerocore-test-rank{r}",
-                         args=(r, world, port, str(tmp_path), die_in_probe, results))
+                         args=(r, world, port, str(tmp_path), die_in_probe, results[r]))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -124,15 +129,20 @@ def _start(world: int, tmp_path, die_in_probe: str | None = None):
 
 
 def _messages(results, want: int, timeout: float, kind: str) -> dict[int, tuple]:
+    """The next message of ``want`` ranks (from their queues ``results``), by rank."""
     got: dict[int, tuple] = {}
     deadline = time.monotonic() + timeout
     while len(got) < want:
-        try:
-            message = results.get(timeout=max(0.1, deadline - time.monotonic()))
-        except queue.Empty:
+        for q in results:
+            try:
+                message = q.get_nowait()
+            except queue.Empty:
+                continue
+            assert message[0] in (kind, "raised"), message
+            got[message[1]] = message
+        if len(got) < want and time.monotonic() > deadline:
             raise AssertionError(f"only {sorted(got)} answered {kind!r} within {timeout} s")
-        assert message[0] in (kind, "raised"), message
-        got[message[1]] = message
+        time.sleep(0.01)
     return got
 
 
@@ -161,7 +171,8 @@ def test_a_stopped_rank_makes_the_others_raise_naming_it_and_exit(world, tmp_pat
                 assert lost == 1 and "rank 1 did not answer within 3 s" in message, message
             else:  # gloo's own collective timed out first (3 ranks reduce through gloo)
                 assert world > 2 and "Timed out" in message, (kind, message)
-        assert any(raised[r][2] == "PeerLost" for r in survivors), raised
+        # (With 3 ranks either may come first, depending on where the stop lands: a gather
+        # waits in zerocore's transport, a reduction in gloo.)
         # ... and exit: nothing of the transport waits for the stopped rank at the end.
         for r in survivors:
             procs[r].join(max(0.0, stopped + TIMEOUT_S + SLACK_S - time.monotonic()))
@@ -191,3 +202,83 @@ def test_a_rank_killed_at_any_moment_leaves_no_transport_file(moment, tmp_path):
     finally:
         _stop_all(procs)
     assert list(tmp_path.iterdir()) == []
+
+
+# -- where the kernel refuses pidfd_getfd: gloo's collectives, and one line saying why --------
+
+def _refuse_pidfd_getfd(err: int) -> None:
+    """From now on pidfd_getfd fails with ``err`` in this process, as on a kernel before 5.6
+    (ENOSYS) or under a seccomp profile or ptrace rules that refuse it (EPERM): a seccomp
+    filter, the kernel's own mechanism, installed in this spawned test process only."""
+    import ctypes
+
+    class Filter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
+                    ("k", ctypes.c_uint32)]
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
+
+    # Load the syscall number; if it is pidfd_getfd's (438 on every architecture but alpha),
+    # return the errno, else allow. (No architecture check: the process runs one ABI.)
+    program = (Filter * 4)(Filter(0x20, 0, 0, 0), Filter(0x15, 0, 1, 438),
+                           Filter(0x06, 0, 0, 0x00050000 | err), Filter(0x06, 0, 0, 0x7FFF0000))
+    prog = Program(len(program), program)
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+    if (libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
+            or libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0):
+        raise OSError(ctypes.get_errno(), "cannot install the seccomp filter")
+
+
+def _fallback_rank(rank: int, port: int, refuse: int | None, stderr: str, results) -> None:
+    fd = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 2)  # what this rank prints, for the test to read
+    import zerocore
+    if refuse is not None and rank == 1:
+        _refuse_pidfd_getfd(refuse)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(0)
+    model = zerocore.shard([nn.Linear(16, 16) for _ in range(3)],
+                           comm=zerocore.Comm(timeout=60))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+    for _ in range(3):
+        model(x).sum().backward()
+    sys.stderr.flush()
+    results.put((rank, model.layers[0].groups[0].gather_by_reading))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("refuse", [None, errno.ENOSYS, errno.EPERM],
+                         ids=["allowed", "ENOSYS", "EPERM"])
+def test_a_refused_pidfd_getfd_falls_back_to_gloo_with_one_line(refuse, tmp_path):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_fallback_rank,
+                         args=(r, port, refuse, str(tmp_path / f"rank{r}.err"), results))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(results.get(timeout=START_S) for _ in procs)
+        for p in procs:
+            p.join(60)
+    finally:
+        _stop_all(procs)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert got == {0: refuse is None, 1: refuse is None}  # the ranks agreed
+    lines = {r: [line for line in (tmp_path / f"rank{r}.err").read_text().splitlines()
+                 if line.startswith("zerocore:")] for r in range(2)}
+    if refuse is None:
+        assert lines == {0: [], 1: []}
+        return
+    assert lines[1] == [] and len(lines[0]) == 1, lines  # one line for the run, from rank 0
+    name = errno.errorcode[refuse]
+    want = (f"rank 1 has no pidfd_getfd ({name}: " if refuse == errno.ENOSYS
+            else f"rank 1 may not take another's pipe with pidfd_getfd ({name}: ")
+    assert want in lines[0][0] and "through gloo's collectives instead" in lines[0][0], lines
+    if refuse == errno.ENOSYS:
+        assert "Linux 5.6" in lines[0][0]

@@ -3,9 +3,9 @@ reproduces one way a run could be lost, corrupted or left running, and checks th
 
 - two runs on one output directory: the second refuses at once; the first completes intact;
 - the launcher killed (SIGKILL, SIGTERM), in training and at several moments of start-up, with
-  2 and 16 ranks: no process of the run is left after 2 s; a killed rank is named with its
-  signal; a stopped rank (SIGSTOP) ends the run within --timeout + a few seconds, named, and
-  is killed;
+  2 and 16 ranks: no process of the run is left 2 s after the signal; a rank is tied to its
+  launcher before its first import; a killed rank is named with its signal; a stopped rank
+  (SIGSTOP; 2 and 4 ranks) ends the run within --timeout + 5 s, named, and is killed;
 - impossible settings are refused before any process starts;
 - a diverging run stops with a message and never saves non-finite weights; metrics stay JSON;
 - flags given on --resume: optimisation flags apply (said in the log), identity flags refused;
@@ -185,6 +185,17 @@ def test_a_fresh_run_refuses_another_runs_outputs_unless_told(cache, four_steps,
 
 # -- no orphans ------------------------------------------------------------------------------------
 
+# The issue's bound: no process of the run may be left this many seconds after the launcher got
+# SIGKILL or SIGTERM. Measured from the signal (SIGTERM: the launcher's own shutdown included).
+# What the run needs to meet it: the kernel's parent-death SIGKILL is immediate; after SIGTERM
+# the ranks' watchers leave at once and the launcher kills the rest after STOP_GRACE_S (1 s).
+
+
+def _gone_within_orphan_deadline(mark: str, signalled: float) -> list[int]:
+    """The processes marked ``mark`` still alive ORPHAN_DEADLINE_S after ``signalled``."""
+    return left_after(mark, max(0.0, signalled + ORPHAN_DEADLINE_S - time.monotonic()))
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_ranks_do_not_outlive_their_launcher(cache, tmp_path, sig):
     out = tmp_path / "out"
@@ -194,13 +205,14 @@ def test_ranks_do_not_outlive_their_launcher(cache, tmp_path, sig):
         ranks = rank_pids(launcher.pid)
         assert len(ranks) == 2, ranks
         os.kill(launcher.pid, sig)
-        if sig == signal.SIGKILL:
-            launcher.wait()  # (a zombie until reaped)
-        assert not left_after(mark, ORPHAN_DEADLINE_S), "processes left after the launcher died"
+        left = _gone_within_orphan_deadline(mark, time.monotonic())
         _, stderr = launcher.communicate(timeout=60)
     finally:
         if launcher.poll() is None:
             launcher.kill()
+        for pid in marked(mark):  # (so that a failure does not leave them running)
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"{len(left)} processes left {ORPHAN_DEADLINE_S} s after the {sig!r}"
     if sig == signal.SIGTERM:
         assert launcher.returncode == 128 + signal.SIGTERM
         assert "stopped by SIGTERM" in stderr
@@ -224,30 +236,31 @@ def test_a_killed_rank_is_named_with_its_signal(cache, tmp_path):
     assert "Traceback" not in stderr, stderr
 
 
-# When the test kills the launcher during start-up: "importing" while the launcher itself
-# starts (no rank yet), "spawned" as soon as every rank process exists (they are importing
-# torch), "joining" 1.5 s later (imports, the process group, the data).
-START_UP_MOMENTS = {"importing": 0.3, "spawned": 0.0, "joining": 1.5}
+# When the test signals the launcher during start-up: seconds after the launcher started (0.2 s
+# and 1 s: the launcher importing torch, or its ranks starting on a quiet machine; 5 s: the
+# ranks importing torch or joining the group; at load 6 on 2 cores the ranks existed at 5 s
+# and not yet at 1 s: bench/RESULTS.md), or "spawned": as soon as every rank process exists
+# (each in the interpreter's start-up or its imports). The run is long (50
+# epochs), so that it is always still starting or training when the signal comes.
+START_UP_MOMENTS = [0.2, 1.0, 5.0, "spawned"]
 
 
 def _kill_during_start_up(cache, out, sig, moment, nproc: int) -> tuple[list[int], str]:
     more = ["--nproc", nproc, "--oversubscribe"] if nproc > 2 else []
-    launcher, mark = start_marked(*args(cache, out, "--max-steps", 2, *more))
+    launcher, mark = start_marked(*args(cache, out, "--epochs", 50, *more))
     try:
-        if moment == "importing":
-            time.sleep(START_UP_MOMENTS[moment])
-        else:
+        if moment == "spawned":
             deadline = time.monotonic() + 120
             while len(rank_pids(launcher.pid)) < nproc:
                 assert launcher.poll() is None and time.monotonic() < deadline, \
                     launcher.communicate()
                 time.sleep(0.01)
-            time.sleep(START_UP_MOMENTS[moment])
-        assert launcher.poll() is None, "the run ended before the kill"
+        else:
+            time.sleep(moment)
+        assert launcher.poll() is None, launcher.communicate()
         os.kill(launcher.pid, sig)
-        launcher.wait(timeout=30)
-        left = left_after(mark, ORPHAN_DEADLINE_S)
-        _, stderr = launcher.communicate(timeout=30)
+        left = _gone_within_orphan_deadline(mark, time.monotonic())
+        _, stderr = launcher.communicate(timeout=60)
     finally:
         if launcher.poll() is None:
             launcher.kill()
@@ -256,7 +269,8 @@ def _kill_during_start_up(cache, out, sig, moment, nproc: int) -> tuple[list[int
     return left, stderr
 
 
-@pytest.mark.parametrize("moment", list(START_UP_MOMENTS))
+@pytest.mark.parametrize("moment", START_UP_MOMENTS, ids=lambda m: f"{m}s" if m != "spawned"
+                         else m)
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_no_process_outlives_a_launcher_killed_during_start_up(cache, tmp_path, sig, moment):
     left, stderr = _kill_during_start_up(cache, tmp_path / "out", sig, moment, nproc=2)
@@ -264,46 +278,107 @@ def test_no_process_outlives_a_launcher_killed_during_start_up(cache, tmp_path, 
     assert "Traceback" not in stderr, stderr
 
 
+@pytest.mark.parametrize("moment", ["spawned", 5.0], ids=["spawned", "5.0s"])
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
-def test_no_process_of_16_ranks_outlives_a_launcher_killed_as_they_start(cache, tmp_path, sig):
-    left, stderr = _kill_during_start_up(cache, tmp_path / "out", sig, "spawned", nproc=16)
+def test_no_process_of_16_ranks_outlives_a_launcher_killed_as_they_start(cache, tmp_path, sig,
+                                                                        moment):
+    left, stderr = _kill_during_start_up(cache, tmp_path / "out", sig, moment, nproc=16)
     assert not left, f"{len(left)} processes left {ORPHAN_DEADLINE_S} s after the launcher died"
     assert "Traceback" not in stderr, stderr
 
 
-# Seconds the stopped-rank run waits (--timeout), and the slack a loaded 2-core machine needs
-# beyond the required --timeout + 5 s.
+# A stand-in for the launcher, for the test below: starts one rank with the launcher's own
+# bootstrap (argv: the bootstrap, the rank marker, the import path for the rank as JSON, when
+# to die), prints the rank's pid, and SIGKILLs itself at once or once the rank is importing.
+_FAKE_LAUNCHER = """\
+import os, signal, socket, subprocess, sys, time
+bootstrap, marker, path, when, flag = sys.argv[1:]
+mine, theirs = socket.socketpair()
+rank = subprocess.Popen([sys.executable, "-c", bootstrap, marker, str(os.getpid()),
+                         str(theirs.fileno()), "0", path], pass_fds=(theirs.fileno(),))
+print(rank.pid, flush=True)
+while when == "importing" and not os.path.exists(flag):
+    time.sleep(0.001)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+# What the rank imports first after tying itself to the launcher (``neox.launch``, which
+# imports torch), replaced for this test by a module that says so and then takes forever.
+_SLOW_IMPORT = """\
+import os, sys, time
+open(os.environ["NEOX_TEST_FLAG"], "w").close()
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("when", ["at-once", "importing"])
+def test_a_rank_is_tied_to_its_launcher_before_its_imports(tmp_path, when):
+    from neox.launch import _BOOTSTRAP
+    stub = tmp_path / "stub" / "neox"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("")
+    (stub / "launch.py").write_text(_SLOW_IMPORT)
+    flag = tmp_path / "importing"
+    path = json.dumps([str(stub.parent)] + [p for p in sys.path if p and Path(p) != REPO])
+    mark = uuid.uuid4().hex
+    env = dict(cli_env(), NEOX_TEST_FLAG=str(flag), **{RUN_MARK: mark})
+    fake = subprocess.Popen([sys.executable, "-c", _FAKE_LAUNCHER, _BOOTSTRAP, RANK_MARKER, path,
+                             when, str(flag)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        rank = int(fake.stdout.readline())
+        fake.wait(timeout=120)
+        died = time.monotonic()
+        assert fake.returncode == -signal.SIGKILL
+        left = _gone_within_orphan_deadline(mark, died)
+    finally:
+        for pid in marked(mark):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"the rank (pid {rank}) outlived its launcher by {ORPHAN_DEADLINE_S} s"
+    if when == "importing":  # it was in its first import when the launcher died
+        assert flag.exists()
+
+
+# The stopped-rank runs wait STOP_TIMEOUT_S (--timeout). The issue's bound on the time from the
+# stop to the end of the run (the launcher and every rank gone) is --timeout + 5 s: a survivor
+# gives up after --timeout, the launcher kills the silent rank at once (named by the survivor,
+# or found stopped when gloo's own timeout came first) and the survivors exit at once; 5 s is
+# the slack for a loaded 2-core machine and the launcher's 0.1 s polling.
 STOP_TIMEOUT_S = 5.0
-STOP_SLACK_S = 5.0
+STOP_BOUND_S = STOP_TIMEOUT_S + 5.0
 
 
-def test_a_stopped_rank_ends_the_run_named_and_killed(cache, tmp_path):
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_a_stopped_rank_ends_the_run_named_and_killed(cache, tmp_path, nproc):
     out = tmp_path / "out"
+    more = ["--nproc", nproc, "--oversubscribe"] if nproc > 2 else []
     launcher, mark = start_marked(*args(cache, out, "--epochs", 50, "--timeout",
-                                        STOP_TIMEOUT_S))
+                                        STOP_TIMEOUT_S, *more))
     try:
         wait_for_steps(out, 2, launcher)
         ranks = rank_pids(launcher.pid)
-        assert len(ranks) == 2, ranks
+        assert len(ranks) == nproc, ranks
         os.kill(ranks[1], signal.SIGSTOP)  # as a debugger, ^Z or a frozen container would
         stopped = time.monotonic()
-        _, stderr = launcher.communicate(timeout=STOP_TIMEOUT_S + 5 + STOP_SLACK_S + 60)
+        _, stderr = launcher.communicate(timeout=STOP_BOUND_S + 120)
+        left = left_after(mark, max(0.0, stopped + STOP_BOUND_S - time.monotonic()))
         took = time.monotonic() - stopped
-        left = marked(mark)
     finally:
         if launcher.poll() is None:
             launcher.kill()
         for pid in marked(mark):
             os.kill(pid, signal.SIGKILL)
-    assert took < STOP_TIMEOUT_S + 5 + STOP_SLACK_S, (took, stderr)
+    assert not left, "the stopped rank (or another process of the run) is still there"
+    assert took < STOP_BOUND_S, (took, stderr)
     assert launcher.returncode == 3, stderr
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, stderr
-    assert errors[0].startswith(f"error: rank 1 (pid {ranks[1]}) stopped answering: rank 0 "
-                                f"waited {STOP_TIMEOUT_S:g} s (--timeout) for it; the launcher "
-                                f"killed it"), stderr
+    # (": rank 0 waited 5 s (--timeout) for it" where zerocore's transport waited for it; " (a
+    # stopped process): rank 0 gave up waiting after 5 s" where a gloo collective timed out;
+    # " (a stopped process): stopped for 5 s" where the launcher saw it before any rank said.)
+    assert errors[0].startswith(f"error: rank 1 (pid {ranks[1]}) stopped answering"), stderr
+    assert f" {STOP_TIMEOUT_S:g} s (--timeout)" in errors[0], stderr
+    assert "; the launcher killed it" in errors[0], stderr
     assert "Traceback" not in stderr, stderr
-    assert not left, "the stopped rank (or another process of the run) is still there"
 
 
 # -- impossible settings -------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import os
 import fcntl
 import select
 import struct
+import sys
 import time
 import weakref
 
@@ -151,9 +152,12 @@ class PeerMemory:
     answer on every rank: the ranks share a boot, a PID and a mount namespace, each takes its
     copies of the pipes' write ends out of the others (``pidfd_getfd``: nothing is ever named in
     a file system, so nothing is left behind whoever dies when), and each reads a random token
-    from each other's memory and finds it (ranks in other containers or on other hosts, a kernel
-    before 5.6 or a seccomp profile that refuses the calls: no one uses it, and the gloo
-    collectives run)."""
+    from each other's memory and finds it. Otherwise no rank uses it and the gloo collectives
+    run: quietly for ranks in other containers or on other hosts; with one line on rank 0's
+    stderr naming the rank and the reason where the ranks share a host but a call is missing or
+    refused (``pidfd_getfd`` needs Linux 5.6; ``process_vm_readv`` and ``pidfd_getfd`` need
+    permission to ptrace the other process, which another user, Yama's ``ptrace_scope`` or a
+    seccomp profile can deny)."""
 
     def __init__(self, timeout_s: float) -> None:
         if not timeout_s > 0:
@@ -190,6 +194,8 @@ class PeerMemory:
         if world < 2 or dist.get_backend(group) != "gloo":
             return False  # the same on every rank: nothing to exchange
         rank = dist.get_rank(group)
+        # Why this rank cannot read the others, if it cannot: (one of _PROBE_*, an errno or 0).
+        reason = (0, 0)
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             readv = libc.process_vm_readv
@@ -201,8 +207,9 @@ class PeerMemory:
             with open("/proc/sys/kernel/random/boot_id") as f:
                 boot = int(f.read().strip().replace("-", "")[:15], 16)
             namespaces = [os.stat(f"/proc/self/ns/{ns}").st_ino for ns in ("pid", "mnt")]
-        except (OSError, AttributeError, ValueError):
+        except (OSError, AttributeError, ValueError) as e:
             readv, syscall, boot, namespaces = None, None, -1, [-1, -1]
+            reason = (_PROBE_NO_CALLS, getattr(e, "errno", None) or 0)
         token = int.from_bytes(os.urandom(7), "little")
         beacon = torch.full((4,), token, dtype=torch.int64)
         # Each rank makes the pipes towards it now and publishes their write ends' numbers (by
@@ -216,17 +223,18 @@ class PeerMemory:
                     os.set_blocking(r, False)
                     pipes.inbound[q] = r
                     writers[q] = w
-        except OSError:
+        except OSError as e:
             boot = -1  # no pipes: no reading
+            reason = reason if reason[0] else (_PROBE_NO_PIPES, e.errno or 0)
         try:
             mine = torch.tensor([os.getpid(), beacon.data_ptr(), token, boot, *namespaces,
                                  *writers], dtype=torch.int64)
             every = torch.empty(world * mine.numel(), dtype=torch.int64)
             all_gather_sync(every, mine, group)
             rows = every.view(world, -1).tolist()
-            ok = (readv is not None and boot >= 0
-                  and all(r[3:6] == rows[rank][3:6] for r in rows))
-            if ok:
+            if not reason[0] and not all(r[3:6] == rows[rank][3:6] for r in rows):
+                reason = (_PROBE_OTHER_HOST, 0)  # or another container: the usual case, quiet
+            if not reason[0]:
                 self._readv = readv
                 for q, (pid, address, their_token, *_) in enumerate(rows):
                     if q == rank:
@@ -234,18 +242,21 @@ class PeerMemory:
                     seen = torch.zeros(4, dtype=torch.int64)
                     try:
                         self._read_bytes(seen.data_ptr(), pid, address, seen.numel() * 8)
-                    except OSError:
-                        ok = False
+                    except OSError as e:
+                        reason = (_PROBE_READ, e.errno or 0)
                         break
                     if seen.tolist() != [their_token] * 4:
-                        ok = False
+                        reason = (_PROBE_READ, 0)
                         break
-            if ok:
-                ok = _take_write_ends(pipes, syscall, rank, [(r[0], r[6:]) for r in rows])
+            if not reason[0]:
+                reason = _take_write_ends(pipes, syscall, rank, [(r[0], r[6:]) for r in rows])
             # Every rank holds its write ends (or none uses any): the published numbers may
             # close, so that a pipe's only writer is the rank it comes from (EOF when that rank
             # goes). Also keeps every beacon alive until every rank has read.
-            ok = _agree(ok, group)
+            reasons = torch.empty(world * 2, dtype=torch.int64)
+            all_gather_sync(reasons, torch.tensor(reason, dtype=torch.int64), group)
+            failed = [(q, code, err) for q, (code, err) in
+                      enumerate(reasons.view(world, 2).tolist()) if code]
         except BaseException:
             pipes.drain_and_close()  # a rank failed during the probe: close what was opened
             raise
@@ -253,7 +264,7 @@ class PeerMemory:
             for w in writers:
                 if w >= 0:
                     os.close(w)
-        if ok:
+        if not failed:
             self.pids = [row[0] for row in rows]
             self._rank = rank
             pipes.names = {q: dist.get_global_rank(group, q) for q in range(world)}
@@ -263,6 +274,15 @@ class PeerMemory:
         else:
             pipes.drain_and_close()
             self._readv = None
+            # One line for the run (rank 0 says what the first rank that could not found, a
+            # call missing or refused before another host): the run is as correct through
+            # gloo, only slower, which the user may want to fix.
+            q, code, err = min(failed, key=lambda f: (f[1] == _PROBE_OTHER_HOST, f[0]))
+            if rank == 0 and code != _PROBE_OTHER_HOST:
+                print(f"zerocore: the gloo ranks of this host do not read each other's memory: "
+                      f"rank {dist.get_global_rank(group, q)} {_probe_reason(code, err)}; "
+                      f"gathering and reducing through gloo's collectives instead",
+                      file=sys.stderr, flush=True)
         return self.available
 
     def _read_bytes(self, local: int, pid: int, remote: int, nbytes: int) -> None:
@@ -340,29 +360,52 @@ _SYS_PIDFD_GETFD = 438
 
 
 def _take_write_ends(pipes: "_Pipes", syscall, rank: int,
-                     published: list[tuple[int, list[int]]]) -> bool:
+                     published: list[tuple[int, list[int]]]) -> tuple[int, int]:
     """This rank's copy of the write end of each pipe towards another rank, taken out of that
     rank's process (``published``: by rank, its pid and the descriptor numbers of its write
-    ends, by sending rank). Non-blocking, so that a write never waits beyond the deadline."""
+    ends, by sending rank). Non-blocking, so that a write never waits beyond the deadline.
+    Returns (0, 0), or why not: (_PROBE_PIDFD, errno): ENOSYS on a kernel before 5.6 (or 5.3
+    for pidfd_open), EPERM where this process may not ptrace the other one (another user,
+    Yama's ptrace_scope) or a seccomp profile refuses the call."""
     if syscall is None:
-        return False
+        return _PROBE_NO_CALLS, 0
     for q, (pid, writers) in enumerate(published):
         if q == rank:
             continue
         try:
             pidfd = os.pidfd_open(pid)
-        except OSError:
-            return False
+        except (OSError, AttributeError) as e:  # (AttributeError: not Linux)
+            return _PROBE_PIDFD, getattr(e, "errno", None) or errno.ENOSYS
         try:
             fd = syscall(ctypes.c_long(_SYS_PIDFD_GETFD), ctypes.c_long(pidfd),
                          ctypes.c_long(writers[rank]), ctypes.c_long(0))
+            err = ctypes.get_errno()
         finally:
             os.close(pidfd)
         if fd < 0:
-            return False
+            return _PROBE_PIDFD, err
         pipes.outbound[q] = fd
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
-    return True
+    return 0, 0
+
+
+# Why a probe found that a rank cannot read the others (with an errno where one applies).
+_PROBE_NO_CALLS, _PROBE_NO_PIPES, _PROBE_OTHER_HOST, _PROBE_READ, _PROBE_PIDFD = range(1, 6)
+
+
+def _probe_reason(code: int, err: int) -> str:
+    why = f" ({errno.errorcode.get(err, err)}: {os.strerror(err)})" if err else ""
+    if code == _PROBE_NO_CALLS:
+        return f"lacks process_vm_readv or /proc{why}"
+    if code == _PROBE_NO_PIPES:
+        return f"could not make its pipes{why}"
+    if code == _PROBE_READ:
+        return (f"may not read another's memory with process_vm_readv{why}: another user, "
+                f"Yama's ptrace_scope or a seccomp profile")
+    if err == errno.ENOSYS:
+        return f"has no pidfd_getfd{why}: it needs Linux 5.6 or later"
+    return (f"may not take another's pipe with pidfd_getfd{why}: another user, Yama's "
+            f"ptrace_scope or a seccomp profile")
 
 
 def _key(channel: int, kind: int, seq: int) -> int:
@@ -459,32 +502,39 @@ class _Pipes:
 
     def drain_and_close(self) -> None:
         """Waits for the others to finish reading lent buffers, all of them within one
-        ``timeout_s`` and never for a rank already lost, then closes the pipes. (Runs from a
-        finalizer: it must end.)"""
+        ``timeout_s``, and not at all once a rank was lost, then closes the pipes. (Runs from a
+        finalizer: it must end.)
+
+        The pipes to the others close first: this rank reads nothing more (nothing uses this
+        object any longer, so no read is in flight), and their EOF tells every rank that
+        waits for this one to be done reading its buffers that it is (a rank draining at the
+        same time, after a failed collective, would otherwise wait out the timeout for this
+        one, and this one for it). Once a rank is lost the group can complete no collective
+        again, so what the others may still read of these buffers feeds no result: waiting
+        would only keep this rank from exiting."""
+        _close_all(self.outbound)
         deadline = time.monotonic() + self.timeout_s
+        failed = bool(self.lost)  # (a rank found done here is not a failure of the group)
         for (kind, channel, seq), (_, readers) in list(self.lent.items()):
             for q in readers:
-                if q in self.lost or time.monotonic() >= deadline:
+                if failed or q in self.lost or time.monotonic() >= deadline:
                     continue
                 try:
                     self.hear(q, _key(channel, kind, seq), deadline=deadline)
                 except (OSError, RuntimeError):
-                    pass  # gone, or not answering: nothing more to wait for
+                    pass  # gone, or done with this rank: nothing more to wait for
         self.lent.clear()
-        for fd in [*self.outbound.values(), *self.inbound.values()]:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self.outbound.clear()
-        self.inbound.clear()
+        _close_all(self.inbound)
 
 
-def _agree(ok: bool, group: dist.ProcessGroup) -> bool:
-    """True on every rank when ``ok`` is True on every rank (a blocking all-reduce)."""
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return flag.item() == 1
+def _close_all(fds: dict[int, int]) -> None:
+    """Closes the descriptors of ``fds`` (by rank) and forgets them."""
+    for fd in fds.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
 
 
 def start_gather_by_reading(output: torch.Tensor, shard: torch.Tensor, peers: PeerMemory,
