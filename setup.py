@@ -64,7 +64,8 @@ def extension_args():
     arch = os.environ["TORCH_CUDA_ARCH_LIST"] if with_cuda else None
     fp = sources.fingerprint(ROOT, with_cuda=with_cuda, torch_version=torch.__version__,
                              cuda_arch_list=arch)
-    what = f"for torch {torch.__version__} ({'CPU+CUDA, arch ' + arch if with_cuda else 'CPU only'})"
+    what = (f"for torch {torch.__version__} "
+            f"({'CPU+CUDA, arch ' + arch if with_cuda else 'CPU only'})")
 
     class BuildWithInfo(cpp_extension.BuildExtension):
         """Compiles zerocore._C, or reuses the one already in the source tree when nothing it

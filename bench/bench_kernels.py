@@ -170,7 +170,8 @@ CPU_ADAM_COPIES = ["none", "bf16", "fp16"]
 CPU_ADAM_THREADS = [1, 2]
 CPU_ADAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DS_VARIANT = "DeepSpeedCPUAdam (+ casts)"
-DS_INSTALL = "pip install deepspeed==0.19.8 (in a venv of its own: it is never a zerocore dependency)"
+DS_INSTALL = ("pip install deepspeed==0.19.8 (in a venv of its own: it is never a zerocore "
+              "dependency)")
 
 
 def _deepspeed_cpu_adam():

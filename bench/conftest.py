@@ -68,7 +68,8 @@ class Row:
 
 def quartiles(values) -> tuple[float, float, float]:
     """(25th percentile, median, 75th percentile), linearly interpolated."""
-    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
+    q = (statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1
+         else [values[0]] * 3)
     return q[0], q[1], q[2]
 
 

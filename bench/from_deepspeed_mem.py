@@ -182,7 +182,8 @@ def main() -> None:
             if kind == "full":  # in a child: this process stays small (see measure)
                 rows[-1]["same"] = subprocess.run(
                     [sys.executable, __file__, "--deepspeed-python", ds_py, "--compare",
-                     str(work / "zc" / "model.safetensors"), str(work / "ds" / "model.safetensors")],
+                     str(work / "zc" / "model.safetensors"),
+                     str(work / "ds" / "model.safetensors")],
                     cwd=REPO, env=env).returncode == 0
             for d in ("zc", "ds"):
                 shutil.rmtree(work / d, ignore_errors=True)
@@ -196,7 +197,8 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---|")
     for r in rows:
         print(f"| {r['kind']} ({r['ckpt_mb']:,.0f} MB) | `{r['tool']}` | {r['rss_mib']:,.0f} | "
-              f"{r['wall_s']:.1f} | {r['out_mb']:,.1f} | {r['load'][0]:.2f} → {r['load'][1]:.2f} |")
+              f"{r['wall_s']:.1f} | {r['out_mb']:,.1f} | "
+              f"{r['load'][0]:.2f} → {r['load'][1]:.2f} |")
     same = [r["same"] for r in rows if "same" in r]
     if same:
         print(f"\nfull export: zerocore's model.safetensors equals zero_to_fp32's tensor for "

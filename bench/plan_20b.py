@@ -77,7 +77,8 @@ kernel's activations. Per-rank figures, GiB; "state" is parameters, fp32 masters
 and Adam moments on the GPU; "host" is what `--offload-optimizer` moves to each rank's share of
 CPU memory.
 
-| mode | recompute | offload | state | gathered | activations | headroom | **peak per GPU** | host per rank at the peak | {' | '.join(GPUS)} | all-gathered / step | reduce-scattered / step |
+| mode | recompute | offload | state | gathered | activations | headroom | **peak per GPU** | \
+host per rank at the peak | {' | '.join(GPUS)} | all-gathered / step | reduce-scattered / step |
 |---|---|---|---:|---:|---:|---:|---:|---:|{'---|' * len(GPUS)}---:|---:|""")
     for mode, recompute, offload, plan in rows:
         state = sum(v for k, v in plan.state.bytes_of().items() if k not in plan.state.on_host)

@@ -42,7 +42,8 @@ def base_model() -> GPTNeoXForCausalLM:
     return GPTNeoXForCausalLM(config)
 
 
-def windows(text: bytes, seq_len: int, rows: int, step: int, rank: int, world: int) -> torch.Tensor:
+def windows(text: bytes, seq_len: int, rows: int, step: int, rank: int,
+            world: int) -> torch.Tensor:
     """This rank's rows of the step's batch: byte windows at seeded offsets."""
     g = torch.Generator().manual_seed(step)
     starts = torch.randint(0, len(text) - seq_len - 1, (rows * world,), generator=g)
@@ -56,8 +57,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     if rank == 0:
         base.save_pretrained(out / "base")  # the weights the adapter is for
     model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
-                                            target_modules=["query_key_value", "dense", "dense_h_to_4h",
-                                                            "dense_4h_to_h"]))
+                                            target_modules=["query_key_value", "dense",
+                                                            "dense_h_to_4h", "dense_4h_to_h"]))
     layers = model.base_model.model.gpt_neox.layers
     sharded = zerocore.shard_model(model, layers, offload=zerocore.Offload(optimizer=True))
     optimizer = zerocore.optim.AdamW(model.parameters(), lr=args.lr)

@@ -87,7 +87,8 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=None,
                         help="processes to spawn (default: one per GPU with NCCL, else 2)")
     parser.add_argument("--steps", type=int, default=50, help="optimizer steps (default 50)")
-    parser.add_argument("--port", type=int, default=0, help="rendezvous port (default: a free one)")
+    parser.add_argument("--port", type=int, default=0,
+                        help="rendezvous port (default: a free one)")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
                         help="auto (default): nccl when a GPU is visible, else gloo")
     args = parser.parse_args()

@@ -19,7 +19,9 @@ from neox.config import PRESETS, NeoXConfig
 from neox.finetune_modes import MODES
 
 __all__ = ["DTYPES", "UsageError", "BlockRanges", "parse_layers", "add_model_arguments",
-           "preset_config", "resolve_dtype", "HelpFormatter", "Parser", "byte_budget", "VOCAB_MULTIPLE", "positive_int", "nonnegative_int", "finite_float", "nonnegative_float",
+           "preset_config", "resolve_dtype", "HelpFormatter", "Parser", "byte_budget",
+           "VOCAB_MULTIPLE", "positive_int", "nonnegative_int", "finite_float",
+           "nonnegative_float",
            "default_data_dir_flag", "add_mode_arguments", "add_step_arguments", "auto_mode",
            "FINETUNE_DEFAULT_MODE", "recompute_blocks", "ALL_BLOCKS"]
 

@@ -27,7 +27,8 @@ from neox.lora import merge_lora
 from neox.model import LayerKind, layer_specs
 from neox.recipe import RecipeError
 from neox.run_dir import TOKENIZER, TRAINABLE, OutputDirError
-from neox.trained import RunCheckpoint, checkpoint_tokenizer, open_run, run_checkpoint, trained_layers
+from neox.trained import (RunCheckpoint, checkpoint_tokenizer, open_run, run_checkpoint,
+                          trained_layers)
 from neox.weights import WeightsError, save_hf
 from neox.weights.hf import hf_key
 from zerocore.checkpoint import CheckpointError

@@ -110,7 +110,8 @@ def load_model(args: argparse.Namespace) -> Loaded:
         if tok_path is None:
             tok_path, looked = checkpoint_tokenizer(ckpt)
             if tok_path is None:
-                raise ValueError(f"the tokenizer of the run of {ckpt.path} was not found (looked in "
+                raise ValueError(f"the tokenizer of the run of {ckpt.path} was not found "
+                                 f"(looked in "
                                  f"{', '.join(str(p) for p in looked)}); pass --tokenizer FILE")
         model = trained_model(ckpt, dtype=dtype, device=device)
         loaded = Loaded(model, _tokenizer(tok_path), device, str(ckpt.path), ckpt.recipe)

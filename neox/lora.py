@@ -1,7 +1,7 @@
 """LoRA adapters for the linear projections of GPT-NeoX blocks.
 
-``LoRALinear`` replaces an ``nn.Linear`` and keeps its parameter names (``weight``, ``bias``), so the
-base checkpoint loads unchanged, and adds ``lora_A`` (r, in) and ``lora_B`` (out, r):
+``LoRALinear`` replaces an ``nn.Linear`` and keeps its parameter names (``weight``, ``bias``), so
+the base checkpoint loads unchanged, and adds ``lora_A`` (r, in) and ``lora_B`` (out, r):
 
     y = x W^T + b + (alpha / r) · x A^T B^T
 
@@ -65,7 +65,8 @@ def add_lora(module: nn.Module, targets: list[str], rank: int, alpha: float,
     unmatched = [t for t in targets if not any(r == t or r.endswith("." + t) for r in replaced)]
     if unmatched:
         raise ValueError(f"LoRA targets {unmatched} match no linear layer of the block; valid "
-                         f"targets: query_key_value, attention.dense, dense_h_to_4h, dense_4h_to_h")
+                         f"targets: query_key_value, attention.dense, dense_h_to_4h, "
+                         f"dense_4h_to_h")
     return replaced
 
 

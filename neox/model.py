@@ -28,7 +28,8 @@ from torch import nn
 from neox.config import SUPPORTED_ACTIVATIONS, NeoXConfig, normalize_filter_layers
 
 __all__ = ["KVCache", "Embedding", "Block", "FinalNorm", "Readout", "NeoXModel", "LayerKind",
-           "LayerSpec", "layer_specs", "build_layer", "build_layers", "init_weights", "ACTIVATIONS"]
+           "LayerSpec", "layer_specs", "build_layer", "build_layers", "init_weights",
+           "ACTIVATIONS"]
 
 LayerKind = Literal["embed", "block", "final_norm", "readout"]
 

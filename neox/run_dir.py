@@ -36,7 +36,8 @@ from zerocore.checkpoint import (CheckpointError, checkpoint_runs, incomplete_ch
 from zerocore.consolidate import TRAINABLE_FILE
 
 __all__ = ["OutputDirError", "OutputDirLock", "check_writable", "claim_output_dir",
-           "find_resume_checkpoint", "warn_incomplete", "MetricsFile", "RUN_FILE", "CHECKPOINTS", "METRICS",
+           "find_resume_checkpoint", "warn_incomplete", "MetricsFile", "RUN_FILE", "CHECKPOINTS",
+           "METRICS",
            "TRAINABLE", "HF_EXPORT", "TOKENIZER", "TOKENIZER_SHA256", "DATA_SHA256",
            "describe_os_error",
            "tokenizer_bytes", "write_tokenizer"]

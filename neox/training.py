@@ -56,7 +56,7 @@ class RunFailed(Exception):
         self.message = message
 
 
-# -- data -------------------------------------------------------------------------------------------
+# -- data -----------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
 class RunData:
@@ -148,7 +148,7 @@ def prepare_data(data: DataConfig, model: ModelRecipe, *, rank: int, log: Log,
     return zerocore.run_agreed(lambda: first if first is not None else load())
 
 
-# -- the model ----------------------------------------------------------------------------------------
+# -- the model ------------------------------------------------------------------------------------
 
 def weights_source(model: ModelRecipe, tokenizer: Any) -> tuple[NeoXConfig, WeightsReader]:
     """The configuration and the reader the layers come from (pretrained weights, or the
@@ -346,7 +346,7 @@ def restore_deepspeed(state: TrainState, checkpoint: Path, recipe: Recipe, *, ra
         f"samples the DeepSpeed run trained on may come again before the others")
 
 
-# -- training -------------------------------------------------------------------------------------------
+# -- training -------------------------------------------------------------------------------------
 
 @torch.no_grad()
 def evaluate(model: nn.Module, split: nd.WindowSplit, *, rank: int, world_size: int,
@@ -546,7 +546,7 @@ def _raise(error: BaseException | None) -> None:
         raise error
 
 
-# -- finishing ------------------------------------------------------------------------------------------
+# -- finishing ------------------------------------------------------------------------------------
 
 def write_trainable(state: TrainState, path: Path, *, rank: int) -> Path:
     """The trained parameters only (full tensors, fp32), in the file ``python -m

@@ -209,7 +209,8 @@ def worlds_by_size() -> Iterator[Callable[[int], World]]:
 # -- helpers for test functions running on a rank -------------------------------------------------
 
 def all_gather_flat(t: torch.Tensor) -> torch.Tensor:
-    """The concatenation, in rank order, of every rank's 1-D tensor ``t`` (same size everywhere)."""
+    """The concatenation, in rank order, of every rank's 1-D tensor ``t`` (same size
+    everywhere)."""
     t = t.detach().contiguous()
     out = torch.empty(t.numel() * dist.get_world_size(), dtype=t.dtype, device=t.device)
     dist.all_gather_into_tensor(out, t)

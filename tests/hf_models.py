@@ -70,9 +70,9 @@ def prepare(model: nn.Module, mode: str) -> nn.Module:
     """The model to train in ``mode``:
     full: every parameter; lora: PEFT LoRA adapters (r 4) on the attention and MLP projections,
     the rest frozen; lora-experts (MoE models): LoRA on the query and value projections and on
-    the experts' 3-D weights (``target_parameters``); biases: biases only (GPT-NeoX); norms: the norm weights and the tied
-    embedding only (Llama, which has no biases: trainable parameters in the root unit, one of
-    them tied to the head, and in every decoder layer)."""
+    the experts' 3-D weights (``target_parameters``); biases: biases only (GPT-NeoX); norms: the
+    norm weights and the tied embedding only (Llama, which has no biases: trainable parameters in
+    the root unit, one of them tied to the head, and in every decoder layer)."""
     if mode == "full":
         return model
     if mode in ("lora", "lora-experts"):

@@ -26,7 +26,7 @@ def random_hf_model(transformers, seed: int = 0, **config):
     return model
 
 
-# -- test data --------------------------------------------------------------------------------------
+# -- test data ------------------------------------------------------------------------------------
 # What lives in the repository (tests/data/README.md): enough for every test to run on a fresh
 # clone without ../shared and without network.
 DATA = Path(__file__).resolve().parent / "data"
@@ -51,7 +51,7 @@ def with_shared_data(fn):
     return fn
 
 
-# -- running the command-line tools -------------------------------------------------------------------
+# -- running the command-line tools ---------------------------------------------------------------
 REPO = Path(__file__).resolve().parent.parent
 CLI_TIMEOUT_S = 600
 

@@ -710,7 +710,7 @@ def test_runs_are_kept_apart(worlds, tmp_path):
     assert not [p for p in root.iterdir() if LEFTOVER.search(p.name)]
 
 
-# -- public entry points: run_agreed, iter_full_states ---------------------------------------------
+# -- public entry points: run_agreed, iter_full_states --------------------------------------------
 
 
 def _outcome(fn) -> tuple[str, ...]:

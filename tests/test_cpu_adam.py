@@ -24,7 +24,7 @@ import torch
 import zerocore  # noqa: F401  (registers torch.ops.zerocore)
 from zerocore import ops
 from zerocore._extension import _cpu_flags
-from test_ops import HYPER, SLACK, _assert_slack_untouched, _exact_adam, _placed, _randn
+from test_ops import HYPER, _assert_slack_untouched, _exact_adam, _placed, _randn
 
 ALL_ISAS = ["scalar", "avx2", "avx512"]
 RUNNABLE = ops._cpu_adam_isas()

@@ -28,7 +28,7 @@ def test_a_build_of_other_sources_is_stale(tmp_path):
     assert not _extension._prebuilt_is_stale(str(tmp_path))
 
 
-# -- the compile is never silent -------------------------------------------------------------------
+# -- the compile is never silent ------------------------------------------------------------------
 
 def test_compile_progress_says_each_file_and_keeps_talking_between(tmp_path):
     """What setup.py and the first-import compile show: a line as each object file appears, and

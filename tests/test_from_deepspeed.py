@@ -537,7 +537,6 @@ def test_resume_continues_as_deepspeed(worlds, name, world):
 def frozen_checked(rank: int, world: int, name: str, tamper: bool) -> str:
     """frozen="check": the model's own frozen weights (the base the run started from) are kept
     when they are the checkpoint's; one changed element on one rank is refused on every rank."""
-    import zerocore
     from zerocore.sharded_model import sharding_of
 
     model, optimizer = build(name)

@@ -41,7 +41,8 @@ def layers() -> list[nn.Module]:
 
 def local_batch(rank: int, world_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
-    x, y = torch.randn(4 * world_size, 11, generator=g), torch.randn(4 * world_size, 5, generator=g)
+    x, y = (torch.randn(4 * world_size, 11, generator=g),
+            torch.randn(4 * world_size, 5, generator=g))
     return x.chunk(world_size)[rank].half(), y.chunk(world_size)[rank]
 
 
@@ -98,7 +99,8 @@ def check_steps(histories: list[list[dict]], want: list[tuple[bool, float, float
             assert (h["skipped"], h["used_scale"], h["scale_after"]) == (skipped, used, after), \
                 (where, h)
             if skipped:
-                assert not any(h["changed"]), f"{where}: a skipped step changed the optimizer state"
+                assert not any(h["changed"]), \
+                    f"{where}: a skipped step changed the optimizer state"
                 assert math.isnan(h["grad_norm"]), where
             else:
                 assert all(h["changed"]), f"{where}: a step left some state unchanged"

@@ -215,7 +215,7 @@ def test_sharded_finetuning_matches_unsharded(world, mode):
         torch.testing.assert_close(r["losses"][0], r["base_loss"], **LOSS_TOL)
 
 
-# -- the CLI ---------------------------------------------------------------------------------------
+# -- the CLI --------------------------------------------------------------------------------------
 
 # Seconds one CLI run may take. A run takes seconds on an idle 2-core machine; this only bounds
 # a hang (a deadlocked collective) on a heavily loaded one.
@@ -416,7 +416,7 @@ def test_export_of_lora_is_merged_and_matches_the_lora_model(run_lora):
         torch.testing.assert_close(lora_model(ids), hf_logits, **LOGIT_TOL)
 
 
-# -- --help and bad inputs -------------------------------------------------------------------------
+# -- --help and bad inputs ------------------------------------------------------------------------
 
 def test_help_documents_every_flag(capsys):
     proc = run_main(capsys, "--help")

@@ -75,7 +75,8 @@ def test_filtered_blocks_map_to_their_positions():
 
 
 def test_a_block_not_kept_is_refused():
-    with pytest.raises(UsageError, match=r"block\(s\) \[0\] are not among the kept blocks \(1-3\)"):
+    with pytest.raises(UsageError,
+                       match=r"block\(s\) \[0\] are not among the kept blocks \(1-3\)"):
         _recipe("--model", "tiny", "--filter-layers", "1-3", "--activation-checkpointing", "0,2")
 
 

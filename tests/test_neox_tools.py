@@ -136,7 +136,7 @@ def test_every_flag_an_error_message_suggests_exists(capsys):
     assert not unknown, f"messages suggest flags no tool has: {unknown}"
 
 
-# -- every writer on a full disk: one line naming the path and the reason ---------------------------
+# -- every writer on a full disk: one line naming the path and the reason -------------------------
 # (The checkpoint writer's own full-disk tests are in test_checkpoint_manifest.py.)
 
 def _one_error_line(proc, path_prefix: str, reason: str) -> None:
@@ -230,7 +230,7 @@ def test_write_error_takes_any_librarys_exception(tmp_path):
     assert write_error("write", tmp_path / "z", made) is made
 
 
-# -- the edges of neox.evaluate and neox.generate: one line each -------------------------------------
+# -- the edges of neox.evaluate and neox.generate: one line each ----------------------------------
 
 def _one_line_error(proc, phrase: str) -> None:
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
@@ -268,7 +268,7 @@ def test_a_negative_temperature_is_refused(run, capsys):
         choose_token(torch.zeros(1, 4), temperature=-1.0, top_k=0, generator=None)
 
 
-# -- every flag of every tool is documented ----------------------------------------------------------
+# -- every flag of every tool is documented -------------------------------------------------------
 
 class _Parsed(Exception):
     def __init__(self, parser):

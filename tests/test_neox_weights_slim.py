@@ -119,7 +119,8 @@ _SPLIT_OTHER = {
 }
 
 
-def split_tensor(t: torch.Tensor, how: str, tp: int, parallel_residual: bool) -> list[torch.Tensor]:
+def split_tensor(t: torch.Tensor, how: str, tp: int,
+                 parallel_residual: bool) -> list[torch.Tensor]:
     if how == "rows":
         parts = t.chunk(tp, dim=0)
     elif how == "cols":

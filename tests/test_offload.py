@@ -150,7 +150,7 @@ def test_offload_pipeline_state(world):
                      "stale_after_step": True, "uploaded_after_forward": True}
 
 
-# -- the CUDA branches, run on the CPU with stand-in streams ---------------------------------------
+# -- the CUDA branches, run on the CPU with stand-in streams --------------------------------------
 
 class StandInEvent:
     """An event that is complete (the copies here are synchronous) but answers its first

@@ -335,7 +335,8 @@ def test_state_dict_has_torch_layout(dtype):
     ref_sd, sd = ref_opt.state_dict(), opt.state_dict()
     assert set(sd) == {"state", "param_groups"}
     assert set(sd["state"]) == set(ref_sd["state"]) == set(range(len(list(got.parameters()))))
-    assert [g["params"] for g in sd["param_groups"]] == [g["params"] for g in ref_sd["param_groups"]]
+    assert ([g["params"] for g in sd["param_groups"]]
+            == [g["params"] for g in ref_sd["param_groups"]])
     for mine, theirs in zip(sd["param_groups"], ref_sd["param_groups"]):
         for key in ("lr", "betas", "eps", "weight_decay"):
             assert mine[key] == theirs[key], key
@@ -396,7 +397,8 @@ def test_load_torch_state_dict_and_back():
     ref_losses = train(ref, ref_opt, batches[5:])
 
     got = make_model(11, "cpu")
-    opt = zo.AdamW(param_groups(got), lr=0.5, weight_decay=0.0)  # hyper-parameters come from the load
+    # hyper-parameters come from the load
+    opt = zo.AdamW(param_groups(got), lr=0.5, weight_decay=0.0)
     got.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
     losses = train(got, opt, batches[5:])
@@ -465,7 +467,8 @@ def test_load_mismatched_state_dict_raises_and_changes_nothing():
         with pytest.raises(ValueError, match=message):
             opt.load_state_dict(variant(edit))
         after = opt.state_dict()
-        assert [g["lr"] for g in after["param_groups"]] == [g["lr"] for g in before["param_groups"]]
+        assert ([g["lr"] for g in after["param_groups"]]
+                == [g["lr"] for g in before["param_groups"]])
         for idx, st in before["state"].items():
             for key, value in st.items():
                 assert torch.equal(after["state"][idx][key], value), (edit.__name__, idx, key)

@@ -84,7 +84,7 @@ def train(model, opt, data) -> list[float]:
     return losses
 
 
-# -- ordinary parameters ---------------------------------------------------------------------------
+# -- ordinary parameters --------------------------------------------------------------------------
 
 def test_overrides_are_the_torch_style_groups():
     stack = layers()
@@ -129,7 +129,7 @@ def test_state_dicts_keep_the_settings_and_refuse_others():
         plain.load_state_dict(saved)
 
 
-# -- zerocore.shard at world sizes 1-3 -------------------------------------------------------------
+# -- zerocore.shard at world sizes 1-3 ------------------------------------------------------------
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"ws{n}")
 def world(request, worlds):

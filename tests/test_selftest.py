@@ -1,5 +1,5 @@
-"""Tests of ``python -m zerocore.selftest`` on the CPU: it runs and passes here, it fails when an op
-is wrong (a wrong kernel handed to the checking function, never a patched torch), its CUDA
+"""Tests of ``python -m zerocore.selftest`` on the CPU: it runs and passes here, it fails when an
+op is wrong (a wrong kernel handed to the checking function, never a patched torch), its CUDA
 branch parses, plans and refuses cleanly without a GPU, and it exits with the right status.
 """
 
@@ -38,7 +38,8 @@ def test_quick_run_passes_and_prints_the_table(capsys):
 def test_command_exits_zero_and_finishes():
     """The module as a program, in a fresh interpreter (the engine checks need a process without
     a process group; this one is the real entry point)."""
-    proc = subprocess.run([sys.executable, "-m", "zerocore.selftest", "--quick", "--device", "cpu"],
+    proc = subprocess.run([sys.executable, "-m", "zerocore.selftest", "--quick",
+                           "--device", "cpu"],
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stdout + proc.stderr

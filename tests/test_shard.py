@@ -475,9 +475,9 @@ def test_padding_stays_zero(world, spec):
 
 # -- memory and communication accounting ---------------------------------------------------------
 
-# Linear(100, 100) layers: the weight (10,000) is aligned, the bias (100) pads to 112, and the group
-# rounds up to a multiple of 16·N: at most 10,128 elements for 10,100 parameters, 0.3%. (A layer
-# of a few hundred parameters would be padded by ~10% and could not be held to the formula.)
+# Linear(100, 100) layers: the weight (10,000) is aligned, the bias (100) pads to 112, and the
+# group rounds up to a multiple of 16·N: at most 10,128 elements for 10,100 parameters, 0.3%. (A
+# layer of a few hundred parameters would be padded by ~10% and could not be held to the formula.)
 WIDE = 100
 
 
@@ -574,7 +574,8 @@ def comm_one_step(rank: int, world_size: int, spec: Spec, keep_last: bool = True
 @pytest.mark.parametrize("spec", [Spec(), Spec(train="middle_frozen"),
                                   Spec(model="transformer", train="no_embedding",
                                        param_dtype=torch.bfloat16)],
-                         ids=["mlp-fp32", "mlp-middle-frozen", "transformer-frozen-embedding-bf16"])
+                         ids=["mlp-fp32", "mlp-middle-frozen",
+                              "transformer-frozen-embedding-bf16"])
 def test_comm_report(world, spec, keep_last):
     for r in world.run(comm_one_step, spec, keep_last):
         rep: zerocore.CommReport = r["report"]

@@ -19,7 +19,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import zerocore
@@ -338,7 +337,7 @@ def test_units_are_gathered_one_at_a_time(world, mode):
         assert abs(rep.ratio_to_prediction - 1) < 0.1, rep.table()
 
 
-# -- two forwards before one backward; bf16 ---------------------------------------------------------
+# -- two forwards before one backward; bf16 -------------------------------------------------------
 
 def two_forwards_run(rank: int, world_size: int) -> dict:
     model = prepare(build("neox"), "lora")

@@ -36,7 +36,8 @@ from zerocore.checkpoint import (CheckpointError, CheckpointWriteError,  # noqa:
 __version__ = "0.1.0"
 __all__ = ["BUILD", "ops", "optim", "reference", "shard", "ShardedSequential", "ShardParameter",
            "shard_model", "ShardedModel", "sharding_of",
-           "MixedPrecision", "Prefetch", "Offload", "Recompute", "FrozenWeights", "Comm", "LossScaling", "LossScaler", "StepResult",
+           "MixedPrecision", "Prefetch", "Offload", "Recompute", "FrozenWeights", "Comm",
+           "LossScaling", "LossScaler", "StepResult",
            "MemoryReport", "CommReport", "run_agreed", "PeerError", "PeerLost", "save_checkpoint",
            "load_checkpoint", "latest_checkpoint", "list_checkpoints", "checkpoint_runs",
            "incomplete_checkpoints", "IncompleteCheckpoint", "open_checkpoint", "read_manifest",

@@ -406,8 +406,8 @@ def _check_matches(path: Path, manifest: dict[str, Any], model: ShardedSequentia
             raise CheckpointError(f"{mf}: {problem}")
 
 
-def _restore(reader: ShardReader, model: ShardedSequential | ShardedModel, optimizer: torch.optim.Optimizer,
-             scaler: LossScaler | None) -> None:
+def _restore(reader: ShardReader, model: ShardedSequential | ShardedModel,
+             optimizer: torch.optim.Optimizer, scaler: LossScaler | None) -> None:
     """Copies a verified checkpoint into this rank's shards, optimizer and RNG."""
     manifest, rank = reader.manifest, model.rank
     model.release_gathered()  # gathered copies of the values about to change

@@ -466,7 +466,8 @@ class DeepSpeedCheckpoint:
                     f"{path}: partitioned over {count} ranks, but {n} ranks' files are here: "
                     f"the files of rank(s) {list(range(n, count)) or '?'} are missing or files "
                     f"of another save are mixed in")
-            steps = [_step(s.get("step", 0)) for s in osd["optimizer_state_dict"]["state"].values()]
+            steps = [_step(s.get("step", 0))
+                     for s in osd["optimizer_state_dict"]["state"].values()]
             steps0 = [_step(s.get("step", 0)) for s in
                       self.optim_states[0]["optimizer_state_dict"]["state"].values()]
             if steps != steps0:
@@ -688,8 +689,9 @@ def _adapter_config(ckpt: DeepSpeedCheckpoint, given: Path | None) -> bytes | No
         except ValueError as e:
             raise DeepSpeedCheckpointError(f"{path}: not JSON ({e})") from None
         if not isinstance(config, dict) or config.get("peft_type") != "LORA":
-            raise DeepSpeedCheckpointError(f"{path}: not a PEFT LoRA config (peft_type is "
-                                           f"{config.get('peft_type') if isinstance(config, dict) else None!r})")
+            raise DeepSpeedCheckpointError(
+                f"{path}: not a PEFT LoRA config (peft_type is "
+                f"{config.get('peft_type') if isinstance(config, dict) else None!r})")
         return raw
     return None
 
@@ -861,8 +863,10 @@ def load_deepspeed_checkpoint(path: str | Path, model: Any, optimizer: torch.opt
         if scaler is not None and ckpt.loss_scaler is not None and \
                 bool(ckpt.dynamic_loss_scale) != bool(scaler.dynamic):
             raise DeepSpeedCheckpointError(
-                f"{where}: the run's loss scale was {'dynamic' if ckpt.dynamic_loss_scale else 'static'}"
-                f", the scaler given is {'dynamic' if scaler.dynamic else 'static'}: make them agree")
+                f"{where}: the run's loss scale was "
+                f"{'dynamic' if ckpt.dynamic_loss_scale else 'static'}"
+                f", the scaler given is {'dynamic' if scaler.dynamic else 'static'}: "
+                f"make them agree")
         return ckpt
 
     ckpt = _agreed(verify, sharded.group)

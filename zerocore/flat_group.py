@@ -310,7 +310,7 @@ class FlatGroup:
         return {s.name: full[s.offset:s.offset + s.numel].view(s.shape).clone()
                 for s in self.layout.slots}
 
-    # -- int8 frozen weights (FrozenWeights) -------------------------------------------------------
+    # -- int8 frozen weights (FrozenWeights) ------------------------------------------------------
 
     def _quantized(self, values: torch.Tensor) -> torch.Tensor:
         """This rank's shard values (any float dtype) as one byte buffer: the int8 values, then

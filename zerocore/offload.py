@@ -93,7 +93,8 @@ class GradToHost:
 
     shard: ShardParameter
     values: torch.Tensor               # 1D, reduce dtype, shard_numel: on the host once copied
-    copied: torch.cuda.Event | None    # recorded after the device -> host copy; None: already there
+    copied: torch.cuda.Event | None    # recorded after the device -> host copy;
+                                       # None: already there
     owned: bool                        # values is its own buffer (see accumulate_grad)
 
     def ready(self) -> bool:

@@ -50,8 +50,8 @@ def grad_stats(grad: torch.Tensor, stats: torch.Tensor | None = None) -> torch.T
     """Accumulates gradient statistics without a host synchronisation.
 
     ``stats`` (fp32, shape [2], on grad's device; zeros if not given) gets ``stats[0] +=
-    sum(grad**2)`` and ``stats[1] = 1`` if any element of grad is inf or nan. Returns stats. Call it
-    on several shards with one ``stats`` and all-reduce (sum) that one tensor to get the global
+    sum(grad**2)`` and ``stats[1] = 1`` if any element of grad is inf or nan. Returns stats. Call
+    it on several shards with one ``stats`` and all-reduce (sum) that one tensor to get the global
     squared norm and a flag that every rank agrees on.
     """
     if stats is None:

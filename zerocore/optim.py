@@ -115,7 +115,8 @@ def _flat_views(flat: torch.Tensor, params: list[torch.nn.Parameter],
 
 class Adam(torch.optim.Optimizer):
     """Adam with L2 weight decay (``adamw=False``, like ``torch.optim.Adam``) or with decoupled
-    weight decay (``adamw=True``, like ``torch.optim.AdamW``), stepped by ``zerocore.ops.fused_adam``.
+    weight decay (``adamw=True``, like ``torch.optim.AdamW``), stepped by
+    ``zerocore.ops.fused_adam``.
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,

@@ -138,7 +138,8 @@ class MemoryPlan:
             total += f"  of {device_memory / GiB:.0f} GiB: {verdict}"
         lines.append(total)
         if self.host_peak:
-            lines.append(f"  {'host memory (offloaded state)':<42}{self.host_peak / GiB:10.2f} GiB")
+            lines.append(f"  {'host memory (offloaded state)':<42}"
+                         f"{self.host_peak / GiB:10.2f} GiB")
         lines.append(f"  peak: {self.peak_phase}")
         lines.append(f"  per step: all-gathered {self.all_gather_bytes / GiB:.2f} GiB, "
                      f"reduce-scattered {self.reduce_scatter_bytes / GiB:.2f} GiB")
@@ -216,7 +217,7 @@ class _LiveBytes(TorchDispatchMode):
         self.region_peak = self.live
 
 
-# -- the layers as the simulation runs them --------------------------------------------------------
+# -- the layers as the simulation runs them -------------------------------------------------------
 
 @dataclasses.dataclass
 class _Group:
@@ -259,7 +260,7 @@ def _plan_layer(module: nn.Module, index: int, world_size: int,
     return _Layer(index, module, groups, False)
 
 
-# -- the step --------------------------------------------------------------------------------------
+# -- the step -------------------------------------------------------------------------------------
 
 class _Output(torch.autograd.Function):
     """The stack's output as the loss sees it: like ``LayerFunction``'s, it needs a gradient

@@ -17,7 +17,8 @@ class MixedPrecision:
 
     param_dtype: dtype of the all-gathered parameters the layers compute with, of the shards that
         are all-gathered and of frozen shards. Trainable parameters always keep fp32 master
-        weights, and gradients always accumulate in fp32 (over micro-batches) in the gradient shard.
+        weights, and gradients always accumulate in fp32 (over micro-batches) in the gradient
+        shard.
     reduce_dtype: dtype in which gradients are reduce-scattered; None means param_dtype (as FSDP
         and DeepSpeed do: half the traffic of fp32 in fp16/bf16 training).
     """

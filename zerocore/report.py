@@ -84,9 +84,9 @@ def expected_traffic(layers: Sequence[Sequence[tuple[int, bool, int]]], *, reduc
 
     layers: each layer's flat groups as ``(padded_numel, trainable, bytes one gather moves)``
     (``FlatGroup.gather_bytes``: the param dtype's, or int8 values and scales). A layer is
-    gathered for forward, and again for backward unless no autograd node covers it (it comes before the
-    first layer with a trainable group) or it is kept gathered between the passes (the last
-    layer with ``Prefetch.keep_last``; ``kept``, the layers ``Prefetch.keep_gathered`` chose).
+    gathered for forward, and again for backward unless no autograd node covers it (it comes
+    before the first layer with a trainable group) or it is kept gathered between the passes (the
+    last layer with ``Prefetch.keep_last``; ``kept``, the layers ``Prefetch.keep_gathered`` chose).
     The frozen groups of ``kept`` layers stay gathered from step to step: they count nothing
     here (the step that first gathers them moves them once more). Trainable groups are
     reduce-scattered once."""

@@ -226,7 +226,8 @@ def check_fused_adam(device: torch.device, sizes: Sequence[int], *,
     copy_wrong = ""  # the first case whose model copy is not exactly the rounded master
     for case, (n, grad_dtype, copy_dtype, adamw, scale, misalign) in enumerate(_adam_cases(sizes)):
         where = (f"n={n} grad {DTYPE_NAMES[grad_dtype]} copy {DTYPE_NAMES[copy_dtype]} "
-                 f"{'adamw' if adamw else 'adam-l2'} x{scale:g}{' misaligned' if misalign else ''}")
+                 f"{'adamw' if adamw else 'adam-l2'} x{scale:g}"
+                 f"{' misaligned' if misalign else ''}")
         p, m, v = _adam_inputs(n, 1000 + case, device, misalign)
         copy_out = None if copy_dtype is None else torch.zeros(n, dtype=copy_dtype, device=device)
         ref_p, ref_m, ref_v = p.clone(), m.clone(), v.clone()

@@ -33,7 +33,8 @@ from zerocore.offload import GradToHost, accumulate_grad, start_grad_to_host
 from zerocore.recompute import ForwardState
 
 
-def _collect_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]:
+def _collect_params(
+        module: nn.Module) -> list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]:
     """(name, parameter, every (owner module, attribute) that holds it), in registration order;
     a parameter tied within the layer appears once with several owners."""
     by_id: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = {}
@@ -94,7 +95,8 @@ class ShardedLayer(nn.Module):
 
     def __init__(self, module: nn.Module, index: int, ctx: GroupContext, world_size: int,
                  read: RangeReader | None = None,
-                 params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] | None = None):
+                 params: list[tuple[str, nn.Parameter,
+                                    list[tuple[nn.Module, str]]]] | None = None):
         """read: where the values of meta parameters come from (``zerocore.MetaLayer``).
         params: (name, parameter, its (owner module, attribute) pairs) to shard, when not all of
         ``module``'s (``shard_model``'s root unit: what no other unit owns)."""
@@ -161,7 +163,8 @@ class ShardedLayer(nn.Module):
             g.wait_gather()
 
     def free(self) -> None:
-        """Frees the gathered buffers, except a resident frozen group's (Prefetch.keep_gathered)."""
+        """Frees the gathered buffers, except a resident frozen group's
+        (Prefetch.keep_gathered)."""
         for g in self.groups:
             g.free()
 

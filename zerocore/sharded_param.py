@@ -8,8 +8,8 @@ computes in fp16/bf16, ``model_copy`` is the same slice in that dtype, on the ma
 Keeping ``model_copy`` in step with the master:
 - ``zerocore.optim`` writes it in the same pass as it updates the master weights and then calls
   ``mark_model_copy_synced()``;
-- any other in-place writer of the master (``torch.optim.AdamW``, ``copy_`` under no_grad) bumps the
-  tensor's version counter, and ``refresh_model_copy()`` (called by the engine before every
+- any other in-place writer of the master (``torch.optim.AdamW``, ``copy_`` under no_grad) bumps
+  the tensor's version counter, and ``refresh_model_copy()`` (called by the engine before every
   all-gather) re-derives the copy.
 ``copy_generation`` increases whenever the copy changes, so a device-side mirror of it (CPU
 offload) knows when to fetch it again.

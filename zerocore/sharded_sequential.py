@@ -316,9 +316,10 @@ def shard(layers: Iterable[nn.Module], *, group: dist.ProcessGroup | None = None
 
     layers: an ``nn.Sequential``, ``nn.ModuleList``, list or any iterable of modules (a generator
         that builds each layer when asked keeps host memory near one layer), each mapping one
-        tensor to one tensor, identical on every rank (same structure, same initial values: seed every rank
-        alike or load the same checkpoint). Each layer's trainable parameters (``requires_grad`` now)
-        and frozen parameters become two flat groups of which this rank keeps 1/N; the modules
+        tensor to one tensor, identical on every rank (same structure, same initial values: seed
+        every rank alike or load the same checkpoint). Each layer's trainable parameters
+        (``requires_grad`` now) and frozen parameters become two flat groups of which this rank
+        keeps 1/N; the modules
         keep only their buffers. A ``zerocore.MetaLayer(module, read)`` in place of a layer has
         its meta parameters read by range: each rank reads only its shard's elements.
     group: the process group (default: the world). torch.distributed must be initialised; one

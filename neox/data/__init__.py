@@ -21,8 +21,9 @@ from neox.data.windows import TokenDataset, WindowSplit, batch
 from neox.data.sampler import WindowSampler, eval_batches
 
 __all__ = [
-    "BPE_SPECIAL_TOKENS", "Corpus", "DataError", "TINY_SHAKESPEARE_FILE", "TINY_SHAKESPEARE_SHA256",
-    "TINY_SHAKESPEARE_URL", "TokenDataset", "WindowSampler", "WindowSplit", "batch",
+    "BPE_SPECIAL_TOKENS", "Corpus", "DataError", "TINY_SHAKESPEARE_FILE",
+    "TINY_SHAKESPEARE_SHA256", "TINY_SHAKESPEARE_URL", "TokenDataset", "WindowSampler",
+    "WindowSplit", "batch",
     "check_vocab", "default_cache_dir", "default_data_dir", "encode_text", "eval_batches",
     "load_corpus", "load_tokenizer", "tokenizer_rows", "train_bpe",
 ]

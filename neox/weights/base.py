@@ -36,8 +36,8 @@ from torch import nn
 from neox.config import NeoXConfig
 from neox.model import LayerKind, LayerSpec, build_layer, layer_specs
 
-__all__ = ["WeightsError", "WeightsReader", "load_state_file", "layer_label", "contained", "materialize",
-           "iter_layers", "iter_layer_states", "meta_layer", "flat_range"]
+__all__ = ["WeightsError", "WeightsReader", "load_state_file", "layer_label", "contained",
+           "materialize", "iter_layers", "iter_layer_states", "meta_layer", "flat_range"]
 
 
 class WeightsError(ValueError):

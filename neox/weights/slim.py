@@ -20,8 +20,9 @@ GPT-NeoX-20B: L = 44, so files 00, 02..45, 47, 48 for ranks 00 and 01.
 How each tensor is merged (``BLOCK_RULES``):
 
 - Column-parallel linears (``attention.query_key_value``, ``mlp.dense_h_to_4h`` alias
-  ``mlp.linear1``, weight and bias), the vocabulary-parallel embedding and the column-parallel output layer: rank p holds
-  rows ``[p*n/tp, (p+1)*n/tp)`` of the output dimension, so the ranks are concatenated on dim 0.
+  ``mlp.linear1``, weight and bias), the vocabulary-parallel embedding and the column-parallel
+  output layer: rank p holds rows ``[p*n/tp, (p+1)*n/tp)`` of the output dimension, so the ranks
+  are concatenated on dim 0.
   The qkv rows of one rank are laid out per head as [q | k | v] (NeoX views the rank's output
   as ``(heads on the rank, 3 * head size)`` and splits the last axis), which is Hugging Face's
   ``query_key_value`` layout for those heads; concatenating the ranks gives Hugging Face's
@@ -318,8 +319,9 @@ class SlimReader(WeightsReader):
         # MLP has two possible names in the files.
         self._read_names: dict[tuple[LayerKind, int | None], dict[str, str]] = {}
         # The last layer's checked partitions, for the range reads that follow ``shapes``.
-        self._parts_cache: tuple[tuple[LayerKind, int | None],
-                                 dict[str, tuple[str, MergeRule, list[torch.Tensor]]]] | None = None
+        self._parts_cache: tuple[
+            tuple[LayerKind, int | None],
+            dict[str, tuple[str, MergeRule, list[torch.Tensor]]]] | None = None
         if not self._files:
             raise WeightsError(f"{self.path}: no layer_XX-model_YY-model_states.pt files")
 
