@@ -148,8 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
 # data a run trains are its identity: a resumed run must keep them. The others apply when
 # given on --resume, overriding the checkpoint's value with a log line.
 IDENTITY_FLAGS = ("checkpoint", "model", "filter_layers", "allow_outside_weights", "dtype",
-                  "frozen_weights", "seed", "finetune", "lora_rank", "lora_alpha", "lora_targets", "data",
-                  "tokenizer", "seq_len", "val_fraction")
+                  "frozen_weights", "seed", "finetune", "lora_rank", "lora_alpha", "lora_targets",
+                  "data", "tokenizer", "seq_len", "val_fraction")
 FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "lr": ("optim", "lr"), "warmup": ("optim", "warmup"),
     "weight_decay": ("optim", "weight_decay"), "betas": ("optim", "betas"),

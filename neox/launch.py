@@ -399,8 +399,8 @@ def _watch(procs: list[subprocess.Popen], links: list[socket.socket], stop_signa
             named = ", ".join(f"{r} (pid {procs[r].pid})" for r in lingering)
             print(f"error: rank {rank} lost contact with another rank after {timeout:g} s "
                   f"(--timeout); rank(s) {named} still ran {LOST_GRACE_S:g} s later: stopped "
-                  f"or hung, or waiting for one that is; the launcher killed them", file=sys.stderr,
-                  flush=True)
+                  f"or hung, or waiting for one that is; the launcher killed them",
+                  file=sys.stderr, flush=True)
         return EXIT_LOST_PEER
     if code != EXIT_REPORTED:  # 2: the rank said why, in one line
         print(f"error: rank {rank} (pid {procs[rank].pid}) {_exit_description(code)}"
@@ -409,7 +409,7 @@ def _watch(procs: list[subprocess.Popen], links: list[socket.socket], stop_signa
     return code if code > 0 else 128 - code
 
 
-# -- a rank ----------------------------------------------------------------------------------------
+# -- a rank ---------------------------------------------------------------------------------------
 
 # Marks a rank's command line (``ps``, tests), after ``-c`` and the bootstrap.
 RANK_MARKER = "neox-rank"

@@ -66,7 +66,7 @@ def test_dead_rank_gives_an_error_not_a_hang():
     assert seconds < BOUND_S
 
 
-# -- a stopped rank, a rank killed at chosen moments -----------------------------------------------
+# -- a stopped rank, a rank killed at chosen moments ----------------------------------------------
 
 def _die_in_probe(when: str) -> None:
     """Makes this process SIGKILL itself in the transport's probe: ``before-take`` once its

@@ -183,7 +183,7 @@ def test_a_fresh_run_refuses_another_runs_outputs_unless_told(cache, four_steps,
     assert metric_steps(out) == [1, 2, 3]
 
 
-# -- no orphans ------------------------------------------------------------------------------------
+# -- no orphans -----------------------------------------------------------------------------------
 
 # The bound: no process of the run may be left this many seconds after the launcher got
 # SIGKILL or SIGTERM. Measured from the signal (SIGTERM: the launcher's own shutdown included).
@@ -420,7 +420,7 @@ def test_an_unwritable_output_directory_is_found_before_the_data(capsys, tmp_pat
     assert "corpus:" not in proc.stdout  # before any data was prepared
 
 
-# -- divergence -------------------------------------------------------------------------------------
+# -- divergence -----------------------------------------------------------------------------------
 
 def test_a_diverging_run_stops_and_saves_nothing_non_finite(cache, tmp_path):
     import torch
@@ -439,7 +439,7 @@ def test_a_diverging_run_stops_and_saves_nothing_non_finite(cache, tmp_path):
                     assert torch.isfinite(layer["master"]).all(), rank_file
 
 
-# -- resume ---------------------------------------------------------------------------------------------
+# -- resume ---------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def four_steps(cache, tmp_path_factory) -> Path:
@@ -509,7 +509,7 @@ def test_a_kill_then_resume_keeps_every_step_once_and_is_bitwise_exact(cache, fo
     assert report.exact_continuations == 1, report
 
 
-# -- full disks and unwritable paths -------------------------------------------------------------------
+# -- full disks and unwritable paths --------------------------------------------------------------
 
 @pytest.fixture
 def small_disk(tmp_path):
@@ -570,7 +570,7 @@ def test_an_unwritable_result_file_is_one_line(cache, tmp_path):
     assert "[Errno" in proc.stderr
 
 
-# -- a manifest edited by hand ---------------------------------------------------------------------
+# -- a manifest edited by hand --------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def lora_checkpoint(cache, tmp_path_factory) -> Path:

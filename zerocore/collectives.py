@@ -636,7 +636,8 @@ def reduce_scatter_by_exchange(full: torch.Tensor, received: torch.Tensor,
 
 def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
                        counter: CommCounter) -> dist.Work | None:
-    """output (1D, full.numel() / world_size) <- the mean over ranks of this rank's slice of full."""
+    """output (1D, full.numel() / world_size) <- the mean over ranks of this rank's slice of
+    full."""
     counter.reduce_scatter_bytes += _nbytes(full)
     counter.reduce_scatter_calls += 1
     return _reduce_scatter_single(output, full, op=dist.ReduceOp.AVG, group=group,
