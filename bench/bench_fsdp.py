@@ -1,5 +1,6 @@
 """End-to-end training step of zerocore against PyTorch FSDP2, DeepSpeed ZeRO-3 and one unsharded
-process, 2 gloo ranks on the CPU, at three model sizes.
+process, 2 gloo ranks on the CPU, at three model sizes of residual MLP blocks (the default) or of
+GPT-NeoX blocks from neox at 128-512 tokens per sequence (``--sizes neox-...``, SIZES).
 
 Run (not part of the default test run):
 
@@ -77,12 +78,22 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from neox.config import NeoXConfig
+from neox.model import build_layer, init_weights
+
 WORLD_SIZE = 2
 # Model sizes, name -> (blocks, width); each block is width -> 4·width -> width. The issue's
 # three workloads: the engines' relative standing as the model grows (more blocks, or wider).
-SIZES = {"6x256": (6, 256), "12x256": (12, 256), "6x512": (6, 512)}
-# Tokens per rank per step, as (sequences, positions).
+SIZES = {"6x256": (6, 256), "12x256": (12, 256), "6x512": (6, 512),
+         # GPT-NeoX blocks from neox (attention + MLP, parallel residual, rotary), as users train
+         # them (issue 23, item 4): (blocks, hidden size), at the sequence length in NEOX_SEQ.
+         "neox-6x256-t128": (6, 256), "neox-6x256-t512": (6, 256), "neox-6x512-t256": (6, 512)}
+NEOX_SEQ = {"neox-6x256-t128": 128, "neox-6x256-t512": 512, "neox-6x512-t256": 256}
+NEOX_HEADS = 8
+# Tokens per rank per step, as (sequences, positions): the residual MLPs' shape; the GPT-NeoX
+# workloads keep 8 x 128 tokens per rank (sequences = 1024 / their length, at least 2).
 BATCH = (8, 16)
+NEOX_TOKENS = 1024
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 WARMUP = 3   # untimed steps: first-touch allocations, optimizer state creation, gloo set-up
 STEPS = 15   # timed steps
@@ -140,24 +151,46 @@ class Block(nn.Module):
         return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
 
 
-def make_layers(depth: int, width: int) -> list[nn.Module]:
+def neox_config(size: str) -> NeoXConfig:
+    depth, width = SIZES[size]
+    return NeoXConfig(vocab_size=2, hidden_size=width, num_hidden_layers=depth,
+                      num_attention_heads=NEOX_HEADS, intermediate_size=4 * width,
+                      max_position_embeddings=NEOX_SEQ[size])
+
+
+def _block(size: str) -> nn.Module:
+    width = SIZES[size][1]
+    if size in NEOX_SEQ:
+        return build_layer("block", neox_config(size))
+    return Block(width, 4 * width)
+
+
+def make_layers(size: str) -> list[nn.Module]:
     torch.manual_seed(0)  # the same initial weights on every rank and for every engine
-    return [Block(width, 4 * width) for _ in range(depth)]
+    layers = [_block(size) for _ in range(SIZES[size][0])]
+    if size in NEOX_SEQ:
+        gen = torch.Generator().manual_seed(0)
+        for layer in layers:
+            init_weights(layer, generator=gen)
+    return layers
 
 
-def block_numel(width: int) -> int:
-    with torch.device("meta"):  # counted without allocating or drawing random numbers
-        return sum(p.numel() for p in Block(width, 4 * width).parameters())
+def batch_shape(size: str) -> tuple[int, int]:
+    """(sequences, positions) per rank per step."""
+    if size in NEOX_SEQ:
+        return max(2, NEOX_TOKENS // NEOX_SEQ[size]), NEOX_SEQ[size]
+    return BATCH
 
 
 def num_params(size: str) -> int:
-    depth, width = SIZES[size]
-    return depth * block_numel(width)
+    with torch.device("meta"):  # counted without allocating or drawing random numbers
+        return SIZES[size][0] * sum(p.numel() for p in _block(size).parameters())
 
 
-def _batches(rank: int, width: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(rank: int, size: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own data, alike per engine
-    return [(torch.randn(*BATCH, width, generator=gen), torch.randn(*BATCH, width, generator=gen))
+    shape = (*batch_shape(size), SIZES[size][1])
+    return [(torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen))
             for _ in range(BATCHES)]
 
 
@@ -189,11 +222,11 @@ def deepspeed_config(size: str, per_layer: bool) -> dict[str, Any]:
     """
     zero: dict[str, Any] = {"stage": 3}
     if per_layer:
-        b = block_numel(SIZES[size][1])
+        b = num_params(size) // SIZES[size][0]  # one block
         zero.update(stage3_max_reuse_distance=0, stage3_max_live_parameters=2 * b,
                     stage3_prefetch_bucket_size=b)
     return {
-        "train_micro_batch_size_per_gpu": BATCH[0],
+        "train_micro_batch_size_per_gpu": batch_shape(size)[0],
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": ADAMW["lr"], "betas": list(ADAMW["betas"]),
                                                   "eps": ADAMW["eps"],
@@ -234,7 +267,7 @@ class _Zerocore(_Engine):
                  off: dict[str, Any] | None = None) -> None:
         import zerocore
 
-        self.model = zerocore.shard(make_layers(*SIZES[size]),
+        self.model = zerocore.shard(make_layers(size),
                                     prefetch=zerocore.Prefetch(keep_last=keep_last),
                                     offload=zerocore.Offload(optimizer=offload))
         for layer in self.model.layers:
@@ -261,7 +294,7 @@ class _Fsdp2(_Engine):
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (WORLD_SIZE,))
-        self.model = nn.Sequential(*make_layers(*SIZES[size]))
+        self.model = nn.Sequential(*make_layers(size))
         for layer in self.model:
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
@@ -283,7 +316,7 @@ class _Fsdp2(_Engine):
 
 class _Unsharded(_Engine):
     def __init__(self, size: str) -> None:
-        self.model = nn.Sequential(*make_layers(*SIZES[size]))
+        self.model = nn.Sequential(*make_layers(size))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), **ADAMW, fused=True)
         self.optimizer_kind = "torch.optim.AdamW(fused=True), 1 process"
 
@@ -303,7 +336,7 @@ class _DeepSpeed(_Engine):
         import deepspeed
 
         deepspeed.utils.logger.setLevel(logging.WARNING)  # its INFO lines, every step
-        model = nn.Sequential(*make_layers(*SIZES[size]))
+        model = nn.Sequential(*make_layers(size))
         self.model, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(),
             config=deepspeed_config(size, per_layer))
@@ -350,12 +383,12 @@ def _world_size(engine_name: str) -> int:
     return 1 if engine_name == "unsharded" else WORLD_SIZE
 
 
-def _rank_batches(engine_name: str, rank: int, width: int
+def _rank_batches(engine_name: str, rank: int, size: str
                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     if engine_name != "unsharded":
-        return _batches(rank, width)
+        return _batches(rank, size)
     # One process doing both ranks' work: their batches side by side, batch i of each.
-    every = [_batches(r, width) for r in range(WORLD_SIZE)]
+    every = [_batches(r, size) for r in range(WORLD_SIZE)]
     return [(torch.cat([b[i][0] for b in every]), torch.cat([b[i][1] for b in every]))
             for i in range(BATCHES)]
 
@@ -439,7 +472,7 @@ def _rank_main(rank: int, world_size: int, engine_name: str, size: str, port: in
 
         base_rss_kib = _status_kib("VmRSS")
         engine = _make_engine(engine_name, size)
-        batches = _rank_batches(engine_name, rank, SIZES[size][1])
+        batches = _rank_batches(engine_name, rank, size)
         gc.collect()  # the unsharded model built above is gone: measure training from here
         hwm_reset = _reset_peak_rss()
         conn.send(("ok", (engine.optimizer_kind, _cpu_s())))
@@ -664,10 +697,12 @@ def _size_lines(size: str, engines: list[EngineResult]) -> list[str]:
     by_name = {r.engine: r for r in engines}
     fsdp2, ds_layer, single = (by_name.get(n) for n in ("fsdp2", "deepspeed-per-layer",
                                                          "unsharded"))
-    lines = [f"### {size}: {depth} residual MLP blocks {width}->{4 * width}->{width}, "
-             f"Ψ = {psi:,} fp32 parameters",
+    what = (f"GPT-NeoX blocks from neox (hidden {width}, {NEOX_HEADS} heads, MLP {4 * width})"
+            if size in NEOX_SEQ else f"residual MLP blocks {width}->{4 * width}->{width}")
+    rows, seq = batch_shape(size)
+    lines = [f"### {size}: {depth} {what}, Ψ = {psi:,} fp32 parameters",
              "",
-             f"Batch {BATCH[0]}x{BATCH[1]} tokens per rank (the unsharded process: both ranks' "
+             f"Batch {rows}x{seq} tokens per rank (the unsharded process: both ranks' "
              f"batches); {WARMUP} warm-up + {STEPS} timed steps; 1 thread per process; 'a / b' "
              f"is rank 0 / rank 1.",
              "",
