@@ -200,18 +200,12 @@ def _gone_within_orphan_deadline(mark: str, signalled: float) -> list[int]:
 def test_ranks_do_not_outlive_their_launcher(cache, tmp_path, sig):
     out = tmp_path / "out"
     launcher, mark = start_marked(*args(cache, out, "--epochs", 50))
-    try:
+
+    def training() -> None:
         wait_for_steps(out, 2, launcher)
         ranks = rank_pids(launcher.pid)
         assert len(ranks) == 2, ranks
-        os.kill(launcher.pid, sig)
-        left = _gone_within_orphan_deadline(mark, time.monotonic())
-        _, stderr = launcher.communicate(timeout=60)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-        for pid in marked(mark):  # (so that a failure does not leave them running)
-            os.kill(pid, signal.SIGKILL)
+    left, stderr = _signal_launcher(launcher, mark, sig, when=training)
     assert not left, f"{len(left)} processes left {ORPHAN_DEADLINE_S} s after the {sig!r}"
     if sig == signal.SIGTERM:
         assert launcher.returncode == 128 + signal.SIGTERM
@@ -248,7 +242,8 @@ START_UP_MOMENTS = [0.2, 1.0, 5.0, "spawned"]
 def _kill_during_start_up(cache, out, sig, moment, nproc: int) -> tuple[list[int], str]:
     more = ["--nproc", nproc, "--oversubscribe"] if nproc > 2 else []
     launcher, mark = start_marked(*args(cache, out, "--epochs", 50, *more))
-    try:
+
+    def the_moment() -> None:
         if moment == "spawned":
             deadline = time.monotonic() + 120
             while len(rank_pids(launcher.pid)) < nproc:
@@ -258,6 +253,15 @@ def _kill_during_start_up(cache, out, sig, moment, nproc: int) -> tuple[list[int
         else:
             time.sleep(moment)
         assert launcher.poll() is None, launcher.communicate()
+    return _signal_launcher(launcher, mark, sig, when=the_moment)
+
+
+def _signal_launcher(launcher, mark, sig, *, when) -> tuple[list[int], str]:
+    """Waits for the moment (``when()``), sends ``sig`` to the launcher, and returns the run's
+    processes still alive ORPHAN_DEADLINE_S after it, and the launcher's stderr; whatever
+    happens, nothing of the run is left running afterwards."""
+    try:
+        when()
         os.kill(launcher.pid, sig)
         left = _gone_within_orphan_deadline(mark, time.monotonic())
         _, stderr = launcher.communicate(timeout=60)

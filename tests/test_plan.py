@@ -196,7 +196,12 @@ def measure_plain(rank: int, world_size: int, name: str) -> int:
 
 def _train_plain(name: str, peak: zerocore.PeakMemory) -> None:
     layers = plain_stack()
-    model = zerocore.shard(layers, **plain_policies(name, layers))
+    train_stack(zerocore.shard(layers, **plain_policies(name, layers)), peak, steps=1)
+
+
+def train_stack(model: nn.Module, peak: zerocore.PeakMemory, steps: int) -> None:
+    """A first step (nothing is created lazily after it), the peak's mark, then ``steps``
+    more steps of the stack's loss with zerocore's AdamW."""
     opt = zerocore.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step() -> None:
@@ -206,7 +211,8 @@ def _train_plain(name: str, peak: zerocore.PeakMemory) -> None:
 
     step()
     peak.mark()
-    step()
+    for _ in range(steps):
+        step()
 
 
 @pytest.mark.parametrize("name", sorted(PLAIN))
@@ -250,18 +256,7 @@ def mixed_policies(name: str) -> dict:
 
 def measure_mixed(rank: int, world_size: int, name: str) -> int:
     with zerocore.PeakMemory("cpu") as peak:
-        model = zerocore.shard(mixed_stack(), **mixed_policies(name))
-        opt = zerocore.optim.AdamW(model.parameters(), lr=1e-3)
-
-        def step() -> None:
-            plain_loss(model(torch.zeros(BATCH, SEQ, dtype=torch.long))).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        step()
-        peak.mark()
-        step()
-        step()
+        train_stack(zerocore.shard(mixed_stack(), **mixed_policies(name)), peak, steps=2)
     return peak.peak_bytes
 
 

@@ -346,7 +346,6 @@ class ShardedModel:
         self._kept = []
 
     def _enter_root(self) -> None:
-        self._refuse_graph_while_held()  # before any state changes
         self._ready(self.root)
         self.root.call = self._install(self.root, torch.is_grad_enabled())
 
@@ -379,6 +378,7 @@ class ShardedModel:
         # model's generate, say): the root is gathered for it and stays so (gathered afresh
         # once the optimizer changed it; freed by the model's next forward or backward).
         if self._depth == 0:
+            self._refuse_graph_while_held()
             self._enter_root()
 
     # -- generation ----------------------------------------------------------------------------
