@@ -7,6 +7,7 @@ rank. ``fn`` must be importable (a module-level function of a script run as ``__
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 from typing import Any, Callable
@@ -30,6 +31,7 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable[..., Any], args: t
     try:
         results.put((rank, fn(rank, world, *args)))
     finally:
+        gc.collect()  # free what holds the group first (see examples/train_mlp.py)
         dist.destroy_process_group()
 
 
