@@ -60,16 +60,8 @@ class LossScaler:
         unsharded model) if given."""
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         scale = self.loss_scale
-        comm_device = _comm_device(self.group, params)
-        stats = torch.zeros(2, dtype=torch.float32, device=comm_device)
-        for p in params:
-            if p.grad.device == stats.device:
-                ops.grad_stats(p.grad, stats)
-            else:  # offloaded gradients live on the CPU
-                stats += ops.grad_stats(p.grad).to(comm_device)
-        collectives.all_reduce_sum(stats, self.group, self.counter)
-        sum_sq, nonfinite = stats.tolist()  # the one host synchronisation of the step
-        if nonfinite > 0 or not math.isfinite(sum_sq):
+        sum_sq, nonfinite = global_grad_stats([p.grad for p in params], self.group, self.counter)
+        if nonfinite or not math.isfinite(sum_sq):
             self._update(overflow=True)
             return StepResult(float("nan"), True, scale)
         norm = math.sqrt(sum_sq) / scale
@@ -115,8 +107,21 @@ class LossScaler:
         self._good_steps = int(state["good_steps"])
 
 
-def _comm_device(group: dist.ProcessGroup, params: list[torch.Tensor]) -> torch.device:
-    """Where the statistics are all-reduced: beside the gradients when the group has a backend
-    for their device (offloaded ones are on the CPU), else on the group's CUDA device (NCCL
-    alone, as ``init_process_group()`` picks on a GPU machine)."""
-    return comm_device(group, params[0].grad.device if params else torch.device("cpu"))
+def global_grad_stats(grads: list[torch.Tensor], group: dist.ProcessGroup,
+                      counter: collectives.CommCounter) -> tuple[float, bool]:
+    """Collective: the sum of squares of every rank's ``grads`` and whether any element of them
+    is inf or nan, the same on every rank (one all-reduce, the one host synchronisation).
+
+    The statistics are all-reduced beside the gradients when the group has a backend for their
+    device (offloaded ones are on the CPU), else on the group's CUDA device (NCCL alone, as
+    ``init_process_group()`` picks on a GPU machine)."""
+    device = comm_device(group, grads[0].device if grads else torch.device("cpu"))
+    stats = torch.zeros(2, dtype=torch.float32, device=device)
+    for g in grads:
+        if g.device == device:
+            ops.grad_stats(g, stats)
+        else:
+            stats += ops.grad_stats(g).to(device)
+    collectives.all_reduce_sum(stats, group, counter)
+    sum_sq, nonfinite = stats.tolist()
+    return sum_sq, nonfinite > 0
