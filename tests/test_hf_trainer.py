@@ -26,6 +26,7 @@ peft = pytest.importorskip("peft")
 WORLD_SIZES = [1, 2, 3]
 GLOBAL_ROWS = 6  # rows per micro-batch over all ranks: 6, 3 or 2 per rank
 ROWS, SEQ, VOCAB = 48, 16, 64  # 48 rows: 4 steps of 2 micro-batches of 6 is one epoch
+EVAL_ROWS = 12  # evaluated 2 per batch per rank: the same rows at every world size
 LR = 1e-2
 # The tolerances of tests/test_shard_model.py, for its reasons (commented there): the same
 # fp32 operations in another order (per-rank means averaged, the fused kernel's rounding).
@@ -51,6 +52,7 @@ class Spec:
     steps: int = 4
     save_steps: int = 0       # 0: no checkpoints
     resume: bool = False      # resume from the checkpoint at step save_steps in out/
+    checkpointing: bool = False  # TrainingArguments(gradient_checkpointing=True), both sides
 
 
 def _model(mode: str) -> torch.nn.Module:
@@ -75,10 +77,12 @@ def _data() -> list[dict[str, torch.Tensor]]:
 def _args(out: str, world_size: int, spec: Spec) -> "transformers.TrainingArguments":
     return transformers.TrainingArguments(
         output_dir=out, per_device_train_batch_size=GLOBAL_ROWS // world_size,
+        per_device_eval_batch_size=2,
         gradient_accumulation_steps=2, max_steps=spec.steps, learning_rate=LR,
         weight_decay=0.1, adam_epsilon=EPS, max_grad_norm=MAX_GRAD_NORM[spec.mode],
         lr_scheduler_type="linear", warmup_steps=0, logging_steps=1,
         save_strategy="steps" if spec.save_steps else "no", save_steps=spec.save_steps or 500,
+        gradient_checkpointing=spec.checkpointing,
         report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0)
 
 
@@ -96,10 +100,12 @@ def reference(out: str, spec: Spec) -> dict:
     """The plain Trainer, unsharded, in this process."""
     model = _model(spec.mode)
     trainer = transformers.Trainer(model=model, args=_args(out, 1, spec), train_dataset=_data(),
+                                   eval_dataset=_data()[:EVAL_ROWS],
                                    data_collator=transformers.default_data_collator)
+    before = trainer.evaluate()["eval_loss"]
     trainer.train()
     losses, norms = _history(trainer)
-    return dict(losses=losses, norms=norms,
+    return dict(losses=losses, norms=norms, evals=[before, trainer.evaluate()["eval_loss"]],
                 params=_trained(dict(model.named_parameters()), spec.mode))
 
 
@@ -112,14 +118,16 @@ def sharded_run(rank: int, world_size: int, out: str, spec: Spec) -> dict:
     forwards = []  # the micro-batches this process trains on
     model.register_forward_pre_hook(lambda m, a: forwards.append(1) if m.training else None)
     trainer = ShardedTrainer(model=model, args=_args(out, world_size, spec),
-                             train_dataset=_data(),
+                             train_dataset=_data(), eval_dataset=_data()[:EVAL_ROWS],
                              data_collator=transformers.default_data_collator)
+    before = trainer.evaluate()["eval_loss"]
     trainer.train(resume_from_checkpoint=(f"{out}/checkpoint-{spec.save_steps}"
                                           if spec.resume else None))
+    after = trainer.evaluate()["eval_loss"]
     losses, norms = _history(trainer)
     full = trainer.sharding.full_state_dict(trainable_only=spec.mode == "lora", to_rank=0)
     trainer.save_model(f"{out}/export")
-    return dict(losses=losses, norms=norms, forwards=len(forwards),
+    return dict(losses=losses, norms=norms, forwards=len(forwards), evals=[before, after],
                 params=_trained(full, spec.mode) if rank == 0 else {})
 
 
@@ -129,9 +137,10 @@ def _assert_close_params(mine: dict, ref: dict) -> None:
         torch.testing.assert_close(mine[name], ref[name], **PARAM_TOL, msg=name)
 
 
-@pytest.mark.parametrize("mode", ["full", "lora"])
-def test_trainer_matches_unsharded_trainer(world, tmp_path, mode):
-    spec = Spec(mode=mode)
+@pytest.mark.parametrize("mode,checkpointing", [("full", False), ("lora", False), ("lora", True)],
+                         ids=["full", "lora", "lora-checkpointing"])
+def test_trainer_matches_unsharded_trainer(world, tmp_path, mode, checkpointing):
+    spec = Spec(mode=mode, checkpointing=checkpointing)
     ref = reference(str(tmp_path / "ref"), spec)
     results = world.run(sharded_run, str(tmp_path / "sharded"), spec, timeout=300)
     assert len(ref["losses"]) == spec.steps
@@ -143,6 +152,9 @@ def test_trainer_matches_unsharded_trainer(world, tmp_path, mode):
     assert bool((norms > MAX_GRAD_NORM[mode]).all()), norms  # clipping acted on every step
     torch.testing.assert_close(torch.tensor(results[0]["norms"]), norms, rtol=1e-4, atol=0.0)
     _assert_close_params(results[0]["params"], ref["params"])
+    for r in results:  # evaluate() before and after training, every rank the same
+        torch.testing.assert_close(torch.tensor(r["evals"]), torch.tensor(ref["evals"]),
+                                   **LOSS_TOL)
     # The export: what Trainer.save_model writes, loadable as users load it.
     export = tmp_path / "sharded" / "export"
     if mode == "lora":

@@ -51,9 +51,10 @@ CHECKPOINT_DIR = "zerocore"  # inside each checkpoint-N/ of Trainer
 
 
 class _TrainStep(nn.Module):
-    """What ``Trainer`` trains through: the sharded model itself, behind a module that is not
-    ``Trainer.model``, so that ``Trainer`` prepares only the optimizer with accelerate and does
-    not wrap the model in DistributedDataParallel (zerocore reduces the gradients)."""
+    """What ``Trainer`` trains and evaluates through: the sharded model itself, behind a module
+    that is not ``Trainer.model``, so that ``Trainer`` prepares only the optimizer with
+    accelerate: it neither wraps the model in DistributedDataParallel (zerocore reduces the
+    gradients) nor moves it."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -134,8 +135,8 @@ class ShardedTrainer(Trainer):
 
     def _wrap_model(self, model: nn.Module, training: bool = True,
                     dataloader: Any = None) -> nn.Module:
-        if not training:
-            return model  # evaluation: accelerate prepares it without DDP
+        # Also for evaluation: accelerate would otherwise prepare the model there, moving it to
+        # the device (offloaded shards too).
         if isinstance(model, _TrainStep):
             return model  # a later train() call
         return _TrainStep(model)
