@@ -13,9 +13,13 @@
 #                   copy and fused-Adam bandwidth
 #   4. CUDA tests   pytest tests -k cuda
 #   5. benchmarks   bench/bench_kernels.py, CUDA variants only
+#   6. example      examples/finetune_hf_trainer.py under torchrun on one GPU (Trainer, LoRA,
+#                   offload, gradient checkpointing, bf16): PEFT's reload must generate the
+#                   sharded model's line
 # Results go to bench/results/ (gpu_*) and, when $OUT is set, to $OUT after every step, so a run
 # cut short still returns what it did: the summary, the selftest's table, the test and benchmark
-# logs, the build log and a tarball of all gpu_* files (6 files, each far under 16 MiB).
+# logs, the example's log, the build log and a tarball of all gpu_* files (7 files, each far
+# under 16 MiB).
 #
 # A failing step is recorded and the next one runs; the exit status is 1 if any failed. Without a
 # GPU (torch sees none) this is a dry run: the GPU-only steps are skipped with a message, the
@@ -59,7 +63,7 @@ to_out() {
   local out
   out="$(cd "$OUT" && pwd)"
   cp "$SUMMARY" "$RES"/gpu_selftest.txt "$RES"/gpu_tests.log "$RES"/gpu_bench.log \
-    "$RES"/gpu_build.log "$out/" 2>/dev/null
+    "$RES"/gpu_build.log "$RES"/gpu_example.log "$out/" 2>/dev/null
   (cd "$RES" && tar -czf "$out/gpu_results.tar.gz" gpu_* 2>/dev/null)
   return 0
 }
@@ -221,6 +225,20 @@ else
     --benchmark-json="$RES/gpu_bench.json" --kernel-table="$RES/gpu_kernel_table.md"
   if [[ "$(tail -n 1 "$RES/gpu_bench.log")" != *passed* ]]; then
     failed+=("CUDA benchmarks (none ran)")
+  fi
+fi
+
+# 6. The Trainer example on one GPU (NCCL, bf16 where the GPU has it). In a dry run, its --help
+# (which imports transformers, peft and zerocore.hf_trainer).
+if ((DRY_RUN)); then
+  step "Trainer example (--help only)" 60 "$RES/gpu_example.log" \
+    "$PY" examples/finetune_hf_trainer.py --help
+else
+  step "Trainer example" 180 "$RES/gpu_example.log" \
+    "$PY" -m torch.distributed.run --nproc-per-node 1 examples/finetune_hf_trainer.py \
+    --steps 20 --out "$RES/gpu_hf_trainer"
+  if ! grep -q "same as the sharded model's: True" "$RES/gpu_example.log"; then
+    failed+=("Trainer example (PEFT's reload differs)")
   fi
 fi
 
