@@ -17,8 +17,11 @@ does through its own machinery for a replicated model is done here for a sharded
   lr, betas, eps and weight decay, and ``Trainer``'s own parameter groups: no decay for what
   ``Trainer.get_decay_parameter_names`` leaves out (biases and norms), as per-parameter
   overrides on the shards (``param_overrides``); ``optimizers=`` is refused;
-- ``max_grad_norm`` clips by the global norm over every rank's shards
-  (``ShardedModel.clip_grad_norm_``), which is what ``Trainer`` logs as ``grad_norm``;
+- ``max_grad_norm`` clips by the global norm over every rank's shards (what ``Trainer`` logs
+  as ``grad_norm``), inside the fused Adam kernel, through ``zerocore.LossScaler``;
+- ``fp16=True`` trains with fp16 parameters, fp32 masters and reduction, and DeepSpeed's
+  dynamic loss scaling (``zerocore.LossScaler``): an inf or nan gradient on any rank skips the
+  step on all, and the scheduler with it, as ``Trainer`` does with ``GradScaler``;
 - ``save_model`` gathers the shards onto rank 0 and writes what ``Trainer`` would: a PEFT model
   saves its adapter, any other model a Hugging Face directory;
 - a ``Trainer`` checkpoint (``checkpoint-N/``) holds that export, ``Trainer``'s own files
@@ -26,10 +29,9 @@ does through its own machinery for a replicated model is done here for a sharded
   (masters, Adam moments, steps: ``zerocore.save_checkpoint``); ``resume_from_checkpoint``
   restores from it at the same or another number of processes.
 
-Mixed precision is zerocore's (``shard_options["mixed_precision"]``): ``bf16=True`` without it
-shards with bf16 parameters and fp32 gradient reduction. ``fp16=True`` is refused: ``Trainer``
-would unscale through ``torch.amp.GradScaler``, which does not know flat shards; use bf16, or
-zerocore's own loop with ``zerocore.LossScaler``. Importing this module needs transformers.
+Mixed precision is zerocore's (``shard_options["mixed_precision"]``, else from ``bf16``/``fp16``:
+16-bit parameters, fp32 gradient reduction), never accelerate's autocast or ``GradScaler``
+(which know nothing of flat shards). Importing this module needs transformers and accelerate.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME
 
 import zerocore
+from zerocore.loss_scale import global_grad_stats
 from zerocore.sharded_model import ShardedModel
 
 CHECKPOINT_DIR = "zerocore"  # inside each checkpoint-N/ of Trainer
@@ -62,6 +65,38 @@ class _TrainStep(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """The loss unchanged forward (``Trainer`` logs it), its gradient times the loss scale
+    backward: fp16 loss scaling for every gradient below."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+class _ScaledStep(AcceleratedOptimizer):
+    """accelerate's optimizer wrapper (``Trainer`` calls ``step``, ``zero_grad`` and
+    ``step_was_skipped`` on it), stepping through ``ShardedTrainer._optimizer_step``. Made
+    here, without device placement: accelerate would otherwise copy the whole optimizer state
+    to the device and back (and offloaded state does not belong there)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, step: Any):
+        super().__init__(optimizer, device_placement=False)
+        self._step = step
+        self._is_accelerate_prepared = True  # Trainer's accelerator.prepare leaves it as it is
+
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            raise ValueError("ShardedTrainer's optimizer takes no closure")
+        if self.gradient_state.sync_gradients:
+            self._is_overflow = self._step()  # what step_was_skipped reports
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
@@ -105,19 +140,17 @@ class ShardedTrainer(Trainer):
                              "from TrainingArguments); pass a scheduler only as (None, scheduler)")
         if args is None:
             raise ValueError("ShardedTrainer: pass args=TrainingArguments(...)")
-        if args.fp16:
-            raise ValueError("ShardedTrainer: fp16=True is not supported (Trainer would unscale "
-                             "through torch.amp.GradScaler, which does not know flat shards); "
-                             "use bf16=True, or zerocore's own loop with zerocore.LossScaler")
         options = dict(shard_options or {})
-        if "mixed_precision" not in options and args.bf16:
-            # zerocore's mixed precision, not autocast: the gathered parameters are bf16 and
-            # the gradients are reduced in fp32, as DeepSpeed's bf16 mode does by default.
-            options["mixed_precision"] = zerocore.MixedPrecision(torch.bfloat16, torch.float32)
-        if args.bf16 and options["mixed_precision"].param_dtype != torch.bfloat16:
-            raise ValueError("ShardedTrainer: bf16=True but shard_options['mixed_precision'] "
-                             f"computes in {options['mixed_precision'].param_dtype}; make them "
-                             "agree")
+        wanted = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+        if "mixed_precision" not in options and wanted is not None:
+            # zerocore's mixed precision, not autocast: the gathered parameters are 16-bit and
+            # the gradients are reduced in fp32, as DeepSpeed does by default.
+            options["mixed_precision"] = zerocore.MixedPrecision(wanted, torch.float32)
+        dtype = options.get("mixed_precision", zerocore.MixedPrecision()).param_dtype
+        if dtype != (wanted or torch.float32):
+            raise ValueError(f"ShardedTrainer: TrainingArguments(bf16={args.bf16}, "
+                             f"fp16={args.fp16}) but shard_options['mixed_precision'] computes "
+                             f"in {dtype}; make them agree")
         # Trainer's parameter groups, decided on the unsharded model (it reads the parameters
         # that each module owns, which sharding takes away).
         self._decayed = set(self.get_decay_parameter_names(model))
@@ -126,7 +159,16 @@ class ShardedTrainer(Trainer):
             options["device"] = device
         self.sharding = zerocore.shard_model(
             model, default_units(model) if units is None else units, **options)
+        # Steps every optimizer step: clipping and unscaling folded into the fused kernel; with
+        # fp16 the dynamic loss scale and the skip of a step with an inf/nan gradient anywhere.
+        self.loss_scaler = zerocore.LossScaler(self.sharding.group, dynamic=dtype == torch.float16,
+                                               counter=self.sharding.counter)
+        self._grad_stats: tuple[float, bool] | None = None  # this step's, once computed
         super().__init__(model=model, args=args, **kwargs)
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        # zerocore computes in the sharded dtype itself: no autocast, no GradScaler.
+        return {**super()._build_accelerator_args(**kwargs), "mixed_precision": "no"}
 
     # -- what Trainer does to a replicated model, for a sharded one ---------------------------
 
@@ -150,10 +192,7 @@ class ShardedTrainer(Trainer):
                 lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
                 eps=args.adam_epsilon, weight_decay=args.weight_decay,
                 param_overrides=lambda name: None if name in decayed else {"weight_decay": 0.0})
-            # Wrapped here, without device placement: accelerate would otherwise copy the whole
-            # state to the device and back (and offloaded state does not belong there).
-            self.optimizer = AcceleratedOptimizer(optimizer, device_placement=False)
-            self.optimizer._is_accelerate_prepared = True
+            self.optimizer = _ScaledStep(optimizer, self._optimizer_step)
         return self.optimizer
 
     @property
@@ -161,13 +200,38 @@ class ShardedTrainer(Trainer):
         """The ``zerocore.optim.AdamW`` that steps the shards (under accelerate's wrapper)."""
         return self.optimizer.optimizer
 
+    def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                   num_items_in_batch=num_items_in_batch)
+        if not (self.loss_scaler.dynamic and torch.is_grad_enabled()):
+            return out
+        loss, rest = out if return_outputs else (out, None)
+        loss = _ScaleGrad.apply(loss, self.loss_scaler.loss_scale)
+        return (loss, rest) if return_outputs else loss
+
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
-        return self.sharding.clip_grad_norm_(self.args.max_grad_norm)
+        # Only measured here: the clipping happens in the step, inside the fused kernel.
+        return self._global_grad_norm()
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
-        if grad_norm is None:
-            grad_norm = self.sharding.clip_grad_norm_(float("inf"))
-        return grad_norm
+        return self._global_grad_norm() if grad_norm is None else grad_norm
+
+    def _global_grad_norm(self) -> torch.Tensor:
+        """Collective: the norm of the unscaled gradients over every rank's shards (nan when one
+        is inf or nan), the same on every rank; kept for this step's ``_optimizer_step``."""
+        grads = [s.grad for s in self.sharding.trainable_shards() if s.grad is not None]
+        self._grad_stats = global_grad_stats(grads, self.sharding.group, self.sharding.counter)
+        return torch.tensor(self.loss_scaler.grad_norm(*self._grad_stats))
+
+    def _optimizer_step(self) -> bool:
+        """Steps the shards; True when the step was skipped (fp16: a gradient overflowed)."""
+        if self._grad_stats is None:
+            self._global_grad_norm()
+        stats, self._grad_stats = self._grad_stats, None
+        max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else None
+        return self.loss_scaler.step_with_stats(self.zerocore_optimizer, *stats,
+                                                max_norm=max_norm).skipped
 
     # -- saving and resuming -------------------------------------------------------------------
 
@@ -184,7 +248,8 @@ class ShardedTrainer(Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         zerocore.save_checkpoint(Path(output_dir) / CHECKPOINT_DIR, self.state.global_step,
-                                 self.sharding, self.zerocore_optimizer, keep_last=0)
+                                 self.sharding, self.zerocore_optimizer, scaler=self.loss_scaler,
+                                 keep_last=0)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
@@ -197,7 +262,7 @@ class ShardedTrainer(Trainer):
         if checkpoint is None:
             return
         zerocore.load_checkpoint(_zerocore_checkpoint(checkpoint), self.sharding,
-                                 self.zerocore_optimizer)
+                                 self.zerocore_optimizer, scaler=self.loss_scaler)
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))

@@ -58,13 +58,25 @@ class LossScaler:
         """Steps ``optimizer`` unless some gradient anywhere is inf/nan; clips to ``max_norm``
         (global L2 norm over all ranks' shards, like ``torch.nn.utils.clip_grad_norm_`` on the
         unsharded model) if given."""
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        scale = self.loss_scale
-        sum_sq, nonfinite = global_grad_stats([p.grad for p in params], self.group, self.counter)
+        sum_sq, nonfinite = global_grad_stats(_grads(optimizer), self.group, self.counter)
+        return self.step_with_stats(optimizer, sum_sq, nonfinite, max_norm=max_norm)
+
+    def grad_norm(self, sum_sq: float, nonfinite: bool) -> float:
+        """The global norm of the unscaled gradients from ``global_grad_stats``' figures (nan
+        when a gradient is inf or nan)."""
         if nonfinite or not math.isfinite(sum_sq):
+            return float("nan")
+        return math.sqrt(sum_sq) / self.loss_scale  # (1 unless dynamic)
+
+    def step_with_stats(self, optimizer: torch.optim.Optimizer, sum_sq: float, nonfinite: bool,
+                        *, max_norm: float | None = None) -> StepResult:
+        """``step`` given ``global_grad_stats(...)`` of the optimizer's gradients, computed
+        already (``ShardedTrainer`` logs the norm before it steps)."""
+        scale = self.loss_scale
+        norm = self.grad_norm(sum_sq, nonfinite)
+        if math.isnan(norm):
             self._update(overflow=True)
-            return StepResult(float("nan"), True, scale)
-        norm = math.sqrt(sum_sq) / scale
+            return StepResult(norm, True, scale)
         clip = 1.0
         if max_norm is not None:
             clip = min(1.0, max_norm / (norm + 1e-6))  # the coefficient of clip_grad_norm_
@@ -74,8 +86,8 @@ class LossScaler:
             optimizer.step(inv_grad_scale=inv)
         else:
             if inv != 1.0:
-                for p in params:
-                    p.grad.mul_(inv)
+                for g in _grads(optimizer):
+                    g.mul_(inv)
             optimizer.step()
         self._update(overflow=False)
         return StepResult(norm, False, scale)
@@ -105,6 +117,10 @@ class LossScaler:
         self.loss_scale = float(state["loss_scale"])
         self._hysteresis_left = int(state["hysteresis_left"])
         self._good_steps = int(state["good_steps"])
+
+
+def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
 
 def global_grad_stats(grads: list[torch.Tensor], group: dist.ProcessGroup,

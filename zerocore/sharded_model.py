@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -39,7 +38,6 @@ from torch.utils import _pytree as pytree
 
 from zerocore.device import Platform
 from zerocore.flat_group import GroupState
-from zerocore.loss_scale import global_grad_stats
 from zerocore.policies import Comm, FrozenWeights, MixedPrecision, Offload, Prefetch
 from zerocore.report import MemoryReport
 from zerocore.sharded_layer import BackwardCoordinator, ShardedLayer
@@ -438,22 +436,6 @@ class ShardedModel:
         for layer in self.layers:
             for g in layer.groups:
                 yield g.shard
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Collective: the global L2 norm of the gradients over every rank's trainable shards
-        (what ``torch.nn.utils.clip_grad_norm_`` would return on the unsharded model); scales
-        them by ``max_norm / (norm + 1e-6)`` when that is below 1, as it does. Returns the norm
-        before clipping (a CPU scalar tensor; inf or nan if a gradient is). The same on every
-        rank: one all-reduce of the shards' sums of squares."""
-        grads = [s.grad for s in self.trainable_shards() if s.grad is not None]
-        sum_sq, nonfinite = global_grad_stats(grads, self.group, self.counter)
-        norm = torch.tensor(float("nan") if nonfinite else math.sqrt(sum_sq))
-        coef = max_norm / (float(norm) + 1e-6)  # the coefficient of clip_grad_norm_
-        if coef < 1.0:  # (False when the norm is nan: nothing is scaled, as torch does not)
-            for g in grads:
-                g.mul_(coef)
-        return norm
 
     def release_gathered(self) -> None:
         """Frees every gathered buffer (``load_checkpoint`` calls it)."""
