@@ -248,3 +248,51 @@ def test_fp16_with_loss_scaling(world, tmp_path):
     # Up to the injected step the runs are the same, bit for bit.
     torch.testing.assert_close(torch.tensor(hit[0]["losses"][:2]),
                                torch.tensor(clean[0]["losses"][:2]), rtol=0.0, atol=0.0)
+
+
+def _sft(out: str, world_size: int, sharded: bool) -> list[float]:
+    """TRL's SFTTrainer on pre-tokenized rows, plain or with ShardedTrainer mixed in first."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from tokenizers import Tokenizer, models
+    # SFTTrainer wants a tokenizer even for token ids: a word-level one over the vocabulary.
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)},
+                                                    unk_token="t0")),
+        pad_token="t0", eos_token="t1")
+    if sharded:
+        from zerocore.hf_trainer import ShardedTrainer
+
+        class ShardedSFTTrainer(ShardedTrainer, trl.SFTTrainer):
+            pass
+        cls = ShardedSFTTrainer
+    else:
+        cls = trl.SFTTrainer
+    rows = datasets.Dataset.from_list([{"input_ids": d["input_ids"].tolist()} for d in _data()])
+    config = trl.SFTConfig(output_dir=out, per_device_train_batch_size=GLOBAL_ROWS // world_size,
+                           gradient_accumulation_steps=2, max_steps=3, learning_rate=LR,
+                           adam_epsilon=EPS, max_grad_norm=MAX_GRAD_NORM["full"], seed=0,
+                           logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,
+                           # SFTConfig's defaults would be bf16 (autocast unsharded, bf16
+                           # parameters sharded: close, not equal); its gradient checkpointing
+                           # (on by default) stays.
+                           bf16=False)
+    trainer = cls(model=_model("full"), args=config, train_dataset=rows,
+                  processing_class=tokenizer)
+    trainer.train()
+    return _history(trainer)[0]
+
+
+def sft_run(rank: int, world_size: int, out: str) -> list[float]:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    return _sft(out, world_size, sharded=True)
+
+
+def test_trl_sft_trainer(world, tmp_path):
+    """TRL's SFTTrainer with ShardedTrainer mixed in (``class ShardedSFTTrainer(ShardedTrainer,
+    SFTTrainer)``) trains as the plain SFTTrainer does unsharded (its own loss and data
+    handling)."""
+    ref = _sft(str(tmp_path / "ref"), 1, sharded=False)
+    for losses in world.run(sft_run, str(tmp_path / "sharded"), timeout=300):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), **LOSS_TOL)

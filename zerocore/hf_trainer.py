@@ -29,6 +29,9 @@ does through its own machinery for a replicated model is done here for a sharded
   (masters, Adam moments, steps: ``zerocore.save_checkpoint``); ``resume_from_checkpoint``
   restores from it at the same or another number of processes.
 
+Trainers built on ``Trainer`` take it as a mixin, first: ``class ShardedSFTTrainer(ShardedTrainer,
+trl.SFTTrainer): pass`` trains with TRL's loss and data handling (tested).
+
 Mixed precision is zerocore's (``shard_options["mixed_precision"]``, else from ``bf16``/``fp16``:
 16-bit parameters, fp32 gradient reduction), never accelerate's autocast or ``GradScaler``
 (which know nothing of flat shards). Importing this module needs transformers and accelerate.
