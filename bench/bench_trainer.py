@@ -116,7 +116,10 @@ def train_once(engine: str, mode: str, world: int, args: argparse.Namespace,
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     wrapped = type(trainer.model_wrapped).__name__
-    optimizer = type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__module__
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # under accelerate's
+    optimizer = f"{type(inner).__module__.split('.')[0]}.{type(inner).__name__}"
+    if inner.param_groups[0].get("fused"):
+        optimizer += " (fused)"
     # Free the model and its collectives' buffers before the next engine (and before the
     # process group goes: see ranks.py).
     del trainer, model
