@@ -113,6 +113,8 @@ def train_once(engine: str, mode: str, world: int, args: argparse.Namespace,
         trainer = ShardedTrainer(model=model, **common)
     else:
         trainer = Trainer(model=model, **common)
+    # Its printed log lines (one per step, per rank) would bury the tables.
+    trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     wrapped = type(trainer.model_wrapped).__name__
@@ -152,6 +154,20 @@ def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def busy_seconds() -> float:
+    """CPU seconds every core of the machine has spent busy since boot (/proc/stat)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def own_seconds() -> float:
+    """CPU seconds of this process and its joined children (the ranks)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -174,6 +190,8 @@ def main() -> None:
 
     load_before = load_average()
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    # The cores that other work kept busy meanwhile: the machine's busy time less our own.
+    busy0, own0, wall0 = busy_seconds(), own_seconds(), time.monotonic()
     with tempfile.TemporaryDirectory() as checkpoint:
         torch.manual_seed(0)
         model = GPTNeoXForCausalLM(config(args.layers, args.hidden))
@@ -183,6 +201,7 @@ def main() -> None:
         args.checkpoint = checkpoint
         per_rank = run_ranks(rank_main, args.nproc, args)
     load_after = load_average()
+    other = ((busy_seconds() - busy0) - (own_seconds() - own0)) / (time.monotonic() - wall0)
 
     cpu = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"],
                          capture_output=True, text=True).stdout.strip() or platform.machine()
@@ -192,7 +211,8 @@ def main() -> None:
     print(f"# GPT-NeoX {args.layers} layers, hidden {args.hidden}, vocabulary {VOCAB}: "
           f"{n_params:,} parameters, fp32; {args.nproc} gloo ranks x {ROWS} x {SEQ} tokens; "
           f"{args.warmup} warm-up + {args.steps} timed steps, {args.repeats} repeats per engine")
-    print(f"# load average (1, 5, 15 min) before {load_before}, after {load_after}")
+    print(f"# load average (1, 5, 15 min) before {load_before}, after {load_after}; other work "
+          f"kept {max(other, 0.0):.2f} cores busy on average during the run")
     print()
     print("| mode | engine | Trainer's model / optimizer | step ms per repeat, median of the "
           "slower rank | median of repeats | tokens/s | / FSDP2 |")
