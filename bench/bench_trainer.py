@@ -106,6 +106,9 @@ def train_once(engine: str, mode: str, world: int, args: argparse.Namespace,
         # No parameter is unused; DDP's search for them would be a cost of the flag, not of DDP.
         ddp_find_unused_parameters=False)
     timer = StepTimer()
+    # This rank's CPU time (all its threads, gloo's included) and the machine's busy time over
+    # the run: with the other rank's CPU time, what other work took meanwhile.
+    busy0, cpu0, wall0 = busy_seconds(), time.process_time(), time.perf_counter()
     common = dict(args=targs, train_dataset=data, callbacks=[timer],
                   data_collator=transformers.default_data_collator)
     if engine == "zerocore":
@@ -116,6 +119,8 @@ def train_once(engine: str, mode: str, world: int, args: argparse.Namespace,
     # Its printed log lines (one per step, per rank) would bury the tables.
     trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
     trainer.train()
+    usage = dict(busy=busy_seconds() - busy0, cpu=time.process_time() - cpu0,
+                 wall=time.perf_counter() - wall0)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     wrapped = type(trainer.model_wrapped).__name__
     inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # under accelerate's
@@ -127,7 +132,7 @@ def train_once(engine: str, mode: str, world: int, args: argparse.Namespace,
     del trainer, model
     gc.collect()
     return dict(times=timer.times[args.warmup:], losses=losses, wrapped=wrapped,
-                optimizer=optimizer)
+                optimizer=optimizer, usage=usage)
 
 
 def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
@@ -215,8 +220,9 @@ def main() -> None:
           f"kept {max(other, 0.0):.2f} cores busy on average during the run")
     print()
     print("| mode | engine | Trainer's model / optimizer | step ms per repeat, median of the "
-          "slower rank | median of repeats | tokens/s | / FSDP2 |")
-    print("|---|---|---|---|---:|---:|---:|")
+          "slower rank | median of repeats | tokens/s | / FSDP2: median (per repeat) | other "
+          "load per repeat (cores) |")
+    print("|---|---|---|---|---:|---:|---:|---|")
     medians: dict = {}
     for mode in args.modes:
         for engine in args.engines:
@@ -233,9 +239,15 @@ def main() -> None:
                 ratio = (f"{statistics.median(ratios):.3f} "
                          f"({', '.join(f'{x:.3f}' for x in ratios)})")
             first = per_rank[0][(mode, engine)][0]
+            others = []
+            for ranks in zip(*(r[(mode, engine)] for r in per_rank)):
+                u = ranks[0]["usage"]  # the machine's busy time, as rank 0 saw it
+                own = sum(x["usage"]["cpu"] for x in ranks)
+                others.append(max(u["busy"] - own, 0.0) / u["wall"])
             print(f"| {mode} | {engine} | {first['wrapped']} / {first['optimizer']} | "
                   f"{', '.join(f'{x * 1e3:.1f}' for x in per_rep)} | {mid * 1e3:.1f} | "
-                  f"{tokens / mid:,.0f} | {ratio} |")
+                  f"{tokens / mid:,.0f} | {ratio} | "
+                  f"{', '.join(f'{x:.2f}' for x in others)} |")
     print()
     for mode in args.modes:
         ref = per_rank[0][(mode, args.engines[0])][0]["losses"]
