@@ -40,7 +40,6 @@ import gc
 import os
 import platform
 import statistics
-import subprocess
 import tempfile
 import time
 
@@ -208,8 +207,11 @@ def main() -> None:
     load_after = load_average()
     other = ((busy_seconds() - busy0) - (own_seconds() - own0)) / (time.monotonic() - wall0)
 
-    cpu = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"],
-                         capture_output=True, text=True).stdout.strip() or platform.machine()
+    cpu = platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), cpu)
     tokens = args.nproc * ROWS * SEQ  # per optimizer step, all ranks together
     print(f"# {started}; {cpu}, {os.cpu_count()} CPUs; torch {torch.__version__}, transformers "
           f"{transformers.__version__}, accelerate {accelerate.__version__}")
