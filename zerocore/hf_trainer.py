@@ -27,7 +27,8 @@ does through its own machinery for a replicated model is done here for a sharded
 - a ``Trainer`` checkpoint (``checkpoint-N/``) holds that export, ``Trainer``'s own files
   (state, scheduler, RNG) and zerocore's sharded checkpoint in ``checkpoint-N/zerocore/``
   (masters, Adam moments, steps: ``zerocore.save_checkpoint``); ``resume_from_checkpoint``
-  restores from it at the same or another number of processes.
+  restores from it at the same or another number of processes, and ``load_best_model_at_end``
+  loads the best one's weights.
 
 Trainers built on ``Trainer`` take it as a mixin, first: ``class ShardedSFTTrainer(ShardedTrainer,
 trl.SFTTrainer): pass`` trains with TRL's loss and data handling (tested).
@@ -269,6 +270,13 @@ class ShardedTrainer(Trainer):
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+
+    def _load_best_model(self) -> None:
+        # load_best_model_at_end: the best checkpoint's weights (and its optimizer state, which
+        # training no longer needs), from its zerocore checkpoint, on every rank.
+        zerocore.load_checkpoint(_zerocore_checkpoint(self.state.best_model_checkpoint),
+                                 self.sharding, self.zerocore_optimizer, scaler=self.loss_scaler)
 
 
 def _is_peft(model: nn.Module) -> bool:
