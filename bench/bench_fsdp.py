@@ -118,14 +118,13 @@ ZEROCORE_VARIANTS = {
     "zerocore-no-keep-last": {"keep_last": False},
     "zerocore-offload": {"offload": True},
     "zerocore-before": {},
-    # Communication optimisations turned off (FlatGroup attributes; tests/test_overlap.py), for
-    # before/after comparisons in one run: all of them (gloo's broadcasts and all-reduce, the
-    # engine before issue 15); gathers and reductions by gloo, reductions by exchanging halves;
+    # The slower ways of moving parameters and gradients (zerocore.Comm; zerocore/transport.py),
+    # for before/after comparisons in one run: gloo's collectives only (broadcasts and an
+    # all-reduce, the engine before issue 15); gathers by gloo, reductions by exchanging halves;
     # gathers by reading the other ranks' memory, reductions by exchanging halves.
-    "zerocore-gloo": {"off": {"gather_by_reading": False, "reduce_by_reading": False,
-                              "reduce_by_exchange": False}},
-    "zerocore-exchange": {"off": {"gather_by_reading": False, "reduce_by_reading": False}},
-    "zerocore-read-gathers": {"off": {"reduce_by_reading": False}},
+    "zerocore-gloo": {"comm": {"gather": "collective", "reduce": "collective"}},
+    "zerocore-exchange": {"comm": {"gather": "collective", "reduce": "exchange"}},
+    "zerocore-read-gathers": {"comm": {"reduce": "exchange"}},
 }
 ALL_ENGINES = ["fsdp2", "zerocore", "deepspeed", "unsharded", "deepspeed-per-layer",
                *[name for name in ZEROCORE_VARIANTS if name != "zerocore"]]
@@ -264,16 +263,13 @@ class _Engine:
 
 class _Zerocore(_Engine):
     def __init__(self, size: str, keep_last: bool = True, offload: bool = False,
-                 off: dict[str, Any] | None = None) -> None:
+                 comm: dict[str, Any] | None = None) -> None:
         import zerocore
 
         self.model = zerocore.shard(make_layers(size),
                                     prefetch=zerocore.Prefetch(keep_last=keep_last),
-                                    offload=zerocore.Offload(optimizer=offload))
-        for layer in self.model.layers:
-            for group in layer.groups:
-                for name, value in (off or {}).items():
-                    setattr(group, name, value)
+                                    offload=zerocore.Offload(optimizer=offload),
+                                    comm=zerocore.Comm(**(comm or {})))
         self.optimizer = zerocore.optim.AdamW(self.model.parameters(), **ADAMW)
         self.optimizer_kind = "zerocore.optim.AdamW (fused kernel)"
 

@@ -105,7 +105,7 @@ def _training_rank(rank: int, world: int, port: int, tmpdir: str, die_in_probe: 
     try:
         model = zerocore.shard([nn.Linear(64, 64) for _ in range(3)],
                                comm=zerocore.Comm(timeout=TIMEOUT_S))
-        reading = model.layers[0].groups[0].gather_by_reading
+        reading = model.layers[0].groups[0].gather.name == "read"
         for _ in range(3):
             model(torch.randn(4, 64)).sum().backward()
         results.put(("ready", rank, os.getpid(), reading))
@@ -251,7 +251,7 @@ def _fallback_rank(rank: int, port: int, refuse: int | None, stderr: str, result
     for _ in range(3):
         model(x).sum().backward()
     sys.stderr.flush()
-    results.put((rank, model.layers[0].groups[0].gather_by_reading))
+    results.put((rank, model.layers[0].groups[0].gather.name == "read"))
     dist.destroy_process_group()
 
 

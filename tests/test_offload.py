@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import zerocore
-from zerocore import collectives
+from zerocore import collectives, transport
 from test_shard import (Spec, accumulate_step, full_params, global_batch, loss_fn,
                         make_layers)
 
@@ -256,7 +256,9 @@ def digest_with_stand_in_streams(rank: int, world_size: int, spec: Spec) -> dict
     for layer in model.layers:
         for g in layer.groups:
             g.ctx = dataclasses.replace(g.ctx, streams=StandInStreams(log))
-            g._gloo = False
+            # NCCL's ways (zerocore/transport.py) on the gloo group.
+            route = dataclasses.replace(g.gather.route, gloo=False)
+            g.gather, g.reduce = transport.Gather(route), transport.Reduce(route)
             offloaded += g.trainable
     with stand_in_cuda(log):
         out = train_digest(model, spec, rank, world_size)

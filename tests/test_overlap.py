@@ -1,19 +1,20 @@
-"""The engine's communication optimisations change when and how values move, never a bit of what
-is computed: each one, on the CPU over gloo, gives bitwise the results of the path it replaced.
+"""The ways parameters and gradients travel (zerocore/transport.py, chosen by ``zerocore.Comm``)
+change when and how values move, never a bit of what is computed: each one, on the CPU over
+gloo, gives bitwise the results of every other.
 
-- Two gloo ranks reduce gradients by exchanging halves (``collectives.
-  reduce_scatter_by_exchange``) instead of all-reducing the whole packed buffer
-  (``FlatGroup.reduce_by_exchange``): with two summands the order of an addition does not
-  change its result, so the mean is the all-reduce's to the bit.
+- Two gloo ranks reduce gradients by exchanging halves (``Comm(reduce="exchange")``,
+  ``collectives.reduce_scatter_by_exchange``) instead of all-reducing the whole packed buffer
+  (``"collective"``): with two summands the order of an addition does not change its result,
+  so the mean is the all-reduce's to the bit.
 - Ranks of one host that may read each other's memory gather by reading the others' slices
-  out of their gathered buffers (``FlatGroup.gather_by_reading``: data movement only), and two
-  of them reduce by reading the other's contribution (``FlatGroup.reduce_by_reading``: the
-  exchange's sum), instead of gloo's broadcasts and exchanges (``collectives.PeerMemory``).
+  out of their gathered buffers (``Comm(gather="read")``: data movement only), and two of them
+  reduce by reading the other's contribution (``Comm(reduce="read")``: the exchange's sum),
+  instead of gloo's broadcasts and exchanges (``collectives.PeerMemory``).
 
-Each optimisation is a public attribute of ``FlatGroup`` that is on by default where it applies;
-the tests turn it off on one model and compare it with a default one trained alike, at world
-sizes 1-3 (where an optimisation does not apply, both runs take the same path and must agree
-trivially), over several steps with accumulation, clipping, bf16 and offload.
+The default (``"auto"``) takes the fastest way that applies; the tests train a model with each
+way asked for by name and compare it with a default one trained alike, at world sizes 1-3, over
+several steps with accumulation, clipping, bf16 and offload. Where a way does not apply, asking
+for it is refused on every rank.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import torch.distributed as dist
 
 import zerocore
 from zerocore import collectives
-from test_offload import build, train_digest
-from test_shard import Spec
+from test_offload import train_digest
+from test_shard import Spec, make_layers
 
 WORLD_SIZES = [1, 2, 3]
 
@@ -37,13 +38,17 @@ def world(request, worlds):
     return worlds(request.param)
 
 
-# The FlatGroup attribute of each optimisation, its value when turned off, and the world sizes
-# where it is on by default (this machine's ranks may read each other's memory: root, one
-# host; elsewhere the reading ones may be off, which the test then says).
-OPTIMISATIONS = {"gather_by_reading": False, "reduce_by_reading": False,
-                 "reduce_by_exchange": False}
-APPLIES = {"gather_by_reading": lambda n: n >= 2, "reduce_by_reading": lambda n: n == 2,
-           "reduce_by_exchange": lambda n: n == 2}
+# Each way by name: its Comm arguments, and at which world sizes it applies on gloo (the
+# reading ones where these ranks may read each other's memory: root, one host; elsewhere they
+# are refused, which the test then says).
+WAYS = {
+    "gather-collective": (dict(gather="collective"), lambda n: True),
+    "gather-read": (dict(gather="read"), lambda n: n >= 2),
+    "reduce-collective": (dict(reduce="collective"), lambda n: True),
+    "reduce-exchange": (dict(reduce="exchange"), lambda n: n == 2),
+    "reduce-read": (dict(reduce="read"), lambda n: n == 2),
+    "all-collective": (dict(gather="collective", reduce="collective"), lambda n: True),
+}
 
 CASES = {
     "mlp-fp32-micro2-clip": Spec(model="mlp", steps=4, micro=2, max_norm=0.05),
@@ -53,51 +58,45 @@ CASES = {
 }
 
 
-def turn_off(model: zerocore.ShardedSequential, names: list[str]) -> int:
-    """Turns the named optimisations off on every group; returns how many groups had one on."""
-    changed = 0
-    for layer in model.layers:
-        for g in layer.groups:
-            for name in names:
-                if getattr(g, name) != OPTIMISATIONS[name]:
-                    changed += 1
-                setattr(g, name, OPTIMISATIONS[name])
-    return changed
+def digest_with(rank: int, world_size: int, spec: Spec, comm: dict) -> dict:
+    try:
+        model = zerocore.shard(make_layers(spec),
+                               mixed_precision=zerocore.MixedPrecision(spec.param_dtype),
+                               offload=zerocore.Offload(optimizer=spec.offload),
+                               comm=zerocore.Comm(**comm))
+    except ValueError as e:
+        return dict(refused=str(e))
+    ways = model.comm_report().ways
+    return dict(train_digest(model, spec, rank, world_size), ways=ways, refused=None)
 
 
-def digest_without(rank: int, world_size: int, spec: Spec, names: list[str]) -> dict:
-    model = build(spec)
-    changed = turn_off(model, names)
-    return dict(train_digest(model, spec, rank, world_size), changed=changed)
-
-
-def world_digest(world, spec: Spec, names: list[str]) -> tuple[str, int]:
-    results = world.run(digest_without, spec, names)
-    digest = hashlib.sha256("".join(r["digest"] for r in results).encode()).hexdigest()
-    return digest, sum(r["changed"] for r in results)
+def world_digest(world, spec: Spec, comm: dict) -> tuple[str | None, list[dict]]:
+    results = world.run(digest_with, spec, comm)
+    if any(r["refused"] for r in results):
+        return None, results
+    return hashlib.sha256("".join(r["digest"] for r in results).encode()).hexdigest(), results
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("optimisation", sorted(OPTIMISATIONS) + ["all"])
-def test_optimisation_is_bitwise_neutral(world, case, optimisation):
+@pytest.mark.parametrize("way", sorted(WAYS))
+def test_every_way_gives_the_same_bits(world, case, way):
     """Losses, gradient shards before every step, gradient norms and final weights: bitwise the
-    same with the optimisation (the default) as without it; "all": with every one turned off
-    (the engine's gloo collectives before them)."""
+    same with the way asked for as with the default; a way that does not apply is refused."""
     spec = CASES[case]
-    default, _ = world_digest(world, spec, [])
-    names = sorted(OPTIMISATIONS) if optimisation == "all" else [optimisation]
-    without, changed = world_digest(world, spec, names)
-    assert without == default
-    # It must really have been on by default where it applies (else this compared nothing).
-    # "all": something applies at 2 ranks (the exchange, whatever the host allows) and at 3
-    # (gathers by reading, where ranks may read each other), nothing at 1.
-    names_applying = [n for n in names if APPLIES[n](world.world_size)]
-    applies = bool(names_applying)
-    only_reading = all(n.endswith("_by_reading") for n in names_applying)
-    if applies and changed == 0 and only_reading:
+    comm, applies = WAYS[way]
+    default, _ = world_digest(world, spec, {})
+    got, results = world_digest(world, spec, comm)
+    if not applies(world.world_size):
+        assert all(r["refused"] for r in results), results  # on every rank, in one line
+        return
+    if got is None and "read" in comm.values():
         pytest.skip("these ranks may not read each other's memory here (process_vm_readv "
-                    "refused: another user, a container's seccomp profile); the gloo path ran")
-    assert (changed > 0) == applies
+                    "refused: another user, a container's seccomp profile): "
+                    + results[0]["refused"])
+    assert got == default
+    for r in results:  # the way asked for is the way taken, and the report says so
+        for what, name in comm.items():
+            assert f"{what}: {name}" in r["ways"], r["ways"]
 
 
 def exchange_vs_all_reduce(rank: int, world_size: int, numel: int, dtype_name: str) -> dict:

@@ -27,9 +27,10 @@ import enum
 import torch
 import torch.distributed as dist
 
-from zerocore import collectives, ops
+from zerocore import collectives, ops, transport
 from zerocore.flat_layout import FlatLayout
 from zerocore.offload import OffloadedShard, OffloadStreams
+from zerocore.policies import Comm
 from zerocore.sharded_param import ShardParameter
 
 
@@ -41,27 +42,17 @@ class GroupState(enum.Enum):
 
 @dataclasses.dataclass
 class PendingGrad:
-    """A reduce-scatter in flight and where its result goes."""
+    """A gradient reduction in flight and where its result goes."""
 
     group: "FlatGroup"
-    handle: dist.Work | None
-    # 1D, reduce dtype, shard_numel: this rank's averaged gradient; None when summed_in_place
-    output: torch.Tensor | None
-    packed: torch.Tensor   # 1D, reduce dtype, padded_numel: kept alive until the collective ends
-    # True when ``packed`` is all-reduced (summed) in place instead of reduce-scattered (gloo,
-    # see ``FlatGroup.__init__``): this rank's slice of it is averaged when the sum arrives.
-    summed_in_place: bool = False
+    reduction: transport.Reduction
+    packed: torch.Tensor   # 1D, reduce dtype, padded_numel: kept alive until the reduction ends
+    # False when the result is a view of ``packed`` (the gloo ways reduce in place), which is
+    # then to be used before that buffer is reused.
+    owned: bool
     # The reusable buffer ``packed`` was cut from (see ``start_reduce_scatter``), if any: free
     # for the next layer once this gradient is delivered.
     scratch: torch.Tensor | None = None
-    # Two gloo ranks: the peer's contribution to this rank's slice (1D, reduce dtype,
-    # shard_numel), received while ``packed``'s other half is sent (``reduce_by_exchange``);
-    # added into this rank's slice of ``packed`` when it arrives. None otherwise.
-    received: torch.Tensor | None = None
-    handles: list[dist.Work | None] = dataclasses.field(default_factory=list)  # the exchange's
-    # Reduction by reading (``FlatGroup.reduce_by_reading``): its number on the group's
-    # channel (collectives.PeerMemory). None otherwise.
-    reading_seq: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +74,7 @@ class GroupContext:
     # first group built with this context, a collective at the same point on every rank), with
     # the waits bounded by zerocore.Comm's timeout; None: not tried (Comm(peer_read="off")).
     peers: collectives.PeerMemory | None = None
+    comm: Comm = Comm()  # how gathers and reductions travel (zerocore/transport.py)
 
 
 class FlatGroup:
@@ -147,34 +139,14 @@ class FlatGroup:
                 q8, 0, (self._comm_numel,))
             q8.resize_(0)
             self._q8_storage = q8
-        self._handles: list[dist.Work | None] = []  # the all-gather in flight
         self.state = GroupState.SHARDED
-        # gloo's own all-gather and reduce-scatter copy more than they must; on it the engine
-        # uses the equivalent collectives.all_gather_by_broadcast / all_reduce_sum_in_place.
-        self._gloo = (dist.get_backend(ctx.process_group) == "gloo"
-                      and ctx.device.type == "cpu")
-        # gloo ranks on one host that may read each other's memory gather by reading each
-        # other's shard from their gathered buffers, and two such ranks reduce gradients by
-        # reading each other's contribution (collectives.PeerMemory: one kernel copy instead of
-        # TCP over loopback; the values are the same bits, only how they travel changes). False
-        # gives the gloo collectives below, kept for comparison (tests, benchmarks).
-        available = (self._gloo and ctx.peers is not None
-                     and ctx.peers.probe(ctx.process_group))
-        self.gather_by_reading = available
-        self.reduce_by_reading = available and layout.world_size == 2
-        # This group's messages among the ranks (collectives.PeerMemory) and how many gathers
-        # and reductions by reading it started: every rank counts alike.
-        self._channel = ctx.peers.new_channel() if available else 0
-        self._gathers = self._reductions = 0
-        # The gather whose buffer the other ranks may still be reading (``free`` waits until
-        # they are done); None when there is none.
-        self._being_read: int | None = None
-        # Two gloo ranks reduce gradients by exchanging halves (collectives.
-        # reduce_scatter_by_exchange: half the traffic of the all-reduce, bitwise the same
-        # mean); False gives the all-reduce, kept for comparison (tests, benchmarks). With more
-        # ranks the all-reduce stays: its order of summation is gloo's ring's, which a
-        # rank-ordered sum would not reproduce bit for bit.
-        self.reduce_by_exchange = self._gloo and layout.world_size == 2
+        # How this group's gathers and reductions travel (zerocore/transport.py), chosen once
+        # from zerocore.Comm and the backend: on gloo the engine uses collectives that copy less
+        # than gloo's own all-gather and reduce-scatter, or reads the other ranks' memory.
+        gloo = dist.get_backend(ctx.process_group) == "gloo" and ctx.device.type == "cpu"
+        route = transport.Route(ctx.process_group, ctx.counter, gloo, ctx.peers,
+                                layout.world_size)
+        self.gather, self.reduce = transport.choose(route, ctx.comm)
         # A frozen group chosen by Prefetch.keep_gathered: once gathered it stays so (``free``
         # leaves it) until ``free(release=True)``; its values never change.
         self.resident = False
@@ -222,17 +194,8 @@ class FlatGroup:
         if self.int8_block is not None:
             self._q8_storage.resize_(self._comm_numel)
         source = self._gather_input()
-        group, counter = self.ctx.process_group, self.ctx.counter
         streams = self.ctx.streams
-        if self._gloo and self.gather_by_reading:
-            self._gathers += 1
-            collectives.start_gather_by_reading(self._comm, source, self.ctx.peers,
-                                                self._channel, self._gathers, group, counter)
-            self._handles = []
-        elif self._gloo:
-            self._handles = collectives.all_gather_by_broadcast(self._comm, source, group,
-                                                                counter)
-        elif self._mirror is not None and streams is not None:
+        if self._mirror is not None and streams is not None:
             # Issued from the gather stream, which c10d makes NCCL wait for: it waits for the
             # upload, and for the compute stream's work so far (the gathered buffer may reuse
             # memory that work still reads). The compute stream itself waits only for the
@@ -242,25 +205,18 @@ class FlatGroup:
             if upload is not None:
                 streams.gather.wait_event(upload)
             with torch.cuda.stream(streams.gather):
-                self._handles = [collectives.all_gather(self._comm, source, group, counter)]
+                self.gather.start(self._comm, source)
         else:
-            self._handles = [collectives.all_gather(self._comm, source, group, counter)]
+            self.gather.start(self._comm, source)
         self.state = GroupState.GATHERING
-        counter.gather_issue_s += collectives.now() - t0
+        self.ctx.counter.gather_issue_s += collectives.now() - t0
 
     def wait_gather(self) -> None:
         self.start_gather()
         if self.state is GroupState.GATHERING:
             t0 = collectives.now()
-            for handle in self._handles:
-                if handle is not None:
-                    handle.wait()
-            if self._gloo and self.gather_by_reading:
-                collectives.finish_gather_by_reading(self._comm, self.ctx.peers, self._channel,
-                                                     self._gathers, self.ctx.process_group)
-                self._being_read = self._gathers
+            self.gather.wait(self._comm)
             self.ctx.counter.gather_wait_s += collectives.now() - t0
-            self._handles = []
             if self.int8_block is not None:
                 self._dequantize(self._comm, self._compute)
             self.state = GroupState.GATHERED
@@ -272,12 +228,7 @@ class FlatGroup:
         it anyway)."""
         if self.state is GroupState.GATHERING:
             self.wait_gather()
-        if self._being_read is not None:
-            t0 = collectives.now()
-            # The other ranks may still be reading this buffer.
-            collectives.wait_gather_read(self.ctx.peers, self._channel, self._being_read)
-            self.ctx.counter.gather_wait_s += collectives.now() - t0
-            self._being_read = None
+        self.gather.before_free()  # the other ranks may still be reading this buffer
         if self.int8_block is not None:
             self._q8_storage.resize_(0)  # the int8 bytes: dequantized already
         if self.resident and not release:
@@ -385,9 +336,7 @@ class FlatGroup:
     def _start_reduce(self, grads: list[torch.Tensor | None],
                       scratch: torch.Tensor | None) -> PendingGrad:
         numel, dtype, dev = self.layout.padded_numel, self.ctx.reduce_dtype, self.ctx.device
-        if self._gloo and self.reduce_by_reading:
-            # The other rank may still be reading an earlier packed buffer (maybe ``scratch``).
-            self.ctx.peers.settle_reductions()
+        self.reduce.before_pack()
         if scratch is not None:
             assert scratch.numel() >= numel and scratch.dtype == dtype and scratch.device == dev
             packed = scratch[:numel]
@@ -395,53 +344,17 @@ class FlatGroup:
             packed = torch.empty(numel, dtype=dtype, device=dev)
         present = [(g, s.offset) for g, s in zip(grads, self.layout.slots) if g is not None]
         ops.pack([g for g, _ in present], [o for _, o in present], packed)
-        if self._gloo and self.reduce_by_reading:
-            self._reductions += 1
-            collectives.start_reduce_by_reading(packed, self.ctx.peers, self._channel,
-                                                self._reductions, self.ctx.process_group,
-                                                self.ctx.counter)
-            return PendingGrad(self, None, None, packed, summed_in_place=True, scratch=scratch,
-                               reading_seq=self._reductions)
-        if self._gloo and self.reduce_by_exchange:
-            received = torch.empty(self.layout.shard_numel, dtype=dtype, device=dev)
-            handles = collectives.reduce_scatter_by_exchange(packed, received,
-                                                             self.ctx.process_group,
-                                                             self.ctx.counter)
-            return PendingGrad(self, None, None, packed, summed_in_place=True, scratch=scratch,
-                               received=received, handles=handles)
-        if self._gloo:
-            handle = collectives.all_reduce_sum_in_place(packed, self.ctx.process_group,
-                                                         self.ctx.counter)
-            return PendingGrad(self, handle, None, packed, summed_in_place=True, scratch=scratch)
-        output = torch.empty(self.layout.shard_numel, dtype=dtype, device=dev)
-        handle = collectives.reduce_scatter_avg(output, packed, self.ctx.process_group,
-                                                self.ctx.counter)
-        return PendingGrad(self, handle, output, packed, scratch=scratch)
+        lo, hi = self.layout.shard_range(self.ctx.rank)
+        return PendingGrad(self, self.reduce.start(packed, lo, hi), packed, self.reduce.owned,
+                           scratch=scratch)
 
     @staticmethod
     def finish_reduce_scatter(pending: PendingGrad) -> torch.Tensor:
-        """Waits for the reduce-scatter (on CUDA: makes the current stream wait) and returns this
+        """Waits for the reduction (on CUDA: makes the current stream wait) and returns this
         rank's averaged gradient shard (1D, reduce dtype, on the compute device); a view of
-        ``pending.packed`` when summed in place, so to be used before that buffer is reused."""
-        group = pending.group
+        ``pending.packed`` unless ``pending.owned``, so to be used before that buffer is
+        reused."""
         t0 = collectives.now()
-        for handle in [pending.handle, *pending.handles]:
-            if handle is not None:
-                handle.wait()
-        received = pending.received
-        if pending.reading_seq is not None:
-            received = collectives.finish_reduce_by_reading(
-                group.ctx.peers, group._channel, pending.reading_seq, group.layout.shard_numel,
-                group.ctx.reduce_dtype, group.ctx.process_group)
-        if pending.summed_in_place:
-            lo, hi = group.layout.shard_range(group.ctx.rank)
-            mine = pending.packed[lo:hi]
-            if received is not None:
-                mine.add_(received)  # x + y == y + x: the all-reduce's sum, bitwise
-            # Sum, then divide: what gloo's AVG does, so bitwise the same mean.
-            out = mine.div_(group.layout.world_size)
-        else:
-            assert pending.output is not None
-            out = pending.output
-        group.ctx.counter.reduce_wait_s += collectives.now() - t0
+        out = pending.reduction.finish()
+        pending.group.ctx.counter.reduce_wait_s += collectives.now() - t0
         return out

@@ -223,6 +223,8 @@ class FrozenWeights:
 # run with a shorter one should pass it here too.
 DEFAULT_TIMEOUT_S = 1800.0
 PEER_READ_CHOICES = ("auto", "off")
+GATHER_CHOICES = ("auto", "collective", "read")
+REDUCE_CHOICES = ("auto", "collective", "exchange", "read")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,10 +239,18 @@ class Comm:
         memory gather (and two of them reduce) by reading it directly, signalling through
         anonymous pipes (docs/decisions.md, "Communication between gloo ranks of one host");
         ``"off"``: gloo's collectives only. The values are the same bits either way.
+    gather, reduce: how parameters are all-gathered and gradients reduced (zerocore/transport.py
+        describes each way): ``"auto"`` (default) takes the fastest that applies; gather
+        ``"collective"`` or ``"read"``; reduce ``"collective"``, ``"exchange"`` (two gloo
+        ranks) or ``"read"`` (two gloo ranks of one host). Every way gives the same bits; the
+        named ones are for comparing them (tests, benchmarks), and one that does not apply is
+        refused when the model is sharded.
     """
 
     timeout: float | datetime.timedelta | None = None
     peer_read: str = "auto"
+    gather: str = "auto"
+    reduce: str = "auto"
 
     def __post_init__(self) -> None:
         t = self.timeout
@@ -249,9 +259,11 @@ class Comm:
                               or not 0 < seconds < math.inf):
             raise ValueError(f"Comm.timeout must be a number of seconds > 0 (or a timedelta), "
                              f"got {t!r}")
-        if self.peer_read not in PEER_READ_CHOICES:
-            raise ValueError(f"Comm.peer_read must be one of {PEER_READ_CHOICES}, got "
-                             f"{self.peer_read!r}")
+        for name, choices in (("peer_read", PEER_READ_CHOICES), ("gather", GATHER_CHOICES),
+                              ("reduce", REDUCE_CHOICES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"Comm.{name} must be one of {choices}, got "
+                                 f"{getattr(self, name)!r}")
 
     @property
     def timeout_s(self) -> float:

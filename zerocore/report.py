@@ -63,6 +63,9 @@ class CommReport:
     all_reduce_bytes: int
     expected_all_gather_bytes: int      # per step
     expected_reduce_scatter_bytes: int  # per step
+    # How the groups' gathers and reductions travel (zerocore/transport.py), e.g. "gather:
+    # read; reduce: exchange"; several ways when the groups differ.
+    ways: str = ""
 
     def table(self, steps: int = 1) -> str:
         rows = [("all-gather", self.all_gather_bytes, self.expected_all_gather_bytes * steps),
@@ -73,6 +76,8 @@ class CommReport:
         for name, got, want in rows:
             w = f"{want / MiB:14.3f}" if want is not None else f"{'-':>14}"
             lines.append(f"  {name:<16}{got / MiB:14.3f}{w}")
+        if self.ways:
+            lines.append(f"  ({self.ways})")
         return "\n".join(lines)
 
 

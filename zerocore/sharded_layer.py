@@ -282,7 +282,7 @@ class BackwardCoordinator:
     def _deliver(self, pending: PendingGrad) -> None:
         grad = FlatGroup.finish_reduce_scatter(pending)
         group = pending.group
-        owned = not pending.summed_in_place  # else a view of the reusable packed buffer
+        owned = pending.owned  # else a view of the reusable packed buffer
         if group.ctx.offload:
             self.to_host.append(start_grad_to_host(grad, group.shard, owned, group.ctx.streams))
             # Whatever has arrived is added now, on the host, while the device computes; on

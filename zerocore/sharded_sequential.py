@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerocore import BUILD, collectives
+from zerocore import BUILD, collectives, transport
 from zerocore.collectives import CommCounter, PeerMemory
 from zerocore.device import Platform, agree_on_devices, resolve_device
 from zerocore.flat_group import GroupContext
@@ -69,7 +69,7 @@ def build_context(group: dist.ProcessGroup, device: torch.device,
     peers = PeerMemory(comm.timeout_s) if comm.peer_read == "auto" else None
     return GroupContext(group, dist.get_rank(group), device, mixed_precision.param_dtype,
                         mixed_precision.grad_reduce_dtype, offload.optimizer, CommCounter(),
-                        streams, int8_block=frozen_weights.int8_block, peers=peers)
+                        streams, int8_block=frozen_weights.int8_block, peers=peers, comm=comm)
 
 
 def _check_not_tied(layer: nn.Module, index: int,
@@ -274,7 +274,7 @@ class ShardedSequential(nn.Module):
             keep_last=self.prefetch.keep_last, kept=self.kept_layers)
         c = self.counter
         report = CommReport(c.all_gather_bytes, c.reduce_scatter_bytes, c.all_reduce_bytes,
-                            gather, reduce)
+                            gather, reduce, ways=transport.ways(self.layers))
         if reset:
             c.reset()
         return report
