@@ -41,10 +41,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
 REPO = Path(__file__).resolve().parent.parent
 
 # -- ranks ----------------------------------------------------------------------------------------
@@ -72,6 +68,11 @@ def join_gloo(rank: int, world: int, port: int, *, timeout_s: float = 900,
               env: Mapping[str, str] | None = None) -> None:
     """In a rank: one compute thread (the ranks share the cores), ``rank_env`` and ``env`` in
     ``os.environ``, then the gloo group on ``port``."""
+    # torch is imported where ranks are started, not with this module: a script that only runs
+    # commands and measures them (from_deepspeed_mem.py) keeps its own process small.
+    import torch
+    import torch.distributed as dist
+
     torch.set_num_threads(1)
     os.environ.update(rank_env(rank, world, port), **(env or {}))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -80,6 +81,8 @@ def join_gloo(rank: int, world: int, port: int, *, timeout_s: float = 900,
 
 def _rank_main(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple,
                env: Mapping[str, str] | None, group_timeout_s: float, results) -> None:
+    import torch.distributed as dist
+
     join_gloo(rank, world, port, timeout_s=group_timeout_s, env=env)
     try:
         results.put((rank, fn(rank, world, *args)))
@@ -96,6 +99,8 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float =
     ``__main__`` too). ``env``: more variables for the ranks (e.g. ``DS_ACCELERATOR``).
     ``timeout_s`` bounds the wait for the results, ``group_timeout_s`` each collective; a rank
     that exits with an error code after answering is an error too."""
+    import torch.multiprocessing as mp
+
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
