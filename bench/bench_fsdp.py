@@ -60,12 +60,10 @@ give, per model size:
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import gc
 import importlib.util
 import os
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -78,6 +76,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+import harness
 from neox.config import NeoXConfig
 from neox.model import build_layer, init_weights
 
@@ -414,24 +413,6 @@ def _train_step(engine: _Engine, batch: tuple[torch.Tensor, torch.Tensor],
     return loss.item(), phases
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def _reset_peak_rss() -> bool:
-    """Resets VmHWM to the current RSS (Linux >= 4.0); False where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _cpu_s() -> float:
     """CPU seconds this process used so far, all its threads (gloo's included), to the µs."""
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -441,21 +422,16 @@ def _cpu_s() -> float:
 def _rank_main(rank: int, world_size: int, engine_name: str, size: str, port: int,
                zerocore_path: str | None, conn: Any) -> None:
     """One rank: join the group, build the engine, then answer the parent's commands."""
-    # Two ranks on two cores: more compute threads than cores would only contend. The
-    # unsharded process does one core's work too (both ranks' batches, one after the other).
-    torch.set_num_threads(1)
     try:
         if zerocore_path is not None:  # zerocore-before: the engine of another checkout
             sys.path.insert(0, zerocore_path)
-        if engine_name.startswith("deepspeed"):
-            # What DeepSpeed reads to pick its accelerator and join the group (the group
-            # already exists: it uses it).
-            os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank),
-                              WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size),
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size,
-                                timeout=datetime.timedelta(seconds=STEP_TIMEOUT_S))
+        # One compute thread: two ranks on two cores would only contend with more. The
+        # unsharded process does one core's work too (both ranks' batches, one after the other).
+        # DeepSpeed picks its accelerator from DS_ACCELERATOR, and joins the existing group from
+        # the rank variables join_gloo sets.
+        harness.join_gloo(rank, world_size, port, timeout_s=STEP_TIMEOUT_S,
+                          env=dict(DS_ACCELERATOR="cpu") if engine_name.startswith("deepspeed")
+                          else None)
         # Every engine's code is loaded before the baseline RSS is read, so it is alike for all
         # (DeepSpeed only in its own runs: it is optional).
         from torch.distributed import fsdp  # noqa: F401
@@ -466,11 +442,11 @@ def _rank_main(rank: int, world_size: int, engine_name: str, size: str, port: in
         if engine_name.startswith("deepspeed"):
             import deepspeed  # noqa: F401
 
-        base_rss_kib = _status_kib("VmRSS")
+        base_rss_kib = harness.status_kib("VmRSS")
         engine = _make_engine(engine_name, size)
         batches = _rank_batches(engine_name, rank, size)
         gc.collect()  # the unsharded model built above is gone: measure training from here
-        hwm_reset = _reset_peak_rss()
+        hwm_reset = harness.reset_peak_rss()
         conn.send(("ok", (engine.optimizer_kind, _cpu_s())))
         step = 0
         while True:
@@ -492,7 +468,8 @@ def _rank_main(rank: int, world_size: int, engine_name: str, size: str, port: in
                                       base_rss_kib=base_rss_kib,
                                       maxrss_kib=resource.getrusage(
                                           resource.RUSAGE_SELF).ru_maxrss,
-                                      train_hwm_kib=_status_kib("VmHWM") if hwm_reset else None)))
+                                      train_hwm_kib=(harness.status_kib("VmHWM")
+                                                     if hwm_reset else None))))
             step += 1
     except Exception:
         conn.send(("error", traceback.format_exc()))
@@ -503,29 +480,13 @@ def _rank_main(rank: int, world_size: int, engine_name: str, size: str, port: in
 
 # -- the parent: ranks driven step by step --------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _machine_busy_s() -> float | None:
-    """CPU seconds the whole machine has spent busy so far; None off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-        return sum(int(x) for x in fields[1:4] + fields[6:9]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError):
-        return None
-
-
 class Ranks:
     """The ranks running one engine at one size; ``step()`` runs one training step on all."""
 
     def __init__(self, engine: str, size: str, zerocore_path: str | None = None):
         self.engine = engine
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = harness.free_port()
         world = _world_size(engine)
         self.conns, self.procs = [], []
         for rank in range(world):
@@ -544,7 +505,7 @@ class Ranks:
         self.step_cpu: list[list[float]] = []    # per step, per rank: CPU seconds
         self.losses: list[list[float]] = []      # per step, per rank
         self.phases: list[list[dict[str, float]]] = []  # per step, per rank
-        self.wall0, self.busy0 = time.monotonic(), _machine_busy_s()
+        self.wall0, self.busy0 = time.monotonic(), harness.machine_busy_s()
         self.parent_cpu0 = sum(os.times()[:2])
 
     def _collect(self, timeout: float, what: str) -> list[Any]:
@@ -578,7 +539,7 @@ class Ranks:
 
     def report(self) -> list[dict[str, Any]]:
         wall = time.monotonic() - self.wall0
-        busy = _machine_busy_s()
+        busy = harness.machine_busy_s()
         parent_cpu = sum(os.times()[:2]) - self.parent_cpu0
         reports = self._command("report", STEP_TIMEOUT_S)
         if busy is not None and self.busy0 is not None:

@@ -20,21 +20,15 @@ allocated during one step (``zerocore.PeakMemory``: the profiler's allocation re
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import random
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
-import transformers
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
+import harness
 import zerocore
-from ranks import run_ranks
 
 SEQ, ROWS = 128, 4
 ADAMW = dict(lr=1e-4, weight_decay=0.01)
@@ -88,25 +82,19 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
     engines["fsdp2"] = (model, opt)
     g = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, 4096, (ROWS, SEQ), generator=g) for _ in range(4)]
-    times: dict[str, list[float]] = {k: [] for k in engines}
     losses: dict[str, list[float]] = {k: [] for k in engines}
-    order = random.Random(0)
-    for r in range(args.steps + 2):  # two warm-up rounds
-        names = list(engines)
-        order.shuffle(names)
-        for name in names:
-            model, opt = engines[name]
-            dist.barrier()
-            t0 = time.perf_counter()
-            losses[name].append(step(model, opt, batches[r % len(batches)]))
-            dist.barrier()
-            if r >= 2:
-                times[name].append(time.perf_counter() - t0)
+
+    def stepper(name: str):
+        model, opt = engines[name]
+        return lambda r: losses[name].append(step(model, opt, batches[r % len(batches)]))
+    rounds = harness.Interleaved({name: stepper(name) for name in engines}, warmup=2,
+                                 before=lambda _: dist.barrier(),
+                                 settle=dist.barrier).run(args.steps)
     out = {}
     for name, (model, opt) in engines.items():
         with zerocore.PeakMemory(torch.device("cpu")) as peak:
             step(model, opt, batches[0])
-        out[name] = dict(median_s=statistics.median(times[name]),
+        out[name] = dict(median_s=rounds.median_s(name),
                          state_bytes=model_state(model, opt), step_peak=peak.peak_bytes,
                          losses=losses[name][:3])
     return out
@@ -119,23 +107,21 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--hidden", type=int, default=256)
     args = p.parse_args()
-    per_rank = dict(enumerate(run_ranks(rank_main, args.nproc, args)))
+    per_rank = dict(enumerate(harness.run_ranks(rank_main, args.nproc, args)))
     model = build(args.layers, args.hidden)
     n = sum(p.numel() for p in model.parameters())
-    print(f"GPT-NeoX {args.layers} layers, hidden {args.hidden}, vocab 4096, {n:,} parameters, "
-          f"fp32; {args.nproc} gloo ranks x {ROWS} x {SEQ} tokens; {args.steps} rounds")
-    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
-          f"{torch.__version__}, transformers {transformers.__version__}, "
-          f"{time.strftime('%Y-%m-%d')}")
-    print("| per rank (worst rank) | shard_model | FSDP2 | ratio |")
-    print("|---|---:|---:|---:|")
-    rows = [("step time, median", "median_s", 1e3, "ms"),
+    print(harness.header(f"GPT-NeoX {args.layers} layers, hidden {args.hidden}, vocab 4096, "
+                         f"{n:,} parameters, fp32; {args.nproc} gloo ranks x {ROWS} x {SEQ} "
+                         f"tokens; {args.steps} rounds"))
+    rows = []
+    for label, key, scale, unit in [
+            ("step time, median", "median_s", 1e3, "ms"),
             ("model state (params + grads + Adam)", "state_bytes", 2**-20, "MiB"),
-            ("peak tensor bytes during a step", "step_peak", 2**-20, "MiB")]
-    for label, key, scale, unit in rows:
+            ("peak tensor bytes during a step", "step_peak", 2**-20, "MiB")]:
         a = max(per_rank[r]["shard_model"][key] for r in per_rank)
         b = max(per_rank[r]["fsdp2"][key] for r in per_rank)
-        print(f"| {label} | {a * scale:.2f} {unit} | {b * scale:.2f} {unit} | {a / b:.3f} |")
+        rows.append((label, f"{a * scale:.2f} {unit}", f"{b * scale:.2f} {unit}", f"{a / b:.3f}"))
+    print(harness.table(("per rank (worst rank)", "shard_model", "FSDP2", "ratio"), rows, "lrrr"))
     print("first losses (rank 0):", {k: [round(x, 4) for x in v["losses"]]
                                      for k, v in per_rank[0].items()})
 

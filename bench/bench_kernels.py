@@ -436,28 +436,30 @@ UNPACK_VARIANTS = ["zerocore", "slice-copy loop", "torch.split + copy", "torch._
                    "torch.compile (copy loop)", "copy (ceiling)"]
 
 
+def _flat_copy(interleaved_bench, kind: str, device: str, conversion: str) -> None:
+    """Pack (tensors -> flat) or unpack (flat -> tensors), every variant and the copy ceiling."""
+    torch.manual_seed(0)
+    src, dst = (DTYPES[x] for x in conversion.split("->"))
+    nbytes, names, make, group = (
+        (_pack_bytes(src, dst), PACK_VARIANTS, _pack_variant, "48 tensors -> 2^24 flat")
+        if kind == "pack" else
+        (_unpack_bytes(src, dst), UNPACK_VARIANTS, _unpack_variant, "2^24 flat -> 48 tensors"))
+    variants = {v: (_copy_ceiling(nbytes, device) if v == "copy (ceiling)"
+                    else make(v, src, dst, device)) for v in names}
+    interleaved_bench(variants, group=f"{kind} {conversion}, {group}", nbytes=nbytes,
+                      device=device)
+
+
 @pytest.mark.parametrize("conversion", CONVERSIONS)
 @pytest.mark.parametrize("device", DEVICES)
 def test_pack(interleaved_bench, device, conversion):
-    torch.manual_seed(0)
-    src, dst = (DTYPES[x] for x in conversion.split("->"))
-    nbytes = _pack_bytes(src, dst)
-    variants = {v: (_copy_ceiling(nbytes, device) if v == "copy (ceiling)"
-                    else _pack_variant(v, src, dst, device)) for v in PACK_VARIANTS}
-    interleaved_bench(variants, group=f"pack {conversion}, 48 tensors -> 2^24 flat",
-                      nbytes=nbytes, device=device)
+    _flat_copy(interleaved_bench, "pack", device, conversion)
 
 
 @pytest.mark.parametrize("conversion", CONVERSIONS)
 @pytest.mark.parametrize("device", DEVICES)
 def test_unpack(interleaved_bench, device, conversion):
-    torch.manual_seed(0)
-    src, dst = (DTYPES[x] for x in conversion.split("->"))
-    nbytes = _unpack_bytes(src, dst)
-    variants = {v: (_copy_ceiling(nbytes, device) if v == "copy (ceiling)"
-                    else _unpack_variant(v, src, dst, device)) for v in UNPACK_VARIANTS}
-    interleaved_bench(variants, group=f"unpack {conversion}, 2^24 flat -> 48 tensors",
-                      nbytes=nbytes, device=device)
+    _flat_copy(interleaved_bench, "unpack", device, conversion)
 
 
 # --- blockwise int8 dequantization --------------------------------------------------------------

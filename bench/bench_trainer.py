@@ -38,18 +38,16 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import platform
 import statistics
 import tempfile
 import time
 
-import accelerate
 import torch
 import transformers
 from transformers import (GPTNeoXConfig, GPTNeoXForCausalLM, Trainer, TrainerCallback,
                           TrainingArguments)
 
-from ranks import run_ranks
+import harness
 
 SEQ, ROWS, VOCAB = 128, 4, 1024
 ENGINES = ("zerocore", "fsdp2", "ddp")
@@ -107,7 +105,7 @@ def train_once(engine: str, mode: str, world: int, args: argparse.Namespace,
     timer = StepTimer()
     # This rank's CPU time (all its threads, gloo's included) and the machine's busy time over
     # the run: with the other rank's CPU time, what other work took meanwhile.
-    busy0, cpu0, wall0 = busy_seconds(), time.process_time(), time.perf_counter()
+    busy0, cpu0, wall0 = harness.machine_busy_s(), time.process_time(), time.perf_counter()
     common = dict(args=targs, train_dataset=data, callbacks=[timer],
                   data_collator=transformers.default_data_collator)
     if engine == "zerocore":
@@ -118,7 +116,7 @@ def train_once(engine: str, mode: str, world: int, args: argparse.Namespace,
     # Its printed log lines (one per step, per rank) would bury the tables.
     trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
     trainer.train()
-    usage = dict(busy=busy_seconds() - busy0, cpu=time.process_time() - cpu0,
+    usage = dict(busy=harness.machine_busy_s() - busy0, cpu=time.process_time() - cpu0,
                  wall=time.perf_counter() - wall0)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     wrapped = type(trainer.model_wrapped).__name__
@@ -127,7 +125,7 @@ def train_once(engine: str, mode: str, world: int, args: argparse.Namespace,
     if inner.param_groups[0].get("fused"):
         optimizer += " (fused)"
     # Free the model and its collectives' buffers before the next engine (and before the
-    # process group goes: see ranks.py).
+    # process group goes: see harness.run_ranks).
     del trainer, model
     gc.collect()
     return dict(times=timer.times[args.warmup:], losses=losses, wrapped=wrapped,
@@ -135,9 +133,6 @@ def train_once(engine: str, mode: str, world: int, args: argparse.Namespace,
 
 
 def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
-    # What torchrun would set, for accelerate (ranks.py has initialised the gloo group).
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     g = torch.Generator().manual_seed(1)
     # Every rank builds the whole dataset; Trainer's sampler gives each its own rows.
     ids = torch.randint(0, VOCAB, (world * ROWS * (args.warmup + args.steps), SEQ), generator=g)
@@ -156,14 +151,6 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
 
 def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def busy_seconds() -> float:
-    """CPU seconds every core of the machine has spent busy since boot (/proc/stat)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + fields[4]  # idle, iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def own_seconds() -> float:
@@ -193,9 +180,9 @@ def main() -> None:
         p.error(f"unknown engines {sorted(unknown)}")
 
     load_before = load_average()
-    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    started = harness.header(packages=("torch", "transformers", "accelerate"))
     # The cores that other work kept busy meanwhile: the machine's busy time less our own.
-    busy0, own0, wall0 = busy_seconds(), own_seconds(), time.monotonic()
+    busy0, own0, wall0 = harness.machine_busy_s(), own_seconds(), time.monotonic()
     with tempfile.TemporaryDirectory() as checkpoint:
         torch.manual_seed(0)
         model = GPTNeoXForCausalLM(config(args.layers, args.hidden))
@@ -203,28 +190,21 @@ def main() -> None:
         model.save_pretrained(checkpoint)
         del model
         args.checkpoint = checkpoint
-        per_rank = run_ranks(rank_main, args.nproc, args)
+        # What torchrun would set is set in every rank (harness.rank_env), for accelerate.
+        per_rank = harness.run_ranks(rank_main, args.nproc, args, env=dict(OMP_NUM_THREADS="1"))
     load_after = load_average()
-    other = ((busy_seconds() - busy0) - (own_seconds() - own0)) / (time.monotonic() - wall0)
+    other = ((harness.machine_busy_s() - busy0) - (own_seconds() - own0)) / (time.monotonic() -
+                                                                               wall0)
 
-    cpu = platform.machine()
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name")), cpu)
     tokens = args.nproc * ROWS * SEQ  # per optimizer step, all ranks together
-    print(f"# {started}; {cpu}, {os.cpu_count()} CPUs; torch {torch.__version__}, transformers "
-          f"{transformers.__version__}, accelerate {accelerate.__version__}")
+    print(started)
     print(f"# GPT-NeoX {args.layers} layers, hidden {args.hidden}, vocabulary {VOCAB}: "
           f"{n_params:,} parameters, fp32; {args.nproc} gloo ranks x {ROWS} x {SEQ} tokens; "
           f"{args.warmup} warm-up + {args.steps} timed steps, {args.repeats} repeats per engine")
     print(f"# load average (1, 5, 15 min) before {load_before}, after {load_after}; other work "
           f"kept {max(other, 0.0):.2f} cores busy on average during the run")
     print()
-    print("| mode | engine | Trainer's model / optimizer | step ms per repeat, median of the "
-          "slower rank | median of repeats | tokens/s | / FSDP2: median (per repeat) | other "
-          "load per repeat (cores) |")
-    print("|---|---|---|---|---:|---:|---:|---|")
+    rows = []
     medians: dict = {}
     for mode in args.modes:
         for engine in args.engines:
@@ -246,10 +226,13 @@ def main() -> None:
                 u = ranks[0]["usage"]  # the machine's busy time, as rank 0 saw it
                 own = sum(x["usage"]["cpu"] for x in ranks)
                 others.append(max(u["busy"] - own, 0.0) / u["wall"])
-            print(f"| {mode} | {engine} | {first['wrapped']} / {first['optimizer']} | "
-                  f"{', '.join(f'{x * 1e3:.1f}' for x in per_rep)} | {mid * 1e3:.1f} | "
-                  f"{tokens / mid:,.0f} | {ratio} | "
-                  f"{', '.join(f'{x:.2f}' for x in others)} |")
+            rows.append((mode, engine, f"{first['wrapped']} / {first['optimizer']}",
+                         ", ".join(f"{x * 1e3:.1f}" for x in per_rep), f"{mid * 1e3:.1f}",
+                         f"{tokens / mid:,.0f}", ratio, ", ".join(f"{x:.2f}" for x in others)))
+    print(harness.table(("mode", "engine", "Trainer's model / optimizer", "step ms per repeat, "
+                         "median of the slower rank", "median of repeats", "tokens/s",
+                         "/ FSDP2: median (per repeat)", "other load per repeat (cores)"),
+                        rows, "llllrrrl"))
     print()
     for mode in args.modes:
         ref = per_rank[0][(mode, args.engines[0])][0]["losses"]

@@ -1,7 +1,8 @@
 """pytest plumbing for the kernel benchmarks: an ``interleaved_bench`` fixture that times every
 variant of one operation (zerocore, the torch baselines, a plain copy) interleaved in the same
-process, and end-of-run tables: zerocore against the fastest torch baseline, and every variant's
-median, spread, GB/s and per-round ratio to zerocore.
+process (harness.Interleaved's rounds, driven by pytest-benchmark), and end-of-run tables:
+zerocore against the fastest torch baseline, and every variant's median, spread, GB/s and
+per-round ratio to zerocore.
 
 Ratios are taken round by round between calls made moments apart, never between runs made at
 different times (this machine's bandwidth drifts between runs, and other work comes and goes).
@@ -11,13 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import random
 import statistics
 import time
 from typing import Callable
 
 import pytest
 import torch
+
+import harness
+from harness import quartiles
 
 # Timed rounds, after WARMUP untimed ones; every round calls each variant once. The medians of 30
 # rounds were stable to a few per cent on the idle 2-core development machine; the CPU run takes
@@ -66,13 +69,6 @@ class Row:
                 and self.variant not in CEILING_VARIANTS)
 
 
-def quartiles(values) -> tuple[float, float, float]:
-    """(25th percentile, median, 75th percentile), linearly interpolated."""
-    q = (statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1
-         else [values[0]] * 3)
-    return q[0], q[1], q[2]
-
-
 _ROWS = pytest.StashKey[list]()
 _NOTES = pytest.StashKey[list]()
 
@@ -99,15 +95,11 @@ _CPU_AT_START = pytest.StashKey[tuple]()
 
 def _cpu_seconds() -> tuple[float, float] | None:
     """(CPU seconds used by the whole machine, by this process) so far; None off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-        ticks = os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError):
+    busy = harness.machine_busy_s()
+    if busy is None:
         return None
-    busy = sum(int(x) for x in fields[1:4] + fields[6:9])  # user nice system irq softirq steal
     t = os.times()
-    return busy / ticks, t.user + t.system
+    return busy, t.user + t.system
 
 
 def pytest_configure(config):
@@ -158,23 +150,17 @@ def interleaved_bench(benchmark, request):
         calls = CUDA_CALLS_PER_ROUND if device == "cuda" else 1
         names = list(variants)
         variant_bytes = variant_bytes or {}
-        times: dict[str, list[float]] = {n: [] for n in names}
-        # Seeded by the group's name: the same orders in every run of the benchmark.
-        rng = random.Random(group)
 
-        def one_round() -> None:
-            order = names[:]
-            rng.shuffle(order)
-            for name in order:
-                fn = variants[name]
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
+        def repeated(fn: Callable[[], object]) -> Callable[[int], None]:
+            def call(_round: int) -> None:
                 for _ in range(calls):
                     fn()
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                times[name].append((time.perf_counter() - t0) / calls)
+            return call
+
+        sync = (lambda *_: torch.cuda.synchronize()) if device == "cuda" else None
+        # Seeded by the group's name: the same orders in every run of the benchmark.
+        rounds = harness.Interleaved({n: repeated(variants[n]) for n in names}, warmup=WARMUP,
+                                     seed=group, before=sync, settle=sync)
 
         benchmark.group = group
         benchmark.name = f"{group} :: interleaved round of {len(names)} variants"
@@ -184,12 +170,12 @@ def interleaved_bench(benchmark, request):
         if threads is not None:
             torch.set_num_threads(threads)
         try:
-            benchmark.pedantic(one_round, rounds=ROUNDS, warmup_rounds=WARMUP)
+            benchmark.pedantic(rounds.round, rounds=ROUNDS, warmup_rounds=WARMUP)
         finally:
             torch.set_num_threads(old_threads)
         if benchmark.stats is None:  # --benchmark-disable: nothing was timed
             return
-        timed = {n: tuple(ts[-ROUNDS:]) for n, ts in times.items()}  # warm-up rounds dropped
+        timed = {n: tuple(t / calls for t in ts) for n, ts in rounds.result().times_s.items()}
         ours = timed.get(ZEROCORE_VARIANT)
         for name in names:
             ratios = (tuple(t / z for t, z in zip(timed[name], ours))

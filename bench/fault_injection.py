@@ -50,6 +50,10 @@ import time
 import uuid
 from pathlib import Path
 
+# tests/test_neox_faults.py loads this file by its path, with bench/ not on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 EXCERPT = REPO / "tests" / "data" / "shakespeare_excerpt.txt"
 # Seconds a process of the run may outlive its launcher (issue 20's bound).
@@ -73,12 +77,7 @@ class Report:
 
 
 def _env(mark: str | None = None) -> dict[str, str]:
-    env = dict(os.environ, **({RUN_MARK: mark} if mark else {}))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT"):
-        env.pop(var, None)
-    return env
+    return harness.child_env(**({RUN_MARK: mark} if mark else {}))
 
 
 def _finetune(*args) -> list[str]:

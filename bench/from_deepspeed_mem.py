@@ -28,16 +28,16 @@ The checkpoints (about 2.7 GB) are made in a temporary directory and deleted at 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import harness
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = dict(vocab_size=50304, hidden_size=768, num_hidden_layers=8, num_attention_heads=12,
@@ -50,18 +50,13 @@ KINDS = ("full", "lora")
 
 # -- 1. the checkpoints, made by DeepSpeed (run with DeepSpeed's Python) --------------------------
 
-def _rank(rank: int, port: int, kind: str, out: str) -> None:
+def _rank(rank: int, world: int, kind: str, out: str) -> None:
+    """One rank (harness.run_ranks has joined it to the group, with DeepSpeed's variables)."""
     import logging
 
     import torch
     import torch.distributed as dist
 
-    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)  # 2 ranks on a 2-core machine
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD)
     import deepspeed
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
@@ -84,16 +79,10 @@ def _rank(rank: int, port: int, kind: str, out: str) -> None:
     engine.step()
     engine.save_checkpoint(out)
     dist.barrier()
-    dist.destroy_process_group()
 
 
 def make(kind: str, out: Path) -> None:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_rank, args=(port, kind, str(out)), nprocs=WORLD, start_method="spawn")
+    harness.run_ranks(_rank, WORLD, kind, str(out), env=dict(DS_ACCELERATOR="cpu"))
 
 
 # -- 2. the measurements --------------------------------------------------------------------------
@@ -146,8 +135,7 @@ def main() -> None:
         sys.exit(0 if same_tensors(*args.compare) else 1)
     work = args.work or Path(tempfile.mkdtemp(prefix="from-ds-bench-"))
     ds_py = args.deepspeed_python
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        x for x in (str(REPO), os.environ.get("PYTHONPATH")) if x))
+    env = harness.child_env()
     rows = []
     try:
         for kind in KINDS:
@@ -191,14 +179,13 @@ def main() -> None:
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
-    print(f"\n{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
-          f"`python -c 'import torch'`: peak RSS {floor['rss_mib']:,.0f} MiB\n")
-    print("| checkpoint | tool | peak RSS MiB | wall s | output MB | load avg before → after |")
-    print("|---|---|---:|---:|---:|---|")
-    for r in rows:
-        print(f"| {r['kind']} ({r['ckpt_mb']:,.0f} MB) | `{r['tool']}` | {r['rss_mib']:,.0f} | "
-              f"{r['wall_s']:.1f} | {r['out_mb']:,.1f} | "
-              f"{r['load'][0]:.2f} → {r['load'][1]:.2f} |")
+    print("\n" + harness.header(f"`python -c 'import torch'`: peak RSS {floor['rss_mib']:,.0f} "
+                                f"MiB; DeepSpeed's Python: {ds_py}") + "\n")
+    print(harness.table(
+        ("checkpoint", "tool", "peak RSS MiB", "wall s", "output MB", "load avg before → after"),
+        [(f"{r['kind']} ({r['ckpt_mb']:,.0f} MB)", f"`{r['tool']}`", f"{r['rss_mib']:,.0f}",
+          f"{r['wall_s']:.1f}", f"{r['out_mb']:,.1f}", f"{r['load'][0]:.2f} → {r['load'][1]:.2f}")
+         for r in rows], "llrrrl"))
     same = [r["same"] for r in rows if "same" in r]
     if same:
         print(f"\nfull export: zerocore's model.safetensors equals zero_to_fp32's tensor for "

@@ -14,19 +14,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
-import platform
-import random
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
-import transformers
 
+import harness
 import zerocore
 from bench_hf import build
-from ranks import run_ranks
 
 PROMPT, ROWS = 16, 2
 
@@ -48,23 +42,16 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
 
     ways = {"unsharded": lambda: plain.generate(input_ids=prompt, **kwargs),
             "per token": per_token, "gathered()": gathered}
-    times = {k: [] for k in ways}
-    tokens, gathers = {}, {}
-    order = random.Random(0)
-    for r in range(args.rounds + 1):  # one warm-up round
-        names = list(ways)
-        order.shuffle(names)
-        for name in names:
-            dist.barrier()
-            sharded.counter.reset()
-            t0 = time.perf_counter()
-            tokens[name] = ways[name]()
-            elapsed = time.perf_counter() - t0
-            gathers[name] = sharded.counter.all_gather_calls
-            if r > 0:
-                times[name].append(elapsed)
-    return {"tok_s": {k: ROWS * args.tokens / statistics.median(v) for k, v in times.items()},
-            "gathers": gathers,
+    def before(_name: str) -> None:
+        dist.barrier()
+        sharded.counter.reset()
+    rounds = harness.Interleaved({k: (lambda r, way=way: way()) for k, way in ways.items()},
+                                 warmup=1, before=before,
+                                 probe=lambda _: sharded.counter.all_gather_calls
+                                 ).run(args.rounds)
+    tokens = {k: v[-1] for k, v in rounds.values.items()}
+    return {"tok_s": {k: ROWS * args.tokens / rounds.median_s(k) for k in ways},
+            "gathers": {k: v[-1] for k, v in rounds.probes.items()},
             "same": all(torch.equal(t, tokens["unsharded"]) for t in tokens.values())}
 
 
@@ -76,19 +63,17 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32, help="new tokens per generate")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (default 5)")
     args = p.parse_args()
-    per_rank = run_ranks(rank_main, args.nproc, args)
-    print(f"GPT-NeoX {args.layers} layers, hidden {args.hidden}, vocab 4096, fp32; greedy, "
-          f"{ROWS} x {PROMPT}-token prompts + {args.tokens} new tokens per rank; "
-          f"{args.nproc} gloo ranks; {args.rounds} rounds")
-    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
-          f"{torch.__version__}, transformers {transformers.__version__}, "
-          f"{time.strftime('%Y-%m-%d')}, load average {os.getloadavg()[0]:.1f}")
-    print("| per rank (slowest rank) | new tokens/s | all-gathers per generate | vs unsharded |")
-    print("|---|---:|---:|---:|")
+    per_rank = harness.run_ranks(rank_main, args.nproc, args)
+    print(harness.header(f"GPT-NeoX {args.layers} layers, hidden {args.hidden}, vocab 4096, "
+                         f"fp32; greedy, {ROWS} x {PROMPT}-token prompts + {args.tokens} new "
+                         f"tokens per rank; {args.nproc} gloo ranks; {args.rounds} rounds"))
     base = min(r["tok_s"]["unsharded"] for r in per_rank)
+    rows = []
     for name in ("unsharded", "per token", "gathered()"):
         rate = min(r["tok_s"][name] for r in per_rank)
-        print(f"| {name} | {rate:.1f} | {per_rank[0]['gathers'][name]} | {rate / base:.2f} |")
+        rows.append((name, f"{rate:.1f}", per_rank[0]["gathers"][name], f"{rate / base:.2f}"))
+    print(harness.table(("per rank (slowest rank)", "new tokens/s", "all-gathers per generate",
+                         "vs unsharded"), rows, "lrrr"))
     print("tokens identical on every rank and way:", all(r["same"] for r in per_rank))
 
 

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+import harness
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -83,16 +84,16 @@ def main() -> int:
                 rows.append((f"int8, block {block}, {'bf16' if bf16_scales else 'fp32'} scales",
                              compare(ref, model(ids).logits)))
     params = sum(v.numel() for v in original.values() if v.is_floating_point())
-    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; GPTNeoXForCausalLM from "
-          f"transformers' initialisation (hidden {args.hidden}, {args.layers} layers, vocabulary "
-          f"{args.vocab}: {params:,} parameters, all quantized), {args.tokens} random tokens, "
-          f"fp32 logits; mean |logit| {ref.abs().mean().item():.4f}")
-    print("| weights | max abs logit error | mean abs error | mean error / mean abs logit | "
-          "KL (nats/token) | same top-1 token |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, r in rows:
-        print(f"| {name} | {r['max']:.2e} | {r['mean']:.2e} | {r['relative']:.2e} | "
-              f"{r['kl']:.2e} | {r['top1'] * 100:.1f}% |")
+    print(harness.header(f"GPTNeoXForCausalLM from transformers' initialisation (hidden "
+                         f"{args.hidden}, {args.layers} layers, vocabulary {args.vocab}: "
+                         f"{params:,} parameters, all quantized), {args.tokens} random tokens, "
+                         f"fp32 logits; mean |logit| {ref.abs().mean().item():.4f}",
+                         packages=("torch", "transformers")))
+    print(harness.table(("weights", "max abs logit error", "mean abs error",
+                         "mean error / mean abs logit", "KL (nats/token)", "same top-1 token"),
+                        [(name, f"{r['max']:.2e}", f"{r['mean']:.2e}", f"{r['relative']:.2e}",
+                          f"{r['kl']:.2e}", f"{r['top1'] * 100:.1f}%") for name, r in rows],
+                        "lrrrrr"))
     return 0
 
 

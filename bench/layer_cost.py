@@ -24,11 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
-import platform
-import random
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -36,8 +32,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+import harness
 import zerocore
-from ranks import run_ranks
 
 ROWS, SEQ = 8, 16
 
@@ -74,31 +70,32 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
     plain = nn.Sequential(*copy.deepcopy(base))
     engines["unsharded"] = (plain, torch_adamw(plain.parameters()), None)
     x = torch.randn(ROWS, SEQ, args.width, generator=torch.Generator().manual_seed(rank))
-    times = {k: [] for k in engines}
-    comm = {k: [] for k in engines}
-    order = random.Random(0)
-    for r in range(args.rounds + 2):  # two warm-up rounds
-        names = list(engines)
-        order.shuffle(names)
-        for name in names:
-            model, opt, counter = engines[name]
-            if counter is not None:
-                counter.reset()
-            dist.barrier()
-            t0 = time.perf_counter()
+    def step(name: str):
+        model, opt, _ = engines[name]
+
+        def run(_round: int) -> None:
             model(x).square().mean().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            elapsed = time.perf_counter() - t0
-            if r >= 2:
-                times[name].append(elapsed)
-                if counter is not None:
-                    comm[name].append(counter.gather_issue_s + counter.gather_wait_s +
-                                      counter.reduce_issue_s + counter.reduce_wait_s)
-    return {name: dict(us=statistics.median(t) / args.layers * 1e6,
-                       comm_us=(statistics.median(comm[name]) / args.layers * 1e6
-                                if comm[name] else None))
-            for name, t in times.items()}
+        return run
+
+    def before(name: str) -> None:
+        counter = engines[name][2]
+        if counter is not None:
+            counter.reset()
+        dist.barrier()
+
+    def collectives_s(name: str) -> float | None:
+        counter = engines[name][2]
+        return (None if counter is None else counter.gather_issue_s + counter.gather_wait_s +
+                counter.reduce_issue_s + counter.reduce_wait_s)
+
+    rounds = harness.Interleaved({name: step(name) for name in engines}, warmup=2,
+                                 before=before, probe=collectives_s).run(args.rounds)
+    return {name: dict(us=rounds.median_s(name) / args.layers * 1e6,
+                       comm_us=(statistics.median(rounds.probes[name]) / args.layers * 1e6
+                                if engines[name][2] is not None else None))
+            for name in engines}
 
 
 def main() -> None:
@@ -108,21 +105,20 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=10, help="timed rounds (default 10)")
     p.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     args = p.parse_args()
-    print(f"{args.layers} layers of Linear({args.width}, {args.width}) + GELU, fp32, "
-          f"{ROWS} x {SEQ} rows per rank; {args.rounds} rounds")
-    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
-          f"{torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}, load average "
-          f"{os.getloadavg()[0]:.1f}")
-    print("| world size | engine | µs per layer per step | of which collectives | vs FSDP2 |")
-    print("|---:|---|---:|---:|---:|")
+    print(harness.header(f"{args.layers} layers of Linear({args.width}, {args.width}) + GELU, "
+                         f"fp32, {ROWS} x {SEQ} rows per rank; {args.rounds} rounds",
+                         packages=("torch",)))
+    rows = []
     for nproc in args.nproc:
-        per_rank = run_ranks(rank_main, nproc, args)
+        per_rank = harness.run_ranks(rank_main, nproc, args)
         worst = {name: max(r[name]["us"] for r in per_rank) for name in per_rank[0]}
         for name in ("shard", "shard_model", "fsdp2", "unsharded"):
             comm = per_rank[0][name]["comm_us"]
-            print(f"| {nproc} | {name} | {worst[name]:.1f} | "
-                  f"{'-' if comm is None else f'{comm:.1f}'} | "
-                  f"{worst[name] / worst['fsdp2']:.2f} |")
+            rows.append((nproc, name, f"{worst[name]:.1f}",
+                         "-" if comm is None else f"{comm:.1f}",
+                         f"{worst[name] / worst['fsdp2']:.2f}"))
+    print(harness.table(("world size", "engine", "µs per layer per step", "of which collectives",
+                         "vs FSDP2"), rows, "rlrrr"))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -25,6 +24,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import harness
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_RUNS = ("biases:0", "lora:0", "biases:0,43", "lora:0,43")
@@ -40,14 +41,6 @@ def _number(text: str) -> float:
     return float(text.replace(",", ""))
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    return env
-
-
 def run_one(mode: str, blocks: str, args: argparse.Namespace, work: Path) -> dict:
     out = work / f"{mode}-{blocks.replace(',', '_')}"
     cmd = [sys.executable, "-m", "neox.finetune", "--cpu", "--nproc", "2", "--model",
@@ -56,7 +49,7 @@ def run_one(mode: str, blocks: str, args: argparse.Namespace, work: Path) -> dic
            "--max-steps", str(args.steps), "--val-fraction", str(args.val_fraction),
            "--sample-tokens", "0", "--measure-memory", "--output-dir", str(out), "--overwrite"]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=REPO, env=harness.child_env(), capture_output=True, text=True)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -89,13 +82,13 @@ def main() -> int:
     for run in args.runs:
         if ":" not in run:
             p.error(f"--runs {run!r}: expected MODE:BLOCKS, e.g. biases:0")
-    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
-          f"{os.getloadavg()[0]:.2f}; seq {args.seq_len}, batch {args.batch_size} per rank, "
-          f"{args.steps} steps")
-    print("| mode | blocks | build s | step s (median of steps 2..) | planned MiB | measured MiB "
-          "(rank 0 / 1) | planned / measured | peak RSS MiB in the steps | peak RSS MiB in "
-          "the run | peak at |")
-    print("|---|---|---:|---:|---:|---|---|---|---|---|")
+    print(harness.header(f"seq {args.seq_len}, batch {args.batch_size} per rank, {args.steps} "
+                         f"steps", packages=("torch",)))
+    # The table's head, then each row as it comes (a run takes minutes).
+    print(harness.table(("mode", "blocks", "build s", "step s (median of steps 2..)",
+                         "planned MiB", "measured MiB (rank 0 / 1)", "planned / measured",
+                         "peak RSS MiB in the steps", "peak RSS MiB in the run", "peak at"),
+                        (), "llrrrlllll"))
     with tempfile.TemporaryDirectory(prefix="neox20b-") as tmp:
         for run in args.runs:
             mode, blocks = run.split(":", 1)
@@ -106,7 +99,7 @@ def main() -> int:
                   f"{' / '.join(f'{x:,.0f}' for x in r['rss_steps'])} | "
                   f"{' / '.join(f'{x:,.0f}' for x in r['rss_run'])} | {r['peak_at']} |",
                   flush=True)
-    print(f"# load average at the end {os.getloadavg()[0]:.2f}")
+    print(f"# load average at the end {harness.load_average():.2f}")
     return 0
 
 

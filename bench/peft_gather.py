@@ -22,19 +22,15 @@ resident frozen groups, to be added to that peak) and the losses of the first st
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import random
-import socket
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+import harness
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -58,16 +54,13 @@ def _fsdp2_model(layers: list[nn.Module]) -> nn.Module:
     return model
 
 
-def rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, out) -> None:
-    torch.set_num_threads(1)
+def rank_main(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     import zerocore
     from neox.cli import preset_config
     from neox.finetune_modes import FinetuneMode, prepare_layer
     from neox.model import layer_specs
     from neox.step import micro_batch_loss
     from neox.weights import RandomInit, materialize
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=900))
     config = preset_config(args.model, tokenizer_rows=args.vocab)
     specs = layer_specs(config)
     mode = FinetuneMode(args.mode)
@@ -97,22 +90,19 @@ def rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, o
             opt.zero_grad(set_to_none=True)
             losses.append(loss.item())
         models[name], steps[name] = model, step
-        results[name] = {"times": [], "losses": losses}
+        results[name] = {"losses": losses}
     for i in range(args.warmup):
         for name in CONFIGS:
             steps[name](batches[i])
     for name in CONFIGS:
         if name != "fsdp2":
             models[name].comm_report(reset=True)
-    order = list(CONFIGS)
-    shuffle = random.Random(0)  # the same order on every rank: steps are collective
-    for r in range(args.rounds):
-        shuffle.shuffle(order)
-        for name in order:
-            dist.barrier()
-            start = time.perf_counter()
-            steps[name](batches[args.warmup + r])
-            results[name]["times"].append(time.perf_counter() - start)
+    # Seeded: the same order on every rank (steps are collective).
+    rounds = harness.Interleaved(
+        {name: (lambda r, step=steps[name]: step(batches[args.warmup + r])) for name in CONFIGS},
+        warmup=0, before=lambda _: dist.barrier()).run(args.rounds)
+    for name in CONFIGS:
+        results[name]["times"] = rounds.times_s[name]
     for name in CONFIGS:
         if name == "fsdp2":
             # Its default: every layer gathered in forward and again in backward (the root's
@@ -128,8 +118,7 @@ def rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, o
         with zerocore.PeakMemory("cpu") as peak:
             steps[name](batches[-1])
         results[name]["peak"] = peak.peak_bytes
-    out.put((rank, results))
-    dist.destroy_process_group()
+    return results
 
 
 def main() -> int:
@@ -144,42 +133,33 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=15)
     args = p.parse_args()
     mib = 2**20
-    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
-          f"{os.getloadavg()[0]:.2f}; {args.model} (vocabulary {args.vocab}), 2 gloo ranks, fp32, "
-          f"batch {args.batch_size} x {args.seq_len} tokens per rank; {args.warmup} warm-up + "
-          f"{args.rounds} interleaved rounds; torch {torch.__version__}")
+    print(harness.header(f"{args.model} (vocabulary {args.vocab}), 2 gloo ranks, fp32, batch "
+                         f"{args.batch_size} x {args.seq_len} tokens per rank; {args.warmup} "
+                         f"warm-up + {args.rounds} interleaved rounds", packages=("torch",)))
     for mode in args.modes.split(","):
         args.mode = mode
-        ctx = mp.get_context("spawn")
-        queue = ctx.Queue()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs = [ctx.Process(target=rank_main, args=(r, 2, port, args, queue)) for r in range(2)]
-        for proc in procs:
-            proc.start()
-        results = dict(queue.get(timeout=3600) for _ in procs)
-        for proc in procs:
-            proc.join()
-        r0, r1 = results[0], results[1]
+        r0, r1 = harness.run_ranks(rank_main, 2, args, timeout_s=3600)
 
         def step_s(name: str) -> float:
-            return statistics.median(max(a, b) for a, b in zip(r0[name]["times"],
-                                                               r1[name]["times"]))
+            return statistics.median(harness.slowest([r0[name]["times"], r1[name]["times"]]))
         base = step_s("fsdp2")
         plain_gather = r0["zerocore"]["gathered"]
-        print(f"\n### --finetune {mode} (load average {os.getloadavg()[0]:.2f} at the end)\n")
-        print("| configuration | step ms (median, slower rank) | / FSDP2 | all-gathered MiB per "
-              "step | / zerocore plain | peak MiB allocated in a step (rank 0 / 1) | MiB held "
-              "gathered between steps | losses, first 3 steps (rank 0) |")
-        print("|---|---:|---:|---:|---:|---|---:|---|")
+        print(f"\n### --finetune {mode} (load average {harness.load_average():.2f} at the "
+              f"end)\n")
+        rows = []
         for name in CONFIGS:
             t = step_s(name)
             gathered = r0[name]["gathered"]
             losses = ", ".join(f"{x:.5f}" for x in r0[name]["losses"][:3])
-            print(f"| {name} | {t * 1e3:.1f} | {t / base:.3f} | {gathered / mib:.2f} | "
-                  f"{gathered / plain_gather:.3f} | {r0[name]['peak'] / mib:.1f} / "
-                  f"{r1[name]['peak'] / mib:.1f} | {r0[name]['held'] / mib:.1f} | {losses} |")
+            rows.append((name, f"{t * 1e3:.1f}", f"{t / base:.3f}", f"{gathered / mib:.2f}",
+                         f"{gathered / plain_gather:.3f}",
+                         f"{r0[name]['peak'] / mib:.1f} / {r1[name]['peak'] / mib:.1f}",
+                         f"{r0[name]['held'] / mib:.1f}", losses))
+        print(harness.table(("configuration", "step ms (median, slower rank)", "/ FSDP2",
+                             "all-gathered MiB per step", "/ zerocore plain",
+                             "peak MiB allocated in a step (rank 0 / 1)",
+                             "MiB held gathered between steps", "losses, first 3 steps (rank 0)"),
+                            rows, "lrrrrlrl"))
         drift = max(abs(a - b) for a, b in zip(r0["zerocore int8"]["losses"],
                                                 r0["zerocore"]["losses"]))
         same = r0["zerocore budget"]["losses"] == r0["zerocore"]["losses"]

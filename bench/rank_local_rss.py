@@ -25,9 +25,6 @@ cache (written just before), so this measures memory, not the disk.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import socket
 import sys
 import tempfile
 import time
@@ -35,7 +32,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+import harness
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -44,10 +42,7 @@ MiB = 2**20
 
 
 def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
+    return harness.status_kib(field) * 1024
 
 
 def write_checkpoints(directory: Path) -> dict[str, Path]:
@@ -84,10 +79,8 @@ def write_checkpoints(directory: Path) -> dict[str, Path]:
     return {"safetensors": hf, "slim": slim}
 
 
-def rank_main(rank: int, world_size: int, port: int, fmt: str, path: str, how: str,
-              repo: str, out) -> None:
+def rank_main(rank: int, world_size: int, fmt: str, path: str, how: str, repo: str) -> dict:
     sys.path.insert(0, repo)  # "before" imports the older checkout
-    torch.set_num_threads(1)
     import dataclasses
 
     import zerocore
@@ -95,10 +88,9 @@ def rank_main(rank: int, world_size: int, port: int, fmt: str, path: str, how: s
     from neox.model import layer_specs
     from neox.weights import materialize, open_weights
     from neox.weights.slim import SlimReader
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=600))
     config = dataclasses.replace(PRESETS["gpt-neox-20b"], num_hidden_layers=1, vocab_size=128)
-    Path("/proc/self/clear_refs").write_text("5")
+    if not harness.reset_peak_rss():
+        raise SystemExit("this measurement needs /proc/self/clear_refs (Linux >= 4.0)")
     rss0 = _status("VmRSS")
     start = time.perf_counter()
     reader = open_weights(path) if fmt == "safetensors" else SlimReader(path, config=config)
@@ -116,28 +108,12 @@ def rank_main(rank: int, world_size: int, port: int, fmt: str, path: str, how: s
     seconds = time.perf_counter() - start
     dist.barrier()
     shard = sum(g.shard.numel() * g.shard.element_size() for l in model.layers for g in l.groups)
-    out.put((rank, {"peak_growth": _status("VmHWM") - rss0, "shard": shard,
-                    "seconds": seconds}))
-    dist.destroy_process_group()
+    return {"peak_growth": _status("VmHWM") - rss0, "shard": shard, "seconds": seconds}
 
 
 def measure(world_size: int, fmt: str, path: Path, how: str, repo: Path) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = [ctx.Process(target=rank_main,
-                         args=(r, world_size, port, fmt, str(path), how, str(repo), out))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=900) for _ in procs)
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise SystemExit(f"a rank exited with {p.exitcode}")
-    return [results[r] for r in range(world_size)]
+    return harness.run_ranks(rank_main, world_size, fmt, str(path), how, str(repo),
+                             timeout_s=900, group_timeout_s=600)
 
 
 def main() -> int:
@@ -151,11 +127,10 @@ def main() -> int:
     hows = (["before"] if args.before_repo else []) + ["whole layer", "range reads"]
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="block20b-") as tmp:
         paths = write_checkpoints(Path(tmp))
-        print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
-              f"{os.getloadavg()[0]:.2f}; one GPT-NeoX-20B block in bf16: 864 MiB")
-        print("| format | world size | how | peak RSS growth MiB per rank | shard kept MiB "
-              "| build s |")
-        print("|---|---:|---|---|---:|---:|")
+        print(harness.header("one GPT-NeoX-20B block in bf16: 864 MiB", packages=("torch",)))
+        # The table's head, then each row as it comes (a row takes minutes).
+        print(harness.table(("format", "world size", "how", "peak RSS growth MiB per rank",
+                             "shard kept MiB", "build s"), (), "lrllrr"))
         for fmt, path in paths.items():
             for ws in args.world_sizes:
                 for how in hows:

@@ -11,18 +11,14 @@ order, so a slow moment of the shared machine falls on all of them alike.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import random
-import socket
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+import harness
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -31,8 +27,7 @@ CONFIGS = {"kept": (), "every block": tuple(range(8)), "every 2nd block": tuple(
 EVERY = {"kept": 1, "every block": 1, "every 2nd block": 2}
 
 
-def rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, out) -> None:
-    torch.set_num_threads(1)
+def rank_main(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     import zerocore
     from neox.config import NeoXConfig
     from neox.finetune_modes import FinetuneMode, prepare_layer
@@ -41,8 +36,6 @@ def rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, o
     from neox.recipe import LoopConfig
     from neox.step import micro_batch_loss, recompute_policy
     from neox.weights import RandomInit, materialize
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=900))
     config = NeoXConfig(vocab_size=8192, hidden_size=512, num_hidden_layers=8,
                         num_attention_heads=8, intermediate_size=2048)
     specs = layer_specs(config)
@@ -75,19 +68,15 @@ def rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, o
             grad_accum=1, offload=False, recompute=blocks, recompute_every=EVERY[name],
             world_size=world_size, device="cpu"))
         results[name] = {"measured": peak.peak_bytes, "planned": plan.device_peak,
-                         "activations": plan.peak["activations"], "times": []}
+                         "activations": plan.peak["activations"]}
         runs[name] = step
-    order = list(CONFIGS)
-    shuffle = random.Random(0)  # the same order on every rank: steps are collective
-    for _ in range(args.rounds):
-        shuffle.shuffle(order)
-        for name in order:
-            dist.barrier()
-            start = time.perf_counter()
-            runs[name]()
-            results[name]["times"].append(time.perf_counter() - start)
-    out.put((rank, results))
-    dist.destroy_process_group()
+    # Seeded: the same order on every rank (steps are collective). No warm-up round: every
+    # configuration has run two steps above.
+    rounds = harness.Interleaved({name: (lambda r, run=run: run()) for name, run in runs.items()},
+                                 warmup=0, before=lambda _: dist.barrier()).run(args.rounds)
+    for name in CONFIGS:
+        results[name]["times"] = rounds.times_s[name]
+    return results
 
 
 def main() -> int:
@@ -96,33 +85,27 @@ def main() -> int:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--rounds", type=int, default=6)
     args = p.parse_args()
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    load = os.getloadavg()[0]
-    procs = [ctx.Process(target=rank_main, args=(r, 2, port, args, out)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    results = dict(out.get(timeout=3600) for _ in procs)
-    for proc in procs:
-        proc.join()
+    start = harness.header(packages=("torch",))
+    results = harness.run_ranks(rank_main, 2, args, timeout_s=3600)
     mib = 2**20
-    base = statistics.median(max(a, b) for a, b in zip(results[0]["kept"]["times"],
-                                                      results[1]["kept"]["times"]))
-    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {load:.2f} "
-          f"-> {os.getloadavg()[0]:.2f}; batch {args.batch_size} x {args.seq_len} tokens per "
-          f"rank, {args.rounds} interleaved rounds")
-    print("| activations | measured peak MiB (rank 0 / 1) | planned MiB | planned activations at "
-          "the peak MiB | step s (median, slower rank) | step time / kept |")
-    print("|---|---|---:|---:|---:|---:|")
+
+    def step_s(name: str) -> float:
+        return statistics.median(harness.slowest([r[name]["times"] for r in results]))
+    base = step_s("kept")
+    print(start)
+    print(f"# load average at the end {harness.load_average():.2f}; batch {args.batch_size} x "
+          f"{args.seq_len} tokens per rank, {args.rounds} interleaved rounds")
+    rows = []
     for name in CONFIGS:
         r0, r1 = results[0][name], results[1][name]
-        step = statistics.median(max(a, b) for a, b in zip(r0["times"], r1["times"]))
-        print(f"| {name} {'recomputed' if name != 'kept' else ''} | {r0['measured'] / mib:,.1f} / "
-              f"{r1['measured'] / mib:,.1f} | {r0['planned'] / mib:,.1f} | "
-              f"{r0['activations'] / mib:,.1f} | {step:.3f} | {step / base:.3f} |")
+        step = step_s(name)
+        rows.append((f"{name} {'recomputed' if name != 'kept' else ''}",
+                     f"{r0['measured'] / mib:,.1f} / {r1['measured'] / mib:,.1f}",
+                     f"{r0['planned'] / mib:,.1f}", f"{r0['activations'] / mib:,.1f}",
+                     f"{step:.3f}", f"{step / base:.3f}"))
+    print(harness.table(("activations", "measured peak MiB (rank 0 / 1)", "planned MiB",
+                         "planned activations at the peak MiB", "step s (median, slower rank)",
+                         "step time / kept"), rows, "llrrrr"))
     return 0
 
 
