@@ -49,12 +49,14 @@ import torch.nn as nn
 from accelerate.optimizer import AcceleratedOptimizer
 from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME
+from transformers.utils import logging
 
 import zerocore
 from zerocore.loss_scale import global_grad_stats
 from zerocore.sharded_model import ShardedModel
 
 CHECKPOINT_DIR = "zerocore"  # inside each checkpoint-N/ of Trainer
+logger = logging.get_logger(__name__)
 
 
 class _TrainStep(nn.Module):
@@ -138,12 +140,9 @@ class ShardedTrainer(Trainer):
         if isinstance(getattr(model, "zerocore_sharding", None), ShardedModel):
             raise ValueError("ShardedTrainer: the model is sharded already; pass it unsharded "
                              "(ShardedTrainer shards it: units=..., shard_options=...)")
-        if kwargs.get("optimizers", (None, None))[0] is not None:
-            raise ValueError("ShardedTrainer: optimizers=(optimizer, ...) is not supported: the "
-                             "optimizer must step the flat shards (zerocore.optim.AdamW, built "
-                             "from TrainingArguments); pass a scheduler only as (None, scheduler)")
         if args is None:
             raise ValueError("ShardedTrainer: pass args=TrainingArguments(...)")
+        _refuse_unsupported(model, args, kwargs)
         options = dict(shard_options or {})
         wanted = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
         if "mixed_precision" not in options and wanted is not None:
@@ -206,12 +205,16 @@ class ShardedTrainer(Trainer):
 
     def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
+        # The model itself, not the wrapper: Trainer reads its class (whether the label
+        # smoother shifts labels), and accelerate does not know the wrapper.
+        model = model.module if isinstance(model, _TrainStep) else model
         out = super().compute_loss(model, inputs, return_outputs=return_outputs,
                                    num_items_in_batch=num_items_in_batch)
         if not (self.loss_scaler.dynamic and torch.is_grad_enabled()):
             return out
         loss, rest = out if return_outputs else (out, None)
-        loss = _ScaleGrad.apply(loss, self.loss_scaler.loss_scale)
+        # In fp32: an fp16 loss times 65536 would overflow by itself.
+        loss = _ScaleGrad.apply(loss.float(), self.loss_scaler.loss_scale)
         return (loss, rest) if return_outputs else loss
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
@@ -234,8 +237,13 @@ class ShardedTrainer(Trainer):
             self._global_grad_norm()
         stats, self._grad_stats = self._grad_stats, None
         max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else None
-        return self.loss_scaler.step_with_stats(self.zerocore_optimizer, *stats,
-                                                max_norm=max_norm).skipped
+        result = self.loss_scaler.step_with_stats(self.zerocore_optimizer, *stats,
+                                                  max_norm=max_norm)
+        if result.skipped and not self.loss_scaler.dynamic and self.args.should_log:
+            # fp16 skips steps by design; in bf16/fp32 an inf/nan gradient is a diverged run.
+            logger.warning(f"ShardedTrainer: step {self.state.global_step + 1} skipped: a "
+                           f"gradient is inf or nan on some rank (the run may have diverged)")
+        return result.skipped
 
     # -- saving and resuming -------------------------------------------------------------------
 
@@ -268,8 +276,10 @@ class ShardedTrainer(Trainer):
         zerocore.load_checkpoint(_zerocore_checkpoint(checkpoint), self.sharding,
                                  self.zerocore_optimizer, scaler=self.loss_scaler)
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
-        if os.path.isfile(scheduler):
-            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+        if not os.path.isfile(scheduler):
+            raise ValueError(f"ShardedTrainer: {checkpoint} has no {SCHEDULER_NAME}; without it "
+                             f"the learning-rate schedule would restart at step 0")
+        self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
 
     def _load_best_model(self) -> None:
@@ -292,6 +302,46 @@ def _zerocore_checkpoint(checkpoint: str | os.PathLike) -> Path:
     root = Path(checkpoint) / CHECKPOINT_DIR
     steps = zerocore.list_checkpoints(root) if root.is_dir() else []
     if not steps:
-        raise ValueError(f"ShardedTrainer: {checkpoint} holds no zerocore checkpoint "
-                         f"({CHECKPOINT_DIR}/step-N); was it written by ShardedTrainer?")
+        raise ValueError(f"ShardedTrainer: {checkpoint} holds no committed zerocore checkpoint "
+                         f"({CHECKPOINT_DIR}/step-N): it was not written by ShardedTrainer, or "
+                         f"with save_only_model=True, or the save was cut short; resume from an "
+                         f"earlier checkpoint-N")
     return steps[-1]
+
+
+def _refuse_unsupported(model: Any, args: Any, kwargs: dict[str, Any]) -> None:
+    """One line for each of Trainer's options that a sharded model cannot honour (each would
+    otherwise be ignored or act on the shards as if they were the model)."""
+    optimizers = kwargs.get("optimizers", (None, None))
+    refused = [
+        (not isinstance(model, nn.Module),
+         "model must be the nn.Module itself (load it first: it is sharded before Trainer "
+         "sees it); model_init is not supported either"),
+        (kwargs.get("model_init") is not None, "model_init is not supported: pass the model"),
+        (tuple(optimizers) != (None, None),
+         "optimizers=(...) is not supported: the optimizer is zerocore's AdamW over the flat "
+         "shards, built from TrainingArguments, and a scheduler must be built on it: override "
+         "create_scheduler for a schedule of your own"),
+        (kwargs.get("optimizer_cls_and_kwargs") is not None,
+         "optimizer_cls_and_kwargs is not supported (zerocore's AdamW steps the shards)"),
+        (getattr(args.optim, "value", args.optim) not in ("adamw_torch", "adamw_torch_fused"),
+         f"optim={args.optim} is not supported: zerocore's AdamW steps the shards (leave "
+         f"optim at its default)"),
+        (args.fp16_full_eval or args.bf16_full_eval,
+         "fp16_full_eval/bf16_full_eval are not supported (they would cast the shards); "
+         "evaluation computes in the sharded dtype already"),
+        (args.save_on_each_node,
+         "save_on_each_node is not supported: rank 0 gathers and writes the export, and the "
+         "sharded checkpoints need one file system that every rank writes to"),
+        (args.save_only_model and args.load_best_model_at_end,
+         "save_only_model=True with load_best_model_at_end=True is not supported: the best "
+         "weights are loaded from the checkpoints' zerocore state, which save_only_model "
+         "leaves out"),
+        (args.torch_compile, "torch_compile is not supported with ShardedTrainer yet"),
+        (args.n_gpu > 1,
+         "one process sees several GPUs (Trainer would use DataParallel): start one process "
+         "per GPU with torchrun"),
+    ]
+    for bad, why in refused:
+        if bad:
+            raise ValueError(f"ShardedTrainer: {why}")

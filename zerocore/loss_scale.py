@@ -114,6 +114,12 @@ class LossScaler:
                 "good_steps": self._good_steps, "dynamic": self.dynamic}
 
     def load_state_dict(self, state: dict) -> None:
+        if bool(state.get("dynamic", self.dynamic)) != self.dynamic:
+            # A run resumed in another precision (fp16 <-> bf16/fp32): the saved scale belongs
+            # to the other; this scaler keeps its own start (1 when not dynamic, else the
+            # policy's initial scale), or every gradient would be divided by a scale that
+            # nothing multiplied it by.
+            return
         self.loss_scale = float(state["loss_scale"])
         self._hysteresis_left = int(state["hysteresis_left"])
         self._good_steps = int(state["good_steps"])

@@ -264,6 +264,9 @@ class Comm:
             if getattr(self, name) not in choices:
                 raise ValueError(f"Comm.{name} must be one of {choices}, got "
                                  f"{getattr(self, name)!r}")
+        if self.peer_read == "off" and "read" in (self.gather, self.reduce):
+            raise ValueError(f"Comm(peer_read='off') with gather={self.gather!r}, "
+                             f"reduce={self.reduce!r}: reading is off; ask for another way")
 
     @property
     def timeout_s(self) -> float:

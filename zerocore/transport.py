@@ -209,8 +209,8 @@ def choose(route: Route, comm: Comm) -> tuple[Gather, Reduce]:
         reduce = "read" if can_read and two else "exchange" if two else "collective"
     if "read" in (gather, reduce) and not can_read:
         raise ValueError(f"zerocore.Comm(gather={comm.gather!r}, reduce={comm.reduce!r}): "
-                         f"reading another rank's memory needs gloo ranks of one Linux host "
-                         f"that may read each other's memory, and Comm(peer_read='auto'); "
+                         f"reading another rank's memory needs two or more gloo ranks of one "
+                         f"Linux host that may read each other's memory; "
                          f"use 'auto' or 'collective'")
     if reduce in ("read", "exchange") and not two:
         ranks = f"{route.world_size} rank{'s' if route.world_size != 1 else ''}"
