@@ -118,8 +118,8 @@ ZEROCORE_VARIANTS = {
     "zerocore-no-keep-last": {"keep_last": False},
     "zerocore-offload": {"offload": True},
     "zerocore-before": {},
-    # Communication optimisations turned off (FlatGroup attributes; tests/test_overlap.py), for
-    # before/after comparisons in one run: all of them (gloo's broadcasts and all-reduce, the
+    # Communication optimisations turned off (FlatGroup attributes; tests/engine/test_overlap.py),
+    # for before/after comparisons in one run: all of them (gloo's broadcasts and all-reduce, the
     # engine before issue 15); gathers and reductions by gloo, reductions by exchanging halves;
     # gathers by reading the other ranks' memory, reductions by exchanging halves.
     "zerocore-gloo": {"off": {"gather_by_reading": False, "reduce_by_reading": False,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import zerocore
-from dist_utils import worlds_by_size
+from tests.support.dist_utils import worlds_by_size
 
 NO_GPU_REASON = "no CUDA device visible (torch.cuda.is_available() is False)"
 
