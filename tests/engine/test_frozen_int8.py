@@ -23,8 +23,8 @@ import zerocore
 from zerocore import reference
 from zerocore.flat_layout import FlatLayout
 
-from tests.engine.test_offload import train_digest as offload_digest
-from tests.engine.test_shard import Spec, accumulate_step, make_layers
+from tests.support.toy_stack import Spec, accumulate_step, make_layers
+from tests.support.toy_stack import train_digest as offload_digest
 
 WORLD_SIZES = [1, 2, 3]
 BLOCK = 64

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 import zerocore
-from tests.engine.test_offload import train_digest
-from tests.engine.test_shard import (LR, Spec, accumulate_step, global_batch, loss_fn, make_layers,
-                        model_input)
+from tests.support.toy_stack import (LR, Spec, accumulate_step, global_batch, loss_fn, make_layers,
+                                     model_input, train_digest)
 
 WORLD_SIZES = [1, 2, 3]
 

@@ -19,18 +19,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import struct
 
 import pytest
 import torch
 
 import zerocore
 from zerocore import collectives
-from tests.engine.test_shard import (Spec, accumulate_step, full_params, global_batch, loss_fn,
-                        make_layers)
+from tests.support.toy_stack import (LR, Spec, global_batch, loss_fn, make_layers, shard_stack,
+                                     train_digest)
 
 WORLD_SIZES = [1, 2, 3]
-LR, WEIGHT_DECAY = 1e-2, 0.1
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"ws{n}")
@@ -48,38 +46,8 @@ CASES = {
 }
 
 
-def build(spec: Spec) -> zerocore.ShardedSequential:
-    return zerocore.shard(make_layers(spec),
-                          mixed_precision=zerocore.MixedPrecision(spec.param_dtype),
-                          offload=zerocore.Offload(optimizer=spec.offload))
-
-
 def digest_run(rank: int, world_size: int, spec: Spec) -> dict:
-    return train_digest(build(spec), spec, rank, world_size)
-
-
-def train_digest(model: zerocore.ShardedSequential, spec: Spec, rank: int,
-                 world_size: int, final=None) -> dict:
-    """Trains the sharded model and returns a digest of every step's loss (this rank's, exact),
-    the gradient shards and norm before every step, and the final parameters (``final(model)``:
-    {name: tensor}; default every rank's shards gathered, fp32 masters)."""
-    opt = zerocore.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    scaler = zerocore.LossScaler(model.group, dynamic=False)
-    h = hashlib.sha256()
-    for step in range(spec.steps):
-        for loss in accumulate_step(model, spec, step, rank, world_size):
-            h.update(struct.pack("<d", loss))
-        for shard in model.trainable_shards():
-            h.update(shard.grad.numpy().tobytes())
-        if spec.max_norm is not None:
-            h.update(struct.pack("<d", scaler.step(opt, max_norm=spec.max_norm).grad_norm))
-        else:
-            opt.step()
-        opt.zero_grad()
-    for name, t in sorted((final or full_params)(model).items()):
-        h.update(name.encode())
-        h.update(t.float().numpy().tobytes())
-    return {"digest": h.hexdigest()}
+    return train_digest(shard_stack(spec), spec, rank, world_size)
 
 
 # sha256 over the ranks' digests (rank order), recorded with the synchronous offload at commit
@@ -250,7 +218,7 @@ def digest_with_stand_in_streams(rank: int, world_size: int, spec: Spec) -> dict
     reduce-scatter with the collectives NCCL uses (gloo's own, bitwise equal to the broadcasts
     and in-place all-reduce the engine otherwise uses on gloo), so reduced gradients are buffers
     of their own that go to the host through the download stream."""
-    model = build(spec)
+    model = shard_stack(spec)
     log = StreamLog()
     offloaded = 0
     for layer in model.layers:

@@ -26,8 +26,7 @@ import torch.distributed as dist
 
 import zerocore
 from zerocore import collectives
-from tests.engine.test_offload import build, train_digest
-from tests.engine.test_shard import Spec
+from tests.support.toy_stack import Spec, shard_stack, train_digest
 
 WORLD_SIZES = [1, 2, 3]
 
@@ -66,7 +65,7 @@ def turn_off(model: zerocore.ShardedSequential, names: list[str]) -> int:
 
 
 def digest_without(rank: int, world_size: int, spec: Spec, names: list[str]) -> dict:
-    model = build(spec)
+    model = shard_stack(spec)
     changed = turn_off(model, names)
     return dict(train_digest(model, spec, rank, world_size), changed=changed)
 

@@ -3,11 +3,11 @@
 zerocore.fused_adam on the CPU runs one of several compiled kernels, chosen at run time: the widest
 this CPU supports, or the one forced with ``ZEROCORE_CPU_ISA`` or the test hook
 ``zerocore.ops._cpu_adam_isa``. Every path must compute the same bits: as the exact float32 replay
-of the kernel's arithmetic (tests/kernels/test_ops.py ``_exact_adam``, the CUDA kernel's arithmetic
-too), with the model copy exactly ``param.to(copy dtype)``, whatever the size, the alignment of
-each argument and the number of threads. Here each path the host can run is forced in turn; paths
-the host cannot run (AVX-512 on an AVX2-only CPU) are skipped with the reason. No tolerance
-anywhere: every comparison is bitwise.
+of the kernel's arithmetic (tests/support/exact_adam.py ``exact_adam``, the CUDA kernel's
+arithmetic too), with the model copy exactly ``param.to(copy dtype)``, whatever the size, the
+alignment of each argument and the number of threads. Here each path the host can run is forced in
+turn; paths the host cannot run (AVX-512 on an AVX2-only CPU) are skipped with the reason. No
+tolerance anywhere: every comparison is bitwise.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import zerocore  # noqa: F401  (registers torch.ops.zerocore)
 from zerocore import ops
 from zerocore._extension import _cpu_flags
-from tests.kernels.test_ops import HYPER, _assert_slack_untouched, _exact_adam, _placed, _randn
+from tests.support.exact_adam import HYPER, assert_slack_untouched, exact_adam, placed, randn
 
 ALL_ISAS = ["scalar", "avx2", "avx512"]
 RUNNABLE = ops._cpu_adam_isas()
@@ -117,34 +117,34 @@ def _step_all(isa, threads, n, grad_dtype, copy_dtype, offsets, seed):
     """Three steps (Adam with L2 decay and a loss scale, then AdamW twice, the last with a
     clipping coefficient folded into the unscaling, so every constant of the update is exercised)
     through ``isa`` at ``threads`` threads, each compared bit for bit with the exact replay."""
-    p_buf, p = _placed(_randn(n, seed, "cpu"), offsets[0])
-    m_buf, m = _placed(_randn(n, seed + 1, "cpu", scale=0.1), offsets[2])
-    v_buf, v = _placed(_randn(n, seed + 2, "cpu", scale=0.1).square(), offsets[3])
+    p_buf, p = placed(randn(n, seed, "cpu"), offsets[0])
+    m_buf, m = placed(randn(n, seed + 1, "cpu", scale=0.1), offsets[2])
+    v_buf, v = placed(randn(n, seed + 2, "cpu", scale=0.1).square(), offsets[3])
     c_buf = copy = None
     if copy_dtype is not None:
-        c_buf, copy = _placed(torch.zeros(n, dtype=copy_dtype), offsets[4])
+        c_buf, copy = placed(torch.zeros(n, dtype=copy_dtype), offsets[4])
     ex = [t.clone() for t in (p, m, v)]
     # (adamw, weight decay, loss scale, clip coefficient): inv_grad_scale = clip / loss_scale,
     # as zerocore.optim passes it; 0.37 is not a power of two, so the product really rounds.
     for step, (adamw, wd, loss_scale, clip) in enumerate(
             [(False, 0.1, 1024.0, 1.0), (True, 0.1, 1.0, 1.0), (True, 0.0, 8.0, 0.37)], start=1):
-        g_buf, g = _placed((_randn(n, seed + 10 + step, "cpu") * loss_scale).to(grad_dtype),
+        g_buf, g = placed((randn(n, seed + 10 + step, "cpu") * loss_scale).to(grad_dtype),
                            offsets[1])
         kw = dict(HYPER, weight_decay=wd, step=step, inv_grad_scale=clip / loss_scale,
                   adamw=adamw)
         with _using(isa, threads):
             ops.fused_adam(p, g, m, v, copy, **kw)
-        _exact_adam(*ex[:1], g, *ex[1:], **kw)
+        exact_adam(*ex[:1], g, *ex[1:], **kw)
         assert torch.equal(p, ex[0]), f"param differs from the exact replay at step {step}"
         assert torch.equal(m, ex[1]), f"exp_avg differs from the exact replay at step {step}"
         assert torch.equal(v, ex[2]), f"exp_avg_sq differs from the exact replay at step {step}"
         if copy is not None:
             assert torch.equal(copy, p.to(copy_dtype)), f"model copy at step {step}"
-        _assert_slack_untouched(g_buf, offsets[1], n)
+        assert_slack_untouched(g_buf, offsets[1], n)
     for buf, o in [(p_buf, offsets[0]), (m_buf, offsets[2]), (v_buf, offsets[3])]:
-        _assert_slack_untouched(buf, o, n)
+        assert_slack_untouched(buf, o, n)
     if c_buf is not None:
-        _assert_slack_untouched(c_buf, offsets[4], n)
+        assert_slack_untouched(c_buf, offsets[4], n)
 
 
 @pytest.mark.parametrize("copy_dtype", [None] + FLOAT_DTYPES, ids=IDS.get)
@@ -235,8 +235,8 @@ def test_isa_nonfinite_inputs_match_scalar(isa):
     n = 1000
     results = {}
     for which in ["scalar", isa]:
-        g = _randn(n, 3, "cpu").to(torch.float16)
-        p = _randn(n, 4, "cpu")
+        g = randn(n, 3, "cpu").to(torch.float16)
+        p = randn(n, 4, "cpu")
         g[::7] = float("inf")
         g[3::11] = float("nan")
         p[5::13] = float("-inf")

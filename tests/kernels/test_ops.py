@@ -21,6 +21,7 @@ import torch
 
 import zerocore  # noqa: F401  (registers torch.ops.zerocore)
 from zerocore import ops, reference
+from tests.support.exact_adam import HYPER, assert_slack_untouched, exact_adam, placed, randn
 
 F32_EPS = torch.finfo(torch.float32).eps  # 2^-23, one ulp of 1.0 in float32
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -30,33 +31,8 @@ DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16
 # vector block; 15 and 17: just under and just over one block; 1 and 0: no vector work at all.
 SIZES = [278011, 1, 15, 17, 0]
 
-# Elements of NaN left after every view we hand to a kernel: more than one 16-element vector block,
-# so a kernel that writes a whole block past the end is caught.
-SLACK = 19
-
-
-def _randn(shape, seed: int, device: str, scale: float = 1.0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=g) * scale).to(device)
-
-
 def _rand_uniform(shape, seed: int, device: str) -> torch.Tensor:
     return torch.rand(shape, generator=torch.Generator().manual_seed(seed)).to(device)
-
-
-def _placed(values: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(buffer, view): ``view`` holds ``values`` at ``buffer[offset:]``; everything else is NaN.
-    offset > 0 gives a view whose data pointer is not 16-byte aligned."""
-    n = values.numel()
-    buf = torch.full((offset + n + SLACK,), float("nan"), dtype=values.dtype, device=values.device)
-    view = buf[offset:offset + n]
-    view.copy_(values)
-    return buf, view
-
-
-def _assert_slack_untouched(buf: torch.Tensor, offset: int, n: int) -> None:
-    assert torch.isnan(buf[:offset]).all() and torch.isnan(buf[offset + n:]).all(), \
-        "the kernel wrote outside its view"
 
 
 def _assert_within_ulps(actual: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor,
@@ -79,36 +55,6 @@ def _assert_identical(actual: torch.Tensor, expected: torch.Tensor) -> None:
 # fused_adam
 
 
-def _f32(x: float) -> float:
-    """The float32 value nearest to x, as the kernel narrows each double-precision constant."""
-    return torch.tensor(x, dtype=torch.float32).item()
-
-
-def _exact_adam(p, g, m, v, *, lr, beta1, beta2, eps, weight_decay, step, inv_grad_scale,
-                adamw) -> None:
-    """Replays the CPU kernel's float32 arithmetic exactly, in place on float32 CPU tensors: one
-    torch op per float operation, each correctly rounded, in the kernel's order, which is what the
-    kernel's scalar tail and its AVX2 body both compute (built with -ffp-contract=off). Two
-    torch shortcuts would round differently and are avoided: fused ops (lerp, addcmul, add with
-    alpha) multiply-add in one rounding, and torch.sqrt on float32 is not always correctly
-    rounded, so the square root is taken in float64 and rounded once (exact for sqrt)."""
-    # The constants of AdamConsts in csrc/checks.cpp, computed in double, narrowed to float.
-    one_minus_beta1 = _f32(1.0 - beta1)
-    one_minus_beta2 = _f32(1.0 - beta2)
-    wd = 0.0 if adamw else _f32(weight_decay)
-    decay = _f32(1.0 - lr * weight_decay) if adamw else 1.0
-    step_size = _f32(lr / (1.0 - beta1**step))
-    bc2_sqrt = _f32(math.sqrt(1.0 - beta2**step))
-
-    g = g.float() * _f32(inv_grad_scale)
-    g = g + wd * p
-    p.mul_(decay)
-    m.add_(one_minus_beta1 * (g - m))
-    v.copy_(v * _f32(beta2) + one_minus_beta2 * (g * g))
-    denom = v.double().sqrt().float() / bc2_sqrt + _f32(eps)
-    p.add_(-step_size * (m / denom))
-
-
 ADAM_VARIANTS = {  # name: (adamw, weight_decay)
     "adamw": (True, 0.0), "adamw-wd": (True, 0.1), "adam": (False, 0.0), "adam-l2": (False, 0.1)}
 # (offset of param, grad, exp_avg, exp_avg_sq, model_copy) in their buffers: all aligned, or each
@@ -117,7 +63,6 @@ OFFSETS = {"aligned": (0, 0, 0, 0, 0), "misaligned": (1, 3, 5, 7, 1)}
 # (loss scale, layout): the gradient is stored multiplied by the loss scale and the kernel gets
 # inv_grad_scale = 1 / loss scale.
 SCALINGS = [(1.0, "aligned"), (1024.0, "misaligned"), (1.0, "misaligned"), (1024.0, "aligned")]
-HYPER = dict(lr=3e-3, beta1=0.85, beta2=0.98, eps=1e-6)
 STEPS = 5  # consecutive steps on the same buffers, so moments and bias correction build up
 
 
@@ -171,12 +116,12 @@ def test_fused_adam_matches_reference(device, n, grad_dtype, copy_dtype, variant
     adamw, weight_decay = ADAM_VARIANTS[variant]
     seed = zlib.crc32(repr((n, grad_dtype, copy_dtype, variant, loss_scale, layout)).encode())
     off = OFFSETS[layout]
-    p_buf, p = _placed(_randn(n, seed, device), off[0])
-    m_buf, m = _placed(torch.zeros(n, device=device), off[2])
-    v_buf, v = _placed(torch.zeros(n, device=device), off[3])
+    p_buf, p = placed(randn(n, seed, device), off[0])
+    m_buf, m = placed(torch.zeros(n, device=device), off[2])
+    v_buf, v = placed(torch.zeros(n, device=device), off[3])
     c_buf = copy = None
     if copy_dtype is not None:
-        c_buf, copy = _placed(torch.zeros(n, dtype=copy_dtype, device=device), off[4])
+        c_buf, copy = placed(torch.zeros(n, dtype=copy_dtype, device=device), off[4])
     ref_p, ref_m, ref_v = p.clone(), m.clone(), v.clone()
     exact = device == "cpu"
     if exact:
@@ -189,10 +134,10 @@ def test_fused_adam_matches_reference(device, n, grad_dtype, copy_dtype, variant
     for step in range(1, STEPS + 1):
         # The gradient as a loss-scaled backward pass would leave it, in its storage dtype;
         # inv_grad_scale undoes the scale inside the kernel.
-        g_vals = _randn(n, seed + step, device) * magnitude
+        g_vals = randn(n, seed + step, device) * magnitude
         if not adamw and weight_decay:
             g_vals = _without_cancellation(g_vals, p)
-        g_buf, g = _placed((g_vals * loss_scale).to(grad_dtype), off[1])
+        g_buf, g = placed((g_vals * loss_scale).to(grad_dtype), off[1])
         # Adam's decayed gradient, the term exp_avg moves towards; the L2 term never cancels.
         g_max = torch.maximum(g_max, g.float().abs() / loss_scale
                               + (0.0 if adamw else weight_decay) * p.abs())
@@ -201,11 +146,11 @@ def test_fused_adam_matches_reference(device, n, grad_dtype, copy_dtype, variant
         ops.fused_adam(p, g, m, v, copy, **kw)
         reference.fused_adam(ref_p, g, ref_m, ref_v, None, **kw)
         if exact:
-            _exact_adam(ex_p, g.cpu(), ex_m, ex_v, **kw)
-        _assert_slack_untouched(g_buf, off[1], n)
+            exact_adam(ex_p, g.cpu(), ex_m, ex_v, **kw)
+        assert_slack_untouched(g_buf, off[1], n)
 
     for buf, o in [(p_buf, off[0]), (m_buf, off[2]), (v_buf, off[3])]:
-        _assert_slack_untouched(buf, o, n)
+        assert_slack_untouched(buf, o, n)
     if exact:
         # Bit for bit: same float32 operations in the same order, vector body and tail alike.
         assert torch.equal(p, ex_p), "param differs from the exact float32 replay"
@@ -217,7 +162,7 @@ def test_fused_adam_matches_reference(device, n, grad_dtype, copy_dtype, variant
     if copy is not None:
         # Exactly the rounding of the new fp32 master weights to the copy's dtype.
         assert torch.equal(copy, p.to(copy_dtype))
-        _assert_slack_untouched(c_buf, off[4], n)
+        assert_slack_untouched(c_buf, off[4], n)
 
 
 # The CPU kernels switch to streaming (non-temporal) stores, with a scalar head up to the first
@@ -235,18 +180,18 @@ def test_fused_adam_large_shard(device, copy_dtype, copy_offset):
     touched = n * (3 * 2 * 4 + grad_dtype.itemsize + copy_dtype.itemsize)
     assert touched > STREAMING_MIN_BYTES
     seed = zlib.crc32(repr((n, copy_dtype, copy_offset)).encode())
-    p = _randn(n, seed, device)
+    p = randn(n, seed, device)
     m, v = torch.zeros(n, device=device), torch.zeros(n, device=device)
-    c_buf, copy = _placed(torch.zeros(n, dtype=copy_dtype, device=device), copy_offset)
+    c_buf, copy = placed(torch.zeros(n, dtype=copy_dtype, device=device), copy_offset)
     ref_p, ref_m, ref_v = p.clone(), m.clone(), v.clone()
     ex_p, ex_m, ex_v = (t.to("cpu", copy=True) for t in (p, m, v))
     for step in (1, 2):
-        g = _randn(n, seed + step, device).to(grad_dtype)
+        g = randn(n, seed + step, device).to(grad_dtype)
         kw = dict(HYPER, weight_decay=0.1, step=step, inv_grad_scale=1.0, adamw=True)
         ops.fused_adam(p, g, m, v, copy, **kw)
         reference.fused_adam(ref_p, g, ref_m, ref_v, None, **kw)
         if device == "cpu":
-            _exact_adam(ex_p, g, ex_m, ex_v, **kw)
+            exact_adam(ex_p, g, ex_m, ex_v, **kw)
     if device == "cpu":
         assert torch.equal(p, ex_p) and torch.equal(m, ex_m) and torch.equal(v, ex_v)
     # The bounds of test_fused_adam_matches_reference; unit-variance gradients bound exp_avg's
@@ -255,7 +200,7 @@ def test_fused_adam_large_shard(device, copy_dtype, copy_offset):
     _assert_within_ulps(m, ref_m, torch.full_like(m, 6.0), EXP_AVG_ULPS, "exp_avg")
     _assert_within_ulps(v, ref_v, ref_v.abs(), EXP_AVG_SQ_ULPS, "exp_avg_sq")
     assert torch.equal(copy, p.to(copy_dtype))
-    _assert_slack_untouched(c_buf, copy_offset, n)
+    assert_slack_untouched(c_buf, copy_offset, n)
 
 
 def test_fused_adam_late_step_and_nonzero_state(device):
@@ -263,10 +208,10 @@ def test_fused_adam_late_step_and_nonzero_state(device):
     n = 4099
     kw = dict(lr=1e-2, beta1=0.5, beta2=0.9, eps=1e-8, weight_decay=0.3, step=10_000,
               inv_grad_scale=0.37, adamw=False)
-    p = _randn(n, 1, device)
-    g = _without_cancellation(_randn(n, 2, device), p).to(torch.bfloat16)
-    m = _randn(n, 3, device, scale=0.1)
-    v = _randn(n, 4, device, scale=0.1).square()
+    p = randn(n, 1, device)
+    g = _without_cancellation(randn(n, 2, device), p).to(torch.bfloat16)
+    m = randn(n, 3, device, scale=0.1)
+    v = randn(n, 4, device, scale=0.1).square()
     copy = torch.empty(n, dtype=torch.float16, device=device)
     ref_p, ref_m, ref_v = p.clone(), m.clone(), v.clone()
     ex_p, ex_m, ex_v = (t.to("cpu", copy=True) for t in (p, m, v))
@@ -275,7 +220,7 @@ def test_fused_adam_late_step_and_nonzero_state(device):
     ops.fused_adam(p, g, m, v, copy, **kw)
     reference.fused_adam(ref_p, g, ref_m, ref_v, None, **kw)
     if device == "cpu":
-        _exact_adam(ex_p, g, ex_m, ex_v, **kw)
+        exact_adam(ex_p, g, ex_m, ex_v, **kw)
         assert torch.equal(p, ex_p) and torch.equal(m, ex_m) and torch.equal(v, ex_v)
     # One step from the same state: the bounds of test_fused_adam_matches_reference apply, with
     # the exp_avg scale being its two terms, the old exp_avg and the decayed gradient.
@@ -292,7 +237,7 @@ def test_fused_adam_matches_torch_optim(device, adamw, impl):
     concatenation as one flat shard."""
     shapes = [(123, 457), (1001,)]
     hyper = dict(lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.05)
-    params = [torch.nn.Parameter(_randn(s, i, device)) for i, s in enumerate(shapes)]
+    params = [torch.nn.Parameter(randn(s, i, device)) for i, s in enumerate(shapes)]
     flags = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True),
              "fused": dict(fused=True)}[impl]
     cls = torch.optim.AdamW if adamw else torch.optim.Adam
@@ -301,7 +246,7 @@ def test_fused_adam_matches_torch_optim(device, adamw, impl):
     m, v = torch.zeros_like(flat), torch.zeros_like(flat)
     g_max = torch.zeros_like(flat)  # largest |decayed grad| each element has seen
     for step in range(1, 11):
-        grads = [_randn(s, 100 * step + i, device) for i, s in enumerate(shapes)]
+        grads = [randn(s, 100 * step + i, device) for i, s in enumerate(shapes)]
         if not adamw:
             grads = [_without_cancellation(g, q.detach()) for g, q in zip(grads, params)]
         for q, g in zip(params, grads):
@@ -343,8 +288,8 @@ def _exactly_summable(n: int, seed: int, dtype: torch.dtype, device: str) -> tor
 @pytest.mark.parametrize("n", SIZES)
 def test_grad_stats_sum_of_squares(device, n, dtype, layout):
     off = 3 if layout == "misaligned" else 0
-    values = _randn(n, n + off, device, scale=3.0).to(dtype)
-    buf, grad = _placed(values, off)
+    values = randn(n, n + off, device, scale=3.0).to(dtype)
+    buf, grad = placed(values, off)
     stats = ops.grad_stats(grad)
     expected = values.double().square().sum().item()
     assert stats[1].item() == 0.0
@@ -352,7 +297,7 @@ def test_grad_stats_sum_of_squares(device, n, dtype, layout):
     # (a 32768-element block) before the blocks are summed in float64, so the worst-case relative
     # error is 2048 float32 roundings, 2048 * 2^-24 (no cancellation: all terms are >= 0).
     assert stats[0].item() == pytest.approx(expected, rel=2048 * 2.0**-24, abs=0.0)
-    _assert_slack_untouched(buf, off, n)
+    assert_slack_untouched(buf, off, n)
 
     # Exact values exactly summed: every element counted once, including the scalar tail.
     grad = _exactly_summable(n, n, dtype, device)
@@ -390,7 +335,7 @@ def test_grad_stats_huge_finite_value_is_not_flagged(device, dtype, value):
     of squares itself is then +inf in float32, as in the float64 reference rounded to float32.
     fp16's largest value squares to 4.3e9, which float32 holds: there, the sum stays finite."""
     n = 100_003
-    grad = _randn(n, 11, device).to(dtype)
+    grad = randn(n, 11, device).to(dtype)
     grad[random.Random(1).randrange(n)] = value
     grad[-1] = -value
     stats = ops.grad_stats(grad)
@@ -432,7 +377,7 @@ def test_grad_stats_empty_grad_leaves_stats(device):
 def test_grad_stats_independent_of_thread_count():
     """The CPU kernel sums fixed 32768-element blocks, so the float result must not depend on how
     many threads split the range."""
-    grad = _randn(278011, 3, "cpu")
+    grad = randn(278011, 3, "cpu")
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -647,7 +592,7 @@ def _assert_pack_unpack_match_reference(tensors, offsets, flat) -> None:
 
 
 def test_pack_same_tensor_twice_and_empty_list(device):
-    t = _randn((3, 5), 0, device).t()
+    t = randn((3, 5), 0, device).t()
     flat = ops.pack([t, t], [20, 0], torch.full((36,), math.nan, device=device))
     assert torch.equal(flat[:15], t.reshape(-1)) and torch.equal(flat[20:35], t.reshape(-1))
     assert (flat[15:20] == 0).all() and flat[35] == 0
@@ -687,12 +632,12 @@ def test_cuda_fused_adam_and_grad_stats_equal_cpu_past_one_grid(layout):
     off = OFFSETS[layout]
     results = {}
     for device in ("cpu", "cuda"):
-        _, p = _placed(_randn(n, 1, device), off[0])
-        _, m = _placed(torch.zeros(n, device=device), off[2])
-        _, v = _placed(torch.zeros(n, device=device), off[3])
-        _, copy = _placed(torch.zeros(n, dtype=torch.bfloat16, device=device), off[4])
+        _, p = placed(randn(n, 1, device), off[0])
+        _, m = placed(torch.zeros(n, device=device), off[2])
+        _, v = placed(torch.zeros(n, device=device), off[3])
+        _, copy = placed(torch.zeros(n, dtype=torch.bfloat16, device=device), off[4])
         for step in (1, 2):
-            _, g = _placed(_randn(n, 10 + step, device).half(), off[1])
+            _, g = placed(randn(n, 10 + step, device).half(), off[1])
             ops.fused_adam(p, g, m, v, copy, **HYPER, weight_decay=0.1, step=step,
                            inv_grad_scale=0.5, adamw=True)
         # Squares of {±0.5, ±1, ±1.5, ±2} are multiples of 1/4: both kernels' partial sums are
@@ -914,12 +859,12 @@ def test_grad_stats_and_pack_reject_other_device(device):
 
 def _opcheck_cases(device):
     n = 1001
-    p, m, v = _randn(n, 1, device), _randn(n, 2, device) * 0.1, _randn(n, 3, device).square()
-    g16 = _randn(n, 4, device).half()
+    p, m, v = randn(n, 1, device), randn(n, 2, device) * 0.1, randn(n, 3, device).square()
+    g16 = randn(n, 4, device).half()
     copy = torch.empty(n, dtype=torch.bfloat16, device=device)
     adam = torch.ops.zerocore.fused_adam.default
-    mixed = [_randn((3, 4), 5, device).t(), _randn(7, 6, device).half(),
-             _randn(5, 7, device).bfloat16(), torch.ones((), device=device)]
+    mixed = [randn((3, 4), 5, device).t(), randn(7, 6, device).half(),
+             randn(5, 7, device).bfloat16(), torch.ones((), device=device)]
     outs = [torch.empty(4, 3, device=device).t(),
             torch.empty(7, dtype=torch.float16, device=device),
             torch.empty(5, dtype=torch.bfloat16, device=device), torch.empty((), device=device)]
@@ -929,11 +874,11 @@ def _opcheck_cases(device):
         "fused_adam-adam-nocopy": (adam, (p, g16.float(), m, v, None, 1e-3, 0.9, 0.999, 1e-8,
                                           0.01, 1, 1.0, False)),
         "grad_stats": (torch.ops.zerocore.grad_stats.default,
-                       (_randn(n, 6, device).bfloat16(), torch.zeros(2, device=device))),
+                       (randn(n, 6, device).bfloat16(), torch.zeros(2, device=device))),
         "pack": (torch.ops.zerocore.pack.default,
                  (mixed, [30, 0, 20, 13], torch.empty(45, device=device))),
         "unpack": (torch.ops.zerocore.unpack.default,
-                   (_randn(45, 8, device).half(), [30, 0, 20, 13], outs)),
+                   (randn(45, 8, device).half(), [30, 0, 20, 13], outs)),
     }
 
 
@@ -967,11 +912,11 @@ def test_torch_compile_fullgraph(device):
     n = 3001
 
     def make_args():
-        return ([_randn(n, 1, device), _randn(n, 2, device).half(), _randn(n, 3, device) * 0.1,
-                 _randn(n, 4, device).square(), torch.empty(n, dtype=torch.bfloat16,
+        return ([randn(n, 1, device), randn(n, 2, device).half(), randn(n, 3, device) * 0.1,
+                 randn(n, 4, device).square(), torch.empty(n, dtype=torch.bfloat16,
                                                             device=device),
                  torch.zeros(2, device=device),
-                 [_randn((5, 3), 5, device).t(), _randn(7, 6, device).bfloat16()],
+                 [randn((5, 3), 5, device).t(), randn(7, 6, device).bfloat16()],
                  [9, 0], torch.full((30,), math.nan, device=device),
                  [torch.empty(3, 5, device=device), torch.empty(7, dtype=torch.float16,
                                                                  device=device)]])
@@ -1002,7 +947,7 @@ def test_torch_compile_orders_reads_after_writes(device):
     """Through dynamo and AOT autograd (functionalization of the in-place ops) with pointwise
     ops before and after; the aot_eager backend runs the graph without inductor's C++ build."""
     def make_args():
-        return [_randn(2049, 1, device), _randn(2049, 2, device).bfloat16(),
+        return [randn(2049, 1, device), randn(2049, 2, device).bfloat16(),
                 torch.zeros(2049, device=device), torch.zeros(2049, device=device),
                 torch.zeros(2049, dtype=torch.float16, device=device),
                 torch.zeros(2, device=device)]

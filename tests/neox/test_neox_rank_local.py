@@ -20,7 +20,7 @@ from neox.training import source_layer
 from neox.weights import RandomInit, iter_layer_states, materialize, meta_layer, open_weights, \
     save_hf
 from neox.weights.hf import hf_key
-from tests.neox.test_neox_weights_slim import neox_yaml, random_model, small_config, write_slim
+from tests.support.slim_weights import neox_yaml, random_model, small_config, write_slim
 
 
 @pytest.fixture(scope="module")
