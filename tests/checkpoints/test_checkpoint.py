@@ -579,6 +579,7 @@ def _landed(point: str, tmp: Path, rank_bytes: int) -> bool:
 KILL_TRIES = 4
 
 
+@pytest.mark.distributed  # a one-rank gloo process of its own, killed while it saves
 def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
     root = tmp_path / "checkpoints"
     rnd = random.Random(5)  # fixed: a failure names a reproducible kill delay
@@ -968,6 +969,7 @@ def _losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
+@pytest.mark.e2e
 def test_cli_resume(tmp_path):
     """6 steps in one run, saving at 3, against resuming that step-3 checkpoint: the same losses
     for steps 4..6, bitwise with the same --nproc, and within fp32 tolerance with another."""

@@ -387,6 +387,7 @@ def test_commit_record_itself_damaged_or_missing(good, tmp_path):
     assert incomplete_checkpoints(tmp_path) == [(path, True)]
 
 
+@pytest.mark.e2e
 def test_commandline_consolidate_refuses_with_one_line(good, tmp_path):
     """The real command, for two of the edits above: exit code 2, one line, nothing written."""
     zero = _copy(good, tmp_path / "zero")

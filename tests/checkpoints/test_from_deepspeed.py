@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.support.dist_utils import global_mean, worlds_by_size
+from tests.support.dist_utils import global_mean
 from zerocore import deepspeed_checkpoint as fds
 from zerocore import from_deepspeed
 from zerocore.deepspeed_checkpoint import DeepSpeedCheckpointError
@@ -431,12 +431,6 @@ def test_dynamic_loss_scaler_state():
 
 # -- resuming on zerocore ------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def worlds():
-    with worlds_by_size() as get:
-        yield get
-
-
 def build(name: str):
     """The fixture's model, as the DeepSpeed run built it (values are replaced by the
     checkpoint's), sharded by zerocore; and its optimizer."""
@@ -523,11 +517,11 @@ def resumed_losses(rank: int, world: int, name: str) -> list[float]:
 RTOL = {"fp32": 5e-7, "bf16": 2e-4}
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("name", ALL)
-def test_resume_continues_as_deepspeed(worlds, name, world):
+def test_resume_continues_as_deepspeed(worlds, name, world_size):
     fx = info(name)
-    got = worlds(world).run(resumed_losses, name)[0]
+    got = worlds(world_size).run(resumed_losses, name)[0]
     want = fx["continued"]["losses"]
     # the continued losses must differ from the first steps' (the check could fail)
     assert want[0] != pytest.approx(fx["losses_before"][-1], rel=RTOL[fx["dtype"]])

@@ -24,11 +24,6 @@ from zerocore.offload import cpu_threads
 WORLD_SIZES = [1, 2, 3]
 
 
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"ws{n}")
-def world(request, worlds):
-    return worlds(request.param)
-
-
 # A GPU machine as the checks see it: a CUDA build of torch, 8 GPUs, zerocore's CUDA kernels.
 GPU_HOST = zerocore.Platform(host="gpu-host", torch_cuda="12.4", cuda_device_count=8,
                              kernels_cuda=True, device_uuid=None, usable_cores=64)

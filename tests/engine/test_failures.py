@@ -18,6 +18,9 @@ from torch import nn
 
 from tests.support.dist_utils import free_port
 
+# Every test here starts its own rank processes.
+pytestmark = pytest.mark.distributed
+
 # The survivors must give up within this many seconds (the process group's timeout is 10 s; the
 # rest is slack for a loaded 2-core machine).
 BOUND_S = 60.0
@@ -157,16 +160,16 @@ def _stop_all(procs) -> None:
         p.join(30)
 
 
-@pytest.mark.parametrize("world", [2, 3], ids=lambda n: f"ws{n}")
-def test_a_stopped_rank_makes_the_others_raise_naming_it_and_exit(world, tmp_path):
-    procs, results = _start(world, tmp_path)
+@pytest.mark.parametrize("world_size", [2, 3], ids=lambda n: f"ws{n}")
+def test_a_stopped_rank_makes_the_others_raise_naming_it_and_exit(world_size, tmp_path):
+    procs, results = _start(world_size, tmp_path)
     try:
-        ready = _messages(results, world, START_S, "ready")
+        ready = _messages(results, world_size, START_S, "ready")
         assert all(m[0] == "ready" for m in ready.values()), ready
         assert all(m[3] for m in ready.values()), "the ranks do not read each other's memory"
         os.kill(procs[1].pid, signal.SIGSTOP)  # as a debugger, ^Z or a frozen container would
         stopped = time.monotonic()
-        survivors = [r for r in range(world) if r != 1]
+        survivors = [r for r in range(world_size) if r != 1]
         raised = _messages(results, len(survivors), TIMEOUT_S + SLACK_S + 30, "raised")
         for r in survivors:
             _, _, kind, message, lost, when = raised[r]
@@ -174,7 +177,7 @@ def test_a_stopped_rank_makes_the_others_raise_naming_it_and_exit(world, tmp_pat
             if kind == "PeerLost":  # zerocore's transport waited for it: it names the rank
                 assert lost == 1 and "rank 1 did not answer within 3 s" in message, message
             else:  # gloo's own collective timed out first (3 ranks reduce through gloo)
-                assert world > 2 and "Timed out" in message, (kind, message)
+                assert world_size > 2 and "Timed out" in message, (kind, message)
         # (With 3 ranks either may come first, depending on where the stop lands: a gather
         # waits in zerocore's transport, a reduction in gloo.)
         # ... and exit: nothing of the transport waits for the stopped rank at the end.

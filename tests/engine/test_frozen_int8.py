@@ -30,11 +30,6 @@ WORLD_SIZES = [1, 2, 3]
 BLOCK = 64
 
 
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"ws{n}")
-def world(request, worlds):
-    return worlds(request.param)
-
-
 CASES = {
     "mlp-biases-fp32": Spec(model="mlp", steps=3, micro=2, train="biases", max_norm=0.05),
     "transformer-bf16-frozen-embedding": Spec(model="transformer", steps=3, train="no_embedding",

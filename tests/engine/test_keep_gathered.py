@@ -17,11 +17,6 @@ from tests.support.toy_stack import (LR, Spec, accumulate_step, global_batch, lo
 WORLD_SIZES = [1, 2, 3]
 
 
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"ws{n}")
-def world(request, worlds):
-    return worlds(request.param)
-
-
 CASES = {
     # PEFT-like: every weight frozen, the biases trained, micro-batches accumulated, clipping.
     "mlp-biases-micro2-clip": Spec(model="mlp", steps=3, micro=2, train="biases", max_norm=0.05),

@@ -27,11 +27,6 @@ LR = 1e-3
 INIT_SCALE = 2.0**10
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"ws{n}")
-def world(request, worlds):
-    return worlds(request.param)
-
-
 def layers() -> list[nn.Module]:
     torch.manual_seed(0)
     return [nn.Sequential(nn.Linear(11, 29), nn.GELU()),

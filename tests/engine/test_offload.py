@@ -31,11 +31,6 @@ from tests.support.toy_stack import (LR, Spec, global_batch, loss_fn, make_layer
 WORLD_SIZES = [1, 2, 3]
 
 
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"ws{n}")
-def world(request, worlds):
-    return worlds(request.param)
-
-
 # Cases: fp32 with gradient accumulation (the accumulate-into-shard.grad path) and clipping (the
 # statistics read the offloaded gradients); bf16 with a frozen embedding (gradients reduced in
 # bf16 and widened to fp32 on delivery; a first layer without trainable parameters).

@@ -31,11 +31,6 @@ from tests.support.toy_stack import Spec, shard_stack, train_digest
 WORLD_SIZES = [1, 2, 3]
 
 
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"ws{n}")
-def world(request, worlds):
-    return worlds(request.param)
-
-
 # The FlatGroup attribute of each optimisation, its value when turned off, and the world sizes
 # where it is on by default (this machine's ranks may read each other's memory: root, one
 # host; elsewhere the reading ones may be off, which the test then says).

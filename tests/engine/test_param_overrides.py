@@ -131,11 +131,6 @@ def test_state_dicts_keep_the_settings_and_refuse_others():
 
 # -- zerocore.shard at world sizes 1-3 ------------------------------------------------------------
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"ws{n}")
-def world(request, worlds):
-    return worlds(request.param)
-
-
 def shard_run(rank: int, world_size: int, use_rule: bool) -> dict:
     stack = layers()
     ref = nn.Sequential(*copy.deepcopy(stack))

@@ -135,11 +135,6 @@ def train_run(rank: int, world_size: int, run: Run) -> dict:
     return out
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"ws{n}")
-def world(request, worlds):
-    return worlds(request.param)
-
-
 def assert_bitwise(plain: list[dict], recomputed: list[dict]) -> None:
     for rank, (a, b) in enumerate(zip(plain, recomputed)):
         assert a["losses"] == b["losses"], f"rank {rank}: losses differ"

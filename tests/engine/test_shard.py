@@ -55,11 +55,6 @@ GRAD_TOL = 1e-5
 PARAM_TOL = dict(rtol=1e-5, atol=2e-3 * LR)
 
 
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"ws{n}")
-def world(request, worlds):
-    return worlds(request.param)
-
-
 def grad_difference(got: dict[str, torch.Tensor], ref: nn.Module) -> float:
     """Largest difference between the sharded and the reference gradients, over each
     tensor's largest reference entry (the scale its rounding errors have)."""
@@ -584,6 +579,7 @@ def hang_on_first_rank(rank: int, world_size: int) -> int:
     return rank
 
 
+@pytest.mark.distributed  # its own World
 def test_harness_reports_errors_and_hangs():
     with World(2) as w:
         with pytest.raises(RankFailure, match="(?s)rank 1 raised.*ValueError: boom on rank 1"):

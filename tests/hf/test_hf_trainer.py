@@ -41,11 +41,6 @@ EPS = 1e-6
 MAX_GRAD_NORM = {"full": 0.5, "lora": 0.05}
 
 
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"ws{n}")
-def world(request, worlds):
-    return worlds(request.param)
-
-
 @dataclasses.dataclass(frozen=True)
 class Spec:
     mode: str = "full"        # "full" or "lora"

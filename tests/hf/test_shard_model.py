@@ -47,11 +47,6 @@ PARAM_TOL = dict(rtol=1e-5, atol=2e-3 * LR)
 EPS = 1e-6
 
 
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"ws{n}")
-def world(request, worlds):
-    return worlds(request.param)
-
-
 @dataclasses.dataclass(frozen=True)
 class Spec:
     arch: str = "neox"

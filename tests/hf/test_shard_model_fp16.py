@@ -25,11 +25,6 @@ OVERFLOW_STEP = 1
 POLICY = zerocore.LossScaling(init_scale=2.0**10, hysteresis=1)
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"ws{n}")
-def world(request, worlds):
-    return worlds(request.param)
-
-
 def snapshot(sharded: zerocore.ShardedModel, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     out = []
     for p in sharded.trainable_shards():

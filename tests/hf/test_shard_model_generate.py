@@ -23,11 +23,6 @@ from zerocore.flat_group import GroupState
 NEW_TOKENS = 6
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"ws{n}")
-def world(request, worlds):
-    return worlds(request.param)
-
-
 def _all_sharded(sharded) -> bool:
     return all(g.state is GroupState.SHARDED for layer in sharded.layers for g in layer.groups)
 

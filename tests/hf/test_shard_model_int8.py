@@ -22,11 +22,6 @@ BLOCK = 64
 LOCAL_ROWS = 2
 
 
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"ws{n}")
-def world(request, worlds):
-    return worlds(request.param)
-
-
 def dequantized(model: nn.Module) -> nn.Module:
     """A copy whose frozen parameters are replaced by their int8 round trip (blockwise)."""
     model = copy.deepcopy(model)

@@ -35,6 +35,7 @@ def test_quick_run_passes_and_prints_the_table(capsys):
     assert "8 passed, 0 failed, 3 measured" in out
 
 
+@pytest.mark.e2e
 def test_command_exits_zero_and_finishes():
     """The module as a program, in a fresh interpreter (the engine checks need a process without
     a process group; this one is the real entry point)."""

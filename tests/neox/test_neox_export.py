@@ -36,6 +36,7 @@ def lora_run(tmp_path_factory):
     return tmp
 
 
+@pytest.mark.e2e
 def test_offline_export_equals_the_runs_own_export(lora_run):
     ckpt = lora_run / "run" / "checkpoints" / "step-00000003"
     _export(ckpt, lora_run / "merged")
@@ -46,6 +47,7 @@ def test_offline_export_equals_the_runs_own_export(lora_run):
         assert torch.equal(mine[k], theirs[k]), k
 
 
+@pytest.mark.e2e
 def test_separate_adapter_applies_in_peft(lora_run):
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")

@@ -151,6 +151,7 @@ def _call_main(capture, *argv) -> subprocess.CompletedProcess:
 
 # -- one run per output directory --------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_a_second_run_on_a_directory_in_use_is_refused(cache, tmp_path, capsys):
     out = tmp_path / "out"
     first = start_module("neox.finetune", *args(cache, out, "--max-steps", 60,
@@ -170,6 +171,7 @@ def test_a_second_run_on_a_directory_in_use_is_refused(cache, tmp_path, capsys):
         "step-00000020", "step-00000040", "step-00000060"]
 
 
+@pytest.mark.e2e
 def test_a_fresh_run_refuses_another_runs_outputs_unless_told(cache, four_steps, tmp_path,
                                                              capsys):
     out = Path(shutil.copytree(four_steps, tmp_path / "out"))
@@ -196,6 +198,7 @@ def _gone_within_orphan_deadline(mark: str, signalled: float) -> list[int]:
     return left_after(mark, max(0.0, signalled + ORPHAN_DEADLINE_S - time.monotonic()))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_ranks_do_not_outlive_their_launcher(cache, tmp_path, sig):
     out = tmp_path / "out"
@@ -214,6 +217,7 @@ def test_ranks_do_not_outlive_their_launcher(cache, tmp_path, sig):
         assert "Traceback" not in stderr
 
 
+@pytest.mark.e2e
 def test_a_killed_rank_is_named_with_its_signal(cache, tmp_path):
     out = tmp_path / "out"
     launcher = start_module("neox.finetune", *args(cache, out, "--epochs", 50))
@@ -273,6 +277,7 @@ def _signal_launcher(launcher, mark, sig, *, when) -> tuple[list[int], str]:
     return left, stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("moment", START_UP_MOMENTS, ids=lambda m: f"{m}s" if m != "spawned"
                          else m)
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
@@ -282,6 +287,7 @@ def test_no_process_outlives_a_launcher_killed_during_start_up(cache, tmp_path, 
     assert "Traceback" not in stderr, stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("moment", ["spawned", 5.0], ids=["spawned", "5.0s"])
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_no_process_of_16_ranks_outlives_a_launcher_killed_as_they_start(cache, tmp_path, sig,
@@ -315,6 +321,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("when", ["at-once", "importing"])
 def test_a_rank_is_tied_to_its_launcher_before_its_imports(tmp_path, when):
     from neox.launch import _BOOTSTRAP
@@ -351,6 +358,7 @@ STOP_TIMEOUT_S = 5.0
 STOP_BOUND_S = STOP_TIMEOUT_S + 5.0
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_a_stopped_rank_ends_the_run_named_and_killed(cache, tmp_path, nproc):
     out = tmp_path / "out"
@@ -426,6 +434,7 @@ def test_an_unwritable_output_directory_is_found_before_the_data(capsys, tmp_pat
 
 # -- divergence -----------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_a_diverging_run_stops_and_saves_nothing_non_finite(cache, tmp_path):
     import torch
     out = tmp_path / "out"
@@ -453,6 +462,7 @@ def four_steps(cache, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.e2e
 def test_resume_applies_given_optimisation_flags(cache, four_steps, tmp_path):
     out = Path(shutil.copytree(four_steps, tmp_path / "out"))
     # Two step directories that are not checkpoints: what a killed save leaves (only zerocore's
@@ -481,6 +491,7 @@ def test_resume_applies_given_optimisation_flags(cache, four_steps, tmp_path):
     assert manifest["extra"]["recipe"]["optim"]["lr"] == 0.01
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("flags, phrase", [
     (["--finetune", "lora"], "--finetune lora differs from the checkpoint's full"),
     (["--seed", "9"], "--seed 9 differs from the checkpoint's 1"),
@@ -500,6 +511,7 @@ def _load_fault_injection():
     return module
 
 
+@pytest.mark.e2e
 def test_a_kill_then_resume_keeps_every_step_once_and_is_bitwise_exact(cache, four_steps,
                                                                       tmp_path):
     # The fault-injection benchmark's own trial, with one kill (bench/fault_injection.py runs
@@ -537,6 +549,7 @@ def _fill(disk: Path, leave: int) -> None:
         f.write(b"\0" * max(0, free - leave))
 
 
+@pytest.mark.e2e
 def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_last_checkpoint(
         cache, four_steps, small_disk):
     import zerocore
@@ -554,6 +567,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_last_checkpoint(
     zerocore.open_checkpoint(latest)
 
 
+@pytest.mark.e2e
 def test_a_completely_full_disk_is_found_before_the_run_starts(four_steps, small_disk,
                                                                capsys):
     out = Path(shutil.copytree(four_steps, small_disk / "out"))
@@ -565,6 +579,7 @@ def test_a_completely_full_disk_is_found_before_the_run_starts(four_steps, small
     assert "corpus:" not in proc.stdout and "tokenizer:" not in proc.stdout
 
 
+@pytest.mark.e2e
 def test_an_unwritable_result_file_is_one_line(cache, tmp_path):
     out = tmp_path / "out"
     (out / "trainable.safetensors").mkdir(parents=True)  # a directory where the file goes
@@ -638,6 +653,7 @@ def _one_line(code: int, err: str) -> str:
     return lines[0]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("edit", [e for e in MANIFEST_EDITS if e != "extra.step removed"])
 def test_an_edited_manifest_is_refused_by_export_and_consolidate(lora_checkpoint, tmp_path,
                                                                  capsys, edit):
@@ -654,6 +670,7 @@ def test_an_edited_manifest_is_refused_by_export_and_consolidate(lora_checkpoint
             assert not (tmp_path / f"{out}-{recommit}").exists()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("edit", list(MANIFEST_EDITS))
 def test_an_edited_manifest_is_refused_on_resume(lora_checkpoint, tmp_path, capfd, edit):
     # (extra.step is neox's own state: export and consolidate do not need it; a resume does.)

@@ -39,7 +39,7 @@ from torch import nn
 
 import neox
 import zerocore
-from tests.support.dist_utils import global_mean
+from tests.support.dist_utils import free_port, global_mean
 from tests.support.neox_testing import (CLI_TIMEOUT_S, EXCERPT, assert_clean_error, call_main,
                                         run_module)
 from neox import data as nd
@@ -50,6 +50,7 @@ from neox.finetune import main as finetune_main
 from neox.finetune_modes import BIAS_NAMES, FinetuneMode, prepare_layer
 from zerocore.consolidate import iter_full_layers
 
+WORLD_SIZES = [2]  # the parity tests' ranks (tests/conftest.py's `world`)
 REPO = Path(__file__).resolve().parents[2]
 
 # -- parity: sharded vs unsharded training -------------------------------------------------------
@@ -99,11 +100,6 @@ def key_bias_gauge(config: NeoXConfig) -> torch.Tensor:
     for h in range(config.num_attention_heads):
         mask[h * 3 * hs + hs + rd: h * 3 * hs + 2 * hs] = True
     return mask
-
-
-@pytest.fixture(scope="module")
-def world(worlds):
-    return worlds(2)
 
 
 def _global_batch(step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,6 +306,7 @@ def base_config(hf_dir: Path) -> NeoXConfig:
     return dataclasses.replace(PRESETS["tiny"], vocab_size=exported["vocab_size"])
 
 
+@pytest.mark.e2e
 def test_cli_one_rank_bias_finetuning(run_biases):
     proc, out = run_biases
     blocks = PRESETS["tiny"].num_hidden_layers
@@ -319,6 +316,7 @@ def test_cli_one_rank_bias_finetuning(run_biases):
     assert "world size 1" in proc.stdout and f"keeping {blocks}" in proc.stdout
 
 
+@pytest.mark.e2e
 def test_cli_two_ranks_lora_filter_layers_one_epoch(run_lora):
     proc, out = run_lora
     m = re.search(r"([\d,]+) train, [\d,]+ validation", proc.stdout)
@@ -359,6 +357,7 @@ def _export_logits(hf_dir: Path, ids: torch.Tensor) -> tuple[torch.Tensor, torch
         return hf(ids, use_cache=False).logits, ours(ids)
 
 
+@pytest.mark.e2e
 def test_export_of_bias_finetuning_matches_the_trained_model(run_biases):
     _, out = run_biases
     hf_dir = out / "hf"
@@ -385,6 +384,7 @@ def test_export_of_bias_finetuning_matches_the_trained_model(run_biases):
     assert (hf_dir / "tokenizer.json").is_file()
 
 
+@pytest.mark.e2e
 def test_export_of_lora_is_merged_and_matches_the_lora_model(run_lora):
     _, out = run_lora
     hf_dir = out / "hf"
@@ -454,6 +454,7 @@ def test_missing_checkpoint_directory(cli_dirs, tmp_path, capsys):
     assert_clean_error(proc, "no such directory")
 
 
+@pytest.mark.e2e
 def test_unreadable_data_file_on_two_ranks(cli_dirs, tmp_path):
     # Rank 0 prepares the data alone while rank 1 waits: its error must reach rank 1 as a quiet
     # stop, not as a broken-connection traceback.
@@ -486,6 +487,7 @@ def _copy(src: Path, dst: Path) -> Path:
     return Path(shutil.copytree(src, dst))
 
 
+@pytest.mark.e2e
 def test_checkpoint_with_a_missing_layer_file(cli_dirs, hf_checkpoint, tmp_path):
     ckpt = _copy(hf_checkpoint, tmp_path / "ckpt")
     # File 3 of 5: embed, block 0, block 1, final norm, readout.
@@ -498,6 +500,7 @@ def test_checkpoint_with_a_missing_layer_file(cli_dirs, hf_checkpoint, tmp_path)
     assert missing.name in proc.stderr
 
 
+@pytest.mark.e2e
 def test_checkpoint_with_wrong_shapes(cli_dirs, hf_checkpoint, tmp_path):
     ckpt = _copy(hf_checkpoint, tmp_path / "ckpt")
     config = json.loads((ckpt / "config.json").read_text())
@@ -508,6 +511,7 @@ def test_checkpoint_with_wrong_shapes(cli_dirs, hf_checkpoint, tmp_path):
     assert "mlp.dense_h_to_4h" in proc.stderr
 
 
+@pytest.mark.e2e
 def test_tokenizer_larger_than_the_vocabulary(cli_dirs, hf_checkpoint, tmp_path):
     big = nd.train_bpe(cli_dirs["data"].read_text(), vocab_size=600)
     assert nd.tokenizer_rows(big) > HF_CONFIG.vocab_size
@@ -517,6 +521,7 @@ def test_tokenizer_larger_than_the_vocabulary(cli_dirs, hf_checkpoint, tmp_path)
     assert_clean_error(proc, "tokenizer larger than the vocabulary")
 
 
+@pytest.mark.e2e
 def test_the_built_in_run_learns_visibly(cli_dirs, tmp_path):
     """Without --checkpoint there is nothing pretrained to fine-tune: the built-in run trains
     the tiny preset from scratch, says so, and ends with a text sample. Measured on this
@@ -534,6 +539,7 @@ def test_the_built_in_run_learns_visibly(cli_dirs, tmp_path):
     assert len(sample.splitlines()) > 1  # the sample's text follows on its own lines
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("flag, reduced", [((), "float32"), (("--reduce-dtype", "bf16"),
                                                                 "bfloat16")])
 def test_gradients_are_summed_in_fp32_unless_asked(cli_dirs, tmp_path, flag, reduced):
@@ -548,10 +554,10 @@ def test_gradients_are_summed_in_fp32_unless_asked(cli_dirs, tmp_path, flag, red
     assert f"gradients summed in {'fp32' if not flag else 'bf16'}" in proc.stdout
 
 
+@pytest.mark.e2e
 def test_torchrun_joins_its_group(cli_dirs, tmp_path):
     """Under torchrun (RANK/WORLD_SIZE set by the launcher) the CLI joins that group instead of
     spawning: the way it runs across machines."""
-    from tests.support.dist_utils import free_port
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     proc = subprocess.run(

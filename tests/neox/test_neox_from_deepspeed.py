@@ -80,6 +80,7 @@ def names(name: str, mode: FinetuneMode) -> tuple[list, object]:
     return specs, nds.namer(ckpt, specs, mode)
 
 
+@pytest.mark.e2e
 def test_full_run_resumed_holds_deepspeeds_state(inputs, tmp_path):
     out = tmp_path / "out"
     proc = run_module("neox.finetune", *flags(inputs, "full_fp32_ws2", out, "--finetune", "full",
@@ -118,6 +119,7 @@ def test_full_run_resumed_holds_deepspeeds_state(inputs, tmp_path):
     assert checked == 2 * len(ref)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["lora_fp32_ws2", "lora_bf16_ws2"])
 def test_lora_run_continues(inputs, tmp_path, name):
     """In fp32 either way: a bf16 run's frozen copy is the base rounded to bf16, which the
@@ -175,6 +177,7 @@ def test_damaged_deepspeed_file_refused_before_launch(inputs, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.e2e
 def test_other_base_weights_refused(inputs, tmp_path):
     """LoRA over weights that are not the DeepSpeed run's base: the frozen weights the run
     trained against differ, found when the model is built; one line, nothing trained."""

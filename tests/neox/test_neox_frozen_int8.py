@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 
 from neox.plan import main as plan_main
@@ -35,6 +36,7 @@ def _export(out: Path) -> dict:
     return tensors
 
 
+@pytest.mark.e2e
 def test_int8_run_learns_alike_gathers_less_and_exports_the_base(tmp_path):
     runs = {}
     for name, extra in (("compute", ()), ("int8", ("--frozen-weights", "int8"))):

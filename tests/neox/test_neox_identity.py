@@ -156,6 +156,7 @@ def _refused_by_every_tool(capsys, ckpt: Path, out: Path, phrase: str, *flags: s
     assert not (out.parent / "hf").exists() and not (out.parent / "plain").exists()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("attack", list(ATTACKS))
 def test_an_attacked_checkpoint_is_refused_by_resume_export_and_consolidate(runs, tmp_path,
                                                                             capsys, attack):
@@ -173,6 +174,7 @@ def test_an_attacked_checkpoint_is_refused_by_resume_export_and_consolidate(runs
     assert _snapshot(out) == before  # nothing written, nothing lost
 
 
+@pytest.mark.e2e
 def test_a_rank_file_of_another_run_of_the_same_shape_is_refused(runs, tmp_path, capsys):
     out, ckpt = _copy(runs, tmp_path / "out")
     shutil.copyfile(runs["b"] / CHECKPOINTS / ckpt.name / "rank-00001.pt", ckpt / "rank-00001.pt")
@@ -202,6 +204,7 @@ sys.exit(main(sys.argv[3:]))
 """
 
 
+@pytest.mark.e2e
 def test_forged_recipe_paths_are_not_opened_before_the_checkpoint_is_verified(runs, tmp_path):
     out, ckpt = _copy(runs, tmp_path / "out")
     forged_data = tmp_path / "forged.txt"
@@ -223,6 +226,7 @@ def test_forged_recipe_paths_are_not_opened_before_the_checkpoint_is_verified(ru
     assert _snapshot(out) == before
 
 
+@pytest.mark.e2e
 def test_a_changed_corpus_is_refused_on_resume_unless_told(runs, tmp_path):
     out, ckpt = _copy(runs, tmp_path / "out")
     corpus = runs["corpus"]
@@ -263,6 +267,7 @@ def test_data_changed_and_allow_unverified_need_resume(capsys, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.e2e
 def test_a_format_2_checkpoint_resumes_only_when_asked(runs, tmp_path, capsys):
     """As zerocore wrote them before rank files recorded their identity, and neox before it
     recorded the data's digest."""

@@ -31,6 +31,7 @@ def _gathered_mib(stdout: str) -> float:
     return float(re.search(r"all-gather\s+([\d.]+)", stdout).group(1))
 
 
+@pytest.mark.e2e
 def test_budget_run_trains_bit_for_bit_and_gathers_less(tmp_path):
     runs = {}
     for name, extra in (("plain", ()), ("all", ("--keep-gathered", "all")),

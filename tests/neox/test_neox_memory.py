@@ -100,6 +100,7 @@ def _measured_lines(stdout: str) -> list[tuple[float, float]]:
     return [(float(ratio), float(rss.replace(",", ""))) for _, ratio, rss in found]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["biases", "lora"])
 def test_filtered_preset_run_measures_what_the_plan_says(tmp_path, mode):
     from tests.support.neox_testing import BPE512, EXCERPT, run_module

@@ -27,6 +27,7 @@ def _losses(out: Path) -> list[float]:
             if "loss" in json.loads(line)]
 
 
+@pytest.mark.e2e
 def test_recomputed_run_trains_bit_for_bit(tmp_path):
     runs = {}
     for name, extra in (("plain", ()), ("recomputed", ("--activation-checkpointing",))):

@@ -99,6 +99,7 @@ def _copy(src: Path, dst: Path) -> Path:
     return Path(shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".lock")))
 
 
+@pytest.mark.e2e
 def test_a_fresh_run_refuses_another_runs_directory(finished_run, tmp_path):
     out = _copy(finished_run, tmp_path / "out")
     owner = json.loads((out / RUN_FILE).read_text())["run_id"]
@@ -107,6 +108,7 @@ def test_a_fresh_run_refuses_another_runs_directory(finished_run, tmp_path):
         claim_output_dir(out, resume_run_id=None, resuming=False, overwrite=False, log=Log())
 
 
+@pytest.mark.e2e
 def test_overwrite_deletes_only_the_runs_outputs(finished_run, tmp_path):
     out = _copy(finished_run, tmp_path / "out")
     (out / "notes.txt").write_text("mine")
@@ -119,6 +121,7 @@ def test_overwrite_deletes_only_the_runs_outputs(finished_run, tmp_path):
     assert any("overwrite: deleted the outputs of run" in line for line in log)
 
 
+@pytest.mark.e2e
 def test_resume_keeps_the_run_and_refuses_overwrite(finished_run, tmp_path):
     out = _copy(finished_run, tmp_path / "out")
     owner = json.loads((out / RUN_FILE).read_text())["run_id"]
@@ -131,6 +134,7 @@ def test_resume_keeps_the_run_and_refuses_overwrite(finished_run, tmp_path):
                          log=Log())
 
 
+@pytest.mark.e2e
 def test_resume_finds_the_newest_checkpoint_of_the_run(finished_run, tmp_path):
     out = _copy(finished_run, tmp_path / "out")
     ckpts = out / CHECKPOINTS
@@ -154,6 +158,7 @@ def test_cuda_ranks_get_expandable_segments_unless_the_user_chose():
     assert cuda_environment({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) == {}
 
 
+@pytest.mark.e2e
 def test_resume_keeps_the_created_time(finished_run, tmp_path):
     """run.json's "created" is when the run first took the directory; resuming (even a resume
     that is refused later, in the ranks) does not rewrite it."""

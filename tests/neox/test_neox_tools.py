@@ -37,6 +37,7 @@ def _val_loss(out: Path) -> float:
     return [r for r in lines if "val_loss" in r][-1]["val_loss"]
 
 
+@pytest.mark.e2e
 def test_evaluate_a_run_on_its_own_validation_windows(run, capsys):
     proc = call_main(evaluate.main, capsys, "--checkpoint", run, "--json")
     assert proc.returncode == 0, proc.stderr
@@ -48,6 +49,7 @@ def test_evaluate_a_run_on_its_own_validation_windows(run, capsys):
     assert result["loss"] == pytest.approx(_val_loss(run), rel=1e-5)
 
 
+@pytest.mark.e2e
 def test_generate_from_a_run_and_from_one_of_its_checkpoints(run, capsys):
     for where in (run, run / CHECKPOINTS / "step-00000006"):
         proc = call_main(generate_main, capsys, "--checkpoint", where, "--prompt", "ROMEO:",
@@ -56,6 +58,7 @@ def test_generate_from_a_run_and_from_one_of_its_checkpoints(run, capsys):
         assert proc.stdout.startswith("ROMEO:")
 
 
+@pytest.mark.e2e
 def test_the_built_in_runs_output_is_the_default(run, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     proc = call_main(generate_main, capsys, "--max-new-tokens", 4)
@@ -67,6 +70,7 @@ def test_the_built_in_runs_output_is_the_default(run, tmp_path, capsys, monkeypa
     assert proc.stdout.startswith("To be")
 
 
+@pytest.mark.e2e
 def test_an_export_carries_the_tokenizer_and_the_tools_accept_it(run, tmp_path, capsys):
     ckpt = run / CHECKPOINTS / "step-00000006"
     assert call_main(export.main, capsys, ckpt, tmp_path / "hf").returncode == 0
@@ -87,6 +91,7 @@ def test_an_export_carries_the_tokenizer_and_the_tools_accept_it(run, tmp_path, 
     assert not (tmp_path / "bare" / TOKENIZER).exists()
 
 
+@pytest.mark.e2e
 def test_trainable_only_export_uses_the_models_own_names(run, tmp_path, capsys):
     ckpt = run / CHECKPOINTS / "step-00000006"
     proc = call_main(export.main, capsys, ckpt, tmp_path / "t", "--trainable-only")
@@ -153,6 +158,7 @@ def _leftovers(root: Path) -> list[str]:
     return sorted(p.name for p in root.rglob("*") if ".tmp" in p.name or ".partial" in p.name)
 
 
+@pytest.mark.e2e
 def test_export_on_a_full_disk_is_one_line(run, small_disk, capsys):
     ckpt = run / CHECKPOINTS / "step-00000006"
     for extra in ((), ("--trainable-only",), ("--lora", "separate")):
@@ -163,6 +169,7 @@ def test_export_on_a_full_disk_is_one_line(run, small_disk, capsys):
         assert _leftovers(small_disk.root) == [], extra
 
 
+@pytest.mark.e2e
 def test_an_export_that_fails_leaves_the_earlier_one(run, small_disk, capsys):
     from safetensors.torch import save_file
     import torch
@@ -178,6 +185,7 @@ def test_an_export_that_fails_leaves_the_earlier_one(run, small_disk, capsys):
     assert _leftovers(small_disk.root) == []
 
 
+@pytest.mark.e2e
 def test_consolidate_on_a_full_disk_is_one_line(run, small_disk, capsys):
     from zerocore import consolidate
     for extra in ((), ("--trainable-only",)):
@@ -239,6 +247,7 @@ def _one_line_error(proc, phrase: str) -> None:
     assert len(lines) == 1 and lines[0].startswith("error: ") and phrase in lines[0], proc.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("main", [evaluate.main, generate_main], ids=["evaluate", "generate"])
 def test_a_device_that_is_not_there_is_one_line(run, main, capsys):
     proc = call_main(main, capsys, "--checkpoint", run, "--device", "tpu")
@@ -250,6 +259,7 @@ def test_a_device_that_is_not_there_is_one_line(run, main, capsys):
                                                    else "no CUDA GPU is visible"))
 
 
+@pytest.mark.e2e
 def test_evaluate_refuses_windows_beyond_the_models_positions(run, capsys):
     from neox.trained import run_checkpoint, run_settings
     positions = run_settings(run_checkpoint(run))[1].max_position_embeddings
@@ -258,6 +268,7 @@ def test_evaluate_refuses_windows_beyond_the_models_positions(run, capsys):
     _one_line_error(proc, f"--seq-len {positions + 1} exceeds the model's {positions} positions")
 
 
+@pytest.mark.e2e
 def test_a_negative_temperature_is_refused(run, capsys):
     proc = call_main(generate_main, capsys, "--checkpoint", run, "--temperature", "-0.5")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr

@@ -170,6 +170,7 @@ def test_readme_commands_are_found():
     assert all(" runs/" in c or "--output-dir" not in c for c in commands), commands
 
 
+@pytest.mark.e2e
 @with_shared_data
 def test_the_readme_output_block_is_what_the_built_in_run_prints(newcomer):
     work, env, stdout = newcomer
@@ -179,6 +180,7 @@ def test_the_readme_output_block_is_what_the_built_in_run_prints(newcomer):
     assert problem is None, problem
 
 
+@pytest.mark.e2e
 @with_shared_data
 def test_every_readme_command_works_in_order_after_the_first(newcomer):
     work, env, _ = newcomer
