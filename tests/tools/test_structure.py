@@ -117,3 +117,15 @@ def test_neox_uses_only_public_zerocore_names():
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_every_module_imports(name):
     importlib.import_module(name)
+
+
+def test_no_test_module_imports_another():
+    # What tests share lives in tests/support (STYLE.md): a test module imported as a library
+    # runs its import-time code twice and ties one subject's tests to another's.
+    found = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        for module, names, line in _imports(path, top_level_only=False):
+            targets = [module] + [f"{module}.{n}" for n in names]
+            if any(t.split(".")[-1].startswith("test_") for t in targets):
+                found.append(f"{path.relative_to(REPO)}:{line}: {module} {names}")
+    assert not found, found
