@@ -31,7 +31,7 @@ def build(arch: str, seed: int = 0) -> nn.Module:
                                # score of a query, which softmax cancels, so its exact gradient
                                # is 0 and the computed one rounding noise, whose sign Adam
                                # turns into ±lr steps no two summation orders agree on
-                               # (tests/engine/test_shard.py's Block has none for the same reason).
+                               # (tests/support/toy_stack.py's Block has none for that reason).
                                attention_bias=False)
         return GPTNeoXForCausalLM(config)
     if arch == "llama":

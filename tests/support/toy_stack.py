@@ -5,8 +5,8 @@ widths (every flat group padded inside and at the end) and a tiny causal transfo
 a learned position embedding, attention). ``Spec`` says what one run does; ``global_batch`` gives
 every rank the same global batch, of which each rank takes its rows; ``train_digest`` hashes a
 whole run, for bitwise comparisons between engine settings (tests/engine/test_offload.py,
-test_overlap.py, test_keep_gathered.py, test_frozen_int8.py). The functions below ``full_params``
-run on a rank of a gloo World (tests/support/dist_utils.py).
+test_overlap.py, test_keep_gathered.py, test_frozen_int8.py). ``full_params`` and what follows it
+run on a rank of a gloo World (tests/support/dist_utils.py): they shard and gather.
 """
 
 from __future__ import annotations
