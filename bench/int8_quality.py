@@ -9,7 +9,7 @@ model with its weights merely rounded to bf16 (what a bf16 run computes with any
 Reported: the largest and the mean absolute logit error, the mean error relative to the mean
 absolute logit, the KL divergence of the next-token distributions (nats per token) and how often
 the most likely next token is the same. The quantization itself is zerocore's CPU kernel
-(``zerocore.ops``), exact against ``zerocore.reference`` (tests/test_quant_ops.py).
+(``zerocore.ops``), exact against ``zerocore.reference`` (tests/kernels/test_quant_ops.py).
 
     python bench/int8_quality.py
 """

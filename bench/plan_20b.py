@@ -69,7 +69,7 @@ LoRA rank 8 on query_key_value and attention.dense. Ψ = {s.trainable_numel + s.
 parameters.
 
 How far to trust it: on the CPU, the plan agrees with the measured peak of real runs within 5%
-in tests/test_plan.py (seven configurations; 0.1% measured) and within the figures of
+in tests/engine/test_plan.py (seven configurations; 0.1% measured) and within the figures of
 bench/RESULTS.md for 20B-shaped blocks. On a GPU it has not been checked yet (no GPU was
 available to this project when it was written): its CUDA-only parts are the allocator headroom
 (a fixed estimate of the CUDA context plus a share of fragmentation) and the fused attention

@@ -9,7 +9,8 @@ without recomputation (of the attention kernel that runs: fused, no T x T weight
 allocator's headroom, the total against the GPU's memory, and the bytes all-gathered and
 reduce-scattered per optimizer step. A --checkpoint is opened for its configuration and tensor
 shapes only; no weights are read. The numbers come from ``zerocore.plan``, which runs the
-step's schedule on fake tensors; on the CPU it agrees with measured runs (tests/test_plan.py).
+step's schedule on fake tensors; on the CPU it agrees with measured runs
+(tests/engine/test_plan.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,18 @@
-"""Shared pytest fixtures.
+"""Shared pytest fixtures and the test tiers.
 
 ``device``: every test that takes it runs once on "cpu" and once on "cuda". The CUDA case is
 skipped, with the reason shown by ``pytest -ra``, when no GPU is visible; when a GPU is visible it
 always runs, so a CUDA build that is broken or missing fails loudly instead of being skipped.
+
+``worlds`` and ``world``: gloo ranks for the multi-process tests (tests/support/dist_utils.py).
+``world`` is the one fixture of that name: a module takes it and says which world sizes it runs
+at with a module-level ``WORLD_SIZES`` list (default ``DEFAULT_WORLD_SIZES``; 3 makes the padding
+uneven); each test taking it then runs once per size, ids ``ws1``, ``ws2``, ...
+
+Tiers (markers registered in pyproject.toml): a test that takes ``world`` or ``worlds`` is marked
+``distributed`` here; tests that start rank processes otherwise carry the mark themselves, and
+end-to-end runs of commands in subprocesses carry ``e2e``. The fast tier is
+``-m "not distributed and not e2e"``; .ci/run runs the three tiers in turn.
 """
 
 from __future__ import annotations
@@ -11,7 +21,7 @@ import pytest
 import torch
 
 import zerocore
-from dist_utils import worlds_by_size
+from tests.support.dist_utils import worlds_by_size
 
 NO_GPU_REASON = "no CUDA device visible (torch.cuda.is_available() is False)"
 
@@ -21,20 +31,42 @@ DEVICES = [
                  marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU_REASON)),
 ]
 
+# The world sizes of a module that takes ``world`` without naming its own ``WORLD_SIZES``.
+DEFAULT_WORLD_SIZES = [1, 2, 3]
+# Fixtures that start gloo rank processes: a test taking one is in the distributed tier.
+RANK_FIXTURES = {"worlds", "world"}
 
-def pytest_configure(config) -> None:
-    config.addinivalue_line("markers", "shared_data: needs ../shared/data (the full corpus, the "
-                                       "GPT-NeoX tokenizer); skipped when it is absent")
+
+def pytest_generate_tests(metafunc) -> None:
+    # ``world`` is parametrized indirectly, at module scope, so that each size's ranks serve the
+    # whole module before the next size's (pytest groups a module-scoped parameter's tests).
+    if "world" in metafunc.fixturenames:
+        sizes = getattr(metafunc.module, "WORLD_SIZES", DEFAULT_WORLD_SIZES)
+        metafunc.parametrize("world", sizes, indirect=True, scope="module",
+                             ids=lambda n: f"ws{n}")
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        if RANK_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.distributed)
 
 
 @pytest.fixture(scope="session")
 def worlds():
-    """``worlds(n)``: an n-rank gloo World (dist_utils), started on first use and shared by every
-    test module of the session. Starting ranks is the largest fixed cost of the multi-process
-    tests (each rank imports torch and zerocore); a module that needs a fresh set after a
-    failure gets one from the World itself."""
+    """``worlds(n)``: an n-rank gloo World (tests/support/dist_utils.py), started on first use
+    and shared by every test module of the session. Starting ranks is the largest fixed cost of
+    the multi-process tests (each rank imports torch and zerocore); a module that needs a fresh
+    set after a failure gets one from the World itself."""
     with worlds_by_size() as get:
         yield get
+
+
+@pytest.fixture(scope="module")
+def world(request, worlds):
+    """The ``request.param``-rank World: parametrized by ``pytest_generate_tests`` above over
+    the module's ``WORLD_SIZES``."""
+    return worlds(request.param)
 
 
 @pytest.fixture(params=DEVICES)

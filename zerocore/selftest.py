@@ -166,7 +166,7 @@ def _bit_mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
 
 ADAM_HYPER = dict(lr=3e-3, beta1=0.85, beta2=0.98, eps=1e-6)
 # Tolerances of fused Adam against the reference, in float32 ulps of a per-element scale (those
-# of tests/test_ops.py, measured there over 5 steps; these runs take fewer). The reference
+# of tests/kernels/test_ops.py, measured there over 5 steps; these runs take fewer). The reference
 # computes the same formula with torch's float32 ops, which round differently only where they
 # fuse multiply-adds (lerp, addcmul, addcdiv) or, on the CPU, where torch.sqrt is one ulp off:
 # about one ulp of each operation's largest term, carried over the steps. A wrong formula or
@@ -461,12 +461,13 @@ ENGINE_WEIGHT_DECAY = 0.1  # large enough that a step missing the decoupled deca
 # Losses, sharded against unsharded, relative. The same float32 operations in another order (the
 # fused Adam kernel rounds where torch fuses multiply-adds; gathered weights sit at other
 # alignments, which can change a matmul's blocking): a few ulps, measured <= 4.3e-7 in
-# tests/test_shard.py. A real bug (a gradient lost, a layer skipped) moves the loss far more.
+# tests/engine/test_shard.py. A real bug (a gradient lost, a layer skipped) moves the loss far
+# more.
 ENGINE_LOSS_RTOL = 1e-5
 # Parameters, in units of lr: an Adam update is ~lr whatever the gradient's size, so rounding
 # noise in a nearly cancelling gradient becomes a visible fraction of lr (measured worst case
-# 3e-4·lr over 12 steps in tests/test_shard.py). 2e-3·lr still fails on a missing weight decay
-# (lr·wd·|p| = 1e-3·|p| per step), a skipped update (~lr) or a wrong learning rate.
+# 3e-4·lr over 12 steps in tests/engine/test_shard.py). 2e-3·lr still fails on a missing weight
+# decay (lr·wd·|p| = 1e-3·|p| per step), a skipped update (~lr) or a wrong learning rate.
 ENGINE_PARAM_TOL_LR = 2e-3
 D_IN, HIDDEN, D_OUT, BATCH = 13, 37, 7, 16  # odd sizes: every flat group is padded
 

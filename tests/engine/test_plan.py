@@ -1,0 +1,339 @@
+"""``zerocore.plan`` / ``neox.plan`` against measurement: the peak bytes a real training step
+holds on each CPU rank (model state measured from the tensors, plus the most bytes allocated at
+once during two steps, ``zerocore.PeakMemory``) match the plan made from shapes alone, for
+neox's model in several configurations (recomputation on and off, CPU offload, LoRA, biases,
+gradient accumulation, world sizes 1-3) and for a stack of plain modules; the traffic per step
+is what the engine counts; ``python -m neox.plan`` prints it for GPT-NeoX-20B and refuses bad
+input in one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zerocore
+from neox.config import NeoXConfig
+from neox.finetune_modes import FinetuneMode, prepare_layer
+from neox.model import layer_specs
+from neox.plan import PlanRequest, plan_run
+from neox.plan import main as plan_main
+from neox.recipe import LoopConfig
+from neox.step import micro_batch_loss, recompute_policy
+from neox.weights import RandomInit, materialize
+from tests.support.neox_testing import call_main
+
+# Big enough that the step's tensors (~10-60 MiB) dwarf anything the plan does not count
+# (Python objects are not tensors; the profiler sees only torch's allocator).
+CONFIG = NeoXConfig(vocab_size=2048, hidden_size=128, num_hidden_layers=3,
+                    num_attention_heads=4, intermediate_size=512)
+BATCH, SEQ = 4, 64
+# The plan follows the engine's allocations one by one: measured agreement is within 0.1% on
+# these runs. 5% (the issue asks for 10%) still catches a layer's activations or a gathered
+# layer left out (each 8% or more of these totals).
+REL_TOL = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    mode: str = "full"
+    dtype: torch.dtype = torch.float32
+    recompute: tuple[int, ...] = ()      # blocks
+    every: int = 1
+    offload: bool = False
+    grad_accum: int = 1
+    world_size: int = 2
+
+    def request(self) -> PlanRequest:
+        return PlanRequest(config=CONFIG, filter_layers=None,
+                           mode=FinetuneMode(self.mode, lora_rank=4), dtype=self.dtype,
+                           reduce_dtype=torch.float32, batch_size=BATCH, seq_len=SEQ,
+                           grad_accum=self.grad_accum, offload=self.offload,
+                           recompute=self.recompute, recompute_every=self.every,
+                           world_size=self.world_size, device="cpu")
+
+
+CASES = {
+    "full-fp32": Case(),
+    "full-fp32-recompute": Case(recompute=(0, 1, 2)),
+    "lora-bf16-offload": Case(mode="lora", dtype=torch.bfloat16, offload=True),
+    "full-bf16-offload-recompute": Case(dtype=torch.bfloat16, offload=True, recompute=(0, 1, 2)),
+    "biases-bf16-recompute-every-2-accumulate": Case(mode="biases", dtype=torch.bfloat16,
+                                                     recompute=(0, 1, 2), every=2, grad_accum=2),
+    "full-fp32-ws1": Case(world_size=1),
+    "lora-fp32-recompute-ws3": Case(mode="lora", recompute=(1,), world_size=3),
+}
+
+
+def measure(rank: int, world_size: int, case: Case) -> dict:
+    """A neox training step as neox.training runs it; the peak bytes of two steps (everything
+    allocated since before the model was built)."""
+    with zerocore.PeakMemory("cpu") as peak:
+        result = _measure(case, rank, peak)
+    return dict(result, measured=peak.peak_bytes)
+
+
+def _measure(case: Case, rank: int, peak: zerocore.PeakMemory) -> dict:
+    reader = RandomInit(CONFIG, seed=1)
+    specs = layer_specs(CONFIG)
+    mode = FinetuneMode(case.mode, lora_rank=4)
+    loop = LoopConfig(activation_checkpointing=case.recompute,
+                      activation_checkpointing_every=case.every)
+    model = zerocore.shard((prepare_layer(materialize(reader, s), i, mode)
+                            for i, s in enumerate(specs)),
+                           mixed_precision=zerocore.MixedPrecision(case.dtype, torch.float32),
+                           offload=zerocore.Offload(optimizer=case.offload),
+                           recompute=recompute_policy(specs, loop))
+    opt = zerocore.optim.AdamW(model.trainable_shards(), lr=1e-3)
+    scaler = zerocore.LossScaler(model.group, dynamic=False, counter=model.counter)
+    g = torch.Generator().manual_seed(rank)
+
+    def step() -> None:
+        for _ in range(case.grad_accum):
+            ids = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ + 1), generator=g)
+            loss, correct = micro_batch_loss(model(ids[:, :-1]), ids[:, 1:])
+            scaler.scale(loss / case.grad_accum).backward()
+            del loss, correct
+        scaler.step(opt, max_norm=1.0)
+        opt.zero_grad(set_to_none=True)
+
+    step()  # the first step: nothing is created lazily any more
+    state = model.memory_report(opt).model_state_bytes
+    model.comm_report(reset=True)
+    peak.mark()
+    step()
+    step()
+    comm = model.comm_report()
+    return {"state": state,
+            "all_gather": comm.all_gather_bytes // 2, "reduce": comm.reduce_scatter_bytes // 2}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_plan_matches_measured_peak(worlds, name):
+    case = CASES[name]
+    plan = plan_run(case.request())
+    for rank, got in enumerate(worlds(case.world_size).run(measure, case)):
+        ratio = plan.device_peak / got["measured"]
+        assert abs(ratio - 1) < REL_TOL, (rank, ratio, got, plan.table())
+        # Model state is counted exactly (from the same layouts).
+        planned_state = sum(plan.state.bytes_of().values()) - plan.state.gradients
+        assert planned_state == got["state"], (planned_state, got["state"])
+        assert (plan.all_gather_bytes, plan.reduce_scatter_bytes) == \
+            (got["all_gather"], got["reduce"])
+
+
+def test_recomputation_lowers_the_planned_and_measured_peak(worlds):
+    """The comparison the plan is for: with recomputation both fall, by about as much."""
+    plain, again = CASES["full-fp32"], CASES["full-fp32-recompute"]
+    measured = [worlds(2).run(measure, c)[0]["measured"] for c in (plain, again)]
+    planned = [plan_run(c.request()).device_peak for c in (plain, again)]
+    assert measured[1] < measured[0] and planned[1] < planned[0]
+    saved_measured, saved_planned = measured[0] - measured[1], planned[0] - planned[1]
+    assert abs(saved_planned / saved_measured - 1) < 0.1, (saved_planned, saved_measured)
+
+
+# -- any stack of modules ------------------------------------------------------------------------
+
+D, VOCAB = 96, 500
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(D)
+        self.qkv = nn.Linear(D, 3 * D)
+        self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Dropout(0.1),
+                                 nn.Linear(4 * D, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, 4, C // 4).transpose(1, 2)
+                   for t in self.qkv(self.ln(x)).split(C, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + y.transpose(1, 2).reshape(B, T, C)
+        return x + self.mlp(x)
+
+
+def plain_stack(device: str | None = None) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Embedding(VOCAB, D, device=device), Block().to(device), Block().to(device),
+            nn.Linear(D, VOCAB, device=device)]
+
+
+def plain_loss(out: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, 1), torch.zeros(out.shape[:2], dtype=torch.long,
+                                                          device=out.device).flatten())
+
+
+# Stacks beyond neox's: (recompute every layer, Prefetch.keep_gathered, embedding frozen,
+# FrozenWeights dtype).
+PLAIN = {"kept": (False, 0, False, None), "recomputed": (True, 0, False, None),
+         "keep-gathered-all-frozen-embedding": (False, "all", True, None),
+         "keep-gathered-budget": (False, 2 * 4 * 13 * D * D, False, None),  # 3 of 4 layers
+         "int8-frozen-embedding": (False, 0, True, "int8"),
+         "int8-keep-gathered-all": (False, "all", True, "int8")}
+
+
+def plain_policies(name: str, layers: list[nn.Module]) -> dict:
+    """shard()'s policies for a PLAIN configuration (and freezes what it freezes)."""
+    recompute, keep, frozen_embedding, frozen_dtype = PLAIN[name]
+    if frozen_embedding:
+        layers[0].requires_grad_(False)
+    return dict(recompute=zerocore.Recompute() if recompute else None,
+                prefetch=zerocore.Prefetch(keep_gathered=keep),
+                frozen_weights=zerocore.FrozenWeights(frozen_dtype))
+
+
+def measure_plain(rank: int, world_size: int, name: str) -> int:
+    with zerocore.PeakMemory("cpu") as peak:
+        _train_plain(name, peak)
+    return peak.peak_bytes
+
+
+def _train_plain(name: str, peak: zerocore.PeakMemory) -> None:
+    layers = plain_stack()
+    train_stack(zerocore.shard(layers, **plain_policies(name, layers)), peak, steps=1)
+
+
+def train_stack(model: nn.Module, peak: zerocore.PeakMemory, steps: int) -> None:
+    """A first step (nothing is created lazily after it), the peak's mark, then ``steps``
+    more steps of the stack's loss with zerocore's AdamW."""
+    opt = zerocore.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        plain_loss(model(torch.zeros(BATCH, SEQ, dtype=torch.long))).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    peak.mark()
+    for _ in range(steps):
+        step()
+
+
+@pytest.mark.parametrize("name", sorted(PLAIN))
+def test_plan_of_any_stack_from_meta_layers(worlds, name):
+    layers = plain_stack("meta")
+    plan = zerocore.plan.plan(layers, torch.empty(BATCH, SEQ, dtype=torch.long, device="meta"),
+                              world_size=2, loss=plain_loss, device="cpu",
+                              **plain_policies(name, layers))
+    for measured in worlds(2).run(measure_plain, name):
+        assert abs(plan.device_peak / measured - 1) < REL_TOL, (plan.table(), measured)
+
+
+# -- a large layer among small ones (issue 18): what the engine keeps from step to step -----------
+# On 2 CPU ranks the on-host transport reads the peer's gradient contribution into one buffer it
+# keeps between steps, as large as the largest shard reduced so far; a plan that started each
+# step without it under-counted the peak by that layer's fp32 shard (0.93-0.96 of measured
+# here). 2%, the issue's bound: measured after the fix 1.000 in fp32 and 0.986-0.987 in bf16,
+# with and without offload (the buffer is 5-7% of these totals). Two ranks only: three have no
+# such buffer, but their measured peak depends on when gloo completes each reduction (0.93 to
+# 0.98 of it planned, run to run, with bf16; 1.000 in fp32), which a plan from shapes cannot
+# follow; the plan's other tests keep a three-rank case at 5%.
+MIXED_TOL = 0.02
+MIXED = {"bf16": (torch.bfloat16, False), "bf16-offload": (torch.bfloat16, True),
+         "fp32": (torch.float32, False)}
+
+
+def mixed_stack(device: str | None = None) -> list[nn.Module]:
+    torch.manual_seed(0)
+    small = [nn.Sequential(nn.Linear(D, D, device=device), nn.GELU()) for _ in range(8)]
+    large = nn.Sequential(nn.Linear(D, 16 * D, device=device), nn.GELU(),
+                          nn.Linear(16 * D, D, device=device))
+    return [nn.Embedding(VOCAB, D, device=device), *small[:4], large, *small[4:],
+            nn.Linear(D, VOCAB, device=device)]
+
+
+def mixed_policies(name: str) -> dict:
+    dtype, offload = MIXED[name]
+    return dict(mixed_precision=zerocore.MixedPrecision(dtype, torch.float32),
+                offload=zerocore.Offload(optimizer=offload))
+
+
+def measure_mixed(rank: int, world_size: int, name: str) -> int:
+    with zerocore.PeakMemory("cpu") as peak:
+        train_stack(zerocore.shard(mixed_stack(), **mixed_policies(name)), peak, steps=2)
+    return peak.peak_bytes
+
+
+@pytest.mark.parametrize("name", list(MIXED))
+def test_plan_of_a_large_layer_among_small_ones(worlds, name):
+    world_size = 2
+    layers = mixed_stack("meta")
+    plan = zerocore.plan.plan(layers, torch.empty(BATCH, SEQ, dtype=torch.long, device="meta"),
+                              world_size=world_size, loss=plain_loss, device="cpu",
+                              **mixed_policies(name))
+    for measured in worlds(world_size).run(measure_mixed, name):
+        ratio = plan.device_peak / measured
+        assert abs(ratio - 1) < MIXED_TOL, (ratio, plan.table())
+
+
+def test_plan_argument_checks():
+    ids = torch.empty(2, 3, dtype=torch.long, device="meta")
+    with pytest.raises(ValueError, match="device must be"):
+        zerocore.plan.plan(plain_stack("meta"), ids, world_size=2, device="tpu")
+    with pytest.raises(ValueError, match="world_size"):
+        zerocore.plan.plan(plain_stack("meta"), ids, world_size=0)
+    with pytest.raises(ValueError, match="beyond the stack"):
+        zerocore.plan.plan(plain_stack("meta"), ids, world_size=2,
+                           recompute=zerocore.Recompute(layers=(7,)))
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+def test_20b_plan_prints_every_part(capsys):
+    proc = call_main(plan_main, capsys, "--model", "gpt-neox-20b", "--finetune", "lora",
+                     "--filter-layers", "0-3", "--batch-size", "1", "--seq-len", "256",
+                     "--activation-checkpointing", "--gpus", "8", "--gpu-memory", "80")
+    assert proc.returncode == 0, proc.stderr
+    for phrase in ("parameter shards, frozen", "gradient shards", "fp32 master shards",
+                   "optimizer state", "gathered layers at the peak", "activations at the peak",
+                   "CUDA context and allocator headroom", "of 80 GiB: fits",
+                   "all-gathered", "reduce-scattered", "without recomputation: activations",
+                   "4 of 4 blocks recomputed"):
+        assert phrase in proc.stdout, (phrase, proc.stdout)
+
+
+def test_json_numbers_follow_the_formula(capsys):
+    proc = call_main(plan_main, capsys, "--model", "gpt-neox-20b", "--finetune", "full",
+                     "--filter-layers", "0-3", "--batch-size", "1", "--seq-len", "512",
+                     "--gpus", "8", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    plan, other = out["plan"], out["other_recompute"]
+    psi = plan["trainable_numel"]
+    state = plan["state"]
+    # bf16 full training: 2 (copy) + 4 (master) + 8 (moments) bytes per parameter over 8
+    # ranks, within the layouts' padding (16 elements per tensor and rank).
+    assert state["parameter shards, trainable"] == pytest.approx(2 * psi / 8, rel=1e-4)
+    assert state["fp32 master shards"] == pytest.approx(4 * psi / 8, rel=1e-4)
+    assert state["optimizer state"] == pytest.approx(8 * psi / 8, rel=1e-4)
+    assert plan["peak"]["gradient shards"] <= state["gradient shards"]
+    assert other["peak"]["activations"] < plan["peak"]["activations"]  # recomputed
+    assert plan["peak_bytes"] == plan["device_peak"] + plan["headroom"]
+
+
+@pytest.mark.parametrize("args, phrase", [
+    (("--gpus", "0"), "--gpus"),
+    (("--gpu-memory", "-1"), "--gpu-memory -1: must be"),
+    (("--filter-layers", "50"), "block 50 is out of range"),
+    (("--activation-checkpointing", "3", "--filter-layers", "0-1"), "not among the kept"),
+    (("--checkpoint", "/nonexistent/weights"), "--checkpoint"),
+])
+def test_bad_input_is_one_line(capsys, args, phrase):
+    proc = call_main(plan_main, capsys, "--model", "gpt-neox-20b", *args)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert phrase in proc.stderr, proc.stderr
+
+
+def test_help(capsys):
+    proc = call_main(plan_main, capsys, "--help")
+    assert proc.returncode == 0
+    for flag in ("--gpus", "--nodes", "--gpu-memory", "--activation-checkpointing",
+                 "--offload-optimizer", "--finetune", "--filter-layers", "--seq-len"):
+        assert flag in proc.stdout

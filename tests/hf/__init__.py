@@ -1,0 +1,1 @@
+"""The Hugging Face front door: shard_model on transformers models, and ShardedTrainer."""

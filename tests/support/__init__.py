@@ -1,0 +1,13 @@
+"""What the tests share; a test module imports from here, never from another test module.
+
+dist_utils     the gloo World: N rank processes kept for many tests, ``world.run(fn, ...)``
+               (``fn`` a module-level function the ranks import by name), and rank-side helpers
+toy_stack      the engine tests' seeded stack of layers, ``Spec`` of a run, a run's digest
+exact_adam     NaN-guarded placed inputs and the exact float32 replay of the CPU Adam kernel
+hf_models      tiny ``transformers`` models (GPT-NeoX, Llama, MoE) and their training modes
+slim_weights   GPT-NeoX slim-weights partitions written from a Hugging Face directory
+neox_testing   the test data, a random GPT-NeoX, running neox's commands in or out of process
+small_disk     a file system that is full, for the write-error tests
+
+The fixtures ``worlds``, ``world`` and ``device`` are in tests/conftest.py.
+"""

@@ -1,0 +1,131 @@
+"""The shape of the code, checked from its imports: no import cycles inside neox/ or zerocore/,
+no import hidden inside a function to dodge one, and the application (neox) using only public
+zerocore names."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ("neox", "zerocore")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found[name] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(path: Path, *, top_level_only: bool) -> list[tuple[str, list[str], int]]:
+    """(module imported, names taken from it, line) for each import of a file."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    out = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            out += [(a.name, [], node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.module, [a.name for a in node.names], node.lineno))
+    return out
+
+
+def _resolve(module: str, names: list[str]) -> list[str]:
+    """The project modules an import statement loads (``from pkg import mod`` loads pkg.mod)."""
+    targets = [module] if module in MODULES else []
+    targets += [f"{module}.{n}" for n in names if f"{module}.{n}" in MODULES]
+    return targets
+
+
+def test_no_import_cycles():
+    graph = {name: set() for name in MODULES}
+    for name, path in MODULES.items():
+        for module, names, _ in _imports(path, top_level_only=True):
+            for target in _resolve(module, names):
+                if target != name:
+                    graph[name].add(target)
+    # A package's __init__ importing its own modules is the package's interface, not a cycle:
+    # the modules themselves must not import their package's __init__ back.
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt):] + [nxt]
+                if not _init_reexport(cycle):
+                    raise AssertionError("import cycle: " + " -> ".join(cycle))
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def _init_reexport(cycle: list[str]) -> bool:
+    """A cycle through ``zerocore`` itself: its __init__ loads the extension first and then the
+    modules, and modules import the compiled ops from ``zerocore`` (registered by then)."""
+    return "zerocore" in cycle
+
+
+def test_no_imports_inside_functions_of_the_application():
+    # An import inside a function hides a cycle instead of removing it (STYLE.md).
+    hidden = []
+    for name, path in MODULES.items():
+        if not name.startswith("neox"):
+            continue
+        top = {(m, line) for m, _, line in _imports(path, top_level_only=True)}
+        for module, _, line in _imports(path, top_level_only=False):
+            if (module, line) not in top and module.split(".")[0] in PACKAGES:
+                hidden.append(f"{path.relative_to(REPO)}:{line}: import {module}")
+    assert not hidden, hidden
+
+
+def test_neox_uses_only_public_zerocore_names():
+    private = []
+    for name, path in MODULES.items():
+        if not name.startswith("neox"):
+            continue
+        for module, names, line in _imports(path, top_level_only=False):
+            if not module.startswith("zerocore"):
+                continue
+            bad = [part for part in module.split(".") if part.startswith("_")]
+            bad += [n for n in names if n.startswith("_")]
+            if bad:
+                private.append(f"{path.relative_to(REPO)}:{line}: {module} {bad}")
+        text = path.read_text()
+        for token in ("._mirror", "zerocore._", "._ShardReader"):
+            assert token not in text, f"{path}: uses {token}"
+    assert not private, private
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_every_module_imports(name):
+    importlib.import_module(name)
+
+
+def test_no_test_module_imports_another():
+    # What tests share lives in tests/support (STYLE.md): a test module imported as a library
+    # runs its import-time code twice and ties one subject's tests to another's.
+    found = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        for module, names, line in _imports(path, top_level_only=False):
+            targets = [module] + [f"{module}.{n}" for n in names]
+            if any(t.split(".")[-1].startswith("test_") for t in targets):
+                found.append(f"{path.relative_to(REPO)}:{line}: {module} {names}")
+    assert not found, found
