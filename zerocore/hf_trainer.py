@@ -313,6 +313,7 @@ def _refuse_unsupported(model: Any, args: Any, kwargs: dict[str, Any]) -> None:
     """One line for each of Trainer's options that a sharded model cannot honour (each would
     otherwise be ignored or act on the shards as if they were the model)."""
     optimizers = kwargs.get("optimizers", (None, None))
+    optim = getattr(args.optim, "value", args.optim)
     refused = [
         (not isinstance(model, nn.Module),
          "model must be the nn.Module itself (load it first: it is sharded before Trainer "
@@ -324,8 +325,8 @@ def _refuse_unsupported(model: Any, args: Any, kwargs: dict[str, Any]) -> None:
          "create_scheduler for a schedule of your own"),
         (kwargs.get("optimizer_cls_and_kwargs") is not None,
          "optimizer_cls_and_kwargs is not supported (zerocore's AdamW steps the shards)"),
-        (getattr(args.optim, "value", args.optim) not in ("adamw_torch", "adamw_torch_fused"),
-         f"optim={args.optim} is not supported: zerocore's AdamW steps the shards (leave "
+        (optim not in ("adamw_torch", "adamw_torch_fused"),
+         f"optim={optim} is not supported: zerocore's AdamW steps the shards (leave "
          f"optim at its default)"),
         (args.fp16_full_eval or args.bf16_full_eval,
          "fp16_full_eval/bf16_full_eval are not supported (they would cast the shards); "

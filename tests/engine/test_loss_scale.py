@@ -150,3 +150,20 @@ def test_scale_never_below_minimum(world):
     histories = world.run(run_steps, policy, [0, 1, 2], 4)
     check_steps(histories, [(True, 4.0, 2.0), (True, 2.0, 2.0), (True, 2.0, 2.0),
                             (False, 2.0, 2.0)])
+
+
+def test_a_scaler_ignores_the_state_of_the_other_precision():
+    """A run resumed in bf16 from an fp16 checkpoint (or the reverse) keeps its own start: the
+    fp16 scale, loaded into a scaler that does not scale the loss, would divide every gradient
+    by it."""
+    fp16 = zerocore.LossScaler(None, dynamic=True)
+    fp16.loss_scale = 1024.0
+    bf16 = zerocore.LossScaler(None, dynamic=False)
+    bf16.load_state_dict(fp16.state_dict())
+    assert bf16.loss_scale == 1.0 and bf16.grad_norm(4.0, False) == 2.0
+    again = zerocore.LossScaler(None, dynamic=True)
+    again.load_state_dict(bf16.state_dict())
+    assert again.loss_scale == again.policy.init_scale
+    same = zerocore.LossScaler(None, dynamic=True)
+    same.load_state_dict(fp16.state_dict())
+    assert same.loss_scale == 1024.0

@@ -207,13 +207,34 @@ def test_resume_at_another_number_of_processes(worlds, tmp_path):
     _assert_close_params(resumed[0]["params"], ref["params"])
 
 
-def test_refusals(tmp_path):
+REFUSED = {  # TrainingArguments / Trainer arguments ShardedTrainer refuses, and the message's key
+    "optimizers": ({}, {"optimizers": "sgd"}, "optimizers="),
+    "scheduler only": ({}, {"optimizers": "scheduler"}, "create_scheduler"),
+    "model_init": ({}, {"model_init": lambda: None}, "model_init"),
+    "optim": ({"optim": "adafactor"}, {}, "optim=adafactor"),
+    "full eval": ({"bf16_full_eval": True}, {}, "bf16_full_eval"),
+    "save_on_each_node": ({"save_on_each_node": True}, {}, "save_on_each_node"),
+    "best without state": ({"save_only_model": True, "load_best_model_at_end": True,
+                            "eval_strategy": "steps", "save_strategy": "steps"}, {},
+                           "save_only_model"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_refusals(tmp_path, case):
+    """Each in one line, before anything is sharded (so in this process, with no group)."""
     from zerocore.hf_trainer import ShardedTrainer
+    arg_kw, trainer_kw, key = REFUSED[case]
     args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
-                                          fp16=False)
-    opt = torch.optim.SGD(_model("full").parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="optimizers="):
-        ShardedTrainer(model=_model("full"), args=args, optimizers=(opt, None))
+                                          **arg_kw)
+    model = _model("full")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    given = {"sgd": (opt, None),
+             "scheduler": (None, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))}
+    trainer_kw = {k: given.get(v, v) if isinstance(v, str) else v for k, v in trainer_kw.items()}
+    with pytest.raises(ValueError, match=key) as e:
+        ShardedTrainer(model=model, args=args, **trainer_kw)
+    assert str(e.value).startswith("ShardedTrainer: ") and "\n" not in str(e.value)
 
 
 # fp16 against the fp32 reference: the fp16 parameters and activations round each product to
@@ -291,3 +312,42 @@ def test_trl_sft_trainer(world, tmp_path):
     ref = _sft(str(tmp_path / "ref"), 1, sharded=False)
     for losses in world.run(sft_run, str(tmp_path / "sharded"), timeout=300):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), **LOSS_TOL)
+
+
+def best_model_run(rank: int, world_size: int, out: str) -> dict:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    from zerocore.hf_trainer import ShardedTrainer
+    args = transformers.TrainingArguments(
+        output_dir=out, per_device_train_batch_size=GLOBAL_ROWS // world_size,
+        per_device_eval_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
+        learning_rate=0.05, adam_epsilon=EPS, eval_strategy="steps", eval_steps=1,
+        save_strategy="steps", save_steps=1, load_best_model_at_end=True,
+        # The best by the highest eval loss: step 2's here, so that the best is not the last.
+        metric_for_best_model="eval_loss", greater_is_better=True,
+        report_to=[], use_cpu=True, seed=0, disable_tqdm=True, logging_steps=1)
+    trainer = ShardedTrainer(model=_model("full"), args=args, train_dataset=_data(),
+                             eval_dataset=_data()[:EVAL_ROWS],
+                             data_collator=transformers.default_data_collator)
+    trainer.train()
+    full = trainer.sharding.full_state_dict(to_rank=0)
+    return dict(best=trainer.state.best_model_checkpoint, params=_trained(full, "full"))
+
+
+def test_load_best_model_at_end(worlds, tmp_path):
+    """load_best_model_at_end=True ends with the best checkpoint's weights, every one of them
+    (transformers 5.24's own Trainer leaves GPT-NeoX's lm_head at the last step's: its files
+    name it embed_out), at 2 processes."""
+    from safetensors.torch import load_file
+    out = tmp_path / "run"
+    result = worlds(2).run(best_model_run, str(out), timeout=300)[0]
+    assert result["best"] == str(out / "checkpoint-2")
+
+    def saved(step):  # what ShardedTrainer exported into the checkpoint, under model names
+        return {n.replace("embed_out", "lm_head"): t
+                for n, t in load_file(out / f"checkpoint-{step}" / "model.safetensors").items()}
+    best, last = saved(2), saved(4)
+    # The export is fp32 from the masters, as the weights are: equal but for the load's copy.
+    for n, t in result["params"].items():
+        torch.testing.assert_close(t, best[n], rtol=0.0, atol=0.0, msg=n)
+    assert any(not torch.equal(t, last[n]) for n, t in result["params"].items())
