@@ -15,8 +15,8 @@ import time
 from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-_spec = importlib.util.spec_from_file_location("zerocore_sources",
-                                               os.path.join(ROOT, "zerocore", "_sources.py"))
+_spec = importlib.util.spec_from_file_location(
+    "zerocore_sources", os.path.join(ROOT, "zerocore", "kernels", "_sources.py"))
 sources = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sources)
 

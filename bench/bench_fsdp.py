@@ -117,7 +117,7 @@ ZEROCORE_VARIANTS = {
     "zerocore-no-keep-last": {"keep_last": False},
     "zerocore-offload": {"offload": True},
     "zerocore-before": {},
-    # The slower ways of moving parameters and gradients (zerocore.Comm; zerocore/transport.py),
+    # The slower ways of moving parameters and gradients (zerocore.Comm; comm/transport.py),
     # for before/after comparisons in one run: gloo's collectives only (broadcasts and an
     # all-reduce, the engine before issue 15); gathers by gloo, reductions by exchanging halves;
     # gathers by reading the other ranks' memory, reductions by exchanging halves.

@@ -24,7 +24,7 @@ import torch
 
 import zerocore
 from conftest import RMW_VARIANT, ZEROCORE_VARIANT
-from zerocore import ops
+from zerocore.kernels import ops
 
 # The shard size of the targets.
 N = 1 << 24

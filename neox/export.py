@@ -32,7 +32,7 @@ from neox.trained import (RunCheckpoint, checkpoint_tokenizer, open_run, run_che
 from neox.weights import WeightsError, save_hf
 from neox.weights.hf import hf_key
 from zerocore.checkpoint import CheckpointError
-from zerocore.durable_io import make_dir, write_atomically
+from zerocore.checkpoint.durable_io import make_dir, write_atomically
 
 __all__ = ["export", "export_trainable", "main"]
 

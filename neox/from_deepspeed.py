@@ -29,7 +29,7 @@ from neox.config import NeoXConfig
 from neox.finetune_modes import FinetuneMode, prepare_layer
 from neox.model import LayerSpec, build_layer, layer_specs
 from neox.recipe import ModelRecipe
-from zerocore.deepspeed_checkpoint import (ADAPTER_CONFIG, DeepSpeedCheckpoint, adapter_names,
+from zerocore.checkpoint.deepspeed import (ADAPTER_CONFIG, DeepSpeedCheckpoint, adapter_names,
                                      is_deepspeed_checkpoint)
 
 __all__ = ["DeepSpeedCheckpoint", "is_deepspeed_checkpoint", "deepspeed_name", "namer",
@@ -79,7 +79,7 @@ def peft_adapter(ckpt: DeepSpeedCheckpoint) -> str | None:
 
 def namer(ckpt: DeepSpeedCheckpoint, specs: list[LayerSpec],
           mode: FinetuneMode) -> Callable[[int, str], str]:
-    """``ds_name(layer index, neox name)`` for ``zerocore.deepspeed_checkpoint``'s loader."""
+    """``ds_name(layer index, neox name)`` for ``zerocore.checkpoint.deepspeed``'s loader."""
     adapter = peft_adapter(ckpt)
     prefix = PEFT_PREFIX if adapter is not None else ""
     readout = "lm_head" if f"{prefix}lm_head.weight" in {*ckpt.trainable, *ckpt.frozen} \

@@ -24,7 +24,7 @@ from torch import nn
 
 import zerocore
 from zerocore.consolidate import save_trainable
-from zerocore.deepspeed_checkpoint import load_deepspeed_checkpoint
+from zerocore.checkpoint.deepspeed import load_deepspeed_checkpoint
 from neox import data as nd
 from neox import from_deepspeed as nds
 from neox.cli import DTYPES, preset_config, resolve_dtype
@@ -582,7 +582,7 @@ def export_hf(state: TrainState, recipe: Recipe, data: RunData, checkpoint: Path
                 pass
             return
         tok = Path(recipe.output.output_dir) / TOKENIZER  # written when the run started
-        # A failed write is one CheckpointWriteError line naming the file (zerocore.durable_io)
+        # A failed write is one CheckpointWriteError line naming the file (checkpoint.durable_io)
         save_hf(out, built, states, overwrite=True, extra_files={TOKENIZER: tok})
     zerocore.run_agreed(write)
     return out

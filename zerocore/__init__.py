@@ -6,32 +6,35 @@ C++/CUDA kernels.
 
 ``zerocore.BUILD`` says which kernels were compiled (CPU only or CPU+CUDA) and for which torch;
 ``python -m zerocore`` prints it.
+
+This module is the package's face: it names what users call and defines nothing. The wings
+beneath it, each importing only those below it (tests/tools/test_structure.py checks it):
+``kernels`` (the compiled ops and their plain-PyTorch definitions), ``comm`` (devices,
+collectives, transports, agreement), ``engine`` (flat groups, sharded layers, the two front
+doors), ``checkpoint`` (sharded checkpoints, consolidation, DeepSpeed's), ``tools`` (selftest).
+``policies`` (leaf data every wing reads), ``optim``, ``loss_scale`` and ``plan`` sit beside it.
 """
 
-from zerocore import _extension
-
-BUILD = _extension.load()
-
-# The ops must be registered (above) before these import.
-from zerocore import ops, optim, reference  # noqa: E402
-from zerocore.device import Platform  # noqa: E402
-from zerocore.loss_scale import LossScaler, StepResult  # noqa: E402
-from zerocore.policies import (Comm, FrozenWeights, LossScaling, MixedPrecision,  # noqa: E402
-                               Offload, Prefetch, Recompute)
-from zerocore.report import CommReport, MemoryReport  # noqa: E402
-from zerocore.meta_layer import MetaLayer  # noqa: E402
-from zerocore import plan  # noqa: E402  (zerocore.plan.plan, MemoryPlan)
-from zerocore.peak_memory import PeakMemory, peak_rss, reset_peak_rss  # noqa: E402
-from zerocore.sharded_param import ShardParameter  # noqa: E402
-from zerocore.sharded_sequential import ShardedSequential, shard  # noqa: E402
-from zerocore.sharded_model import ShardedModel, shard_model, sharding_of  # noqa: E402
-from zerocore.agree import PeerError, run_agreed  # noqa: E402
-from zerocore.collectives import PeerLost  # noqa: E402
-from zerocore.checkpoint import (CheckpointError, CheckpointWriteError,  # noqa: E402
-                                 IncompleteCheckpoint, ShardReader, checkpoint_runs,
-                                 incomplete_checkpoints, iter_full_layers, latest_checkpoint,
-                                 list_checkpoints, load_checkpoint, open_checkpoint,
-                                 read_manifest, save_checkpoint, verify_files)
+from zerocore import optim, plan
+from zerocore.checkpoint import (CheckpointError, CheckpointWriteError, IncompleteCheckpoint,
+                                 ShardReader, checkpoint_runs, incomplete_checkpoints,
+                                 iter_full_layers, latest_checkpoint, list_checkpoints,
+                                 load_checkpoint, open_checkpoint, read_manifest,
+                                 save_checkpoint, verify_files)
+from zerocore.comm.agree import PeerError, run_agreed
+from zerocore.comm.collectives import PeerLost
+from zerocore.comm.device import Platform
+from zerocore.engine.meta_layer import MetaLayer
+from zerocore.engine.peak_memory import PeakMemory, peak_rss, reset_peak_rss
+from zerocore.engine.report import CommReport, MemoryReport
+from zerocore.engine.sharded_model import ShardedModel, shard_model, sharding_of
+from zerocore.engine.sharded_param import ShardParameter
+from zerocore.engine.sharded_sequential import ShardedSequential, shard
+from zerocore.kernels import ops, reference
+from zerocore.kernels.ops import BUILD
+from zerocore.loss_scale import LossScaler, StepResult
+from zerocore.policies import (Comm, FrozenWeights, LossScaling, MixedPrecision, Offload,
+                               Prefetch, Recompute)
 
 __version__ = "0.1.0"
 __all__ = ["BUILD", "ops", "optim", "reference", "shard", "ShardedSequential", "ShardParameter",

@@ -1,6 +1,6 @@
 """python -m zerocore.from_deepspeed CKPT OUT: a DeepSpeed ZeRO-3 checkpoint, read without
 DeepSpeed, written as safetensors under the model's own parameter names
-(``zerocore.deepspeed_checkpoint`` says how it is read and what is written). A module of its
+(``zerocore.checkpoint.deepspeed`` says how it is read and what is written). A module of its
 own, which the package does not import, so that ``python -m`` runs it without a warning.
 """
 
@@ -10,9 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from zerocore.checkpoint_errors import CheckpointError
-from zerocore.deepspeed_checkpoint import ADAPTER_CONFIG, TRAINABLE_FILE, export
-from zerocore.durable_io import write_error
+from zerocore.checkpoint.errors import CheckpointError
+from zerocore.checkpoint.deepspeed import ADAPTER_CONFIG, TRAINABLE_FILE, export
+from zerocore.checkpoint.durable_io import write_error
 
 __all__ = ["main"]
 

@@ -53,7 +53,7 @@ from transformers.utils import logging
 
 import zerocore
 from zerocore.loss_scale import global_grad_stats
-from zerocore.sharded_model import ShardedModel
+from zerocore.engine.sharded_model import ShardedModel
 
 CHECKPOINT_DIR = "zerocore"  # inside each checkpoint-N/ of Trainer
 logger = logging.get_logger(__name__)

@@ -16,8 +16,10 @@ import math
 import torch
 import torch.distributed as dist
 
-from zerocore import collectives, ops
-from zerocore.device import comm_device
+from zerocore.comm import collectives
+from zerocore.comm.device import comm_device
+from zerocore.kernels import ops
+from zerocore.optim import Adam
 from zerocore.policies import LossScaling
 
 
@@ -81,7 +83,6 @@ class LossScaler:
         if max_norm is not None:
             clip = min(1.0, max_norm / (norm + 1e-6))  # the coefficient of clip_grad_norm_
         inv = clip / scale
-        from zerocore.optim import Adam  # local: optim imports nothing from here
         if isinstance(optimizer, Adam):
             optimizer.step(inv_grad_scale=inv)
         else:

@@ -30,9 +30,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from zerocore import ops
-from zerocore.offload import OffloadedShard
-from zerocore.sharded_param import ShardParameter
+from zerocore.kernels import ops
+from zerocore.engine.offload import OffloadedShard
+from zerocore.engine.sharded_param import ShardParameter
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 

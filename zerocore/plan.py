@@ -37,11 +37,11 @@ from torch.autograd.graph import get_gradient_edge
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from zerocore.flat_layout import FlatLayout
-from zerocore.meta_layer import MetaLayer
+from zerocore.engine.flat_layout import FlatLayout
+from zerocore.engine.meta_layer import MetaLayer
 from zerocore.policies import FrozenWeights, MixedPrecision, Offload, Prefetch, Recompute
-from zerocore.report import expected_traffic
-from zerocore.sharded_layer import _collect_params
+from zerocore.engine.report import expected_traffic
+from zerocore.engine.sharded_layer import _collect_params
 
 GiB = 2**30
 

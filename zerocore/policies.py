@@ -239,7 +239,7 @@ class Comm:
         memory gather (and two of them reduce) by reading it directly, signalling through
         anonymous pipes (docs/decisions.md, "Communication between gloo ranks of one host");
         ``"off"``: gloo's collectives only. The values are the same bits either way.
-    gather, reduce: how parameters are all-gathered and gradients reduced (zerocore/transport.py
+    gather, reduce: how parameters are all-gathered and gradients reduced (comm/transport.py
         describes each way): ``"auto"`` (default) takes the fastest that applies; gather
         ``"collective"`` or ``"read"``; reduce ``"collective"``, ``"exchange"`` (two gloo
         ranks) or ``"read"`` (two gloo ranks of one host). Every way gives the same bits; the

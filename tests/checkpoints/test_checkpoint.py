@@ -54,7 +54,7 @@ from neox.model import build_layers
 from safetensors.torch import load_file
 from zerocore.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints,
                                  read_manifest, verify_files)
-from zerocore.checkpoint_manifest import commit_record
+from zerocore.checkpoint.manifest import commit_record
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerocore
-from zerocore import durable_io
+from zerocore.checkpoint import durable_io
 from zerocore.checkpoint import (COMMIT, FORMAT, MANIFEST, CheckpointError, CheckpointWriteError,
                                  incomplete_checkpoints, iter_full_layers, latest_checkpoint,
                                  list_checkpoints, open_checkpoint, read_manifest)

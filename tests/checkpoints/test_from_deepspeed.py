@@ -28,9 +28,9 @@ import torch
 from safetensors.torch import load_file
 
 from tests.support.dist_utils import global_mean
-from zerocore import deepspeed_checkpoint as fds
+from zerocore.checkpoint import deepspeed as fds
 from zerocore import from_deepspeed
-from zerocore.deepspeed_checkpoint import DeepSpeedCheckpointError
+from zerocore.checkpoint.deepspeed import DeepSpeedCheckpointError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed"
 ALL = ["full_fp32_ws2", "full_fp32_ws3", "full_bf16_ws3", "lora_fp32_ws2", "lora_fp32_ws3",
@@ -406,7 +406,7 @@ def test_resume_refuses_payload_too(tmp_path):
 def test_deepspeed_classes_are_inert_records():
     ckpt = fds.DeepSpeedCheckpoint(FIXTURES / "full_bf16_ws3" / "ckpt")
     scaler = ckpt.optim_states[0]["loss_scaler"]
-    assert type(scaler).__module__ == "zerocore.deepspeed_checkpoint"
+    assert type(scaler).__module__ == fds.__name__  # a class of this reader, not DeepSpeed's
     assert scaler.ds_class == "deepspeed.runtime.fp16.loss_scaler.LossScaler"
     assert ckpt.loss_scaler == {"cur_scale": 1.0, "dynamic": False}
     assert type(ckpt.optim_states[0]["zero_stage"]) is fds.ZeroStage
@@ -458,7 +458,7 @@ def assert_state_is_deepspeeds(model, optimizer, name: str, rank: int) -> None:
     zero_to_fp32's output, which our reader did not make), of Adam's moments (assembled from
     DeepSpeed's partitions by the reader, whose masters the export tests prove bitwise) and
     Adam's step. The losses below then only have to show that training continues alike."""
-    from zerocore.sharded_model import sharding_of
+    from zerocore.engine.sharded_model import sharding_of
 
     ckpt = fds.DeepSpeedCheckpoint(FIXTURES / name / "ckpt")
     masters = reference(name)
@@ -531,7 +531,7 @@ def test_resume_continues_as_deepspeed(worlds, name, world_size):
 def frozen_checked(rank: int, world: int, name: str, tamper: bool) -> str:
     """frozen="check": the model's own frozen weights (the base the run started from) are kept
     when they are the checkpoint's; one changed element on one rank is refused on every rank."""
-    from zerocore.sharded_model import sharding_of
+    from zerocore.engine.sharded_model import sharding_of
 
     model, optimizer = build(name)
     layers = [l for l in sharding_of(model).layers if l.frozen is not None]

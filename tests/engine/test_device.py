@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 import zerocore
-from zerocore import device as zdevice
-from zerocore.offload import cpu_threads
+from zerocore.comm import device as zdevice
+from zerocore.engine.offload import cpu_threads
 
 WORLD_SIZES = [1, 2, 3]
 

@@ -78,7 +78,7 @@ def test_dead_rank_gives_an_error_not_a_hang():
 def _die_in_probe(when: str) -> None:
     """Makes this process SIGKILL itself in the transport's probe: ``before-take`` once its
     pipes exist and are published, ``after-take`` once it holds the others' write ends too."""
-    from zerocore import collectives
+    from zerocore.comm import collectives
     take = collectives._take_write_ends
 
     def dying(*args):

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 import zerocore
-from zerocore import reference
-from zerocore.flat_layout import FlatLayout
+from zerocore.kernels import reference
+from zerocore.engine.flat_layout import FlatLayout
 
 from tests.support.toy_stack import Spec, accumulate_step, make_layers
 from tests.support.toy_stack import train_digest as offload_digest

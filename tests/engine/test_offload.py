@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import zerocore
-from zerocore import collectives, transport
+from zerocore.comm import collectives, transport
 from tests.support.toy_stack import (LR, Spec, global_batch, loss_fn, make_layers, shard_stack,
                                      train_digest)
 
@@ -219,7 +219,7 @@ def digest_with_stand_in_streams(rank: int, world_size: int, spec: Spec) -> dict
     for layer in model.layers:
         for g in layer.groups:
             g.ctx = dataclasses.replace(g.ctx, streams=StandInStreams(log))
-            # NCCL's ways (zerocore/transport.py) on the gloo group.
+            # NCCL's ways (zerocore/comm/transport.py) on the gloo group.
             route = dataclasses.replace(g.gather.route, gloo=False)
             g.gather, g.reduce = transport.Gather(route), transport.Reduce(route)
             offloaded += g.trainable

@@ -1,4 +1,4 @@
-"""The ways parameters and gradients travel (zerocore/transport.py, chosen by ``zerocore.Comm``)
+"""The ways parameters and gradients travel (zerocore/comm/transport.py, chosen by ``Comm``)
 change when and how values move, never a bit of what is computed: each one, on the CPU over
 gloo, gives bitwise the results of every other.
 
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import zerocore
-from zerocore import collectives
+from zerocore.comm import collectives
 from tests.support.toy_stack import Spec, make_layers, train_digest
 
 WORLD_SIZES = [1, 2, 3]

@@ -18,7 +18,7 @@ import torch
 
 import zerocore
 from tests.support.hf_models import batch, build, decoder_layers, prepare
-from zerocore.flat_group import GroupState
+from zerocore.engine.flat_group import GroupState
 
 NEW_TOKENS = 6
 

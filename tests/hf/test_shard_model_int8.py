@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import zerocore
-from zerocore import reference
+from zerocore.kernels import reference
 from tests.support.dist_utils import global_mean
 from tests.support.hf_models import batch, build, decoder_layers, prepare
 

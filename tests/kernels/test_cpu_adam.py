@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import zerocore  # noqa: F401  (registers torch.ops.zerocore)
-from zerocore import ops
-from zerocore._extension import _cpu_flags
+from zerocore.kernels import ops
+from zerocore.kernels._extension import _cpu_flags
 from tests.support.exact_adam import HYPER, assert_slack_untouched, exact_adam, placed, randn
 
 ALL_ISAS = ["scalar", "avx2", "avx512"]

@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from zerocore import _extension, _sources
+from zerocore.kernels import _extension, _sources
 
 
 def _write_info(folder, fingerprint) -> None:
@@ -70,7 +70,7 @@ def test_one_compile_time_is_stated():
     README quotes the same."""
     from pathlib import Path
     root = Path(_sources.repo_root())
-    for path in (root / "setup.py", root / "zerocore" / "_extension.py"):
+    for path in (root / "setup.py", root / "zerocore" / "kernels" / "_extension.py"):
         text = path.read_text()
         assert "CPU_COMPILE_TIME" in text and "minutes on 2 cores" not in text, path
     assert f"{_sources.CPU_COMPILE_TIME} to compile" in (root / "README.md").read_text()

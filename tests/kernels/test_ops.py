@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import zerocore  # noqa: F401  (registers torch.ops.zerocore)
-from zerocore import ops, reference
+from zerocore.kernels import ops, reference
 from tests.support.exact_adam import HYPER, assert_slack_untouched, exact_adam, placed, randn
 
 F32_EPS = torch.finfo(torch.float32).eps  # 2^-23, one ulp of 1.0 in float32

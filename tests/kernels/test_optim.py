@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerocore.optim as zo
-from zerocore.sharded_param import ShardParameter
+from zerocore.engine.sharded_param import ShardParameter
 
 DEVICES = [
     "cpu",

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import zerocore  # noqa: F401  (registers torch.ops.zerocore)
-from zerocore import ops, reference
+from zerocore.kernels import ops, reference
 
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}

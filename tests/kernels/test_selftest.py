@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zerocore import ops, reference, selftest
+from zerocore.kernels import ops, reference
+from zerocore.tools import selftest
 
 CPU = torch.device("cpu")
 SIZES = (1, 17, 4099)

@@ -634,7 +634,7 @@ MANIFEST_EDITS = {
 
 
 def _edited(src: Path, dst: Path, edit, *, recommit: bool) -> Path:
-    from zerocore.checkpoint_manifest import COMMIT, MANIFEST, commit_record
+    from zerocore.checkpoint.manifest import COMMIT, MANIFEST, commit_record
     ckpt = Path(shutil.copytree(src, dst))
     manifest = json.loads((ckpt / MANIFEST).read_text())
     edit(ckpt, manifest)

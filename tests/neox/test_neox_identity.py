@@ -35,7 +35,7 @@ from neox.run_dir import CHECKPOINTS, METRICS
 from tests.support.neox_testing import (EXCERPT, REPO, assert_clean_error, call_main, cli_env,
                                         run_module)
 from zerocore import consolidate
-from zerocore.checkpoint_manifest import COMMIT, MANIFEST, commit_record
+from zerocore.checkpoint.manifest import COMMIT, MANIFEST, commit_record
 
 SMALL = ["--cpu", "--seq-len", 16, "--batch-size", 2, "--seed", 1, "--sample-tokens", 0]
 V1, V2 = "zerocore-checkpoint/1", "zerocore-checkpoint/2"

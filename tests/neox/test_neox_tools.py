@@ -225,7 +225,7 @@ def test_metrics_on_a_full_disk_is_one_line(small_disk):
 def test_write_error_takes_any_librarys_exception(tmp_path):
     """safetensors keeps only the text of the OS error; torch's zip writer not even that."""
     from safetensors import SafetensorError
-    from zerocore.durable_io import write_error
+    from zerocore.checkpoint.durable_io import write_error
     e = SafetensorError("Error while serializing: I/O error: No space left on device "
                         "(os error 28)")
     made = write_error("write", tmp_path / "x", e)

@@ -25,12 +25,12 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from zerocore.flat_group import FlatGroup, GroupContext, PendingGrad
-from zerocore.flat_layout import FlatLayout
-from zerocore.meta_layer import RangeReader
-from zerocore import ops
-from zerocore.offload import GradToHost, accumulate_grad, start_grad_to_host
-from zerocore.recompute import ForwardState
+from zerocore.engine.flat_group import FlatGroup, GroupContext, PendingGrad
+from zerocore.engine.flat_layout import FlatLayout
+from zerocore.engine.meta_layer import RangeReader
+from zerocore.kernels import ops
+from zerocore.engine.offload import GradToHost, accumulate_grad, start_grad_to_host
+from zerocore.engine.recompute import ForwardState
 
 
 def _collect_params(

@@ -24,11 +24,11 @@ from typing import Any, Iterator
 
 import torch
 
-from zerocore.checkpoint_errors import CheckpointError
-from zerocore.checkpoint_manifest import (FORMAT, MANIFEST, UNVERIFIED_FORMATS, check_manifest,
+from zerocore.checkpoint.errors import CheckpointError
+from zerocore.checkpoint.manifest import (FORMAT, MANIFEST, UNVERIFIED_FORMATS, check_manifest,
                                           layout_digest, manifest_digest, rank_file,
                                           read_manifest)
-from zerocore.flat_layout import FlatLayout
+from zerocore.engine.flat_layout import FlatLayout
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Which flat group each tensor of a rank file's layer entry belongs to.

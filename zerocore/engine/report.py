@@ -63,7 +63,7 @@ class CommReport:
     all_reduce_bytes: int
     expected_all_gather_bytes: int      # per step
     expected_reduce_scatter_bytes: int  # per step
-    # How the groups' gathers and reductions travel (zerocore/transport.py), e.g. "gather:
+    # How the groups' gathers and reductions travel (zerocore/comm/transport.py), e.g. "gather:
     # read; reduce: exchange"; several ways when the groups differ.
     ways: str = ""
 

@@ -57,8 +57,10 @@ from typing import Any, Callable
 
 import torch
 
-from zerocore.checkpoint_errors import CheckpointError
-from zerocore.durable_io import fsync_dir, make_dir, rename, write_file
+from zerocore.checkpoint.agreed import agreed, sharded_of
+from zerocore.checkpoint.errors import DeepSpeedCheckpointError
+from zerocore.engine.sharded_sequential import ShardedSequential
+from zerocore.checkpoint.durable_io import fsync_dir, make_dir, rename, write_file
 
 __all__ = ["DeepSpeedCheckpoint", "DeepSpeedCheckpointError", "export",
            "load_deepspeed_checkpoint", "is_deepspeed_checkpoint", "peft_name", "adapter_names",
@@ -71,11 +73,6 @@ ADAPTER_CONFIG = "adapter_config.json"
 # The oldest DeepSpeed whose ZeRO-3 files this reader knows (param_shapes, frozen_param_shapes
 # and frozen_param_fragments in the model states); tested with 0.19.8.
 OLDEST_VERSION = (0, 10)
-
-
-class DeepSpeedCheckpointError(CheckpointError):
-    """A DeepSpeed checkpoint is missing, incomplete, inconsistent, unsafe or of a kind this
-    reader does not support; nothing was written or loaded. One line."""
 
 
 # -- safe reading ------------------------------------------------------------------------------
@@ -805,12 +802,9 @@ def load_deepspeed_checkpoint(path: str | Path, model: Any, optimizer: torch.opt
     Every rank reads the pieces it needs from the DeepSpeed files (no rank gathers the
     model). Everything is checked before anything is changed; a failure on any rank raises
     ``DeepSpeedCheckpointError`` (one line) on every rank."""
-    from zerocore.checkpoint import _agreed, _sharded
-    from zerocore.sharded_sequential import ShardedSequential
-
     if frozen not in ("load", "check"):
         raise ValueError(f"frozen must be 'load' or 'check', got {frozen!r}")
-    sharded = _sharded(model)
+    sharded = sharded_of(model)
     if ds_name is None:
         ds_name = (_sequential_name if isinstance(sharded, ShardedSequential)
                    else (lambda i, name: name))
@@ -869,7 +863,7 @@ def load_deepspeed_checkpoint(path: str | Path, model: Any, optimizer: torch.opt
                 f"make them agree")
         return ckpt
 
-    ckpt = _agreed(verify, sharded.group)
+    ckpt = agreed(verify, sharded.group)
 
     def restore() -> None:
         sharded.release_gathered()
@@ -907,7 +901,7 @@ def load_deepspeed_checkpoint(path: str | Path, model: Any, optimizer: torch.opt
         if scaler is not None and ckpt.loss_scaler is not None:
             scaler.load_state_dict(_scaler_state(ckpt.loss_scaler, scaler))
 
-    _agreed(restore, sharded.group)
+    agreed(restore, sharded.group)
     return {"deepspeed": {"tag": ckpt.tag_dir.name, "global_steps": ckpt.global_steps,
                           "global_samples": ckpt.global_samples,
                           "ds_version": ckpt.ds_version, "world_size": ckpt.world_size}}

@@ -1,6 +1,6 @@
 """Where the kernel sources are and how they are compiled.
 
-Shared by ``setup.py`` (ahead-of-time build) and ``zerocore._extension`` (the just-in-time
+Shared by ``setup.py`` (ahead-of-time build) and ``zerocore.kernels._extension`` (the just-in-time
 fallback), so both build exactly the same thing. Imports nothing from torch or zerocore: setup.py
 loads this file by path before zerocore can be imported.
 """
@@ -27,7 +27,8 @@ DEFAULT_CUDA_ARCH_LIST = "8.0;9.0+PTX"
 
 
 def repo_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # zerocore/kernels/_sources.py -> the checkout, which holds csrc/
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def cpu_sources(root: str) -> list[str]:
@@ -54,7 +55,7 @@ def cxx_flags() -> list[str]:
     if platform.machine() in ("x86_64", "AMD64"):
         # ATen's at::vec picks its 256-bit AVX2 implementation from these macros. Every x86-64
         # server CPU of the last ten years has AVX2+FMA+F16C; zerocore checks at import time that
-        # the running CPU does too (see zerocore._extension).
+        # the running CPU does too (see zerocore.kernels._extension).
         flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
     return flags
 

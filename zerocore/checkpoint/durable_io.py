@@ -25,7 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from zerocore.checkpoint_errors import CheckpointWriteError
+from zerocore.checkpoint.errors import CheckpointWriteError
 
 
 # safetensors (Rust) and other libraries keep only the text of the OS error: "... (os error 28)".

@@ -13,6 +13,11 @@ from typing import Sequence
 
 import torch
 
+from zerocore.kernels import _extension
+
+# The compiled library registers torch.ops.zerocore.*; loading it here, where the ops are used,
+# makes this module work whoever imports it first.
+BUILD = _extension.load()
 _ops = torch.ops.zerocore
 
 

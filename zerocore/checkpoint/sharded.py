@@ -65,53 +65,26 @@ from typing import Any, Callable, TypeVar
 import torch
 import torch.distributed as dist
 
-from zerocore.agree import PeerError, run_agreed
-from zerocore.checkpoint_dirs import (LEFTOVER_DIR, UNKNOWN_RUN, IncompleteCheckpoint,
-                                      aside_name, checkpoint_runs, holds_only_our_files,
-                                      incomplete_checkpoints, is_complete, latest_checkpoint,
-                                      leftovers, list_checkpoints, remove_tree, run_of,
+from zerocore.checkpoint.agreed import agreed, sharded_of
+from zerocore.checkpoint.dirs import (LEFTOVER_DIR, UNKNOWN_RUN, aside_name, holds_only_our_files,
+                                      is_complete, leftovers, remove_tree, run_of,
                                       same_run_checkpoints, step_dir_name)
-from zerocore.checkpoint_errors import CheckpointError, CheckpointWriteError
-from zerocore.checkpoint_manifest import (COMMIT, FORMAT, MANIFEST, commit_record,
+from zerocore.checkpoint.errors import CheckpointError, CheckpointWriteError
+from zerocore.checkpoint.manifest import (COMMIT, FORMAT, MANIFEST, commit_record,
                                           manifest_digest, model_fingerprint, rank_file,
-                                          read_manifest, unverified_reason)
-from zerocore.checkpoint_reader import (ShardReader, identity_record, iter_full_layers,
-                                        open_checkpoint, verify_files)
-from zerocore.durable_io import fsync_dir, make_dir, rename, write_file
-from zerocore.deepspeed_checkpoint import (DeepSpeedCheckpointError, is_deepspeed_checkpoint,
-                                     load_deepspeed_checkpoint)
+                                          read_manifest)
+from zerocore.checkpoint.reader import (ShardReader, identity_record, verify_files)
+from zerocore.checkpoint.durable_io import fsync_dir, make_dir, rename, write_file
+from zerocore.checkpoint.deepspeed import is_deepspeed_checkpoint, load_deepspeed_checkpoint
 from zerocore.loss_scale import LossScaler
 from zerocore.optim import overrides_mismatch
-from zerocore.sharded_param import ShardParameter
-from zerocore.sharded_model import ShardedModel, sharding_of
-from zerocore.sharded_sequential import ShardedSequential
+from zerocore.engine.sharded_param import ShardParameter
+from zerocore.engine.sharded_model import ShardedModel
+from zerocore.engine.sharded_sequential import ShardedSequential
 
-__all__ = ["save_checkpoint", "load_checkpoint", "list_checkpoints", "latest_checkpoint",
-           "checkpoint_runs", "incomplete_checkpoints", "IncompleteCheckpoint", "read_manifest",
-           "verify_files", "open_checkpoint", "iter_full_layers", "ShardReader",
-           "model_fingerprint", "rank_file", "unverified_reason", "CheckpointError",
-           "CheckpointWriteError", "MANIFEST", "COMMIT", "FORMAT"]
+__all__ = ["save_checkpoint", "load_checkpoint"]
 
 T = TypeVar("T")
-
-# What a peer's failure is re-raised as on the ranks that did not fail, so that every rank
-# raises the same type (by name: run_agreed gathers names and messages, not objects).
-_SAME_ON_EVERY_RANK = {cls.__name__: cls for cls in
-                       (CheckpointWriteError, CheckpointError, DeepSpeedCheckpointError,
-                        TypeError, ValueError)}
-
-
-def _agreed(fn: Callable[[], T], group: dist.ProcessGroup) -> T:
-    """``run_agreed``, with a peer's failure raised as that failure's type and message."""
-    try:
-        return run_agreed(fn, group=group)
-    except PeerError as e:
-        cls = _SAME_ON_EVERY_RANK.get(e.first_type)
-        if cls is None:
-            raise CheckpointError(f"rank {e.first_rank} failed: {e.first_type}: "
-                                  f"{e.first_message}") from e
-        raise cls(e.first_message) from e
-
 
 def _noting(fn: Callable[[], T], note: str) -> Callable[[], T]:
     """``fn``, whose write errors end with ``note`` (what became of the save)."""
@@ -122,11 +95,6 @@ def _noting(fn: Callable[[], T], note: str) -> Callable[[], T]:
             raise CheckpointWriteError(f"{e}; {note}", errno=e.errno,
                                        filename=e.filename) from None
     return run
-
-
-def _sharded(model: Any) -> ShardedSequential | ShardedModel:
-    """A ``zerocore.shard`` model as it is; a model given to ``shard_model``, its sharding."""
-    return model if isinstance(model, ShardedSequential) else sharding_of(model)
 
 
 def _layouts(model: ShardedSequential | ShardedModel) -> list[dict[str, Any]]:
@@ -282,7 +250,7 @@ def save_checkpoint(root: str | Path, step: int, model: Any,
     Raises ``CheckpointWriteError`` (a ``CheckpointError`` and an ``OSError``) on every rank when
     anything cannot be written; nothing is then committed and earlier checkpoints are intact.
     """
-    model = _sharded(model)
+    model = sharded_of(model)
     if include_frozen and model.frozen_weights.int8_block is not None:
         # The same answer on every rank (the policy is the model's), so no rank waits.
         raise ValueError("save_checkpoint: include_frozen=True with FrozenWeights('int8'): the "
@@ -317,7 +285,7 @@ def save_checkpoint(root: str | Path, step: int, model: Any,
             make_dir(root / f"{step_dir_name(step)}.tmp-{nonce}")
 
     not_saved = f"step {step} was not saved; the earlier checkpoints are unchanged"
-    _agreed(_noting(prepare, not_saved), group)
+    agreed(_noting(prepare, not_saved), group)
     final = root / step_dir_name(step)
     tmp = root / f"{final.name}.tmp-{nonce}"
     try:
@@ -340,21 +308,21 @@ def save_checkpoint(root: str | Path, step: int, model: Any,
         digest: list[Any] = [manifest_digest(manifest) if rank == 0 else None]
         dist.broadcast_object_list(digest, src=src, group=group)
         identity = {**identity_record(manifest, rank), "manifest_sha256": digest[0]}
-        info = _agreed(_noting(lambda: write_file(
+        info = agreed(_noting(lambda: write_file(
             tmp / rank_file(rank),
             lambda f: torch.save(_rank_payload(model, optimizer, include_frozen, identity), f)),
             not_saved), group)
         infos: list[Any] = [None] * world
         dist.all_gather_object(infos, info, group=group)
         manifest["files"] = {rank_file(r): infos[r] for r in range(world)}
-        _agreed(_noting(lambda: _commit(tmp, final, manifest) if rank == 0 else None,
+        agreed(_noting(lambda: _commit(tmp, final, manifest) if rank == 0 else None,
                         not_saved), group)
     except BaseException:
         if rank == 0:
             remove_tree(tmp)
         raise
     saved_note = f"{final} was saved, but older directories could not all be removed"
-    _agreed(_noting(lambda: _tidy(root, final, run_id, keep_last) if rank == 0 else None,
+    agreed(_noting(lambda: _tidy(root, final, run_id, keep_last) if rank == 0 else None,
                     saved_note), group)
     return final
 
@@ -458,12 +426,12 @@ def load_checkpoint(path: str | Path, model: Any,
 
     ``path`` may also be a DeepSpeed ZeRO-3 checkpoint directory (the one holding ``latest``, or
     a ``global_stepN`` directory): its weights, Adam moments and step, optimizer settings and
-    loss-scaler state are loaded (``zerocore.deepspeed_checkpoint.load_deepspeed_checkpoint``) and
+    loss-scaler state are loaded (``zerocore.checkpoint.deepspeed.load_deepspeed_checkpoint``) and
     ``{"deepspeed": {...}}`` is returned."""
     path = Path(path)
     if is_deepspeed_checkpoint(path):
         return load_deepspeed_checkpoint(path, model, optimizer, scaler=scaler)
-    model = _sharded(model)
+    model = sharded_of(model)
 
     def verify() -> ShardReader:
         # open_checkpoint's checks, with the model match before the files': a manifest of
@@ -475,6 +443,6 @@ def load_checkpoint(path: str | Path, model: Any,
         reader.check_all()
         return reader
 
-    reader = _agreed(verify, model.group)
-    _agreed(lambda: _restore(reader, model, optimizer, scaler), model.group)
+    reader = agreed(verify, model.group)
+    agreed(lambda: _restore(reader, model, optimizer, scaler), model.group)
     return reader.manifest["extra"]

@@ -36,8 +36,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from zerocore.checkpoint_errors import CheckpointError
-from zerocore.flat_layout import FlatLayout
+from zerocore.checkpoint.errors import CheckpointError
+from zerocore.engine.flat_layout import FlatLayout
 
 FORMAT = "zerocore-checkpoint/3"
 # Read only with allow_unverified, never written: format 2 has COMMIT records and run ids but its

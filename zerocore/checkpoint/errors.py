@@ -1,4 +1,4 @@
-"""The two errors of sharded checkpoints (a module of its own so that every checkpoint module can
+"""The errors of checkpoints (a module of its own so that every checkpoint module can
 raise them without importing the others).
 
 - ``CheckpointError`` (a ``ValueError``): a checkpoint is missing, incomplete, corrupt, edited or
@@ -8,6 +8,7 @@ raise them without importing the others).
   write, rename or flush something (disk full, permissions, I/O error). Its message is one line
   naming the path and the errno; ``errno`` and ``filename`` are set (``errno`` is None on the
   ranks that only learnt of another rank's failure). Catching either base class catches it.
+- ``DeepSpeedCheckpointError``, a ``CheckpointError``: of a DeepSpeed checkpoint (``deepspeed``).
 """
 
 from __future__ import annotations
@@ -36,3 +37,8 @@ class CheckpointWriteError(CheckpointError, OSError):
 def _rebuild_write_error(message: str, errno: int | None, filename: str | None
                          ) -> CheckpointWriteError:
     return CheckpointWriteError(message, errno=errno, filename=filename)
+
+
+class DeepSpeedCheckpointError(CheckpointError):
+    """A DeepSpeed checkpoint is missing, incomplete, inconsistent, unsafe or of a kind this
+    reader does not support; nothing was written or loaded. One line."""

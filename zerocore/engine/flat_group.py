@@ -7,7 +7,7 @@ Tensor roles (docs/glossary.md):
   param_dtype with requires_grad=False.
 - gather input: the param_dtype shard that is all-gathered (model_copy, the master itself in fp32,
   the frozen shard, or with CPU offload a device-side mirror of the CPU model_copy, uploaded
-  asynchronously: zerocore/offload.py).
+  asynchronously: zerocore/engine/offload.py).
 - gathered buffer: ``[padded_numel]`` in param_dtype, every rank's shard. Its storage is allocated
   (``resize_``) only while the group is gathered and released right after use, so between forward
   and backward the layer costs no parameter memory; autograd keeps views of the storage and sees
@@ -27,11 +27,12 @@ import enum
 import torch
 import torch.distributed as dist
 
-from zerocore import collectives, ops, transport
-from zerocore.flat_layout import FlatLayout
-from zerocore.offload import OffloadedShard, OffloadStreams
+from zerocore.comm import collectives, transport
+from zerocore.kernels import ops
+from zerocore.engine.flat_layout import FlatLayout
+from zerocore.engine.offload import OffloadedShard, OffloadStreams
 from zerocore.policies import Comm
-from zerocore.sharded_param import ShardParameter
+from zerocore.engine.sharded_param import ShardParameter
 
 
 class GroupState(enum.Enum):
@@ -74,7 +75,7 @@ class GroupContext:
     # first group built with this context, a collective at the same point on every rank), with
     # the waits bounded by zerocore.Comm's timeout; None: not tried (Comm(peer_read="off")).
     peers: collectives.PeerMemory | None = None
-    comm: Comm = Comm()  # how gathers and reductions travel (zerocore/transport.py)
+    comm: Comm = Comm()  # how gathers and reductions travel (zerocore/comm/transport.py)
 
 
 class FlatGroup:
@@ -140,7 +141,7 @@ class FlatGroup:
             q8.resize_(0)
             self._q8_storage = q8
         self.state = GroupState.SHARDED
-        # How this group's gathers and reductions travel (zerocore/transport.py), chosen once
+        # How this group's gathers and reductions travel (zerocore/comm/transport.py), chosen once
         # from zerocore.Comm and the backend: on gloo the engine uses collectives that copy less
         # than gloo's own all-gather and reduce-scatter, or reads the other ranks' memory.
         gloo = dist.get_backend(ctx.process_group) == "gloo" and ctx.device.type == "cpu"

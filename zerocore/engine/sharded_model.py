@@ -36,13 +36,13 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.nn.utils import parametrize
 from torch.utils import _pytree as pytree
 
-from zerocore.device import Platform
-from zerocore.flat_group import GroupState
+from zerocore.comm.device import Platform
+from zerocore.engine.flat_group import GroupState
 from zerocore.policies import Comm, FrozenWeights, MixedPrecision, Offload, Prefetch
-from zerocore.report import MemoryReport
-from zerocore.sharded_layer import BackwardCoordinator, ShardedLayer
-from zerocore.sharded_param import ShardParameter
-from zerocore.sharded_sequential import (agree_on_structure, build_context, fingerprint,
+from zerocore.engine.report import MemoryReport
+from zerocore.engine.sharded_layer import BackwardCoordinator, ShardedLayer
+from zerocore.engine.sharded_param import ShardParameter
+from zerocore.engine.sharded_sequential import (agree_on_structure, build_context, fingerprint,
                                          iter_full_states_of, memory_report_of,
                                          prepare_device, process_group)
 

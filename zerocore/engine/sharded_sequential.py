@@ -17,16 +17,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerocore import BUILD, collectives, transport
-from zerocore.collectives import CommCounter, PeerMemory
-from zerocore.device import Platform, agree_on_devices, resolve_device
-from zerocore.flat_group import GroupContext
-from zerocore.meta_layer import MetaLayer
-from zerocore.offload import OffloadStreams, cpu_threads
+from zerocore.kernels.ops import BUILD
+from zerocore.comm import collectives, transport
+from zerocore.comm.collectives import CommCounter, PeerMemory
+from zerocore.comm.device import Platform, agree_on_devices, resolve_device
+from zerocore.engine.flat_group import GroupContext
+from zerocore.engine.meta_layer import MetaLayer
+from zerocore.engine.offload import OffloadStreams, cpu_threads
 from zerocore.policies import Comm, FrozenWeights, MixedPrecision, Offload, Prefetch, Recompute
-from zerocore.report import CommReport, MemoryReport, expected_traffic
-from zerocore.sharded_layer import BackwardCoordinator, LayerFunction, ShardedLayer
-from zerocore.sharded_param import ShardParameter
+from zerocore.engine.report import CommReport, MemoryReport, expected_traffic
+from zerocore.engine.sharded_layer import BackwardCoordinator, LayerFunction, ShardedLayer
+from zerocore.engine.sharded_param import ShardParameter
 
 
 def fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> int:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from zerocore import collectives
+from zerocore.comm import collectives
 from zerocore.policies import Comm
 
 

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from zerocore import _sources
+from zerocore.kernels import _sources
 
 REBUILD_HINT = "rebuild it with: pip install --no-build-isolation -e ."
 
@@ -142,7 +142,8 @@ def _prebuilt_is_stale(package_dir: str) -> bool:
 
 def load() -> BuildInfo:
     """Makes torch.ops.zerocore.* available and returns what was loaded."""
-    package_dir = os.path.dirname(os.path.abspath(__file__))
+    # The built library and its record sit in the zerocore package, where setup.py puts them.
+    package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if os.path.exists(os.path.join(package_dir, "_C_build.json")):
         if not _prebuilt_is_stale(package_dir):
             return _import_prebuilt(package_dir)

@@ -24,7 +24,7 @@ import dataclasses
 
 import torch
 
-from zerocore.sharded_param import ShardParameter
+from zerocore.engine.sharded_param import ShardParameter
 
 
 class OffloadStreams:

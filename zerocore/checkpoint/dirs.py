@@ -31,7 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from zerocore.checkpoint_manifest import COMMIT, FORMAT, FORMAT_V2, MANIFEST, peek_manifest
+from zerocore.checkpoint.manifest import COMMIT, FORMAT, FORMAT_V2, MANIFEST, peek_manifest
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 # Leftovers of a save that was killed (``step-X.tmp-<nonce>``) or of a deletion that was

@@ -1,0 +1,25 @@
+"""Checkpoints: the engine's sharded checkpoints (``sharded``: save, load, at any world size),
+their directory rules (``dirs``), manifest (``manifest``) and verified reading (``reader``),
+atomic writes (``durable_io``), full weights rebuilt from the shards (``consolidate``), and
+DeepSpeed ZeRO-3 checkpoints read without DeepSpeed (``deepspeed``). This module names what
+applications use."""
+
+from zerocore.checkpoint.consolidate import TRAINABLE_FILE, save_trainable
+from zerocore.checkpoint.deepspeed import (DeepSpeedCheckpointError, is_deepspeed_checkpoint,
+                                           load_deepspeed_checkpoint)
+from zerocore.checkpoint.dirs import (IncompleteCheckpoint, checkpoint_runs,
+                                      incomplete_checkpoints, latest_checkpoint, list_checkpoints)
+from zerocore.checkpoint.errors import CheckpointError, CheckpointWriteError
+from zerocore.checkpoint.manifest import (COMMIT, FORMAT, MANIFEST, model_fingerprint,
+                                          rank_file, read_manifest, unverified_reason)
+from zerocore.checkpoint.reader import (ShardReader, iter_full_layers, open_checkpoint,
+                                        verify_files)
+from zerocore.checkpoint.sharded import load_checkpoint, save_checkpoint
+
+__all__ = ["save_checkpoint", "load_checkpoint", "list_checkpoints", "latest_checkpoint",
+           "checkpoint_runs", "incomplete_checkpoints", "IncompleteCheckpoint", "read_manifest",
+           "verify_files", "open_checkpoint", "iter_full_layers", "ShardReader",
+           "model_fingerprint", "rank_file", "unverified_reason", "CheckpointError",
+           "CheckpointWriteError", "MANIFEST", "COMMIT", "FORMAT", "save_trainable",
+           "TRAINABLE_FILE", "load_deepspeed_checkpoint", "is_deepspeed_checkpoint",
+           "DeepSpeedCheckpointError"]
