@@ -25,8 +25,9 @@ parameter outside the optimizer, call ``sync_master_from_params()``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -58,6 +59,24 @@ class _Bucket:
 # zerocore.shard, as nn.Sequential(*layers) names it) -> the settings that differ for it:
 # {"weight_decay": absolute, "lr_scale": multiplies the group's lr}, or None.
 Overrides = Callable[[str], "dict[str, float] | None"]
+
+
+@contextlib.contextmanager
+def _host_threads(params: list[torch.nn.Parameter]) -> Iterator[None]:
+    """Offloaded shards of a GPU rank are stepped with the CPU threads their sharding chose (the
+    rank's share of its host, ``Offload.cpu_threads``), for the step's duration only: torch's
+    own count, which the caller owns, is given back afterwards."""
+    n = next((p.host_threads for p in params
+              if isinstance(p, OffloadedShard) and p.host_threads is not None), None)
+    before = torch.get_num_threads()
+    if n is None or n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _with(hyper: dict[str, Any], weight_decay: float | None, lr_scale: float) -> dict[str, Any]:
@@ -276,7 +295,8 @@ class Adam(torch.optim.Optimizer):
                 loss = closure()
         for group, buckets in zip(self.param_groups, self._buckets):
             for b in buckets:
-                self._step_bucket(group, b, inv_grad_scale)
+                with _host_threads(b.params):
+                    self._step_bucket(group, b, inv_grad_scale)
         return loss
 
     def _hyper(self, group: dict[str, Any], inv_grad_scale: float) -> dict[str, Any]:

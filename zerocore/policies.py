@@ -91,11 +91,12 @@ class Offload:
     next all-gather. On CUDA both copies run on side streams, overlapping computation
     (docs/decisions.md, "CPU offload: the stream design").
 
-    cpu_threads: CPU threads of a GPU rank, which steps its optimizer on the CPU (torch's
-    ``set_num_threads``, set by ``shard()``): None gives each rank its share of the host's cores
+    cpu_threads: CPU threads a GPU rank steps its optimizer with on the CPU (torch's thread
+    count for the duration of ``zerocore.optim``'s step on offloaded shards; the process's own
+    count is left as the caller set it): None gives each rank its share of the host's cores
     (the cores this process may use divided by the ranks on this host, never more than torch
     uses already), so N ranks do not oversubscribe the host N times; a number sets exactly that.
-    Ranks computing on the CPU keep the thread count their launcher chose.
+    Ranks computing on the CPU step with the thread count their launcher chose.
     """
 
     optimizer: bool = False

@@ -19,7 +19,7 @@ from torch import nn
 
 import zerocore
 from zerocore.comm import device as zdevice
-from zerocore.engine.offload import cpu_threads
+from zerocore.engine.offload import OffloadedShard, cpu_threads
 
 WORLD_SIZES = [1, 2, 3]
 
@@ -227,3 +227,25 @@ def test_offload_cpu_threads():
     assert cpu_threads(12, usable_cores=64, ranks_on_host=8, current=32) == 12
     with pytest.raises(ValueError, match="cpu_threads"):
         zerocore.Offload(optimizer=True, cpu_threads=0)
+
+
+def test_offloaded_step_uses_its_threads_only_while_it_runs(monkeypatch):
+    # A GPU rank's offloaded shards are stepped with the sharding's thread count; the process's
+    # own count (the caller's) is what it was before and after the step: shard() and the
+    # optimizer change nothing of the process for longer than the step.
+    before = torch.get_num_threads()
+    wanted = 1 if before > 1 else 2
+    shard = OffloadedShard(torch.randn(37))
+    shard.host_threads = wanted
+    shard.grad = torch.randn(37)
+    seen = []
+    real = zerocore.ops.fused_adam
+    monkeypatch.setattr(zerocore.ops, "fused_adam",
+                        lambda *a, **k: (seen.append(torch.get_num_threads()), real(*a, **k)))
+    zerocore.optim.AdamW([shard], lr=1e-3).step()
+    assert seen == [wanted] and torch.get_num_threads() == before
+    plain = torch.nn.Parameter(torch.randn(5))  # not offloaded: torch's own count
+    plain.grad = torch.randn(5)
+    seen.clear()
+    zerocore.optim.AdamW([plain], lr=1e-3).step()
+    assert seen == [before]

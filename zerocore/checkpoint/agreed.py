@@ -10,8 +10,8 @@ import torch.distributed as dist
 from zerocore.checkpoint.errors import (CheckpointError, CheckpointWriteError,
                                         DeepSpeedCheckpointError)
 from zerocore.comm.agree import PeerError, run_agreed
-from zerocore.engine.sharded_model import ShardedModel, sharding_of
-from zerocore.engine.sharded_sequential import ShardedSequential
+from zerocore.engine.sharded_model import sharding_of
+from zerocore.engine.sharding import Sharding
 
 T = TypeVar("T")
 
@@ -34,6 +34,7 @@ def agreed(fn: Callable[[], T], group: dist.ProcessGroup) -> T:
         raise cls(e.first_message) from e
 
 
-def sharded_of(model: Any) -> ShardedSequential | ShardedModel:
-    """A ``zerocore.shard`` model as it is; a model given to ``shard_model``, its sharding."""
-    return model if isinstance(model, ShardedSequential) else sharding_of(model)
+def sharded_of(model: Any) -> Sharding:
+    """The sharding a checkpoint reads or writes: a ``zerocore.shard`` model or a
+    ``ShardedModel`` as it is; a model given to ``shard_model``, its sharding."""
+    return model if isinstance(model, Sharding) else sharding_of(model)

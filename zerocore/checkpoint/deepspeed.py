@@ -59,7 +59,6 @@ import torch
 
 from zerocore.checkpoint.agreed import agreed, sharded_of
 from zerocore.checkpoint.errors import DeepSpeedCheckpointError
-from zerocore.engine.sharded_sequential import ShardedSequential
 from zerocore.checkpoint.durable_io import fsync_dir, make_dir, rename, write_file
 
 __all__ = ["DeepSpeedCheckpoint", "DeepSpeedCheckpointError", "export",
@@ -776,10 +775,6 @@ def export(checkpoint: str | Path, out: str | Path, *, tag: str | None = None,
 
 # -- resuming on zerocore ---------------------------------------------------------------------
 
-def _sequential_name(index: int, name: str) -> str:
-    return f"{index}.{name}"
-
-
 def load_deepspeed_checkpoint(path: str | Path, model: Any, optimizer: torch.optim.Optimizer,
                               *, scaler: Any = None, tag: str | None = None,
                               ds_name: Callable[[int, str], str] | None = None,
@@ -806,8 +801,7 @@ def load_deepspeed_checkpoint(path: str | Path, model: Any, optimizer: torch.opt
         raise ValueError(f"frozen must be 'load' or 'check', got {frozen!r}")
     sharded = sharded_of(model)
     if ds_name is None:
-        ds_name = (_sequential_name if isinstance(sharded, ShardedSequential)
-                   else (lambda i, name: name))
+        ds_name = sharded.param_name  # the unsharded model's names, as DeepSpeed saved them
     rank = sharded.rank
 
     def verify() -> DeepSpeedCheckpoint:

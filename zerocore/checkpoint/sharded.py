@@ -79,8 +79,7 @@ from zerocore.checkpoint.deepspeed import is_deepspeed_checkpoint, load_deepspee
 from zerocore.loss_scale import LossScaler
 from zerocore.optim import overrides_mismatch
 from zerocore.engine.sharded_param import ShardParameter
-from zerocore.engine.sharded_model import ShardedModel
-from zerocore.engine.sharded_sequential import ShardedSequential
+from zerocore.engine.sharding import Sharding
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
@@ -97,7 +96,7 @@ def _noting(fn: Callable[[], T], note: str) -> Callable[[], T]:
     return run
 
 
-def _layouts(model: ShardedSequential | ShardedModel) -> list[dict[str, Any]]:
+def _layouts(model: Sharding) -> list[dict[str, Any]]:
     return [{"trainable": l.trainable.layout.to_dict() if l.trainable else None,
              "frozen": l.frozen.layout.to_dict() if l.frozen else None} for l in model.layers]
 
@@ -163,7 +162,7 @@ def _check_replaceable(final: Path, run_id: str | None) -> None:
                               f"left alone: move them away, or save into another root")
 
 
-def _rank_payload(model: ShardedSequential | ShardedModel, optimizer: torch.optim.Optimizer,
+def _rank_payload(model: Sharding, optimizer: torch.optim.Optimizer,
                   include_frozen: bool, identity: dict[str, Any]) -> dict[str, Any]:
     layers: dict[int, dict[str, Any]] = {}
     for layer in model.layers:
@@ -350,7 +349,7 @@ def _layer_difference(mine: dict[str, Any], saved: dict[str, Any]) -> str:
     return "the parameters differ"
 
 
-def _check_matches(path: Path, manifest: dict[str, Any], model: ShardedSequential | ShardedModel,
+def _check_matches(path: Path, manifest: dict[str, Any], model: Sharding,
                    optimizer: torch.optim.Optimizer) -> None:
     mf = path / MANIFEST
     mine = _layouts(model)
@@ -374,7 +373,7 @@ def _check_matches(path: Path, manifest: dict[str, Any], model: ShardedSequentia
             raise CheckpointError(f"{mf}: {problem}")
 
 
-def _restore(reader: ShardReader, model: ShardedSequential | ShardedModel,
+def _restore(reader: ShardReader, model: Sharding,
              optimizer: torch.optim.Optimizer, scaler: LossScaler | None) -> None:
     """Copies a verified checkpoint into this rank's shards, optimizer and RNG."""
     manifest, rank = reader.manifest, model.rank

@@ -76,6 +76,9 @@ class GroupContext:
     # the waits bounded by zerocore.Comm's timeout; None: not tried (Comm(peer_read="off")).
     peers: collectives.PeerMemory | None = None
     comm: Comm = Comm()  # how gathers and reductions travel (zerocore/comm/transport.py)
+    # CPU threads the optimizer steps offloaded shards with (a GPU rank's share of its host);
+    # None: torch's own count (zerocore.optim).
+    host_threads: int | None = None
 
 
 class FlatGroup:
@@ -102,6 +105,8 @@ class FlatGroup:
                 copy.copy_(master)
             kind = OffloadedShard if ctx.offload else ShardParameter
             self.shard: torch.nn.Parameter = kind(master, copy)
+            if ctx.offload:
+                self.shard.host_threads = ctx.host_threads
             self.shard.set_layout([(sl.name, sl.offset, sl.numel) for sl in layout.slots], lo)
             # With offload the gather input is a device mirror of the CPU copy.
             self._mirror = (torch.empty(layout.shard_numel, dtype=dt, device=dev)

@@ -51,11 +51,14 @@ class OffloadedShard(ShardParameter):
     # Recorded on the upload stream after the last copy of the gather source to the device;
     # None when there is none in flight (or on the CPU).
     upload_done: torch.cuda.Event | None
+    # CPU threads the optimizer steps this shard with; None: torch's own count.
+    host_threads: int | None
 
     def __new__(cls, data: torch.Tensor, model_copy: torch.Tensor | None = None,
                 requires_grad: bool = True) -> "OffloadedShard":
         p = super().__new__(cls, data, model_copy, requires_grad)
         p.upload_done = None
+        p.host_threads = None
         return p
 
     def wait_for_device(self) -> None:

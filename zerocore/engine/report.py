@@ -82,10 +82,11 @@ class CommReport:
 
 
 def expected_traffic(layers: Sequence[Sequence[tuple[int, bool, int]]], *, reduce_bytes: int,
-                     keep_last: bool,
-                     kept: AbstractSet[int] = frozenset()) -> tuple[int, int]:
+                     keep_last: bool, kept: AbstractSet[int] = frozenset(),
+                     input_requires_grad: bool = False) -> tuple[int, int]:
     """(bytes all-gathered, bytes reduce-scattered) by one forward and backward of a sharded
-    stack whose input needs no gradient, counted as the unsharded buffers (``CommCounter``).
+    stack whose input needs no gradient (or does: ``input_requires_grad``, then every layer is
+    in backward), counted as the unsharded buffers (``CommCounter``).
 
     layers: each layer's flat groups as ``(padded_numel, trainable, bytes one gather moves)``
     (``FlatGroup.gather_bytes``: the param dtype's, or int8 values and scales). A layer is
@@ -95,8 +96,8 @@ def expected_traffic(layers: Sequence[Sequence[tuple[int, bool, int]]], *, reduc
     The frozen groups of ``kept`` layers stay gathered from step to step: they count nothing
     here (the step that first gathers them moves them once more). Trainable groups are
     reduce-scattered once."""
-    first = next((i for i, groups in enumerate(layers) if any(g[1] for g in groups)),
-                 len(layers))
+    first = 0 if input_requires_grad else next(
+        (i for i, groups in enumerate(layers) if any(g[1] for g in groups)), len(layers))
     gather = reduce = 0
     for i, groups in enumerate(layers):
         in_backward = i >= first

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -35,16 +35,16 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.nn.utils import parametrize
 from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import checkpoint
 
 from zerocore.comm.device import Platform
 from zerocore.engine.flat_group import GroupState
-from zerocore.policies import Comm, FrozenWeights, MixedPrecision, Offload, Prefetch
-from zerocore.engine.report import MemoryReport
-from zerocore.engine.sharded_layer import BackwardCoordinator, ShardedLayer
-from zerocore.engine.sharded_param import ShardParameter
-from zerocore.engine.sharded_sequential import (agree_on_structure, build_context, fingerprint,
-                                         iter_full_states_of, memory_report_of,
-                                         prepare_device, process_group)
+from zerocore.engine.report import expected_traffic
+from zerocore.engine.sharded_layer import ShardedLayer
+from zerocore.engine.sharding import (Sharding, agree_on_structure, fingerprint, prepare_device,
+                                      process_group)
+from zerocore.policies import (Comm, FrozenWeights, MixedPrecision, Offload, Prefetch,
+                               Recompute)
 
 # Where a unit's shards are registered on its module (the root's: on the model), so that
 # ``model.parameters()`` yields exactly what this rank owns, as for ``zerocore.shard``.
@@ -107,6 +107,17 @@ class UnitParams(torch.autograd.Function):
         return None, None, None
 
 
+def _recomputed(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` keeping only its inputs when it builds a graph, run again in backward
+    (``torch.utils.checkpoint``, non-reentrant: any arguments, the random-number state of the
+    first run restored so dropout draws the same masks)."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return run
+
+
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
@@ -148,30 +159,30 @@ def _assign(model: nn.Module, units: list[nn.Module]) -> tuple[list[Params], Par
     return per_unit, root
 
 
-class ShardedModel:
+class ShardedModel(Sharding):
     """The sharding of a model by ``zerocore.shard_model``: its units, their flat groups and
     the hooks that gather and free them. ``model.zerocore_sharding`` holds it; the model keeps
     working as before (``forward``, ``generate``) with 1/N of its parameters per rank.
 
     ``layers`` (the units in the order given, then the root) is what checkpoints index:
-    ``save_checkpoint``/``load_checkpoint`` take the model or this object.
+    ``save_checkpoint``/``load_checkpoint`` take the model or this object. What it shares with
+    ``zerocore.shard``'s model (reports, full states, release, the units kept gathered) is
+    ``Sharding``'s.
     """
+
+    front_door = "zerocore.shard_model"
 
     def __init__(self, model: nn.Module, units: list[nn.Module], *, group: dist.ProcessGroup,
                  device: torch.device, mixed_precision: MixedPrecision, prefetch: Prefetch,
-                 offload: Offload, frozen_weights: FrozenWeights, comm: Comm = Comm()):
+                 offload: Offload, frozen_weights: FrozenWeights, comm: Comm = Comm(),
+                 recompute: Recompute | None = None, host_threads: int | None = None):
+        super().__init__(group, device, mixed_precision=mixed_precision, prefetch=prefetch,
+                         offload=offload, recompute=recompute, frozen_weights=frozen_weights,
+                         comm=comm, host_threads=host_threads)
         self.model = model
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.device = device
-        self.mixed_precision = mixed_precision
-        self.prefetch = prefetch
-        self.offload = offload
-        self.frozen_weights = frozen_weights
-        self.comm = comm
-        ctx = build_context(group, device, mixed_precision, offload, frozen_weights, comm)
-        self.counter = ctx.counter
+        if recompute is not None:
+            # Positions are the units' (the root, needed at both ends, is never recomputed).
+            recompute.check_range(len(units))
         targets = _parametrized_each_forward(model)  # before the parameters are taken out
         per_unit, root_params = _assign(model, units)
         names = {id(m): n for n, m in model.named_modules()}
@@ -182,7 +193,7 @@ class ShardedModel:
             what = "the root unit" if module is model else f"unit {i} ({names[id(module)]})"
             agree_on_structure(i, fingerprint((n, p) for n, p, _ in params), group, device,
                                what=f"zerocore.shard_model: {what}")
-            layer = ShardedLayer(module, i, ctx, self.world_size, params=params)
+            layer = self.new_layer(module, i, params=params)
             self.units.append(Unit("" if module is model else names[id(module)], module, layer))
         self.root = self.units[-1]
         self.layers: list[ShardedLayer] = [u.layer for u in self.units]
@@ -203,8 +214,20 @@ class ShardedModel:
                                 (FROZEN_SHARD, unit.layer.frozen_shard)):
                 if shard is not None:
                     unit.module.register_parameter(attr, shard)
-        self.coordinator = BackwardCoordinator(self.layers, prefetch.backward,
-                                               on_finish=self._backward_ended)
+        self.root.layer.recompute = False
+        self.coordinator = self.seal(self.layers, on_finish=self._backward_ended)
+        # Recomputed units run their own forward under torch's non-reentrant activation
+        # checkpointing, inside the unit's hooks (as transformers' gradient checkpointing does):
+        # the recomputation runs in backward after the unit's backward hook gathered it again.
+        self._recomputed: list[nn.Module] = []
+        for unit in self.units[:-1]:
+            if unit.layer.recompute:
+                if "forward" in vars(unit.module):
+                    raise ValueError(f"zerocore.shard_model: unit {unit.name} has a forward "
+                                     f"of its own set on the instance; Recompute wraps the "
+                                     f"module's forward, so it cannot recompute this unit")
+                unit.module.forward = _recomputed(unit.module.forward)
+                self._recomputed.append(unit.module)
         # Forward prefetch: the order units ran in the previous forward (the order given
         # before the first), and the order of the one in progress.
         self._order_before: list[Unit] = self.units[:-1]
@@ -299,9 +322,11 @@ class ShardedModel:
             register_multi_grad_hook(outputs, lambda grad: self._backward_begins(call),
                                      mode="any")
             last = self._order_before[-1] if self._order_before else None
-            if self.prefetch.keep_last and unit is last:
-                # The first unit backward needs: kept gathered for it (then freed), or freed
-                # by the next forward if no backward comes.
+            if (unit.layer.index in self.kept_layers
+                    or (self.prefetch.keep_last and unit is last)):
+                # Kept gathered for its backward (then freed; resident frozen groups stay):
+                # the first unit backward needs, and those Prefetch.keep_gathered chose. If no
+                # backward comes, the next forward frees it.
                 self._kept.append(unit)
                 return
         self._free_unless_held(unit)
@@ -426,31 +451,6 @@ class ShardedModel:
 
     # -- for optimizers, checkpoints and exports ------------------------------------------
 
-    def trainable_shards(self) -> list[ShardParameter]:
-        """This rank's trainable shards, one per unit with trainable parameters."""
-        return [l.trainable_shard for l in self.layers if l.trainable_shard is not None]
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        """Every shard this rank holds (trainable, then frozen, unit by unit): what
-        ``model.parameters()`` yields too."""
-        for layer in self.layers:
-            for g in layer.groups:
-                yield g.shard
-
-    def release_gathered(self) -> None:
-        """Frees every gathered buffer (``load_checkpoint`` calls it)."""
-        for layer in self.layers:
-            layer.release()
-        self._kept = []
-
-    def iter_full_states(self, trainable_only: bool = False, *, to_rank: int | None = None
-                         ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-        """Collective: ``(unit index, {the model's parameter name: full CPU tensor})`` unit by
-        unit (the root last), trainable parameters in fp32 from the masters, frozen ones in the
-        param dtype (none with ``trainable_only``). With ``to_rank`` only that rank receives
-        them; the others yield empty dicts but must iterate as far."""
-        return iter_full_states_of(self.layers, self.world_size, trainable_only, to_rank)
-
     def full_state_dict(self, trainable_only: bool = False, *, to_rank: int | None = 0
                         ) -> dict[str, torch.Tensor]:
         """Collective: the model's parameters under its own names (``named_parameters`` of the
@@ -462,16 +462,41 @@ class ShardedModel:
             out.update(state)
         return out
 
-    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
-        """Bytes of model state this rank holds, beside the (2+2+K)·Ψ/N_d prediction."""
-        return memory_report_of(self.layers, self.rank, self.world_size, self.device,
-                                self.mixed_precision, self.frozen_weights, optimizer)
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """Every shard this rank holds (trainable, then frozen, unit by unit): what
+        ``model.parameters()`` yields too."""
+        return self.shards()
+
+    def expected_traffic(self) -> tuple[int, int]:
+        """(bytes all-gathered, bytes reduce-scattered) one step should move: the units as
+        ``zerocore.shard``'s layers (their input needs a gradient when the root trains, the
+        embedding being its first operation), the root gathered once (it stays gathered from its
+        first operation to its last backward) unless its frozen group is resident."""
+        root = self.layers[-1]
+        units = [[(g.layout.padded_numel, g.trainable, g.gather_bytes) for g in l.groups]
+                 for l in self.layers[:-1]]
+        root_groups = [(g.layout.padded_numel, g.trainable, g.gather_bytes) for g in root.groups]
+        root_index = len(self.layers) - 1
+        gather, reduce = expected_traffic(
+            units, reduce_bytes=self.mixed_precision.grad_reduce_dtype.itemsize,
+            keep_last=self.prefetch.keep_last, kept=self.kept_layers - {root_index},
+            input_requires_grad=root.trainable is not None)
+        for padded, trainable, nbytes in root_groups:
+            if trainable or root_index not in self.kept_layers:
+                gather += nbytes
+            if trainable:
+                reduce += padded * self.mixed_precision.grad_reduce_dtype.itemsize
+        return gather, reduce
 
     def remove(self) -> None:
-        """Removes the hooks (the model can no longer run: its parameters stay sharded)."""
+        """Removes the hooks and Recompute's wrapping (the model can no longer run: its
+        parameters stay sharded)."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        for module in self._recomputed:
+            del module.forward  # the class's own again
+        self._recomputed = []
 
 
 def sharding_of(model: nn.Module | ShardedModel) -> ShardedModel:
@@ -557,6 +582,7 @@ def shard_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module = (), *
                 mixed_precision: MixedPrecision = MixedPrecision(),
                 prefetch: Prefetch = Prefetch(), offload: Offload = Offload(),
                 frozen_weights: FrozenWeights = FrozenWeights(), comm: Comm = Comm(),
+                recompute: Recompute | None = None,
                 platform: Platform | None = None) -> ShardedModel:
     """Shards ``model`` in place across the ranks of a process group (ZeRO-3), unit by unit.
 
@@ -573,8 +599,10 @@ def shard_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module = (), *
         objects (a KV cache, say), with or without grad. Every parameter not owned by exactly
         one unit (embeddings, final norm, head, weights tied between units or with the root)
         forms the root unit, gathered for the model's whole forward (and backward).
-    group, device, mixed_precision, prefetch, offload, frozen_weights, comm, platform: as for
-        ``zerocore.shard`` (``Prefetch.keep_gathered`` is not supported here).
+    group, device, mixed_precision, prefetch, offload, frozen_weights, comm, recompute, platform:
+        as for ``zerocore.shard``; ``Recompute``'s positions are the units' (the root is never
+        recomputed). ``Prefetch.keep_gathered`` chooses from the root first (its frozen
+        group, e.g. the embedding, then stays gathered from step to step), then the last units.
     Returns the ``ShardedModel`` (also ``model.zerocore_sharding``): ``.group``,
     ``.full_state_dict()``, ``.memory_report()``; ``save_checkpoint``/``load_checkpoint`` take
     the model or it.
@@ -584,14 +612,12 @@ def shard_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module = (), *
         raise TypeError(f"zerocore.shard_model expects an nn.Module, got {type(model).__name__}")
     if isinstance(getattr(model, SHARDING_ATTR, None), ShardedModel):
         raise ValueError("zerocore.shard_model: this model is sharded already")
-    if prefetch.keep_gathered != 0:
-        raise ValueError("zerocore.shard_model: Prefetch.keep_gathered is not supported yet "
-                         "(only with zerocore.shard); leave it 0")
     _refuse_parametrized(model)
     unit_list = _unit_modules(model, units)
-    dev = prepare_device(device, group, offload, platform)
+    dev, host_threads = prepare_device(device, group, offload, platform)
     sharding = ShardedModel(model, unit_list, group=group, device=dev,
                             mixed_precision=mixed_precision, prefetch=prefetch, offload=offload,
-                            frozen_weights=frozen_weights, comm=comm)
+                            frozen_weights=frozen_weights, comm=comm, recompute=recompute,
+                            host_threads=host_threads)
     setattr(model, SHARDING_ATTR, sharding)
     return sharding

@@ -1,0 +1,292 @@
+"""The core both front doors share: a ``Sharding`` holds the process group, the policies, the
+sharded layers (``zerocore.shard``'s layers, ``zerocore.shard_model``'s units) and what they
+share (the group context: counter, transport, offload's streams), and decides once for both
+which layers stay gathered (``Prefetch.keep_gathered``, resident frozen groups), which are
+recomputed, and how backward is coordinated. Its reports (memory, communication), full-state
+iteration and release are written once. ``ShardedSequential`` (sharded_sequential.py) and
+``ShardedModel`` (sharded_model.py) are the two ways of running its layers: an autograd
+Function per layer, or hooks on the model's own modules. Checkpoints read a ``Sharding``,
+whichever front door made it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerocore.comm import collectives, transport
+from zerocore.comm.collectives import CommCounter, PeerMemory
+from zerocore.comm.device import Platform, agree_on_devices, resolve_device
+from zerocore.engine.flat_group import GroupContext
+from zerocore.engine.offload import OffloadStreams, cpu_threads
+from zerocore.engine.report import CommReport, MemoryReport, expected_traffic
+from zerocore.engine.sharded_layer import BackwardCoordinator, ShardedLayer
+from zerocore.engine.sharded_param import ShardParameter
+from zerocore.kernels.ops import BUILD
+from zerocore.policies import Comm, FrozenWeights, MixedPrecision, Offload, Prefetch, Recompute
+
+
+def fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """A 63-bit hash of parameters' names, shapes, dtypes and trainability."""
+    desc = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in named)
+    return int.from_bytes(hashlib.sha1(desc.encode()).digest()[:8], "little") >> 1
+
+
+def agree_on_structure(index: int, print_: int | None, group: dist.ProcessGroup,
+                       device: torch.device, what: str = "zerocore.shard") -> bool:
+    """Checks that every rank is at the same layer (or unit) with the same structure
+    (``fingerprint``, None when this rank has none left); False when every rank has run out.
+    Ranks given different stacks would otherwise issue mismatched collectives and hang; here
+    each fails at once with a clear message. One tiny all-gather per layer, so layers can be
+    materialised one at a time."""
+    world = dist.get_world_size(group)
+    mine = torch.tensor([0 if print_ is None else 1, 0 if print_ is None else print_],
+                        dtype=torch.int64, device=device)
+    every = torch.empty(world * 2, dtype=torch.int64, device=device)
+    collectives.all_gather_sync(every, mine, group)
+    present, prints = every.view(world, 2).unbind(1)
+    if present.min() != present.max():
+        raise ValueError(f"{what}: ranks were given different numbers of layers (ranks "
+                         f"{present.eq(0).nonzero().flatten().tolist()} have no layer {index}); "
+                         f"every rank must pass the same stack")
+    if prints.min() != prints.max():
+        raise ValueError(f"{what}: layer {index} differs between ranks (parameter names, "
+                         f"shapes, dtypes or requires_grad); every rank must pass the same stack "
+                         f"with the same trainable parameters")
+    return bool(present[0])
+
+
+def agree_on_policies(policies: dict[str, object], group: dist.ProcessGroup,
+                      device: torch.device, what: str) -> None:
+    """Checks that every rank was given the same policies (one tiny all-gather of a hash of
+    their values): a rank that chose another transport, budget or precision would otherwise
+    refuse, or issue other collectives, while the others wait for it until the timeout."""
+    world = dist.get_world_size(group)
+    text = ";".join(f"{name}={value!r}" for name, value in sorted(policies.items()))
+    mine = torch.tensor([int.from_bytes(hashlib.sha1(text.encode()).digest()[:8], "little") >> 1],
+                        dtype=torch.int64, device=device)
+    every = torch.empty(world, dtype=torch.int64, device=device)
+    collectives.all_gather_sync(every, mine, group)
+    if every.min() != every.max():
+        odd = [r for r in range(world) if every[r] != every[0]]
+        raise ValueError(f"{what}: ranks were given different policies (ranks {odd} differ from "
+                         f"rank 0 in {', '.join(sorted(policies))}); every rank must pass the "
+                         f"same ones")
+
+
+def build_context(group: dist.ProcessGroup, device: torch.device,
+                  mixed_precision: MixedPrecision, offload: Offload,
+                  frozen_weights: FrozenWeights, comm: Comm,
+                  host_threads: int | None = None) -> GroupContext:
+    """What every flat group of one sharded model shares (its counter, offload's streams, the
+    transport between ranks of one host)."""
+    streams = (OffloadStreams(device)
+               if offload.optimizer and device.type == "cuda" else None)
+    peers = PeerMemory(comm.timeout_s) if comm.peer_read == "auto" else None
+    return GroupContext(group, dist.get_rank(group), device, mixed_precision.param_dtype,
+                        mixed_precision.grad_reduce_dtype, offload.optimizer, CommCounter(),
+                        streams, int8_block=frozen_weights.int8_block, peers=peers, comm=comm,
+                        host_threads=host_threads)
+
+
+def memory_report_of(layers: list[ShardedLayer], rank: int, world_size: int,
+                     device: torch.device, mixed_precision: MixedPrecision,
+                     frozen_weights: FrozenWeights,
+                     optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
+    """``memory_report`` of any sharded model: its layers' (or units') groups measured."""
+    p_bytes = torch.tensor([], dtype=mixed_precision.param_dtype).element_size()
+    param = master = grad = opt = gather = 0
+    trainable_numel = frozen_numel = 0
+    for layer in layers:
+        for g in layer.groups:
+            gather += g.gathered_bytes
+            shard = g.shard
+            if g.trainable:
+                trainable_numel += g.layout.numel
+                if isinstance(shard, ShardParameter) and shard.model_copy is not None:
+                    param += shard.model_copy.numel() * shard.model_copy.element_size()
+                    master += shard.numel() * 4
+                else:
+                    param += shard.numel() * 4
+                param += g.mirror_bytes
+                if shard.grad is not None:
+                    grad += shard.grad.numel() * shard.grad.element_size()
+                if optimizer is not None:
+                    for key, t in optimizer.state.get(shard, {}).items():
+                        if isinstance(t, torch.Tensor) and t.dim() > 0:
+                            opt += t.numel() * t.element_size()
+            else:
+                frozen_numel += g.layout.numel
+                param += shard.numel() * shard.element_size()
+    n = world_size
+    k = 8 if p_bytes == 4 else 12  # Adam moments, plus an fp32 master when computing in 16 bit
+    predicted = ((p_bytes + p_bytes + k) * trainable_numel
+                 + frozen_weights.frozen_nbytes(frozen_numel, p_bytes)) // n
+    dev_alloc = dev_peak = None
+    if device.type == "cuda":
+        dev_alloc = torch.cuda.memory_allocated(device)
+        dev_peak = torch.cuda.max_memory_allocated(device)
+    return MemoryReport(rank, n, trainable_numel, frozen_numel, param, master, grad, opt,
+                        gather, predicted, dev_alloc, dev_peak)
+
+
+def process_group(group: dist.ProcessGroup | None, what: str) -> dist.ProcessGroup:
+    """The group to shard over (default: the world); RuntimeError before init_process_group."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{what} needs torch.distributed to be initialised: call "
+                           f"torch.distributed.init_process_group(...) first (for one process: "
+                           f"backend='gloo', world_size=1, rank=0)")
+    return group if group is not None else dist.group.WORLD
+
+
+def prepare_device(device: torch.device | str | None, group: dist.ProcessGroup,
+                   offload: Offload, platform: Platform | None
+                   ) -> tuple[torch.device, int | None]:
+    """Where this rank computes, checked by every rank together before anything is allocated
+    (see ``shard``'s ``device``), and the CPU threads its optimizer steps with when a GPU rank
+    offloads (its share of the host's cores; ``Offload.cpu_threads``), None otherwise. Nothing
+    of the process is changed here: the optimizer's host step uses that count for its own
+    duration (``zerocore.optim``)."""
+    dev = resolve_device(device, group)
+    if platform is None:
+        platform = Platform.detect(dev, kernels_cuda=BUILD.has_cuda)
+    placement = agree_on_devices(group, dev, platform)
+    threads = None
+    if offload.optimizer and dev.type == "cuda":
+        # This rank's optimizer steps on the CPU, as every other rank's on this host does.
+        threads = cpu_threads(offload.cpu_threads, usable_cores=platform.usable_cores,
+                              ranks_on_host=placement.ranks_on_host,
+                              current=torch.get_num_threads())
+    return dev, threads
+
+
+class Sharding:
+    """What a sharded model is, whichever front door made it (``zerocore.shard``'s
+    ``ShardedSequential``, ``zerocore.shard_model``'s ``ShardedModel``; both are one): its group,
+    policies and ``layers`` (``ShardedLayer``, in their index order), and everything that does
+    not depend on how the layers run. Checkpoints, exports and optimizers need only this."""
+
+    layers: list[ShardedLayer] | nn.ModuleList  # set by the front door as it builds them
+    front_door = "zerocore.shard"                # how messages name it
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, *,
+                 mixed_precision: MixedPrecision, prefetch: Prefetch, offload: Offload,
+                 recompute: Recompute | None, frozen_weights: FrozenWeights, comm: Comm,
+                 host_threads: int | None = None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.device = device
+        self.mixed_precision = mixed_precision
+        self.prefetch = prefetch
+        self.offload = offload
+        self.recompute = recompute
+        self.frozen_weights = frozen_weights
+        self.comm = comm
+        agree_on_policies(dict(mixed_precision=mixed_precision, prefetch=prefetch,
+                               offload=offload, recompute=recompute,
+                               frozen_weights=frozen_weights, comm=comm), group, device,
+                          self.front_door)
+        self.ctx = build_context(group, device, mixed_precision, offload, frozen_weights, comm,
+                                 host_threads)
+        self.counter = self.ctx.counter
+        # The layers Prefetch.keep_gathered keeps (set by ``seal``).
+        self.kept_layers: frozenset[int] = frozenset()
+        # What the last forward left gathered for its backward (the front door's own records).
+        self._kept: list = []
+
+    def new_layer(self, module: nn.Module, index: int, **where) -> ShardedLayer:
+        """Layer ``index``'s groups, sharded now (``where``: ``read`` or ``params``, as
+        ``ShardedLayer`` takes them), and whether it is recomputed."""
+        layer = ShardedLayer(module, index, self.ctx, self.world_size, **where)
+        layer.recompute = self.recompute is not None and self.recompute.selects(index)
+        return layer
+
+    def seal(self, layers: list[ShardedLayer],
+             on_finish: Callable[[], None] | None = None) -> BackwardCoordinator:
+        """After the last layer is built: the recomputed range checked, the layers
+        ``Prefetch.keep_gathered`` keeps (their frozen groups stay gathered once gathered,
+        their trainable groups from forward to backward; every rank chooses alike, the sizes
+        being the same everywhere), and the coordinator of their backward."""
+        if self.recompute is not None:
+            self.recompute.check_range(len(layers))
+        self.kept_layers = self.prefetch.layers_kept([l.gathered_size for l in layers])
+        for i in self.kept_layers:
+            if layers[i].frozen is not None:
+                layers[i].frozen.resident = True
+        return BackwardCoordinator(layers, self.prefetch.backward, on_finish=on_finish)
+
+    def param_name(self, index: int, name: str) -> str:
+        """Layer ``index``'s parameter ``name`` as the unsharded model names it."""
+        return name
+
+    # -- what the sharding holds -------------------------------------------------------------
+
+    def trainable_shards(self) -> list[ShardParameter]:
+        """This rank's trainable shards, one per layer with trainable parameters: what the
+        optimizer steps (the frozen shards have no gradient; optimizers skip them)."""
+        return [l.trainable_shard for l in self.layers if l.trainable_shard is not None]
+
+    def shards(self) -> Iterator[nn.Parameter]:
+        """Every shard this rank holds, trainable then frozen, layer by layer."""
+        for layer in self.layers:
+            for g in layer.groups:
+                yield g.shard
+
+    def release_gathered(self) -> None:
+        """Frees every gathered buffer, the resident frozen groups of ``Prefetch.keep_gathered``
+        included (they are gathered again when next used). Call it after writing shards
+        yourself; ``zerocore.load_checkpoint`` does."""
+        for layer in self.layers:
+            layer.release()
+        self._kept = []
+
+    def iter_full_states(self, trainable_only: bool = False, *, to_rank: int | None = None
+                         ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """Collective: ``(layer index, {parameter name: full CPU tensor})`` layer by layer, so
+        host memory holds one full layer at a time; trainable parameters in fp32 from the
+        master weights, frozen ones in the param dtype (none with ``trainable_only``).
+
+        to_rank: None, every rank receives every layer; r, only rank r of the group does (the
+        one that writes an export): the others yield empty dicts, but must iterate as far,
+        since each layer is a collective."""
+        if to_rank is not None and (type(to_rank) is not int
+                                    or not 0 <= to_rank < self.world_size):
+            raise ValueError(f"iter_full_states: to_rank must be a rank of the group "
+                             f"(0 .. {self.world_size - 1}) or None, got {to_rank!r}")
+        return ((layer.index, layer.full_state(trainable_only, to_rank=to_rank))
+                for layer in self.layers)
+
+    # -- accounting --------------------------------------------------------------------------
+
+    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
+        """Bytes of model state this rank holds, measured from the tensors, next to the
+        (2+2+K)·Ψ/N_d prediction. Pass the optimizer to count its state."""
+        return memory_report_of(list(self.layers), self.rank, self.world_size, self.device,
+                                self.mixed_precision, self.frozen_weights, optimizer)
+
+    def expected_traffic(self) -> tuple[int, int]:
+        """(bytes all-gathered, bytes reduce-scattered) one step should move."""
+        return expected_traffic(
+            [[(g.layout.padded_numel, g.trainable, g.gather_bytes) for g in layer.groups]
+             for layer in self.layers],
+            reduce_bytes=self.mixed_precision.grad_reduce_dtype.itemsize,
+            keep_last=self.prefetch.keep_last, kept=self.kept_layers)
+
+    def comm_report(self, reset: bool = False) -> CommReport:
+        """Bytes moved by each kind of collective since the last reset, and the per-step
+        expectation: every layer gathered in forward and again in backward, except layers no
+        autograd node covers (before the first trainable one, when the input needs no
+        gradient) and those kept gathered between the passes (``Prefetch.keep_last``,
+        ``keep_gathered``); trainable gradients reduced once; and how they travelled."""
+        gather, reduce = self.expected_traffic()
+        c = self.counter
+        report = CommReport(c.all_gather_bytes, c.reduce_scatter_bytes, c.all_reduce_bytes,
+                            gather, reduce, ways=transport.ways(self.layers))
+        if reset:
+            c.reset()
+        return report
