@@ -40,8 +40,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from zerocore.engine.flat_layout import FlatLayout
 from zerocore.engine.meta_layer import MetaLayer
 from zerocore.policies import FrozenWeights, MixedPrecision, Offload, Prefetch, Recompute
-from zerocore.engine.report import expected_traffic
-from zerocore.engine.sharded_layer import _collect_params
+from zerocore.engine.schedule import Schedule
+from zerocore.engine.sharded_layer import collect_params
 
 GiB = 2**30
 
@@ -245,7 +245,7 @@ class _Layer:
 def _plan_layer(module: nn.Module, index: int, world_size: int,
                 int8_block: int | None) -> _Layer:
     module = copy.deepcopy(module)  # the caller's layer keeps its parameters
-    params = _collect_params(module)
+    params = collect_params(module)
     groups = []
     for trainable in (True, False):
         chosen = [(n, p, o) for n, p, o in params if p.requires_grad == trainable]
@@ -303,8 +303,8 @@ class _Step:
     tensors the layers and the loss create (followed by ``_LiveBytes``)."""
 
     def __init__(self, layers: list[_Layer], state: ModelState, opt: _Options,
-                 fake: FakeTensorMode):
-        self.layers, self.opt, self.fake = layers, opt, fake
+                 schedule: Schedule, fake: FakeTensorMode):
+        self.layers, self.opt, self.schedule, self.fake = layers, opt, schedule, fake
         static = state.bytes_of()
         static[GRADIENTS] = 0   # shards appear in backward (and go with zero_grad)
         self.ledger = {c: static.get(c, 0) for c in CATEGORIES if c != ACTIVATIONS}
@@ -322,8 +322,6 @@ class _Step:
             self.ledger[GRAD_BUFFERS] += self.read_buffer
         self.gathered: set[tuple[int, bool]] = set()   # (layer index, trainable) gathered
         self.int8_held: set[tuple[int, bool]] = set()  # int8 parts still held (FrozenWeights)
-        self.kept = opt.prefetch.layers_kept([l.gathered_bytes(opt.param_bytes)
-                                              for l in layers])
         self.peak_total = -1
         self.peak: dict[str, int] = {}
         self.peak_phase = ""
@@ -383,7 +381,7 @@ class _Step:
             if key in self.int8_held:   # FlatGroup.free gives the int8 parts back first
                 self.int8_held.discard(key)
                 self.ledger[GATHERED] -= self._int8(g)
-            if layer.index in self.kept and not g.trainable:
+            if not g.trainable and self.schedule.resident(layer.index):
                 continue   # resident (Prefetch.keep_gathered): FlatGroup.free leaves it
             if key in self.gathered:
                 self.gathered.discard(key)
@@ -422,7 +420,7 @@ class _Step:
         self.gather(layers[0])
         x = example
         for i, layer in enumerate(layers):
-            if self.opt.prefetch.forward and i + 1 < len(layers):
+            if self.schedule.prefetch_forward and i + 1 < len(layers):
                 self.gather(layers[i + 1])
             needs_graph = layer.trainable is not None or x.requires_grad
             with self.region(f"{label}forward of layer {i}"), self.fake, self.tracker, \
@@ -447,8 +445,8 @@ class _Step:
                     with torch.no_grad():
                         self.install(layer, with_grad_leaves=False)
                         x = layer.module(x)
-            if not (needs_graph and (i in self.kept or (i + 1 == len(layers)
-                                                        and self.opt.prefetch.keep_last))):
+            last = i + 1 == len(layers)
+            if not (needs_graph and self.schedule.keeps_for_backward(i, last=last)):
                 self.free(layer)
         return [nodes, x]
 
@@ -473,7 +471,7 @@ class _Step:
             layer, x_in, leaves, output, previous, recomputed = node
             node[1:4] = [None, None, None]          # ctx.inner = None
             self.gather(layer)                      # (prefetched by the layer after it)
-            if opt.prefetch.backward and previous is not None:
+            if self.schedule.prefetch_backward and previous is not None:
                 self.gather(previous)
             with self.region(f"{label}backward of layer {layer.index}"), self.fake, \
                     self.tracker, self.tracker.saved_hooks():
@@ -596,16 +594,17 @@ def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, worl
              for i, l in enumerate(layers)]
     if not stack:
         raise ValueError("plan: got no layers")
-    if recompute is not None:
-        recompute.check_range(len(stack))
-        for layer in stack:
-            layer.recompute = recompute.selects(layer.index)
     opt = _Options(world_size=world_size, device=device,
                    param_bytes=mixed_precision.param_dtype.itemsize,
                    reduce_bytes=mixed_precision.grad_reduce_dtype.itemsize,
                    param_dtype=mixed_precision.param_dtype, prefetch=prefetch,
                    offload=offload.optimizer, micro_batches=micro_batches,
                    frozen_weights=frozen_weights)
+    # The engine's own schedule (what is kept, prefetched, recomputed), from the same sizes.
+    schedule = Schedule.of(prefetch, recompute,
+                           [l.gathered_bytes(opt.param_bytes) for l in stack])
+    for layer in stack:
+        layer.recompute = layer.index in schedule.recomputed
     state = _model_state(stack, opt)
     fake = FakeTensorMode()
     with fake:
@@ -615,13 +614,12 @@ def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, worl
                 owner = layer.module.get_submodule(owner_name) if owner_name else layer.module
                 setattr(owner, attr, torch.empty(buf.shape, dtype=buf.dtype))
         fake_example = torch.empty(example.shape, dtype=example.dtype)
-    step = _Step(stack, state, opt, fake)
+    step = _Step(stack, state, opt, schedule, fake)
     step.excluded.add(fake_example.untyped_storage()._cdata)
     step.run(fake_example, loss if loss is not None else (lambda y: y.sum()))
-    gather, reduce = expected_traffic(
+    gather, reduce = schedule.traffic(
         [[(g.layout.padded_numel, g.trainable, opt.gather_bytes(g)) for g in layer.groups]
-         for layer in stack],
-        reduce_bytes=opt.reduce_bytes, keep_last=prefetch.keep_last, kept=step.kept)
+         for layer in stack], reduce_bytes=opt.reduce_bytes)
     device_tensors = sum(v for k, v in step.peak.items()
                          if device == "cpu" or k not in state.on_host)
     headroom = (CUDA_FIXED_HEADROOM + int(CUDA_HEADROOM_FRACTION * device_tensors)

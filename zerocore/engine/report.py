@@ -5,7 +5,6 @@ per step."""
 from __future__ import annotations
 
 import dataclasses
-from typing import AbstractSet, Sequence
 
 MiB = 2**20
 
@@ -79,34 +78,3 @@ class CommReport:
         if self.ways:
             lines.append(f"  ({self.ways})")
         return "\n".join(lines)
-
-
-def expected_traffic(layers: Sequence[Sequence[tuple[int, bool, int]]], *, reduce_bytes: int,
-                     keep_last: bool, kept: AbstractSet[int] = frozenset(),
-                     input_requires_grad: bool = False) -> tuple[int, int]:
-    """(bytes all-gathered, bytes reduce-scattered) by one forward and backward of a sharded
-    stack whose input needs no gradient (or does: ``input_requires_grad``, then every layer is
-    in backward), counted as the unsharded buffers (``CommCounter``).
-
-    layers: each layer's flat groups as ``(padded_numel, trainable, bytes one gather moves)``
-    (``FlatGroup.gather_bytes``: the param dtype's, or int8 values and scales). A layer is
-    gathered for forward, and again for backward unless no autograd node covers it (it comes
-    before the first layer with a trainable group) or it is kept gathered between the passes (the
-    last layer with ``Prefetch.keep_last``; ``kept``, the layers ``Prefetch.keep_gathered`` chose).
-    The frozen groups of ``kept`` layers stay gathered from step to step: they count nothing
-    here (the step that first gathers them moves them once more). Trainable groups are
-    reduce-scattered once."""
-    first = 0 if input_requires_grad else next(
-        (i for i, groups in enumerate(layers) if any(g[1] for g in groups)), len(layers))
-    gather = reduce = 0
-    for i, groups in enumerate(layers):
-        in_backward = i >= first
-        held = in_backward and (i in kept or (i == len(layers) - 1 and keep_last))
-        times = 2 if in_backward and not held else 1
-        for padded, trainable, nbytes in groups:
-            if i in kept and not trainable:
-                continue
-            gather += nbytes * times
-            if trainable:
-                reduce += padded * reduce_bytes
-    return gather, reduce

@@ -33,7 +33,7 @@ from zerocore.engine.offload import GradToHost, accumulate_grad, start_grad_to_h
 from zerocore.engine.recompute import ForwardState
 
 
-def _collect_params(
+def collect_params(
         module: nn.Module) -> list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]:
     """(name, parameter, every (owner module, attribute) that holds it), in registration order;
     a parameter tied within the layer appears once with several owners."""
@@ -102,7 +102,7 @@ class ShardedLayer(nn.Module):
         ``module``'s (``shard_model``'s root unit: what no other unit owns)."""
         super().__init__()
         self.index = index
-        params = _collect_params(module) if params is None else params
+        params = collect_params(module) if params is None else params
         for name, p, _ in params:
             if not p.is_floating_point() or p.dtype == torch.float64:
                 raise ValueError(f"layer {index}: parameter {name} has dtype {p.dtype}; zerocore "

@@ -39,10 +39,9 @@ from torch.utils.checkpoint import checkpoint
 
 from zerocore.comm.device import Platform
 from zerocore.engine.flat_group import GroupState
-from zerocore.engine.report import expected_traffic
 from zerocore.engine.sharded_layer import ShardedLayer
-from zerocore.engine.sharding import (Sharding, agree_on_structure, fingerprint, prepare_device,
-                                      process_group)
+from zerocore.engine.sharding import (Sharding, agree_on_structure, fingerprint, groups_of,
+                                      prepare_device, process_group)
 from zerocore.policies import (Comm, FrozenWeights, MixedPrecision, Offload, Prefetch,
                                Recompute)
 
@@ -180,9 +179,6 @@ class ShardedModel(Sharding):
                          offload=offload, recompute=recompute, frozen_weights=frozen_weights,
                          comm=comm, host_threads=host_threads)
         self.model = model
-        if recompute is not None:
-            # Positions are the units' (the root, needed at both ends, is never recomputed).
-            recompute.check_range(len(units))
         targets = _parametrized_each_forward(model)  # before the parameters are taken out
         per_unit, root_params = _assign(model, units)
         names = {id(m): n for n, m in model.named_modules()}
@@ -214,8 +210,9 @@ class ShardedModel(Sharding):
                                 (FROZEN_SHARD, unit.layer.frozen_shard)):
                 if shard is not None:
                     unit.module.register_parameter(attr, shard)
-        self.root.layer.recompute = False
-        self.coordinator = self.seal(self.layers, on_finish=self._backward_ended)
+        # Recompute's positions are the units' (the root, needed at both ends, never is).
+        self.coordinator = self.seal(self.layers, on_finish=self._backward_ended,
+                                     recomputable=len(units))
         # Recomputed units run their own forward under torch's non-reentrant activation
         # checkpointing, inside the unit's hooks (as transformers' gradient checkpointing does):
         # the recomputation runs in backward after the unit's backward hook gathered it again.
@@ -303,7 +300,8 @@ class ShardedModel(Sharding):
         self._order_now.append(unit)
         self._ready(unit)
         before = self._order_before
-        if (self.prefetch.forward and position + 1 < len(before) and before[position] is unit
+        if (self.schedule.prefetch_forward and position + 1 < len(before)
+                and before[position] is unit
                 and before[position + 1] is not unit):
             self._start(before[position + 1])
         inputs = [t for t in _tensors((args, kwargs)) if t.requires_grad]
@@ -322,8 +320,7 @@ class ShardedModel(Sharding):
             register_multi_grad_hook(outputs, lambda grad: self._backward_begins(call),
                                      mode="any")
             last = self._order_before[-1] if self._order_before else None
-            if (unit.layer.index in self.kept_layers
-                    or (self.prefetch.keep_last and unit is last)):
+            if self.schedule.keeps_for_backward(unit.layer.index, last=unit is last):
                 # Kept gathered for its backward (then freed; resident frozen groups stay):
                 # the first unit backward needs, and those Prefetch.keep_gathered chose. If no
                 # backward comes, the next forward frees it.
@@ -469,24 +466,13 @@ class ShardedModel(Sharding):
 
     def expected_traffic(self) -> tuple[int, int]:
         """(bytes all-gathered, bytes reduce-scattered) one step should move: the units as
-        ``zerocore.shard``'s layers (their input needs a gradient when the root trains, the
-        embedding being its first operation), the root gathered once (it stays gathered from its
-        first operation to its last backward) unless its frozen group is resident."""
+        ``zerocore.shard``'s layers (every unit is in backward when the root trains, the
+        embedding being its first operation), the root once (``Schedule.traffic``)."""
         root = self.layers[-1]
-        units = [[(g.layout.padded_numel, g.trainable, g.gather_bytes) for g in l.groups]
-                 for l in self.layers[:-1]]
-        root_groups = [(g.layout.padded_numel, g.trainable, g.gather_bytes) for g in root.groups]
-        root_index = len(self.layers) - 1
-        gather, reduce = expected_traffic(
-            units, reduce_bytes=self.mixed_precision.grad_reduce_dtype.itemsize,
-            keep_last=self.prefetch.keep_last, kept=self.kept_layers - {root_index},
-            input_requires_grad=root.trainable is not None)
-        for padded, trainable, nbytes in root_groups:
-            if trainable or root_index not in self.kept_layers:
-                gather += nbytes
-            if trainable:
-                reduce += padded * self.mixed_precision.grad_reduce_dtype.itemsize
-        return gather, reduce
+        return self.schedule.traffic(
+            [groups_of(l) for l in self.layers[:-1]],
+            reduce_bytes=self.mixed_precision.grad_reduce_dtype.itemsize,
+            input_requires_grad=root.trainable is not None, root=groups_of(root))
 
     def remove(self) -> None:
         """Removes the hooks and Recompute's wrapping (the model can no longer run: its

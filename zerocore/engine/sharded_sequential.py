@@ -96,7 +96,7 @@ class ShardedSequential(nn.Module, Sharding):
         layers[0].start_gather()
         for i, layer in enumerate(layers):
             layer.wait_gather()
-            if self.prefetch.forward and i + 1 < len(layers):
+            if self.schedule.prefetch_forward and i + 1 < len(layers):
                 layers[i + 1].start_gather()
             needs_graph = torch.is_grad_enabled() and (
                 layer.trainable is not None or (isinstance(x, torch.Tensor) and x.requires_grad))
@@ -106,8 +106,7 @@ class ShardedSequential(nn.Module, Sharding):
                 previous = layer
             else:
                 x = layer.run_without_graph(x)
-            if needs_graph and (i in self.kept_layers
-                                or (i + 1 == len(layers) and self.prefetch.keep_last)):
+            if needs_graph and self.schedule.keeps_for_backward(i, last=i + 1 == len(layers)):
                 # Its backward finds it gathered (then frees it); if none runs, the next
                 # forward or the end of another backward frees it.
                 self._kept.append(layer)

@@ -23,7 +23,8 @@ from zerocore.comm.collectives import CommCounter, PeerMemory
 from zerocore.comm.device import Platform, agree_on_devices, resolve_device
 from zerocore.engine.flat_group import GroupContext
 from zerocore.engine.offload import OffloadStreams, cpu_threads
-from zerocore.engine.report import CommReport, MemoryReport, expected_traffic
+from zerocore.engine.report import CommReport, MemoryReport
+from zerocore.engine.schedule import Schedule
 from zerocore.engine.sharded_layer import BackwardCoordinator, ShardedLayer
 from zerocore.engine.sharded_param import ShardParameter
 from zerocore.kernels.ops import BUILD
@@ -194,31 +195,33 @@ class Sharding:
         self.ctx = build_context(group, device, mixed_precision, offload, frozen_weights, comm,
                                  host_threads)
         self.counter = self.ctx.counter
-        # The layers Prefetch.keep_gathered keeps (set by ``seal``).
-        self.kept_layers: frozenset[int] = frozenset()
+        self.schedule: Schedule | None = None  # decided by ``seal``, once the layers are built
         # What the last forward left gathered for its backward (the front door's own records).
         self._kept: list = []
 
     def new_layer(self, module: nn.Module, index: int, **where) -> ShardedLayer:
         """Layer ``index``'s groups, sharded now (``where``: ``read`` or ``params``, as
-        ``ShardedLayer`` takes them), and whether it is recomputed."""
-        layer = ShardedLayer(module, index, self.ctx, self.world_size, **where)
-        layer.recompute = self.recompute is not None and self.recompute.selects(index)
-        return layer
+        ``ShardedLayer`` takes them)."""
+        return ShardedLayer(module, index, self.ctx, self.world_size, **where)
 
-    def seal(self, layers: list[ShardedLayer],
-             on_finish: Callable[[], None] | None = None) -> BackwardCoordinator:
-        """After the last layer is built: the recomputed range checked, the layers
-        ``Prefetch.keep_gathered`` keeps (their frozen groups stay gathered once gathered,
-        their trainable groups from forward to backward; every rank chooses alike, the sizes
-        being the same everywhere), and the coordinator of their backward."""
-        if self.recompute is not None:
-            self.recompute.check_range(len(layers))
-        self.kept_layers = self.prefetch.layers_kept([l.gathered_size for l in layers])
-        for i in self.kept_layers:
-            if layers[i].frozen is not None:
-                layers[i].frozen.resident = True
-        return BackwardCoordinator(layers, self.prefetch.backward, on_finish=on_finish)
+    def seal(self, layers: list[ShardedLayer], on_finish: Callable[[], None] | None = None,
+             recomputable: int | None = None) -> BackwardCoordinator:
+        """After the last layer is built: the step's schedule (zerocore/engine/schedule.py:
+        the layers ``Prefetch.keep_gathered`` keeps, whose frozen groups become resident, and
+        those recomputed; every rank decides alike, the sizes being the same everywhere), and
+        the coordinator of their backward. ``recomputable``: as ``Schedule.of`` takes it."""
+        self.schedule = Schedule.of(self.prefetch, self.recompute,
+                                    [l.gathered_size for l in layers], recomputable)
+        for layer in layers:
+            layer.recompute = layer.index in self.schedule.recomputed
+            if layer.frozen is not None:
+                layer.frozen.resident = self.schedule.resident(layer.index)
+        return BackwardCoordinator(layers, self.schedule.prefetch_backward, on_finish=on_finish)
+
+    @property
+    def kept_layers(self) -> frozenset[int]:
+        """The layers ``Prefetch.keep_gathered`` keeps (the schedule's)."""
+        return self.schedule.kept
 
     def param_name(self, index: int, name: str) -> str:
         """Layer ``index``'s parameter ``name`` as the unsharded model names it."""
@@ -271,11 +274,9 @@ class Sharding:
 
     def expected_traffic(self) -> tuple[int, int]:
         """(bytes all-gathered, bytes reduce-scattered) one step should move."""
-        return expected_traffic(
-            [[(g.layout.padded_numel, g.trainable, g.gather_bytes) for g in layer.groups]
-             for layer in self.layers],
-            reduce_bytes=self.mixed_precision.grad_reduce_dtype.itemsize,
-            keep_last=self.prefetch.keep_last, kept=self.kept_layers)
+        return self.schedule.traffic(
+            [groups_of(layer) for layer in self.layers],
+            reduce_bytes=self.mixed_precision.grad_reduce_dtype.itemsize)
 
     def comm_report(self, reset: bool = False) -> CommReport:
         """Bytes moved by each kind of collective since the last reset, and the per-step
@@ -290,3 +291,8 @@ class Sharding:
         if reset:
             c.reset()
         return report
+
+
+def groups_of(layer: ShardedLayer) -> list[tuple[int, bool, int]]:
+    """A layer's groups as ``Schedule.traffic`` counts them."""
+    return [(g.layout.padded_numel, g.trainable, g.gather_bytes) for g in layer.groups]
