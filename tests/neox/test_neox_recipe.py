@@ -1,4 +1,4 @@
-"""neox.recipe: the typed, versioned run recipe that checkpoints store, and the old form
+"""neox.run.recipe: the typed, versioned run recipe that checkpoints store, and the old form
 (``vars(args)``) that checkpoints stored before it, still exported bit for bit."""
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ import torch
 from safetensors.torch import load_file
 
 from neox import export
-from neox.finetune import build_parser, explicit_flags, recipe_from_flags
+from neox.commands.finetune import build_parser
+from neox.commands.flags import explicit_flags
 from neox.finetune_modes import FinetuneMode
-from neox.recipe import (RECIPE_VERSION, DataConfig, LoopConfig, ModelRecipe, OptimConfig,
-                         OutputConfig, Recipe, RecipeError, recipe_from_checkpoint)
+from neox.run.recipe import (RECIPE_VERSION, DataConfig, LoopConfig, ModelRecipe, OptimConfig,
+                             OutputConfig, Recipe, RecipeError, recipe_from_checkpoint,
+                             recipe_from_flags)
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "recipe_v0_lora"
 
@@ -69,14 +71,14 @@ def test_flags_become_the_recipe():
     argv = ["--finetune", "lora", "--lora-targets", "query_key_value, dense_4h_to_h",
             "--lr", "0.01", "--betas", "0.8", "0.9", "--seed", "7", "--batch-size", "3"]
     args = build_parser().parse_args(argv)
-    recipe = recipe_from_flags(args, filter_layers=(1,))
+    recipe = recipe_from_flags(vars(args), {"filter_layers": (1,)})
     assert recipe.model.finetune == FinetuneMode("lora", lora_targets=("query_key_value",
                                                                        "dense_4h_to_h"), seed=7)
     assert recipe.model.filter_layers == (1,) and recipe.loop.seed == 7
     assert recipe.optim.lr == 0.01 and recipe.optim.betas == (0.8, 0.9)
     assert recipe.loop.batch_size == 3
-    assert explicit_flags(argv) == {"finetune", "lora_targets", "lr", "betas", "seed",
-                                    "batch_size"}
+    assert explicit_flags(build_parser(), argv) == {"finetune", "lora_targets", "lr", "betas",
+                                                    "seed", "batch_size"}
 
 
 def test_the_recipe_is_what_the_checkpoint_stores_not_the_flags():
