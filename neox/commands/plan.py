@@ -6,11 +6,11 @@ meanings: each is declared once, on its field of neox.run.recipe) plus the machi
 node, --nodes, --gpu-memory) and prints, per rank: the shards of parameters, gradients, fp32
 masters and Adam state (trainable and frozen apart), the layers gathered at the peak, the
 activations with and without recomputation (of the attention kernel that runs: fused, no T x T
-weights), the CUDA allocator's headroom, the total against the GPU's memory, and the bytes all-
-gathered and reduce-scattered per optimizer step. A --checkpoint is opened for its configuration
-and tensor shapes only; no weights are read. The numbers come from ``zerocore.plan``, which runs
-the step's schedule on fake tensors; on the CPU it agrees with measured runs
-(tests/engine/test_plan.py).
+weights), the CUDA allocator's headroom, the total against the GPU's memory, and the bytes
+all-gathered and reduce-scattered per optimizer step. A --checkpoint is opened for its
+configuration and tensor shapes only; no weights are read. The numbers come from
+``zerocore.plan``, which runs the step's schedule on fake tensors; on the CPU it agrees with
+measured runs (tests/engine/test_plan.py).
 """
 
 from __future__ import annotations

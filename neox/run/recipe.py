@@ -9,10 +9,11 @@ each function only the part it needs (``ModelRecipe``, ``DataConfig``, ``OptimCo
 ``RECIPE_VERSION``), and ``neox.export`` reads it back with ``Recipe.from_dict``. Renaming a
 command-line flag therefore changes nothing stored.
 
-Versions: 1, the first; 2 stores frozen weights in the engine's words (``null`` or ``"int8"``,
-as ``zerocore.FrozenWeights``; version 1 wrote ``"compute"`` for ``null``) and holds every
-field. A field's ``since`` says from which version recipes always hold it; older ones may lack
-it and take its default, and its ``upgrade`` turns their values into this version's.
+Versions (``RECIPE_VERSION`` is the newest field's ``since``): 1, the first; 2 stores frozen
+weights in the engine's words (``null`` or ``"int8"``, as ``zerocore.FrozenWeights``; version 1
+wrote ``"compute"`` for ``null``) and holds every field. A field's ``since`` says from which
+version recipes always hold it; older ones may lack it and take its default, and its
+``upgrade`` turns their values into this version's.
 Checkpoints written before the recipe existed stored the command line's ``vars(args)`` under
 ``extra["args"]``; ``recipe_from_checkpoint`` reads that old form, in this one place.
 
@@ -38,9 +39,6 @@ from neox.setting import (Flag, UsageError, absolute_path, byte_budget, finite_f
 __all__ = ["RECIPE_VERSION", "Recipe", "ModelRecipe", "DataConfig", "OptimConfig", "LoopConfig",
            "OutputConfig", "RecipeError", "recipe_from_checkpoint", "recipe_fields",
            "recipe_from_flags", "FROM_SCRATCH"]
-
-RECIPE_VERSION = 2
-
 
 class RecipeError(ValueError):
     """A stored recipe that cannot be read (unknown version, missing or mistyped field)."""
@@ -418,6 +416,12 @@ def recipe_fields() -> Iterator[tuple[tuple[str, ...], dataclasses.Field]]:
                 yield path + (field.name,), field
     for name, kind in _PARTS.items():
         yield from walk(kind, (name,))
+
+
+# The version a recipe is written with: the newest of its fields' ``since``, so that declaring a
+# field with ``since=N + 1`` is what makes this neox write version N + 1 (and an older neox refuse
+# it as newer, instead of misreading it).
+RECIPE_VERSION = max(setting_of(field).since for _, field in recipe_fields())
 
 
 def flag_value(field: dataclasses.Field, value: Any) -> Any:
