@@ -94,11 +94,9 @@ def export_hf(state: TrainState, recipe: Recipe, data: RunData, checkpoint: Path
 
 
 # A short sample shows what the model learnt: continuing the first tokens of the validation
-# text (held out, so not a memorised continuation), at a temperature that reads as text.
-SAMPLE_PROMPT_TOKENS = 8
-
-
-SAMPLE_TEMPERATURE, SAMPLE_TOP_K = 0.8, 40
+# text (held out, so not a memorised continuation), at a temperature that reads as text
+# (--sample-temperature).
+SAMPLE_PROMPT_TOKENS, SAMPLE_TOP_K = 8, 40
 
 
 def sample_text(state: TrainState, recipe: Recipe, data: RunData, *, rank: int) -> str:
@@ -108,10 +106,11 @@ def sample_text(state: TrainState, recipe: Recipe, data: RunData, *, rank: int) 
     generator = torch.Generator().manual_seed(recipe.loop.seed)
     ids = sample_sharded(state.model, prompt.to(state.model.device),
                          new_tokens=recipe.output.sample_tokens,
-                         temperature=SAMPLE_TEMPERATURE, top_k=SAMPLE_TOP_K,
+                         temperature=recipe.output.sample_temperature, top_k=SAMPLE_TOP_K,
                          generator=generator, rank=rank, group=state.model.group)[0].tolist()
     start = data.tokenizer.decode(ids[:SAMPLE_PROMPT_TOKENS])
     text = data.tokenizer.decode(ids).lstrip(" ")
     body = "\n".join("  " + line for line in text.splitlines())
-    return (f"sample ({recipe.output.sample_tokens} tokens, temperature {SAMPLE_TEMPERATURE}, "
+    return (f"sample ({recipe.output.sample_tokens} tokens, temperature "
+            f"{recipe.output.sample_temperature}, "
             f"top-k {SAMPLE_TOP_K}) continuing {start!r} from the validation text:\n{body}")

@@ -312,6 +312,13 @@ class OutputConfig:
         48, check=_at_least(0), problem=_AT_LEAST_0,
         flag=Flag(OUTPUT, "print a sample of this many tokens at the end, continuing the start "
                           "of the validation text (0: none)", parse=int, resumable=True))
+    # The end-of-run sample's temperature; 0: greedy, the same text for the same weights.
+    sample_temperature: float = setting(
+        0.8, check=lambda x: is_finite(x) and x >= 0, since=3,
+        problem="{name} must be a finite number >= 0 (0: greedy), got {value!r}",
+        flag=Flag(OUTPUT, "temperature of that sample (0: greedy, so that two runs' samples "
+                          "differ only where their weights do)", parse=finite_float,
+                  resumable=True))
     measure_memory: bool = setting(
         False, check=_bool, problem="{name} must be a bool",
         flag=Flag(OUTPUT, "measure each rank's peak memory over the training steps after the "

@@ -140,6 +140,23 @@ def test_a_checkpoint_from_before_the_recipe_still_exports_bit_for_bit(tmp_path,
     assert _digests(tmp_path / "out") == want
 
 
+def test_a_flag_declared_once_reaches_the_recipe_and_its_checks():
+    # --sample-temperature is one declaration (OutputConfig.sample_temperature) and its use.
+    args = build_parser().parse_args(["--finetune", "full", "--sample-temperature", "0"])
+    assert recipe_from_flags(vars(args)).output.sample_temperature == 0.0
+    assert Recipe().output.sample_temperature == 0.8 and RECIPE_VERSION == 3
+    bad = build_parser().parse_args(["--finetune", "full", "--sample-temperature", "-1"])
+    with pytest.raises(ValueError, match=r"^--sample-temperature must be a finite number >= 0"):
+        recipe_from_flags(vars(bad))
+    # Recipes of version 2 (before it) load with the temperature runs had then.
+    d = Recipe().to_dict()
+    del d["output"]["sample_temperature"]
+    with pytest.raises(RecipeError, match=r"missing fields \['sample_temperature'\]"):
+        Recipe.from_dict(d)
+    d["version"] = 2
+    assert Recipe.from_dict(d).output.sample_temperature == 0.8
+
+
 def test_recipe_parts_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         _recipe().optim.lr = 1.0  # type: ignore[misc]
