@@ -325,12 +325,13 @@ time.sleep(600)
 @pytest.mark.parametrize("when", ["at-once", "importing"])
 def test_a_rank_is_tied_to_its_launcher_before_its_imports(tmp_path, when):
     from neox.run.launch import _BOOTSTRAP
-    stub = tmp_path / "stub" / "neox"
+    stub = tmp_path / "stub" / "neox" / "run"
     stub.mkdir(parents=True)
+    (stub.parent / "__init__.py").write_text("")
     (stub / "__init__.py").write_text("")
     (stub / "launch.py").write_text(_SLOW_IMPORT)
     flag = tmp_path / "importing"
-    path = json.dumps([str(stub.parent)] + [p for p in sys.path if p and Path(p) != REPO])
+    path = json.dumps([str(stub.parent.parent)] + [p for p in sys.path if p and Path(p) != REPO])
     mark = uuid.uuid4().hex
     env = dict(cli_env(), NEOX_TEST_FLAG=str(flag), **{RUN_MARK: mark})
     fake = subprocess.Popen([sys.executable, "-c", _FAKE_LAUNCHER, _BOOTSTRAP, RANK_MARKER, path,
