@@ -56,10 +56,10 @@ def _fsdp2_model(layers: list[nn.Module]) -> nn.Module:
 
 def rank_main(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     import zerocore
-    from neox.cli import preset_config
+    from neox.config import preset_config
     from neox.finetune_modes import FinetuneMode, prepare_layer
     from neox.model import layer_specs
-    from neox.step import micro_batch_loss
+    from neox.run.step import micro_batch_loss
     from neox.weights import RandomInit, materialize
     config = preset_config(args.model, tokenizer_rows=args.vocab)
     specs = layer_specs(config)

@@ -21,9 +21,10 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from neox.cli import DTYPES, preset_config  # noqa: E402
+from neox.config import preset_config  # noqa: E402
+from neox.dtypes import DTYPES  # noqa: E402
 from neox.finetune_modes import FinetuneMode  # noqa: E402
-from neox.plan import PlanRequest, plan_run  # noqa: E402
+from neox.run.planning import PlanRequest, plan_run  # noqa: E402
 from zerocore.plan import ACTIVATIONS, GATHERED  # noqa: E402
 
 GiB = 2**30

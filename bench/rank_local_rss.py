@@ -8,7 +8,7 @@ Three ways to build it:
 - ``whole layer``: today's engine given the materialised layer (``neox.weights.materialize``):
   it packs only this rank's part, so a memory-mapped layer is read only there, but a merged
   slim layer is built whole first;
-- ``range reads``: ``neox.weights.meta_layer`` + ``zerocore.MetaLayer``, what ``neox.training``
+- ``range reads``: ``neox.weights.meta_layer`` + ``zerocore.MetaLayer``, what ``neox.run.build``
   now does where the format allows: each rank reads only its shard's elements.
 
     python bench/rank_local_rss.py --before-repo /tmp/zc-before   # the table of RESULTS.md

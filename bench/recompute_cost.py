@@ -32,9 +32,9 @@ def rank_main(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     from neox.config import NeoXConfig
     from neox.finetune_modes import FinetuneMode, prepare_layer
     from neox.model import layer_specs
-    from neox.plan import PlanRequest, plan_run
-    from neox.recipe import LoopConfig
-    from neox.step import micro_batch_loss, recompute_policy
+    from neox.run.planning import PlanRequest, plan_run
+    from neox.run.recipe import LoopConfig
+    from neox.run.step import micro_batch_loss, recompute_policy
     from neox.weights import RandomInit, materialize
     config = NeoXConfig(vocab_size=8192, hidden_size=512, num_hidden_layers=8,
                         num_attention_heads=8, intermediate_size=2048)

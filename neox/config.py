@@ -12,8 +12,10 @@ import dataclasses
 import math
 from typing import Any, Iterable, Mapping
 
+from neox.setting import UsageError
+
 __all__ = ["NeoXConfig", "PRESETS", "SUPPORTED_ACTIVATIONS", "normalize_filter_layers",
-           "filtered_config"]
+           "filtered_config", "preset_config", "VOCAB_MULTIPLE"]
 
 # The activations neox.model implements, under transformers' ACT2FN names. Kept here (not
 # imported from model.py) so the config can be validated without building a model; model.py
@@ -291,3 +293,19 @@ PRESETS: dict[str, NeoXConfig] = {
                                num_attention_heads=64, intermediate_size=24576,
                                hidden_act="gelu_fast"),
 }
+
+
+# The tiny preset's vocabulary is the tokenizer's, rounded up as GPT-NeoX pads its embedding.
+VOCAB_MULTIPLE = 128
+
+
+def preset_config(name: str, *, tokenizer_rows: int | None = None) -> NeoXConfig:
+    """A preset's configuration. The tiny preset takes the tokenizer's vocabulary (rounded up
+    to ``VOCAB_MULTIPLE``): it is meant for whatever tokenizer the run trains."""
+    if name not in PRESETS:
+        raise UsageError(f"unknown --model {name!r}; presets: {', '.join(sorted(PRESETS))}")
+    config = PRESETS[name]
+    if name == "tiny" and tokenizer_rows is not None:
+        config = dataclasses.replace(
+            config, vocab_size=-(-tokenizer_rows // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
+    return config

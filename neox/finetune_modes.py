@@ -10,44 +10,67 @@
 from __future__ import annotations
 
 import dataclasses
-import math
-
 import torch
 from torch import nn
 
 from neox.lora import add_lora
+from neox.setting import Flag, comma_list, finite_float, first_problem, is_finite, is_int, setting
 
 MODES = ("biases", "lora", "full")
+# --finetune auto: biases when there are pretrained weights; without them there is nothing to
+# fine-tune, so the whole preset trains from scratch (neox.finetune also changes its
+# optimisation defaults then).
+FINETUNE_DEFAULT_MODE = "biases"
 BIAS_NAMES = ("attention.query_key_value.bias", "attention.dense.bias", "mlp.dense_h_to_4h.bias")
+
+
+# The --help section of the mode's flags.
+GROUP = "fine-tuning mode"
 
 
 @dataclasses.dataclass(frozen=True)
 class FinetuneMode:
-    mode: str = "biases"
-    lora_rank: int = 8
-    lora_alpha: float = 16.0
-    lora_targets: tuple[str, ...] = ("query_key_value", "attention.dense")
-    seed: int = 0  # for the LoRA initialisation, identical on every rank
+    mode: str = setting(
+        "biases", check=lambda m: m in MODES,
+        problem="unknown fine-tuning mode {value!r}; choose one of " + str(MODES),
+        flag=Flag(GROUP, "what to train; auto: biases with --checkpoint, and without one "
+                         "(nothing pretrained to fine-tune) full training of the preset from "
+                         "scratch", name="--finetune", choices=("auto",) + MODES,
+                  default="auto", has_default=True))
+    lora_rank: int = setting(
+        8, check=lambda r: is_int(r) and r >= 1,
+        problem="LoRA rank must be an integer >= 1, got {value!r}",
+        flag=Flag(GROUP, "rank r of each LoRA adapter (--finetune lora)", parse=int))
+    lora_alpha: float = setting(
+        16.0, check=lambda a: is_finite(a) and a > 0,
+        problem="LoRA alpha must be a finite number > 0, got {value!r}",
+        flag=Flag(GROUP, "LoRA scaling numerator: adapters add (alpha / r) * B A",
+                  parse=finite_float))
+    lora_targets: tuple[str, ...] = setting(
+        ("query_key_value", "attention.dense"),
+        check=lambda t: isinstance(t, tuple) and bool(t) and all(
+            isinstance(x, str) and x for x in t),
+        problem="LoRA targets must be projection names, got {value!r}",
+        flag=Flag(GROUP, "comma-separated projections that get adapters", parse=comma_list,
+                  text=",".join))
+    # For the LoRA initialisation, identical on every rank.
+    seed: int = setting(0, check=is_int, problem="the LoRA seed must be an integer, got "
+                        "{value!r}", follows="seed")
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"unknown fine-tuning mode {self.mode!r}; choose one of {MODES}")
-        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) \
-                or self.lora_rank < 1:
-            raise ValueError(f"LoRA rank must be an integer >= 1, got {self.lora_rank!r}")
-        if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, (int, float)) \
-                or not math.isfinite(self.lora_alpha) or self.lora_alpha <= 0:
-            raise ValueError(f"LoRA alpha must be a finite number > 0, got {self.lora_alpha!r}")
-        if not isinstance(self.lora_targets, tuple) or not self.lora_targets or not all(
-                isinstance(t, str) and t for t in self.lora_targets):
-            raise ValueError(f"LoRA targets must be projection names, got {self.lora_targets!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"the LoRA seed must be an integer, got {self.seed!r}")
+        message = first_problem(self)
+        if message is not None:
+            raise ValueError(message)
 
     @property
     def lora_scaling(self) -> float:
         """What each adapter's B A is multiplied by: alpha / r."""
         return self.lora_alpha / self.lora_rank
+
+
+def auto_mode(has_weights: bool) -> str:
+    """What ``--finetune auto`` trains: biases of pretrained weights, everything otherwise."""
+    return FINETUNE_DEFAULT_MODE if has_weights else "full"
 
 
 def is_block(layer: nn.Module) -> bool:

@@ -20,10 +20,10 @@ import zerocore
 from neox.config import NeoXConfig
 from neox.finetune_modes import FinetuneMode, prepare_layer
 from neox.model import layer_specs
-from neox.plan import PlanRequest, plan_run
+from neox.run.planning import PlanRequest, plan_run
 from neox.plan import main as plan_main
-from neox.recipe import LoopConfig
-from neox.step import micro_batch_loss, recompute_policy
+from neox.run.recipe import LoopConfig
+from neox.run.step import micro_batch_loss, recompute_policy
 from neox.weights import RandomInit, materialize
 from tests.support.neox_testing import call_main
 
@@ -70,7 +70,7 @@ CASES = {
 
 
 def measure(rank: int, world_size: int, case: Case) -> dict:
-    """A neox training step as neox.training runs it; the peak bytes of two steps (everything
+    """A neox training step as neox.run.training runs it; the peak bytes of two steps (everything
     allocated since before the model was built)."""
     with zerocore.PeakMemory("cpu") as peak:
         result = _measure(case, rank, peak)

@@ -32,8 +32,8 @@ from pathlib import Path
 import pytest
 
 from neox.finetune import main as finetune_main
-from neox.launch import RANK_MARKER
-from neox.run_dir import CHECKPOINTS, METRICS, RUN_FILE
+from neox.run.launch import RANK_MARKER
+from neox.run.run_dir import CHECKPOINTS, METRICS, RUN_FILE
 from tests.support.neox_testing import (EXCERPT, REPO, assert_clean_error, call_main, cli_env,
                                         run_module, start_module)
 
@@ -312,7 +312,7 @@ while when == "importing" and not os.path.exists(flag):
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
-# What the rank imports first after tying itself to the launcher (``neox.launch``, which
+# What the rank imports first after tying itself to the launcher (``neox.run.launch``, which
 # imports torch), replaced for this test by a module that says so and then takes forever.
 _SLOW_IMPORT = """\
 import os, sys, time
@@ -324,13 +324,14 @@ time.sleep(600)
 @pytest.mark.e2e
 @pytest.mark.parametrize("when", ["at-once", "importing"])
 def test_a_rank_is_tied_to_its_launcher_before_its_imports(tmp_path, when):
-    from neox.launch import _BOOTSTRAP
-    stub = tmp_path / "stub" / "neox"
+    from neox.run.launch import _BOOTSTRAP
+    stub = tmp_path / "stub" / "neox" / "run"
     stub.mkdir(parents=True)
+    (stub.parent / "__init__.py").write_text("")
     (stub / "__init__.py").write_text("")
     (stub / "launch.py").write_text(_SLOW_IMPORT)
     flag = tmp_path / "importing"
-    path = json.dumps([str(stub.parent)] + [p for p in sys.path if p and Path(p) != REPO])
+    path = json.dumps([str(stub.parent.parent)] + [p for p in sys.path if p and Path(p) != REPO])
     mark = uuid.uuid4().hex
     env = dict(cli_env(), NEOX_TEST_FLAG=str(flag), **{RUN_MARK: mark})
     fake = subprocess.Popen([sys.executable, "-c", _FAKE_LAUNCHER, _BOOTSTRAP, RANK_MARKER, path,
@@ -407,7 +408,7 @@ def test_a_stopped_rank_ends_the_run_named_and_killed(cache, tmp_path, nproc):
     (["--timeout", "0"], "--timeout 0: must be more than 0"),
     (["--timeout", "-5"], "--timeout -5: must be more than 0"),
     (["--port", "70000"], "--port 70000"),
-    (["--keep-last", "0"], "argument --keep-last: must be >= 1"),
+    (["--keep-last", "0"], "--keep-last must be >= 1, got 0"),
     (["--lora-alpha", "0"], "--lora-alpha: LoRA alpha must be"),
     (["--filter-layers", "0-1000000000"], "block 0-1000000000 is out of range"),
     (["--filter-layers", "5-2"], "'5-2' is a reversed range"),

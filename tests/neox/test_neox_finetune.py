@@ -45,7 +45,7 @@ from tests.support.neox_testing import (CLI_TIMEOUT_S, EXCERPT, assert_clean_err
 from neox import data as nd
 from neox.weights import RandomInit, iter_layer_states, iter_layers
 from neox.config import PRESETS, NeoXConfig
-from neox.finetune import build_parser
+from neox.commands.finetune import build_parser
 from neox.finetune import main as finetune_main
 from neox.finetune_modes import BIAS_NAMES, FinetuneMode, prepare_layer
 from zerocore.consolidate import iter_full_layers

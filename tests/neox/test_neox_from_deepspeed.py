@@ -25,12 +25,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from neox import from_deepspeed as nds
+from neox.run import from_deepspeed as nds
 from neox.config import NeoXConfig
 from neox.finetune import main as finetune_main
 from neox.finetune_modes import FinetuneMode
 from neox.model import layer_specs
-from neox.run_dir import CHECKPOINTS, METRICS, TRAINABLE
+from neox.run.run_dir import CHECKPOINTS, METRICS, TRAINABLE
 from tests.support.neox_testing import EXCERPT, assert_clean_error, call_main, run_module
 from zerocore.checkpoint import open_checkpoint
 

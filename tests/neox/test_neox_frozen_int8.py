@@ -12,7 +12,7 @@ import pytest
 from safetensors.torch import load_file
 
 from neox.plan import main as plan_main
-from neox.run_dir import HF_EXPORT, METRICS
+from neox.run.run_dir import HF_EXPORT, METRICS
 from tests.support.neox_testing import BPE512, EXCERPT, call_main, run_module
 
 RUN = ("--cpu", "--data", EXCERPT, "--tokenizer", BPE512, "--seq-len", 32, "--batch-size", 4,

@@ -8,7 +8,7 @@ import torch
 
 import neox
 from neox import evaluate
-from neox.generate import generate
+from neox.run.sampling import generate
 from neox.generate import main as generate_main
 from neox.model import NeoXModel
 from tests.support.neox_testing import BPE512, call_main

@@ -31,7 +31,7 @@ import torch
 
 from neox import export
 from neox.finetune import main as finetune_main
-from neox.run_dir import CHECKPOINTS, METRICS
+from neox.run.run_dir import CHECKPOINTS, METRICS
 from tests.support.neox_testing import (EXCERPT, REPO, assert_clean_error, call_main, cli_env,
                                         run_module)
 from zerocore import consolidate

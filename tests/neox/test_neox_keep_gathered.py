@@ -5,16 +5,15 @@ the budget; recipes written before the field existed still load."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
 
 import pytest
 
-from neox.cli import byte_budget
-from neox.recipe import Recipe
-from neox.run_dir import METRICS
+from neox.setting import BadValue, byte_budget
+from neox.run.recipe import Recipe
+from neox.run.run_dir import METRICS
 from neox.finetune import main as finetune_main
 from tests.support.neox_testing import BPE512, EXCERPT, call_main, run_module
 
@@ -61,7 +60,7 @@ def test_sizes_are_parsed_with_their_units(text, value):
 
 @pytest.mark.parametrize("text", ["-1", "lots", "2XB", "nan", "inf", ""])
 def test_bad_sizes_are_refused(text):
-    with pytest.raises(argparse.ArgumentTypeError, match="must be 'all' or a size"):
+    with pytest.raises(BadValue, match="must be 'all' or a size"):
         byte_budget(text)
 
 
@@ -76,6 +75,10 @@ def test_recipes_without_the_field_load_with_no_budget():
     d = Recipe().to_dict()
     assert d["loop"]["keep_gathered"] == 0
     del d["loop"]["keep_gathered"]
+    # Version 2 recipes always hold it; version 1 ones written before it existed do not.
+    with pytest.raises(ValueError, match=r"recipe.loop: missing fields \['keep_gathered'\]"):
+        Recipe.from_dict(d)
+    d["version"] = 1
     assert Recipe.from_dict(d).loop.keep_gathered == 0
     d["loop"]["keep_gathered"] = "all"
     assert Recipe.from_dict(d).loop.keep_gathered == "all"

@@ -1,7 +1,7 @@
 """Reading only this rank's share of pretrained weights: the readers' ``shapes`` and
 ``read_range`` (Hugging Face safetensors and memory-mapped ``.bin``, GPT-NeoX slim partitions,
 tied readouts) give exactly the elements ``read`` gives; and a model built from range reads
-(``neox.training.source_layer`` -> ``zerocore.MetaLayer``) is bitwise the one built from whole
+(``neox.run.build.source_layer`` -> ``zerocore.MetaLayer``) is bitwise the one built from whole
 layers, at world sizes 1-3, in every fine-tuning mode."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import zerocore
 from tests.support.dist_utils import all_gather_flat
 from neox.finetune_modes import FinetuneMode, prepare_layer
 from neox.model import layer_specs
-from neox.training import source_layer
+from neox.run.build import source_layer
 from neox.weights import RandomInit, iter_layer_states, materialize, meta_layer, open_weights, \
     save_hf
 from neox.weights.hf import hf_key

@@ -1,4 +1,4 @@
-"""neox.recipe: the typed, versioned run recipe that checkpoints store, and the old form
+"""neox.run.recipe: the typed, versioned run recipe that checkpoints store, and the old form
 (``vars(args)``) that checkpoints stored before it, still exported bit for bit."""
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ import torch
 from safetensors.torch import load_file
 
 from neox import export
-from neox.finetune import build_parser, explicit_flags, recipe_from_flags
+from neox.commands.finetune import build_parser
+from neox.commands.flags import explicit_flags
 from neox.finetune_modes import FinetuneMode
-from neox.recipe import (RECIPE_VERSION, DataConfig, LoopConfig, ModelRecipe, OptimConfig,
-                         OutputConfig, Recipe, RecipeError, recipe_from_checkpoint)
+from neox.run.recipe import (RECIPE_VERSION, DataConfig, LoopConfig, ModelRecipe, OptimConfig,
+                             OutputConfig, Recipe, RecipeError, recipe_from_checkpoint,
+                             recipe_from_flags)
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "recipe_v0_lora"
 
@@ -69,14 +71,14 @@ def test_flags_become_the_recipe():
     argv = ["--finetune", "lora", "--lora-targets", "query_key_value, dense_4h_to_h",
             "--lr", "0.01", "--betas", "0.8", "0.9", "--seed", "7", "--batch-size", "3"]
     args = build_parser().parse_args(argv)
-    recipe = recipe_from_flags(args, filter_layers=(1,))
+    recipe = recipe_from_flags(vars(args), {"filter_layers": (1,)})
     assert recipe.model.finetune == FinetuneMode("lora", lora_targets=("query_key_value",
                                                                        "dense_4h_to_h"), seed=7)
     assert recipe.model.filter_layers == (1,) and recipe.loop.seed == 7
     assert recipe.optim.lr == 0.01 and recipe.optim.betas == (0.8, 0.9)
     assert recipe.loop.batch_size == 3
-    assert explicit_flags(argv) == {"finetune", "lora_targets", "lr", "betas", "seed",
-                                    "batch_size"}
+    assert explicit_flags(build_parser(), argv) == {"finetune", "lora_targets", "lr", "betas",
+                                                    "seed", "batch_size"}
 
 
 def test_the_recipe_is_what_the_checkpoint_stores_not_the_flags():
@@ -136,6 +138,23 @@ def test_a_checkpoint_from_before_the_recipe_still_exports_bit_for_bit(tmp_path,
                         "--allow-unverified"]) == 0
     assert "cannot be verified (format 1" in capsys.readouterr().out
     assert _digests(tmp_path / "out") == want
+
+
+def test_a_flag_declared_once_reaches_the_recipe_and_its_checks():
+    # --sample-temperature is one declaration (OutputConfig.sample_temperature) and its use.
+    args = build_parser().parse_args(["--finetune", "full", "--sample-temperature", "0"])
+    assert recipe_from_flags(vars(args)).output.sample_temperature == 0.0
+    assert Recipe().output.sample_temperature == 0.8 and RECIPE_VERSION == 3
+    bad = build_parser().parse_args(["--finetune", "full", "--sample-temperature", "-1"])
+    with pytest.raises(ValueError, match=r"^--sample-temperature must be a finite number >= 0"):
+        recipe_from_flags(vars(bad))
+    # Recipes of version 2 (before it) load with the temperature runs had then.
+    d = Recipe().to_dict()
+    del d["output"]["sample_temperature"]
+    with pytest.raises(RecipeError, match=r"missing fields \['sample_temperature'\]"):
+        Recipe.from_dict(d)
+    d["version"] = 2
+    assert Recipe.from_dict(d).output.sample_temperature == 0.8
 
 
 def test_recipe_parts_are_frozen():

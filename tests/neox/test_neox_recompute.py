@@ -9,13 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from neox.cli import UsageError, parse_layers
+from neox.blocks import chosen_blocks
 from neox.config import PRESETS
-from neox.finetune import build_parser, explicit_flags, recipe_from_flags
+from neox.commands.finetune import build_parser
+from neox.commands.flags import explicit_flags
 from neox.finetune import main as finetune_main
 from neox.model import layer_specs
-from neox.run_dir import METRICS
-from neox.step import recompute_policy
+from neox.run.run_dir import METRICS
+from neox.run.recipe import recipe_from_flags
+from neox.run.step import recompute_policy
+from neox.setting import UsageError
 from tests.support.neox_testing import BPE512, EXCERPT, assert_clean_error, call_main, run_module
 
 RUN = ("--cpu", "--data", EXCERPT, "--tokenizer", BPE512, "--seq-len", 32, "--batch-size", 4,
@@ -44,10 +47,11 @@ def test_recomputed_run_trains_bit_for_bit(tmp_path):
 def _recipe(*argv: str):
     argv = ("--finetune", "full") + argv
     args = build_parser().parse_args(argv)
-    args.explicit = explicit_flags(list(argv))
-    ranges = parse_layers(args.filter_layers)
-    kept = ranges.blocks(PRESETS["tiny"].num_hidden_layers) if ranges is not None else None
-    return recipe_from_flags(args, kept)
+    args.explicit = explicit_flags(build_parser(), list(argv))
+    kept, recomputed = chosen_blocks(args.filter_layers, args.activation_checkpointing,
+                                     PRESETS["tiny"].num_hidden_layers)
+    return recipe_from_flags(vars(args), {"filter_layers": kept,
+                                          "activation_checkpointing": recomputed})
 
 
 @pytest.mark.parametrize("argv, blocks, positions", [

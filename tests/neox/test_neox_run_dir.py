@@ -1,4 +1,4 @@
-"""neox.run_dir: the output directory's lock, its owner run, the metrics file and how --resume
+"""neox.run.run_dir: the output directory's lock, its owner run, the metrics file and how --resume
 finds its checkpoint. In process, no ranks (the runs that need them are in
 test_neox_faults.py)."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from neox.run_dir import (CHECKPOINTS, METRICS, RUN_FILE, TRAINABLE, MetricsFile, OutputDirError,
-                          OutputDirLock, check_writable, claim_output_dir,
-                          find_resume_checkpoint)
+from neox.run.run_dir import (CHECKPOINTS, METRICS, RUN_FILE, TRAINABLE, MetricsFile,
+                              OutputDirError, OutputDirLock, check_writable, claim_output_dir,
+                              find_resume_checkpoint)
 from tests.support.neox_testing import EXCERPT, run_module
 
 
@@ -153,7 +153,7 @@ def test_resume_from_an_empty_folder_says_why(tmp_path):
 
 
 def test_cuda_ranks_get_expandable_segments_unless_the_user_chose():
-    from neox.launch import cuda_environment
+    from neox.run.launch import cuda_environment
     assert cuda_environment({}) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert cuda_environment({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) == {}
 

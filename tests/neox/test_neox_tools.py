@@ -14,9 +14,9 @@ import pytest
 from safetensors.torch import load_file
 
 from neox import evaluate, export
-from neox.finetune import build_parser as finetune_parser
+from neox.commands.finetune import build_parser as finetune_parser
 from neox.generate import main as generate_main
-from neox.run_dir import CHECKPOINTS, METRICS, TOKENIZER
+from neox.run.run_dir import CHECKPOINTS, METRICS, TOKENIZER
 from tests.support.neox_testing import EXCERPT, REPO, call_main, run_module
 from tests.support.small_disk import small_disk  # noqa: F401  (a fixture)
 
@@ -198,7 +198,7 @@ def test_consolidate_on_a_full_disk_is_one_line(run, small_disk, capsys):
 
 
 def test_the_runs_trainable_file_on_a_full_disk_keeps_the_earlier_one(small_disk):
-    """save_trainable is what a run writes at its end (neox.training.write_trainable)."""
+    """save_trainable is what a run writes at its end (neox.run.save.write_trainable)."""
     import torch
     from zerocore.checkpoint import CheckpointWriteError
     from zerocore.consolidate import save_trainable
@@ -212,7 +212,7 @@ def test_the_runs_trainable_file_on_a_full_disk_keeps_the_earlier_one(small_disk
 
 
 def test_metrics_on_a_full_disk_is_one_line(small_disk):
-    from neox.run_dir import MetricsFile, OutputDirError
+    from neox.run.run_dir import MetricsFile, OutputDirError
     metrics = MetricsFile(small_disk.root / METRICS, resume_step=None)
     metrics.write({"step": 1, "loss": 1.0})
     with small_disk.full(), pytest.raises(OutputDirError) as raised:
@@ -261,7 +261,7 @@ def test_a_device_that_is_not_there_is_one_line(run, main, capsys):
 
 @pytest.mark.e2e
 def test_evaluate_refuses_windows_beyond_the_models_positions(run, capsys):
-    from neox.trained import run_checkpoint, run_settings
+    from neox.run.trained import run_checkpoint, run_settings
     positions = run_settings(run_checkpoint(run))[1].max_position_embeddings
     proc = call_main(evaluate.main, capsys, EXCERPT, "--checkpoint", run, "--seq-len",
                      positions + 1)
@@ -273,7 +273,7 @@ def test_a_negative_temperature_is_refused(run, capsys):
     proc = call_main(generate_main, capsys, "--checkpoint", run, "--temperature", "-0.5")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "argument --temperature: must be >= 0, got -0.5" in proc.stderr
-    from neox.sampling import choose_token
+    from neox.run.sampling import choose_token
     import torch
     with pytest.raises(ValueError, match="must be >= 0"):
         choose_token(torch.zeros(1, 4), temperature=-1.0, top_k=0, generator=None)
@@ -312,7 +312,7 @@ def _tool_mains():
 
 def test_every_flag_of_every_tool_has_help_and_neox_shows_defaults(monkeypatch):
     import argparse
-    from neox.cli import HelpFormatter
+    from neox.commands.flags import HelpFormatter
     undocumented, no_default = [], []
     for tool, main in _tool_mains().items():
         parser = _parser_of(main, monkeypatch)

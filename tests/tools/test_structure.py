@@ -158,3 +158,35 @@ def test_zerocore_imports_only_downwards():
                 if target.startswith("zerocore") and _floor(target) > _floor(name):
                     upward.append(f"{path.relative_to(REPO)}:{line}: {name} imports {target}")
     assert not upward, upward
+
+
+def _is_command(name: str, path: Path) -> bool:
+    """A command: a module with a ``main`` (defined, or taken from the command it runs), or one
+    of ``neox.commands`` (the commands and the flags they share)."""
+    if name == "neox.commands" or name.startswith("neox.commands."):
+        return True
+    tree = ast.parse(path.read_text())
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "main":
+            return True
+        if isinstance(node, ast.ImportFrom) and any(a.name == "main" for a in node.names):
+            return True
+    return False
+
+
+def test_the_library_of_neox_imports_no_argparse_and_no_command():
+    # neox's model, weights, data and run are a library: parsing flags is the commands' work
+    # (STYLE.md: a command, a module with a main, is not a library module).
+    commands = {name for name, path in MODULES.items()
+                if name.startswith("neox") and _is_command(name, path)}
+    assert {"neox.finetune", "neox.evaluate", "neox.generate", "neox.export",
+            "neox.plan"} <= commands
+    found = []
+    for name, path in MODULES.items():
+        if not name.startswith("neox") or name in commands:
+            continue
+        for module, names, line in _imports(path, top_level_only=False):
+            loaded = set(_resolve(module, names)) | {module}
+            if module.split(".")[0] == "argparse" or loaded & commands:
+                found.append(f"{path.relative_to(REPO)}:{line}: import {module} {names}")
+    assert not found, found

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TextIO
+from typing import Callable, TextIO
+
+# What rank 0 prints with (print), and the other ranks (nothing).
+Log = Callable[..., None]
 
 
 class Progress:

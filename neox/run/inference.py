@@ -6,7 +6,6 @@ output (``python -m neox.finetune`` with no arguments writes ``runs/neox-finetun
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from pathlib import Path
 
@@ -14,13 +13,13 @@ import torch
 from tokenizers import Tokenizer
 
 from neox import data as nd
-from neox.cli import add_model_arguments, default_data_dir_flag, parse_layers, preset_config, \
-    resolve_dtype
-from neox.config import filtered_config
+from neox.blocks import parse_layers
+from neox.config import filtered_config, preset_config
+from neox.dtypes import resolve_dtype
 from neox.model import NeoXModel
-from neox.recipe import OutputConfig, Recipe
-from neox.run_dir import OutputDirError
-from neox.trained import checkpoint_tokenizer, open_run, run_checkpoint, trained_model
+from neox.run.recipe import OutputConfig, Recipe
+from neox.run.run_dir import OutputDirError
+from neox.run.trained import checkpoint_tokenizer, open_run, run_checkpoint, trained_model
 from neox.weights import RandomInit, iter_layers, open_weights
 
 GPT_NEOX_TOKENIZER = "gpt-neox-20b-tokenizer.json"
@@ -35,21 +34,6 @@ class Loaded:
     device: torch.device
     source: str            # what was loaded, for messages
     recipe: Recipe | None  # the run's recipe, when a run's checkpoint was loaded
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The model flags (shared with ``neox.finetune``), the tokenizer and the device."""
-    add_model_arguments(p, for_training=False)
-    p.add_argument("--tokenizer", type=Path, default=None,
-                   help="tokenizer.json (default: the run's or the checkpoint's; for a preset: "
-                        "the GPT-NeoX tokenizer in --data-dir)")
-    p.add_argument("--data-dir", type=Path, default=default_data_dir_flag(),
-                   help="local data (default: shared/data beside the repository)")
-    p.add_argument("--device", default=None,
-                   help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
-    p.add_argument("--allow-unverified", action="store_true",
-                   help="read a run's checkpoint of an older format (1 or 2), whose rank files "
-                        "do not record which save, rank and step they are of")
 
 
 def _tokenizer(path: Path) -> Tokenizer:
@@ -82,8 +66,24 @@ def choose_device(name: str | None) -> torch.device:
     return device
 
 
-def load_model(args: argparse.Namespace) -> Loaded:
-    """The model and tokenizer the arguments describe. Raises ValueError (with a message for
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """Which model to load, as the loading commands' flags say (the names are the flags')."""
+
+    checkpoint: Path | None = None     # weights, a run's output directory or a checkpoint
+    model: str | None = None           # a preset, when no checkpoint
+    filter_layers: str | None = None   # kept blocks of pretrained weights, as written
+    allow_outside_weights: bool = False
+    dtype: str | None = None
+    seed: int = 0                      # a preset's random weights
+    tokenizer: Path | None = None
+    data_dir: Path | None = None       # where a preset's GPT-NeoX tokenizer is
+    device: str | None = None
+    allow_unverified: bool = False     # a run's checkpoint of an older format
+
+
+def load_model(args: ModelSource) -> Loaded:
+    """The model and tokenizer ``args`` describe. Raises ValueError (with a message for
     the user) on bad input."""
     device = choose_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -105,7 +105,7 @@ def load_model(args: argparse.Namespace) -> Loaded:
             raise ValueError("--filter-layers applies to pretrained weights; a run's checkpoint "
                              "holds the blocks the run kept")
         # Verified once, before any path its recipe names is opened.
-        ckpt = open_run(ckpt, allow_unverified=getattr(args, "allow_unverified", False))
+        ckpt = open_run(ckpt, allow_unverified=args.allow_unverified)
         tok_path = args.tokenizer
         if tok_path is None:
             tok_path, looked = checkpoint_tokenizer(ckpt)

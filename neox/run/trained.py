@@ -26,9 +26,9 @@ from neox.config import NeoXConfig, filtered_config
 from neox.finetune_modes import prepare_layer
 from neox.lora import merge_lora
 from neox.model import LayerSpec, NeoXModel, build_layer, layer_specs
-from neox.recipe import Recipe, recipe_from_checkpoint
-from neox.run_dir import (CHECKPOINTS, RUN_FILE, TOKENIZER, TOKENIZER_SHA256,
-                          find_resume_checkpoint)
+from neox.run.recipe import Recipe, recipe_from_checkpoint
+from neox.run.run_dir import (CHECKPOINTS, RUN_FILE, TOKENIZER, TOKENIZER_SHA256,
+                              find_resume_checkpoint)
 from neox.weights import RandomInit, iter_layers, open_weights
 from zerocore.checkpoint import (CheckpointError, MANIFEST, ShardReader, open_checkpoint,
                                  unverified_reason)

@@ -47,10 +47,11 @@ import torch
 import torch.distributed as dist
 
 import zerocore
-from neox.recipe import Recipe
-from neox.run_dir import (OutputDirError, OutputDirLock, check_writable, checkpoint_run_id,
-                          claim_output_dir)
-from neox.training import RunFailed, run_training
+from neox.run.recipe import Recipe
+from neox.run.run_dir import (OutputDirError, OutputDirLock, check_writable, checkpoint_run_id,
+                              claim_output_dir)
+from neox.run.failed import RunFailed
+from neox.run.training import run_training
 
 __all__ = ["LaunchConfig", "RunRequest", "launch", "run_under_torchrun"]
 
@@ -429,7 +430,7 @@ if sys.platform.startswith("linux"):
 if os.getppid() != int(launcher):
     os._exit(128 + int(signal.SIGKILL))
 sys.path[:] = json.loads(path)
-from neox.launch import _rank_process
+from neox.run.launch import _rank_process
 _rank_process(int(rank), int(fd), int(launcher))
 """
 

@@ -1,4 +1,5 @@
-"""Choosing the next token from logits, and sampling text from a sharded model.
+"""Choosing the next token from logits; sampling text from a model in one process (with a
+key/value cache, ``generate``) and from a sharded model (``sample_sharded``).
 
 ``neox.generate`` (one process, key/value cache) and the end of a fine-tuning run (every rank
 of a sharded model, no cache) choose tokens the same way.
@@ -10,7 +11,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["choose_token", "sample_sharded"]
+from neox.model import NeoXModel
+
+__all__ = ["choose_token", "generate", "sample_sharded"]
 
 
 def choose_token(logits: torch.Tensor, *, temperature: float, top_k: int,
@@ -48,3 +51,22 @@ def sample_sharded(model: nn.Module, prompt: torch.Tensor, *, new_tokens: int,
         dist.broadcast(token, src=0, group=group)
         ids = torch.cat((ids, token), dim=1)
     return ids
+
+
+@torch.no_grad()
+def generate(model: NeoXModel, prompt: torch.Tensor, *, max_new_tokens: int,
+             temperature: float = 0.0, top_k: int = 0,
+             generator: torch.Generator | None = None) -> torch.Tensor:
+    """prompt (B, T) int64 -> (B, T + max_new_tokens). The prompt runs once through the model;
+    each new token then costs one single-token forward against the cached keys and values."""
+    if prompt.shape[1] < 1:
+        raise ValueError("the prompt must hold at least one token")
+    caches = model.new_caches()
+    out = prompt
+    logits = model.forward_cached(prompt, caches)[:, -1].float()   # (B, vocab)
+    for _ in range(max_new_tokens):
+        token = choose_token(logits, temperature=temperature, top_k=top_k,
+                             generator=generator)                    # (B, 1)
+        out = torch.cat((out, token), dim=1)
+        logits = model.forward_cached(token, caches)[:, -1].float()
+    return out

@@ -1,4 +1,4 @@
-"""One training step of neox as the engine sees it, shared by the run (``neox.training``) and
+"""One training step of neox as the engine sees it, shared by the run (``neox.run.training``) and
 the plan (``neox.plan``), so that what the plan traces is what the run executes: the loss of a
 micro-batch, and the engine policies a recipe asks for.
 """
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import zerocore
 from neox.model import LayerSpec
-from neox.recipe import LoopConfig
+from neox.run.recipe import LoopConfig
 
 __all__ = ["micro_batch_loss", "recompute_policy"]
 

@@ -1,0 +1,192 @@
+"""python -m neox.finetune: fine-tune a GPT-NeoX model with zerocore's ZeRO-3 sharding.
+
+With no arguments: a tiny randomly initialised GPT-NeoX, bias fine-tuning, tiny_shakespeare (or
+the offline fallback corpus), 2 gloo processes on the CPU; a couple of minutes on 2 cores.
+With CUDA GPUs: one process per GPU over NCCL. Under torchrun (RANK/WORLD_SIZE set): joins that
+process group, which is how it runs across machines.
+
+This module is the edge: it parses the flags into a ``neox.run.recipe.Recipe``, checks everything
+that can be checked before a process starts (flag ranges, files, the model's block count, the
+output directory), and hands the run to ``neox.run.launch``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from neox.blocks import chosen_blocks
+from neox.commands.flags import (HelpFormatter, Parser, add_recipe_flags, explicit_flags, finite,
+                                 nonnegative_int, positive_int)
+from neox.config import NeoXConfig, preset_config
+from neox.finetune_modes import GROUP as MODE, auto_mode
+from neox.run import from_deepspeed as nds
+from neox.run.launch import LaunchConfig, RunRequest, launch, run_under_torchrun
+from neox.run.recipe import (DATA, LOOP, MODEL, OPTIM, OUTPUT, STEP, FROM_SCRATCH, Recipe,
+                             recipe_from_flags)
+from neox.run.resume import deepspeed_recipe, resume_recipe
+from neox.run.run_dir import CHECKPOINTS, OutputDirError, find_resume_checkpoint, warn_incomplete
+from neox.setting import UsageError
+from neox.weights import WeightsError, open_weights
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(
+        prog="python -m neox.finetune", description=__doc__.split("\n\n")[0],
+        formatter_class=HelpFormatter)
+    groups = add_recipe_flags(p, (MODEL, MODE, STEP, DATA, OPTIM, LOOP, OUTPUT))
+    c = groups[OUTPUT]
+    c.add_argument("--resume", type=Path, default=None,
+                   help="continue a run from a checkpoint (a step-XXXXXXXX directory, or a folder "
+                        "of them: the newest of its run); flags not given are the checkpoint's; "
+                        "any number of ranks. Or continue a DeepSpeed ZeRO-3 run of a GPT-NeoX "
+                        "model (its directory holding 'latest', or a global_stepN directory) as "
+                        "a new run of the flags given (the same model and --finetune mode): its "
+                        "weights, Adam state and step are loaded, the optimizer flags not given "
+                        "are its; its data order is not saved, so the sampler starts at the "
+                        "beginning")
+    c.add_argument("--allow-unverified", action="store_true",
+                   help="with --resume: accept a checkpoint of an older format (1 or 2), whose "
+                        "rank files do not record which save, rank and step they are of")
+    c.add_argument("--data-changed", action="store_true",
+                   help="with --resume: the training text differs from the one the run trained "
+                        "on, and that is intended; the weights and optimizer continue, the data "
+                        "order restarts at the beginning of the current epoch")
+    c.add_argument("--overwrite", action="store_true",
+                   help="start a new run in an output directory that holds another run, deleting "
+                        "its checkpoints, metrics and exports first")
+    r = p.add_argument_group("processes")
+    r.add_argument("--nproc", type=positive_int, default=2,
+                   help="CPU processes (gloo) when there is no GPU; with GPUs: one per GPU, at "
+                        "most the GPU count")
+    r.add_argument("--oversubscribe", action="store_true",
+                   help="allow more CPU processes than this machine has cores")
+    r.add_argument("--port", type=nonnegative_int, default=0,
+                   help="rendezvous port (0: pick a free one)")
+    r.add_argument("--timeout", type=finite, default=300.0,
+                   help="seconds a collective may wait before the run fails instead of hanging")
+    r.add_argument("--cpu", action="store_true", help="use the CPU (gloo) even if GPUs exist")
+    return p
+
+
+def resolve_auto_mode(args: argparse.Namespace, log: Any) -> None:
+    """``--finetune auto``: biases when there are pretrained weights (or a checkpoint to resume,
+    whose own mode then applies); without them, training from scratch, with the from-scratch
+    defaults for the flags that were not given."""
+    if args.finetune != "auto":
+        return
+    if args.checkpoint is not None or args.resume is not None:
+        args.finetune = auto_mode(has_weights=True)
+        return
+    for dest, value in FROM_SCRATCH.items():
+        if dest not in args.explicit or dest == "finetune":
+            setattr(args, dest, value)
+    log(f"no --checkpoint: there are no pretrained weights to fine-tune, so this run trains the "
+        f"{args.model} preset from scratch (--finetune full, --lr {args.lr:g}, --warmup "
+        f"{args.warmup}, --epochs {args.epochs}); give --checkpoint DIR to fine-tune pretrained "
+        f"weights (their biases by default)")
+
+
+def check_flags(args: argparse.Namespace, use_cuda: bool) -> None:
+    """What can be known to be wrong from the flags and the file system alone."""
+    paths = (("--data", args.data, "file"), ("--checkpoint", args.checkpoint, "directory"),
+             ("--tokenizer", args.tokenizer, "file or directory"),
+             ("--resume", args.resume, "directory"))
+    for flag, path, kind in paths:
+        if path is None:
+            continue
+        if not path.exists():
+            raise UsageError(f"{flag} {path}: no such {kind}")
+        if kind == "file" and not path.is_file():
+            raise UsageError(f"{flag} {path}: not a file")
+    if not 0 < args.timeout <= 24 * 3600:
+        raise UsageError(f"--timeout {args.timeout:g}: must be more than 0 and at most a day "
+                         f"(86400 seconds)")
+    if args.port > 65535:
+        raise UsageError(f"--port {args.port}: ports go up to 65535 (0 picks a free one)")
+    if use_cuda:
+        gpus = torch.cuda.device_count()
+        if args.nproc > gpus and "nproc" in args.explicit:
+            raise UsageError(f"--nproc {args.nproc}: this machine has {gpus} GPU(s); neox runs "
+                             f"one process per GPU")
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else (os.cpu_count() or 1)
+        if args.nproc > cores and not args.oversubscribe:
+            raise UsageError(f"--nproc {args.nproc}: this machine has {cores} CPU core(s) "
+                             f"available; more processes than cores only contend (and each holds "
+                             f"a copy of the data and one layer); use --nproc {cores}, or "
+                             f"--oversubscribe to run them anyway")
+
+
+def model_config(args: argparse.Namespace) -> NeoXConfig:
+    """The configuration of the model the flags name, reading at most a config file (a tiny
+    preset's vocabulary is the tokenizer's, not known yet)."""
+    if args.checkpoint is None:
+        return preset_config(args.model)
+    try:
+        with open_weights(args.checkpoint, allow_outside=args.allow_outside_weights) as reader:
+            return reader.config
+    except WeightsError as e:
+        raise UsageError(f"--checkpoint: {e}") from None
+
+
+def recipe_of(args: argparse.Namespace) -> Recipe:
+    """The recipe the flags describe (their block lists checked against the model's block
+    count)."""
+    kept, recomputed = chosen_blocks(args.filter_layers, args.activation_checkpointing,
+                                     model_config(args).num_hidden_layers)
+    return recipe_from_flags(vars(args), {"filter_layers": kept,
+                                          "activation_checkpointing": recomputed})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.explicit = explicit_flags(parser, argv)
+    use_cuda = torch.cuda.is_available() and not args.cpu
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    log = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a, **k: None)
+    try:
+        check_flags(args, use_cuda)
+        resolve_auto_mode(args, log)
+        recipe = recipe_of(args)
+        resume = deepspeed = None
+        for flag in ("allow_unverified", "data_changed"):
+            if getattr(args, flag) and args.resume is None:
+                raise UsageError(f"--{flag.replace('_', '-')} applies to --resume only")
+        if args.resume is not None and nds.is_deepspeed_checkpoint(args.resume):
+            for flag in ("allow_unverified", "data_changed"):
+                if getattr(args, flag):
+                    raise UsageError(f"--{flag.replace('_', '-')} applies to a neox checkpoint; "
+                                     f"a DeepSpeed checkpoint is checked whole, and records no "
+                                     f"data order (the run's sampler starts at the beginning)")
+            deepspeed = args.resume.resolve()
+            recipe = deepspeed_recipe(recipe, args.explicit, args.resume, model_config(args), log)
+        elif args.resume is not None:
+            resume = find_resume_checkpoint(args.resume, Path(recipe.output.output_dir)
+                                            if "output_dir" in args.explicit else None)
+            recipe = resume_recipe(recipe, args.explicit, resume,
+                                   allow_unverified=args.allow_unverified, log=log)
+            # (The output directory's own checkpoints are reported when it is taken.)
+            own = (Path(recipe.output.output_dir) / CHECKPOINTS).resolve()
+            if resume != args.resume and args.resume.resolve() != own:
+                warn_incomplete(args.resume, log)
+    except (UsageError, OutputDirError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    launch_config = LaunchConfig(nproc=args.nproc, port=args.port, timeout=args.timeout,
+                                 use_cuda=use_cuda)
+    request = RunRequest(recipe=recipe, resume=resume, overwrite=args.overwrite,
+                         allow_unverified=args.allow_unverified, data_changed=args.data_changed,
+                         deepspeed=deepspeed)
+    if torchrun:  # possibly many machines: this process is one rank of torchrun's group
+        return run_under_torchrun(request, launch_config)
+    return launch(request, launch_config)

@@ -1,0 +1,134 @@
+"""python -m neox.plan: what a neox.finetune run needs per GPU, and what it moves, before the
+machines are rented.
+
+It takes neox.finetune's own model, fine-tuning and step flags (the same names, defaults and
+meanings: each is declared once, on its field of neox.run.recipe) plus the machines (--gpus per
+node, --nodes, --gpu-memory) and prints, per rank: the shards of parameters, gradients, fp32
+masters and Adam state (trainable and frozen apart), the layers gathered at the peak, the
+activations with and without recomputation (of the attention kernel that runs: fused, no T x T
+weights), the CUDA allocator's headroom, the total against the GPU's memory, and the bytes
+all-gathered and reduce-scattered per optimizer step. A --checkpoint is opened for its
+configuration and tensor shapes only; no weights are read. The numbers come from
+``zerocore.plan``, which runs the step's schedule on fake tensors; on the CPU it agrees with
+measured runs (tests/engine/test_plan.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import zerocore
+from neox.blocks import chosen_blocks
+from neox.commands.flags import HelpFormatter, Parser, add_recipe_flags, finite, positive_int
+from neox.config import preset_config
+from neox.dtypes import DTYPES
+from neox.finetune_modes import GROUP as MODE, auto_mode
+from neox.run.planning import DEFAULT_BPE_TOKENS, GiB, PlanRequest, plan_run, request_from_recipe
+from neox.run.recipe import MODEL, STEP, recipe_from_flags
+from neox.setting import UsageError
+from neox.weights import WeightsError, open_weights
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="python -m neox.plan", description=__doc__.split("\n\n")[0],
+               formatter_class=HelpFormatter)
+    add_recipe_flags(p, (MODEL, MODE, STEP))
+    m = p.add_argument_group("the machines")
+    m.add_argument("--gpus", type=positive_int, default=8,
+                   help="GPUs per node (one rank each)")
+    m.add_argument("--nodes", type=positive_int, default=1, help="nodes")
+    m.add_argument("--gpu-memory", type=finite, default=80.0, metavar="GIB",
+                   help="memory of one GPU in GiB (80: A100/H100 80GB; 141: H200)")
+    m.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="plan GPU ranks (NCCL) or CPU processes (gloo, as neox.finetune --cpu "
+                        "runs them; --gpus is then the process count)")
+    m.add_argument("--vocab-size", type=positive_int, default=DEFAULT_BPE_TOKENS,
+                   help="the tiny preset's vocabulary: its run takes the tokenizer's (the BPE "
+                        "a run trains by default has 8192 tokens)")
+    p.add_argument("--json", action="store_true", help="print the numbers as one JSON object")
+    return p
+
+
+def _request(args: argparse.Namespace) -> PlanRequest:
+    """The run the flags describe, checked; ``UsageError`` with the flag's name otherwise."""
+    if args.checkpoint is not None:
+        try:
+            with open_weights(args.checkpoint,
+                              allow_outside=args.allow_outside_weights) as reader:
+                config = reader.config
+        except WeightsError as e:
+            raise UsageError(f"--checkpoint: {e}") from None
+    else:
+        config = preset_config(args.model, tokenizer_rows=args.vocab_size)
+    kept, recomputed = chosen_blocks(args.filter_layers, args.activation_checkpointing,
+                                     config.num_hidden_layers)
+    values = dict(vars(args))
+    if values["finetune"] == "auto":
+        values["finetune"] = auto_mode(has_weights=args.checkpoint is not None)
+    recipe = recipe_from_flags(values, {"filter_layers": kept,
+                                        "activation_checkpointing": recomputed})
+    if args.gpu_memory <= 0:
+        raise UsageError(f"--gpu-memory {args.gpu_memory:g}: must be a number of GiB above 0")
+    default_dtype = "bf16" if args.device == "cuda" else "fp32"  # neox.finetune's defaults
+    return request_from_recipe(recipe, config, world_size=args.gpus * args.nodes,
+                               device=args.device, dtype=DTYPES[args.dtype or default_dtype])
+
+
+def _as_dict(plan: zerocore.plan.MemoryPlan) -> dict[str, Any]:
+    s = plan.state
+    return {"trainable_numel": s.trainable_numel, "frozen_numel": s.frozen_numel,
+            "state": s.bytes_of(), "on_host": sorted(s.on_host), "peak": plan.peak,
+            "peak_phase": plan.peak_phase, "device_peak": plan.device_peak,
+            "headroom": plan.headroom, "peak_bytes": plan.peak_bytes,
+            "host_peak": plan.host_peak, "activations_peak": plan.activations_peak,
+            "gathered_peak": plan.gathered_peak, "all_gather_bytes": plan.all_gather_bytes,
+            "reduce_scatter_bytes": plan.reduce_scatter_bytes,
+            "recomputed_layers": list(plan.recomputed_layers)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        request = _request(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    chosen = plan_run(request)
+    # The other side of the trade: without recomputation when it is on, with it on every
+    # kept block when it is off.
+    kept = request.filter_layers or tuple(range(request.config.num_hidden_layers))
+    other = plan_run(request, recompute=() if request.recompute else kept)
+    memory = int(args.gpu_memory * GiB)
+    if args.json:
+        print(json.dumps({"plan": _as_dict(chosen), "other_recompute": _as_dict(other),
+                          "device_memory": memory}))
+        return 0
+    r = request
+    blocks = len(kept)
+    what = args.checkpoint or args.model
+    recomputed = (f"{len(chosen.recomputed_layers)} of {blocks} blocks recomputed"
+                  if r.recompute else "no recomputation")
+    print(f"{what}: {blocks} of {r.config.num_hidden_layers} blocks, fine-tuning "
+          f"{r.mode.mode}, {str(r.dtype).removeprefix('torch.')} compute, gradients reduced "
+          f"in {str(r.reduce_dtype).removeprefix('torch.')}; {r.batch_size} x {r.seq_len} "
+          f"tokens per rank and micro-batch, {r.grad_accum} micro-batch(es) per step; "
+          f"{recomputed}; optimizer {'offloaded to the host' if r.offload else 'on the device'}"
+          + (f"; --keep-gathered {r.keep_gathered}" if r.keep_gathered else "")
+          + ("; frozen weights in int8" if r.frozen_weights == "int8" else ""))
+    print(f"{r.world_size} ranks ({args.gpus} {'GPUs' if r.device == 'cuda' else 'processes'} "
+          f"x {args.nodes} node(s)), {args.gpu_memory:g} GiB each")
+    print(chosen.table(memory if r.device == "cuda" else None))
+    label = "without recomputation" if r.recompute else "recomputing every kept block"
+    print(f"{label}: activations at the peak {other.peak['activations'] / GiB:.2f} GiB, total "
+          f"{other.peak_bytes / GiB:.2f} GiB"
+          + (f" ({'fits' if other.peak_bytes <= memory else 'does NOT fit'})"
+             if r.device == "cuda" else ""))
+    if chosen.host_peak:
+        print(f"host memory per node for the offloaded state: "
+              f"{chosen.host_peak * args.gpus / GiB:.1f} GiB")
+    return 0

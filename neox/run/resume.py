@@ -1,0 +1,104 @@
+"""The recipe of a resumed run: the checkpoint's, with the flags given on the command line
+applied. A flag its declaration marks ``resumable`` overrides the checkpoint's value (said in a
+log line); any other must agree with the checkpoint, since it says which model or data is
+trained. Or, continuing a DeepSpeed ZeRO-3 run, the flags' recipe with the DeepSpeed run's
+optimizer settings for the optimizer flags not given.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from neox.config import NeoXConfig
+from neox.run import from_deepspeed as nds
+from neox.run.progress import Log
+from neox.run.recipe import Recipe, RecipeError, recipe_fields, recipe_from_checkpoint
+from neox.setting import UsageError, absolute_path, flag_dest, flag_name, setting_of
+from zerocore.checkpoint import CheckpointError, open_checkpoint, unverified_reason
+
+__all__ = ["resume_recipe", "deepspeed_recipe", "DEEPSPEED_OPTIM_FLAGS"]
+
+# The optimizer flags a run resumed from DeepSpeed takes from the DeepSpeed run when not given.
+DEEPSPEED_OPTIM_FLAGS = ("lr", "betas", "eps", "weight_decay")
+
+
+def _at(d: Mapping[str, Any], path: tuple[str, ...]) -> Any:
+    for name in path:
+        d = d[name]
+    return d
+
+
+def _put(d: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    for name in path[:-1]:
+        d = d[name]
+    d[path[-1]] = value
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value)
+    return "(none)" if value is None else str(value)
+
+
+def resume_recipe(flags: Recipe, explicit: set[str], checkpoint: Path, *,
+                  allow_unverified: bool, log: Log) -> Recipe:
+    """The recipe of a run resumed from ``checkpoint``: its own, with the flags in ``explicit``
+    (the dests given on the command line) taken from ``flags``. The whole checkpoint is
+    verified first (every rank file's checksum, identity and contents): nothing its recipe
+    names (data, cache, output directory, weights) is opened before."""
+    try:
+        manifest = open_checkpoint(checkpoint, allow_unverified=allow_unverified).manifest
+        stored, _ = recipe_from_checkpoint(manifest["extra"], str(checkpoint))
+    except (RecipeError, CheckpointError) as e:
+        raise UsageError(f"--resume: {e}") from None
+    if unverified_reason(manifest):
+        log(f"note: {checkpoint} cannot be verified ({unverified_reason(manifest)}); resuming "
+            f"from it as --allow-unverified asks")
+    mine, theirs = flags.to_dict(), stored.to_dict()
+    given = [(path, field, setting_of(field).flag) for path, field in recipe_fields()
+             if setting_of(field).flag is not None and flag_dest(field) in explicit]
+    for path, field, flag in given:
+        if flag.resumable:
+            continue
+        ours, saved = _at(mine, path), _at(theirs, path)
+        if flag.store is absolute_path and ours is not None and saved is not None:
+            ours, saved = absolute_path(ours), absolute_path(saved)
+        if ours != saved:
+            show = flag.text or _show
+            raise UsageError(
+                f"{flag_name(field)} {show(ours)} differs from the checkpoint's {show(saved)}; a "
+                f"resumed run continues the same model and data: drop the flag, or start a new "
+                f"run (without --resume)")
+    for path, field, flag in given:
+        ours, saved = _at(mine, path), _at(theirs, path)
+        if flag.resumable and ours != saved:
+            _put(theirs, path, ours)
+            log(f"resume: {flag_name(field)} {_show(ours)} overrides the checkpoint's "
+                f"{_show(saved)}")
+    return Recipe.from_dict(theirs)
+
+
+def deepspeed_recipe(flags: Recipe, explicit: set[str], checkpoint: Path, config: NeoXConfig,
+                     log: Log) -> Recipe:
+    """The recipe of a run continuing the DeepSpeed checkpoint ``checkpoint`` of a model of
+    ``config``: the flags', with the DeepSpeed run's optimizer settings for the optimizer flags
+    not given. The checkpoint is opened and checked whole (its pickles read safely), and what
+    the flags train is checked against what it trained, before any process starts."""
+    try:
+        ckpt = nds.DeepSpeedCheckpoint(checkpoint)
+        nds.check_resume(ckpt, config, flags.model)
+    except (CheckpointError, ValueError) as e:  # DeepSpeedCheckpointError is both
+        raise UsageError(f"--resume: {e}") from None
+    ours = nds.optimizer_settings(ckpt)
+    parts = flags.to_dict()
+    for dest in DEEPSPEED_OPTIM_FLAGS:
+        if dest in ours and dest not in explicit:
+            value = list(ours[dest]) if dest == "betas" else ours[dest]
+            if parts["optim"][dest] != value:
+                log(f"resume: --{dest.replace('_', '-')} {_show(value)}: the DeepSpeed run's "
+                    f"(give the flag to change it)")
+            parts["optim"][dest] = value
+    log(f"resume: continuing the DeepSpeed run of {nds.describe(ckpt)} as a new run of these "
+        f"flags")
+    return Recipe.from_dict(parts)
