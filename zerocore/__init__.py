@@ -18,6 +18,7 @@ from zerocore.device import Platform  # noqa: E402
 from zerocore.loss_scale import LossScaler, StepResult  # noqa: E402
 from zerocore.policies import (Comm, FrozenWeights, LossScaling, MixedPrecision,  # noqa: E402
                                Offload, Prefetch, Recompute)
+from zerocore.compiled import Compile  # noqa: E402
 from zerocore.report import CommReport, MemoryReport  # noqa: E402
 from zerocore.meta_layer import MetaLayer  # noqa: E402
 from zerocore import plan  # noqa: E402  (zerocore.plan.plan, MemoryPlan)
@@ -37,6 +38,7 @@ __version__ = "0.1.0"
 __all__ = ["BUILD", "ops", "optim", "reference", "shard", "ShardedSequential", "ShardParameter",
            "shard_model", "ShardedModel", "sharding_of",
            "MixedPrecision", "Prefetch", "Offload", "Recompute", "FrozenWeights", "Comm",
+           "Compile",
            "LossScaling", "LossScaler", "StepResult",
            "MemoryReport", "CommReport", "run_agreed", "PeerError", "PeerLost", "save_checkpoint",
            "load_checkpoint", "latest_checkpoint", "list_checkpoints", "checkpoint_runs",

@@ -36,6 +36,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.nn.utils import parametrize
 from torch.utils import _pytree as pytree
 
+from zerocore.compiled import Compile, plain_name, refuse_compiled_call
 from zerocore.device import Platform
 from zerocore.flat_group import GroupState
 from zerocore.policies import Comm, FrozenWeights, MixedPrecision, Offload, Prefetch
@@ -131,7 +132,7 @@ def _assign(model: nn.Module, units: list[nn.Module]) -> tuple[list[Params], Par
             places.setdefault(id(p), set()).add(where)
             if (id(mod), attr) not in seen:
                 seen.add((id(mod), attr))
-                name = f"{path}.{attr}" if path else attr
+                name = plain_name(f"{path}.{attr}" if path else attr)
                 found.setdefault(id(p), (name, p, []))[2].append((mod, attr))
         for child_name, child in reversed(mod._modules.items()):
             if child is not None:
@@ -159,7 +160,8 @@ class ShardedModel:
 
     def __init__(self, model: nn.Module, units: list[nn.Module], *, group: dist.ProcessGroup,
                  device: torch.device, mixed_precision: MixedPrecision, prefetch: Prefetch,
-                 offload: Offload, frozen_weights: FrozenWeights, comm: Comm = Comm()):
+                 offload: Offload, frozen_weights: FrozenWeights, comm: Comm = Comm(),
+                 compile: Compile | None = None):
         self.model = model
         self.group = group
         self.rank = dist.get_rank(group)
@@ -183,6 +185,10 @@ class ShardedModel:
             agree_on_structure(i, fingerprint((n, p) for n, p, _ in params), group, device,
                                what=f"zerocore.shard_model: {what}")
             layer = ShardedLayer(module, i, ctx, self.world_size, params=params)
+            if module is not model:
+                refuse_compiled_call(module, what)
+                if compile is not None:
+                    compile.apply(module)  # its forward: the hooks below stay eager
             self.units.append(Unit("" if module is model else names[id(module)], module, layer))
         self.root = self.units[-1]
         self.layers: list[ShardedLayer] = [u.layer for u in self.units]
@@ -557,6 +563,7 @@ def shard_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module = (), *
                 mixed_precision: MixedPrecision = MixedPrecision(),
                 prefetch: Prefetch = Prefetch(), offload: Offload = Offload(),
                 frozen_weights: FrozenWeights = FrozenWeights(), comm: Comm = Comm(),
+                compile: Compile | None = None,
                 platform: Platform | None = None) -> ShardedModel:
     """Shards ``model`` in place across the ranks of a process group (ZeRO-3), unit by unit.
 
@@ -575,6 +582,9 @@ def shard_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module = (), *
         forms the root unit, gathered for the model's whole forward (and backward).
     group, device, mixed_precision, prefetch, offload, frozen_weights, comm, platform: as for
         ``zerocore.shard`` (``Prefetch.keep_gathered`` is not supported here).
+    compile: ``zerocore.Compile(...)``: each unit's forward is compiled with torch.compile,
+        the engine's hooks around it staying eager (not ``unit.compile()``, refused: it would
+        compile the hooks too). ``torch.compile(unit)`` in the unit's place works as well.
     Returns the ``ShardedModel`` (also ``model.zerocore_sharding``): ``.group``,
     ``.full_state_dict()``, ``.memory_report()``; ``save_checkpoint``/``load_checkpoint`` take
     the model or it.
@@ -592,6 +602,6 @@ def shard_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module = (), *
     dev = prepare_device(device, group, offload, platform)
     sharding = ShardedModel(model, unit_list, group=group, device=dev,
                             mixed_precision=mixed_precision, prefetch=prefetch, offload=offload,
-                            frozen_weights=frozen_weights, comm=comm)
+                            frozen_weights=frozen_weights, comm=comm, compile=compile)
     setattr(model, SHARDING_ATTR, sharding)
     return sharding

@@ -19,6 +19,7 @@ from torch import nn
 
 from zerocore import BUILD, collectives, transport
 from zerocore.collectives import CommCounter, PeerMemory
+from zerocore.compiled import Compile
 from zerocore.device import Platform, agree_on_devices, resolve_device
 from zerocore.flat_group import GroupContext
 from zerocore.meta_layer import MetaLayer
@@ -143,7 +144,8 @@ class ShardedSequential(nn.Module):
     def __init__(self, layers: Iterable[nn.Module], *, group: dist.ProcessGroup,
                  device: torch.device, mixed_precision: MixedPrecision, prefetch: Prefetch,
                  offload: Offload, recompute: Recompute | None = None,
-                 frozen_weights: FrozenWeights = FrozenWeights(), comm: Comm = Comm()):
+                 frozen_weights: FrozenWeights = FrozenWeights(), comm: Comm = Comm(),
+                 compile: Compile | None = None):
         super().__init__()
         self.group = group
         self.rank = dist.get_rank(group)
@@ -170,6 +172,8 @@ class ShardedSequential(nn.Module):
                 break
             _check_not_tied(layer, len(sharded), owners)
             sharded.append(ShardedLayer(layer, len(sharded), ctx, self.world_size, read))
+            if compile is not None:
+                compile.apply(sharded[-1].module)
             if sharded[-1].trainable_shard is not None:
                 # Named as nn.Sequential(*layers) names them: "<layer index>.<name>".
                 sharded[-1].trainable_shard.prefix_names(f"{len(sharded) - 1}.")
@@ -311,6 +315,7 @@ def shard(layers: Iterable[nn.Module], *, group: dist.ProcessGroup | None = None
           mixed_precision: MixedPrecision = MixedPrecision(), prefetch: Prefetch = Prefetch(),
           offload: Offload = Offload(), recompute: Recompute | None = None,
           frozen_weights: FrozenWeights = FrozenWeights(), comm: Comm = Comm(),
+          compile: Compile | None = None,
           platform: Platform | None = None) -> ShardedSequential:
     """Shards a stack of layers across the ranks of a process group (ZeRO-3).
 
@@ -338,6 +343,9 @@ def shard(layers: Iterable[nn.Module], *, group: dist.ProcessGroup | None = None
     comm: how ranks exchange data and how long one waits for another (``zerocore.Comm``: pass
         ``Comm(timeout=...)`` with the process group's timeout, so that a stopped or hung rank
         makes the others raise ``zerocore.PeerLost`` naming it within that time).
+    compile: ``zerocore.Compile(...)``: each layer's forward is compiled with torch.compile
+        (the engine around it stays eager; see zerocore/compiled.py). Layers given as
+        ``torch.compile(layer)`` work as well; their parameters keep their plain names.
     platform: what this process can run on (default ``zerocore.Platform.detect``: torch,
         ``zerocore.BUILD``); pass one to check a configuration without the hardware.
     Returns a module running the layers in order. Give ``model.parameters()`` (or
@@ -350,4 +358,5 @@ def shard(layers: Iterable[nn.Module], *, group: dist.ProcessGroup | None = None
     dev = prepare_device(device, group, offload, platform)
     return ShardedSequential(layers, group=group, device=dev,
                              mixed_precision=mixed_precision, prefetch=prefetch, offload=offload,
-                             recompute=recompute, frozen_weights=frozen_weights, comm=comm)
+                             recompute=recompute, frozen_weights=frozen_weights, comm=comm,
+                             compile=compile)
