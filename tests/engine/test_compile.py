@@ -1,7 +1,8 @@
 """Compiled units (``zerocore.Compile``, or ``torch.compile(block)`` in the block's place): after
 one warm-up step nothing is compiled again and no graph breaks, by dynamo's own counters; and
 training is the eager engine's to rounding, at world sizes 1-3, for ``zerocore.shard`` (plain,
-recomputed, bf16 with int8 frozen weights) and ``zerocore.shard_model``.
+recomputed, bf16 with int8 frozen weights) and ``zerocore.shard_model``; and a compiled layer
+with dropout, recomputed, draws the masks of its first run (bitwise the same training).
 
 The reference is the eager engine on the same ranks, same seeds, same sharding: the eager engine
 is itself checked against unsharded torch modules and torch.optim.AdamW (test_shard.py), so the
@@ -201,3 +202,38 @@ def test_bf16_int8_as_close_to_fp32_as_eager(world):
         # fixed order (one scalar each); bounded by one bf16 rounding, 2**-8 relative.
         for a, b in zip(c["losses"], f["losses"]):
             assert abs(a - b) <= 2 ** -8 * abs(b), f"rank {rank}: loss {a} vs fp32 {b}"
+
+
+# -- recomputation with dropout ------------------------------------------------------------------
+
+class DropoutBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(toy_stack.D_MODEL, toy_stack.D_MODEL)
+        self.drop = nn.Dropout(0.3)  # large enough that another mask changes every gradient
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(torch.nn.functional.gelu(self.fc(x)))
+
+
+def _dropout_run(rank: int, world_size: int, recompute: bool) -> dict:
+    torch.manual_seed(0)
+    model = zerocore.shard([DropoutBlock() for _ in range(3)], compile=zerocore.Compile(),
+                           recompute=zerocore.Recompute() if recompute else None)
+    torch.manual_seed(10 + rank)  # dropout masks per rank, the same in both runs
+    x = torch.randn(4, 5, toy_stack.D_MODEL)
+    out = model(x)
+    out.square().sum().backward()
+    return {"out": out.detach(), "grads": toy_stack.full_grads(model)}
+
+
+def test_recompute_with_dropout_bitwise(world):
+    """Inductor draws its own random numbers (not eager's masks), from seeds taken from torch's
+    generator; the recomputation reinstates the generator, so its graph draws the first run's
+    masks, although the first run was another graph (the one without autograd)."""
+    plain = world.run(_dropout_run, False, timeout=TIMEOUT_S)
+    recomputed = world.run(_dropout_run, True, timeout=TIMEOUT_S)
+    for rank, (a, b) in enumerate(zip(plain, recomputed)):
+        assert torch.equal(a["out"], b["out"]), f"rank {rank}"
+        for name, g in a["grads"].items():
+            assert torch.equal(b["grads"][name], g), f"rank {rank}: {name}"
