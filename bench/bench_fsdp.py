@@ -16,7 +16,10 @@ run, each in its own fresh processes:
   ``zerocore-before``, the engine of another checkout (``--zerocore-before PATH``) for A/B runs
   of an engine change; ``zerocore-gloo``, ``zerocore-exchange`` and ``zerocore-read-gathers``,
   the engine with some of its communication optimisations turned off (``ZEROCORE_VARIANTS``),
-  for before/after comparisons in one run;
+  for before/after comparisons in one run; ``zerocore-compiled``, each block's forward compiled
+  (``compile=zerocore.Compile()``);
+- ``fsdp2-compiled``: ``torch.compile(block, fullgraph=True)`` per block, then ``fully_shard``
+  on each compiled block and on the root (torchtitan's order), as ``fsdp2`` otherwise;
 - ``fsdp2``: ``fully_shard`` on every layer and on the root, over a 1-D "cpu" DeviceMesh, +
   ``torch.optim.AdamW(fused=True)`` (``foreach=True`` if fused is refused on DTensor parameters;
   the table says which ran);
@@ -124,9 +127,12 @@ ZEROCORE_VARIANTS = {
     "zerocore-gloo": {"comm": {"gather": "collective", "reduce": "collective"}},
     "zerocore-exchange": {"comm": {"gather": "collective", "reduce": "exchange"}},
     "zerocore-read-gathers": {"comm": {"reduce": "exchange"}},
+    # Each block's forward compiled (zerocore.Compile(); issue 23, item 2), against
+    # "fsdp2-compiled": fully_shard per block around torch.compile per block, as torchtitan does.
+    "zerocore-compiled": {"compile": True},
 }
 ALL_ENGINES = ["fsdp2", "zerocore", "deepspeed", "unsharded", "deepspeed-per-layer",
-               *[name for name in ZEROCORE_VARIANTS if name != "zerocore"]]
+               "fsdp2-compiled", *[name for name in ZEROCORE_VARIANTS if name != "zerocore"]]
 # The default run, in this order at each size: the sharded engines alternate with the others so
 # that a drift of the machine's speed during the run does not favour either side.
 DEFAULT_ENGINES = ["fsdp2", "zerocore", "deepspeed", "unsharded", "deepspeed-per-layer"]
@@ -262,13 +268,14 @@ class _Engine:
 
 class _Zerocore(_Engine):
     def __init__(self, size: str, keep_last: bool = True, offload: bool = False,
-                 comm: dict[str, Any] | None = None) -> None:
+                 comm: dict[str, Any] | None = None, compile: bool = False) -> None:
         import zerocore
 
         self.model = zerocore.shard(make_layers(size),
                                     prefetch=zerocore.Prefetch(keep_last=keep_last),
                                     offload=zerocore.Offload(optimizer=offload),
-                                    comm=zerocore.Comm(**(comm or {})))
+                                    comm=zerocore.Comm(**(comm or {})),
+                                    compile=zerocore.Compile() if compile else None)
         self.optimizer = zerocore.optim.AdamW(self.model.parameters(), **ADAMW)
         self.optimizer_kind = "zerocore.optim.AdamW (fused kernel)"
 
@@ -284,12 +291,17 @@ class _Zerocore(_Engine):
 
 
 class _Fsdp2(_Engine):
-    def __init__(self, size: str) -> None:
+    def __init__(self, size: str, compile: bool = False) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (WORLD_SIZE,))
-        self.model = nn.Sequential(*make_layers(size))
+        layers = make_layers(size)
+        if compile:
+            # torchtitan's order: each block compiled, then sharded (FSDP2's hooks stay
+            # outside the compiled forward).
+            layers = [torch.compile(layer, fullgraph=True) for layer in layers]
+        self.model = nn.Sequential(*layers)
         for layer in self.model:
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
@@ -365,8 +377,8 @@ class _DeepSpeed(_Engine):
 def _make_engine(engine_name: str, size: str) -> _Engine:
     if engine_name in ZEROCORE_VARIANTS:
         return _Zerocore(size, **ZEROCORE_VARIANTS[engine_name])
-    if engine_name == "fsdp2":
-        return _Fsdp2(size)
+    if engine_name in ("fsdp2", "fsdp2-compiled"):
+        return _Fsdp2(size, compile=engine_name == "fsdp2-compiled")
     if engine_name == "unsharded":
         return _Unsharded(size)
     if engine_name in ("deepspeed", "deepspeed-per-layer"):
@@ -751,6 +763,16 @@ def summary_lines(found: dict[tuple[str, str], EngineResult]) -> list[str]:
                         f"{_ratio(z, by.get('deepspeed'))} | "
                         f"{_ratio(z, by.get('deepspeed-per-layer'))} | "
                         f"{_ratio(z, by.get('unsharded'))} | {rss} |")
+    if {"zerocore-compiled", "fsdp2-compiled"} & {k[1] for k in found}:
+        overview += ["", "| workload | zerocore ms | zerocore-compiled ms | fsdp2-compiled ms | "
+                         "compiled / eager zerocore | zerocore-compiled / fsdp2-compiled |",
+                     "|---|---:|---:|---:|---:|---:|"]
+        for size in sizes:
+            z, zc, fc = (found.get((size, n)) for n in ("zerocore", "zerocore-compiled",
+                                                         "fsdp2-compiled"))
+            cells = ["-" if r is None else _ms(r.median_s) for r in (z, zc, fc)]
+            overview.append(f"| {size} | " + " | ".join(cells) +
+                            f" | {_ratio(zc, z)} | {_ratio(zc, fc)} |")
     if "zerocore-before" in {k[1] for k in found}:
         overview += ["", "| workload | zerocore-before ms | zerocore ms | after / before |",
                      "|---|---:|---:|---:|"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+from typing import Any
 
 import torch
 
@@ -275,3 +276,31 @@ class Comm:
         if t is None:
             return DEFAULT_TIMEOUT_S
         return float(t.total_seconds() if isinstance(t, datetime.timedelta) else t)
+
+
+@dataclasses.dataclass(frozen=True)
+class Compile:
+    """``torch.compile`` each layer's (or unit's) forward, the engine staying eager around it
+    (zerocore/engine/compiled.py says how); the fields are ``torch.compile``'s.
+
+    fullgraph: one graph per forward or an error (the default here, not torch's): a graph break
+        inside a layer would otherwise go unnoticed and cost a Python round trip per step.
+    dynamic: None (torch's default) compiles for the first shapes seen and once more, with
+        symbolic shapes, when a shape changes; False compiles once per distinct shape.
+    backend, mode, options: passed through (``options`` as a tuple of (name, value) pairs, or a
+        dict, which is stored sorted as pairs so that the policy stays hashable; torch.compile
+        refuses mode and options together).
+    """
+
+    fullgraph: bool = True
+    dynamic: bool | None = None
+    backend: str = "inductor"
+    mode: str | None = None
+    options: tuple[tuple[str, Any], ...] | dict[str, Any] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.options, dict):
+            object.__setattr__(self, "options", tuple(sorted(self.options.items())))
+        if not isinstance(self.backend, str):
+            raise ValueError(f"zerocore.Compile.backend is a backend's name, got "
+                             f"{type(self.backend).__name__}")

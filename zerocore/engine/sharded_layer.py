@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
+from zerocore.engine.compiled import plain_name
 from zerocore.engine.flat_group import FlatGroup, GroupContext, PendingGrad
 from zerocore.engine.flat_layout import FlatLayout
 from zerocore.engine.meta_layer import RangeReader
@@ -44,7 +45,7 @@ def collect_params(
             if p is None or (id(mod), attr) in seen:
                 continue
             seen.add((id(mod), attr))
-            name = f"{mod_name}.{attr}" if mod_name else attr
+            name = plain_name(f"{mod_name}.{attr}" if mod_name else attr)
             by_id.setdefault(id(p), (name, p, []))[2].append((mod, attr))
     return list(by_id.values())
 

@@ -38,11 +38,12 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from zerocore.comm.device import Platform
+from zerocore.engine.compiled import plain_name, refuse_compiled_call
 from zerocore.engine.flat_group import GroupState
 from zerocore.engine.sharded_layer import ShardedLayer
 from zerocore.engine.sharding import (Sharding, agree_on_structure, fingerprint, groups_of,
                                       prepare_device, process_group)
-from zerocore.policies import (Comm, FrozenWeights, MixedPrecision, Offload, Prefetch,
+from zerocore.policies import (Comm, Compile, FrozenWeights, MixedPrecision, Offload, Prefetch,
                                Recompute)
 
 # Where a unit's shards are registered on its module (the root's: on the model), so that
@@ -141,7 +142,7 @@ def _assign(model: nn.Module, units: list[nn.Module]) -> tuple[list[Params], Par
             places.setdefault(id(p), set()).add(where)
             if (id(mod), attr) not in seen:
                 seen.add((id(mod), attr))
-                name = f"{path}.{attr}" if path else attr
+                name = plain_name(f"{path}.{attr}" if path else attr)
                 found.setdefault(id(p), (name, p, []))[2].append((mod, attr))
         for child_name, child in reversed(mod._modules.items()):
             if child is not None:
@@ -174,10 +175,11 @@ class ShardedModel(Sharding):
     def __init__(self, model: nn.Module, units: list[nn.Module], *, group: dist.ProcessGroup,
                  device: torch.device, mixed_precision: MixedPrecision, prefetch: Prefetch,
                  offload: Offload, frozen_weights: FrozenWeights, comm: Comm = Comm(),
-                 recompute: Recompute | None = None, host_threads: int | None = None):
+                 recompute: Recompute | None = None, compile: Compile | None = None,
+                 host_threads: int | None = None):
         super().__init__(group, device, mixed_precision=mixed_precision, prefetch=prefetch,
                          offload=offload, recompute=recompute, frozen_weights=frozen_weights,
-                         comm=comm, host_threads=host_threads)
+                         comm=comm, compile=compile, host_threads=host_threads)
         self.model = model
         targets = _parametrized_each_forward(model)  # before the parameters are taken out
         per_unit, root_params = _assign(model, units)
@@ -189,7 +191,10 @@ class ShardedModel(Sharding):
             what = "the root unit" if module is model else f"unit {i} ({names[id(module)]})"
             agree_on_structure(i, fingerprint((n, p) for n, p, _ in params), group, device,
                                what=f"zerocore.shard_model: {what}")
-            layer = self.new_layer(module, i, params=params)
+            if module is not model:
+                refuse_compiled_call(module, what)  # it would compile the hooks below
+            # Compile: each unit's forward (the hooks stay eager); the root is the model.
+            layer = self.new_layer(module, i, params=params, compiled=module is not model)
             self.units.append(Unit("" if module is model else names[id(module)], module, layer))
         self.root = self.units[-1]
         self.layers: list[ShardedLayer] = [u.layer for u in self.units]
@@ -219,7 +224,7 @@ class ShardedModel(Sharding):
         self._recomputed: list[nn.Module] = []
         for unit in self.units[:-1]:
             if unit.layer.recompute:
-                if "forward" in vars(unit.module):
+                if "forward" in vars(unit.module) and compile is None:
                     raise ValueError(f"zerocore.shard_model: unit {unit.name} has a forward "
                                      f"of its own set on the instance; Recompute wraps the "
                                      f"module's forward, so it cannot recompute this unit")
@@ -475,13 +480,15 @@ class ShardedModel(Sharding):
             input_requires_grad=root.trainable is not None, root=groups_of(root))
 
     def remove(self) -> None:
-        """Removes the hooks and Recompute's wrapping (the model can no longer run: its
-        parameters stay sharded)."""
+        """Removes the hooks and the forwards Recompute and Compile gave the units (the model
+        can no longer run: its parameters stay sharded)."""
         for h in self._handles:
             h.remove()
         self._handles = []
-        for module in self._recomputed:
-            del module.forward  # the class's own again
+        for module in self._recomputed + ([u.module for u in self.units[:-1]]
+                                          if self.compile is not None else []):
+            if "forward" in vars(module):
+                del module.forward  # the class's own again, neither recomputed nor compiled
         self._recomputed = []
 
 
@@ -568,7 +575,7 @@ def shard_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module = (), *
                 mixed_precision: MixedPrecision = MixedPrecision(),
                 prefetch: Prefetch = Prefetch(), offload: Offload = Offload(),
                 frozen_weights: FrozenWeights = FrozenWeights(), comm: Comm = Comm(),
-                recompute: Recompute | None = None,
+                recompute: Recompute | None = None, compile: Compile | None = None,
                 platform: Platform | None = None) -> ShardedModel:
     """Shards ``model`` in place across the ranks of a process group (ZeRO-3), unit by unit.
 
@@ -589,6 +596,9 @@ def shard_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module = (), *
         as for ``zerocore.shard``; ``Recompute``'s positions are the units' (the root is never
         recomputed). ``Prefetch.keep_gathered`` chooses from the root first (its frozen
         group, e.g. the embedding, then stays gathered from step to step), then the last units.
+    compile: ``zerocore.Compile(...)``: each unit's forward is compiled with torch.compile,
+        the engine's hooks around it staying eager (not ``unit.compile()``, refused: it would
+        compile the hooks too). ``torch.compile(unit)`` in the unit's place works as well.
     Returns the ``ShardedModel`` (also ``model.zerocore_sharding``): ``.group``,
     ``.full_state_dict()``, ``.memory_report()``; ``save_checkpoint``/``load_checkpoint`` take
     the model or it.
@@ -604,6 +614,6 @@ def shard_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module = (), *
     sharding = ShardedModel(model, unit_list, group=group, device=dev,
                             mixed_precision=mixed_precision, prefetch=prefetch, offload=offload,
                             frozen_weights=frozen_weights, comm=comm, recompute=recompute,
-                            host_threads=host_threads)
+                            compile=compile, host_threads=host_threads)
     setattr(model, SHARDING_ATTR, sharding)
     return sharding

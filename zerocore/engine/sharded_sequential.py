@@ -21,7 +21,8 @@ from zerocore.engine.meta_layer import MetaLayer
 from zerocore.engine.sharded_layer import LayerFunction, ShardedLayer
 from zerocore.engine.sharding import (Sharding, agree_on_structure, fingerprint, prepare_device,
                                       process_group)
-from zerocore.policies import Comm, FrozenWeights, MixedPrecision, Offload, Prefetch, Recompute
+from zerocore.policies import (Comm, Compile, FrozenWeights, MixedPrecision, Offload, Prefetch,
+                               Recompute)
 
 
 def _check_not_tied(layer: nn.Module, index: int,
@@ -46,11 +47,12 @@ class ShardedSequential(nn.Module, Sharding):
                  device: torch.device, mixed_precision: MixedPrecision, prefetch: Prefetch,
                  offload: Offload, recompute: Recompute | None = None,
                  frozen_weights: FrozenWeights = FrozenWeights(), comm: Comm = Comm(),
-                 host_threads: int | None = None):
+                 compile: Compile | None = None, host_threads: int | None = None):
         nn.Module.__init__(self)
         Sharding.__init__(self, group, device, mixed_precision=mixed_precision,
                           prefetch=prefetch, offload=offload, recompute=recompute,
-                          frozen_weights=frozen_weights, comm=comm, host_threads=host_threads)
+                          frozen_weights=frozen_weights, comm=comm, compile=compile,
+                          host_threads=host_threads)
         sharded: list[ShardedLayer] = []
         owners: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
         iterator = iter(layers)
@@ -120,6 +122,7 @@ def shard(layers: Iterable[nn.Module], *, group: dist.ProcessGroup | None = None
           mixed_precision: MixedPrecision = MixedPrecision(), prefetch: Prefetch = Prefetch(),
           offload: Offload = Offload(), recompute: Recompute | None = None,
           frozen_weights: FrozenWeights = FrozenWeights(), comm: Comm = Comm(),
+          compile: Compile | None = None,
           platform: Platform | None = None) -> ShardedSequential:
     """Shards a stack of layers across the ranks of a process group (ZeRO-3).
 
@@ -147,6 +150,9 @@ def shard(layers: Iterable[nn.Module], *, group: dist.ProcessGroup | None = None
     comm: how ranks exchange data and how long one waits for another (``zerocore.Comm``: pass
         ``Comm(timeout=...)`` with the process group's timeout, so that a stopped or hung rank
         makes the others raise ``zerocore.PeerLost`` naming it within that time).
+    compile: ``zerocore.Compile(...)``: each layer's forward is compiled with torch.compile
+        (the engine around it stays eager; see zerocore/engine/compiled.py). Layers given as
+        ``torch.compile(layer)`` work as well; their parameters keep their plain names.
     platform: what this process can run on (default ``zerocore.Platform.detect``: torch,
         ``zerocore.BUILD``); pass one to check a configuration without the hardware.
     Returns a module running the layers in order. Give ``model.parameters()`` (or
@@ -160,4 +166,4 @@ def shard(layers: Iterable[nn.Module], *, group: dist.ProcessGroup | None = None
     return ShardedSequential(layers, group=group, device=dev,
                              mixed_precision=mixed_precision, prefetch=prefetch, offload=offload,
                              recompute=recompute, frozen_weights=frozen_weights, comm=comm,
-                             host_threads=host_threads)
+                             compile=compile, host_threads=host_threads)

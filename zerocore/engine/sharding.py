@@ -21,6 +21,7 @@ from torch import nn
 from zerocore.comm import collectives, transport
 from zerocore.comm.collectives import CommCounter, PeerMemory
 from zerocore.comm.device import Platform, agree_on_devices, resolve_device
+from zerocore.engine.compiled import compile_forward
 from zerocore.engine.flat_group import GroupContext
 from zerocore.engine.offload import OffloadStreams, cpu_threads
 from zerocore.engine.report import CommReport, MemoryReport
@@ -28,7 +29,8 @@ from zerocore.engine.schedule import Schedule
 from zerocore.engine.sharded_layer import BackwardCoordinator, ShardedLayer
 from zerocore.engine.sharded_param import ShardParameter
 from zerocore.kernels.ops import BUILD
-from zerocore.policies import Comm, FrozenWeights, MixedPrecision, Offload, Prefetch, Recompute
+from zerocore.policies import (Comm, Compile, FrozenWeights, MixedPrecision, Offload, Prefetch,
+                               Recompute)
 
 
 def fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -177,7 +179,7 @@ class Sharding:
     def __init__(self, group: dist.ProcessGroup, device: torch.device, *,
                  mixed_precision: MixedPrecision, prefetch: Prefetch, offload: Offload,
                  recompute: Recompute | None, frozen_weights: FrozenWeights, comm: Comm,
-                 host_threads: int | None = None):
+                 compile: Compile | None = None, host_threads: int | None = None):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -188,10 +190,11 @@ class Sharding:
         self.recompute = recompute
         self.frozen_weights = frozen_weights
         self.comm = comm
+        self.compile = compile
         agree_on_policies(dict(mixed_precision=mixed_precision, prefetch=prefetch,
                                offload=offload, recompute=recompute,
-                               frozen_weights=frozen_weights, comm=comm), group, device,
-                          self.front_door)
+                               frozen_weights=frozen_weights, comm=comm, compile=compile),
+                          group, device, self.front_door)
         self.ctx = build_context(group, device, mixed_precision, offload, frozen_weights, comm,
                                  host_threads)
         self.counter = self.ctx.counter
@@ -199,10 +202,15 @@ class Sharding:
         # What the last forward left gathered for its backward (the front door's own records).
         self._kept: list = []
 
-    def new_layer(self, module: nn.Module, index: int, **where) -> ShardedLayer:
+    def new_layer(self, module: nn.Module, index: int, *, compiled: bool = True,
+                  **where) -> ShardedLayer:
         """Layer ``index``'s groups, sharded now (``where``: ``read`` or ``params``, as
-        ``ShardedLayer`` takes them)."""
-        return ShardedLayer(module, index, self.ctx, self.world_size, **where)
+        ``ShardedLayer`` takes them), its forward compiled under ``Compile`` (unless not
+        ``compiled``: ``shard_model``'s root, which is the model itself)."""
+        layer = ShardedLayer(module, index, self.ctx, self.world_size, **where)
+        if self.compile is not None and compiled:
+            compile_forward(self.compile, module)
+        return layer
 
     def seal(self, layers: list[ShardedLayer], on_finish: Callable[[], None] | None = None,
              recomputable: int | None = None) -> BackwardCoordinator:
