@@ -101,6 +101,7 @@ def build(recipe: Recipe, data: RunData, *, device: torch.device, rank: int, wor
                   f"recomputed in backward")
     int8 = ("; frozen weights held and gathered in int8"
             if recipe.model.frozen_weights == "int8" else "")
+    int8 += "; each layer's forward compiled (torch.compile)" if recipe.loop.compile else ""
     log(f"model: {recipe.model.checkpoint or recipe.model.preset}, {config.num_hidden_layers} "
         f"blocks in the checkpoint, keeping {kept}; fine-tuning {mode.mode}; compute dtype "
         f"{str(dtype).removeprefix('torch.')}, gradients summed in {recipe.model.reduce_dtype}"
@@ -116,7 +117,8 @@ def build(recipe: Recipe, data: RunData, *, device: torch.device, rank: int, wor
                                prefetch=zerocore.Prefetch(
                                    keep_gathered=recipe.loop.keep_gathered),
                                frozen_weights=zerocore.FrozenWeights(recipe.model.frozen_weights),
-                               recompute=recompute, comm=comm)
+                               recompute=recompute, comm=comm,
+                               compile=zerocore.Compile() if recipe.loop.compile else None)
     log(f"built in {time.perf_counter() - start:.1f} s")
     if model.kept_layers:
         held = sum(model.layers[i].gathered_size for i in model.kept_layers)

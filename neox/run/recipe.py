@@ -11,7 +11,8 @@ command-line flag therefore changes nothing stored.
 
 Versions (``RECIPE_VERSION`` is the newest field's ``since``): 1, the first; 2 stores frozen
 weights in the engine's words (``null`` or ``"int8"``, as ``zerocore.FrozenWeights``; version 1
-wrote ``"compute"`` for ``null``) and holds every field. A field's ``since`` says from which
+wrote ``"compute"`` for ``null``) and holds every field; 3 adds ``sample_temperature``; 4,
+``compile``. A field's ``since`` says from which
 version recipes always hold it; older ones may lack it and take its default, and its
 ``upgrade`` turns their values into this version's.
 Checkpoints written before the recipe existed stored the command line's ``vars(args)`` under
@@ -274,6 +275,12 @@ class LoopConfig:
                   parse=int, metavar="K", resumable=True))
     # Gathered-memory budget per rank (zerocore.Prefetch.keep_gathered): bytes, or "all".
     # Bitwise neutral too: a resumed run may change it.
+    compile: bool = setting(
+        False, check=_bool, problem="{name} must be a bool", since=4,
+        flag=Flag(STEP, "compile each layer's forward (embedding, blocks, head) with "
+                        "torch.compile (zerocore.Compile; the sharding engine stays eager "
+                        "around it); the first steps take longer while it compiles",
+                  resumable=True))
     keep_gathered: int | str = setting(
         0, check=lambda x: x == "all" or _at_least(0)(x), since=2,
         problem="{name} must be a number of bytes >= 0 or 'all', got {value!r}",

@@ -555,6 +555,24 @@ def test_gradients_are_summed_in_fp32_unless_asked(cli_dirs, tmp_path, flag, red
 
 
 @pytest.mark.e2e
+def test_compile_trains_as_eager(cli_dirs, tmp_path):
+    # --compile: each layer's forward compiled under the engine; the same losses to rounding
+    # (inductor fuses elementwise work: about 1e-7 relative per step in fp32, tests/engine/
+    # test_compile.py; 1e-4 over two steps of Adam leaves room and nothing for a missed step).
+    losses = {}
+    for flag in ((), ("--compile",)):
+        out = tmp_path / ("compiled" if flag else "eager")
+        proc = run_cli("--nproc", 1, *common_args(cli_dirs, out), "--max-steps", 2,
+                       "--sample-tokens", 0, *flag)
+        _check_ok(proc)
+        assert ("forward compiled (torch.compile)" in proc.stdout) == bool(flag)
+        losses[bool(flag)] = [r["loss"] for r in read_metrics(out)[0]]
+    assert len(losses[True]) == 2
+    for e, c in zip(losses[False], losses[True]):
+        assert abs(c - e) <= 1e-4 * abs(e), losses
+
+
+@pytest.mark.e2e
 def test_torchrun_joins_its_group(cli_dirs, tmp_path):
     """Under torchrun (RANK/WORLD_SIZE set by the launcher) the CLI joins that group instead of
     spawning: the way it runs across machines."""

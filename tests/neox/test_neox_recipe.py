@@ -144,7 +144,7 @@ def test_a_flag_declared_once_reaches_the_recipe_and_its_checks():
     # --sample-temperature is one declaration (OutputConfig.sample_temperature) and its use.
     args = build_parser().parse_args(["--finetune", "full", "--sample-temperature", "0"])
     assert recipe_from_flags(vars(args)).output.sample_temperature == 0.0
-    assert Recipe().output.sample_temperature == 0.8 and RECIPE_VERSION == 3
+    assert Recipe().output.sample_temperature == 0.8 and RECIPE_VERSION >= 3
     bad = build_parser().parse_args(["--finetune", "full", "--sample-temperature", "-1"])
     with pytest.raises(ValueError, match=r"^--sample-temperature must be a finite number >= 0"):
         recipe_from_flags(vars(bad))
@@ -155,6 +155,17 @@ def test_a_flag_declared_once_reaches_the_recipe_and_its_checks():
         Recipe.from_dict(d)
     d["version"] = 2
     assert Recipe.from_dict(d).output.sample_temperature == 0.8
+
+
+def test_compile_is_one_declaration_too():
+    # --compile (LoopConfig.compile): the flag, the recipe, version 4; older recipes run eager.
+    args = build_parser().parse_args(["--finetune", "full", "--compile"])
+    assert recipe_from_flags(vars(args)).loop.compile is True
+    assert Recipe().loop.compile is False and RECIPE_VERSION == 4
+    d = Recipe().to_dict()
+    del d["loop"]["compile"]
+    d["version"] = 3
+    assert Recipe.from_dict(d).loop.compile is False
 
 
 def test_recipe_parts_are_frozen():
