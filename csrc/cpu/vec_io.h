@@ -13,7 +13,7 @@
 #include <type_traits>
 
 // Streaming stores and the int8 conversions are written with AVX2 intrinsics on the 256-bit
-// at::vec types, so only when at::vec uses its AVX2 implementation (see zerocore/_sources.py);
+// at::vec types, so only when at::vec uses its AVX2 implementation (see zerocore/kernels/_sources.py);
 // elsewhere they are normal stores and plain loops.
 #if defined(CPU_CAPABILITY_AVX2) && defined(__AVX2__)
 #define ZEROCORE_AVX2_STREAMING 1
