@@ -10,7 +10,10 @@ This isolates the mechanism (the computation a compiled block saves, the engine'
 per layer) from the 2-rank workload of bench_fsdp.py, where communication and other load
 mix in. Ratios are taken round by round, calls moments apart.
 
-    python bench/compiled_units.py [--size neox-6x256-t128] [--rounds 20]
+    python bench/compiled_units.py [--size neox-6x256-t128] [--rounds 20] [--device cuda]
+
+``--device cuda`` runs the four ways on the current GPU (NCCL; inductor's GPU kernels), where
+compiling is expected to pay, unlike on this CPU (bench/gpu_check.sh does).
 """
 
 from __future__ import annotations
@@ -31,17 +34,17 @@ from bench_fsdp import ADAMW, SIZES, make_layers, _batches  # noqa: E402
 import zerocore  # noqa: E402
 
 
-def _steppers(size: str) -> dict[str, object]:
+def _steppers(size: str, device: torch.device) -> dict[str, object]:
     """name -> (model, optimizer) of each way, from the same initial weights."""
     out = {}
     for name in ("torch", "torch compiled"):
-        layers = make_layers(size)
+        layers = [layer.to(device) for layer in make_layers(size)]
         if name.endswith("compiled"):
             layers = [torch.compile(layer, fullgraph=True) for layer in layers]
         model = nn.Sequential(*layers)
         out[name] = (model, torch.optim.AdamW(model.parameters(), **ADAMW, fused=True))
     for name, policy in (("zerocore", None), ("zerocore compiled", zerocore.Compile())):
-        model = zerocore.shard(make_layers(size), compile=policy)
+        model = zerocore.shard(make_layers(size), device=device, compile=policy)
         out[name] = (model, zerocore.optim.AdamW(model.parameters(), **ADAMW))
     return out
 
@@ -51,12 +54,16 @@ def main() -> None:
     parser.add_argument("--size", default="neox-6x256-t128", choices=sorted(SIZES))
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(1)  # as each rank of bench_fsdp.py
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{harness.free_port()}",
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" \
+        else torch.device("cpu")
+    dist.init_process_group("cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{harness.free_port()}",
                             rank=0, world_size=1)
-    batches = _batches(0, args.size)
-    ways = _steppers(args.size)
+    batches = [(x.to(device), y.to(device)) for x, y in _batches(0, args.size)]
+    ways = _steppers(args.size, device)
 
     def step(name: str):
         model, opt = ways[name]
@@ -71,7 +78,7 @@ def main() -> None:
         return run
 
     print(harness.header(f"bench/compiled_units.py --size {args.size} --rounds {args.rounds}: "
-                         f"one process, 1 thread, world size 1"))
+                         f"one process, 1 thread, world size 1, {device}"))
     rounds = harness.Interleaved({n: step(n) for n in ways}, warmup=args.warmup,
                                  seed="compiled").run(args.rounds)
     print(f"# load average after: {harness.load_average():.2f}")

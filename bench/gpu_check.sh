@@ -16,10 +16,15 @@
 #   6. example      examples/finetune_hf_trainer.py under torchrun on one GPU (Trainer, LoRA,
 #                   offload, gradient checkpointing, bf16): PEFT's reload must generate the
 #                   sharded model's line
+#   7. layer cost   bench/layer_cost.py --device cuda at one rank: the engine's host cost per layer
+#                   (both front doors, FSDP2) beside the unsharded stack's, mostly its kernels
+#   8. compiled     bench/compiled_units.py --device cuda: torch.compile per block, in plain torch
+#                   and under the engine (zerocore.Compile), against eager (issue 23, items 2-3;
+#                   the CPU Adam under offload is step 3's selftest and step 6's example)
 # Results go to bench/results/ (gpu_*) and, when $OUT is set, to $OUT after every step, so a run
 # cut short still returns what it did: the summary, the selftest's table, the test and benchmark
-# logs, the example's log, the build log and a tarball of all gpu_* files (7 files, each far
-# under 16 MiB).
+# logs, the example's log, the build log and a tarball of all gpu_* files (which carries the
+# layer-cost and compiled-units tables too; 7 files, each far under 16 MiB).
 #
 # A failing step is recorded and the next one runs; the exit status is 1 if any failed. Without a
 # GPU (torch sees none) this is a dry run: the GPU-only steps are skipped with a message, the
@@ -240,6 +245,18 @@ else
   if ! grep -q "same as the sharded model's: True" "$RES/gpu_example.log"; then
     failed+=("Trainer example (PEFT's reload differs)")
   fi
+fi
+
+# 7 and 8. The engine's cost per layer and compiled units on the GPU (in a dry run, their --help).
+if ((DRY_RUN)); then
+  step "layer cost (--help only)" 60 "$RES/gpu_layer_cost.txt" "$PY" bench/layer_cost.py --help
+  step "compiled units (--help only)" 60 "$RES/gpu_compiled.txt" \
+    "$PY" bench/compiled_units.py --help
+else
+  step "layer cost" 90 "$RES/gpu_layer_cost.txt" \
+    "$PY" bench/layer_cost.py --device cuda --nproc 1 --rounds 10
+  step "compiled units" 150 "$RES/gpu_compiled.txt" \
+    "$PY" bench/compiled_units.py --device cuda --rounds 10
 fi
 
 write_summary final

@@ -65,9 +65,10 @@ def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
 
 
 def join_gloo(rank: int, world: int, port: int, *, timeout_s: float = 900,
-              env: Mapping[str, str] | None = None) -> None:
+              env: Mapping[str, str] | None = None, backend: str = "gloo") -> None:
     """In a rank: one compute thread (the ranks share the cores), ``rank_env`` and ``env`` in
-    ``os.environ``, then the gloo group on ``port``."""
+    ``os.environ``, then the gloo group on ``port`` (or ``backend``'s: ``"cuda:nccl,cpu:gloo"``
+    for the GPU variants, this rank on GPU ``rank``)."""
     # torch is imported where ranks are started, not with this module: a script that only runs
     # commands and measures them (from_deepspeed_mem.py) keeps its own process small.
     import torch
@@ -75,15 +76,18 @@ def join_gloo(rank: int, world: int, port: int, *, timeout_s: float = 900,
 
     torch.set_num_threads(1)
     os.environ.update(rank_env(rank, world, port), **(env or {}))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    if "nccl" in backend:
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _rank_main(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple,
-               env: Mapping[str, str] | None, group_timeout_s: float, results) -> None:
+               env: Mapping[str, str] | None, group_timeout_s: float, backend: str,
+               results) -> None:
     import torch.distributed as dist
 
-    join_gloo(rank, world, port, timeout_s=group_timeout_s, env=env)
+    join_gloo(rank, world, port, timeout_s=group_timeout_s, env=env, backend=backend)
     try:
         results.put((rank, fn(rank, world, *args)))
     finally:
@@ -92,7 +96,8 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable[..., Any], args: t
 
 
 def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 1800,
-              group_timeout_s: float = 900, env: Mapping[str, str] | None = None) -> list[Any]:
+              group_timeout_s: float = 900, env: Mapping[str, str] | None = None,
+              backend: str = "gloo") -> list[Any]:
     """``fn(rank, nproc, *args)`` in ``nproc`` fresh gloo ranks; their results, by rank.
 
     ``fn`` must be importable by a spawned process (a module-level function, of a script run as
@@ -105,7 +110,8 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float =
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main,
-                         args=(r, nproc, port, fn, args, env, group_timeout_s, results))
+                         args=(r, nproc, port, fn, args, env, group_timeout_s, backend,
+                               results))
              for r in range(nproc)]
     for proc in procs:
         proc.start()

@@ -18,6 +18,10 @@ Reported: the median step time over the rounds divided by the number of layers (
 per layer per step, the slowest rank), and for zerocore the part spent issuing and waiting for
 its collectives (``CommCounter``'s timers: the transport's share). DeepSpeed is not run here:
 it lives in a separate venv (bench/bench_fsdp.py runs it).
+
+``--device cuda`` runs the same on GPUs (NCCL, one GPU per rank; bench/gpu_check.sh does at one
+rank), each step ending with a device synchronisation, so that the host's cost per layer stands
+beside what the kernels take (the unsharded stack's time is then mostly the kernels').
 """
 
 from __future__ import annotations
@@ -51,9 +55,10 @@ def torch_adamw(params) -> torch.optim.Optimizer:
 
 
 def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
+    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
     base = stack(args.layers, args.width)
     engines = {}
-    model = zerocore.shard(copy.deepcopy(base))
+    model = zerocore.shard(copy.deepcopy(base), device=device)
     engines["shard"] = (model, zerocore.optim.AdamW(model.parameters(), lr=1e-4),
                         model.counter)
     layers = copy.deepcopy(base)
@@ -62,14 +67,16 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
     engines["shard_model"] = (seq, zerocore.optim.AdamW(seq.parameters(), lr=1e-4),
                               sharded.counter)
     fsdp = nn.Sequential(*copy.deepcopy(base))
-    mesh = init_device_mesh("cpu", (world,))
+    fsdp.to(device)
+    mesh = init_device_mesh(device.type, (world,))
     for layer in fsdp:
         fully_shard(layer, mesh=mesh)
     fully_shard(fsdp, mesh=mesh)
     engines["fsdp2"] = (fsdp, torch_adamw(fsdp.parameters()), None)
-    plain = nn.Sequential(*copy.deepcopy(base))
+    plain = nn.Sequential(*copy.deepcopy(base)).to(device)
     engines["unsharded"] = (plain, torch_adamw(plain.parameters()), None)
-    x = torch.randn(ROWS, SEQ, args.width, generator=torch.Generator().manual_seed(rank))
+    x = torch.randn(ROWS, SEQ, args.width,
+                    generator=torch.Generator().manual_seed(rank)).to(device)
     def step(name: str):
         model, opt, _ = engines[name]
 
@@ -77,6 +84,8 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
             model(x).square().mean().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the step's kernels are part of its time
         return run
 
     def before(name: str) -> None:
@@ -104,13 +113,18 @@ def main() -> None:
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--rounds", type=int, default=10, help="timed rounds (default 10)")
     p.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu (gloo ranks; default) or cuda (NCCL, a GPU per rank)")
     args = p.parse_args()
     print(harness.header(f"{args.layers} layers of Linear({args.width}, {args.width}) + GELU, "
-                         f"fp32, {ROWS} x {SEQ} rows per rank; {args.rounds} rounds",
+                         f"fp32, {ROWS} x {SEQ} rows per rank; {args.rounds} rounds; "
+                         f"{args.device}",
                          packages=("torch",)))
     rows = []
     for nproc in args.nproc:
-        per_rank = harness.run_ranks(rank_main, nproc, args)
+        per_rank = harness.run_ranks(
+            rank_main, nproc, args,
+            backend="cuda:nccl,cpu:gloo" if args.device == "cuda" else "gloo")
         worst = {name: max(r[name]["us"] for r in per_rank) for name in per_rank[0]}
         for name in ("shard", "shard_model", "fsdp2", "unsharded"):
             comm = per_rank[0][name]["comm_us"]
