@@ -88,7 +88,8 @@ EOF
 # them without a GPU (exit 2, with the reason), and its CPU checks pass (--quick).
 # From $WORK: `python -m` puts the current directory first on sys.path, and the working tree's
 # zerocore holds the CPU build for the other torch.
-cp zerocore/*.py "$WORK/lib/zerocore/"
+# Every module of the package, its subpackages too (build_ext writes only the library).
+(cd zerocore && find . -name '*.py' -exec cp --parents {} "$WORK/lib/zerocore/" \;)
 selftest() {
   (cd "$WORK" && PYTHONPATH="$WORK/lib" CUDA_VISIBLE_DEVICES="" \
     "$VENV/bin/python" -m zerocore.selftest "$@")

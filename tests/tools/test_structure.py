@@ -5,6 +5,8 @@ zerocore names."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 import importlib
 from pathlib import Path
 
@@ -190,3 +192,14 @@ def test_the_library_of_neox_imports_no_argparse_and_no_command():
             if module.split(".")[0] == "argparse" or loaded & commands:
                 found.append(f"{path.relative_to(REPO)}:{line}: import {module} {names}")
     assert not found, found
+
+
+def test_importing_zerocore_needs_only_the_engines_dependencies():
+    # `import zerocore` loads what training needs (torch, numpy), not the file formats that only
+    # exports write (safetensors: zerocore.consolidate) nor the integrations: .ci's CUDA check
+    # imports zerocore in a venv holding only torch, as a minimal install would.
+    code = ("import sys, zerocore; print(sorted(m for m in "
+            "('safetensors', 'transformers', 'peft') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=REPO, check=True).stdout
+    assert out.strip() == "[]", out

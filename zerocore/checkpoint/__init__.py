@@ -2,9 +2,9 @@
 their directory rules (``dirs``), manifest (``manifest``) and verified reading (``reader``),
 atomic writes (``durable_io``), full weights rebuilt from the shards (``consolidate``), and
 DeepSpeed ZeRO-3 checkpoints read without DeepSpeed (``deepspeed``). This module names what
-applications use."""
+applications use; ``consolidate`` (safetensors) is imported only by those who write files with
+it (``zerocore.consolidate``), so that ``import zerocore`` needs no more than the engine does."""
 
-from zerocore.checkpoint.consolidate import TRAINABLE_FILE, save_trainable
 from zerocore.checkpoint.deepspeed import (DeepSpeedCheckpointError, is_deepspeed_checkpoint,
                                            load_deepspeed_checkpoint)
 from zerocore.checkpoint.dirs import (IncompleteCheckpoint, checkpoint_runs,
@@ -20,6 +20,5 @@ __all__ = ["save_checkpoint", "load_checkpoint", "list_checkpoints", "latest_che
            "checkpoint_runs", "incomplete_checkpoints", "IncompleteCheckpoint", "read_manifest",
            "verify_files", "open_checkpoint", "iter_full_layers", "ShardReader",
            "model_fingerprint", "rank_file", "unverified_reason", "CheckpointError",
-           "CheckpointWriteError", "MANIFEST", "COMMIT", "FORMAT", "save_trainable",
-           "TRAINABLE_FILE", "load_deepspeed_checkpoint", "is_deepspeed_checkpoint",
-           "DeepSpeedCheckpointError"]
+           "CheckpointWriteError", "MANIFEST", "COMMIT", "FORMAT", "load_deepspeed_checkpoint",
+           "is_deepspeed_checkpoint", "DeepSpeedCheckpointError"]
