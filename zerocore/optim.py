@@ -53,6 +53,9 @@ class _Bucket:
     # end, weight_decay or None for the group's, lr scale), covering the flat buffers; one
     # kernel call per run. None: the group's settings for everything, one call.
     runs: list[tuple[int, int, float | None, float]] | None = None
+    # CPU threads to step with (an offloaded shard of a GPU rank: its sharding's share of the
+    # host); None: torch's own count.
+    host_threads: int | None = None
 
 
 # param_overrides: a parameter's name (the model's own; "<layer index>.<name>" for
@@ -62,14 +65,15 @@ Overrides = Callable[[str], "dict[str, float] | None"]
 
 
 @contextlib.contextmanager
-def _host_threads(params: list[torch.nn.Parameter]) -> Iterator[None]:
+def _host_threads(n: int | None) -> Iterator[None]:
     """Offloaded shards of a GPU rank are stepped with the CPU threads their sharding chose (the
     rank's share of its host, ``Offload.cpu_threads``), for the step's duration only: torch's
     own count, which the caller owns, is given back afterwards."""
-    n = next((p.host_threads for p in params
-              if isinstance(p, OffloadedShard) and p.host_threads is not None), None)
+    if n is None:
+        yield
+        return
     before = torch.get_num_threads()
-    if n is None or n == before:
+    if n == before:
         yield
         return
     torch.set_num_threads(n)
@@ -243,7 +247,8 @@ class Adam(torch.optim.Optimizer):
         if p.dtype != torch.float32 or p.dim() != 1:
             raise ValueError("zerocore.optim: a ShardParameter must be a 1-D float32 master shard")
         bucket = _Bucket([p], [0], p.data, torch.zeros_like(p.data), torch.zeros_like(p.data),
-                         p.model_copy, None, self._shard_runs(p))
+                         p.model_copy, None, self._shard_runs(p),
+                         p.host_threads if isinstance(p, OffloadedShard) else None)
         self._bind_state(bucket)
         return bucket
 
@@ -295,7 +300,7 @@ class Adam(torch.optim.Optimizer):
                 loss = closure()
         for group, buckets in zip(self.param_groups, self._buckets):
             for b in buckets:
-                with _host_threads(b.params):
+                with _host_threads(b.host_threads):
                     self._step_bucket(group, b, inv_grad_scale)
         return loss
 

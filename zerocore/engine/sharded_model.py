@@ -107,7 +107,7 @@ class UnitParams(torch.autograd.Function):
         return None, None, None
 
 
-def _recomputed(forward: Callable[..., Any]) -> Callable[..., Any]:
+def _recomputing(forward: Callable[..., Any]) -> Callable[..., Any]:
     """``forward`` keeping only its inputs when it builds a graph, run again in backward
     (``torch.utils.checkpoint``, non-reentrant: any arguments, the random-number state of the
     first run restored so dropout draws the same masks)."""
@@ -228,7 +228,7 @@ class ShardedModel(Sharding):
                     raise ValueError(f"zerocore.shard_model: unit {unit.name} has a forward "
                                      f"of its own set on the instance; Recompute wraps the "
                                      f"module's forward, so it cannot recompute this unit")
-                unit.module.forward = _recomputed(unit.module.forward)
+                unit.module.forward = _recomputing(unit.module.forward)
                 self._recomputed.append(unit.module)
         # Forward prefetch: the order units ran in the previous forward (the order given
         # before the first), and the order of the one in progress.
