@@ -271,11 +271,13 @@ class _Zerocore(_Engine):
                  comm: dict[str, Any] | None = None, compile: bool = False) -> None:
         import zerocore
 
+        # Only the options a run asks for: "zerocore-before" may be a checkout older than
+        # some of them (compile=, say).
+        options = {"compile": zerocore.Compile()} if compile else {}
         self.model = zerocore.shard(make_layers(size),
                                     prefetch=zerocore.Prefetch(keep_last=keep_last),
                                     offload=zerocore.Offload(optimizer=offload),
-                                    comm=zerocore.Comm(**(comm or {})),
-                                    compile=zerocore.Compile() if compile else None)
+                                    comm=zerocore.Comm(**(comm or {})), **options)
         self.optimizer = zerocore.optim.AdamW(self.model.parameters(), **ADAMW)
         self.optimizer_kind = "zerocore.optim.AdamW (fused kernel)"
 
