@@ -225,18 +225,29 @@ def test_plan_of_any_stack_from_meta_layers(worlds, name):
         assert abs(plan.device_peak / measured - 1) < REL_TOL, (plan.table(), measured)
 
 
-# -- a large layer among small ones (issue 18): what the engine keeps from step to step -----------
+# -- a large layer among small ones (issue 18): what the transport keeps from step to step -------
 # On 2 CPU ranks the on-host transport reads the peer's gradient contribution into one buffer it
-# keeps between steps, as large as the largest shard reduced so far; a plan that started each
-# step without it under-counted the peak by that layer's fp32 shard (0.93-0.96 of measured
-# here). 2%, the issue's bound: measured after the fix 1.000 in fp32 and 0.986-0.987 in bf16,
-# with and without offload (the buffer is 5-7% of these totals). Two ranks only: three have no
-# such buffer, but their measured peak depends on when gloo completes each reduction (0.93 to
-# 0.98 of it planned, run to run, with bf16; 1.000 in fp32), which a plan from shapes cannot
-# follow; the plan's other tests keep a three-rank case at 5%.
+# keeps between steps, as large as the largest shard reduced so far (5-7% of these totals); the
+# exchange (ranks that may not read each other) holds the peer's half instead, per reduction in
+# flight. The plan asks the transport (comm/transport.py) what each way holds.
+#
+# 2%, the issue's bound. Measured (the smallest peak of the runs, see measure_mixed): 1.000 in
+# fp32 at 2 and 3 ranks; 0.983-0.987 in bf16 at 3 ranks and 0.986-0.987 at 2: the rest is the
+# workspace the CPU's bf16 matmul allocates inside the kernel (105 KiB in the large layer's
+# backward), which fake tensors do not run.
 MIXED_TOL = 0.02
-MIXED = {"bf16": (torch.bfloat16, False), "bf16-offload": (torch.bfloat16, True),
-         "fp32": (torch.float32, False)}
+# With recomputation the planned peak falls short by a little more (measured 0.978-0.987, both
+# front doors): the step then runs the bf16 matmuls of a layer's forward again inside its
+# backward, whose kernel workspaces fake tensors do not see either.
+MIXED_RECOMPUTE_TOL = 0.03
+MIXED = {"bf16": (torch.bfloat16, False, zerocore.Comm(), {}),
+         "bf16-offload": (torch.bfloat16, True, zerocore.Comm(), {}),
+         "fp32": (torch.float32, False, zerocore.Comm(), {}),
+         "bf16-exchange": (torch.bfloat16, False, zerocore.Comm(peer_read="off"), {}),
+         "bf16-recompute": (torch.bfloat16, False, zerocore.Comm(),
+                            {"recompute": zerocore.Recompute()}),
+         "bf16-keep-gathered": (torch.bfloat16, False, zerocore.Comm(),
+                                {"prefetch": zerocore.Prefetch(keep_gathered="all")})}
 
 
 def mixed_stack(device: str | None = None) -> list[nn.Module]:
@@ -249,27 +260,102 @@ def mixed_stack(device: str | None = None) -> list[nn.Module]:
 
 
 def mixed_policies(name: str) -> dict:
-    dtype, offload = MIXED[name]
+    dtype, offload, comm, others = MIXED[name]
     return dict(mixed_precision=zerocore.MixedPrecision(dtype, torch.float32),
-                offload=zerocore.Offload(optimizer=offload))
+                offload=zerocore.Offload(optimizer=offload), comm=comm, **others)
 
 
-def measure_mixed(rank: int, world_size: int, name: str) -> int:
-    with zerocore.PeakMemory("cpu") as peak:
-        train_stack(zerocore.shard(mixed_stack(), **mixed_policies(name)), peak, steps=2)
-    return peak.peak_bytes
+def measure_mixed(rank: int, world_size: int, name: str) -> list[int]:
+    """The peaks of three runs. The CPU's count can only over-count: a buffer gloo's worker
+    thread lets go of last (it may still hold a finished collective's tensors when the engine
+    drops them) is freed on that thread, which torch's profiler does not follow, so its bytes
+    stay counted (PeakMemory's docstring). Seen on 1 run in 4 at 3 ranks, adding one buffer's
+    bytes (up to 19% here). Every rank runs the same step on shards of one size, so the
+    smallest peak of all runs on all ranks is the step's own (see peak_of)."""
+    peaks = []
+    for _ in range(3):
+        with zerocore.PeakMemory("cpu") as peak:
+            train_stack(zerocore.shard(mixed_stack(), **mixed_policies(name)), peak, steps=2)
+        peaks.append(peak.peak_bytes)
+    return peaks
 
 
-@pytest.mark.parametrize("name", list(MIXED))
-def test_plan_of_a_large_layer_among_small_ones(worlds, name):
-    world_size = 2
+def peak_of(runs: list[list[int]]) -> int:
+    """The step's peak from every rank's runs (measure_mixed): the smallest."""
+    return min(min(peaks) for peaks in runs)
+
+
+@pytest.mark.parametrize("name, world_size", [(name, ws) for name in MIXED for ws in (2, 3)
+                                               if ws == 2 or name != "bf16-exchange"])
+def test_plan_of_a_large_layer_among_small_ones(worlds, name, world_size):
     layers = mixed_stack("meta")
     plan = zerocore.plan.plan(layers, torch.empty(BATCH, SEQ, dtype=torch.long, device="meta"),
                               world_size=world_size, loss=plain_loss, device="cpu",
                               **mixed_policies(name))
-    for measured in worlds(world_size).run(measure_mixed, name):
-        ratio = plan.device_peak / measured
-        assert abs(ratio - 1) < MIXED_TOL, (ratio, plan.table())
+    tolerance = MIXED_RECOMPUTE_TOL if "recompute" in name else MIXED_TOL
+    runs = worlds(world_size).run(measure_mixed, name)
+    ratio = plan.device_peak / peak_of(runs)
+    assert abs(ratio - 1) < tolerance, (ratio, runs, plan.table())
+
+
+class MixedModel(nn.Module):
+    """The same stack as a model for ``shard_model``: the embedding and head in the root, the
+    others units."""
+
+    def __init__(self, device: str | None = None):
+        super().__init__()
+        stack = mixed_stack(device)
+        self.embed, self.layers, self.head = stack[0], nn.ModuleList(stack[1:-1]), stack[-1]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def measure_mixed_model(rank: int, world_size: int, name: str) -> list[int]:
+    """As measure_mixed, through shard_model."""
+    peaks = []
+    for _ in range(3):
+        with zerocore.PeakMemory("cpu") as peak:
+            model = MixedModel()
+            zerocore.shard_model(model, model.layers, **mixed_policies(name))
+            train_stack(model, peak, steps=2)
+        peaks.append(peak.peak_bytes)
+    return peaks
+
+
+# The same bounds and the same causes as for the stack (measured: 0.978-1.000).
+@pytest.mark.parametrize("name, world_size", [(name, ws) for name in MIXED for ws in (2, 3)
+                                               if ws == 2 or name != "bf16-exchange"])
+def test_plan_model_of_a_large_layer_among_small_ones(worlds, name, world_size):
+    model = MixedModel("meta")
+    plan = zerocore.plan.plan_model(model, model.layers,
+                                    torch.empty(BATCH, SEQ, dtype=torch.long, device="meta"),
+                                    world_size=world_size, loss=plain_loss, device="cpu",
+                                    **mixed_policies(name))
+    tolerance = MIXED_RECOMPUTE_TOL if "recompute" in name else MIXED_TOL
+    runs = worlds(world_size).run(measure_mixed_model, name)
+    ratio = plan.device_peak / peak_of(runs)
+    assert abs(ratio - 1) < tolerance, (ratio, runs, plan.table())
+
+
+def test_the_plan_asks_the_transport_what_it_keeps():
+    """Reading keeps a buffer between steps (the largest shard, fp32); the exchange holds the
+    peer's half of the reduction in flight instead (at the peak, in the large layer's backward,
+    the small layer's after it): the plans differ by that, and a way that cannot apply is
+    refused as shard refuses it."""
+    example = torch.empty(BATCH, SEQ, dtype=torch.long, device="meta")
+    peaks = {peer_read: zerocore.plan.plan(mixed_stack("meta"), example, world_size=2,
+                                           loss=plain_loss, device="cpu",
+                                           comm=zerocore.Comm(peer_read=peer_read)).device_peak
+             for peer_read in ("auto", "off")}
+    largest_shard, small_shard = (D * 16 * D * 2 + 16 * D + D) // 2 * 4, (D * D + D) // 2 * 4
+    assert peaks["auto"] - peaks["off"] == pytest.approx(largest_shard - small_shard, rel=0.01)
+    with pytest.raises(ValueError, match="exactly two gloo ranks"):
+        zerocore.plan.plan(mixed_stack("meta"), example, world_size=3, device="cpu",
+                           comm=zerocore.Comm(reduce="exchange"))
 
 
 def test_plan_argument_checks():

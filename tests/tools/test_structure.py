@@ -131,7 +131,7 @@ ZEROCORE_FLOORS = (
     ("zerocore.kernels",),
     ("zerocore.comm",),
     ("zerocore.engine",),
-    ("zerocore.optim", "zerocore.plan"),
+    ("zerocore.optim", "zerocore.planning", "zerocore.plan"),
     ("zerocore.loss_scale",),
     ("zerocore.checkpoint",),
     ("zerocore",),                             # the face: __init__ names what users call

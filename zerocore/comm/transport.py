@@ -118,6 +118,20 @@ class Reduce:
     def __init__(self, route: Route):
         self.route = route
 
+    # What the way holds beside the packed buffer, for ``zerocore.plan`` (which has no group to
+    # build one on, so these read only sizes). ``shard_nbytes``: one rank's slice of the packed
+    # buffer, in the reduction's dtype.
+    @staticmethod
+    def in_flight_nbytes(shard_nbytes: int, gloo: bool) -> int:
+        """Bytes a reduction in flight holds until it is finished: NCCL's reduce-scatter writes
+        into an output of its own; gloo's all-reduce sums in place."""
+        return 0 if gloo else shard_nbytes
+
+    @staticmethod
+    def kept_nbytes(largest_shard_nbytes: int) -> int:
+        """Bytes the way keeps from step to step (none: its buffers go with each reduction)."""
+        return 0
+
     @property
     def owned(self) -> bool:
         return not self.route.gloo
@@ -139,6 +153,11 @@ class Reduce:
 class ReduceByExchange(Reduce):
     name = "exchange"
 
+    @staticmethod
+    def in_flight_nbytes(shard_nbytes: int, gloo: bool) -> int:
+        return shard_nbytes  # ``received``: the peer's half, until it is added
+
+
     def start(self, packed: torch.Tensor, lo: int, hi: int) -> Reduction:
         r = self.route
         received = torch.empty(hi - lo, dtype=packed.dtype, device=packed.device)
@@ -155,6 +174,17 @@ class ReduceByExchange(Reduce):
 
 class ReduceByReading(Reduce):
     name = "read"
+
+    @staticmethod
+    def in_flight_nbytes(shard_nbytes: int, gloo: bool) -> int:
+        return 0  # read into the kept buffer below
+
+    @staticmethod
+    def kept_nbytes(largest_shard_nbytes: int) -> int:
+        # PeerMemory.received_buffer: one buffer the peer's contribution is read into, kept
+        # and grown to the largest shard reduced so far, so every step after the first holds
+        # it from its start.
+        return largest_shard_nbytes
 
     def __init__(self, route: Route):
         super().__init__(route)
@@ -195,13 +225,17 @@ def _mean_of_sum(packed: torch.Tensor, lo: int, hi: int, received: torch.Tensor 
     return mine.div_(world_size)
 
 
-def choose(route: Route, comm: Comm) -> tuple[Gather, Reduce]:
-    """The group's gather and reduce strategies. ``"auto"`` takes the fastest that applies:
-    reading on one host (probed, a collective: the same answer on every rank), else for two
-    gloo ranks the exchange, else the collectives. A way asked for by name that does not apply
-    here is refused (the same on every rank)."""
-    can_read = route.gloo and route.peers is not None and route.peers.probe(route.process_group)
-    two = route.gloo and route.world_size == 2
+GATHERS: dict[str, type[Gather]] = {"collective": Gather, "read": GatherByReading}
+REDUCES: dict[str, type[Reduce]] = {"collective": Reduce, "exchange": ReduceByExchange,
+                                    "read": ReduceByReading}
+
+
+def resolve(comm: Comm, *, gloo: bool, world_size: int, can_read: bool) -> tuple[str, str]:
+    """The names of the gather and reduce ways ``comm`` asks for, here. ``"auto"`` takes the
+    fastest that applies: reading on one host, else for two gloo ranks the exchange, else the
+    collectives. A way asked for by name that does not apply is refused (the same on every
+    rank: every rank knows the same facts)."""
+    two = gloo and world_size == 2
     gather = comm.gather if comm.gather != "auto" else ("read" if can_read else "collective")
     if comm.reduce != "auto":
         reduce = comm.reduce
@@ -213,14 +247,21 @@ def choose(route: Route, comm: Comm) -> tuple[Gather, Reduce]:
                          f"Linux host that may read each other's memory; "
                          f"use 'auto' or 'collective'")
     if reduce in ("read", "exchange") and not two:
-        ranks = f"{route.world_size} rank{'s' if route.world_size != 1 else ''}"
+        ranks = f"{world_size} rank{'s' if world_size != 1 else ''}"
         raise ValueError(f"zerocore.Comm(reduce={comm.reduce!r}) needs exactly two gloo ranks "
                          f"on the CPU (this group: {ranks}, "
-                         f"{'gloo' if route.gloo else 'not gloo on the CPU'}); use 'auto' or "
+                         f"{'gloo' if gloo else 'not gloo on the CPU'}); use 'auto' or "
                          f"'collective'")
-    gathers = {"collective": Gather, "read": GatherByReading}
-    reduces = {"collective": Reduce, "exchange": ReduceByExchange, "read": ReduceByReading}
-    return gathers[gather](route), reduces[reduce](route)
+    return gather, reduce
+
+
+def choose(route: Route, comm: Comm) -> tuple[Gather, Reduce]:
+    """The group's gather and reduce strategies (``resolve``; whether ranks may read each
+    other's memory is probed, a collective: the same answer on every rank)."""
+    can_read = route.gloo and route.peers is not None and route.peers.probe(route.process_group)
+    gather, reduce = resolve(comm, gloo=route.gloo, world_size=route.world_size,
+                             can_read=can_read)
+    return GATHERS[gather](route), REDUCES[reduce](route)
 
 
 def ways(layers: Iterable[Any]) -> str:

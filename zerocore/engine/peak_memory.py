@@ -7,6 +7,12 @@ CPU allocator keeps no such count, so on the CPU the region runs under torch's p
 size and time; the peak is the largest running sum. That sees every tensor (those made inside
 kernels and by autograd's engine too), and nothing else: not Python objects, not the
 allocator's own rounding, not what gloo allocates outside torch.
+
+One way the CPU's count errs, always upwards: the profiler follows the threads it was started
+on, so a tensor freed on another thread stays counted. gloo's worker threads are such: a
+finished collective's worker may still hold its tensors for a moment after ``wait()`` returns,
+and when the caller has let go first the worker frees them (seen at 3 ranks, one run in four).
+Two runs' smaller peak is the program's own.
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ class UnitParams(torch.autograd.Function):
         return None, None, None
 
 
-def _recomputing(forward: Callable[..., Any]) -> Callable[..., Any]:
+def recomputing(forward: Callable[..., Any]) -> Callable[..., Any]:
     """``forward`` keeping only its inputs when it builds a graph, run again in backward
     (``torch.utils.checkpoint``, non-reentrant: any arguments, the random-number state of the
     first run restored so dropout draws the same masks)."""
@@ -122,7 +122,7 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
-def _assign(model: nn.Module, units: list[nn.Module]) -> tuple[list[Params], Params]:
+def assign_params(model: nn.Module, units: list[nn.Module]) -> tuple[list[Params], Params]:
     """Each unit's parameters, and the root's: a parameter reached only through one unit is that
     unit's; one also reached outside every unit, or through two units (tied weights), is the
     root's, once. Names are the model's (as ``named_parameters`` gives them); every (module,
@@ -182,7 +182,7 @@ class ShardedModel(Sharding):
                          comm=comm, compile=compile, host_threads=host_threads)
         self.model = model
         targets = _parametrized_each_forward(model)  # before the parameters are taken out
-        per_unit, root_params = _assign(model, units)
+        per_unit, root_params = assign_params(model, units)
         names = {id(m): n for n, m in model.named_modules()}
         agree_on_structure(0, len(units), group, device,
                            what="zerocore.shard_model: the number of units")
@@ -228,7 +228,7 @@ class ShardedModel(Sharding):
                     raise ValueError(f"zerocore.shard_model: unit {unit.name} has a forward "
                                      f"of its own set on the instance; Recompute wraps the "
                                      f"module's forward, so it cannot recompute this unit")
-                unit.module.forward = _recomputing(unit.module.forward)
+                unit.module.forward = recomputing(unit.module.forward)
                 self._recomputed.append(unit.module)
         # Forward prefetch: the order units ran in the previous forward (the order given
         # before the first), and the order of the one in progress.
@@ -536,7 +536,7 @@ def _refuse_parametrized(model: nn.Module) -> None:
                              f"remove_parametrizations) before sharding")
 
 
-def _unit_modules(model: nn.Module, units: Any) -> list[nn.Module]:
+def unit_modules(model: nn.Module, units: Any) -> list[nn.Module]:
     if isinstance(units, nn.Module) and not isinstance(units, (nn.ModuleList, nn.Sequential)):
         units = [units]
     try:
@@ -609,7 +609,7 @@ def shard_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module = (), *
     if isinstance(getattr(model, SHARDING_ATTR, None), ShardedModel):
         raise ValueError("zerocore.shard_model: this model is sharded already")
     _refuse_parametrized(model)
-    unit_list = _unit_modules(model, units)
+    unit_list = unit_modules(model, units)
     dev, host_threads = prepare_device(device, group, offload, platform)
     sharding = ShardedModel(model, unit_list, group=group, device=dev,
                             mixed_precision=mixed_precision, prefetch=prefetch, offload=offload,
