@@ -12,9 +12,10 @@ gloo, gives bitwise the results of every other.
   instead of gloo's broadcasts and exchanges (``collectives.PeerMemory``).
 
 The default (``"auto"``) takes the fastest way that applies; the tests train a model with each
-way asked for by name and compare it with a default one trained alike, at world sizes 1-3, over
-several steps with accumulation, clipping, bf16 and offload. Where a way does not apply, asking
-for it is refused on every rank.
+way asked for by name and compare it with one trained alike another way, at every world size
+where two ways apply (2 and 3: one rank has one way only), over several steps with
+accumulation, clipping, bf16 and offload. Where a way does not apply (one rank, or a way of two
+ranks at three), asking for it is refused on every rank.
 """
 
 from __future__ import annotations
@@ -29,20 +30,27 @@ import zerocore
 from zerocore.comm import collectives
 from tests.support.toy_stack import Spec, make_layers, train_digest
 
-WORLD_SIZES = [1, 2, 3]
-
-
-# Each way by name: its Comm arguments, and at which world sizes it applies on gloo (the
-# reading ones where these ranks may read each other's memory: root, one host; elsewhere they
-# are refused, which the test then says).
+# Each way by name: its Comm arguments ("auto" is the default: on these ranks it reads where
+# ranks of one host may read each other's memory, and two ranks reduce by reading).
 WAYS = {
-    "gather-collective": (dict(gather="collective"), lambda n: True),
-    "gather-read": (dict(gather="read"), lambda n: n >= 2),
-    "reduce-collective": (dict(reduce="collective"), lambda n: True),
-    "reduce-exchange": (dict(reduce="exchange"), lambda n: n == 2),
-    "reduce-read": (dict(reduce="read"), lambda n: n == 2),
-    "all-collective": (dict(gather="collective", reduce="collective"), lambda n: True),
+    "auto": {},
+    "gather-collective": dict(gather="collective"),
+    "gather-read": dict(gather="read"),
+    "reduce-collective": dict(reduce="collective"),
+    "reduce-exchange": dict(reduce="exchange"),
+    "reduce-read": dict(reduce="read"),
+    "all-collective": dict(gather="collective", reduce="collective"),
 }
+# (way, the way it is compared with, world size): two different paths each time (the test
+# checks that the reports differ), at every world size where more than one way applies; one
+# rank has one way only, three ranks one way of reducing.
+COMPARED = [("gather-read", "gather-collective", 2), ("gather-read", "gather-collective", 3),
+            ("reduce-exchange", "reduce-collective", 2), ("reduce-read", "reduce-collective", 2),
+            ("reduce-read", "reduce-exchange", 2), ("all-collective", "auto", 2),
+            ("all-collective", "auto", 3)]
+# (way, world size) where the way does not apply: refused on every rank.
+REFUSED = [("gather-read", 1), ("reduce-exchange", 1), ("reduce-exchange", 3),
+           ("reduce-read", 1), ("reduce-read", 3)]
 
 CASES = {
     "mlp-fp32-micro2-clip": Spec(model="mlp", steps=4, micro=2, max_norm=0.05),
@@ -72,25 +80,28 @@ def world_digest(world, spec: Spec, comm: dict) -> tuple[str | None, list[dict]]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("way", sorted(WAYS))
-def test_every_way_gives_the_same_bits(world, case, way):
+@pytest.mark.parametrize("way, reference, world_size", COMPARED)
+def test_every_way_gives_the_same_bits(worlds, case, way, reference, world_size):
     """Losses, gradient shards before every step, gradient norms and final weights: bitwise the
-    same with the way asked for as with the default; a way that does not apply is refused."""
-    spec = CASES[case]
-    comm, applies = WAYS[way]
-    default, _ = world_digest(world, spec, {})
-    got, results = world_digest(world, spec, comm)
-    if not applies(world.world_size):
-        assert all(r["refused"] for r in results), results  # on every rank, in one line
-        return
-    if got is None and "read" in comm.values():
+    same with one way as with another; each report says the way asked for was taken."""
+    spec, world = CASES[case], worlds(world_size)
+    expected, ref_results = world_digest(world, spec, WAYS[reference])
+    got, results = world_digest(world, spec, WAYS[way])
+    if None in (got, expected):   # every way compared applies, unless reading is refused here
+        refused = [r["refused"] for r in results + ref_results if r["refused"]]
         pytest.skip("these ranks may not read each other's memory here (process_vm_readv "
-                    "refused: another user, a container's seccomp profile): "
-                    + results[0]["refused"])
-    assert got == default
-    for r in results:  # the way asked for is the way taken, and the report says so
-        for what, name in comm.items():
+                    "refused: another user, a container's seccomp profile): " + refused[0])
+    assert got == expected
+    for r, ref in zip(results, ref_results):
+        assert r["ways"] != ref["ways"], (r["ways"], ref["ways"])   # two paths, not one
+        for what, name in WAYS[way].items():   # the way asked for is the way taken
             assert f"{what}: {name}" in r["ways"], r["ways"]
+
+
+@pytest.mark.parametrize("way, world_size", REFUSED)
+def test_a_way_that_does_not_apply_is_refused(worlds, way, world_size):
+    _, results = world_digest(worlds(world_size), CASES["mlp-fp32-offload"], WAYS[way])
+    assert all(r["refused"] for r in results), results  # on every rank, in one line
 
 
 def exchange_vs_all_reduce(rank: int, world_size: int, numel: int, dtype_name: str) -> dict:

@@ -341,6 +341,56 @@ def test_plan_model_of_a_large_layer_among_small_ones(worlds, name, world_size):
     assert abs(ratio - 1) < tolerance, (ratio, runs, plan.table())
 
 
+def traffic_of_mixed_model(rank: int, world_size: int, name: str) -> tuple[int, int]:
+    """Bytes all-gathered and reduce-scattered by one step of shard_model after the first (which
+    also gathers resident groups)."""
+    model = MixedModel()
+    sharding = zerocore.shard_model(model, model.layers, **mixed_policies(name))
+    opt = zerocore.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(2):
+        if step == 1:
+            sharding.comm_report(reset=True)
+        plain_loss(model(torch.zeros(BATCH, SEQ, dtype=torch.long))).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    report = sharding.comm_report()
+    return report.all_gather_bytes, report.reduce_scatter_bytes
+
+
+@pytest.mark.parametrize("name", ["bf16", "bf16-keep-gathered", "bf16-recompute"])
+def test_plan_model_traffic_is_what_shard_model_moves(worlds, name):
+    model = MixedModel("meta")
+    plan = zerocore.plan.plan_model(model, model.layers,
+                                    torch.empty(BATCH, SEQ, dtype=torch.long, device="meta"),
+                                    world_size=2, loss=plain_loss, device="cpu",
+                                    **mixed_policies(name))
+    for moved in worlds(2).run(traffic_of_mixed_model, name):
+        assert moved == (plan.all_gather_bytes, plan.reduce_scatter_bytes)
+
+
+def test_plan_model_refuses_what_shard_model_refuses():
+    model = MixedModel("meta")
+    ids = torch.empty(BATCH, SEQ, dtype=torch.long, device="meta")
+    with pytest.raises(ValueError, match="is not a submodule of the model"):
+        zerocore.plan.plan_model(model, [nn.Linear(2, 2)], ids, world_size=2, device="cpu")
+    with pytest.raises(ValueError, match="units must not nest"):
+        zerocore.plan.plan_model(model, [model.layers[4], model.layers[4][0]], ids,
+                                 world_size=2, device="cpu")
+
+    class Named(nn.Module):   # an output with no loss: the plan needs to be told the loss
+        def __init__(self):
+            super().__init__()
+            self.inner = MixedModel("meta")
+
+        def forward(self, ids: torch.Tensor) -> dict:
+            return {"logits": self.inner(ids)}
+
+    named = Named()
+    with pytest.raises(ValueError, match="pass loss="):
+        zerocore.plan.plan_model(named, named.inner.layers, ids, world_size=2, device="cpu")
+    assert model.layers[0][0].weight.device.type == "meta"   # the caller's model is left as is
+
+
 def test_the_plan_asks_the_transport_what_it_keeps():
     """Reading keeps a buffer between steps (the largest shard, fp32); the exchange holds the
     peer's half of the reduction in flight instead (at the peak, in the large layer's backward,
