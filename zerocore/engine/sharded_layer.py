@@ -34,8 +34,11 @@ from zerocore.engine.offload import GradToHost, accumulate_grad, start_grad_to_h
 from zerocore.engine.recompute import ForwardState
 
 
-def collect_params(
-        module: nn.Module) -> list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]:
+# A layer's parameters: (name, parameter, every (owner module, attribute) that holds it).
+Params = list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]
+
+
+def collect_params(module: nn.Module) -> Params:
     """(name, parameter, every (owner module, attribute) that holds it), in registration order;
     a parameter tied within the layer appears once with several owners."""
     by_id: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = {}

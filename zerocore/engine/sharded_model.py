@@ -40,7 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from zerocore.comm.device import Platform
 from zerocore.engine.compiled import plain_name, refuse_compiled_call
 from zerocore.engine.flat_group import GroupState
-from zerocore.engine.sharded_layer import ShardedLayer
+from zerocore.engine.sharded_layer import Params, ShardedLayer
 from zerocore.engine.sharding import (Sharding, agree_on_structure, fingerprint, groups_of,
                                       prepare_device, process_group)
 from zerocore.policies import (Comm, Compile, FrozenWeights, MixedPrecision, Offload, Prefetch,
@@ -52,8 +52,6 @@ TRAINABLE_SHARD = "zerocore_trainable_shard"
 FROZEN_SHARD = "zerocore_frozen_shard"
 # The attribute of the model holding its ``ShardedModel`` (a plain object, not a submodule).
 SHARDING_ATTR = "zerocore_sharding"
-
-Params = list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]
 
 
 @dataclasses.dataclass(eq=False)

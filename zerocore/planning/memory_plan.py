@@ -11,10 +11,8 @@ import torch
 from torch import nn
 
 from zerocore.engine.flat_layout import FlatLayout
-from zerocore.engine.sharded_layer import collect_params
+from zerocore.engine.sharded_layer import Params, collect_params
 from zerocore.policies import FrozenWeights, Prefetch
-
-Params = list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]
 
 GiB = 2**30
 
