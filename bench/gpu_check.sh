@@ -1,61 +1,132 @@
 #!/usr/bin/env bash
-# The GPU check, sized to fit one call of a few minutes on a lent GPU machine (no network needed).
-# Run from the repository root:
+# The GPU check, sized to fit 8 minutes of a lent GPU machine's time (no network needed). Run from
+# the repository root:
 #
-#     bash bench/gpu_check.sh
+#     bash bench/gpu_check.sh          # the check (a dry run where torch sees no GPU)
+#     bash bench/gpu_check.sh --list   # the steps, their budgets and estimates; runs nothing
 #
-# Steps, in order, each under its own timeout and all within one time budget:
+# Steps, in order, each under its own time budget (PLAN below: the budgets sum to 8 minutes):
 #   1. environment  what machine, GPU, driver, compiler and torch this is
 #   2. build        zerocore._C in place, with CUDA kernels for this GPU's architecture only
 #   3. selftest     python -m zerocore.selftest on the CPU and the GPU: every op against its
 #                   reference (and the CUDA kernels against the CPU's, bit for bit), the engine
-#                   at world size 1 over NCCL against torch.optim.AdamW, offload against none,
-#                   copy and fused-Adam bandwidth
-#   4. CUDA tests   pytest tests -k cuda
-#   5. benchmarks   bench/bench_kernels.py, CUDA variants only
-#   6. example      examples/finetune_hf_trainer.py under torchrun on one GPU (Trainer, LoRA,
+#                   at world size 1 over NCCL against torch.optim.AdamW (on a model whose groups
+#                   end in padding and on one whose groups end in real gradients), offload
+#                   against none, copy and fused-Adam bandwidth
+#   4. two ranks    python -m zerocore.tools.job run: two processes on the one GPU (gloo over
+#                   CUDA tensors: NCCL refuses two ranks on one GPU), the unpadded model against
+#                   the unsharded one with torch.optim.AdamW; where c10d cannot, the step says
+#                   so with c10d's error
+#   5. bf16 vs CPU  python -m zerocore.tools.job compare: the same bf16 job on the GPU and on
+#                   gloo CPU ranks, losses within bf16 rounding (the bound: zerocore/tools/job.py)
+#   6. CUDA tests   pytest tests -k cuda
+#   7. benchmarks   bench/bench_kernels.py, CUDA variants only
+#   8. example      examples/finetune_hf_trainer.py under torchrun on one GPU (Trainer, LoRA,
 #                   offload, gradient checkpointing, bf16): PEFT's reload must generate the
 #                   sharded model's line
-#   7. layer cost   bench/layer_cost.py --device cuda at one rank: the engine's host cost per layer
+#   9. layer cost   bench/layer_cost.py --device cuda at one rank: the engine's host cost per layer
 #                   (both front doors, FSDP2) beside the unsharded stack's, mostly its kernels
-#   8. compiled     bench/compiled_units.py --device cuda: torch.compile per block, in plain torch
-#                   and under the engine (zerocore.Compile), against eager (issue 23, items 2-3;
-#                   the CPU Adam under offload is step 3's selftest and step 6's example)
+# With COMPILED=1 a tenth: bench/compiled_units.py --device cuda (torch.compile per block, issue
+# 23), beyond the 8 minutes: give it a call of its own (BUDGET=180 COMPILED=1 after a check, on a
+# warm machine that kept the build).
 # Results go to bench/results/ (gpu_*) and, when $OUT is set, to $OUT after every step, so a run
 # cut short still returns what it did: the summary, the selftest's table, the test and benchmark
 # logs, the example's log, the build log and a tarball of all gpu_* files (which carries the
-# layer-cost and compiled-units tables too; 7 files, each far under 16 MiB).
+# jobs' and the layer-cost tables too; 7 files, each far under 16 MiB).
 #
 # A failing step is recorded and the next one runs; the exit status is 1 if any failed. Without a
 # GPU (torch sees none) this is a dry run: the GPU-only steps are skipped with a message, the
-# existing build is imported instead of rebuilt, the selftest runs on the CPU, and the CUDA tests
+# existing build is imported instead of rebuilt, the selftest runs on the CPU, the two-rank job
+# runs on CPU ranks, the bf16 comparison compares two CPU runs (bit for bit), and the CUDA tests
 # and benchmarks are only collected (which catches a selection that matches nothing or a module
 # that fails to import); it exits 0 when all of that worked, and writes to a temporary directory
-# instead of bench/results/.
+# instead of bench/results/. A dry run's steps get DRY_FACTOR (default 4) times their budgets: a
+# small CPU machine is slower than a GPU host's 16 cores at what the CPU does.
 #
 # Environment: PYTHON (default python3), TORCH_CUDA_ARCH_LIST (default: this GPU's compute
 # capability, to keep the build short), MAX_JOBS (default: all cores), STEP_TIMEOUT (seconds, one
-# limit for every step instead of the per-step defaults below), BUDGET (seconds for the whole
-# check, default 540: a lent machine's command limit is 600; a step never starts with less than
-# 20 s of it left, and none runs past it).
+# limit for every step instead of the budgets below), BUDGET (seconds for the whole check,
+# default the budgets' sum, 480; a step never starts with less than 20 s of it left, and none
+# runs past it).
 set -uo pipefail
+
+# name|budget s|estimate s|what the dry run does instead. The estimates are guesses until a GPU
+# run measures them (the summary records each step's time): none of these steps has run on a
+# GPU yet.
+PLAN=(
+  "environment|10|3|the same"
+  "build|140|60|imports the existing build"
+  "selftest|70|40|the CPU half"
+  "two ranks, one GPU|45|25|two CPU ranks"
+  "bf16: GPU against gloo CPU|60|35|two CPU runs, bit for bit"
+  "CUDA tests|60|45|collected only"
+  "CUDA benchmarks|30|20|collected only"
+  "Trainer example|40|30|--help only"
+  "layer cost|25|15|--help only"
+)
+if [[ "${COMPILED:-0}" == 1 ]]; then
+  PLAN+=("compiled units|150|90|--help only")
+fi
+
+# budget NAME: the step's budget in seconds.
+budget() {
+  local row
+  for row in "${PLAN[@]}"; do
+    if [[ "${row%%|*}" == "$1" ]]; then
+      IFS='|' read -r _ b _ _ <<<"$row"
+      echo "$b"
+      return
+    fi
+  done
+  echo "gpu_check: no step named '$1' in PLAN" >&2
+  exit 2
+}
+
+# The plan as a Markdown table, with the budgets' total.
+plan_table() {
+  local row name b est dry total=0
+  echo "| step | budget | estimate (unmeasured) | in a dry run |"
+  echo "|---|---:|---|---|"
+  for row in "${PLAN[@]}"; do
+    IFS='|' read -r name b est dry <<<"$row"
+    echo "| $name | $b s | estimate $est s | $dry |"
+    total=$((total + b))
+  done
+  echo
+  echo "Budgets: total $total s."
+}
+
+if [[ "${1:-}" == "--list" ]]; then
+  plan_table
+  exit 0
+elif [[ -n "${1:-}" ]]; then
+  echo "usage: bash bench/gpu_check.sh [--list]" >&2
+  exit 2
+fi
 
 export PY="${PYTHON:-python3}"
 failed=()
-BUDGET="${BUDGET:-540}"
-deadline=$((SECONDS + BUDGET))
+total_budget=0
+for row in "${PLAN[@]}"; do
+  IFS='|' read -r _ b _ _ <<<"$row"
+  total_budget=$((total_budget + b))
+done
 
 if "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
   DRY_RUN=0
+  DRY_FACTOR=1
   MODE="GPU run"
   export RES=bench/results
 else
   DRY_RUN=1
-  MODE="DRY RUN: torch sees no CUDA device, so the GPU-only steps were skipped or only collected"
+  DRY_FACTOR="${DRY_FACTOR:-4}"
+  MODE="DRY RUN: torch sees no CUDA device, so the GPU-only steps ran on the CPU, were skipped or only collected"
   # A dry run's results are not results: they go to a temporary directory, leaving the tree as
   # it was.
   export RES="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"
 fi
+BUDGET="${BUDGET:-$((total_budget * DRY_FACTOR))}"
+deadline=$((SECONDS + BUDGET))
 mkdir -p "$RES"
 SUMMARY="$RES/gpu_check_summary.md"
 STEPS="$(mktemp)"
@@ -73,12 +144,15 @@ to_out() {
   return 0
 }
 
-# step NAME DEFAULT_TIMEOUT LOG CMD...: runs CMD (a program or a function below, exported so
-# that the bash under `timeout` sees it) with its output in LOG, under STEP_TIMEOUT or the step's
-# default, cut to what is left of the budget; records how it went and refreshes the summary.
+# step NAME LOG CMD...: runs CMD (a program or a function below, exported so that the bash under
+# `timeout` sees it) with its output in LOG, under STEP_TIMEOUT or the step's budget in PLAN
+# (times DRY_FACTOR), cut to what is left of the whole budget; records how it went and
+# refreshes the summary. A step whose log ends with "NOT POSSIBLE HERE: ..." and exits 3 is
+# recorded as such, not as a failure: the machine cannot do it (c10d, not zerocore).
 step() {
-  local name="$1" limit="${STEP_TIMEOUT:-$2}" log="$3"
-  shift 3
+  local name="$1" log="$2"
+  shift 2
+  local limit="${STEP_TIMEOUT:-$(($(budget "$name") * DRY_FACTOR))}"
   local left=$((deadline - SECONDS - 10)) t0=$SECONDS status rc
   ((limit > left)) && limit=$left
   echo "== $name (limit ${limit} s; log: $log)"
@@ -91,6 +165,8 @@ step() {
     rc=$?
     if ((rc == 0)); then
       status="ok"
+    elif ((rc == 3)) && grep -q "^NOT POSSIBLE HERE: " "$log"; then
+      status="not possible here: $(grep "^NOT POSSIBLE HERE: " "$log" | head -n 1 | cut -c20-300)"
     elif ((rc == 124 || rc == 137)); then
       status="TIMED OUT (limit ${limit} s)"
       failed+=("$name")
@@ -99,15 +175,15 @@ step() {
       failed+=("$name")
     fi
   fi
-  echo "   $name: $status after $((SECONDS - t0)) s"
-  echo "| $name | $status | $((SECONDS - t0)) s | \`$log\` |" >>"$STEPS"
+  echo "   $name: $status after $((SECONDS - t0)) s (budget $(budget "$name") s)"
+  echo "| $name | $status | $((SECONDS - t0)) s | $(budget "$name") s | \`$log\` |" >>"$STEPS"
   write_summary
 }
 
 # skipped NAME WHY: a step this machine cannot run, recorded as such.
 skipped() {
   echo "== $1: SKIPPED ($2)"
-  echo "| $1 | skipped: $2 | - | |" >>"$STEPS"
+  echo "| $1 | skipped: $2 | - | $(budget "$1") s | |" >>"$STEPS"
 }
 
 # 1. What machine this is.
@@ -152,9 +228,20 @@ write_summary() {
     cat "$RES/gpu_env.txt" 2>/dev/null
     echo '```'
     echo
-    echo "| step | result | time | log |"
-    echo "|---|---|---:|---|"
+    echo "| step | result | time | budget | log |"
+    echo "|---|---|---:|---:|---|"
     cat "$STEPS"
+    echo
+    echo "## Plan"
+    echo
+    plan_table
+    local job
+    for job in gpu_two_ranks.log gpu_bf16_vs_cpu.log; do
+      if [[ -s "$RES/$job" ]]; then
+        echo
+        echo "$job: $(tail -n 1 "$RES/$job")"
+      fi
+    done
     if [[ -s "$RES/gpu_selftest.txt" ]]; then
       echo
       echo "## Selftest"
@@ -185,12 +272,14 @@ write_summary() {
   to_out
 }
 
-step "environment" 60 "$RES/gpu_env.txt" gpu_env
+echo "gpu_check: the plan (budgets$( ((DRY_RUN)) && echo ", each times $DRY_FACTOR in this dry run")):"
+plan_table
+step "environment" "$RES/gpu_env.txt" gpu_env
 
 # 2. Build in place for this GPU (or, in a dry run, import the build that is there).
 if ((DRY_RUN)); then
-  skipped "build" "no GPU; the existing build is imported instead"
-  step "import zerocore" 60 "$RES/gpu_build.log" "$PY" -m zerocore
+  echo "build: no GPU; the existing build is imported instead"
+  step "build" "$RES/gpu_build.log" "$PY" -m zerocore
 else
   capability="$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')"
   export ARCH="${TORCH_CUDA_ARCH_LIST:-$capability}"
@@ -200,20 +289,46 @@ else
       "$PY" -c "import sys, zerocore; print(zerocore.BUILD); sys.exit(not zerocore.BUILD.has_cuda)"
   }
   export -f build
-  step "build (arch $ARCH)" 360 "$RES/gpu_build.log" build
+  echo "build: arch $ARCH"
+  step "build" "$RES/gpu_build.log" build
 fi
 
-# 3. The selftest: it needs no pytest, so it says first whether the basics work. It takes under
-# two minutes by design; the limit leaves room for a slow first CUDA context and NCCL start.
-step "selftest" 180 "$RES/gpu_selftest.txt" "$PY" -m zerocore.selftest
+# 3. The selftest: it needs no pytest, so it says first whether the basics work.
+step "selftest" "$RES/gpu_selftest.txt" "$PY" -m zerocore.selftest
+
+# 4. Two ranks on the one GPU (gloo over CUDA tensors), against the unsharded model; in a dry
+# run two CPU ranks. Exit 3: c10d cannot run them here, and the log's last line says why.
+two_ranks() {
+  local device=cuda rc
+  ((DRY_RUN)) && device=cpu
+  "$PY" -m zerocore.tools.job run --device "$device" --nproc 2 --reference \
+    --json "$RES/gpu_two_ranks.json"
+  rc=$?
+  if ((rc == 3)); then
+    echo "NOT POSSIBLE HERE: two ranks on one GPU: see the line above (c10d's error)"
+  fi
+  return $rc
+}
+export -f two_ranks
+export DRY_RUN
+step "two ranks, one GPU" "$RES/gpu_two_ranks.log" two_ranks
+
+# 5. The same bf16 job on the GPU and on gloo CPU ranks: the losses within bf16 rounding (one
+# rank each where the GPU cannot hold two); in a dry run two CPU runs, which must agree bit for
+# bit.
+devices=cpu,cuda
+((DRY_RUN)) && devices=cpu,cpu
+step "bf16: GPU against gloo CPU" "$RES/gpu_bf16_vs_cpu.log" \
+  "$PY" -m zerocore.tools.job compare --devices "$devices" --nproc 2 --dtype bf16 \
+  --json "$RES/gpu_bf16_vs_cpu.json"
 
 # 4. The CUDA variants of the tests. A run in which no CUDA test passed counts as a failure: the
 # CUDA cases are skipped when torch sees no GPU, and that is not a pass of the GPU check.
 if ((DRY_RUN)); then
-  step "CUDA tests (collected only)" 120 "$RES/gpu_tests.log" \
+  step "CUDA tests" "$RES/gpu_tests.log" \
     "$PY" -m pytest tests -k cuda --collect-only -q -p no:cacheprovider
 else
-  step "CUDA tests" 300 "$RES/gpu_tests.log" \
+  step "CUDA tests" "$RES/gpu_tests.log" \
     "$PY" -m pytest tests -k cuda -q -rfEs -p no:cacheprovider --junitxml="$RES/gpu_tests.xml"
   if [[ "$(tail -n 1 "$RES/gpu_tests.log")" != *passed* ]]; then
     failed+=("CUDA tests (none passed)")
@@ -222,10 +337,10 @@ fi
 
 # 5. The CUDA kernel benchmarks (the CPU variants are left out: not what this machine is for).
 if ((DRY_RUN)); then
-  step "CUDA benchmarks (collected only)" 60 "$RES/gpu_bench.log" \
+  step "CUDA benchmarks" "$RES/gpu_bench.log" \
     "$PY" -m pytest bench/bench_kernels.py -k cuda --collect-only -q -p no:cacheprovider
 else
-  step "CUDA benchmarks" 240 "$RES/gpu_bench.log" \
+  step "CUDA benchmarks" "$RES/gpu_bench.log" \
     "$PY" -m pytest bench/bench_kernels.py --benchmark-only -k cuda -q -p no:cacheprovider \
     --benchmark-json="$RES/gpu_bench.json" --kernel-table="$RES/gpu_kernel_table.md"
   if [[ "$(tail -n 1 "$RES/gpu_bench.log")" != *passed* ]]; then
@@ -236,10 +351,10 @@ fi
 # 6. The Trainer example on one GPU (NCCL, bf16 where the GPU has it). In a dry run, its --help
 # (which imports transformers, peft and zerocore.hf_trainer).
 if ((DRY_RUN)); then
-  step "Trainer example (--help only)" 60 "$RES/gpu_example.log" \
+  step "Trainer example" "$RES/gpu_example.log" \
     "$PY" examples/finetune_hf_trainer.py --help
 else
-  step "Trainer example" 180 "$RES/gpu_example.log" \
+  step "Trainer example" "$RES/gpu_example.log" \
     "$PY" -m torch.distributed.run --nproc-per-node 1 examples/finetune_hf_trainer.py \
     --steps 20 --out "$RES/gpu_hf_trainer"
   if ! grep -q "same as the sharded model's: True" "$RES/gpu_example.log"; then
@@ -247,16 +362,20 @@ else
   fi
 fi
 
-# 7 and 8. The engine's cost per layer and compiled units on the GPU (in a dry run, their --help).
+# 9 (and 10 with COMPILED=1). The engine's cost per layer and compiled units on the GPU (in a
+# dry run, their --help).
 if ((DRY_RUN)); then
-  step "layer cost (--help only)" 60 "$RES/gpu_layer_cost.txt" "$PY" bench/layer_cost.py --help
-  step "compiled units (--help only)" 60 "$RES/gpu_compiled.txt" \
-    "$PY" bench/compiled_units.py --help
+  step "layer cost" "$RES/gpu_layer_cost.txt" "$PY" bench/layer_cost.py --help
+  if [[ "${COMPILED:-0}" == 1 ]]; then
+    step "compiled units" "$RES/gpu_compiled.txt" "$PY" bench/compiled_units.py --help
+  fi
 else
-  step "layer cost" 90 "$RES/gpu_layer_cost.txt" \
-    "$PY" bench/layer_cost.py --device cuda --nproc 1 --rounds 10
-  step "compiled units" 150 "$RES/gpu_compiled.txt" \
-    "$PY" bench/compiled_units.py --device cuda --rounds 10
+  step "layer cost" "$RES/gpu_layer_cost.txt" \
+    "$PY" bench/layer_cost.py --device cuda --nproc 1 --rounds 5
+  if [[ "${COMPILED:-0}" == 1 ]]; then
+    step "compiled units" "$RES/gpu_compiled.txt" \
+      "$PY" bench/compiled_units.py --device cuda --rounds 10
+  fi
 fi
 
 write_summary final

@@ -3,8 +3,9 @@ no sharding, one process, one thread. The same deep stack of small layers as lay
 trained two ways, alternately (harness.Interleaved):
 - ``one backward``: the stack's forward and one ``loss.backward()``, as the unsharded model runs;
 - ``a backward per layer``: each layer's forward on a detached input and, in backward, one
-  ``torch.autograd.grad`` per layer from the layer after it, which is the structure of
-  ``zerocore.shard``'s ``LayerFunction`` (its inner graph differentiated in its backward).
+  ``torch.autograd.grad`` per layer from the layer after it, which was the structure of
+  ``zerocore.shard``'s ``LayerFunction`` (its inner graph differentiated in its backward) until
+  issue 29 made the hooks the one runtime.
 The difference is the host cost of torch's autograd engine entered once per layer, which no
 code of zerocore's adds to or can remove while the layer runs through an autograd Function.
 

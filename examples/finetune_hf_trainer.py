@@ -7,6 +7,10 @@ reloaded by PEFT onto the base weights and must generate what the sharded model 
     torchrun --nproc-per-node 2 examples/finetune_hf_trainer.py [--steps 30] [--out DIR]
     python examples/finetune_hf_trainer.py --nproc 2      (starts the processes itself)
 
+Started by this script, the processes cannot outlive it (zerocore.tools.rank_processes, as
+neox.finetune's ranks): killed, it takes them with it; Ctrl-C stops them. Bad arguments are
+refused in one line before any process starts.
+
 On GPUs each process takes one (NCCL) and computes in bf16 where the GPU supports it; on the CPU
 the processes are gloo ones in fp32. The model is a small GPT-NeoX from a config (there are no
 pretrained weights to fetch here: the base is a random initialisation saved to OUT/base first);
@@ -15,19 +19,21 @@ with a pretrained model, load it with from_pretrained instead. Tokens are bytes.
 
 import argparse
 import gc
+import math
 import os
 import socket
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import (AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM,
                           TrainingArguments, default_data_collator)
 
 import zerocore
 from zerocore.hf_trainer import ShardedTrainer
+from zerocore.tools import rank_processes
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = "ROMEO:\n"
@@ -61,7 +67,7 @@ def run(args: argparse.Namespace) -> None:
         output_dir=str(out), max_steps=args.steps, per_device_train_batch_size=args.batch,
         gradient_accumulation_steps=2, learning_rate=args.lr, weight_decay=0.01,
         lr_scheduler_type="cosine", warmup_steps=max(1, args.steps // 10), max_grad_norm=1.0,
-        gradient_checkpointing=True, bf16=gpu and torch.cuda.is_bf16_supported(),
+        activation_checkpointing=True, bf16=gpu and torch.cuda.is_bf16_supported(),
         use_cpu=not gpu, logging_steps=5, save_steps=max(1, args.steps // 2),
         save_total_limit=1, report_to=[], disable_tqdm=True, seed=0)
     base = base_model()
@@ -105,6 +111,15 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     main_process(args)
 
 
+def rank_main(rank: int, fd: int, launcher: int) -> None:
+    """A process started by ``main``, tied to it (zerocore.tools.rank_processes: it cannot
+    outlive the main process, however that ends): its task, then its share of the run."""
+    link = socket.socket(fileno=fd)
+    world, port, args = rank_processes.receive(link)
+    rank_processes.watch_launcher(rank, link, launcher)
+    worker(rank, world, port, args)
+
+
 def main_process(args: argparse.Namespace) -> None:
     try:
         run(args)
@@ -115,7 +130,45 @@ def main_process(args: argparse.Namespace) -> None:
             dist.destroy_process_group()
 
 
-def main() -> None:
+def check(args: argparse.Namespace, torchrun: bool) -> str | None:
+    """What is wrong with the arguments, in one line (None: nothing), found before any process
+    starts or any weight is built."""
+    positions = base_model().config.max_position_embeddings
+    data = Path(args.data)
+    if not torchrun and args.nproc < 1:
+        return f"--nproc {args.nproc}: give 1 or more processes"
+    if args.steps < 1:
+        return f"--steps {args.steps}: give 1 or more optimizer steps"
+    if args.batch < 1:
+        return f"--batch {args.batch}: give 1 or more sequences per process"
+    if not 1 <= args.seq_len <= positions:
+        return f"--seq-len {args.seq_len}: the model has {positions} positions; give 1 to " \
+               f"{positions}"
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        return f"--lr {args.lr}: give a positive, finite learning rate"
+    if not data.is_file():
+        return f"--data {data}: no such file" + (" (a directory)" if data.is_dir() else "")
+    try:
+        size = data.stat().st_size
+        with open(data, "rb"):
+            pass
+    except OSError as e:
+        return f"--data {data}: cannot be read ({e.strerror or e})"
+    if size <= args.seq_len:
+        return f"--data {data}: {size} bytes, too short for windows of --seq-len " \
+               f"{args.seq_len}; give a longer text or a smaller --seq-len"
+    out = Path(args.out)
+    probe = out / f".write-test-{os.getpid()}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        return f"--out {out}: cannot write there ({e.strerror or e}); choose a writable directory"
+    return None
+
+
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=str(REPO / "tests" / "data" / "shakespeare_excerpt.txt"),
@@ -128,14 +181,21 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (default 1e-2)")
     p.add_argument("--out", default="runs/hf-trainer", help="output directory (runs/hf-trainer)")
     args = p.parse_args()
-    if "RANK" in os.environ:  # torchrun
+    torchrun = "RANK" in os.environ
+    problem = check(args, torchrun)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    if torchrun:
         main_process(args)
-        return
+        return 0
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(worker, args=(args.nproc, port, args), nprocs=args.nproc)
+    # The processes are this script's own module, imported by name (its folder is on the path).
+    return rank_processes.run_ranks(f"{Path(__file__).stem}:rank_main", args.nproc,
+                                    (args.nproc, port, args), marker="hf-trainer-rank")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -22,7 +22,7 @@ from zerocore.checkpoint import (CheckpointError, CheckpointWriteError, Incomple
                                  load_checkpoint, open_checkpoint, read_manifest,
                                  save_checkpoint, verify_files)
 from zerocore.comm.agree import PeerError, run_agreed
-from zerocore.comm.collectives import PeerLost
+from zerocore.comm.peer_memory import PeerLost
 from zerocore.comm.device import Platform
 from zerocore.engine.meta_layer import MetaLayer
 from zerocore.engine.peak_memory import PeakMemory, peak_rss, reset_peak_rss
@@ -30,6 +30,7 @@ from zerocore.engine.report import CommReport, MemoryReport
 from zerocore.engine.sharded_model import ShardedModel, shard_model, sharding_of
 from zerocore.engine.sharded_param import ShardParameter
 from zerocore.engine.sharded_sequential import ShardedSequential, shard
+from zerocore.engine.sharding import BuildError
 from zerocore.kernels import ops, reference
 from zerocore.kernels.ops import BUILD
 from zerocore.loss_scale import LossScaler, StepResult
@@ -42,7 +43,8 @@ __all__ = ["BUILD", "ops", "optim", "reference", "shard", "ShardedSequential", "
            "MixedPrecision", "Prefetch", "Offload", "Recompute", "FrozenWeights", "Comm",
            "Compile",
            "LossScaling", "LossScaler", "StepResult",
-           "MemoryReport", "CommReport", "run_agreed", "PeerError", "PeerLost", "save_checkpoint",
+           "MemoryReport", "CommReport", "run_agreed", "PeerError", "PeerLost",
+           "BuildError", "save_checkpoint",
            "load_checkpoint", "latest_checkpoint", "list_checkpoints", "checkpoint_runs",
            "incomplete_checkpoints", "IncompleteCheckpoint", "open_checkpoint", "read_manifest",
            "verify_files", "iter_full_layers", "ShardReader", "CheckpointError",

@@ -23,7 +23,8 @@ does through its own machinery for a replicated model is done here for a sharded
   dynamic loss scaling (``zerocore.LossScaler``): an inf or nan gradient on any rank skips the
   step on all, and the scheduler with it, as ``Trainer`` does with ``GradScaler``;
 - ``save_model`` gathers the shards onto rank 0 and writes what ``Trainer`` would: a PEFT model
-  saves its adapter, any other model a Hugging Face directory;
+  saves its adapter (its ``modules_to_save`` copies included: each module reports its gathered
+  parameters to PEFT while it saves), any other model a Hugging Face directory;
 - a ``Trainer`` checkpoint (``checkpoint-N/``) holds that export, ``Trainer``'s own files
   (state, scheduler, RNG) and zerocore's sharded checkpoint in ``checkpoint-N/zerocore/``
   (masters, Adam moments, steps: ``zerocore.save_checkpoint``); ``resume_from_checkpoint``
@@ -40,9 +41,10 @@ Mixed precision is zerocore's (``shard_options["mixed_precision"]``, else from `
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.nn as nn
@@ -165,7 +167,8 @@ class ShardedTrainer(Trainer):
         # Steps every optimizer step: clipping and unscaling folded into the fused kernel; with
         # fp16 the dynamic loss scale and the skip of a step with an inf/nan gradient anywhere.
         self.loss_scaler = zerocore.LossScaler(self.sharding.group, dynamic=dtype == torch.float16,
-                                               counter=self.sharding.counter)
+                                               counter=self.sharding.counter,
+                                               device=self.sharding.device)
         self._grad_stats: tuple[float, bool] | None = None  # this step's, once computed
         super().__init__(model=model, args=args, **kwargs)
 
@@ -228,7 +231,8 @@ class ShardedTrainer(Trainer):
         """Collective: the norm of the unscaled gradients over every rank's shards (nan when one
         is inf or nan), the same on every rank; kept for this step's ``_optimizer_step``."""
         grads = [s.grad for s in self.sharding.trainable_shards() if s.grad is not None]
-        self._grad_stats = global_grad_stats(grads, self.sharding.group, self.sharding.counter)
+        self._grad_stats = global_grad_stats(grads, self.sharding.group, self.sharding.counter,
+                                             self.sharding.device)
         return torch.tensor(self.loss_scaler.grad_norm(*self._grad_stats))
 
     def _optimizer_step(self) -> bool:
@@ -254,7 +258,8 @@ class ShardedTrainer(Trainer):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         state = self.sharding.full_state_dict(trainable_only=_is_peft(self.model), to_rank=0)
         if self.args.should_save:
-            self._save(output_dir, state_dict=state)
+            with _modules_report_their_parameters(self.model, state):
+                self._save(output_dir, state_dict=state)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
@@ -287,6 +292,34 @@ class ShardedTrainer(Trainer):
         # training no longer needs), from its zerocore checkpoint, on every rank.
         zerocore.load_checkpoint(_zerocore_checkpoint(self.state.best_model_checkpoint),
                                  self.sharding, self.zerocore_optimizer, scaler=self.loss_scaler)
+
+
+@contextlib.contextmanager
+def _modules_report_their_parameters(model: nn.Module,
+                                     state: dict[str, torch.Tensor]) -> Iterator[None]:
+    """While a save runs: each module's ``state_dict()`` holds its own parameters again, as
+    unsharded, valued from ``state`` (the gathered full state, the model's names). Sharding took
+    them off the modules, and PEFT chooses what to save of a ``modules_to_save`` copy by asking
+    that module for its keys (``ModulesToSaveWrapper.adapter_state_dict``): without them the
+    trained copy is left out of the adapter, which then does not reload. Public hooks
+    (``register_state_dict_post_hook``), removed when the save ends."""
+    own: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in state.items():
+        module, _, leaf = name.rpartition(".")
+        own.setdefault(module, {})[leaf] = tensor
+    handles = []
+    for name, module in model.named_modules():
+        if own.get(name):
+            def report(mod: nn.Module, sd: dict, prefix: str, meta: Any,
+                       mine: dict[str, torch.Tensor] = own[name]) -> None:
+                for leaf, tensor in mine.items():
+                    sd.setdefault(prefix + leaf, tensor)
+            handles.append(module.register_state_dict_post_hook(report))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _is_peft(model: nn.Module) -> bool:

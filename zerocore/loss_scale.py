@@ -43,8 +43,13 @@ class LossScaler:
 
     def __init__(self, group: dist.ProcessGroup, *, dynamic: bool,
                  policy: LossScaling = LossScaling(),
-                 counter: collectives.CommCounter | None = None):
+                 counter: collectives.CommCounter | None = None,
+                 device: torch.device | None = None):
+        """device: where the model computes (``model.device``), where the statistics of
+        offloaded (CPU) gradients are all-reduced on a group without a CPU backend (NCCL
+        alone); default the group's bound device, else the current CUDA device."""
         self.group = group
+        self.device = device
         self.dynamic = dynamic
         self.policy = policy
         self.counter = counter if counter is not None else collectives.CommCounter()
@@ -60,7 +65,8 @@ class LossScaler:
         """Steps ``optimizer`` unless some gradient anywhere is inf/nan; clips to ``max_norm``
         (global L2 norm over all ranks' shards, like ``torch.nn.utils.clip_grad_norm_`` on the
         unsharded model) if given."""
-        sum_sq, nonfinite = global_grad_stats(_grads(optimizer), self.group, self.counter)
+        sum_sq, nonfinite = global_grad_stats(_grads(optimizer), self.group, self.counter,
+                                              self.device)
         return self.step_with_stats(optimizer, sum_sq, nonfinite, max_norm=max_norm)
 
     def grad_norm(self, sum_sq: float, nonfinite: bool) -> float:
@@ -131,14 +137,15 @@ def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def global_grad_stats(grads: list[torch.Tensor], group: dist.ProcessGroup,
-                      counter: collectives.CommCounter) -> tuple[float, bool]:
+                      counter: collectives.CommCounter,
+                      device: torch.device | None = None) -> tuple[float, bool]:
     """Collective: the sum of squares of every rank's ``grads`` and whether any element of them
     is inf or nan, the same on every rank (one all-reduce, the one host synchronisation).
 
     The statistics are all-reduced beside the gradients when the group has a backend for their
-    device (offloaded ones are on the CPU), else on the group's CUDA device (NCCL alone, as
-    ``init_process_group()`` picks on a GPU machine)."""
-    device = comm_device(group, grads[0].device if grads else torch.device("cpu"))
+    device (offloaded ones are on the CPU), else on ``device``, the model's (NCCL alone, as
+    ``init_process_group()`` picks on a GPU machine; ``comm.device.choose_comm_device``)."""
+    device = comm_device(group, grads[0].device if grads else torch.device("cpu"), device)
     stats = torch.zeros(2, dtype=torch.float32, device=device)
     for g in grads:
         if g.device == device:

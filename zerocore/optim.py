@@ -31,9 +31,10 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from zerocore.engine.sharded_param import (ShardParameter, is_offloaded, is_shard,
+                                           mark_model_copy_synced, wait_for_device)
+from zerocore.engine.tracing import traced
 from zerocore.kernels import ops
-from zerocore.engine.offload import OffloadedShard
-from zerocore.engine.sharded_param import ShardParameter
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -56,6 +57,8 @@ class _Bucket:
     # CPU threads to step with (an offloaded shard of a GPU rank: its sharding's share of the
     # host); None: torch's own count.
     host_threads: int | None = None
+    # The layer of a shard's bucket, for its label in a profiler trace; -1 for other buckets.
+    layer_index: int = -1
 
 
 # param_overrides: a parameter's name (the model's own; "<layer index>.<name>" for
@@ -180,7 +183,7 @@ class Adam(torch.optim.Optimizer):
             # and checkpoints carry it, and loading checks it (the rule itself is code).
             found = {}
             for p, name in zip(group["params"], names):
-                for n in (p.names if isinstance(p, ShardParameter) else [name]):
+                for n in (p.names if is_shard(p) else [name]):
                     ov = self._override(n) if p.requires_grad and n is not None else {}
                     if ov:
                         found[n] = ov
@@ -210,7 +213,7 @@ class Adam(torch.optim.Optimizer):
                 # Frozen (e.g. zerocore's frozen shards, which model.parameters() yields):
                 # never stepped, so no state, as torch.optim never creates state for them.
                 continue
-            if isinstance(p, ShardParameter):
+            if is_shard(p):
                 buckets.append(self._shard_bucket(p))
             else:
                 ov = self._override(name) if self._overrides and name is not None else {}
@@ -248,7 +251,8 @@ class Adam(torch.optim.Optimizer):
             raise ValueError("zerocore.optim: a ShardParameter must be a 1-D float32 master shard")
         bucket = _Bucket([p], [0], p.data, torch.zeros_like(p.data), torch.zeros_like(p.data),
                          p.model_copy, None, self._shard_runs(p),
-                         p.host_threads if isinstance(p, OffloadedShard) else None)
+                         p.host_threads if is_offloaded(p) else None,
+                         getattr(p, "layer_index", -1))
         self._bind_state(bucket)
         return bucket
 
@@ -282,7 +286,7 @@ class Adam(torch.optim.Optimizer):
                     _flat_views(b.master, b.params, b.offsets))
         for p, m, v, master in views:
             state = {"step": torch.tensor(0.0), "exp_avg": m, "exp_avg_sq": v}
-            if b.model_copy is not None and not isinstance(p, ShardParameter):
+            if b.model_copy is not None and not is_shard(p):
                 state["master_param"] = master
             self.state[p] = state
 
@@ -300,7 +304,7 @@ class Adam(torch.optim.Optimizer):
                 loss = closure()
         for group, buckets in zip(self.param_groups, self._buckets):
             for b in buckets:
-                with _host_threads(b.host_threads):
+                with _host_threads(b.host_threads), traced("adam", b.layer_index):
                     self._step_bucket(group, b, inv_grad_scale)
         return loss
 
@@ -312,10 +316,10 @@ class Adam(torch.optim.Optimizer):
 
     def _step_bucket(self, group: dict[str, Any], b: _Bucket, inv_grad_scale: float) -> None:
         for p in b.params:
-            if isinstance(p, OffloadedShard):
+            if is_offloaded(p):
                 # The device may still be reading the master or model copy this step rewrites
                 # (an upload): wait for that copy, and nothing else.
-                p.wait_for_device()
+                wait_for_device(p)
         grads = [p.grad for p in b.params]
         steps = [self.state[p]["step"] for p in b.params]
         hyper = self._hyper(group, inv_grad_scale)
@@ -359,8 +363,8 @@ class Adam(torch.optim.Optimizer):
         # Only a shard the kernel just wrote has a fresh model copy: a skipped one keeps whatever
         # outside write made it stale, for refresh_model_copy() to see.
         for p in stepped:
-            if isinstance(p, ShardParameter):
-                p.mark_model_copy_synced()
+            if is_shard(p):
+                mark_model_copy_synced(p)
 
     @torch.no_grad()
     def sync_master_from_params(self) -> None:

@@ -1,24 +1,24 @@
 """``zerocore.plan``: what a sharded training step will hold in memory and move, per rank, from
 the layers' shapes alone: before renting the machines. ``plan`` for a stack that
-``zerocore.shard`` would take, ``plan_model`` for a model that ``zerocore.shard_model`` would
-(its units' hooks run as the engine's do); the simulations live in ``zerocore/planning/``.
+``zerocore.shard`` would take, ``plan_model`` for a model that ``zerocore.shard_model`` would.
 
-Model state is counted from the flat layouts ``zerocore.shard`` would build (the same
-``FlatLayout``), so it is exact. Everything that comes and goes during a step — gathered
-layers, packed gradients, gradient shards, activations — is found by running the step's
-schedule once on fake tensors (``torch._subclasses.FakeTensorMode``: shapes and dtypes, no
-memory, torch's own kernels' choices): the layers' forward and backward, the loss, recomputation,
-in the engine's order, while a counter follows every tensor the step creates and frees. The
-engine's own buffers are added where the engine allocates and frees them (``ShardedSequential``,
-``LayerFunction``, ``BackwardCoordinator``); the peak is the largest sum at any point of the
-step. So the plan holds what the step holds, not what a formula hopes: the logits and the
+The plan is the engine's own step, rehearsed (zerocore/planning/rehearsed_step.py): the same
+front door's class shards a copy of the layers over a planned world of ``world_size`` ranks
+(torch's fake process group: collectives that move nothing) on fake tensors
+(``torch._subclasses.FakeTensorMode``: shapes and dtypes, no memory, torch's own kernels'
+choices), then zerocore's AdamW trains it one step, and the next step is measured: every
+storage it keeps alive is counted, the gathered buffers' resizes included, and the peak is the
+largest sum. So the plan holds what the step holds, not what a formula hopes: the logits and the
 loss's fp32 copies, the parameter gradients of a layer before they are packed, the prefetched
-layer, the last layer kept gathered, a second micro-batch's forward with gradients present.
+layer, the last layer kept gathered, a second micro-batch's forward with gradients present, and
+whatever the engine will do that it does not yet.
 
 Fake tensors run the CPU's kernel choices (fake tensors are CPU tensors): attention by
 ``scaled_dot_product_attention`` then keeps what a fused (flash) kernel keeps, q, k, v, the
 output and one fp32 value per query, as the flash and memory-efficient CUDA kernels do; the
-meta device would have run the math kernel, which keeps the T x T weights.
+meta device would have run the math kernel, which keeps the T x T weights. A plan for CUDA
+takes CUDA's decisions (the transport's ways, no spare buffers: the caching allocator reuses
+memory) on those CPU tensors.
 
 On a GPU the caching allocator and CUDA itself take memory that no tensor accounts for; the
 plan adds a stated ``headroom`` for it (``CUDA_HEADROOM``). On the CPU there is none, and the
@@ -27,24 +27,27 @@ CPU has one memory: host and device bytes add up (``MemoryPlan.peak_bytes``).
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from zerocore.comm.transport import resolve
+from zerocore.comm.fake import fake_group
 from zerocore.engine.meta_layer import MetaLayer
-from zerocore.engine.schedule import Schedule
-from zerocore.planning.ledger import Ledger
+from zerocore.engine.rehearsal import Rehearsal
+from zerocore.engine.sharded_model import ShardedModel, unit_modules
+from zerocore.engine.sharded_sequential import ShardedSequential
 from zerocore.planning.memory_plan import (  # noqa: F401  (the names a plan is read by)
     ACTIVATIONS, CATEGORIES, CUDA_FIXED_HEADROOM, CUDA_HEADROOM_FRACTION, FROZEN, GATHERED,
-    GiB, GRAD_BUFFERS, GRADIENTS, MASTERS, MIRRORS, OPTIMIZER, TRAINABLE, Layer, MemoryPlan,
-    ModelState, Options, layer_of, model_state)
-from zerocore.planning.model import ModelStep, model_layers
-from zerocore.planning.stack import StackStep
+    GiB, GRAD_BUFFERS, GRADIENTS, MASTERS, MIRRORS, OPTIMIZER, TRAINABLE, MemoryPlan,
+    ModelState)
+from zerocore.planning.rehearsed_step import Step, rehearse
 from zerocore.policies import (Comm, FrozenWeights, MixedPrecision, Offload, Prefetch,
                                Recompute)
+
+_CPU = torch.device("cpu")
 
 
 def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, world_size: int,
@@ -57,7 +60,8 @@ def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, worl
     on ``world_size`` ranks, per rank, from shapes alone.
 
     layers: the stack as it would be given to ``shard`` (parameters' shapes, dtypes and
-        ``requires_grad`` are what count: build it on the meta device; ``MetaLayer``s too).
+        ``requires_grad`` are what count: build it on the meta device; ``MetaLayer``s too). A
+        copy is planned: the layers are left as they are.
     example: the first layer's input for one micro-batch of one rank (a meta tensor will do).
     loss: maps the last layer's output to the scalar whose backward the step runs, as the
         training loop computes it (default: the output's sum).
@@ -71,27 +75,25 @@ def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, worl
     its moments from construction; gradients are dropped by ``zero_grad(set_to_none=True)``.
     """
     _check("plan", device, world_size, micro_batches)
-    stack = [layer_of(l.module if isinstance(l, MetaLayer) else l, i, world_size,
-                      frozen_weights.int8_block)
-             for i, l in enumerate(layers)]
+    fake = FakeTensorMode()
+    stack = [_planned(l.module if isinstance(l, MetaLayer) else l, fake) for l in layers]
     if not stack:
         raise ValueError("plan: got no layers")
-    opt = _options(world_size, device, mixed_precision, prefetch, offload, micro_batches,
-                   frozen_weights, comm)
-    # The engine's own schedule (what is kept, prefetched, recomputed), from the same sizes.
-    schedule = Schedule.of(prefetch, recompute,
-                           [l.gathered_bytes(opt.param_bytes) for l in stack])
-    fake = FakeTensorMode()
-    for layer in stack:
-        layer.recompute = layer.index in schedule.recomputed
-        _fake_buffers(layer.module, fake)
+    loss = loss if loss is not None else (lambda y: y.sum())
     with fake:
-        fake_example = torch.empty(example.shape, dtype=example.dtype)
-    step = StackStep(stack, model_state(stack, opt), opt, schedule, fake)
-    step.excluded.add(fake_example.untyped_storage()._cdata)
-    step.run(fake_example, loss if loss is not None else (lambda y: y.sum()))
-    gather, reduce = schedule.traffic(_traffic_groups(stack, opt), reduce_bytes=opt.reduce_bytes)
-    return _result(step, gather, reduce)
+        x = torch.empty(example.shape, dtype=example.dtype)
+    held: dict[str, nn.Module] = {}
+
+    def build(rehearsal: Rehearsal) -> ShardedSequential:
+        held["model"] = ShardedSequential(
+            [MetaLayer(m, _read_nothing) for m in stack], group=fake_group(world_size),
+            device=_CPU, mixed_precision=mixed_precision, prefetch=prefetch, offload=offload,
+            recompute=recompute, frozen_weights=frozen_weights, comm=comm, rehearsal=rehearsal)
+        return held["model"]
+
+    return rehearse(Step(build, lambda: loss(held["model"](x)), world_size=world_size,
+                         device=device, comm=comm, offload=offload.optimizer,
+                         micro_batches=micro_batches), fake, exclude=[x])
 
 
 def plan_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module, example: Any = (), *,
@@ -103,9 +105,8 @@ def plan_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module, example
                frozen_weights: FrozenWeights = FrozenWeights(),
                comm: Comm = Comm()) -> MemoryPlan:
     """The memory and communication of one training step of ``zerocore.shard_model(model,
-    units, ...)`` on ``world_size`` ranks, per rank, from shapes alone: the model's own forward
-    runs on fake tensors, its units gathered, freed, kept and prefetched by hooks where the
-    engine's are, the root gathered from the model's first operation to the end of backward.
+    units, ...)`` on ``world_size`` ranks, per rank, from shapes alone: ``shard_model``'s own
+    engine shards a copy of the model and runs its own forward on fake tensors.
 
     model, units: as ``shard_model`` takes them (build the model on the meta device; a copy is
         planned, the model is left as it is).
@@ -117,31 +118,49 @@ def plan_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module, example
     The rest as for ``plan``; ``Recompute``'s positions are the units'.
     """
     _check("plan_model", device, world_size, micro_batches)
-    opt = _options(world_size, device, mixed_precision, prefetch, offload, micro_batches,
-                   frozen_weights, comm)
-    copied, modules, layers = model_layers(model, units, world_size, frozen_weights.int8_block)
-    schedule = Schedule.of(prefetch, recompute, [l.gathered_bytes(opt.param_bytes)
-                                                 for l in layers],
-                           recomputable=len(layers) - 1)
+    names = {id(m): n for n, m in model.named_modules()}
+    chosen = unit_modules(model, units)   # refused as shard_model refuses them
     fake = FakeTensorMode()
-    for layer in layers:
-        layer.recompute = layer.index in schedule.recomputed
-    _fake_buffers(copied, fake)
+    copied = _planned(model, fake)
+    copied_units = [copied.get_submodule(names[id(u)]) for u in chosen]
+    loss = loss if loss is not None else _default_loss
     args = example if isinstance(example, tuple) else (example,)
+    kwargs = dict(example_kwargs or {})
     with fake:
-        fake_args, fake_kwargs = (
-            [torch.empty(t.shape, dtype=t.dtype) if isinstance(t, torch.Tensor) else t
-             for t in values] for values in (args, (example_kwargs or {}).values()))
-    kwargs = dict(zip((example_kwargs or {}).keys(), fake_kwargs))
-    step = ModelStep(copied, modules, layers, model_state(layers, opt), opt, schedule, fake)
-    for t in [*fake_args, *fake_kwargs]:
-        if isinstance(t, torch.Tensor):
-            step.excluded.add(t.untyped_storage()._cdata)
-    step.run(tuple(fake_args), kwargs, loss if loss is not None else _default_loss)
-    gather, reduce = schedule.traffic(_traffic_groups(layers[:-1], opt),
-                                      reduce_bytes=opt.reduce_bytes,
-                                      root=_traffic_groups(layers[-1:], opt)[0])
-    return _result(step, gather, reduce)
+        args = tuple(torch.empty(t.shape, dtype=t.dtype) if isinstance(t, torch.Tensor) else t
+                     for t in args)
+        kwargs = {k: torch.empty(t.shape, dtype=t.dtype) if isinstance(t, torch.Tensor) else t
+                  for k, t in kwargs.items()}
+    inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+
+    def build(rehearsal: Rehearsal) -> ShardedModel:
+        return ShardedModel(copied, copied_units, group=fake_group(world_size), device=_CPU,
+                            mixed_precision=mixed_precision, prefetch=prefetch,
+                            offload=offload, frozen_weights=frozen_weights, comm=comm,
+                            recompute=recompute, read=_read_nothing, rehearsal=rehearsal)
+
+    return rehearse(Step(build, lambda: loss(copied(*args, **kwargs)), world_size=world_size,
+                         device=device, comm=comm, offload=offload.optimizer,
+                         micro_batches=micro_batches), fake, exclude=inputs)
+
+
+def _planned(module: nn.Module, fake: FakeTensorMode) -> nn.Module:
+    """A copy of ``module`` for the plan: parameters on the meta device (read as fake tensors
+    by the engine, as ``MetaLayer``'s are), buffers as fake CPU tensors (their values are never
+    read)."""
+    module = copy.deepcopy(module).to("meta")
+    with fake:
+        for name, buf in list(module.named_buffers()):
+            owner_name, _, attr = name.rpartition(".")
+            owner = module.get_submodule(owner_name) if owner_name else module
+            owner._buffers[attr] = torch.empty(buf.shape, dtype=buf.dtype)
+    return module
+
+
+def _read_nothing(name: str, start: int, stop: int) -> torch.Tensor:
+    """The engine's rank-local read of a meta parameter, in a plan: a fake tensor of the size
+    asked for (run under the plan's fake mode)."""
+    return torch.empty(stop - start)
 
 
 def _default_loss(output: Any) -> torch.Tensor:
@@ -162,47 +181,3 @@ def _check(what: str, device: str, world_size: Any, micro_batches: Any) -> None:
     if type(micro_batches) is not int or micro_batches < 1:
         raise ValueError(f"{what}: micro_batches must be a positive int, got "
                          f"{micro_batches!r}")
-
-
-def _options(world_size: int, device: str, mixed_precision: MixedPrecision,
-             prefetch: Prefetch, offload: Offload, micro_batches: int,
-             frozen_weights: FrozenWeights, comm: Comm) -> Options:
-    return Options(world_size=world_size, device=device,
-                   param_bytes=mixed_precision.param_dtype.itemsize,
-                   reduce_bytes=mixed_precision.grad_reduce_dtype.itemsize,
-                   param_dtype=mixed_precision.param_dtype, prefetch=prefetch,
-                   offload=offload.optimizer, micro_batches=micro_batches,
-                   frozen_weights=frozen_weights,
-                   reduce_way=resolve(comm, gloo=device == "cpu", world_size=world_size,
-                                      can_read=device == "cpu" and comm.peer_read == "auto")[1])
-
-
-def _fake_buffers(module: nn.Module, fake: FakeTensorMode) -> None:
-    """The module's buffers as fake CPU tensors (their values are never read)."""
-    with fake:
-        for name, buf in list(module.named_buffers()):
-            owner_name, _, attr = name.rpartition(".")
-            owner = module.get_submodule(owner_name) if owner_name else module
-            setattr(owner, attr, torch.empty(buf.shape, dtype=buf.dtype))
-
-
-def _traffic_groups(layers: list[Layer], opt: Options) -> list[list[tuple[int, bool, int]]]:
-    return [[(g.layout.padded_numel, g.trainable, opt.gather_bytes(g)) for g in layer.groups]
-            for layer in layers]
-
-
-def _result(step: Ledger, gather: int, reduce: int) -> MemoryPlan:
-    opt, state = step.opt, step.state
-    device_tensors = sum(v for k, v in step.peak.items()
-                         if opt.device == "cpu" or k not in state.on_host)
-    headroom = (CUDA_FIXED_HEADROOM + int(CUDA_HEADROOM_FRACTION * device_tensors)
-                if opt.device == "cuda" else 0)
-    host = (sum(v for k, v in step.peak.items() if k in state.on_host)
-            if opt.device == "cuda" else 0)
-    return MemoryPlan(
-        world_size=opt.world_size, device=opt.device, state=state, peak=step.peak,
-        peak_phase=step.peak_phase, gathered_peak=step.gathered_peak,
-        activations_peak=step.activations_peak, host_peak=host, headroom=headroom,
-        all_gather_bytes=gather * opt.micro_batches,
-        reduce_scatter_bytes=reduce * opt.micro_batches,
-        recomputed_layers=tuple(l.index for l in step.layers if l.recompute))

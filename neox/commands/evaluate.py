@@ -17,7 +17,8 @@ import torch
 from neox import data as nd
 from neox.commands.flags import (HelpFormatter, Parser, add_loading_arguments, loading_source,
                                  positive_int)
-from neox.run.evaluation import evaluate_windows, read_text, run_validation_windows, token_windows
+from neox.run.evaluation import (evaluate_windows, read_text, run_corpus,
+                                 run_validation_windows, token_windows)
 from neox.run.inference import load_model
 
 
@@ -39,21 +40,24 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         # A text given is read first: a missing file is reported before any model is loaded.
-        text = read_text(args.text, args.data_dir) if args.text is not None else None
+        corpus = read_text(args.text, args.data_dir) if args.text is not None else None
         loaded = load_model(loading_source(args))
-        if text is None and loaded.recipe is not None:
-            inputs, targets = run_validation_windows(loaded)
+        if corpus is None and loaded.recipe is not None:
+            corpus = run_corpus(loaded)
+            inputs, targets = run_validation_windows(loaded, corpus)
             what = "the run's validation windows"
+            checked = loaded.data_sha256 is not None
         else:
-            if text is None:
-                text = read_text(None, args.data_dir)
+            if corpus is None:
+                corpus = read_text(None, args.data_dir)
             positions = loaded.model.config.max_position_embeddings
             if args.seq_len > positions:  # as neox.generate refuses a prompt beyond them
                 raise ValueError(f"--seq-len {args.seq_len} exceeds the model's {positions} "
                                  f"positions; give --seq-len {positions} or less")
-            tokens = torch.from_numpy(nd.encode_text(loaded.tokenizer, text).astype("int64"))
+            tokens = torch.from_numpy(nd.encode_text(loaded.tokenizer, corpus.text)
+                                      .astype("int64"))
             inputs, targets = token_windows(tokens, args.seq_len)
-            what = str(args.text or "tiny_shakespeare")
+            what, checked = str(args.text or corpus.name), None
         if args.max_windows is not None:
             inputs, targets = inputs[:args.max_windows], targets[:args.max_windows]
         result = evaluate_windows(loaded.model, inputs, targets, batch_size=args.batch_size,
@@ -63,10 +67,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result["model"] = loaded.source
     result["text"] = what
+    # Which text it was, plainly: where it was read, its digest, and (a run's own windows)
+    # whether it is the one the run's checkpoint recorded.
+    result["corpus"] = corpus.source
+    result["corpus_sha256"] = corpus.sha256
+    if checked is not None:
+        result["checked_against_the_run"] = checked
     if args.json:
         print(json.dumps(result))
     else:
+        note = {True: ", the text the run trained on (its sha256 checked)",
+                False: ", unchecked: the checkpoint records no digest of the run's text",
+                None: ""}[checked]
         print(f"{result['model']}: loss {result['loss']:.4f}, perplexity "
               f"{result['perplexity']:.2f}, accuracy {result['accuracy']:.3f} over "
-              f"{result['tokens']:,} tokens")
+              f"{result['tokens']:,} tokens of {what}: {corpus.source} (sha256 "
+              f"{corpus.sha256[:12]}...{note})")
     return 0

@@ -27,6 +27,7 @@ from neox.config import NeoXConfig, preset_config
 from neox.finetune_modes import GROUP as MODE, auto_mode
 from neox.run import from_deepspeed as nds
 from neox.run.launch import LaunchConfig, RunRequest, launch, run_under_torchrun
+from neox.run.progress import say
 from neox.run.recipe import (DATA, LOOP, MODEL, OPTIM, OUTPUT, STEP, FROM_SCRATCH, Recipe,
                              recipe_from_flags)
 from neox.run.resume import deepspeed_recipe, resume_recipe
@@ -106,6 +107,13 @@ def check_flags(args: argparse.Namespace, use_cuda: bool) -> None:
             raise UsageError(f"{flag} {path}: no such {kind}")
         if kind == "file" and not path.is_file():
             raise UsageError(f"{flag} {path}: not a file")
+    # Directories the run creates if need be: what exists of each path must be a directory.
+    for flag, path in (("--cache-dir", args.cache_dir), ("--data-dir", args.data_dir)):
+        there = next((p for p in [path, *path.parents] if p.exists()), None) \
+            if path is not None else None
+        if there is not None and not there.is_dir():
+            raise UsageError(f"{flag} {path}: {'it' if there == path else there} is a file, "
+                             f"not a directory; give a directory (it is created if need be)")
     if not 0 < args.timeout <= 24 * 3600:
         raise UsageError(f"--timeout {args.timeout:g}: must be more than 0 and at most a day "
                          f"(86400 seconds)")
@@ -153,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     args.explicit = explicit_flags(parser, argv)
     use_cuda = torch.cuda.is_available() and not args.cpu
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    log = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a, **k: None)
+    log = say if int(os.environ.get("RANK", "0")) == 0 else (lambda *a, **k: None)
     try:
         check_flags(args, use_cuda)
         resolve_auto_mode(args, log)

@@ -14,7 +14,7 @@ and says what to do.
 
 from neox.data.files import DataError, default_cache_dir, default_data_dir
 from neox.data.corpus import (TINY_SHAKESPEARE_FILE, TINY_SHAKESPEARE_SHA256,
-                              TINY_SHAKESPEARE_URL, Corpus, load_corpus)
+                              TINY_SHAKESPEARE_URL, Corpus, load_corpus, offline_corpus)
 from neox.data.tokenizer import (BPE_SPECIAL_TOKENS, check_vocab, encode_text, load_tokenizer,
                                  tokenizer_rows, train_bpe)
 from neox.data.windows import TokenDataset, WindowSplit, batch
@@ -25,5 +25,5 @@ __all__ = [
     "TINY_SHAKESPEARE_SHA256", "TINY_SHAKESPEARE_URL", "TokenDataset", "WindowSampler",
     "WindowSplit", "batch",
     "check_vocab", "default_cache_dir", "default_data_dir", "encode_text", "eval_batches",
-    "load_corpus", "load_tokenizer", "tokenizer_rows", "train_bpe",
+    "load_corpus", "load_tokenizer", "offline_corpus", "tokenizer_rows", "train_bpe",
 ]

@@ -94,7 +94,7 @@ def load_corpus(data: Path | str | None, *, cache_dir: Path, data_dir: Path | No
             return _shakespeare(cached.read_bytes(), url)
         log(f"corpus: could not download tiny_shakespeare from {url}: {problem}")
 
-    corpus = _stdlib_corpus()
+    corpus = offline_corpus()
     looked = [str(cached)] + ([str(Path(data_dir) / TINY_SHAKESPEARE_FILE)] if data_dir else [])
     log(f"corpus: tiny_shakespeare is not available (not in {' or '.join(looked)}"
         f"{', and no download' if url else ''}); FALLING BACK to {corpus.source}, "
@@ -127,7 +127,7 @@ def _read_text_file(path: Path) -> str:
     return text
 
 
-def _stdlib_corpus() -> Corpus:
+def offline_corpus() -> Corpus:
     """The offline fallback: Python's help topics (``help('FOR')`` and friends), ~0.5 MB of prose
     and code that every CPython installation carries."""
     try:

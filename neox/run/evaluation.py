@@ -15,24 +15,47 @@ from neox import data as nd
 from neox.run.inference import Loaded
 from neox.run.progress import Progress
 
-__all__ = ["read_text", "run_validation_windows", "token_windows", "evaluate_windows"]
+__all__ = ["read_text", "run_corpus", "run_validation_windows", "token_windows",
+           "evaluate_windows"]
 
 
-def read_text(path: Path | None, data_dir: Path | None) -> str:
+def read_text(path: Path | None, data_dir: Path | None) -> nd.Corpus:
     """The text to evaluate on: ``path``, or tiny_shakespeare from the cache or the data
-    directory (no download: offline, the standard library's help texts stand in, as in a run)."""
+    directory (no download: offline, the standard library's help texts stand in, as in a run;
+    the corpus says which it is)."""
     return nd.load_corpus(path, cache_dir=nd.default_cache_dir(),
                           data_dir=data_dir or nd.default_data_dir(), url=None,
-                          log=lambda *a, **k: None).text
+                          log=lambda *a, **k: None)
 
 
-def run_validation_windows(loaded: Loaded) -> tuple[torch.Tensor, torch.Tensor]:
-    """The validation windows of the run whose checkpoint was loaded: its corpus, tokenizer,
-    sequence length and split, so the loss is comparable with the run's own validation line."""
+def run_corpus(loaded: Loaded) -> nd.Corpus:
+    """The text the run whose checkpoint was loaded trained on, found where its recipe says
+    and checked against the SHA-256 its checkpoint records: tiny_shakespeare of the run's cache
+    or data directory, or, when the run fell back to it offline, the standard library's help
+    texts. ValueError when the text found is another (the run's validation windows cannot be
+    rebuilt from it); a checkpoint that recorded no digest gets the text found, unchecked."""
     data = loaded.recipe.data
     corpus = nd.load_corpus(data.data, cache_dir=Path(data.cache_dir or nd.default_cache_dir()),
                             data_dir=Path(data.data_dir) if data.data_dir else
                             nd.default_data_dir(), url=None, log=lambda *a, **k: None)
+    recorded = loaded.data_sha256
+    if recorded is None or corpus.sha256 == recorded:
+        return corpus
+    if data.data is None and nd.offline_corpus().sha256 == recorded:
+        return nd.offline_corpus()  # the run had no tiny_shakespeare; this machine has one now
+    raise ValueError(
+        f"the run of {loaded.source} trained on a text with sha256 {recorded[:12]}..., and "
+        f"{corpus.source} (sha256 {corpus.sha256[:12]}...) is another: the run's validation "
+        f"windows cannot be rebuilt from it; restore the run's text (--data-dir, or its "
+        f"--data file), or give a TEXT to evaluate on")
+
+
+def run_validation_windows(loaded: Loaded, corpus: nd.Corpus
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The validation windows of the run whose checkpoint was loaded, cut from ``corpus``
+    (``run_corpus``) with its tokenizer, sequence length and split, so the loss is comparable
+    with the run's own validation line."""
+    data = loaded.recipe.data
     dataset = nd.TokenDataset.from_corpus(
         corpus, loaded.tokenizer, seq_len=data.seq_len,
         cache_dir=Path(data.cache_dir or nd.default_cache_dir()),

@@ -23,13 +23,13 @@ from safetensors.torch import save_file
 from neox.config import filtered_config
 from neox.lora import merge_lora
 from neox.model import LayerKind, layer_specs
-from neox.run.run_dir import TOKENIZER, TRAINABLE
+from neox.run.run_dir import TOKENIZER, TRAINABLE, OutputDirError
 from neox.run.trained import RunCheckpoint, checkpoint_tokenizer, open_run, trained_layers
 from neox.weights import save_hf
 from neox.weights.hf import hf_key
 from zerocore.checkpoint.durable_io import make_dir, write_atomically
 
-__all__ = ["export", "export_trainable"]
+__all__ = ["export", "export_trainable", "refuse_output_over_inputs"]
 
 
 def _take_adapters(state: dict[str, torch.Tensor], kind: LayerKind, index: int | None,
@@ -55,6 +55,27 @@ def _tokenizer_file(ckpt: RunCheckpoint, given: Path | None, log) -> dict[str, P
     return {TOKENIZER: found}
 
 
+def refuse_output_over_inputs(out: Path, ckpt: Path, others: dict[str, Path] | None = None
+                              ) -> None:
+    """Refuses ``out`` when writing it (``--overwrite`` replaces it whole) would delete or
+    change what the export reads: it is, or contains, the checkpoint (a run's directory holds
+    its checkpoints) or one of ``others`` (the base weights, the tokenizer: ``{what: path}``),
+    or it lies inside the checkpoint. ``OutputDirError``; nothing is written."""
+    where = out.resolve()
+    inputs = {"the checkpoint being exported": ckpt, **(others or {})}
+    for what, path in inputs.items():
+        path = path.resolve()
+        if where == path or where in path.parents:
+            raise OutputDirError(
+                f"{out} {'is' if where == path else 'contains'} {what} ({path}): writing the "
+                f"export there would delete it; choose an output directory outside it (nothing "
+                f"was written)")
+    if ckpt.resolve() in where.parents:
+        raise OutputDirError(f"{out} is inside the checkpoint {ckpt}: writing there would "
+                             f"change the checkpoint; choose an output directory outside it "
+                             f"(nothing was written)")
+
+
 def _verified(ckpt: Path, allow_unverified: bool, log) -> RunCheckpoint:
     run = open_run(ckpt, allow_unverified=allow_unverified)
     if run.unverified:
@@ -67,6 +88,7 @@ def export_trainable(ckpt: Path, out: Path, *, overwrite: bool = False,
                      allow_unverified: bool = False, log=print) -> Path:
     """Only the trained tensors, under the model's own (Hugging Face) names: small, and no base
     weights are read. ``out/trainable.safetensors``."""
+    refuse_output_over_inputs(out, ckpt)
     run = _verified(ckpt, allow_unverified, log)
     recipe, config = run.recipe, run.config
     specs = layer_specs(config, recipe.model.filter_layers)
@@ -82,8 +104,16 @@ def export_trainable(ckpt: Path, out: Path, *, overwrite: bool = False,
 
 def export(ckpt: Path, out: Path, *, lora: str = "merged", overwrite: bool = False,
            tokenizer: Path | None = None, log=print, allow_unverified: bool = False) -> Path:
+    """The checkpoint as a Hugging Face directory ``out`` (see the module docstring). Refuses
+    an ``out`` that holds anything the export reads (``refuse_output_over_inputs``)."""
+    refuse_output_over_inputs(out, ckpt)
     run = _verified(ckpt, allow_unverified, log)
     recipe, config = run.recipe, run.config
+    extra_files = _tokenizer_file(run, tokenizer, log)
+    base = {"the base weights": Path(recipe.model.checkpoint)} \
+        if recipe.model.checkpoint is not None else {}
+    refuse_output_over_inputs(out, ckpt, {**base, **{"the tokenizer": f
+                                                     for f in extra_files.values()}})
     mode = recipe.model.finetune
     built = filtered_config(config, recipe.model.filter_layers)
     adapters: dict[str, torch.Tensor] = {}
@@ -96,8 +126,7 @@ def export(ckpt: Path, out: Path, *, lora: str = "merged", overwrite: bool = Fal
             else:
                 yield spec.kind, spec.index, merge_lora(state, mode.lora_scaling)
 
-    save_hf(out, built, states(), overwrite=overwrite,
-            extra_files=_tokenizer_file(run, tokenizer, log))
+    save_hf(out, built, states(), overwrite=overwrite, extra_files=extra_files)
     if lora == "separate" and adapters:
         adapter_dir = out / "adapter"
         make_dir(adapter_dir, parents=True)

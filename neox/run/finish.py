@@ -30,18 +30,14 @@ from neox.run.save import save, write_trainable
 def finish(state: TrainState, recipe: Recipe, data: RunData, done: StepsDone,
            metrics: MetricsFile | None, run_id: str, *, device: torch.device, rank: int,
            world_size: int, log: Log) -> None:
-    """Validation, the reports, the final checkpoint and the results."""
-    val_loss, val_acc = evaluate(state.model, data.dataset.val, rank=rank,
-                                 world_size=world_size, batch_size=recipe.loop.batch_size,
-                                 device=device)
+    """Validation (the loop's at its last step, in that step's metrics line; measured here when
+    the run trained no step), the reports, the final checkpoint and the results."""
+    val_loss, val_acc = done.validation or evaluate(
+        state.model, data.dataset.val, rank=rank, world_size=world_size,
+        batch_size=recipe.loop.batch_size, device=device)
     log(f"validation: loss {val_loss:.4f}, perplexity {math.exp(min(val_loss, 50)):.2f}, "
         f"accuracy {val_acc:.3f}")
-
-    def close_metrics() -> None:
-        if metrics is not None:
-            metrics.write({"step": state.step, "val_loss": val_loss, "val_acc": val_acc})
-            metrics.close()
-    zerocore.run_agreed(close_metrics)
+    zerocore.run_agreed(lambda: metrics.close() if metrics is not None else None)
     if done.memory is not None:
         tables: list[Any] = [None] * world_size
         dist.all_gather_object(tables, done.memory.table())

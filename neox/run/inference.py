@@ -18,7 +18,7 @@ from neox.config import filtered_config, preset_config
 from neox.dtypes import resolve_dtype
 from neox.model import NeoXModel
 from neox.run.recipe import OutputConfig, Recipe
-from neox.run.run_dir import OutputDirError
+from neox.run.run_dir import DATA_SHA256, OutputDirError
 from neox.run.trained import checkpoint_tokenizer, open_run, run_checkpoint, trained_model
 from neox.weights import RandomInit, iter_layers, open_weights
 
@@ -34,6 +34,7 @@ class Loaded:
     device: torch.device
     source: str            # what was loaded, for messages
     recipe: Recipe | None  # the run's recipe, when a run's checkpoint was loaded
+    data_sha256: str | None = None  # the SHA-256 of the text that run trained on, if recorded
 
 
 def _tokenizer(path: Path) -> Tokenizer:
@@ -114,7 +115,9 @@ def load_model(args: ModelSource) -> Loaded:
                                  f"(looked in "
                                  f"{', '.join(str(p) for p in looked)}); pass --tokenizer FILE")
         model = trained_model(ckpt, dtype=dtype, device=device)
-        loaded = Loaded(model, _tokenizer(tok_path), device, str(ckpt.path), ckpt.recipe)
+        sha = ckpt.extra.get(DATA_SHA256)
+        loaded = Loaded(model, _tokenizer(tok_path), device, str(ckpt.path), ckpt.recipe,
+                        sha if isinstance(sha, str) else None)
     else:
         ranges = parse_layers(args.filter_layers)
         if source is not None:

@@ -1,18 +1,16 @@
 """Starting, watching and stopping the processes of a fine-tuning run.
 
 ``launch`` (one machine): takes the output directory (lock, ownership, a write test), starts one
-process per rank, and watches them. Ranks never outlive it, from their first instruction: the
-first code a rank runs, before it imports anything, asks the kernel for SIGKILL when the
-launcher dies (``PR_SET_PDEATHSIG``, which needs no handler in the launcher, so it holds after
-a SIGKILL of the launcher too) and leaves if the launcher is gone already. Each rank also holds
-one end of a socket whose other end only the launcher has; a thread in each rank prints why and
-leaves the moment it closes or says stop (the launcher got SIGTERM or Ctrl-C); the launcher
-kills at once the ranks still starting (their watcher not yet running) and whatever has not
-left ``STOP_GRACE_S`` later. When a rank fails, the launcher names it and how it ended (its
-exit code, or the signal that killed it), gives the others a moment to stop by themselves,
-then stops them. A rank that stops answering (stopped, hung) is named by
-the rank that waited for it past ``--timeout`` (through the socket), or found a stopped
-process once another rank gave up, killed at once, and named in the launcher's error.
+process per rank, and watches them. Ranks never outlive it, from their first instruction
+(``zerocore.tools.rank_processes``: tied to the launcher by the kernel before their first
+import, and by a socket only the launcher holds the other end of). Told to stop (SIGTERM,
+Ctrl-C), the launcher stops the ranks through their sockets (they leave silently; the launcher
+says so, once, on a line of its own), kills at once the ranks still starting (their watcher
+not yet running) and whatever has not left ``STOP_GRACE_S`` later. When a rank fails, the
+launcher names it and how it ended (its exit code, or the signal that killed it), gives the
+others a moment to stop by themselves, then stops them. A rank that stops answering (stopped,
+hung) is named by the rank that waited for it past ``--timeout`` (through the socket), or found
+a stopped process once another rank gave up, killed at once, and named in the launcher's error.
 
 ``run_under_torchrun``: the process is one rank of torchrun's group (possibly many machines);
 torchrun watches the processes, and global rank 0 takes the output directory.
@@ -24,20 +22,15 @@ disk, a diverged run); 1 a crash (traceback shown); 3 a rank lost contact with a
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import datetime
-import json
 import math
 import os
-import pickle
 import select
 import signal
 import socket
-import struct
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -51,16 +44,16 @@ from neox.run.recipe import Recipe
 from neox.run.run_dir import (OutputDirError, OutputDirLock, check_writable, checkpoint_run_id,
                               claim_output_dir)
 from neox.run.failed import RunFailed
+from neox.run.progress import say
 from neox.run.training import run_training
+from zerocore.tools.rank_processes import (STOP_GRACE_S, exit_description, receive,
+                                           run_ranks, set_parent_death_signal, watch_launcher)
 
 __all__ = ["LaunchConfig", "RunRequest", "launch", "run_under_torchrun"]
 
 # Seconds the other ranks get to stop by themselves once one has failed, before they are
 # terminated (after a user error they all stop at once, having agreed on it).
 SHUTDOWN_GRACE_S = 10.0
-# Seconds the ranks get to leave after the launcher was told to stop (SIGTERM, Ctrl-C): their
-# watchers leave at once, but a rank still importing has none yet; then they are killed.
-STOP_GRACE_S = 1.0
 # Seconds the other ranks get once one lost contact with another (past --timeout): waiting for
 # the same silent rank, or for one the launcher has just killed, they fail within moments.
 LOST_GRACE_S = 3.0
@@ -163,11 +156,11 @@ def launch(request: RunRequest, config: LaunchConfig) -> int:
     """Runs the recipe on this machine: one process per GPU (NCCL), else ``config.nproc``
     CPU processes (gloo). Returns the exit code."""
     world_size = min(config.nproc, torch.cuda.device_count()) if config.use_cuda else config.nproc
-    describe_environment(config.use_cuda, print)
+    describe_environment(config.use_cuda, say)
     if config.use_cuda:  # read by each rank's CUDA allocator when it starts
         os.environ.update(cuda_environment(dict(os.environ)))
     try:
-        lock, run_id = _take_output_dir(request, print)
+        lock, run_id = _take_output_dir(request, say)
     except OutputDirError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_REPORTED
@@ -180,61 +173,9 @@ def launch(request: RunRequest, config: LaunchConfig) -> int:
 
 
 def _run_ranks(task: RankTask) -> int:
-    links: list[socket.socket] = []
-    procs: list[subprocess.Popen] = []
-    stop_signal: list[int] = []
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        stop_signal.append(signum)
-        for link in links:  # each rank's watcher prints why and leaves
-            try:
-                link.send(f"stop {signal.Signals(signum).name}\n".encode())
-            except OSError:
-                pass
-
-    # Before the first rank exists: a signal from here on stops the ranks started so far.
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        frame = pickle.dumps(task)
-        for rank in range(task.world_size):
-            if stop_signal:
-                break
-            # The rank keeps one end; only this process keeps the other, so the rank sees EOF
-            # when this process ends, however it ends.
-            mine, theirs = socket.socketpair()
-            try:
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-c", _BOOTSTRAP, RANK_MARKER, str(os.getpid()),
-                     str(theirs.fileno()), str(rank), json.dumps(sys.path)],
-                    pass_fds=(theirs.fileno(),)))
-            finally:
-                theirs.close()
-            links.append(mine)
-        for link in links if not stop_signal else ():  # (stopped: the ranks are killed)
-            # The ranks read it right after tying themselves to this process.
-            try:
-                link.sendall(struct.pack("<Q", len(frame)) + frame)
-            except OSError:
-                pass  # that rank is gone already: the watch says how it ended
-        code = _watch(procs, links, stop_signal, task.timeout)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        for link in links:
-            link.close()
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-    return code
-
-
-def _exit_description(code: int | None) -> str:
-    if code is not None and code < 0:
-        name = signal.Signals(-code).name
-        why = " (the system's out-of-memory killer, or a user)" if -code == signal.SIGKILL else ""
-        return f"was killed by {name}{why}"
-    return f"exited with code {code}"
+    return run_ranks(RANK_TARGET, task.world_size, task, marker=RANK_MARKER,
+                     watch=lambda procs, links, signals: _watch(procs, links, signals,
+                                                                task.timeout))
 
 
 def _cause(codes: list[int | None], killed: set[int]) -> tuple[int, int] | None:
@@ -372,6 +313,8 @@ def _watch(procs: list[subprocess.Popen], links: list[socket.socket], stop_signa
                 p.wait()
             break
     if stop_signal:
+        if sys.stdout.isatty():  # rank 0's progress line, redrawn in place, is ended first
+            print(flush=True)
         print(f"stopped by {signal.Signals(stop_signal[0]).name}", file=sys.stderr, flush=True)
         return 128 + stop_signal[0]
     codes = [p.returncode for p in procs]
@@ -404,7 +347,7 @@ def _watch(procs: list[subprocess.Popen], links: list[socket.socket], stop_signa
                   file=sys.stderr, flush=True)
         return EXIT_LOST_PEER
     if code != EXIT_REPORTED:  # 2: the rank said why, in one line
-        print(f"error: rank {rank} (pid {procs[rank].pid}) {_exit_description(code)}"
+        print(f"error: rank {rank} (pid {procs[rank].pid}) {exit_description(code)}"
               + ("" if len(procs) == 1 else "; the other ranks were stopped"),
               file=sys.stderr, flush=True)
     return code if code > 0 else 128 - code
@@ -414,37 +357,15 @@ def _watch(procs: list[subprocess.Popen], links: list[socket.socket], stop_signa
 
 # Marks a rank's command line (``ps``, tests), after ``-c`` and the bootstrap.
 RANK_MARKER = "neox-rank"
-
-# The first code a rank process runs (``python -c``, before anything but the interpreter's own
-# start-up is imported): it ties itself to the launcher before importing torch, which takes
-# seconds, so that it cannot outlive the launcher even then. PR_SET_PDEATHSIG: the kernel sends
-# SIGKILL when the launcher dies (by SIGKILL too, which runs no handler); had the launcher died
-# before that call, the parent is already another process and the rank leaves. Then it becomes
-# a rank (``_rank_process``), with the launcher's import path.
-_BOOTSTRAP = """\
-import ctypes, json, os, signal, sys
-_, _, launcher, fd, rank, path = sys.argv
-signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which stops us
-if sys.platform.startswith("linux"):
-    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-if os.getppid() != int(launcher):
-    os._exit(128 + int(signal.SIGKILL))
-sys.path[:] = json.loads(path)
-from neox.run.launch import _rank_process
-_rank_process(int(rank), int(fd), int(launcher))
-"""
+# What each rank runs once tied to the launcher (zerocore.tools.rank_processes's BOOTSTRAP).
+RANK_TARGET = "neox.run.launch:_rank_process"
 
 
 def _rank_process(rank: int, fd: int, launcher_pid: int) -> NoReturn:
     """A rank started by ``launch``: reads its task from the launcher, watches it, runs."""
     link = socket.socket(fileno=fd)
-    size = struct.unpack("<Q", _recv_exactly(link, 8))[0]
-    task = pickle.loads(_recv_exactly(link, size))
-    _die_with_parent(rank, link, launcher_pid)
-    try:
-        link.sendall(b"up\n")  # from now on a stop request is heard (see _watch)
-    except OSError:
-        pass  # the launcher is gone: the watcher leaves
+    task = receive(link)
+    watch_launcher(rank, link, launcher_pid)  # from now on a stop request is heard (_watch)
 
     def report_lost(lost: int) -> None:
         try:
@@ -459,56 +380,6 @@ def _rank_process(rank: int, fd: int, launcher_pid: int) -> NoReturn:
     # it down under them at interpreter exit can abort the process (gloo: "terminate called
     # without an active exception"), which would bury the message.
     os._exit(code)
-
-
-def _recv_exactly(link: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = link.recv(n - len(data))
-        if not chunk:
-            os._exit(128 + signal.SIGTERM)  # the launcher ended before this rank started
-        data += chunk
-    return data
-
-
-def _die_with_parent(rank: int, link: socket.socket, parent_pid: int) -> None:
-    """Makes this rank leave when the launcher ends or asks it to stop (see the module
-    docstring), saying why on stderr first."""
-    said = threading.Lock()
-
-    def leave(why: str, code: int) -> None:
-        if said.acquire(blocking=False):
-            print(f"rank {rank}: {why}; exiting", file=sys.stderr, flush=True)
-        os._exit(code)
-
-    def watch() -> None:
-        try:
-            message = link.recv(4096)
-        except OSError:
-            message = b""
-        if not message:
-            leave("the launcher ended", 128 + signal.SIGTERM)
-        name = message.decode(errors="replace").split()[-1]
-        leave(f"the launcher was stopped by {name}", 128 + signal.SIGTERM)
-
-    threading.Thread(target=watch, name="neox-lifeline", daemon=True).start()
-    signal.signal(signal.SIGTERM, lambda s, f: leave(
-        "the launcher ended" if os.getppid() != parent_pid else "received SIGTERM", 128 + s))
-    if os.getppid() != parent_pid:  # the launcher died before the watch began
-        leave("the launcher ended before this rank started", 128 + signal.SIGTERM)
-
-
-def _set_parent_death_signal(sig: int) -> None:
-    """Linux's PR_SET_PDEATHSIG: the kernel sends ``sig`` when the parent dies. A no-op
-    elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 # How gloo and NCCL say that another process of the group is gone or silent past the timeout
@@ -529,8 +400,8 @@ def run_under_torchrun(request: RunRequest, config: LaunchConfig) -> NoReturn:
     """This process is rank RANK of torchrun's WORLD_SIZE processes; exits with the rank's code."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if rank == 0:
-        describe_environment(config.use_cuda, print)
-    _set_parent_death_signal(signal.SIGTERM)  # torchrun's agent is the parent
+        describe_environment(config.use_cuda, say)
+    set_parent_death_signal(signal.SIGTERM)  # torchrun's agent is the parent
     if config.use_cuda:  # before this process allocates anything on the GPU
         os.environ.update(cuda_environment(dict(os.environ)))
     task = RankTask(request, None, world, "env://", config.use_cuda, config.timeout)
@@ -567,7 +438,7 @@ def _run_rank(rank: int, task: RankTask,
         run_id = task.run_id
         if run_id is None:  # torchrun: global rank 0 takes the directory, the others wait
             taken = zerocore.run_agreed(
-                lambda: _take_output_dir(task.request, print) if rank == 0 else None)
+                lambda: _take_output_dir(task.request, say) if rank == 0 else None)
             if taken is not None:
                 lock, run_id = taken
             ids = [run_id]

@@ -62,6 +62,9 @@ class StepsDone:
     memory: zerocore.MemoryReport | None   # taken at the last step, gradients included
     comm: zerocore.CommReport
     measured: MeasuredPeak | None = None
+    # (loss, accuracy) on the validation split after the last step, in its metrics line;
+    # None when this run trained no step
+    validation: tuple[float, float] | None = None
 
 
 def train(state: TrainState, recipe: Recipe, data: RunData, metrics: MetricsFile | None,
@@ -76,7 +79,7 @@ def train(state: TrainState, recipe: Recipe, data: RunData, metrics: MetricsFile
         f"{recipe.optim.warmup}")
     progress = Progress(total, enabled=rank == 0)
     model.comm_report(reset=True)
-    first_step, memory = state.step, None
+    first_step, memory, validation = state.step, None, None
     nonfinite = 0               # consecutive steps with a non-finite loss or gradient
     metrics_error: OutputDirError | None = None    # rank 0's, reported at the next step
     while state.step < total:
@@ -114,10 +117,11 @@ def train(state: TrainState, recipe: Recipe, data: RunData, metrics: MetricsFile
         # means a NaN or infinite gradient, as bad as a non-finite loss.
         bad = not math.isfinite(record["loss"]) or (result.skipped and not state.scaler.dynamic)
         nonfinite = nonfinite + 1 if bad else 0
-        if loop.eval_every and state.step % loop.eval_every == 0 and state.step < total:
-            record["val_loss"], record["val_acc"] = evaluate(
-                model, ds.val, rank=rank, world_size=world_size, batch_size=loop.batch_size,
-                device=device)
+        # The end of the run is validated too, in the last step's line (one line per step).
+        if state.step == total or (loop.eval_every and state.step % loop.eval_every == 0):
+            validation = evaluate(model, ds.val, rank=rank, world_size=world_size,
+                                  batch_size=loop.batch_size, device=device)
+            record["val_loss"], record["val_acc"] = validation
         if metrics is not None:
             try:
                 metrics.write(record)
@@ -141,7 +145,7 @@ def train(state: TrainState, recipe: Recipe, data: RunData, metrics: MetricsFile
     progress.close()
     measured = probe.finish(state.step) if probe is not None else None
     zerocore.run_agreed(lambda: _raise(metrics_error))
-    return StepsDone(first_step, memory, model.comm_report(), measured)
+    return StepsDone(first_step, memory, model.comm_report(), measured, validation)
 
 
 def _raise(error: BaseException | None) -> None:

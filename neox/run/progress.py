@@ -7,8 +7,14 @@ import sys
 import time
 from typing import Callable, TextIO
 
-# What rank 0 prints with (print), and the other ranks (nothing).
+# What rank 0 prints with (``say``), and the other ranks (nothing).
 Log = Callable[..., None]
+
+
+def say(*args: object, **kwargs: object) -> None:
+    """``print``, flushed: a run's lines reach a pipe (``| tee run.log``) or a log file as they
+    are printed, not when a buffer fills, and in order with the other processes' lines."""
+    print(*args, **kwargs, flush=True)
 
 
 class Progress:

@@ -194,11 +194,21 @@ def _atomic_json(path: Path, value: Any) -> None:
         raise OutputDirError(describe_os_error(e, path)) from None
 
 
+def trained_nothing(directory: Path) -> bool:
+    """Whether ``directory`` holds no output of a trained step: no metrics, checkpoint (whole
+    or partial), trained parameters or export. A run refused while it started (a checkpoint
+    that does not fit the model, say) leaves only its ``run.json``: nothing to lose."""
+    checkpoints = directory / CHECKPOINTS
+    return (not any((directory / name).exists() for name in (METRICS, TRAINABLE, HF_EXPORT))
+            and not (checkpoints.is_dir() and any(checkpoints.iterdir())))
+
+
 def _other_runs(directory: Path, run_id: str | None, resumed_legacy: bool) -> list[str]:
-    """Descriptions of the runs other than ``run_id`` whose outputs are in ``directory``."""
+    """Descriptions of the runs other than ``run_id`` whose outputs are in ``directory`` (a run
+    that trained nothing there has none)."""
     found: list[str] = []
     owner = read_run_id(directory)
-    if owner is not None and owner != run_id:
+    if owner is not None and owner != run_id and not trained_nothing(directory):
         found.append(f"run {owner}")
     for other, paths in checkpoint_runs(directory / CHECKPOINTS).items():
         if other == run_id or (other is None and resumed_legacy):
@@ -228,6 +238,10 @@ def claim_output_dir(directory: Path, *, resume_run_id: str | None, resuming: bo
                              "of them")
     run_id = (resume_run_id or read_run_id(directory) or uuid.uuid4().hex[:12]) if resuming \
         else uuid.uuid4().hex[:12]
+    previous = read_run_id(directory)
+    if previous is not None and previous != run_id and trained_nothing(directory):
+        log(f"output: {directory} held run {previous}, which stopped before it trained a step "
+            f"(only its {RUN_FILE}); this run takes the directory over")
     others = _other_runs(directory, run_id if resuming else None,
                          resumed_legacy=resuming and resume_run_id is None)
     if others and not overwrite:
@@ -322,37 +336,80 @@ def _finite_or_none(value: Any) -> Any:
 
 
 class MetricsFile:
-    """``metrics.jsonl``, written by rank 0: one JSON object per line, flushed after each.
+    """``metrics.jsonl``, written by rank 0: one JSON object per line, flushed after each, in
+    step order, each step once.
 
-    Non-finite numbers (a diverging loss) are written as ``null``, so the file stays JSON. On
-    resume the lines of steps after the checkpoint's are dropped first (they were trained again
-    from the checkpoint), so every step appears once. Write errors raise ``OutputDirError``
-    naming the file and the errno."""
+    Non-finite numbers (a diverging loss) are written as ``null``, so the file stays JSON. A
+    resumed run (``resume_step``: the checkpoint's step) leaves the file as it is until it
+    trains a step again: then that step's line is replaced (the file rewritten, atomically),
+    and only that one, so an interrupted resume loses nothing, and the lines of steps an
+    earlier pass trained past the checkpoint stay until the resumed run reaches them (a newer
+    checkpoint of that pass may be resumed later). Lines a crash left torn are dropped at the
+    first rewrite. Write errors raise ``OutputDirError`` naming the file and the errno."""
 
     def __init__(self, path: Path, *, resume_step: int | None):
         self.path = path
+        # A resumed run's existing lines (step, text) from its first write on, while one of
+        # them has a step not yet trained again (each write rewrites the file); then None, and
+        # each write appends.
+        self._lines: list[tuple[int | None, str]] | None = None
+        self._resuming = resume_step is not None
+        self._file = None
         try:
-            if resume_step is not None and path.exists():
-                kept = [line for line in path.read_text().splitlines()
-                        if _step_of(line) is not None and _step_of(line) <= resume_step]
-                tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-                tmp.write_text("".join(line + "\n" for line in kept))
-                os.replace(tmp, path)
-            self._file = open(path, "a" if resume_step is not None else "w")
+            if not self._resuming:
+                self._file = open(path, "w")
         except OSError as e:
             raise OutputDirError(describe_os_error(e, path)) from None
 
     def write(self, record: dict[str, Any]) -> None:
         line = json.dumps({k: _finite_or_none(v) for k, v in record.items()}, allow_nan=False)
         try:
-            self._file.write(line + "\n")
-            self._file.flush()
+            if self._resuming:
+                self._resuming = False
+                self._lines = self._existing()
+            if self._lines is not None:
+                self._replace(record["step"], line)
+            else:
+                if self._file is None:
+                    self._file = open(self.path, "a")
+                self._file.write(line + "\n")
+                self._file.flush()
         except OSError as e:
             raise OutputDirError(describe_os_error(e, self.path)) from None
 
+    def _existing(self) -> list[tuple[int | None, str]] | None:
+        """The lines already there (None when there are none), torn ones marked None."""
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return None
+        lines = [(_step_of(line), line) for line in text.splitlines()]
+        return lines if lines else None
+
+    def _replace(self, step: int, line: str) -> None:
+        """Writes the file again with ``line`` as step ``step``'s (in place of an earlier one,
+        or after the steps before it), atomically."""
+        lines = [(s, text) for s, text in self._lines if s is not None]  # torn ones dropped
+        before = [x for x in lines if x[0] < step]
+        after = [x for x in lines if x[0] > step]
+        self._lines = before + [(step, line)] + after
+        tmp = self.path.with_name(f".{self.path.name}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            with open(tmp, "w") as f:
+                f.write("".join(text + "\n" for _, text in self._lines))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        if not after:  # every earlier line is behind: appends from now on
+            self._lines = None
+            self._file = open(self.path, "a")
+
     def close(self) -> None:
         try:
-            self._file.close()
+            if self._file is not None:
+                self._file.close()
         except OSError as e:
             raise OutputDirError(describe_os_error(e, self.path)) from None
 

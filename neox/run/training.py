@@ -16,7 +16,7 @@ import torch
 import zerocore
 from neox.run.recipe import Recipe
 from neox.run.run_dir import METRICS, MetricsFile, write_tokenizer
-from neox.run.progress import Log
+from neox.run.progress import Log, say
 from neox.run.build import build
 from neox.run.finish import finish
 from neox.run.loop import train
@@ -33,7 +33,7 @@ def run_training(recipe: Recipe, *, resume: Path | None, run_id: str, rank: int,
     neox.finetune before the launch, and again as it is loaded) when given, or continuing the
     DeepSpeed checkpoint ``deepspeed``. comm: as for ``build`` (give it the process group's
     timeout)."""
-    log: Log = print if rank == 0 else (lambda *a, **k: None)
+    log: Log = say if rank == 0 else (lambda *a, **k: None)
     torch.manual_seed(recipe.loop.seed)
     resumed = None if resume is None else zerocore.run_agreed(lambda: resumed_data(
         resume, recipe, allow_unverified=allow_unverified, accept_change=data_changed))

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import abc
 import math
-import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -35,6 +34,7 @@ from torch import nn
 
 from neox.config import NeoXConfig
 from neox.model import LayerKind, LayerSpec, build_layer, layer_specs
+from zerocore.checkpoint import weights_only_failure
 
 __all__ = ["WeightsError", "WeightsReader", "load_state_file", "layer_label", "contained",
            "materialize", "iter_layers", "iter_layer_states", "meta_layer", "flat_range"]
@@ -63,26 +63,13 @@ def load_state_file(path: Path) -> dict[str, Any]:
 
 
 def _load_failure(e: Exception) -> str:
-    """Why ``torch.load(weights_only=True)`` failed, in one line. Its refusal of a pickle that
-    would import code is five lines that end by advising ``weights_only=False`` ("will likely
-    succeed"): exactly what must not be done with a file one does not trust, so only the
-    refused object is named."""
-    text = str(e)
-    if text.startswith("Weights only load failed"):
-        # torch words it differently by version and path: "Unsupported global: GLOBAL getattr
-        # was not an allowed global by default." / "... unsupported GLOBAL posix.system whose
-        # module posix is blocked."
-        found = re.search(r"(?i)unsupported global[^.\n]*", text)
-        if found:
-            return (f"refused: the file holds pickled objects that loading would have to import "
-                    f"and run, not only tensors ({found.group(0)}); neox loads tensors only: use "
-                    f"the model's safetensors files, or a copy of the weights you trust")
-        # Anything else the weights-only unpickler rejects is a damaged or foreign file
-        # ("Unsupported operand 103" for bytes that are not a pickle at all).
-        found = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)
-        reason = found.group(1).strip() if found else "unreadable"
-        return f"cannot load (not a readable torch file: {reason})"
-    return f"cannot load ({' '.join(text.split())})"
+    """Why ``torch.load(weights_only=True)`` failed, in one line (zerocore's words, with what to
+    do instead for weights)."""
+    reason = weights_only_failure(e)
+    if reason.startswith("refused"):
+        return (f"{reason}; neox loads tensors only: use the model's safetensors files, or a "
+                f"copy of the weights you trust")
+    return f"cannot load ({' '.join(reason.split())})"
 
 
 def _inside_roots(root: Path) -> list[Path]:

@@ -369,6 +369,34 @@ def test_rank_file_that_does_not_match_its_manifest_is_refused(good, tmp_path, c
     assert _consolidate_in_process(path, tmp_path / "out", capsys) == str(e.value)
 
 
+class _Payload:
+    """A pickled object whose loading would run a command (create a file)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_payload_rank_file_is_refused_without_torchs_advice(good, tmp_path, capsys):
+    """A rank file carrying a payload, its checksum recomputed: refused in one line that names
+    what it would have run, without torch's advice to load it with weights_only=False (what
+    must not be done with such a file); nothing ran."""
+    path = _copy(good, tmp_path)
+    marker = tmp_path / "it-ran"
+    f = edit_rank_file(path, 1, _rank_data_edit(lambda d: d.update(x=_Payload(marker))))
+    with pytest.raises(CheckpointError) as e:
+        open_checkpoint(path)
+    message = str(e.value)
+    _assert_one_line(message, f"{f}: cannot be read as a rank file (refused: it holds pickled "
+                              f"objects that loading would have to import and run")
+    assert "posix.system" in message and "nothing in it was run" in message
+    assert "weights_only" not in message and "likely succeed" not in message, message
+    assert _consolidate_in_process(path, tmp_path / "out", capsys) == message
+    assert not marker.exists()
+
+
 def test_commit_record_itself_damaged_or_missing(good, tmp_path):
     path = _copy(good, tmp_path)
     (path / COMMIT).write_text("{")

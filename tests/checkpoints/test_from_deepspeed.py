@@ -27,10 +27,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.support.deepspeed_files import (CRAFTED, copy_ckpt, crafted_checkpoint, load_plain,
+                                           rewrite)
 from tests.support.dist_utils import global_mean
 from zerocore.checkpoint import deepspeed as fds
 from zerocore import from_deepspeed
 from zerocore.checkpoint.deepspeed import DeepSpeedCheckpointError
+from zerocore.checkpoint.deepspeed import exporting, resume, streaming_safetensors, unpickler
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed"
 ALL = ["full_fp32_ws2", "full_fp32_ws3", "full_bf16_ws3", "lora_fp32_ws2", "lora_fp32_ws3",
@@ -147,7 +150,7 @@ def test_tag_and_tag_directory(tmp_path):
 def test_streams_one_tensor_at_a_time(tmp_path, monkeypatch):
     """The writer asks for each tensor just before writing it: never more than one read ahead."""
     produced, written = [], []
-    real = fds.write_safetensors
+    real = exporting.write_safetensors
 
     def spy(path, entries, metadata=None):
         def wrap(name, produce):
@@ -159,8 +162,8 @@ def test_streams_one_tensor_at_a_time(tmp_path, monkeypatch):
         entries = [(n, d, s, wrap(n, p)) for n, d, s, p in entries]
         return real(path, entries, metadata)
 
-    monkeypatch.setattr(fds, "write_safetensors", spy)
-    real_write = fds.write_file
+    monkeypatch.setattr(exporting, "write_safetensors", spy)
+    real_write = streaming_safetensors.write_file
 
     def write_file(path, fill):
         def counting(f):
@@ -172,18 +175,12 @@ def test_streams_one_tensor_at_a_time(tmp_path, monkeypatch):
             return fill(F())
         return real_write(path, counting)
 
-    monkeypatch.setattr(fds, "write_file", write_file)
+    monkeypatch.setattr(streaming_safetensors, "write_file", write_file)
     assert run_cli(FIXTURES / "full_fp32_ws3" / "ckpt", tmp_path / "out") == 0
     assert produced == written and len(produced) == 28
 
 
 # -- refusals -------------------------------------------------------------------------------------
-
-def copy_ckpt(tmp_path: Path, name: str = "full_fp32_ws2") -> tuple[Path, Path]:
-    ckpt = tmp_path / "ckpt"
-    shutil.copytree(FIXTURES / name / "ckpt", ckpt)
-    return ckpt, ckpt / "global_step3"
-
 
 def refused(ckpt: Path, capsys, *args: str) -> str:
     """Runs the CLI, which must fail with one line and write nothing; returns the line."""
@@ -194,19 +191,6 @@ def refused(ckpt: Path, capsys, *args: str) -> str:
     assert not out.exists()
     assert not [p for p in ckpt.parent.iterdir() if p.name.startswith(".out.tmp")]
     return err
-
-
-def rewrite(path: Path, edit) -> None:
-    """Loads a DeepSpeed file (its DeepSpeed classes as records), lets edit(obj) change it and
-    saves it back with plain types only (so the file stays readable without DeepSpeed)."""
-    with torch.serialization.safe_globals(list(fds.STAND_INS)):
-        obj = torch.load(path, weights_only=True)
-    osd = obj.get("optimizer_state_dict")
-    if isinstance(osd, dict) and "zero_stage" in osd:
-        osd["zero_stage"] = int(osd["zero_stage"])
-        osd["loss_scaler"] = None
-    edit(obj)
-    torch.save(obj, path)
 
 
 def test_refuses_missing_rank_file(tmp_path, capsys):
@@ -324,6 +308,66 @@ def test_refuses_no_latest_and_bad_tag(tmp_path, capsys):
                                                             "global_step9")
 
 
+@pytest.mark.parametrize("case", sorted(CRAFTED))
+def test_every_crafted_file_is_one_line(tmp_path, capsys, case):
+    """Fuzzed files (tests/support/deepspeed_files.py: a wrong type at every key the reader
+    uses, nesting 5,000 deep or holding itself, truncation, damaged bytes, swapped rank
+    files): exit 2, one line naming the checkpoint's file, nothing written."""
+    ckpt = crafted_checkpoint(tmp_path, case)
+    err = refused(ckpt, capsys)
+    assert err.startswith(f"error: {ckpt / 'global_step3'}"), err
+    assert "Traceback" not in err and "RecursionError" not in err
+
+
+def test_a_swap_is_refused_naming_whose_file_it_is(tmp_path, capsys):
+    ckpt, tag = copy_ckpt(tmp_path, "full_fp32_ws3")
+    a, b = tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt", \
+        tag / "zero_pp_rank_2_mp_rank_00_optim_states.pt"
+    a.rename(tag / "x")
+    b.rename(a)
+    (tag / "x").rename(b)
+    err = refused(ckpt, capsys)
+    assert f"{a}: this file was saved as zero_pp_rank_2_mp_rank_00_optim_states.pt (torch " \
+           f"records the name a file is saved under), so it holds rank 2's optimizer states: " \
+           f"rank files were renamed or swapped" in err
+
+
+def test_a_file_re_saved_under_its_new_name_is_not_detected(tmp_path):
+    """What README's "Coming from DeepSpeed" says cannot be detected: a swap made by loading
+    and saving each file under the other's name (the files record no rank, and torch's record
+    of the name is then the new one). The export is then wrong, as zero_to_fp32's would be."""
+    ckpt, tag = copy_ckpt(tmp_path, "full_fp32_ws2")
+    files = [tag / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
+    loaded = [load_plain(f) for f in files]
+    for f, obj in zip(files, reversed(loaded)):
+        torch.save(obj, f)
+    assert run_cli(ckpt, tmp_path / "out") == 0
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    want = reference("full_fp32_ws2")
+    assert sorted(got) == sorted(want)
+    assert not all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_bf16_runs_file_among_an_fp32_runs_is_refused_as_mixed(tmp_path, capsys):
+    """The model-state file of rank 1 of the bf16 run of the same model and steps: every shape
+    agrees; its DeepSpeed config (and its frozen fragments' dtype) do not."""
+    ckpt, tag = copy_ckpt(tmp_path, "lora_fp32_ws2")
+    shutil.copy(FIXTURES / "lora_bf16_ws2" / "ckpt" / "global_step3" /
+                "zero_pp_rank_1_mp_rank_00_model_states.pt", tag)
+    err = refused(ckpt, capsys)
+    assert "zero_pp_rank_1_mp_rank_00_model_states.pt: its ds_config differs from rank 0's" in err
+    assert "truncated" not in err
+
+
+def test_a_bf16_optimizer_file_among_plain_ones_is_refused(tmp_path, capsys):
+    ckpt, tag = copy_ckpt(tmp_path, "lora_fp32_ws2")
+    src = FIXTURES / "lora_bf16_ws2" / "ckpt" / "global_step3"
+    (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    shutil.copy(src / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", tag)
+    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt: a plain optimizer-state file among bf16_ " \
+           "ones (of ranks [1])" in refused(ckpt, capsys)
+
+
 def test_refuses_16bit_of_fp32_run_and_existing_out(tmp_path, capsys):
     ckpt, _ = copy_ckpt(tmp_path)
     assert "this run trained in fp32" in refused(ckpt, capsys, "--dtype", "16bit")
@@ -406,10 +450,11 @@ def test_resume_refuses_payload_too(tmp_path):
 def test_deepspeed_classes_are_inert_records():
     ckpt = fds.DeepSpeedCheckpoint(FIXTURES / "full_bf16_ws3" / "ckpt")
     scaler = ckpt.optim_states[0]["loss_scaler"]
-    assert type(scaler).__module__ == fds.__name__  # a class of this reader, not DeepSpeed's
+    # a class of this reader, not DeepSpeed's
+    assert type(scaler).__module__ == unpickler.__name__
     assert scaler.ds_class == "deepspeed.runtime.fp16.loss_scaler.LossScaler"
     assert ckpt.loss_scaler == {"cur_scale": 1.0, "dynamic": False}
-    assert type(ckpt.optim_states[0]["zero_stage"]) is fds.ZeroStage
+    assert type(ckpt.optim_states[0]["zero_stage"]) is unpickler.ZeroStage
     assert ckpt.world_size == 3 and ckpt.dtype16 is torch.bfloat16 and ckpt.steps == [3]
 
 
@@ -425,7 +470,7 @@ def test_dynamic_loss_scaler_state():
 
     ds = {"cur_scale": 1024.0, "cur_iter": 30, "last_overflow_iter": 19, "scale_window": 1000,
           "cur_hysteresis": 1}
-    assert fds._scaler_state(ds, Scaler()) == {"loss_scale": 1024.0, "hysteresis_left": 1,
+    assert resume._scaler_state(ds, Scaler()) == {"loss_scale": 1024.0, "hysteresis_left": 1,
                                                 "good_steps": 10, "dynamic": True}
 
 

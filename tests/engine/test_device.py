@@ -11,6 +11,7 @@ only a name exchanged between the ranks; nothing is allocated on it).
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -19,7 +20,9 @@ from torch import nn
 
 import zerocore
 from zerocore.comm import device as zdevice
-from zerocore.engine.offload import OffloadedShard, cpu_threads
+from zerocore.comm.objects import all_gather_objects, broadcast_objects
+from zerocore.engine.offload import cpu_threads
+from zerocore.engine.sharded_param import ShardParameter
 
 WORLD_SIZES = [1, 2, 3]
 
@@ -127,9 +130,7 @@ def test_placement_problems():
 def shard_on_described_gpus(rank: int, world_size: int, how: str) -> str | None:
     """zerocore.shard with made-up GPU descriptions; the ValueError's message, or None."""
     platform, device = GPU_HOST, torch.device("cuda", rank)
-    if how == "all-on-cuda0":
-        device = torch.device("cuda", 0)  # the user forgot torch.cuda.set_device
-    elif how == "cpu-only-kernels":
+    if how == "cpu-only-kernels":
         platform = dataclasses.replace(GPU_HOST, kernels_cuda=False)
     elif how == "last-rank-cpu-only-kernels" and rank == world_size - 1:
         platform = dataclasses.replace(GPU_HOST, kernels_cuda=False)
@@ -141,16 +142,19 @@ def shard_on_described_gpus(rank: int, world_size: int, how: str) -> str | None:
 
 
 def test_ranks_on_one_gpu_fail_on_every_rank(world):
-    """Every rank on cuda:0: found from the descriptions, before anything touches the device,
-    and raised on every rank with the fix."""
+    """Every rank on cuda:0 where NCCL moves the CUDA tensors: found from the descriptions,
+    before anything touches the device, and raised on every rank with the fix. (This world is
+    gloo, whose ranks may share a GPU: NCCL's rule is asked for.)"""
     if world.world_size == 1:
         pytest.skip("one rank cannot share its GPU with another")
     ranks = ", ".join(str(r) for r in range(world.world_size))
-    for msg in world.run(shard_on_described_gpus, "all-on-cuda0"):
+    for msg in world.run(agree, False, "all-on-cuda0", True):
         assert msg is not None
         assert f"ranks {ranks} on host gpu-host all compute on the same GPU, cuda:0" in msg
         assert "torch.cuda.set_device(local_rank % torch.cuda.device_count())" in msg
-        assert "LOCAL_RANK" in msg and "device_id" in msg
+        # set_device is the one advice: device_id= and device= are named as not enough.
+        assert "LOCAL_RANK" in msg
+        assert "device_id=...) and zerocore.shard(device=...) alone do not set the current" in msg
 
 
 @pytest.mark.parametrize("how", ["cpu-only-kernels", "last-rank-cpu-only-kernels"])
@@ -180,7 +184,8 @@ def test_cuda_with_cpu_torch_fails_at_shard(world):
         assert msg is not None and "is a CPU build" in msg, msg
 
 
-def agree(rank: int, world_size: int, side_channel: bool, how: str) -> object:
+def agree(rank: int, world_size: int, side_channel: bool, how: str,
+          one_gpu_each: bool | None = None) -> object:
     device = torch.device("cuda", 0 if how == "all-on-cuda0" else rank)
     platform = GPU_HOST
     if how == "per-process-visible-devices":
@@ -189,7 +194,7 @@ def agree(rank: int, world_size: int, side_channel: bool, how: str) -> object:
             GPU_HOST, device_uuid=f"GPU-{rank}")
     try:
         return zdevice.agree_on_devices(dist.group.WORLD, device, platform,
-                                        side_channel=side_channel)
+                                        side_channel=side_channel, one_gpu_each=one_gpu_each)
     except ValueError as e:
         return str(e)
 
@@ -208,11 +213,112 @@ def test_agreement_counts_ranks_per_host(world, side_channel, how):
         assert [r.rank for r in placement.ranks] == list(range(world.world_size))
 
 
+def test_gloo_ranks_may_share_a_gpu(world):
+    """gloo over CUDA tensors has no one-GPU-per-process rule (bench/gpu_check.sh runs two
+    ranks on one GPU so): the group's own backend decides."""
+    for placement in world.run(agree, False, "all-on-cuda0"):
+        assert isinstance(placement, zdevice.Placement), placement
+        assert [r.device for r in placement.ranks] == ["cuda:0"] * world.world_size
+
+
 def test_agreement_over_the_side_group_refuses_a_shared_gpu(world):
     if world.world_size == 1:
         pytest.skip("one rank cannot share its GPU with another")
     for msg in world.run(agree, True, "all-on-cuda0"):
         assert isinstance(msg, str) and "same GPU" in msg
+
+
+# -- the current device, and where small values travel ------------------------------------------
+
+def test_a_rank_on_another_device_than_its_current_one_gets_one_line():
+    cuda3 = torch.device("cuda", 3)
+    here = dataclasses.replace(GPU_HOST, current_cuda_index=0)
+    line = zdevice.current_device_mismatch(2, cuda3, here, bound=None)
+    assert line == ("zerocore.shard: rank 2 computes on cuda:3 (device=) but its current CUDA "
+                    "device is cuda:0, where torch and your own code allocate; call "
+                    "torch.cuda.set_device(3) before init_process_group")
+    assert "(the group's device_id)" in zdevice.current_device_mismatch(2, cuda3, here,
+                                                                        bound=cuda3)
+    set_ = dataclasses.replace(GPU_HOST, current_cuda_index=3)
+    assert zdevice.current_device_mismatch(2, cuda3, set_, bound=cuda3) is None
+    assert zdevice.current_device_mismatch(2, torch.device("cpu"), here, bound=None) is None
+    assert zdevice.current_device_mismatch(2, cuda3, GPU_HOST, bound=None) is None  # unknown
+
+
+class Lines(logging.Handler):
+    """The messages logged under the ``zerocore`` logger while it is attached."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def shard_with_current_device_0(rank: int, world_size: int) -> dict:
+    """Every rank asks for cuda:<rank> (device=) on a machine whose current device is cuda:0
+    on every rank (no set_device); kernels without CUDA stop shard() at the agreement, after
+    the line, before anything is allocated."""
+    platform = dataclasses.replace(GPU_HOST, current_cuda_index=0, kernels_cuda=False)
+    lines, error = Lines(), None
+    logger = logging.getLogger("zerocore")
+    logger.addHandler(lines)
+    try:
+        zerocore.shard(layers(), device=torch.device("cuda", rank), platform=platform)
+    except ValueError as e:
+        error = str(e)
+    finally:
+        logger.removeHandler(lines)
+    return dict(lines=lines.lines, error=error)
+
+
+def test_shard_says_when_the_current_device_differs(world):
+    for rank, r in enumerate(world.run(shard_with_current_device_0)):
+        want = [] if rank == 0 else [
+            f"zerocore.shard: rank {rank} computes on cuda:{rank} (device=) but its current "
+            f"CUDA device is cuda:0, where torch and your own code allocate; call "
+            f"torch.cuda.set_device({rank}) before init_process_group"]
+        assert r["lines"] == want, r
+        assert "built without CUDA kernels" in r["error"]
+
+
+def test_small_values_travel_on_the_device_given():
+    """The device of an object collective or of offloaded gradients' statistics: the CPU on a
+    group with a CPU backend, else the device the caller passes, else the bound one; the
+    current device only when nothing else is known."""
+    cpu, cuda3, cuda5 = torch.device("cpu"), torch.device("cuda", 3), torch.device("cuda", 5)
+    nccl, mixed = {"cuda": "nccl"}, zdevice.parse_backend_config("cpu:gloo,cuda:nccl")
+    gloo = zdevice.parse_backend_config("gloo")
+
+    def never() -> int:
+        raise AssertionError("the current device was read")
+
+    choose = zdevice.choose_comm_device
+    assert choose(nccl, cpu, cuda3, None, never) == cuda3
+    assert choose(nccl, cpu, cuda3, cuda5, never) == cuda3     # the caller's device first
+    assert choose(nccl, cpu, None, cuda5, never) == cuda5
+    assert choose(nccl, cpu, None, None, lambda: 7) == torch.device("cuda", 7)  # last resort
+    assert choose(nccl, cuda3, None, None, never) == cuda3     # tensors already on a GPU
+    assert choose(mixed, cpu, cuda3, None, never) == cpu
+    assert choose(gloo, cpu, cuda3, None, never) == cpu
+
+
+def gather_objects(rank: int, world_size: int) -> dict:
+    mine = {"rank": rank, "text": "x" * (10 * rank + 1)}  # of different sizes
+    every = all_gather_objects(mine, dist.group.WORLD, torch.device("cpu"))
+    told = ["from 0" if rank == 0 else None]
+    broadcast_objects(told, 0, dist.group.WORLD, torch.device("cpu"))
+    # A CUDA device given on a gloo group: the agreement stays on the CPU (there is no GPU).
+    agreed = zerocore.run_agreed(lambda: rank, device=torch.device("cuda", rank))
+    return dict(every=every, told=told, agreed=agreed)
+
+
+def test_object_collectives(world):
+    n = world.world_size
+    for rank, r in enumerate(world.run(gather_objects)):
+        assert r["every"] == [{"rank": q, "text": "x" * (10 * q + 1)} for q in range(n)]
+        assert r["told"] == ["from 0"] and r["agreed"] == rank
 
 
 # -- CPU threads of GPU ranks with offload --------------------------------------------------------
@@ -235,7 +341,7 @@ def test_offloaded_step_uses_its_threads_only_while_it_runs(monkeypatch):
     # optimizer change nothing of the process for longer than the step.
     before = torch.get_num_threads()
     wanted = 1 if before > 1 else 2
-    shard = OffloadedShard(torch.randn(37))
+    shard = ShardParameter(torch.randn(37), offloaded=True)
     shard.host_threads = wanted
     shard.grad = torch.randn(37)
     seen = []

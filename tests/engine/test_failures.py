@@ -78,8 +78,8 @@ def test_dead_rank_gives_an_error_not_a_hang():
 def _die_in_probe(when: str) -> None:
     """Makes this process SIGKILL itself in the transport's probe: ``before-take`` once its
     pipes exist and are published, ``after-take`` once it holds the others' write ends too."""
-    from zerocore.comm import collectives
-    take = collectives._take_write_ends
+    from zerocore.comm import peer_memory
+    take = peer_memory._take_write_ends
 
     def dying(*args):
         if when == "before-take":
@@ -88,7 +88,7 @@ def _die_in_probe(when: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
         return taken
 
-    collectives._take_write_ends = dying  # this rank's process only (a spawned test process)
+    peer_memory._take_write_ends = dying  # this rank's process only (a spawned test process)
 
 
 def _training_rank(rank: int, world: int, port: int, tmpdir: str, die_in_probe: str | None,

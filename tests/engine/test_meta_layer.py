@@ -123,3 +123,70 @@ def meta_errors(rank: int, world_size: int, how: str) -> str:
 def test_meta_layer_errors(worlds, how, phrase):
     for msg in worlds(1).run(meta_errors, how):
         assert phrase in msg, msg
+
+
+# -- through shard_model: a model built on the meta device, read by the model's own names ------
+
+class Tied(nn.Module):
+    """A model whose first and last layers share a weight (the root's), with units between."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(23, 31)
+        self.layers = nn.ModuleList(nn.Sequential(nn.LayerNorm(31), nn.Linear(31, 31),
+                                                  nn.GELU()) for _ in range(3))
+        self.head = nn.Linear(31, 23, bias=False)
+        self.head.weight = self.embed.weight
+        self.layers[1][1].weight.requires_grad_(False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def build_model_both(rank: int, world_size: int) -> dict:
+    plain = Tied()
+    values = {n: p.detach().clone() for n, p in plain.named_parameters()}
+    plain_sharding = zerocore.shard_model(plain, plain.layers)
+    with torch.device("meta"):
+        meta = Tied()
+    meta.layers[1][1].weight.requires_grad_(False)
+    log: list[tuple[str, int, int]] = []
+
+    def read(name: str, start: int, stop: int) -> torch.Tensor:
+        log.append((name, start, stop))
+        return values[name].reshape(-1)[start:stop]
+    meta_sharding = zerocore.shard_model(meta, meta.layers, read=read)
+    ids = torch.randint(0, 23, (3, 5), generator=torch.Generator().manual_seed(rank))
+    for model in (plain, meta):
+        model(ids).square().mean().backward()
+    grads = [(all_gather_flat(a.trainable_shard.grad), all_gather_flat(b.trainable_shard.grad))
+             for a, b in zip(plain_sharding.layers, meta_sharding.layers)
+             if a.trainable_shard is not None]
+    shard_numel = sum(g.layout.shard_numel for l in meta_sharding.layers for g in l.groups)
+    return {"plain": full_state(plain_sharding), "meta": full_state(meta_sharding),
+            "grads": grads, "log": log, "shard_numel": shard_numel,
+            "sizes": {n: v.numel() for n, v in values.items()}}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_shard_model_reads_a_meta_model_by_range_bitwise(worlds, world_size):
+    # shard_model(read=) is MetaLayer's rank-local read for a whole model: the same shards,
+    # model copies and gradients, bit for bit, as from the materialised model (the tied
+    # weight, the root's, read once under its first name), each rank reading only its part.
+    results = worlds(world_size).run(build_model_both)
+    for r in results:
+        assert r["plain"].keys() == r["meta"].keys()
+        for key, want in r["plain"].items():
+            assert torch.equal(r["meta"][key], want), key
+        for a, b in r["grads"]:
+            assert torch.equal(a, b)
+        assert 0 < sum(b - a for _, a, b in r["log"]) <= r["shard_numel"]
+    covered: dict[str, int] = {}
+    for name, start, stop in sorted(e for r in results for e in r["log"]):
+        covered[name] = covered.get(name, 0) + stop - start
+    # Every element of every parameter once, the tied weight under its first name only.
+    assert covered == {n: v for n, v in results[0]["sizes"].items()}, covered

@@ -19,11 +19,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import threading
 
 import pytest
 import torch
+from torch import nn
 
 import zerocore
+from zerocore.engine import offload
+from zerocore.engine.sharded_param import KIND
 from zerocore.comm import collectives, transport
 from tests.support.toy_stack import (LR, Spec, global_batch, loss_fn, make_layers, shard_stack,
                                      train_digest)
@@ -85,31 +89,42 @@ def test_offload_bitwise_as_before(world, case):
     assert offloaded == recorded
 
 
-def pipeline_state(rank: int, world_size: int) -> dict:
+def pipeline_state(rank: int, world_size: int, door: str) -> dict:
     """After a backward with offload: no gradient left in flight, every master's gradient in
-    place; after a step and a forward, every mirror uploaded (its generation is the shard's)."""
+    place; after a step, when the next forward reaches its first layer, every mirror uploaded
+    (its generation is the shard's): the uploads all start with the forward, through either
+    door, and overlap the first layers' gathers."""
     spec = Spec()
-    model = zerocore.shard(make_layers(spec), offload=zerocore.Offload(optimizer=True))
-    opt = zerocore.optim.AdamW(model.parameters(), lr=LR)
+    layers = make_layers(spec)
+    if door == "shard":
+        model = sharding = zerocore.shard(layers, offload=zerocore.Offload(optimizer=True))
+    else:
+        model = nn.Sequential(*layers)
+        sharding = zerocore.shard_model(model, list(model),
+                                        offload=zerocore.Offload(optimizer=True))
+    opt = zerocore.optim.AdamW(sharding.trainable_shards(), lr=LR)
     x, y = global_batch(spec, 0, 0, world_size)
     xr, yr = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
     loss_fn(spec, model(xr), yr).backward()
-    out = {"in_flight": len(model._coordinator.to_host),
-           "kinds": sorted({type(s).__name__ for s in model.trainable_shards()}),
-           "grads": all(s.grad is not None for s in model.trainable_shards())}
+    out = {"in_flight": len(sharding.runtime.coordinator.to_host),
+           "kinds": sorted({getattr(s, KIND) for s in sharding.trainable_shards()}),
+           "grads": all(s.grad is not None for s in sharding.trainable_shards())}
     opt.step()
-    stale = [l.trainable._mirror_generation != l.trainable.shard.copy_generation
-             for l in model.layers]
+    groups = [l.trainable for l in sharding.layers if l.trainable is not None]
+    stale = [g._mirror_generation != g.shard.copy_generation for g in groups]
+    fresh: list[bool] = []
+    first = sharding.runtime.units[0].module
+    first.register_forward_pre_hook(lambda m, a: fresh.extend(
+        g._mirror_generation == g.shard.copy_generation for g in groups))
     model(xr)
-    fresh = [l.trainable._mirror_generation == l.trainable.shard.copy_generation
-             for l in model.layers]
-    out.update(stale_after_step=all(stale), uploaded_after_forward=all(fresh))
+    out.update(stale_after_step=all(stale), uploaded_after_forward=all(fresh) and bool(fresh))
     return out
 
 
-def test_offload_pipeline_state(world):
-    for r in world.run(pipeline_state):
-        assert r == {"in_flight": 0, "kinds": ["OffloadedShard"], "grads": True,
+@pytest.mark.parametrize("door", ["shard", "shard_model"])
+def test_offload_pipeline_state(world, door):
+    for r in world.run(pipeline_state, door):
+        assert r == {"in_flight": 0, "kinds": ["offloaded"], "grads": True,
                      "stale_after_step": True, "uploaded_after_forward": True}
 
 
@@ -223,13 +238,24 @@ def digest_with_stand_in_streams(rank: int, world_size: int, spec: Spec) -> dict
             route = dataclasses.replace(g.gather.route, gloo=False)
             g.gather, g.reduce = transport.Gather(route), transport.Reduce(route)
             offloaded += g.trainable
-    with stand_in_cuda(log):
-        out = train_digest(model, spec, rank, world_size)
+    adders: list[int] = []   # the threads that added gradients into the masters
+    add = offload.accumulate_grad
+
+    def noted(*args, **kwargs):
+        adders.append(threading.get_ident())
+        return add(*args, **kwargs)
+    offload.accumulate_grad = noted
+    try:
+        with stand_in_cuda(log):
+            out = train_digest(model, spec, rank, world_size)
+    finally:
+        offload.accumulate_grad = add
     events = {name: len(es) for name, es in log.events.items()}
     out.update(offloaded=offloaded, events=events, calls=log.calls, gathers_on=log.gathers_on,
                recorded_on=log.recorded_on,
                unsynchronized_downloads=sum(not e.synchronized for e in log.events["download"]),
-               in_flight=len(model._coordinator.to_host))
+               in_flight=len(model.runtime.coordinator.to_host), adds=len(adders),
+               adders_are_this_thread=sorted({a == threading.get_ident() for a in adders}))
     return out
 
 
@@ -250,6 +276,9 @@ def test_offload_stream_path_on_stand_in_streams(world, case):
         assert r["events"]["upload"] == spec.steps * n
         assert r["events"]["download"] == passes * n
         assert r["unsynchronized_downloads"] == 0 and r["in_flight"] == 0
+        # Every gradient was added on the host's worker, not on the autograd thread (which
+        # on a GPU goes on launching the next layers' backward meanwhile).
+        assert r["adds"] == passes * n and r["adders_are_this_thread"] == [False]
         assert r["recorded_on"] == ["download"] * (passes * n)
         # Every offloaded all-gather is issued from the gather stream, after it waited for the
         # compute stream; the last layer (trainable in both cases) is gathered once per pass.
@@ -263,3 +292,59 @@ def test_offload_stream_path_on_stand_in_streams(world, case):
         assert calls.count(("wait_stream", "download", "compute")) == passes * n
         assert calls.count(("wait_event", "upload", "compute")) == (spec.steps - 1) * n
         assert r["events"]["compute"] == passes * (2 * n - 1)  # one per gather waited for
+
+
+# -- the host arena (engine/host_arena.py) --------------------------------------------------------
+
+def arena_state(rank: int, world_size: int) -> dict:
+    spec = dataclasses.replace(Spec(), param_dtype=torch.bfloat16, offload=True)
+    model = shard_stack(spec)
+    arena = model.ctx.arena
+    base = arena._bytes.data_ptr()
+    buffers = []
+    for layer in model.layers:
+        if layer.trainable is not None:
+            shard = layer.trainable.shard
+            buffers += [shard.detach(), shard.model_copy]
+    staging = model.runtime.coordinator._staging
+    inside = all(base <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size()
+                 <= base + arena.used for t in buffers + staging)
+    exact = sum(t.numel() * t.element_size() for t in buffers + staging)
+    report = model.memory_report()
+    # A step still trains (every gradient through a staging buffer on a GPU; here directly).
+    opt = zerocore.optim.AdamW(model.parameters(), lr=LR)
+    x, y = global_batch(spec, 0, 0, world_size)
+    loss_fn(spec, model(x.chunk(world_size)[rank].to(torch.bfloat16)),
+            y.chunk(world_size)[rank]).backward()
+    opt.step()
+    return dict(inside=inside, exact=exact, used=arena.used, count=len(buffers + staging),
+                reported=report.host_arena_bytes, pinned=report.pinned_bytes,
+                staging=len(staging), table=report.table())
+
+
+def test_offloaded_state_lives_in_one_arena_of_exactly_its_size(world):
+    for r in world.run(arena_state):
+        # Masters and model copies (a GPU adds two gradient staging buffers), and nothing
+        # else: the sum of their bytes, plus at most one cache line of alignment each.
+        assert r["inside"] and r["staging"] == 0   # staging only on a GPU
+        assert r["exact"] <= r["used"] <= r["exact"] + 64 * r["count"], r
+        assert r["reported"] == r["used"] and r["pinned"] == 0   # nothing is pinned on a CPU
+        assert "host arena (offload)" in r["table"]
+
+
+def test_the_arena_reserves_address_space_not_memory():
+    # A reservation as large as the host's memory costs no memory until written; what is taken
+    # is as large as asked and starts on a cache line.
+    from zerocore.engine.host_arena import HostArena
+    from zerocore.engine.peak_memory import peak_rss
+    before = peak_rss()
+    arena = HostArena(pin=False, reserve=8 * 2**30)
+    a = arena.take(1000, torch.float32)
+    b = arena.take(3, torch.bfloat16)
+    a.fill_(1.0)
+    assert (a.numel(), b.numel(), b.data_ptr() % 64) == (1000, 3, 0)
+    assert arena.used == 4032 + 6
+    if before is not None:
+        assert peak_rss() - before < 64 * 2**20
+    with pytest.raises(MemoryError, match="more than the host's"):
+        arena.take(2**31, torch.float32)

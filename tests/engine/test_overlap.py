@@ -9,7 +9,7 @@ gloo, gives bitwise the results of every other.
 - Ranks of one host that may read each other's memory gather by reading the others' slices
   out of their gathered buffers (``Comm(gather="read")``: data movement only), and two of them
   reduce by reading the other's contribution (``Comm(reduce="read")``: the exchange's sum),
-  instead of gloo's broadcasts and exchanges (``collectives.PeerMemory``).
+  instead of gloo's broadcasts and exchanges (``peer_memory.PeerMemory``).
 
 The default (``"auto"``) takes the fastest way that applies; the tests train a model with each
 way asked for by name and compare it with one trained alike another way, at every world size

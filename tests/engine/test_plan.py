@@ -69,12 +69,19 @@ CASES = {
 }
 
 
+def arena_bytes(sharding) -> int:
+    """Offload's host arena (engine/host_arena.py): memory the model holds from its build on,
+    mapped outside torch's allocator, so PeakMemory's count does not see it; added to it."""
+    arena = sharding.ctx.arena
+    return 0 if arena is None else arena.used
+
+
 def measure(rank: int, world_size: int, case: Case) -> dict:
     """A neox training step as neox.run.training runs it; the peak bytes of two steps (everything
     allocated since before the model was built)."""
     with zerocore.PeakMemory("cpu") as peak:
         result = _measure(case, rank, peak)
-    return dict(result, measured=peak.peak_bytes)
+    return dict(result, measured=peak.peak_bytes + result.pop("arena"))
 
 
 def _measure(case: Case, rank: int, peak: zerocore.PeakMemory) -> dict:
@@ -108,7 +115,7 @@ def _measure(case: Case, rank: int, peak: zerocore.PeakMemory) -> dict:
     step()
     step()
     comm = model.comm_report()
-    return {"state": state,
+    return {"state": state, "arena": arena_bytes(model),
             "all_gather": comm.all_gather_bytes // 2, "reduce": comm.reduce_scatter_bytes // 2}
 
 
@@ -231,13 +238,13 @@ def test_plan_of_any_stack_from_meta_layers(worlds, name):
 # exchange (ranks that may not read each other) holds the peer's half instead, per reduction in
 # flight. The plan asks the transport (comm/transport.py) what each way holds.
 #
-# 2%, the issue's bound. Measured (the smallest peak of the runs, see measure_mixed): 1.000 in
-# fp32 at 2 and 3 ranks; 0.983-0.987 in bf16 at 3 ranks and 0.986-0.987 at 2: the rest is the
-# workspace the CPU's bf16 matmul allocates inside the kernel (105 KiB in the large layer's
-# backward), which fake tensors do not run.
+# 2%, the issue's bound. Measured (the smallest peak of the runs, see measure_mixed), the plan
+# being the engine's own step on fake tensors (issue 29): 0.9997-0.9998 in fp32 and bf16, with
+# and without offload, the exchange and keep-gathered, at 2 and 3 ranks, both front doors. The
+# rest is what fake tensors never run: kernels' own workspaces.
 MIXED_TOL = 0.02
-# With recomputation the planned peak falls short by a little more (measured 0.978-0.987, both
-# front doors): the step then runs the bf16 matmuls of a layer's forward again inside its
+# With recomputation the planned peak falls short by a little more (measured 0.9947-0.9965,
+# both front doors): the step then runs the bf16 matmuls of a layer's forward again inside its
 # backward, whose kernel workspaces fake tensors do not see either.
 MIXED_RECOMPUTE_TOL = 0.03
 MIXED = {"bf16": (torch.bfloat16, False, zerocore.Comm(), {}),
@@ -275,8 +282,9 @@ def measure_mixed(rank: int, world_size: int, name: str) -> list[int]:
     peaks = []
     for _ in range(3):
         with zerocore.PeakMemory("cpu") as peak:
-            train_stack(zerocore.shard(mixed_stack(), **mixed_policies(name)), peak, steps=2)
-        peaks.append(peak.peak_bytes)
+            model = zerocore.shard(mixed_stack(), **mixed_policies(name))
+            train_stack(model, peak, steps=2)
+        peaks.append(peak.peak_bytes + arena_bytes(model))
     return peaks
 
 
@@ -320,13 +328,13 @@ def measure_mixed_model(rank: int, world_size: int, name: str) -> list[int]:
     for _ in range(3):
         with zerocore.PeakMemory("cpu") as peak:
             model = MixedModel()
-            zerocore.shard_model(model, model.layers, **mixed_policies(name))
+            sharding = zerocore.shard_model(model, model.layers, **mixed_policies(name))
             train_stack(model, peak, steps=2)
-        peaks.append(peak.peak_bytes)
+        peaks.append(peak.peak_bytes + arena_bytes(sharding))
     return peaks
 
 
-# The same bounds and the same causes as for the stack (measured: 0.978-1.000).
+# The same bounds and the same causes as for the stack (measured the same: 0.9947-0.9998).
 @pytest.mark.parametrize("name, world_size", [(name, ws) for name in MIXED for ws in (2, 3)
                                                if ws == 2 or name != "bf16-exchange"])
 def test_plan_model_of_a_large_layer_among_small_ones(worlds, name, world_size):

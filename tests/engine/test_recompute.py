@@ -180,28 +180,36 @@ def test_recompute_some_layers_with_accumulation(world, policy, chosen):
     assert_bitwise(plain, again)
 
 
-def saved_by_forward(rank: int, world_size: int, recompute: bool) -> int:
-    """Bytes of tensors that autograd saved while the forward ran (the layers' inner graphs
-    are built inside the forward; a recomputed layer builds its graph in backward instead)."""
+def saved_by_forward(rank: int, world_size: int, recompute: bool) -> tuple[int, int]:
+    """Bytes of tensors that autograd saved while the forward ran, and the bytes of the
+    layers' inputs (a recomputed layer's forward keeps those alone: torch's checkpoint saves
+    them, and builds the graph in backward)."""
     model = zerocore.shard(make_layers("all"),
                            recompute=zerocore.Recompute() if recompute else None)
     seen: dict[int, int] = {}
+    inputs: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         s = t.untyped_storage()
         seen[s.data_ptr()] = s.nbytes()
         return t
 
+    def note_input(module: torch.nn.Module, args: tuple) -> None:
+        s = args[0].untyped_storage()
+        inputs[s.data_ptr()] = s.nbytes()
+
+    for layer in model.layers:
+        layer.module.register_forward_pre_hook(note_input)
     ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(ids)
     out.sum().backward()
-    return sum(seen.values())
+    return sum(seen.values()), sum(inputs.values())
 
 
 def test_recomputed_forward_keeps_only_its_input(worlds):
-    plain, again = (worlds(2).run(saved_by_forward, r)[0] for r in (False, True))
-    assert plain > 0 and again == 0, (plain, again)
+    (plain, inputs), (again, _) = (worlds(2).run(saved_by_forward, r)[0] for r in (False, True))
+    assert plain > 2 * inputs and again == inputs, (plain, again, inputs)
 
 
 def test_recompute_policy_checks():

@@ -38,16 +38,16 @@ EPS = 1e-6
 # The clipping thresholds: below the gradients' norms (measured 0.6-1.1 in full training,
 # 0.10-0.12 for LoRA, at these settings), so every step is clipped and a norm computed over one
 # rank's shards only would show.
-MAX_GRAD_NORM = {"full": 0.5, "lora": 0.05}
+MAX_GRAD_NORM = {"full": 0.5, "lora": 0.05, "lora-mts": 0.5}
 
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    mode: str = "full"        # "full" or "lora"
+    mode: str = "full"        # "full", "lora", or "lora-mts" (LoRA and modules_to_save)
     steps: int = 4
     save_steps: int = 0       # 0: no checkpoints
     resume: bool = False      # resume from the checkpoint at step save_steps in out/
-    checkpointing: bool = False  # TrainingArguments(gradient_checkpointing=True), both sides
+    checkpointing: bool = False  # TrainingArguments(activation_checkpointing=True), both
     fp16: bool = False        # TrainingArguments(fp16=True): zerocore's fp16 and loss scaling
     overflow: tuple[int, int] | None = None  # (rank, step): an inf gradient there
 
@@ -59,9 +59,11 @@ def _model(mode: str) -> torch.nn.Module:
         intermediate_size=64, max_position_embeddings=SEQ, hidden_dropout=0.0,
         attention_dropout=0.0, tie_word_embeddings=False)
     model = transformers.GPTNeoXForCausalLM(config)
-    if mode == "lora":
+    if mode in ("lora", "lora-mts"):
+        # lora-mts: PEFT also trains (and saves) its own copy of the readout, lm_head.
         model = peft.get_peft_model(model, peft.LoraConfig(
-            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["query_key_value", "dense"]))
+            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["query_key_value", "dense"],
+            modules_to_save=["lm_head"] if mode == "lora-mts" else None))
     return model
 
 
@@ -79,7 +81,7 @@ def _args(out: str, world_size: int, spec: Spec) -> "transformers.TrainingArgume
         weight_decay=0.1, adam_epsilon=EPS, max_grad_norm=MAX_GRAD_NORM[spec.mode],
         lr_scheduler_type="linear", warmup_steps=0, logging_steps=1,
         save_strategy="steps" if spec.save_steps else "no", save_steps=spec.save_steps or 500,
-        gradient_checkpointing=spec.checkpointing, fp16=spec.fp16,
+        activation_checkpointing=spec.checkpointing, fp16=spec.fp16,
         report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0)
 
 
@@ -89,7 +91,9 @@ def _history(trainer) -> tuple[list[float], list[float]]:
 
 
 def _trained(named: dict[str, torch.Tensor], mode: str) -> dict[str, torch.Tensor]:
-    keep = (lambda n: "lora_" in n) if mode == "lora" else (lambda n: True)
+    keep = {"lora": lambda n: "lora_" in n,
+            "lora-mts": lambda n: "lora_" in n or ".modules_to_save." in n}.get(
+                mode, lambda n: True)
     return {n: t.detach().float().clone() for n, t in named.items() if keep(n)}
 
 
@@ -138,7 +142,7 @@ def sharded_run(rank: int, world_size: int, out: str, spec: Spec) -> dict:
                                           if spec.resume else None))
     after = trainer.evaluate()["eval_loss"]
     losses, norms = _history(trainer)
-    full = trainer.sharding.full_state_dict(trainable_only=spec.mode == "lora", to_rank=0)
+    full = trainer.sharding.full_state_dict(trainable_only=spec.mode != "full", to_rank=0)
     trainer.save_model(f"{out}/export")
     adam_steps = {int(st["step"]) for st in trainer.zerocore_optimizer.state.values()}
     lrs = [h["learning_rate"] for h in trainer.state.log_history if "loss" in h]
@@ -183,6 +187,23 @@ def test_trainer_matches_unsharded_trainer(world, tmp_path, mode, checkpointing)
     for n, t in ref["params"].items():
         torch.testing.assert_close(names[n.replace(".default", "")].float(), t, **PARAM_TOL,
                                    msg=n)
+
+
+def test_modules_to_save_reload_equal_through_save_model_and_checkpoints(worlds, tmp_path):
+    """PEFT's modules_to_save (a trained copy of lm_head beside the LoRA adapters): the adapter
+    save_model writes, and the one in checkpoint-N/, reload with PeftModel.from_pretrained and
+    hold the trained copy, as plain Trainer's do (its checkpoint is reloaded the same way)."""
+    spec = Spec(mode="lora-mts", save_steps=4)
+    ref = reference(str(tmp_path / "ref"), spec)
+    results = worlds(2).run(sharded_run, str(tmp_path / "sharded"), spec, timeout=300)
+    assert "base_model.model.lm_head.modules_to_save.default.weight" in ref["params"]
+    _assert_close_params(results[0]["params"], ref["params"])
+    for adapter in (tmp_path / "ref" / "checkpoint-4", tmp_path / "sharded" / "checkpoint-4",
+                    tmp_path / "sharded" / "export"):
+        loaded = dict(peft.PeftModel.from_pretrained(_model("full"), adapter).named_parameters())
+        for name, want in ref["params"].items():
+            torch.testing.assert_close(loaded[name].float(), want, **PARAM_TOL,
+                                       msg=f"{adapter.name}: {name}")
 
 
 def test_resume_at_another_number_of_processes(worlds, tmp_path):

@@ -78,15 +78,16 @@ def train_run(rank: int, world_size: int, spec: Spec) -> dict:
     initial = named_full(model)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     when, reentrant = spec.checkpointing or (None, False)
-    checkpointing = {"gradient_checkpointing_kwargs": {"use_reentrant": reentrant}}
+    # (transformers 5.24's name; gradient_checkpointing_enable is its deprecated alias)
+    checkpointing = {"activation_checkpointing_kwargs": {"use_reentrant": reentrant}}
     if when == "before":
-        model.gradient_checkpointing_enable(**checkpointing)
+        model.activation_checkpointing_enable(**checkpointing)
     sharded = zerocore.shard_model(model, decoder_layers(model),
                                    offload=zerocore.Offload(optimizer=spec.offload))
     if when == "after":
-        model.gradient_checkpointing_enable(**checkpointing)
+        model.activation_checkpointing_enable(**checkpointing)
     if when is not None and ref is not None:
-        ref.gradient_checkpointing_enable(**checkpointing)
+        ref.activation_checkpointing_enable(**checkpointing)
     # Forward calls of each decoder layer's MLP: twice per micro-batch when checkpointing
     # recomputes (transformers checkpoints the layer's forward, inside its module hooks: the
     # layer's own hooks run once, its submodules' run again in backward)

@@ -4,6 +4,8 @@ after a ``git pull``) is noticed, instead of loading a library that lacks the ne
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import torch
 
@@ -74,3 +76,21 @@ def test_one_compile_time_is_stated():
         text = path.read_text()
         assert "CPU_COMPILE_TIME" in text and "minutes on 2 cores" not in text, path
     assert f"{_sources.CPU_COMPILE_TIME} to compile" in (root / "README.md").read_text()
+
+
+def test_build_messages_reach_stderr_when_nothing_configured_logging():
+    """The compile's messages go through the ``zerocore`` logger as warnings: with no logging
+    configured (a plain ``import zerocore`` on a terminal), logging's last-resort handler
+    writes each one as it is, one line on stderr; an application that configures logging
+    gets them through its own handlers."""
+    code = ("from zerocore.kernels import _extension; "
+            "_extension._say('zerocore: 1 of 3 files compiled (7 s)')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=_sources.repo_root(), check=True)
+    assert proc.stderr == "zerocore: 1 of 3 files compiled (7 s)\n" and proc.stdout == ""
+    configured = ("import logging, sys; logging.basicConfig(stream=sys.stdout, "
+                  "format='%(name)s %(levelname)s %(message)s'); " + code)
+    proc = subprocess.run([sys.executable, "-c", configured], capture_output=True, text=True,
+                          cwd=_sources.repo_root(), check=True)
+    assert proc.stdout == ("zerocore.kernels._extension WARNING zerocore: 1 of 3 files "
+                           "compiled (7 s)\n") and proc.stderr == ""

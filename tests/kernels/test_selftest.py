@@ -15,6 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from zerocore.comm import transport
+from zerocore.engine.flat_layout import FlatLayout
 from zerocore.kernels import ops, reference
 from zerocore.tools import selftest
 
@@ -29,11 +31,11 @@ def test_quick_run_passes_and_prints_the_table(capsys):
     assert "check" in out and "max error vs tolerance" in out
     for name in ("fused_adam vs reference", "grad_stats vs reference", "pack vs reference",
                  "unpack vs reference", "engine ws1 losses vs torch AdamW",
-                 "engine ws1 params vs torch AdamW", "offload vs no offload (bf16)",
-                 "copy bandwidth", "fused_adam bandwidth"):
+                 "engine ws1 params vs torch AdamW", "engine ws1 unpadded groups vs torch AdamW",
+                 "offload vs no offload (bf16)", "copy bandwidth", "fused_adam bandwidth"):
         assert name in out, name
     assert "FAIL" not in out
-    assert "8 passed, 0 failed, 3 measured" in out
+    assert "9 passed, 0 failed, 3 measured" in out
 
 
 @pytest.mark.e2e
@@ -229,6 +231,41 @@ def test_help_and_bad_arguments(capsys):
     with pytest.raises(SystemExit) as e:
         selftest.main(["--device", "tpu"])
     assert e.value.code == 2
+
+
+def test_the_unpadded_model_has_no_padding_at_1_2_3_and_6_ranks():
+    for world_size in (1, 2, 3, 6):
+        for layer in selftest.mlp(selftest.UNPADDED):
+            shapes = [(n, tuple(p.shape)) for n, p in layer.named_parameters()]
+            layout = FlatLayout.build(shapes, world_size)
+            assert layout.padded_numel == layout.numel, (world_size, shapes)
+        padded = [FlatLayout.build([(n, tuple(p.shape)) for n, p in layer.named_parameters()], 1)
+                  for layer in selftest.mlp(selftest.PADDED)]
+        assert all(lay.padded_numel - lay.numel >= 8 for lay in padded)
+
+
+def test_an_unwritten_reduction_tail_fails_the_unpadded_check_only(monkeypatch):
+    """NCCL 2.27's one-rank AVG left the last elements of a reduction unwritten, stale memory
+    in their place (issue 32). Here every gradient reduction ends the same way: its last 8
+    elements hold a stale 7.0. The padded model's groups end in 9-11 elements of padding, so its
+    checks cannot see it; the unpadded model's groups end with a bias, so its check fails."""
+    start = transport.Reduce.start
+
+    def stale_tail(self, packed, lo, hi):
+        reduction = start(self, packed, lo, hi)
+
+        def finish():
+            out = reduction.finish()
+            out[-8:] = 7.0
+            return out
+        return transport.Reduction(finish)
+
+    monkeypatch.setattr(transport.Reduce, "start", stale_tail)
+    rows = {r.check: r for r in selftest.check_engine(CPU, 4)}
+    assert rows["engine ws1 unpadded groups vs torch AdamW"].status == "FAIL", rows
+    for check in ("engine ws1 losses vs torch AdamW", "engine ws1 params vs torch AdamW",
+                  "offload vs no offload (bf16)"):
+        assert rows[check].status == "PASS", rows[check]
 
 
 def test_engine_check_refuses_an_existing_process_group():

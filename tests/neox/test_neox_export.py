@@ -68,3 +68,51 @@ def test_separate_adapter_applies_in_peft(lora_run):
 def test_export_of_a_non_neox_checkpoint_is_a_clear_error(tmp_path, capsys):
     r = call_main(export.main, capsys, tmp_path / "none", tmp_path / "out")
     assert r.returncode == 2 and "Traceback" not in r.stderr and "none" in r.stderr
+
+
+def _snapshot(root):
+    """Every file under ``root`` with its bytes."""
+    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("over, trainable_only", [
+    *((over, only) for over in ("run", "checkpoint", "inside-checkpoint") for only in (0, 1)),
+    ("tokenizer", 0)])  # (--trainable-only writes no tokenizer)
+def test_an_export_onto_its_input_is_refused_and_deletes_nothing(lora_run, tmp_path, capsys,
+                                                                 over, trainable_only):
+    """neox.export RUN RUN --overwrite, CKPT CKPT --overwrite, an output inside the checkpoint,
+    an output holding the --tokenizer given: one line, exit 2, every file as it was."""
+    run = lora_run / "run"
+    ckpt = run / "checkpoints" / "step-00000003"
+    source, out, extra = {"run": (run, run, []), "checkpoint": (ckpt, ckpt, []),
+                          "inside-checkpoint": (run, ckpt / "export", []),
+                          "tokenizer": (ckpt, tmp_path, ["--tokenizer", tmp_path / "t.json"])
+                          }[over]
+    if over == "tokenizer":
+        (tmp_path / "t.json").write_bytes((run / "tokenizer.json").read_bytes())
+    before = _snapshot(run), _snapshot(tmp_path)
+    r = call_main(export.main, capsys, source, out, "--overwrite", *extra,
+                  *(["--trainable-only"] if trainable_only else []))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "choose an output directory outside it (nothing was written)" in r.stderr
+    assert (_snapshot(run), _snapshot(tmp_path)) == before
+
+
+def test_the_base_weights_are_inputs_too(tmp_path):
+    """An output that holds the base weights (pretrained --checkpoint of the run) is refused
+    like one that holds the checkpoint; one beside them, or inside the run's directory, is
+    not."""
+    from neox.run.export import refuse_output_over_inputs
+    from neox.run.run_dir import OutputDirError
+
+    run, base = tmp_path / "run", tmp_path / "models" / "pythia"
+    ckpt = run / "checkpoints" / "step-00000003"
+    for d in (ckpt, base):
+        d.mkdir(parents=True)
+    with pytest.raises(OutputDirError, match=r"models contains the base weights \("):
+        refuse_output_over_inputs(tmp_path / "models", ckpt, {"the base weights": base})
+    with pytest.raises(OutputDirError, match=r"pythia is the base weights \("):
+        refuse_output_over_inputs(base, ckpt, {"the base weights": base})
+    refuse_output_over_inputs(tmp_path / "models" / "exported", ckpt, {"the base weights": base})
+    refuse_output_over_inputs(run / "exported", ckpt)

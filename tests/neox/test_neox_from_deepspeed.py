@@ -31,6 +31,7 @@ from neox.finetune import main as finetune_main
 from neox.finetune_modes import FinetuneMode
 from neox.model import layer_specs
 from neox.run.run_dir import CHECKPOINTS, METRICS, TRAINABLE
+from tests.support.deepspeed_files import CRAFT_FROM, CRAFTED, crafted_checkpoint
 from tests.support.neox_testing import EXCERPT, assert_clean_error, call_main, run_module
 from zerocore.checkpoint import open_checkpoint
 
@@ -177,10 +178,26 @@ def test_damaged_deepspeed_file_refused_before_launch(inputs, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("case", sorted(CRAFTED))
+def test_every_crafted_deepspeed_file_is_one_line_on_resume(inputs, tmp_path, capsys, case):
+    """The fuzzed files of tests/support/deepspeed_files.py, as zerocore.from_deepspeed is
+    tried on them (tests/checkpoints): refused before any process starts, in one line, exit 2,
+    the output directory untouched."""
+    ckpt = crafted_checkpoint(tmp_path, case)
+    args = flags(inputs, CRAFT_FROM, tmp_path / "out", *LORA_FLAGS)
+    args[args.index("--resume") + 1] = ckpt
+    proc = call_main(finetune_main, capsys, *args)
+    assert_clean_error(proc, f"--resume: {ckpt / 'global_step3'}")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "RecursionError" not in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.e2e
 def test_other_base_weights_refused(inputs, tmp_path):
     """LoRA over weights that are not the DeepSpeed run's base: the frozen weights the run
-    trained against differ, found when the model is built; one line, nothing trained."""
+    trained against differ, found when the model is built; one line, nothing trained, and
+    nothing that stands in the way of the corrected run."""
     out = tmp_path / "out"
     args = flags(inputs, "lora_fp32_ws2", out, *LORA_FLAGS, "--nproc", 1)
     args[args.index("--checkpoint") + 1] = inputs["hf-other"]
@@ -188,3 +205,8 @@ def test_other_base_weights_refused(inputs, tmp_path):
     assert_clean_error(proc, "differs from the model's: the base weights given are not the ones "
                              "the DeepSpeed run trained on")
     assert not (out / CHECKPOINTS).exists() or not list((out / CHECKPOINTS).iterdir())
+    # The corrected rerun needs no --overwrite: the refused run trained nothing there.
+    args[args.index("--checkpoint") + 1] = inputs["hf"]
+    proc = run_module("neox.finetune", *args, "--max-steps", 3)
+    assert proc.returncode == 0, proc.stderr
+    assert "which stopped before it trained a step" in proc.stdout

@@ -62,15 +62,52 @@ def test_metrics_are_json_even_when_the_loss_is_not_finite(tmp_path):
     assert json.loads(line) == {"step": 1, "loss": None, "grad_norm": None, "acc": 0.5}
 
 
-def test_resuming_drops_the_steps_after_the_checkpoint(tmp_path):
+def _metrics(path: Path, steps, torn: bool = False) -> bytes:
+    lines = [json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in steps]
+    path.write_text("".join(lines) + ('{"step": 8, "lo' if torn else ""))  # torn by a kill
+    return path.read_bytes()
+
+
+def test_a_resume_that_trains_nothing_changes_no_byte(tmp_path):
+    """Resumed from step 2 of a run that logged 7 steps, then stopped before its first step
+    (or ending with nothing to train): the file is as it was, byte for byte."""
     path = tmp_path / METRICS
-    lines = [json.dumps({"step": s, "loss": 1.0 / s}) for s in range(1, 8)]
-    path.write_text("\n".join(lines) + '\n{"step": 8, "lo')  # a line torn by a kill
-    m = MetricsFile(path, resume_step=5)
-    m.write({"step": 6, "loss": 0.5})
+    before = _metrics(path, range(1, 8), torn=True)
+    MetricsFile(path, resume_step=2).close()
+    assert path.read_bytes() == before
+
+
+def test_a_resumed_step_replaces_only_its_own_line(tmp_path):
+    path = tmp_path / METRICS
+    before = _metrics(path, range(1, 8), torn=True).decode().splitlines(keepends=True)
+    m = MetricsFile(path, resume_step=2)
+    m.write({"step": 3, "loss": 0.25})
+    # Killed now: steps 4-7 of the earlier pass stay (their checkpoints may be resumed), the
+    # torn line goes, each step once.
+    assert path.read_text().splitlines(keepends=True) == \
+        before[:2] + ['{"step": 3, "loss": 0.25}\n'] + before[3:7]
+    for s in range(4, 10):
+        m.write({"step": s, "loss": 0.5})
     m.close()
     steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
-    assert steps == [1, 2, 3, 4, 5, 6]
+    assert steps == list(range(1, 10))
+    assert path.read_text().splitlines(keepends=True)[:2] == before[:2]
+
+
+def test_resuming_a_newer_checkpoint_after_an_interrupted_resume_loses_no_line(tmp_path):
+    """The issue's sequence: resume step 2 in place, stopped after retraining step 3; then
+    resume step 4 (the earlier pass's): every step once, 1-2 and 4 as first written."""
+    path = tmp_path / METRICS
+    before = _metrics(path, range(1, 5)).decode().splitlines(keepends=True)
+    m = MetricsFile(path, resume_step=2)
+    m.write({"step": 3, "loss": 0.3})
+    m = MetricsFile(path, resume_step=4)
+    for s in (5, 6):
+        m.write({"step": s, "loss": 0.2})
+    m.close()
+    lines = path.read_text().splitlines(keepends=True)
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
+    assert lines[:2] == before[:2] and lines[3] == before[3]
 
 
 def test_a_metrics_write_error_names_the_file_and_errno():
@@ -79,6 +116,24 @@ def test_a_metrics_write_error_names_the_file_and_errno():
     m = MetricsFile(Path("/dev/full"), resume_step=None)
     with pytest.raises(OutputDirError, match=r"cannot write /dev/full: \[Errno 28\] No space"):
         m.write({"step": 1, "loss": math.pi})
+
+
+def test_a_run_that_trained_nothing_does_not_hold_its_directory(tmp_path):
+    """A run refused while it started (a --resume DSDIR that does not fit the model) leaves
+    only its run.json: the corrected rerun takes the directory without --overwrite, saying so;
+    once a step's metrics are there, the directory is the earlier run's."""
+    (tmp_path / RUN_FILE).write_text(json.dumps({"run_id": "0123456789ab", "created": "t"}))
+    log = Log()
+    run_id = claim_output_dir(tmp_path, resume_run_id=None, resuming=False, overwrite=False,
+                              log=log)
+    assert run_id != "0123456789ab"
+    assert json.loads((tmp_path / RUN_FILE).read_text())["run_id"] == run_id
+    assert any("held run 0123456789ab, which stopped before it trained a step" in line
+               for line in log), log
+    (tmp_path / METRICS).write_text('{"step": 1, "loss": 9.0}\n')
+    with pytest.raises(OutputDirError, match=f"holds another run \\(run {run_id}\\)"):
+        claim_output_dir(tmp_path, resume_run_id=None, resuming=False, overwrite=False,
+                         log=Log())
 
 
 # -- ownership, with real checkpoints ------------------------------------------------------------

@@ -17,7 +17,8 @@ from neox import evaluate, export
 from neox.commands.finetune import build_parser as finetune_parser
 from neox.generate import main as generate_main
 from neox.run.run_dir import CHECKPOINTS, METRICS, TOKENIZER
-from tests.support.neox_testing import EXCERPT, REPO, call_main, run_module
+from tests.support.neox_testing import (EXCERPT, REPO, call_main, run_module,
+                                        tiny_shakespeare)
 from tests.support.small_disk import small_disk  # noqa: F401  (a fixture)
 
 
@@ -43,10 +44,71 @@ def test_evaluate_a_run_on_its_own_validation_windows(run, capsys):
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["text"] == "the run's validation windows"
+    assert result["corpus"] == str(EXCERPT) and result["checked_against_the_run"] is True
     assert "step-00000006" in result["model"]
     # The same fp32 weights and windows, unsharded here and sharded over 2 ranks in the run:
     # only the order of float additions differs (a few ulps of the mean loss).
     assert result["loss"] == pytest.approx(_val_loss(run), rel=1e-5)
+
+
+def _loaded(tmp_path, data, sha):
+    """What neox.evaluate knows of a run whose recipe reads ``data`` (None: tiny_shakespeare,
+    from a cache and a data directory of this test) and whose checkpoint recorded ``sha``."""
+    from neox.run.inference import Loaded
+    from neox.run.recipe import DataConfig, Recipe
+
+    recipe = Recipe(data=DataConfig(data=data, cache_dir=str(tmp_path / "cache"),
+                                    data_dir=str(tmp_path / "data")))
+    return Loaded(None, None, None, "RUN/checkpoints/step-00000006", recipe, sha)
+
+
+def test_evaluate_refuses_a_run_text_that_changed(tmp_path):
+    from neox.data import load_corpus
+    from neox.run.evaluation import run_corpus
+
+    text = tmp_path / "notes.txt"
+    text.write_text("the text the run trained on\n" * 50)
+    sha = load_corpus(text, cache_dir=tmp_path, data_dir=None, log=lambda *a: None).sha256
+    assert run_corpus(_loaded(tmp_path, str(text), sha)).sha256 == sha
+    text.write_text("another text\n" * 50)
+    with pytest.raises(ValueError, match=r"the run of RUN/checkpoints/step-00000006 trained on "
+                                         r"a text with sha256 \w{12}\.\.\., and .*notes.txt "
+                                         r"\(sha256 \w{12}\.\.\.\) is another"):
+        run_corpus(_loaded(tmp_path, str(text), sha))
+
+
+def test_evaluate_finds_the_offline_fallback_a_run_trained_on(tmp_path):
+    """The run fell back to the pydoc texts offline; this machine's cache now holds
+    tiny_shakespeare: the run's own text is the fallback, not the corpus found."""
+    from neox.data import offline_corpus
+    from neox.run.evaluation import run_corpus
+
+    tiny_shakespeare(tmp_path / "cache")
+    fallback = offline_corpus()
+    assert run_corpus(_loaded(tmp_path, None, fallback.sha256)).text == fallback.text
+    found = run_corpus(_loaded(tmp_path, None, None))  # no digest recorded: what is there
+    assert found.name == "tiny_shakespeare"
+    with pytest.raises(ValueError, match="is another"):
+        run_corpus(_loaded(tmp_path, None, "0" * 64))
+
+
+@pytest.mark.e2e
+def test_evaluate_says_which_text_and_refuses_another(tmp_path, capsys):
+    text = tmp_path / "corpus.txt"
+    shutil.copy(EXCERPT, text)
+    out = tmp_path / "out"
+    proc = run_module("neox.finetune", "--cpu", "--data", text, "--cache-dir", tmp_path / "c",
+                      "--seq-len", 16, "--batch-size", 2, "--max-steps", 2, "--output-dir", out,
+                      "--sample-tokens", 0, "--nproc", 1)
+    assert proc.returncode == 0, proc.stderr
+    proc = call_main(evaluate.main, capsys, "--checkpoint", out)
+    assert proc.returncode == 0, proc.stderr
+    assert f"tokens of the run's validation windows: {text} (sha256 " in proc.stdout
+    assert "the text the run trained on (its sha256 checked)" in proc.stdout
+    text.write_text(text.read_text().upper())
+    proc = call_main(evaluate.main, capsys, "--checkpoint", out)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert f"{text} (sha256 " in proc.stderr and "is another" in proc.stderr
 
 
 @pytest.mark.e2e

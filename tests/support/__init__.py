@@ -8,6 +8,8 @@ hf_models      tiny ``transformers`` models (GPT-NeoX, Llama, MoE) and their tra
 slim_weights   GPT-NeoX slim-weights partitions written from a Hugging Face directory
 neox_testing   the test data, a random GPT-NeoX, running neox's commands in or out of process
 small_disk     a file system that is full, for the write-error tests
+processes      the processes of a run a test started, found by an inherited variable
+deepspeed_files  DeepSpeed files crafted as a hostile user would (the reader's fuzz cases)
 
 The fixtures ``worlds``, ``world`` and ``device`` are in tests/conftest.py.
 """

@@ -1,6 +1,8 @@
 """Shared by the neox test files: a transformers GPT-NeoX with every parameter random, and the
 test data."""
 
+import gzip
+import hashlib
 import os
 import subprocess
 import sys
@@ -32,6 +34,18 @@ def random_hf_model(transformers, seed: int = 0, **config):
 DATA = Path(__file__).resolve().parents[1] / "data"
 EXCERPT = DATA / "shakespeare_excerpt.txt"   # 39,908 bytes of tiny_shakespeare
 BPE512 = DATA / "bpe512.json"                # a byte-level BPE of 512 tokens trained on it
+TINY_SHAKESPEARE_GZ = DATA / "tiny_shakespeare.txt.gz"  # the whole corpus, gzipped (434 KB)
+
+
+def tiny_shakespeare(directory: Path) -> Path:
+    """``directory/tiny_shakespeare.txt``, the corpus the built-in run downloads, from the
+    repository's copy (checked against the checksum the run checks it with)."""
+    content = gzip.decompress(TINY_SHAKESPEARE_GZ.read_bytes())
+    assert hashlib.sha256(content).hexdigest() == neox.data.TINY_SHAKESPEARE_SHA256
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / neox.data.TINY_SHAKESPEARE_FILE
+    path.write_bytes(content)
+    return path
 
 # The big shared files, when present: the full corpus and the GPT-NeoX-20B tokenizer. CI hides
 # them (NEOX_DATA_DIR pointing nowhere) for the main run, to prove the suite stands alone, and

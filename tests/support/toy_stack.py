@@ -171,7 +171,8 @@ def full_params(model: zerocore.ShardedSequential) -> dict[str, torch.Tensor]:
         for g in layer.groups:
             flat = all_gather_flat(g.shard)
             for s in g.layout.slots:
-                out[f"{layer.index}.{s.name}"] = flat[s.offset:s.offset + s.numel].view(s.shape)
+                name = model.param_name(layer.index, s.name)
+                out[name] = flat[s.offset:s.offset + s.numel].view(s.shape)
     return out
 
 
@@ -183,7 +184,8 @@ def full_grads(model: zerocore.ShardedSequential) -> dict[str, torch.Tensor]:
             g = layer.trainable
             flat = all_gather_flat(g.shard.grad)
             for s in g.layout.slots:
-                out[f"{layer.index}.{s.name}"] = flat[s.offset:s.offset + s.numel].view(s.shape)
+                name = model.param_name(layer.index, s.name)
+                out[name] = flat[s.offset:s.offset + s.numel].view(s.shape)
     return out
 
 

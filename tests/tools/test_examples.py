@@ -2,11 +2,16 @@
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
+
+from tests.support.processes import RUN_MARK, left_after, marked
 
 # Each test runs an example as a user would, in its own processes.
 pytestmark = pytest.mark.e2e
@@ -75,3 +80,60 @@ def test_example_help_shows_the_whole_description():
         assert proc.returncode == 0, proc.stderr
         first_paragraph = (ROOT / "examples" / name).read_text().split('"""')[1].split("\n\n")[0]
         assert " ".join(first_paragraph.split()) in " ".join(proc.stdout.split()), proc.stdout
+
+
+def _example_env(**more: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONWARNINGS": "ignore",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            **more}
+
+
+@pytest.mark.parametrize("args, phrase", [
+    (["--nproc", "0"], "--nproc 0: give 1 or more processes"),
+    (["--data", "no/such/file.txt"], "--data no/such/file.txt: no such file"),
+    (["--seq-len", "0"], "--seq-len 0: the model has 256 positions"),
+    (["--seq-len", "100000"], "--seq-len 100000: the model has 256 positions"),
+    (["--batch", "0"], "--batch 0: give 1 or more sequences per process"),
+    (["--lr", "nan"], "--lr nan: give a positive, finite learning rate"),
+    (["--out", "OUT_UNDER_A_FILE"], "cannot write there (Not a directory)"),
+], ids=["nproc-0", "no-data", "seq-len-0", "seq-len-huge", "batch-0", "lr-nan", "unwritable-out"])
+def test_the_trainer_example_refuses_bad_arguments_in_one_line(tmp_path, args, phrase):
+    (tmp_path / "file").write_text("x")
+    args = [str(tmp_path / "file" / "out") if a == "OUT_UNDER_A_FILE" else a for a in args]
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "finetune_hf_trainer.py"),
+                           *args], capture_output=True, text=True, timeout=300,
+                          env=_example_env(), cwd=tmp_path)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and phrase in lines[0], lines
+    assert proc.stdout == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing written
+
+
+# Seconds the example's processes may outlive it (neox.finetune's bound, tests/neox).
+ORPHAN_DEADLINE_S = 2.0
+
+
+def test_the_trainer_examples_processes_go_with_it(tmp_path):
+    """SIGKILL of the example once its processes train: none is left 2 s later."""
+    mark = uuid.uuid4().hex
+    main = subprocess.Popen([sys.executable, str(ROOT / "examples" / "finetune_hf_trainer.py"),
+                             "--steps", "1000", "--out", str(tmp_path / "out")],
+                            env=_example_env(**{RUN_MARK: mark}), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        # rank 0 saves the base weights once the process group exists, before training
+        while not (tmp_path / "out" / "base" / "config.json").is_file():
+            assert main.poll() is None and time.monotonic() < deadline, main.communicate()
+            time.sleep(0.05)
+        assert len(marked(mark)) >= 3  # the example and its 2 processes
+        main.send_signal(signal.SIGKILL)
+        main.wait()
+        left = left_after(mark, ORPHAN_DEADLINE_S)
+    finally:
+        if main.poll() is None:
+            main.kill()
+        for pid in marked(mark):
+            os.kill(pid, signal.SIGKILL)
+    assert left == [], f"{len(left)} processes outlived the example by {ORPHAN_DEADLINE_S} s"

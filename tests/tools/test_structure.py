@@ -203,3 +203,57 @@ def test_importing_zerocore_needs_only_the_engines_dependencies():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=REPO, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def _called_names(path: Path) -> list[tuple[str, int]]:
+    """(name, line) of every call of a plain or dotted name in a file: ``f(...)`` and
+    ``a.b.f(...)`` give ``f``."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+            if name is not None:
+                out.append((name, node.lineno))
+    return out
+
+
+# torch's object collectives put their bytes on torch.cuda.current_device() on a NCCL group,
+# whatever device the group or the model is on (zerocore/comm/objects.py's docstring).
+TORCH_OBJECT_COLLECTIVES = {"all_gather_object", "broadcast_object_list", "gather_object",
+                            "scatter_object_list", "send_object_list", "recv_object_list"}
+
+
+def test_zerocore_exchanges_objects_only_on_a_device_it_names():
+    found = [f"{path.relative_to(REPO)}:{line}: {called}"
+             for name, path in MODULES.items()
+             if name.startswith("zerocore") and name != "zerocore.comm.objects"
+             for called, line in _called_names(path) if called in TORCH_OBJECT_COLLECTIVES]
+    assert not found, found
+
+
+def test_zerocore_reads_the_current_device_only_for_its_defaults():
+    # comm/device.py: the device shard() computes on when none is given, Platform.detect, and
+    # the last resort of choose_comm_device; the commands (selftest) choose their own device.
+    allowed = {"zerocore.comm.device"}
+    found = [f"{path.relative_to(REPO)}:{line}"
+             for name, path in MODULES.items()
+             if name.startswith("zerocore") and name not in allowed
+             and not _is_command(name, path)
+             for called, line in _called_names(path) if called == "current_device"]
+    assert not found, found
+
+
+def test_the_zerocore_library_logs_and_never_prints():
+    # The library speaks through the ``zerocore`` logger (logging.getLogger(__name__) beneath
+    # it), which the application configures; only commands (a module with a main) print.
+    commands = {name for name, path in MODULES.items()
+                if name.startswith("zerocore") and _is_command(name, path)}
+    assert {"zerocore.__main__", "zerocore.from_deepspeed", "zerocore.checkpoint.consolidate",
+            "zerocore.tools.selftest"} <= commands, commands
+    found = [f"{path.relative_to(REPO)}:{node.lineno}"
+             for name, path in MODULES.items()
+             if name.startswith("zerocore") and name not in commands
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print"]
+    assert not found, found

@@ -9,7 +9,8 @@ from zerocore.checkpoint.deepspeed import (DeepSpeedCheckpointError, is_deepspee
                                            load_deepspeed_checkpoint)
 from zerocore.checkpoint.dirs import (IncompleteCheckpoint, checkpoint_runs,
                                       incomplete_checkpoints, latest_checkpoint, list_checkpoints)
-from zerocore.checkpoint.errors import CheckpointError, CheckpointWriteError
+from zerocore.checkpoint.errors import (CheckpointError, CheckpointWriteError,
+                                       weights_only_failure)
 from zerocore.checkpoint.manifest import (COMMIT, FORMAT, MANIFEST, model_fingerprint,
                                           rank_file, read_manifest, unverified_reason)
 from zerocore.checkpoint.reader import (ShardReader, iter_full_layers, open_checkpoint,
@@ -21,4 +22,4 @@ __all__ = ["save_checkpoint", "load_checkpoint", "list_checkpoints", "latest_che
            "verify_files", "open_checkpoint", "iter_full_layers", "ShardReader",
            "model_fingerprint", "rank_file", "unverified_reason", "CheckpointError",
            "CheckpointWriteError", "MANIFEST", "COMMIT", "FORMAT", "load_deepspeed_checkpoint",
-           "is_deepspeed_checkpoint", "DeepSpeedCheckpointError"]
+           "is_deepspeed_checkpoint", "DeepSpeedCheckpointError", "weights_only_failure"]

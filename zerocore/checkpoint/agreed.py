@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from zerocore.checkpoint.errors import (CheckpointError, CheckpointWriteError,
@@ -22,10 +23,11 @@ _SAME_ON_EVERY_RANK = {cls.__name__: cls for cls in
                         TypeError, ValueError)}
 
 
-def agreed(fn: Callable[[], T], group: dist.ProcessGroup) -> T:
-    """``run_agreed``, with a peer's failure raised as that failure's type and message."""
+def agreed(fn: Callable[[], T], group: dist.ProcessGroup, device: torch.device) -> T:
+    """``run_agreed`` on ``device`` (the model's), with a peer's failure raised as that
+    failure's type and message."""
     try:
-        return run_agreed(fn, group=group)
+        return run_agreed(fn, group=group, device=device)
     except PeerError as e:
         cls = _SAME_ON_EVERY_RANK.get(e.first_type)
         if cls is None:

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 import torch
 
-from zerocore.checkpoint.errors import CheckpointError
+from zerocore.checkpoint.errors import CheckpointError, weights_only_failure
 from zerocore.checkpoint.manifest import (FORMAT, MANIFEST, UNVERIFIED_FORMATS, check_manifest,
                                           layout_digest, manifest_digest, rank_file,
                                           read_manifest)
@@ -208,10 +208,9 @@ class ShardReader:
             try:
                 data = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
             except Exception as e:  # noqa: BLE001  (unpickling raises many kinds)
-                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                raise CheckpointError(f"{f}: cannot be read as a rank file ({type(e).__name__}"
-                                      f"{': ' + first if first else ''}); the checkpoint is "
-                                      f"damaged — use another one") from None
+                raise CheckpointError(f"{f}: cannot be read as a rank file "
+                                      f"({weights_only_failure(e)}); the checkpoint is damaged "
+                                      f"or was changed — use another one") from None
             check_rank_data(data, self.manifest, f, r)
             self._files[r] = data
         return self._files[r]

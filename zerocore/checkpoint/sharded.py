@@ -63,7 +63,6 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from zerocore.checkpoint.agreed import agreed, sharded_of
 from zerocore.checkpoint.dirs import (LEFTOVER_DIR, UNKNOWN_RUN, aside_name, holds_only_our_files,
@@ -76,6 +75,8 @@ from zerocore.checkpoint.manifest import (COMMIT, FORMAT, MANIFEST, commit_recor
 from zerocore.checkpoint.reader import (ShardReader, identity_record, verify_files)
 from zerocore.checkpoint.durable_io import fsync_dir, make_dir, rename, write_file
 from zerocore.checkpoint.deepspeed import is_deepspeed_checkpoint, load_deepspeed_checkpoint
+from zerocore.comm.device import comm_device
+from zerocore.comm.objects import all_gather_objects, broadcast_objects
 from zerocore.loss_scale import LossScaler
 from zerocore.optim import overrides_mismatch
 from zerocore.engine.sharded_param import ShardParameter
@@ -258,6 +259,10 @@ def save_checkpoint(root: str | Path, step: int, model: Any,
                          "checkpoint (neox.export does)")
     root = Path(root)
     group, rank, world = model.group, model.rank, model.world_size
+    # Where the small values below travel (comm/objects.py): the CPU on a group with a CPU
+    # backend, else the model's device.
+    device = model.device
+    channel = comm_device(group, torch.device("cpu"), device)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     scaler_state = scaler.state_dict() if scaler is not None else None
     # Rank 0 names the temporary directory and says what it was asked to save, so that every
@@ -266,8 +271,7 @@ def save_checkpoint(root: str | Path, step: int, model: Any,
     # another run of the same shape, saved without a run id too) is then told apart.
     plan: list[Any] = [(uuid.uuid4().hex[:8], uuid.uuid4().hex, step, run_id, include_frozen)
                        if rank == 0 else None]
-    src = dist.get_global_rank(group, 0)
-    dist.broadcast_object_list(plan, src=src, group=group)
+    broadcast_objects(plan, 0, group, channel)
     nonce, save_id, *asked = plan[0]
 
     def prepare() -> None:
@@ -284,7 +288,7 @@ def save_checkpoint(root: str | Path, step: int, model: Any,
             make_dir(root / f"{step_dir_name(step)}.tmp-{nonce}")
 
     not_saved = f"step {step} was not saved; the earlier checkpoints are unchanged"
-    agreed(_noting(prepare, not_saved), group)
+    agreed(_noting(prepare, not_saved), group, device)
     final = root / step_dir_name(step)
     tmp = root / f"{final.name}.tmp-{nonce}"
     try:
@@ -305,24 +309,23 @@ def save_checkpoint(root: str | Path, step: int, model: Any,
         if run_id is not None:
             manifest["run_id"] = run_id
         digest: list[Any] = [manifest_digest(manifest) if rank == 0 else None]
-        dist.broadcast_object_list(digest, src=src, group=group)
+        broadcast_objects(digest, 0, group, channel)
         identity = {**identity_record(manifest, rank), "manifest_sha256": digest[0]}
         info = agreed(_noting(lambda: write_file(
             tmp / rank_file(rank),
             lambda f: torch.save(_rank_payload(model, optimizer, include_frozen, identity), f)),
-            not_saved), group)
-        infos: list[Any] = [None] * world
-        dist.all_gather_object(infos, info, group=group)
+            not_saved), group, device)
+        infos = all_gather_objects(info, group, channel)
         manifest["files"] = {rank_file(r): infos[r] for r in range(world)}
         agreed(_noting(lambda: _commit(tmp, final, manifest) if rank == 0 else None,
-                        not_saved), group)
+                        not_saved), group, device)
     except BaseException:
         if rank == 0:
             remove_tree(tmp)
         raise
     saved_note = f"{final} was saved, but older directories could not all be removed"
     agreed(_noting(lambda: _tidy(root, final, run_id, keep_last) if rank == 0 else None,
-                    saved_note), group)
+                    saved_note), group, device)
     return final
 
 
@@ -442,6 +445,6 @@ def load_checkpoint(path: str | Path, model: Any,
         reader.check_all()
         return reader
 
-    reader = agreed(verify, model.group)
-    agreed(lambda: _restore(reader, model, optimizer, scaler), model.group)
+    reader = agreed(verify, model.group, model.device)
+    agreed(lambda: _restore(reader, model, optimizer, scaler), model.group, model.device)
     return reader.manifest["extra"]

@@ -10,7 +10,8 @@ as its other collectives):
 - ``fn()`` runs; any ``Exception`` it raises is caught (``KeyboardInterrupt``/``SystemExit`` are
   not: the process is going away, and its peers will see it as a lost rank);
 - the ranks all-gather whether they failed and the failure's type and message (one small
-  object all-gather);
+  object all-gather, on the CPU when the group has a CPU backend, else on ``device``: see
+  ``run_agreed``);
 - no rank failed: every rank returns its own ``fn()`` result;
 - some rank failed: the lowest rank with each distinct failure (type and message) re-raises its
   own exception, unchanged; every other rank raises ``PeerError``, naming the failed ranks and
@@ -26,7 +27,11 @@ from __future__ import annotations
 
 from typing import Callable, TypeVar
 
+import torch
 import torch.distributed as dist
+
+from zerocore.comm.device import comm_device
+from zerocore.comm.objects import all_gather_objects
 
 T = TypeVar("T")
 
@@ -53,9 +58,14 @@ class PeerError(RuntimeError):
         return PeerError, (self._raw,)
 
 
-def run_agreed(fn: Callable[[], T], *, group: dist.ProcessGroup | None = None) -> T:
+def run_agreed(fn: Callable[[], T], *, group: dist.ProcessGroup | None = None,
+               device: torch.device | None = None) -> T:
     """Collective: ``fn()`` on every rank of ``group`` (default: the world), then agreement on
-    the outcome; see the module docstring. Returns this rank's result of ``fn()``."""
+    the outcome; see the module docstring. Returns this rank's result of ``fn()``.
+
+    device: where the agreement's bytes travel on a group without a CPU backend (NCCL alone):
+    the device this rank computes on (a sharded model's ``.device``); default the group's bound
+    device (``init_process_group(device_id=)``), else the current CUDA device."""
     error: Exception | None = None
     result = None
     try:
@@ -63,8 +73,8 @@ def run_agreed(fn: Callable[[], T], *, group: dist.ProcessGroup | None = None) -
     except Exception as e:  # noqa: BLE001  (any failure must reach the other ranks)
         error = e
     mine = None if error is None else (type(error).__name__, str(error))
-    outcomes: list[tuple[str, str] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(outcomes, mine, group=group)
+    group = group if group is not None else dist.group.WORLD
+    outcomes = all_gather_objects(mine, group, comm_device(group, torch.device("cpu"), device))
     failures = {r: o for r, o in enumerate(outcomes) if o is not None}
     if not failures:
         return result  # type: ignore[return-value]

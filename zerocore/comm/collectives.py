@@ -1,30 +1,21 @@
-"""The three collectives of ZeRO-3, as plain functions over an explicit process group, each
-counting the bytes it moves in a ``CommCounter`` the caller passes in.
+"""The plain c10d collectives of ZeRO-3, as functions over an explicit process group, each
+counting the bytes it moves in a ``CommCounter`` the caller passes in (and the few blocking
+collectives of small metadata, which are not counted).
 
-All are issued with ``async_op=True`` and return a handle: on NCCL the collective runs on the
-process group's own CUDA stream, which c10d orders after the work already queued on the current
-stream (so an all-gather issued after the optimizer step sees the updated shards) and
-``handle.wait()`` makes the current stream wait for it without blocking the host; on gloo it runs
-on gloo's threads, so the next layer's all-gather overlaps this layer's computation.
+All the counted ones are issued with ``async_op=True`` and return a handle: on NCCL the
+collective runs on the process group's own CUDA stream, which c10d orders after the work already
+queued on the current stream (so an all-gather issued after the optimizer step sees the updated
+shards) and ``handle.wait()`` makes the current stream wait for it without blocking the host; on
+gloo it runs on gloo's threads, so the next layer's all-gather overlaps this layer's computation.
 
-gloo ranks of one host that may read each other's memory (``PeerMemory``) instead gather and,
-two of them, reduce by reading the others' buffers directly, in two halves: ``start_...``
-publishes this rank's buffer, ``finish_...`` reads the others' once they published theirs
-(docs/decisions.md, "Communication between gloo ranks of one host").
+gloo ranks of one host that may read each other's memory gather and reduce without these
+(``peer_memory``).
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import errno
-import os
-import fcntl
-import select
-import struct
-import sys
 import time
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -36,25 +27,6 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class PeerLost(RuntimeError):
-    """Another rank of the group is gone (exited, killed, or silent past the timeout: stopped,
-    hung) while this rank read its memory or waited for its message: the consequence of that
-    rank's failure, not a failure of this one (as gloo's "Connection closed by peer").
-
-    rank: the global rank of the lost process, when known (None otherwise).
-    silent: True when that rank is still there but did not answer within the timeout (stopped
-    or hung: whoever supervises the processes may have to kill it); False when it is gone."""
-
-    def __init__(self, message: str, rank: int | None = None, silent: bool = False):
-        super().__init__(message)
-        self.rank = rank
-        self.silent = silent
-
-    def __reduce__(self):
-        # Exceptions unpickle as cls(*self.args): keep the rest (process pools pickle them).
-        return PeerLost, (str(self), self.rank, self.silent)
-
-
 @dataclasses.dataclass
 class CommCounter:
     """Bytes moved per kind of collective, counted as the size of the unsharded buffer (the
@@ -63,6 +35,8 @@ class CommCounter:
     all_gather_bytes: int = 0
     reduce_scatter_bytes: int = 0
     all_reduce_bytes: int = 0
+    # Collectives issued (a gather of one broadcast per rank, or by reading, is one): none for
+    # one rank, where the bytes above are still counted (the estimate counts them).
     all_gather_calls: int = 0
     reduce_scatter_calls: int = 0
     all_reduce_calls: int = 0
@@ -84,532 +58,56 @@ class CommCounter:
 now = time.perf_counter  # the clock of CommCounter's seconds
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
                counter: CommCounter) -> dist.Work | None:
     """output (1D, world_size * shard.numel()) <- every rank's shard, in rank order."""
-    counter.all_gather_bytes += _nbytes(output)
+    counter.all_gather_bytes += nbytes(output)
     counter.all_gather_calls += 1
     return _all_gather_single(output, shard, group=group, async_op=True)
 
 
 def all_gather_by_broadcast(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
-                            counter: CommCounter) -> list[dist.Work | None]:
+                            counter: CommCounter, rank: int | None = None,
+                            global_ranks: tuple[int, ...] | None = None
+                            ) -> list[dist.Work | None]:
     """The same result as ``all_gather``, as one broadcast per rank received in place into its
     slice of output, in rank order on every rank. For gloo, whose all-gather gathers into a
     temporary and copies it out: this takes about a third less CPU per gather (2 ranks, 2
-    cores, bench/RESULTS.md)."""
-    counter.all_gather_bytes += _nbytes(output)
-    counter.all_gather_calls += 1
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    cores, bench/RESULTS.md). ``rank``, ``global_ranks``: this rank in the group and the
+    group's ranks as global ranks, when the caller knows them (asked of the group otherwise)."""
+    counter.all_gather_bytes += nbytes(output)
+    if rank is None or global_ranks is None:
+        rank, global_ranks = dist.get_rank(group), tuple(dist.get_process_group_ranks(group))
+    world = len(global_ranks)
     if world == 1:
         # One rank: the gather is a copy, and a collective of one would cost ~50-150 µs of
         # gloo's bookkeeping per call (bench/layer_cost.py).
         output.copy_(shard)
         return []
+    counter.all_gather_calls += 1
     slices = output.chunk(world)
-    handles = [dist.broadcast(shard if r == rank else slices[r],
-                              src=dist.get_global_rank(group, r), group=group, async_op=True)
+    handles = [dist.broadcast(shard if r == rank else slices[r], src=global_ranks[r],
+                              group=group, async_op=True)
                for r in range(world)]
     slices[rank].copy_(shard)  # while the other ranks' slices arrive
     return handles
 
-
-class _IoVec(ctypes.Structure):
-    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
-
-
-# Kinds of PeerMemory messages: a gathered buffer ready to be read (its address), its readers
-# done; a packed gradient buffer ready (its address), its reader done.
-GATHER_READY, GATHER_READ, REDUCE_READY, REDUCE_READ = range(4)
-_MESSAGE = struct.Struct("<qq")  # (key, value)
-
-
-class PeerMemory:
-    """Reading the other ranks' memory directly: for the ranks of a gloo group that are processes
-    of one Linux host allowed to read each other (``process_vm_readv``, what MPI libraries call
-    cross-memory attach). A read is one kernel copy from the other process's buffer into ours,
-    at memory speed (12.7 GB/s for 4 MiB here), in the calling thread; gloo over loopback TCP
-    moves 1-2.4 GB/s and costs a send copy, a receive copy and its threads' wake-ups, on the
-    cores the layers compute on.
-
-    When a buffer may be read, and when its readers are done with it, travels as 16-byte
-    messages through an anonymous pipe from each rank to each other one (a write and a read:
-    tens of µs; a tiny gloo all-reduce takes ~180 µs here and wakes three threads). The system
-    calls on both sides order the buffer's writes before its reads. Messages carry a key
-    (channel, kind, sequence number); both sides number them alike, since every rank runs the
-    same program, and one that arrives before it is asked for is kept until it is.
-
-    Every wait (a message, room in a pipe, readers of lent buffers at the end) is bounded by
-    ``timeout_s``, given by the caller (``zerocore.Comm.timeout``): a rank that stays silent
-    past it is stopped, hung or gone, and this rank raises ``PeerLost`` naming it; a rank once
-    lost is never waited for again (so the end of a failed run is not another wait).
-
-    ``probe`` (collective) finds out whether every rank can read every other one, with the same
-    answer on every rank: the ranks share a boot, a PID and a mount namespace, each takes its
-    copies of the pipes' write ends out of the others (``pidfd_getfd``: nothing is ever named in
-    a file system, so nothing is left behind whoever dies when), and each reads a random token
-    from each other's memory and finds it. Otherwise no rank uses it and the gloo collectives
-    run: quietly for ranks in other containers or on other hosts; with one line on rank 0's
-    stderr naming the rank and the reason where the ranks share a host but a call is missing or
-    refused (``pidfd_getfd`` needs Linux 5.6; ``process_vm_readv`` and ``pidfd_getfd`` need
-    permission to ptrace the other process, which another user, Yama's ``ptrace_scope`` or a
-    seccomp profile can deny)."""
-
-    def __init__(self, timeout_s: float) -> None:
-        if not timeout_s > 0:
-            raise ValueError(f"PeerMemory: timeout_s must be > 0, got {timeout_s!r}")
-        self.timeout_s = float(timeout_s)
-        self.probed = False
-        self.pids: list[int] | None = None  # by group rank; None: not usable
-        self._readv = None
-        self._rank = -1
-        self._pipes = _Pipes(self.timeout_s)
-        self._channels = 0
-        # Reductions whose buffer the other rank may still be reading: (channel, seq).
-        self._unsettled: list[tuple[int, int]] = []
-        # Where reductions read the other rank's contribution (1D bytes, grown as needed): one
-        # read at a time, each added into the gradient before the next.
-        self._received = torch.empty(0, dtype=torch.uint8)
-
-    @property
-    def available(self) -> bool:
-        return self.pids is not None
-
-    def new_channel(self) -> int:
-        """A channel number for one user (a FlatGroup); users ask in the same order on every
-        rank, so the numbers agree."""
-        self._channels += 1
-        return self._channels
-
-    def probe(self, group: dist.ProcessGroup) -> bool:
-        """Collective on the first call (every rank of ``group``); the agreed answer after."""
-        if self.probed:
-            return self.available
-        self.probed = True
-        world = dist.get_world_size(group)
-        if world < 2 or dist.get_backend(group) != "gloo":
-            return False  # the same on every rank: nothing to exchange
-        rank = dist.get_rank(group)
-        # Why this rank cannot read the others, if it cannot: (one of _PROBE_*, an errno or 0).
-        reason = (0, 0)
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            readv = libc.process_vm_readv
-            readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
-                              ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
-            readv.restype = ctypes.c_ssize_t
-            syscall = libc.syscall
-            syscall.restype = ctypes.c_long
-            with open("/proc/sys/kernel/random/boot_id") as f:
-                boot = int(f.read().strip().replace("-", "")[:15], 16)
-            namespaces = [os.stat(f"/proc/self/ns/{ns}").st_ino for ns in ("pid", "mnt")]
-        except (OSError, AttributeError, ValueError) as e:
-            readv, syscall, boot, namespaces = None, None, -1, [-1, -1]
-            reason = (_PROBE_NO_CALLS, getattr(e, "errno", None) or 0)
-        token = int.from_bytes(os.urandom(7), "little")
-        beacon = torch.full((4,), token, dtype=torch.int64)
-        # Each rank makes the pipes towards it now and publishes their write ends' numbers (by
-        # sending rank), which the others take with pidfd_getfd below.
-        pipes = self._pipes
-        writers = [-1] * world
-        try:
-            for q in range(world):
-                if q != rank:
-                    r, w = os.pipe()
-                    os.set_blocking(r, False)
-                    pipes.inbound[q] = r
-                    writers[q] = w
-        except OSError as e:
-            boot = -1  # no pipes: no reading
-            reason = reason if reason[0] else (_PROBE_NO_PIPES, e.errno or 0)
-        try:
-            mine = torch.tensor([os.getpid(), beacon.data_ptr(), token, boot, *namespaces,
-                                 *writers], dtype=torch.int64)
-            every = torch.empty(world * mine.numel(), dtype=torch.int64)
-            all_gather_sync(every, mine, group)
-            rows = every.view(world, -1).tolist()
-            if not reason[0] and not all(r[3:6] == rows[rank][3:6] for r in rows):
-                reason = (_PROBE_OTHER_HOST, 0)  # or another container: the usual case, quiet
-            if not reason[0]:
-                self._readv = readv
-                for q, (pid, address, their_token, *_) in enumerate(rows):
-                    if q == rank:
-                        continue
-                    seen = torch.zeros(4, dtype=torch.int64)
-                    try:
-                        self._read_bytes(seen.data_ptr(), pid, address, seen.numel() * 8)
-                    except OSError as e:
-                        reason = (_PROBE_READ, e.errno or 0)
-                        break
-                    if seen.tolist() != [their_token] * 4:
-                        reason = (_PROBE_READ, 0)
-                        break
-            if not reason[0]:
-                reason = _take_write_ends(pipes, syscall, rank, [(r[0], r[6:]) for r in rows])
-            # Every rank holds its write ends (or none uses any): the published numbers may
-            # close, so that a pipe's only writer is the rank it comes from (EOF when that rank
-            # goes). Also keeps every beacon alive until every rank has read.
-            reasons = torch.empty(world * 2, dtype=torch.int64)
-            all_gather_sync(reasons, torch.tensor(reason, dtype=torch.int64), group)
-            failed = [(q, code, err) for q, (code, err) in
-                      enumerate(reasons.view(world, 2).tolist()) if code]
-        except BaseException:
-            pipes.drain_and_close()  # a rank failed during the probe: close what was opened
-            raise
-        finally:
-            for w in writers:
-                if w >= 0:
-                    os.close(w)
-        if not failed:
-            self.pids = [row[0] for row in rows]
-            self._rank = rank
-            pipes.names = {q: dist.get_global_rank(group, q) for q in range(world)}
-            # When the model goes, buffers the others may still be reading stay allocated
-            # until they have (or have gone, or ``timeout_s`` passed), and then the pipes close.
-            weakref.finalize(self, pipes.drain_and_close)
-        else:
-            pipes.drain_and_close()
-            self._readv = None
-            # One line for the run (rank 0 says what the first rank that could not found, a
-            # call missing or refused before another host): the run is as correct through
-            # gloo, only slower, which the user may want to fix.
-            q, code, err = min(failed, key=lambda f: (f[1] == _PROBE_OTHER_HOST, f[0]))
-            if rank == 0 and code != _PROBE_OTHER_HOST:
-                print(f"zerocore: the gloo ranks of this host do not read each other's memory: "
-                      f"rank {dist.get_global_rank(group, q)} {_probe_reason(code, err)}; "
-                      f"gathering and reducing through gloo's collectives instead",
-                      file=sys.stderr, flush=True)
-        return self.available
-
-    def _read_bytes(self, local: int, pid: int, remote: int, nbytes: int) -> None:
-        done = 0
-        while done < nbytes:
-            lv, rv = _IoVec(local + done, nbytes - done), _IoVec(remote + done, nbytes - done)
-            n = self._readv(pid, ctypes.byref(lv), 1, ctypes.byref(rv), 1, 0)
-            if n <= 0:
-                err = ctypes.get_errno()
-                if err == errno.ESRCH:
-                    raise PeerLost(f"zerocore: process {pid} (another rank) is gone: it exited "
-                                   f"or failed while this rank read its memory")
-                raise OSError(err, f"zerocore: reading {nbytes} bytes of process {pid}'s memory "
-                                   f"failed: {os.strerror(err)}")
-            done += n
-
-    def read(self, dst: torch.Tensor, rank: int, address: int) -> None:
-        """dst (contiguous, CPU) <- the bytes at ``address`` in group rank ``rank``'s memory."""
-        assert self.pids is not None and dst.is_contiguous() and dst.device.type == "cpu"
-        try:
-            self._read_bytes(dst.data_ptr(), self.pids[rank], address,
-                             dst.numel() * dst.element_size())
-        except PeerLost as e:
-            self._pipes.lost.add(rank)
-            name = self._pipes.names.get(rank, rank)
-            raise PeerLost(f"zerocore: rank {name} (pid {self.pids[rank]}) is gone: it exited "
-                           f"or failed while this rank read its memory", name) from e
-
-    def tell(self, ranks: list[int], channel: int, kind: int, seq: int, value: int) -> None:
-        """Sends (channel, kind, seq) -> value to each of ``ranks``."""
-        self._pipes.tell(ranks, _key(channel, kind, seq), value,
-                         required=kind in (GATHER_READY, REDUCE_READY))
-
-    def hear(self, rank: int, channel: int, kind: int, seq: int) -> int:
-        """The value ``rank`` sent for (channel, kind, seq); blocks until it has arrived (at
-        most ``timeout_s``)."""
-        return self._pipes.hear(rank, _key(channel, kind, seq))
-
-    def lend(self, kind: int, channel: int, seq: int, storage: torch.UntypedStorage) -> None:
-        """Keeps ``storage`` allocated, whatever becomes of its owner, until ``returned``: the
-        others may be reading it, and will say so with a ``kind`` message."""
-        self._pipes.lent[(kind, channel, seq)] = (storage, self.others())
-
-    def returned(self, kind: int, channel: int, seq: int) -> None:
-        self._pipes.lent.pop((kind, channel, seq), None)
-
-    def settle_reductions(self) -> None:
-        """Returns once the other rank has read every reduction buffer this rank lent it (it
-        reads as it finishes each reduction, so this rarely waits): called before a buffer may
-        be written again, i.e. before packing the next gradients and before the next gather."""
-        for channel, seq in self._unsettled:
-            for q in self.others():
-                self.hear(q, channel, REDUCE_READ, seq)
-            self.returned(REDUCE_READ, channel, seq)
-        self._unsettled.clear()
-
-    def await_read(self, channel: int, seq: int) -> None:
-        """The other rank is to read this rank's buffer of reduction ``seq`` of ``channel``
-        (``settle_reductions`` waits for it)."""
-        self._unsettled.append((channel, seq))
-
-    def received_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = numel * dtype.itemsize
-        if self._received.numel() < nbytes:
-            self._received = torch.empty(nbytes, dtype=torch.uint8)
-        return self._received[:nbytes].view(dtype)
-
-    def others(self) -> list[int]:
-        assert self.pids is not None
-        return [q for q in range(len(self.pids)) if q != self._rank]
-
-
-# pidfd_getfd(2) (Linux 5.6): the same number on every architecture but alpha.
-_SYS_PIDFD_GETFD = 438
-
-
-def _take_write_ends(pipes: "_Pipes", syscall, rank: int,
-                     published: list[tuple[int, list[int]]]) -> tuple[int, int]:
-    """This rank's copy of the write end of each pipe towards another rank, taken out of that
-    rank's process (``published``: by rank, its pid and the descriptor numbers of its write
-    ends, by sending rank). Non-blocking, so that a write never waits beyond the deadline.
-    Returns (0, 0), or why not: (_PROBE_PIDFD, errno): ENOSYS on a kernel before 5.6 (or 5.3
-    for pidfd_open), EPERM where this process may not ptrace the other one (another user,
-    Yama's ptrace_scope) or a seccomp profile refuses the call."""
-    if syscall is None:
-        return _PROBE_NO_CALLS, 0
-    for q, (pid, writers) in enumerate(published):
-        if q == rank:
-            continue
-        try:
-            pidfd = os.pidfd_open(pid)
-        except (OSError, AttributeError) as e:  # (AttributeError: not Linux)
-            return _PROBE_PIDFD, getattr(e, "errno", None) or errno.ENOSYS
-        try:
-            fd = syscall(ctypes.c_long(_SYS_PIDFD_GETFD), ctypes.c_long(pidfd),
-                         ctypes.c_long(writers[rank]), ctypes.c_long(0))
-            err = ctypes.get_errno()
-        finally:
-            os.close(pidfd)
-        if fd < 0:
-            return _PROBE_PIDFD, err
-        pipes.outbound[q] = fd
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
-    return 0, 0
-
-
-# Why a probe found that a rank cannot read the others (with an errno where one applies).
-_PROBE_NO_CALLS, _PROBE_NO_PIPES, _PROBE_OTHER_HOST, _PROBE_READ, _PROBE_PIDFD = range(1, 6)
-
-
-def _probe_reason(code: int, err: int) -> str:
-    why = f" ({errno.errorcode.get(err, err)}: {os.strerror(err)})" if err else ""
-    if code == _PROBE_NO_CALLS:
-        return f"lacks process_vm_readv or /proc{why}"
-    if code == _PROBE_NO_PIPES:
-        return f"could not make its pipes{why}"
-    if code == _PROBE_READ:
-        return (f"may not read another's memory with process_vm_readv{why}: another user, "
-                f"Yama's ptrace_scope or a seccomp profile")
-    if err == errno.ENOSYS:
-        return f"has no pidfd_getfd{why}: it needs Linux 5.6 or later"
-    return (f"may not take another's pipe with pidfd_getfd{why}: another user, Yama's "
-            f"ptrace_scope or a seccomp profile")
-
-
-def _key(channel: int, kind: int, seq: int) -> int:
-    return ((channel * 4 + kind) << 32) | (seq & 0xFFFFFFFF)
-
-
-class _Pipes:
-    """PeerMemory's pipes and what outlives it: buffers still lent to readers. Every wait ends
-    by ``timeout_s`` (a message, room in a pipe) or by one deadline (``drain_and_close``)."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self.outbound: dict[int, int] = {}  # rank -> write end (non-blocking) of the pipe to it
-        self.inbound: dict[int, int] = {}   # rank -> read end (non-blocking) of the pipe from it
-        self.early: dict[int, dict[int, int]] = {}  # rank -> {key: value} read before asked
-        # (kind of the message that returns it, channel, seq) -> (storage, the ranks that will
-        # say they read it)
-        self.lent: dict[tuple[int, int, int], tuple[torch.UntypedStorage, list[int]]] = {}
-        # Group ranks found gone or silent past the timeout: never waited for again.
-        self.lost: set[int] = set()
-        self.names: dict[int, int] = {}  # group rank -> global rank, for messages
-
-    def _lose(self, rank: int, what: str, silent: bool = False) -> PeerLost:
-        self.lost.add(rank)
-        name = self.names.get(rank, rank)
-        return PeerLost(f"zerocore: rank {name} {what}", name, silent)
-
-    def _silent(self, rank: int, what: str) -> PeerLost:
-        return self._lose(rank, f"did not {what} within {self.timeout_s:g} s (the timeout of "
-                                f"zerocore.Comm): it is stopped or hung; if it is only slow, "
-                                f"raise the timeout", silent=True)
-
-    def tell(self, ranks: list[int], key: int, value: int, required: bool) -> None:
-        message = _MESSAGE.pack(key, value)
-        for q in ranks:
-            if q in self.lost:
-                if required:
-                    raise self._lose(q, "was lost earlier (see the first error)")
-                continue
-            fd = self.outbound[q]
-            deadline = time.monotonic() + self.timeout_s
-            while True:
-                try:
-                    os.write(fd, message)  # 16 bytes < PIPE_BUF: whole or not at all, in order
-                    break
-                except BlockingIOError:
-                    # The pipe is full: rank q has not read for thousands of messages.
-                    left = deadline - time.monotonic()
-                    if left <= 0 or not select.select([], [fd], [], left)[1]:
-                        error = self._silent(q, "read this rank's messages")
-                        if required:
-                            raise error from None
-                        break
-                except BrokenPipeError:
-                    # Rank q's model is gone: a "done reading" no longer matters to it; anything
-                    # it was to wait for does.
-                    error = self._lose(q, "closed its pipe to this rank (its model was "
-                                          "released, or it exited or failed)")
-                    if required:
-                        raise error from None
-                    break
-
-    def hear(self, rank: int, key: int, deadline: float | None = None) -> int:
-        """The value ``rank`` sent for ``key``; waits until ``deadline`` (time.monotonic;
-        default: ``timeout_s`` from now)."""
-        early = self.early.setdefault(rank, {})
-        if key in early:
-            return early.pop(key)
-        if rank in self.lost:
-            raise self._lose(rank, "was lost earlier (see the first error)")
-        fd = self.inbound[rank]
-        if deadline is None:
-            deadline = time.monotonic() + self.timeout_s
-        data = b""
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise self._silent(rank, "answer")
-            try:
-                chunk = os.read(fd, _MESSAGE.size - len(data))
-            except BlockingIOError:
-                continue  # woken for nothing
-            if not chunk:
-                raise self._lose(rank, "closed its pipe to this rank (its model was released, "
-                                       "or it exited or failed) while this rank waited for it")
-            data += chunk
-            if len(data) < _MESSAGE.size:
-                continue
-            got, value = _MESSAGE.unpack(data)
-            data = b""
-            if got == key:
-                return value
-            early[got] = value
-
-    def drain_and_close(self) -> None:
-        """Waits for the others to finish reading lent buffers, all of them within one
-        ``timeout_s``, and not at all once a rank was lost, then closes the pipes. (Runs from a
-        finalizer: it must end.)
-
-        The pipes to the others close first: this rank reads nothing more (nothing uses this
-        object any longer, so no read is in flight), and their EOF tells every rank that
-        waits for this one to be done reading its buffers that it is (a rank draining at the
-        same time, after a failed collective, would otherwise wait out the timeout for this
-        one, and this one for it). Once a rank is lost the group can complete no collective
-        again, so what the others may still read of these buffers feeds no result: waiting
-        would only keep this rank from exiting."""
-        _close_all(self.outbound)
-        deadline = time.monotonic() + self.timeout_s
-        failed = bool(self.lost)  # (a rank found done here is not a failure of the group)
-        for (kind, channel, seq), (_, readers) in list(self.lent.items()):
-            for q in readers:
-                if failed or q in self.lost or time.monotonic() >= deadline:
-                    continue
-                try:
-                    self.hear(q, _key(channel, kind, seq), deadline=deadline)
-                except (OSError, RuntimeError):
-                    pass  # gone, or done with this rank: nothing more to wait for
-        self.lent.clear()
-        _close_all(self.inbound)
-
-
-def _close_all(fds: dict[int, int]) -> None:
-    """Closes the descriptors of ``fds`` (by rank) and forgets them."""
-    for fd in fds.values():
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    fds.clear()
-
-
-def start_gather_by_reading(output: torch.Tensor, shard: torch.Tensor, peers: PeerMemory,
-                            channel: int, seq: int, group: dist.ProcessGroup,
-                            counter: CommCounter) -> None:
-    """The all-gather of ``all_gather``, by reading (``PeerMemory``), first half: copies this
-    rank's shard into its slice of output and tells the others where output is;
-    ``finish_gather_by_reading`` then reads every other rank's slice from its output. seq: this
-    channel's gathers so far (the same on every rank)."""
-    counter.all_gather_bytes += _nbytes(output)
-    counter.all_gather_calls += 1
-    output.chunk(dist.get_world_size(group))[dist.get_rank(group)].copy_(shard)
-    peers.settle_reductions()  # (here for want of a better place: see its docstring)
-    peers.lend(GATHER_READ, channel, seq, output.untyped_storage())
-    peers.tell(peers.others(), channel, GATHER_READY, seq, output.data_ptr())
-
-
-def finish_gather_by_reading(output: torch.Tensor, peers: PeerMemory, channel: int, seq: int,
-                             group: dist.ProcessGroup) -> None:
-    """Second half: output's other slices <- the other ranks' own slices of theirs, each once
-    that rank said it is ready; then tells them this rank is done reading. Until every other
-    rank has said so (``wait_gather_read``) this rank's output must stay allocated."""
-    slices = output.chunk(dist.get_world_size(group))
-    for q in peers.others():
-        address = peers.hear(q, channel, GATHER_READY, seq)
-        peers.read(slices[q], q, address + q * _nbytes(slices[q]))
-    peers.tell(peers.others(), channel, GATHER_READ, seq, 0)
-
-
-def wait_gather_read(peers: PeerMemory, channel: int, seq: int) -> None:
-    """Returns once every other rank has read what it needed of this rank's output of gather
-    ``seq`` of ``channel``."""
-    for q in peers.others():
-        peers.hear(q, channel, GATHER_READ, seq)
-    peers.returned(GATHER_READ, channel, seq)
-
-
-def start_reduce_by_reading(full: torch.Tensor, peers: PeerMemory, channel: int, seq: int,
-                            group: dist.ProcessGroup, counter: CommCounter) -> None:
-    """Two ranks: ``reduce_scatter_by_exchange`` by reading, first half: tells the other rank
-    where ``full`` is (once ``peers.settle_reductions()`` has returned, before ``full`` was
-    written); ``finish_reduce_by_reading`` reads its contribution to this rank's half."""
-    assert dist.get_world_size(group) == 2, "the reduction by reading is for two ranks"
-    counter.reduce_scatter_bytes += _nbytes(full)
-    counter.reduce_scatter_calls += 1
-    peers.lend(REDUCE_READ, channel, seq, full.untyped_storage())
-    peers.tell(peers.others(), channel, REDUCE_READY, seq, full.data_ptr())
-
-
-def finish_reduce_by_reading(peers: PeerMemory, channel: int, seq: int, numel: int,
-                             dtype: torch.dtype, group: dist.ProcessGroup) -> torch.Tensor:
-    """This rank's half of the other rank's ``full`` (1D, ``numel`` of ``dtype``), read once it
-    is ready, in a buffer valid until the next call. This rank's ``full`` stays lent until the
-    other rank has read it too (``settle_reductions``)."""
-    rank = dist.get_rank(group)
-    (peer,) = peers.others()
-    received = peers.received_buffer(numel, dtype)
-    address = peers.hear(peer, channel, REDUCE_READY, seq)
-    peers.read(received, peer, address + rank * _nbytes(received))
-    peers.tell([peer], channel, REDUCE_READ, seq, 0)
-    peers.await_read(channel, seq)
-    return received
-
-
 def all_reduce_sum_in_place(full: torch.Tensor, group: dist.ProcessGroup,
                             counter: CommCounter) -> dist.Work | None:
-    """Starts summing ``full`` over ranks in place; the caller divides its own slice by the world
-    size to get what ``reduce_scatter_avg`` gives (gloo's AVG is that same sum then division, so
-    the values are bitwise equal). For gloo, whose reduce-scatter clones the whole input and
-    all-reduces the clone: on a buffer we may overwrite, this saves the clone. Counted as the
-    reduce-scatter it stands for."""
-    counter.reduce_scatter_bytes += _nbytes(full)
-    counter.reduce_scatter_calls += 1
+    """Starts summing ``full`` over ranks in place: this rank's slice of it is then what
+    ``reduce_scatter_sum`` gives (gloo's reduce-scatter is that same all-reduce, so the values
+    are bitwise equal). For gloo, whose reduce-scatter clones the whole input and all-reduces
+    the clone: on a buffer we may overwrite, this saves the clone. Counted as the
+    reduce-scatter it stands for. One rank: no collective (the sum over one rank is its own
+    values)."""
+    counter.reduce_scatter_bytes += nbytes(full)
     if dist.get_world_size(group) == 1:
-        return None  # the sum over one rank is its own values (as gloo's would be, bitwise)
+        return None
+    counter.reduce_scatter_calls += 1
     return dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
@@ -618,14 +116,14 @@ def reduce_scatter_by_exchange(full: torch.Tensor, received: torch.Tensor,
                                ) -> list[dist.Work | None]:
     """Two ranks: starts sending the peer its half of ``full`` and receiving the peer's
     contribution to this rank's half into ``received`` (1D, full.numel() / 2); the caller then
-    adds ``received`` into its half and divides by 2 (``sum_received``). Half the traffic of
+    adds ``received`` into its half. Half the traffic of
     ``all_reduce_sum_in_place`` (gloo's all-reduce sends and receives the whole buffer: a
     reduce-scatter, then an all-gather of the sums this rank does not need) and, on gloo over
-    loopback, about half its time (16 MiB: 8 ms instead of 17.6). Bitwise the same mean: with
+    loopback, about half its time (16 MiB: 8 ms instead of 17.6). Bitwise the same sum: with
     two summands the order of an addition does not change its result. Counted as the
     reduce-scatter it stands for."""
     assert dist.get_world_size(group) == 2, "reduce_scatter_by_exchange is for two ranks"
-    counter.reduce_scatter_bytes += _nbytes(full)
+    counter.reduce_scatter_bytes += nbytes(full)
     counter.reduce_scatter_calls += 1
     rank = dist.get_rank(group)
     peer = dist.get_global_rank(group, 1 - rank)
@@ -634,13 +132,17 @@ def reduce_scatter_by_exchange(full: torch.Tensor, received: torch.Tensor,
             dist.irecv(received, src=peer, group=group)]
 
 
-def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
+def reduce_scatter_sum(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
                        counter: CommCounter) -> dist.Work | None:
-    """output (1D, full.numel() / world_size) <- the mean over ranks of this rank's slice of
-    full."""
-    counter.reduce_scatter_bytes += _nbytes(full)
+    """output (1D, full.numel() / world_size) <- the sum over ranks of this rank's slice of
+    full. One rank: a copy, no collective (NCCL 2.27 leaves the last elements of a one-rank
+    reduction unwritten, NVIDIA/nccl#1950; docs/decisions.md, "The gradient mean")."""
+    counter.reduce_scatter_bytes += nbytes(full)
+    if dist.get_world_size(group) == 1:
+        output.copy_(full)
+        return None
     counter.reduce_scatter_calls += 1
-    return _reduce_scatter_single(output, full, op=dist.ReduceOp.AVG, group=group,
+    return _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group,
                                   async_op=True)
 
 
@@ -664,6 +166,6 @@ def gather_to(shard: torch.Tensor, to_rank: int, group: dist.ProcessGroup
 
 def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup, counter: CommCounter) -> None:
     """t <- sum over ranks of t, synchronously (used for small statistics)."""
-    counter.all_reduce_bytes += _nbytes(t)
+    counter.all_reduce_bytes += nbytes(t)
     counter.all_reduce_calls += 1
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)

@@ -12,11 +12,17 @@ The comparison runs on device *descriptions* (``RankDevice``: host, device name,
 exchanged as Python objects over a CPU channel, never on tensors on the device: exchanging them
 over NCCL would itself hit the duplicate GPU. So it can be driven on a CPU-only machine by
 passing a ``Platform`` that says what a GPU machine would.
+
+``init_process_group(device_id=)`` or ``shard(device=)`` without ``torch.cuda.set_device``
+leave the current device at cuda:0, where torch and the user's own code allocate: such a rank
+is told so in one line, before any collective. zerocore's own collectives of small values run
+on the device it is given (``comm_device``), never on the current device behind its back.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import socket
 from typing import Callable
@@ -24,13 +30,18 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-# What the messages tell a user to do about a shared GPU.
+from zerocore.comm.objects import all_gather_objects
+
+logger = logging.getLogger(__name__)
+
+# What the messages tell a user to do about a shared GPU: set_device, the one advice (device_id=
+# and device= do not change the current device, which torch and the user's code allocate on).
 ONE_GPU_PER_PROCESS = (
-    "give each process its own GPU before init_process_group: "
-    "torch.cuda.set_device(local_rank % torch.cuda.device_count()) with "
-    "local_rank = int(os.environ['LOCAL_RANK']) (torchrun and most launchers set LOCAL_RANK), "
-    "or pass init_process_group(..., device_id=torch.device('cuda', local_rank)) or "
-    "zerocore.shard(..., device=...)")
+    "give each process its own GPU before init_process_group with "
+    "torch.cuda.set_device(local_rank % torch.cuda.device_count()), "
+    "local_rank = int(os.environ['LOCAL_RANK']) (torchrun and most launchers set LOCAL_RANK); "
+    "init_process_group(device_id=...) and zerocore.shard(device=...) alone do not set the "
+    "current device")
 REBUILD = "pip install --no-build-isolation -e ."
 
 
@@ -46,22 +57,26 @@ class Platform:
     kernels_cuda: bool          # zerocore._C has CUDA kernels (zerocore.BUILD.has_cuda)
     device_uuid: str | None     # the chosen CUDA device's UUID (the physical GPU), if known
     usable_cores: int           # CPU cores this process may run on (its affinity mask)
+    # The current CUDA device's index (torch.cuda.set_device's) when a CUDA device was chosen;
+    # None otherwise (read only then: it initialises CUDA).
+    current_cuda_index: int | None = None
 
     @staticmethod
     def detect(device: torch.device, *, kernels_cuda: bool) -> "Platform":
         count = torch.cuda.device_count()  # NVML: does not initialise CUDA
-        uuid = None
+        uuid = current = None
         if device.type == "cuda" and device.index is not None and device.index < count:
             # The UUID names the physical GPU even when each process sees other devices under
             # the same index (a launcher that sets CUDA_VISIBLE_DEVICES per process).
             uuid = getattr(torch.cuda.get_device_properties(device.index), "uuid", None)
             uuid = None if uuid is None else str(uuid)
+            current = torch.cuda.current_device()
         try:
             cores = len(os.sched_getaffinity(0))
         except AttributeError:  # not Linux
             cores = os.cpu_count() or 1
         return Platform(socket.gethostname(), torch.version.cuda, count, kernels_cuda, uuid,
-                        cores)
+                        cores, current)
 
 
 # -- the default device ---------------------------------------------------------------------------
@@ -138,6 +153,20 @@ def device_problem(device: torch.device, platform: Platform) -> str | None:
     return None
 
 
+def current_device_mismatch(rank: int, device: torch.device, platform: Platform,
+                            bound: torch.device | None) -> str | None:
+    """The one line for a rank that computes on another CUDA device than its current one
+    (``device=``, or the group's ``device_id``, without ``torch.cuda.set_device``), or None."""
+    current = platform.current_cuda_index
+    if device.type != "cuda" or current is None or device.index in (None, current):
+        return None
+    source = ("the group's device_id" if bound is not None and torch.device(bound) == device
+              else "device=")
+    return (f"zerocore.shard: rank {rank} computes on {device} ({source}) but its current CUDA "
+            f"device is cuda:{current}, where torch and your own code allocate; call "
+            f"torch.cuda.set_device({device.index}) before init_process_group")
+
+
 # -- what the ranks agree on ----------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -165,8 +194,9 @@ class Placement:
     ranks_on_host: int
 
 
-def placement_problem(ranks: list[RankDevice]) -> str | None:
-    """The one message every rank raises, or None when each rank can compute on its own device."""
+def placement_problem(ranks: list[RankDevice], one_gpu_each: bool = True) -> str | None:
+    """The one message every rank raises, or None when each rank can compute on its device.
+    one_gpu_each: two ranks may not share a GPU (NCCL's rule; gloo over CUDA tensors has none)."""
     failed = [r for r in ranks if r.problem is not None]
     if failed:
         others = ("" if len(failed) == 1 else
@@ -178,7 +208,7 @@ def placement_problem(ranks: list[RankDevice]) -> str | None:
         return (f"the ranks compute on different kinds of device ({listing}); every rank must "
                 f"compute on the same kind")
     sharing: dict[tuple[str, ...], list[RankDevice]] = {}
-    for r in ranks:
+    for r in ranks if one_gpu_each else ():
         key = r.gpu_key()
         if key is not None:
             sharing.setdefault(key, []).append(r)
@@ -200,23 +230,30 @@ def uses_side_channel(backends: dict[str, str]) -> bool:
 
 
 def agree_on_devices(group: dist.ProcessGroup, device: torch.device, platform: Platform, *,
-                     side_channel: bool | None = None) -> Placement:
+                     side_channel: bool | None = None,
+                     one_gpu_each: bool | None = None) -> Placement:
     """Collective: every rank describes its device, the ranks exchange the descriptions over a
     CPU channel, and either every rank returns the same ``Placement`` or every rank raises the
     same ValueError (a rank that cannot use its device, ranks on different kinds of device, two
-    ranks on one GPU). Allocates nothing on the device.
+    ranks on one GPU where NCCL moves CUDA tensors). Allocates nothing on the device.
 
     The channel: the group itself when it has a CPU backend (gloo, "cpu:gloo,cuda:nccl");
-    otherwise (NCCL alone) a gloo group over the whole world, created for the exchange and
-    destroyed after, which needs the group to be the world, where every rank is in this call.
-    A NCCL-only group smaller than the world has no such channel (a gloo group of only its
-    ranks would be named after them, and a second one over the same ranks would meet the first
-    one's leftovers in the store): there each rank checks only its own device, and two ranks on
-    one GPU are left to NCCL to report.
+    otherwise (NCCL alone) a gloo group of the same ranks, created by them alone
+    (``use_local_synchronization``: a subgroup's ranks need not wait for the world's others)
+    for the exchange and destroyed after. So a rank of an NCCL subgroup that cannot use its
+    device is refused on every rank of the subgroup at once, not on its own while the others
+    wait for it in their first NCCL collective.
 
     side_channel: force the temporary gloo group (default: when the group has no CPU
-    backend); tests use it to run that path over gloo."""
+    backend); tests use it to run that path over gloo. one_gpu_each: refuse two ranks on one GPU
+    (default: when NCCL is the group's CUDA backend; gloo ranks may share one); tests set it to
+    check NCCL's placement over gloo."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    backends = backend_map(group)
+    mismatch = current_device_mismatch(rank, device, platform,
+                                       getattr(group, "bound_device_id", None))
+    if mismatch is not None:
+        logger.warning(mismatch)
     mine = RankDevice(rank, platform.host, str(device),
                       platform.device_uuid if device.type == "cuda" else None,
                       device_problem(device, platform))
@@ -225,35 +262,48 @@ def agree_on_devices(group: dist.ProcessGroup, device: torch.device, platform: P
             raise ValueError(f"zerocore.shard: rank 0: {mine.problem}")
         return Placement((mine,), 1)
     if side_channel is None:
-        side_channel = uses_side_channel(backend_map(group))
-    everyone: list[RankDevice | None] = [None] * world
+        side_channel = uses_side_channel(backends)
+    if one_gpu_each is None:  # (the side channel serves NCCL-only groups)
+        one_gpu_each = side_channel or backends.get("cuda") == "nccl"
+    cpu = torch.device("cpu")
     if not side_channel:
-        dist.all_gather_object(everyone, mine, group=group)
-    elif world == dist.get_world_size():
-        channel = dist.new_group(backend="gloo")
+        everyone = all_gather_objects(mine, group, cpu)
+    else:
+        # A gloo group of the same ranks, made by them alone (use_local_synchronization: the
+        # world's other ranks take no part), for this exchange only.
+        channel = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                                 use_local_synchronization=True)
         try:
-            dist.all_gather_object(everyone, mine, group=channel)
+            everyone = all_gather_objects(mine, channel, cpu)
         finally:
             dist.destroy_process_group(channel)
-    else:
-        if mine.problem is not None:
-            raise ValueError(f"zerocore.shard: rank {rank}: {mine.problem}")
-        # Without the others' descriptions: one rank per visible GPU, the usual placement.
-        return Placement((mine,), max(1, min(world, platform.cuda_device_count)))
     ranks = [r for r in everyone if r is not None]
-    problem = placement_problem(ranks)
+    problem = placement_problem(ranks, one_gpu_each)
     if problem is not None:
         raise ValueError(f"zerocore.shard: {problem}")
     return Placement(tuple(ranks), sum(r.host == platform.host for r in ranks))
 
 
-def comm_device(group: dist.ProcessGroup, preferred: torch.device) -> torch.device:
-    """A device whose tensors the group's collectives accept: ``preferred`` when the group has a
-    backend for its type, else CUDA (a NCCL-only group: the current device), else the CPU."""
-    backends = backend_map(group)
+def comm_device(group: dist.ProcessGroup, preferred: torch.device,
+                device: torch.device | None = None) -> torch.device:
+    """A device whose tensors the group's collectives accept (``choose_comm_device``)."""
+    return choose_comm_device(backend_map(group), preferred, device,
+                              getattr(group, "bound_device_id", None), torch.cuda.current_device)
+
+
+def choose_comm_device(backends: dict[str, str], preferred: torch.device,
+                       device: torch.device | None, bound: torch.device | None,
+                       current_cuda_index: Callable[[], int]) -> torch.device:
+    """``preferred`` when the group has a backend for its type (the CPU, for objects, on a group
+    with gloo); else, a NCCL-only group, the CUDA device the caller passes (``device``: the
+    model's), else the group's bound one (``device_id``), else the current one (the last
+    resort, for callers that know no device: ``torch.cuda.set_device``'s); else the CPU."""
     if preferred.type in backends:
         return preferred
     if "cuda" in backends:
-        bound = getattr(group, "bound_device_id", None)
-        return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
+        if device is not None and device.type == "cuda":
+            return device
+        if bound is not None:
+            return torch.device(bound)
+        return torch.device("cuda", current_cuda_index())
     return torch.device("cpu")

@@ -1,16 +1,18 @@
 """How one flat group's all-gathers and gradient reductions travel between the ranks: the
-strategies behind ``FlatGroup``, chosen once per group from ``zerocore.Comm`` and the backend.
+strategies behind ``FlatGroup``, chosen once per sharding (``choose``: the ``Ways``) from
+``zerocore.Comm`` and the compute device, each group building its own from them.
 
 Gathers (each writes every rank's shard into the group's gathered buffer):
 - ``"collective"``: the backend's all-gather (NCCL; on gloo ``all_gather_by_broadcast``, which
   copies less than gloo's own all-gather);
 - ``"read"``: gloo ranks of one host read each other's shard out of their gathered buffers
-  (``collectives.PeerMemory``: one kernel copy instead of TCP over loopback); a buffer may be
+  (``peer_memory.PeerMemory``: one kernel copy instead of TCP over loopback); a buffer may be
   freed only once the other ranks are done reading it.
 
-Reductions (each leaves this rank's slice of the mean of every rank's packed gradient):
-- ``"collective"``: NCCL's reduce-scatter with AVG; on gloo an all-reduce summed in place (its
-  ring's order of summation), then this rank's slice divided by the world size (gloo's AVG);
+Reductions (each leaves this rank's slice of the mean of every rank's packed gradient, computed
+as ``mean_factors`` says on every backend: divide by ``pre``, SUM, divide by ``post``):
+- ``"collective"``: NCCL's reduce-scatter with SUM; on gloo an all-reduce summed in place (its
+  ring's order of summation); one rank: no collective;
 - ``"exchange"`` (two gloo ranks): each sends the half the other owns and adds what it
   receives: half the traffic of the all-reduce, the same bits (x + y == y + x);
 - ``"read"`` (two gloo ranks of one host): each reads the other's contribution to its half.
@@ -26,7 +28,9 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from zerocore.comm import collectives
+from zerocore.comm import collectives, peer_memory
+from zerocore.comm.fake import is_fake
+from zerocore.comm.peer_memory import PeerMemory
 from zerocore.policies import Comm
 
 
@@ -38,8 +42,21 @@ class Route:
     process_group: dist.ProcessGroup
     counter: collectives.CommCounter
     gloo: bool  # gloo on the CPU (else the backend's collectives on the device)
-    peers: collectives.PeerMemory | None
+    peers: peer_memory.PeerMemory | None
     world_size: int
+    # This rank in the group and every group rank's global rank (what the broadcasts name),
+    # asked of the group once rather than at every gather.
+    rank: int = 0
+    global_ranks: tuple[int, ...] = (0,)
+
+    @staticmethod
+    def of(group: dist.ProcessGroup, counter: collectives.CommCounter, gloo: bool,
+           peers: peer_memory.PeerMemory | None) -> "Route":
+        world = group.size()
+        # A planned world's group is not registered with torch.distributed (comm/fake.py).
+        ranks = (tuple(range(world)) if is_fake(group)
+                 else tuple(dist.get_process_group_ranks(group)))
+        return Route(group, counter, gloo, peers, world, group.rank(), ranks)
 
 
 class Gather:
@@ -54,8 +71,8 @@ class Gather:
     def start(self, out: torch.Tensor, source: torch.Tensor) -> None:
         r = self.route
         if r.gloo:
-            self._handles = collectives.all_gather_by_broadcast(out, source, r.process_group,
-                                                                r.counter)
+            self._handles = collectives.all_gather_by_broadcast(
+                out, source, r.process_group, r.counter, r.rank, r.global_ranks)
         else:
             self._handles = [collectives.all_gather(out, source, r.process_group, r.counter)]
 
@@ -81,28 +98,62 @@ class GatherByReading(Gather):
     def start(self, out: torch.Tensor, source: torch.Tensor) -> None:
         r = self.route
         self._seq += 1
-        collectives.start_gather_by_reading(out, source, r.peers, self._channel, self._seq,
+        peer_memory.start_gather_by_reading(out, source, r.peers, self._channel, self._seq,
                                             r.process_group, r.counter)
 
     def wait(self, out: torch.Tensor) -> None:
         r = self.route
-        collectives.finish_gather_by_reading(out, r.peers, self._channel, self._seq,
+        peer_memory.finish_gather_by_reading(out, r.peers, self._channel, self._seq,
                                              r.process_group)
         self._being_read = self._seq
 
     def before_free(self) -> None:
         if self._being_read is not None:
             t0 = collectives.now()
-            collectives.wait_gather_read(self.route.peers, self._channel, self._being_read)
+            peer_memory.wait_gather_read(self.route.peers, self._channel, self._being_read)
             self.route.counter.gather_wait_s += collectives.now() - t0
             self._being_read = None
 
 
-class Reduction:
-    """A reduction in flight: ``finish`` returns this rank's averaged gradient slice."""
+@dataclasses.dataclass(frozen=True)
+class MeanFactors:
+    """How the mean of the ranks' gradients is computed: each rank divides its packed gradients
+    by ``pre`` (a power of two, so exactly, unless a value underflows), the ranks SUM them, and
+    each divides its slice of the sum by ``post``, in fp32 (torch's arithmetic for 16-bit
+    tensors), rounded once to the reduce dtype. pre * post == the world size."""
 
-    def __init__(self, finish: Callable[[], torch.Tensor]):
+    pre: int
+    post: float
+
+
+def mean_factors(dtype: torch.dtype, world_size: int) -> MeanFactors:
+    """The factors of the gradient mean over ``world_size`` ranks in ``dtype``: the same on every
+    backend, so a CPU run and a GPU run of one job differ only by rounding (docs/decisions.md,
+    "The gradient mean"). fp32 and bf16 (fp32's range): sum, then one division by the world
+    size. fp16 (largest value 65504): the division is split, about √N before the sum (the
+    smallest power of two whose square is at least N) and the rest after, so that neither does
+    the sum overflow as soon, nor do the inputs lose their small end to a division by N."""
+    pre = 1
+    if dtype == torch.float16:
+        while pre * pre < world_size:
+            pre *= 2
+    return MeanFactors(pre, world_size / pre)
+
+
+def _divided(t: torch.Tensor, factor: float) -> torch.Tensor:
+    """t /= factor in place (nothing to do for 1); by a Python scalar, which torch divides by in
+    fp32 for 16-bit tensors, rounding once."""
+    return t if factor == 1 else t.div_(factor)
+
+
+class Reduction:
+    """A reduction in flight: ``finish`` returns this rank's averaged gradient slice. ``held``:
+    the buffer the way holds beside the packed one until then (``Reduce.in_flight_nbytes``:
+    NCCL's output, the exchange's received half), for a plan's count; None if none."""
+
+    def __init__(self, finish: Callable[[], torch.Tensor], held: torch.Tensor | None = None):
         self._finish = finish
+        self.held = held
 
     def finish(self) -> torch.Tensor:
         return self._finish()
@@ -118,9 +169,9 @@ class Reduce:
     def __init__(self, route: Route):
         self.route = route
 
-    # What the way holds beside the packed buffer, for ``zerocore.plan`` (which has no group to
-    # build one on, so these read only sizes). ``shard_nbytes``: one rank's slice of the packed
-    # buffer, in the reduction's dtype.
+    # What the way holds beside the packed buffer, from sizes alone: what a plan's rehearsed
+    # reduction allocates (``PlannedReduce``) and keeps. ``shard_nbytes``: one rank's slice of
+    # the packed buffer, in the reduction's dtype.
     @staticmethod
     def in_flight_nbytes(shard_nbytes: int, gloo: bool) -> int:
         """Bytes a reduction in flight holds until it is finished: NCCL's reduce-scatter writes
@@ -141,13 +192,14 @@ class Reduce:
 
     def start(self, packed: torch.Tensor, lo: int, hi: int) -> Reduction:
         r = self.route
+        factors = mean_factors(packed.dtype, r.world_size)
+        _divided(packed, factors.pre)
         if not r.gloo:
             out = torch.empty(hi - lo, dtype=packed.dtype, device=packed.device)
-            handle = collectives.reduce_scatter_avg(out, packed, r.process_group, r.counter)
-            return Reduction(lambda: _waited(handle, out))
+            handle = collectives.reduce_scatter_sum(out, packed, r.process_group, r.counter)
+            return Reduction(lambda: _divided(_waited(handle, out), factors.post), held=out)
         handle = collectives.all_reduce_sum_in_place(packed, r.process_group, r.counter)
-        return Reduction(lambda: _mean_of_sum(_waited(handle, packed), lo, hi, None,
-                                              r.world_size))
+        return Reduction(lambda: _mean_of_sum(_waited(handle, packed), lo, hi, None, factors))
 
 
 class ReduceByExchange(Reduce):
@@ -160,6 +212,8 @@ class ReduceByExchange(Reduce):
 
     def start(self, packed: torch.Tensor, lo: int, hi: int) -> Reduction:
         r = self.route
+        factors = mean_factors(packed.dtype, r.world_size)
+        _divided(packed, factors.pre)
         received = torch.empty(hi - lo, dtype=packed.dtype, device=packed.device)
         handles = collectives.reduce_scatter_by_exchange(packed, received, r.process_group,
                                                          r.counter)
@@ -168,8 +222,8 @@ class ReduceByExchange(Reduce):
             for handle in handles:
                 if handle is not None:
                     handle.wait()
-            return _mean_of_sum(packed, lo, hi, received, r.world_size)
-        return Reduction(finish)
+            return _mean_of_sum(packed, lo, hi, received, factors)
+        return Reduction(finish, held=received)
 
 
 class ReduceByReading(Reduce):
@@ -199,13 +253,15 @@ class ReduceByReading(Reduce):
         r = self.route
         self._seq += 1
         seq = self._seq
-        collectives.start_reduce_by_reading(packed, r.peers, self._channel, seq,
+        factors = mean_factors(packed.dtype, r.world_size)
+        _divided(packed, factors.pre)  # before the other rank is told it may read
+        peer_memory.start_reduce_by_reading(packed, r.peers, self._channel, seq,
                                             r.process_group, r.counter)
 
         def finish() -> torch.Tensor:
-            received = collectives.finish_reduce_by_reading(
+            received = peer_memory.finish_reduce_by_reading(
                 r.peers, self._channel, seq, hi - lo, packed.dtype, r.process_group)
-            return _mean_of_sum(packed, lo, hi, received, r.world_size)
+            return _mean_of_sum(packed, lo, hi, received, factors)
         return Reduction(finish)
 
 
@@ -216,13 +272,13 @@ def _waited(handle: dist.Work | None, result: torch.Tensor) -> torch.Tensor:
 
 
 def _mean_of_sum(packed: torch.Tensor, lo: int, hi: int, received: torch.Tensor | None,
-                 world_size: int) -> torch.Tensor:
+                 factors: MeanFactors) -> torch.Tensor:
     """This rank's slice of ``packed`` (plus the peer's contribution ``received``, if any),
-    divided by the world size: sum, then divide, as gloo's AVG does, so the same mean bitwise."""
+    divided by ``factors.post``: the mean, as the collective way computes it."""
     mine = packed[lo:hi]
     if received is not None:
         mine.add_(received)  # x + y == y + x: the all-reduce's sum, bitwise
-    return mine.div_(world_size)
+    return _divided(mine, factors.post)
 
 
 GATHERS: dict[str, type[Gather]] = {"collective": Gather, "read": GatherByReading}
@@ -255,13 +311,104 @@ def resolve(comm: Comm, *, gloo: bool, world_size: int, can_read: bool) -> tuple
     return gather, reduce
 
 
-def choose(route: Route, comm: Comm) -> tuple[Gather, Reduce]:
-    """The group's gather and reduce strategies (``resolve``; whether ranks may read each
-    other's memory is probed, a collective: the same answer on every rank)."""
-    can_read = route.gloo and route.peers is not None and route.peers.probe(route.process_group)
-    gather, reduce = resolve(comm, gloo=route.gloo, world_size=route.world_size,
-                             can_read=can_read)
-    return GATHERS[gather](route), REDUCES[reduce](route)
+@dataclasses.dataclass(frozen=True)
+class Ways:
+    """How every flat group of one sharded model gathers and reduces: chosen once per sharding
+    (``choose``, a step every rank takes together), then each group builds its own strategies
+    from it (``strategies``)."""
+
+    gather: str     # a name of GATHERS
+    reduce: str     # a name of REDUCES
+    gloo: bool      # gloo's collectives on the CPU (else the device backend's: NCCL)
+    why: str        # why these, for the start-up line
+    # A plan's step (``zerocore.plan``, over comm/fake.py's group): nothing moves, and each
+    # way holds beside the packed buffer what it says it holds (``Reduce.in_flight_nbytes``).
+    planned: bool = False
+
+    def line(self) -> str:
+        return f"gather: {self.gather}; reduce: {self.reduce} ({self.why})"
+
+
+def choose(group: dist.ProcessGroup, device: torch.device, comm: Comm,
+           peers: PeerMemory | None) -> Ways:
+    """Collective (every rank of ``group``, at the same point): the ways ``comm`` asks for on
+    ``device``. Whether gloo ranks may read each other's memory is probed here, once, by all of
+    them; every rank learns the same facts, so every rank chooses alike."""
+    gloo = device.type == "cpu"
+    world_size = group.size()
+    can_read = gloo and peers is not None and peers.probe(group)
+    gather, reduce = resolve(comm, gloo=gloo, world_size=world_size, can_read=can_read)
+    if world_size == 1:
+        why = "one rank: nothing to exchange"
+    elif not gloo:
+        why = f"the {device.type} backend's collectives"
+    elif can_read:
+        why = "gloo ranks of one host, reading each other's memory"
+    elif peers is None:
+        why = "gloo's collectives: reading each other's memory is off (Comm(peer_read='off'))"
+    else:
+        because = peers.unavailable_because or "the ranks may not read each other's memory"
+        why = f"gloo's collectives: {because}"
+    if (comm.gather, comm.reduce) != ("auto", "auto"):
+        why += f"; asked for gather={comm.gather!r}, reduce={comm.reduce!r}"
+    return Ways(gather, reduce, gloo, why)
+
+
+def planned(comm: Comm, *, device_kind: str, world_size: int) -> Ways:
+    """The ways a real run on ``device_kind`` would choose for ``comm`` (on the CPU: ranks of
+    one Linux host that may read each other's memory, unless reading is off), as a plan runs
+    them: moving nothing, holding what they hold."""
+    gloo = device_kind == "cpu"
+    gather, reduce = resolve(comm, gloo=gloo, world_size=world_size,
+                             can_read=gloo and world_size > 1 and comm.peer_read == "auto")
+    return Ways(gather, reduce, gloo, "planned", planned=True)
+
+
+def strategies(ways: Ways, route: Route) -> tuple[Gather, Reduce]:
+    """One group's gather and reduce strategies, of the ways chosen for its sharding."""
+    if ways.planned:
+        return PlannedGather(route, ways.gather), PlannedReduce(route, REDUCES[ways.reduce])
+    return GATHERS[ways.gather](route), REDUCES[ways.reduce](route)
+
+
+class PlannedGather(Gather):
+    """A gather of a plan's step: the collective over the fake group, which writes nothing
+    (every gather way holds no memory but the gathered buffer)."""
+
+    def __init__(self, route: Route, name: str):
+        super().__init__(route)
+        self.name = name
+
+    def start(self, out: torch.Tensor, source: torch.Tensor) -> None:
+        r = self.route
+        self._handles = [collectives.all_gather(out, source, r.process_group, r.counter)]
+
+
+class PlannedReduce(Reduce):
+    """A reduction of a plan's step: what ``way`` holds while it is in flight is allocated (a
+    fake tensor), and its result is what the way's is (this rank's slice of the packed buffer
+    on gloo, a tensor of its own on the device backend); no value is computed."""
+
+    def __init__(self, route: Route, way: type[Reduce]):
+        super().__init__(route)
+        self.way = way
+        self.name = way.name
+
+    def start(self, packed: torch.Tensor, lo: int, hi: int) -> Reduction:
+        r = self.route
+        mine = packed[lo:hi]
+        held = self.way.in_flight_nbytes(mine.numel() * mine.element_size(), r.gloo)
+        side = torch.empty(held, dtype=torch.uint8, device=packed.device)
+        handle = collectives.all_reduce_sum_in_place(packed, r.process_group, r.counter)
+
+        def finish() -> torch.Tensor:
+            _waited(handle, packed)
+            # ``side`` lives until the reduction is delivered (the closure holds it), as the
+            # exchange's received half does; on the device backend it is the result.
+            if self.owned:
+                return side.view(packed.dtype)
+            return _divided(mine, r.world_size)
+        return Reduction(finish, held=side)
 
 
 def ways(layers: Iterable[Any]) -> str:

@@ -27,12 +27,15 @@ import enum
 import torch
 import torch.distributed as dist
 
-from zerocore.comm import collectives, transport
+from zerocore.comm import collectives, peer_memory, transport
 from zerocore.kernels import ops
 from zerocore.engine.flat_layout import FlatLayout
-from zerocore.engine.offload import OffloadedShard, OffloadStreams
+from zerocore.engine.host_arena import HostArena
+from zerocore.engine.offload import OffloadStreams
+from zerocore.engine.rehearsal import StorageWatch
 from zerocore.policies import Comm
-from zerocore.engine.sharded_param import ShardParameter
+from zerocore.engine.sharded_param import (gather_source, is_offloaded, is_shard, new_shard,
+                                           refresh_model_copy, set_layout)
 
 
 class GroupState(enum.Enum):
@@ -71,14 +74,26 @@ class GroupContext:
     # Frozen groups stored and gathered as int8 with an fp32 scale per block of this many
     # elements (FrozenWeights(dtype="int8")); None: in param_dtype.
     int8_block: int | None = None
-    # Reading each other's memory (gloo ranks on one host; whether they can is probed by the
-    # first group built with this context, a collective at the same point on every rank), with
-    # the waits bounded by zerocore.Comm's timeout; None: not tried (Comm(peer_read="off")).
-    peers: collectives.PeerMemory | None = None
+    # Reading each other's memory (gloo ranks on one host, probed when the ways were chosen:
+    # ``transport.choose``), with the waits bounded by zerocore.Comm's timeout; None: not
+    # tried (Comm(peer_read="off")) or not possible.
+    peers: peer_memory.PeerMemory | None = None
     comm: Comm = Comm()  # how gathers and reductions travel (zerocore/comm/transport.py)
     # CPU threads the optimizer steps offloaded shards with (a GPU rank's share of its host);
     # None: torch's own count (zerocore.optim).
     host_threads: int | None = None
+    # The ways every group gathers and reduces, chosen once for the sharding
+    # (``transport.choose``).
+    ways: transport.Ways | None = None
+    # The kind of device whose decisions the step takes ("cuda": CUDA's caching allocator
+    # reuses freed memory, so no spare buffers are kept): ``device.type``, except in a plan
+    # for CUDA, which runs on fake CPU tensors (engine/rehearsal.py).
+    device_kind: str = "cpu"
+    # Told of every resize of a gathered storage (a plan's memory count); None when training.
+    watch: StorageWatch | None = None
+    # Where offloaded shards live on the host (engine/host_arena.py); None without offload
+    # (and in a plan's rehearsal, whose shards are fake).
+    arena: HostArena | None = None
 
 
 class FlatGroup:
@@ -94,20 +109,22 @@ class FlatGroup:
         self.int8_block: int | None = None
         if trainable:
             master_device = torch.device("cpu") if ctx.offload else dev
-            pin = ctx.offload and dev.type == "cuda"
-            master = torch.empty(layout.shard_numel, dtype=torch.float32, device=master_device,
-                                 pin_memory=pin)
+
+            def new(dtype: torch.dtype) -> torch.Tensor:
+                # Offloaded state comes from the sharding's host arena (pinned once built).
+                if ctx.arena is not None:
+                    return ctx.arena.take(layout.shard_numel, dtype)
+                return torch.empty(layout.shard_numel, dtype=dtype, device=master_device)
+            master = new(torch.float32)
             master.copy_(full[lo:hi])
             copy = None
             if dt != torch.float32:
-                copy = torch.empty(layout.shard_numel, dtype=dt, device=master_device,
-                                   pin_memory=pin)
+                copy = new(dt)
                 copy.copy_(master)
-            kind = OffloadedShard if ctx.offload else ShardParameter
-            self.shard: torch.nn.Parameter = kind(master, copy)
+            self.shard: torch.nn.Parameter = new_shard(master, copy, offloaded=ctx.offload)
             if ctx.offload:
                 self.shard.host_threads = ctx.host_threads
-            self.shard.set_layout([(sl.name, sl.offset, sl.numel) for sl in layout.slots], lo)
+            set_layout(self.shard, [(sl.name, sl.offset, sl.numel) for sl in layout.slots], lo)
             # With offload the gather input is a device mirror of the CPU copy.
             self._mirror = (torch.empty(layout.shard_numel, dtype=dt, device=dev)
                             if ctx.offload else None)
@@ -135,6 +152,8 @@ class FlatGroup:
                                                                   (layout.padded_numel,))
         storage.resize_(0)
         self._storage = storage
+        self._watch = ctx.watch
+        self._resized(storage)
         if not trainable and self.int8_block is not None:
             # int8: every rank's ``q | scales`` arrive in a byte buffer of their own, which is
             # dequantized into the gathered buffer; it lives while the group is gathered (other
@@ -145,14 +164,12 @@ class FlatGroup:
                 q8, 0, (self._comm_numel,))
             q8.resize_(0)
             self._q8_storage = q8
+            self._resized(q8)
         self.state = GroupState.SHARDED
-        # How this group's gathers and reductions travel (zerocore/comm/transport.py), chosen once
-        # from zerocore.Comm and the backend: on gloo the engine uses collectives that copy less
-        # than gloo's own all-gather and reduce-scatter, or reads the other ranks' memory.
-        gloo = dist.get_backend(ctx.process_group) == "gloo" and ctx.device.type == "cpu"
-        route = transport.Route(ctx.process_group, ctx.counter, gloo, ctx.peers,
-                                layout.world_size)
-        self.gather, self.reduce = transport.choose(route, ctx.comm)
+        # How this group's gathers and reductions travel (zerocore/comm/transport.py): the ways
+        # chosen once for its sharding, strategies of its own (each keeps its own sequence).
+        route = transport.Route.of(ctx.process_group, ctx.counter, ctx.ways.gloo, ctx.peers)
+        self.gather, self.reduce = transport.strategies(ctx.ways, route)
         # A frozen group chosen by Prefetch.keep_gathered: once gathered it stays so (``free``
         # leaves it) until ``free(release=True)``; its values never change.
         self.resident = False
@@ -161,11 +178,11 @@ class FlatGroup:
 
     def _gather_input(self) -> torch.Tensor:
         shard = self.shard
-        if not isinstance(shard, ShardParameter):
+        if not is_shard(shard):
             return shard.data
         if self._mirror is None:
-            shard.refresh_model_copy()
-            return shard.gather_source()
+            refresh_model_copy(shard)
+            return gather_source(shard)
         self.upload()
         return self._mirror
 
@@ -177,18 +194,18 @@ class FlatGroup:
         write of the source wait for; on the CPU it is a plain copy. Called for every offloaded
         layer at the start of forward, so the uploads overlap the first layers' work."""
         shard = self.shard
-        assert self._mirror is not None and isinstance(shard, OffloadedShard)
-        shard.refresh_model_copy()  # waits for the last upload first if it writes the copy
+        assert self._mirror is not None and is_offloaded(shard)
+        refresh_model_copy(shard)  # waits for the last upload first if it writes the copy
         if self._mirror_generation == shard.copy_generation:
             return
         streams = self.ctx.streams
         if streams is None:
-            self._mirror.copy_(shard.gather_source())
+            self._mirror.copy_(gather_source(shard))
         else:
             if self._mirror_read is not None:
                 streams.upload.wait_event(self._mirror_read)
             with torch.cuda.stream(streams.upload):
-                self._mirror.copy_(shard.gather_source(), non_blocking=True)
+                self._mirror.copy_(gather_source(shard), non_blocking=True)
                 shard.upload_done = streams.upload.record_event()
         self._mirror_generation = shard.copy_generation
 
@@ -197,8 +214,10 @@ class FlatGroup:
             return
         t0 = collectives.now()
         self._storage.resize_(self._storage_nbytes)  # allocated for the compute stream
+        self._resized(self._storage)
         if self.int8_block is not None:
             self._q8_storage.resize_(self._comm_numel)
+            self._resized(self._q8_storage)
         source = self._gather_input()
         streams = self.ctx.streams
         if self._mirror is not None and streams is not None:
@@ -237,10 +256,16 @@ class FlatGroup:
         self.gather.before_free()  # the other ranks may still be reading this buffer
         if self.int8_block is not None:
             self._q8_storage.resize_(0)  # the int8 bytes: dequantized already
+            self._resized(self._q8_storage)
         if self.resident and not release:
             return
         self._storage.resize_(0)
+        self._resized(self._storage)
         self.state = GroupState.SHARDED
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        if self._watch is not None:
+            self._watch.resized(storage)
 
     def gather_full(self, to_rank: int | None = None) -> dict[str, torch.Tensor]:
         """Collective: the group's unsharded parameters by name, in the shard's dtype (fp32

@@ -1,6 +1,7 @@
 """CPU offload's traffic between the device and the host (``Offload(optimizer=True)``): the side
-streams, gradient shards on their way to the CPU masters, the master shard that knows when the
-device has finished reading it, and the CPU thread count of GPU ranks.
+streams, gradient shards on their way to the CPU masters, and the CPU thread count of GPU
+ranks. (An offloaded master shard knows when the device has finished reading it:
+``sharded_param.wait_for_device``.)
 
 The stream design (what overlaps with what, what waits for what) is written down in
 docs/decisions.md, "CPU offload: the stream design". In short, on CUDA:
@@ -20,7 +21,9 @@ bitwise the values of the synchronous offload it replaced.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import weakref
 
 import torch
 
@@ -39,39 +42,6 @@ class OffloadStreams:
         # Issues offloaded groups' all-gathers after their upload; high priority, as the
         # compute stream will wait for what it issues.
         self.gather = torch.cuda.Stream(device, priority=-1)
-
-
-class OffloadedShard(ShardParameter):
-    """A trainable shard whose fp32 master (and model copy) live in CPU memory, pinned on GPU
-    machines, and whose gather source is uploaded to the device asynchronously.
-
-    Host writers of the master or of the model copy (``zerocore.optim``, the engine's refresh of
-    the copy) call ``wait_for_device()`` first: the device may still be reading them."""
-
-    # Recorded on the upload stream after the last copy of the gather source to the device;
-    # None when there is none in flight (or on the CPU).
-    upload_done: torch.cuda.Event | None
-    # CPU threads the optimizer steps this shard with; None: torch's own count.
-    host_threads: int | None
-
-    def __new__(cls, data: torch.Tensor, model_copy: torch.Tensor | None = None,
-                requires_grad: bool = True) -> "OffloadedShard":
-        p = super().__new__(cls, data, model_copy, requires_grad)
-        p.upload_done = None
-        p.host_threads = None
-        return p
-
-    def wait_for_device(self) -> None:
-        """Blocks the host until the last upload of the gather source has been read (that copy
-        only; nothing else on the device)."""
-        if self.upload_done is not None:
-            self.upload_done.synchronize()
-            self.upload_done = None
-
-    def refresh_model_copy(self) -> None:
-        if self._version != self._synced_version:  # the copy is about to be written
-            self.wait_for_device()
-        super().refresh_model_copy()
 
 
 def accumulate_grad(shard: ShardParameter, grad: torch.Tensor, owned: bool) -> None:
@@ -100,10 +70,6 @@ class GradToHost:
                                        # None: already there
     owned: bool                        # values is its own buffer (see accumulate_grad)
 
-    def ready(self) -> bool:
-        """True once ``values`` holds the gradient (asks the device; never blocks)."""
-        return self.copied is None or self.copied.query()
-
     def deliver(self) -> None:
         """Waits for this copy alone, then accumulates into ``shard.grad`` (fp32, host)."""
         if self.copied is not None:
@@ -111,8 +77,40 @@ class GradToHost:
         accumulate_grad(self.shard, self.values, self.owned)
 
 
+class HostAdder:
+    """The host's side of offloaded gradients: one worker thread per sharding that adds each
+    gradient shard into its master's ``.grad`` once its copy to the host is complete, in the
+    order they arrive, while the autograd thread goes on with backward (on a GPU: launching the
+    next layers' kernels instead of waiting for a host addition of millions of elements). The
+    same additions in the same order as on the autograd thread: bitwise the same gradients.
+    ``wait`` at the end of backward: gradients are complete when backward returns."""
+
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="zerocore-host-add")
+        # The thread goes with the sharding (idle, it holds nothing).
+        weakref.finalize(self, self._pool.shutdown, wait=False)
+        self._pending: list[concurrent.futures.Future] = []
+
+    def add(self, gradient: "GradToHost") -> concurrent.futures.Future:
+        """Adds ``gradient`` on the worker; the future is done when it is added."""
+        added = self._pool.submit(gradient.deliver)
+        self._pending.append(added)
+        return added
+
+    def in_flight(self) -> int:
+        return sum(not f.done() for f in self._pending)
+
+    def wait(self) -> None:
+        """Until every addition is done; the first failure, if any, raised here."""
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()
+
+
 def start_grad_to_host(grad: torch.Tensor, shard: ShardParameter, owned: bool,
-                       streams: OffloadStreams | None) -> GradToHost:
+                       streams: OffloadStreams | None,
+                       staging: torch.Tensor | None = None) -> GradToHost:
     """Starts moving a reduced gradient shard (1D, reduce dtype, on the compute device) towards
     ``shard`` in CPU memory. On the CPU (no streams) there is nothing to move. On CUDA it is
     copied into a pinned buffer on the download stream, once the compute stream's work so far
@@ -121,17 +119,23 @@ def start_grad_to_host(grad: torch.Tensor, shard: ShardParameter, owned: bool,
     if streams is None:
         assert grad.device.type == "cpu", "an offloaded gradient on CUDA without offload streams"
         return GradToHost(shard, grad, None, owned)
-    # Pinned, from torch's caching host allocator: freed buffers are reused only once the
-    # copies that touched them are complete. (Not pinned only in tests that run this path with
-    # stand-in streams on a CPU.)
-    values = torch.empty(grad.numel(), dtype=grad.dtype, pin_memory=grad.device.type == "cuda")
+    # A staging buffer of the sharding's host arena (pinned; free again once the host added
+    # its last gradient), else pinned from torch's caching host allocator, whose freed buffers
+    # are reused only once the copies that touched them are complete. (Not pinned only in
+    # tests that run this path with stand-in streams on a CPU.)
+    if staging is not None:
+        values = staging[:grad.numel()]
+    else:
+        values = torch.empty(grad.numel(), dtype=grad.dtype,
+                             pin_memory=grad.device.type == "cuda")
     streams.download.wait_stream(torch.cuda.current_stream(grad.device))
     with torch.cuda.stream(streams.download):
         values.copy_(grad, non_blocking=True)
         copied = streams.download.record_event()
     # The device buffer belongs to the compute stream's pool: not to be reused before the copy.
     grad.record_stream(streams.download)
-    return GradToHost(shard, values, copied, owned=True)
+    # A staging buffer is used again: what is kept of it is a copy (accumulate_grad).
+    return GradToHost(shard, values, copied, owned=staging is None)
 
 
 def cpu_threads(requested: int | None, *, usable_cores: int, ranks_on_host: int,

@@ -1,58 +1,30 @@
-"""What a recomputed forward must reproduce of the first one (``zerocore.Recompute``): the
-random-number generators' states and the autocast settings in force when the layer first ran.
+"""Recomputation (``zerocore.Recompute``), one mechanism for both front doors: a chosen layer's
+(unit's) forward runs under torch's non-reentrant activation checkpointing, inside the hooks that
+gather it, so its forward keeps only its inputs and backward runs it again once the runtime has
+gathered the layer anew for its backward.
 
-Dropout and any other random op draw from the CPU generator (CPU tensors) or the device's
-generator (CUDA tensors). Capturing both before the first forward and installing them around
-the recomputation makes it draw the same numbers; the states in force before the recomputation
-are put back afterwards, so the rest of the program's random stream is the one it would have
-been without recomputation. torch.utils.checkpoint does the same (``preserve_rng_state``).
+Why torch's checkpoint and not a mechanism of our own. The non-reentrant checkpoint takes any
+arguments and outputs, restores the random-number state of the first run (so dropout draws the
+same masks) and its autocast settings, and checks that the second run saves the same tensors as
+the first; gradients are then bitwise those without recomputation. The weights a recomputed
+forward reads are the module's attributes, which the runtime's views still hold (views of the
+gathered storage, filled again by backward's gather), so the recomputation needs nothing of the
+engine but that gather.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-from typing import Iterator
+from typing import Any, Callable
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 
-@dataclasses.dataclass(frozen=True)
-class ForwardState:
-    """The generator states and autocast settings of one forward, to run it again alike."""
-
-    cpu_rng: torch.Tensor                 # torch.get_rng_state(): uint8, ~5 KB
-    cuda_device: torch.device | None      # the layer's CUDA device, if it computes on one
-    cuda_rng: torch.Tensor | None         # that device's generator state
-    # (device type, enabled, dtype) of autocast for the CPU and the compute device
-    autocast: tuple[tuple[str, bool, torch.dtype], ...]
-
-    @staticmethod
-    def capture(device: torch.device) -> "ForwardState":
-        cuda = device if device.type == "cuda" else None
-        kinds = ("cpu",) if cuda is None else ("cpu", "cuda")
-        return ForwardState(
-            cpu_rng=torch.get_rng_state(), cuda_device=cuda,
-            cuda_rng=torch.cuda.get_rng_state(cuda) if cuda is not None else None,
-            autocast=tuple((k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k))
-                           for k in kinds))
-
-    @contextlib.contextmanager
-    def reinstated(self) -> Iterator[None]:
-        """Runs the body with this forward's generator states and autocast settings, then puts
-        the generators back as they were."""
-        cpu_now = torch.get_rng_state()
-        cuda_now = (torch.cuda.get_rng_state(self.cuda_device)
-                    if self.cuda_device is not None else None)
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_device is not None:
-            torch.cuda.set_rng_state(self.cuda_rng, self.cuda_device)
-        try:
-            with contextlib.ExitStack() as stack:
-                for kind, enabled, dtype in self.autocast:
-                    stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
-                yield
-        finally:
-            torch.set_rng_state(cpu_now)
-            if self.cuda_device is not None:
-                torch.cuda.set_rng_state(cuda_now, self.cuda_device)
+def recomputing(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` keeping only its inputs when it builds a graph, run again in backward; as it
+    is when no graph is built (``torch.no_grad``: nothing would be kept anyway)."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return run

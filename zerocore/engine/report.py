@@ -26,6 +26,10 @@ class MemoryReport:
     predicted_bytes: int         # (p + p + K)·Ψ_t/N + p·Ψ_f/N, the ZeRO-3 formula
     device_allocated: int | None = None  # torch.cuda.memory_allocated on GPU
     device_peak: int | None = None       # torch.cuda.max_memory_allocated on GPU
+    # Offload: the host arena's bytes (masters, model copies, gradient staging), and how many
+    # of them are pinned (all, on a GPU machine, once the layers are built; none on the CPU).
+    host_arena_bytes: int = 0
+    pinned_bytes: int = 0
 
     @property
     def model_state_bytes(self) -> int:
@@ -41,6 +45,9 @@ class MemoryReport:
                 ("model state (sum)", self.model_state_bytes),
                 ("predicted (2+2+K)Ψ/N", self.predicted_bytes),
                 ("gather buffers now", self.gather_bytes)]
+        if self.host_arena_bytes:
+            rows += [("host arena (offload)", self.host_arena_bytes),
+                     ("pinned host memory", self.pinned_bytes)]
         if self.device_allocated is not None:
             rows += [("device allocated", self.device_allocated),
                      ("device peak", self.device_peak or 0)]

@@ -2,10 +2,9 @@
 held gathered from step to step and recomputed, decided once per sharded model from its policies
 and its layers' sizes, and what one step therefore moves.
 
-Three readers run the same decisions: ``ShardedSequential`` (an autograd Function per layer),
-``ShardedModel`` (hooks on the model's modules) and ``zerocore.plan`` (the step on fake tensors).
-Each walks the layers its own way (a loop; hooks in whatever order the model calls its units; a
-simulation), but none decides for itself what is kept, prefetched or recomputed.
+The runtime (runtime.py), under both front doors, asks it what to keep, prefetch and recompute;
+``zerocore.plan`` runs that same runtime on fake tensors. The order of the layers is the model's
+(hooks in whatever order it calls its units); what is done with each is the schedule's.
 """
 
 from __future__ import annotations

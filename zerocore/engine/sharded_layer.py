@@ -1,37 +1,20 @@
-"""``ShardedLayer``: one layer of a sharded stack — the user's module with its parameters taken
-out and replaced by flat groups — and ``LayerFunction``, the autograd node that gathers the layer
-around its forward and its backward.
-
-Why an autograd Function and not hooks. Each layer's forward runs inside ``LayerFunction``: the
-layer's own graph is built inside it (on per-parameter leaves viewing the gathered buffer) and
-kept in the node; the node's backward re-gathers the parameters, runs ``torch.autograd.grad`` on
-that inner graph, packs the parameter gradients and starts their reduce-scatter. The trainable
-shard is an input of the node, so autograd always schedules the node, even for a first layer
-whose input (token ids) needs no gradient. Nothing depends on hooks registered on
-autograd-internal objects that can be garbage-collected (the failure of the reference
-implementation, whose shards never received gradients).
-
-Recomputation (``zerocore.Recompute``): a chosen layer's node runs the forward without a graph
-and keeps only its input and the ``ForwardState`` (generator states, autocast) of that run; its
-backward, once the parameters are gathered again, runs the forward under autograd in that state
-and differentiates the graph it just built, as it would have the kept one.
+"""``ShardedLayer``: one layer (or ``shard_model`` unit) of a sharded model: the user's module
+with its parameters taken out and replaced by flat groups, a trainable and a frozen one, whose
+gathered buffers are installed on the module as unsharded views while it runs. How and when a
+layer is gathered, run and reduced is the runtime's (runtime.py), the same for both front doors.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import nn
-from torch.autograd.graph import get_gradient_edge
 
 from zerocore.engine.compiled import plain_name
-from zerocore.engine.flat_group import FlatGroup, GroupContext, PendingGrad
+from zerocore.engine.flat_group import FlatGroup, GroupContext
 from zerocore.engine.flat_layout import FlatLayout
 from zerocore.engine.meta_layer import RangeReader
+from zerocore.engine.tracing import traced
 from zerocore.kernels import ops
-from zerocore.engine.offload import GradToHost, accumulate_grad, start_grad_to_host
-from zerocore.engine.recompute import ForwardState
 
 
 # A layer's parameters: (name, parameter, every (owner module, attribute) that holds it).
@@ -113,8 +96,9 @@ class ShardedLayer(nn.Module):
                                  f"shards float32/float16/bfloat16 parameters")
             if p.is_meta and read is None:
                 raise ValueError(f"layer {index}: parameter {name} is on the meta device, without "
-                                 f"values; materialise the layer, or give it as "
-                                 f"zerocore.MetaLayer(module, read) to read each rank's part")
+                                 f"values; materialise it, or give a reader of each rank's part "
+                                 f"(zerocore.shard: the layer as zerocore.MetaLayer(module, "
+                                 f"read); zerocore.shard_model: read=)")
         groups: dict[bool, FlatGroup | None] = {}
         self._owners: dict[bool, list[list[tuple[nn.Module, str]]]] = {}
         for trainable in (True, False):
@@ -143,6 +127,8 @@ class ShardedLayer(nn.Module):
         self.trainable: FlatGroup | None = groups[True]
         self.frozen: FlatGroup | None = groups[False]
         self.trainable_shard = self.trainable.shard if self.trainable else None
+        if self.trainable_shard is not None:
+            self.trainable_shard.layer_index = index  # the optimizer's trace label
         self.frozen_shard = self.frozen.shard if self.frozen else None
         # Whether the forward keeps only its input and backward runs it again (Recompute);
         # set by the sharded model, which knows the policy.
@@ -159,12 +145,14 @@ class ShardedLayer(nn.Module):
         return [g for g in (self.trainable, self.frozen) if g is not None]
 
     def start_gather(self) -> None:
-        for g in self.groups:
-            g.start_gather()
+        with traced("gather", self.index):
+            for g in self.groups:
+                g.start_gather()
 
     def wait_gather(self) -> None:
-        for g in self.groups:
-            g.wait_gather()
+        with traced("gather_wait", self.index):
+            for g in self.groups:
+                g.wait_gather()
 
     def free(self) -> None:
         """Frees the gathered buffers, except a resident frozen group's
@@ -196,8 +184,15 @@ class ShardedLayer(nn.Module):
                      else group.views(requires_grad=with_grad_leaves and trainable))
             for view, owners in zip(views, self._owners[trainable]):
                 for mod, attr in owners:
-                    own = not trainable and (id(mod), attr) in self.own_versions
-                    setattr(mod, attr, _own_tensor(view) if own else view)
+                    if not trainable and (id(mod), attr) in self.own_versions:
+                        setattr(mod, attr, _own_tensor(view))  # a buffer (shard_model)
+                    elif attr in mod._buffers:
+                        setattr(mod, attr, view)
+                    else:
+                        # A plain attribute, which is all nn.Module.__setattr__ would make of
+                        # it (the parameter is no longer registered): set directly, as its
+                        # checks cost a few microseconds per parameter and call.
+                        mod.__dict__[attr] = view
             if trainable:
                 leaves = views
         return leaves
@@ -212,182 +207,3 @@ class ShardedLayer(nn.Module):
             if group.trainable or not trainable_only:
                 out.update(group.gather_full(to_rank))
         return out
-
-    def run_without_graph(self, x: torch.Tensor) -> torch.Tensor:
-        """The layer's forward with no graph recorded (grad mode off, or a recomputed layer's
-        first forward). The trainable views are still leaves that require grad: torch chooses
-        some kernels by whether a weight requires grad (a Linear on a non-contiguous 3-D input,
-        as nn.MultiheadAttention(batch_first=True) does), so views that did not would compute
-        other bits than the recomputation, than a run without recomputation and than the
-        unsharded model, whose parameters require grad whatever the grad mode."""
-        self.install(with_grad_leaves=True)
-        return self.module(x)
-
-    def run_with_graph(self, x_in: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The layer's forward on ``x_in`` with autograd recording, on fresh leaves viewing the
-        gathered buffers: (the trainable parameters' leaves, the output)."""
-        with torch.enable_grad():
-            leaves = self.install(with_grad_leaves=True)
-            y = self.module(x_in)
-        if not isinstance(y, torch.Tensor):
-            raise TypeError(f"layer {self.index} returned {type(y).__name__}; zerocore layers "
-                            f"must map one tensor to one tensor")
-        return leaves, y
-
-
-class BackwardCoordinator:
-    """What the backward passes of all layers of one model share: prefetching the layer that
-    runs backward next, the reduce-scatters still in flight, gradient shards on their way to
-    offloaded masters, and the end-of-backward callback that completes them. Owned by the
-    sharded model; passed explicitly to each node."""
-
-    def __init__(self, layers: list[ShardedLayer], prefetch: bool,
-                 on_finish: Callable[[], None] | None = None):
-        """on_finish: called at the end of ``finish`` (the sharded model's own bookkeeping)."""
-        self.layers = layers
-        self.prefetch = prefetch
-        self.on_finish = on_finish
-        self.pending: list[PendingGrad] = []
-        # CPU offload: gradient shards copied (or being copied) to the host, in backward order;
-        # each is added into its master's .grad once its own copy is complete.
-        self.to_host: list[GradToHost] = []
-        self._callback_queued = False
-        # Packed-gradient buffers of delivered gradients, reused by the next layers' backward
-        # (on the CPU; CUDA's caching allocator already reuses memory). A fresh full-size buffer
-        # per layer costs page faults, since glibc often hands large freed blocks back to the
-        # OS: reusing them saved ~4% of the backward time in bench/bench_fsdp.py. At most two
-        # are in use at once (one being packed, one in flight); all are released when backward
-        # ends.
-        self._spare: list[torch.Tensor] = []
-
-    def queue_finish(self) -> None:
-        """Makes ``finish`` run when the backward pass in progress ends (once per pass)."""
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-            self._callback_queued = True
-
-    def before_layer_backward(self, layer: ShardedLayer, previous: ShardedLayer | None) -> None:
-        self.queue_finish()
-        layer.wait_gather()
-        if self.prefetch and previous is not None:
-            previous.start_gather()
-
-    def scratch_for(self, group: FlatGroup) -> torch.Tensor | None:
-        """A buffer to pack ``group``'s gradients into, or None to let the group allocate."""
-        if group.ctx.device.type != "cpu":
-            return None
-        numel, dtype = group.layout.padded_numel, group.ctx.reduce_dtype
-        if self._spare:
-            buf = self._spare.pop()
-            if buf.numel() >= numel and buf.dtype == dtype:
-                return buf
-        return torch.empty(numel, dtype=dtype, device=group.ctx.device)
-
-    def _deliver(self, pending: PendingGrad) -> None:
-        grad = FlatGroup.finish_reduce_scatter(pending)
-        group = pending.group
-        owned = pending.owned  # else a view of the reusable packed buffer
-        if group.ctx.offload:
-            self.to_host.append(start_grad_to_host(grad, group.shard, owned, group.ctx.streams))
-            # Whatever has arrived is added now, on the host, while the device computes; on
-            # the CPU that is this gradient, before its packed buffer is reused below.
-            self._deliver_to_host(wait=False)
-        else:
-            accumulate_grad(group.shard, grad, owned)
-        if pending.scratch is not None:
-            self._spare.append(pending.scratch)
-
-    def _deliver_to_host(self, wait: bool) -> None:
-        """Adds the gradient shards whose copy to the host is complete (all of them, waiting for
-        each copy in turn, when ``wait``) into their masters' ``.grad``."""
-        waiting = []
-        for g in self.to_host:
-            if wait or g.ready():
-                g.deliver()
-            else:
-                waiting.append(g)
-        self.to_host = waiting
-
-    def after_layer_backward(self, pending: PendingGrad | None) -> None:
-        # Keep at most one reduce-scatter in flight: it overlaps the next layer's backward.
-        while self.pending:
-            self._deliver(self.pending.pop(0))
-        if pending is not None:
-            self.pending.append(pending)
-
-    def finish(self) -> None:
-        """End of backward: deliver every gradient still in flight, and release a layer that was
-        prefetched but whose backward did not run, and the spare gradient buffers."""
-        self._callback_queued = False
-        while self.pending:
-            self._deliver(self.pending.pop(0))
-        # Gradients are complete when backward returns, as torch's are: the host waits for each
-        # remaining copy (its event), not for the device as a whole.
-        self._deliver_to_host(wait=True)
-        self._spare.clear()
-        for layer in self.layers:
-            layer.free()
-        if self.on_finish is not None:
-            self.on_finish()
-
-
-class LayerFunction(torch.autograd.Function):
-    """y = layer(x), with the layer's parameters gathered for the forward and again for the
-    backward. Inputs after x are the trainable shard (or nothing); its "gradient" is delivered
-    by the reduce-scatter into ``shard.grad``, so autograd receives None for it."""
-
-    @staticmethod
-    def forward(ctx, coordinator: BackwardCoordinator, layer: ShardedLayer,
-                previous: ShardedLayer | None, x: torch.Tensor, *shards: torch.Tensor):
-        x_in = x.detach().requires_grad_(x.requires_grad)
-        ctx.coordinator, ctx.layer, ctx.previous = coordinator, layer, previous
-        ctx.num_shards = len(shards)
-        if layer.recompute:
-            # Only the input is kept (and what the recomputation must reproduce); the forward
-            # runs without a graph (grad mode is off inside Function.forward), so its
-            # intermediate tensors are freed as it goes.
-            ctx.forward_state = ForwardState.capture(layer.device)
-            y = layer.run_without_graph(x_in)
-            if not isinstance(y, torch.Tensor):
-                raise TypeError(f"layer {layer.index} returned {type(y).__name__}; zerocore "
-                                f"layers must map one tensor to one tensor")
-            ctx.inner = (x_in, None, None, True)
-            return y.detach()
-        leaves, y = layer.run_with_graph(x_in)
-        # The inner graph is kept by its output's gradient edge, not by the output itself:
-        # holding y would hold its storage until this layer's backward, and the last layer's
-        # output (the logits, B x T x vocabulary) is then dead weight through the whole
-        # backward once the loss has used it. Autograd needs y's node, not its values.
-        ctx.inner = (x_in, leaves, get_gradient_edge(y) if y.requires_grad else None, False)
-        return y.detach()
-
-    @staticmethod
-    def backward(ctx, grad_y: torch.Tensor):
-        coordinator: BackwardCoordinator = ctx.coordinator
-        layer: ShardedLayer = ctx.layer
-        x_in, leaves, output, recomputed = ctx.inner
-        ctx.inner = None  # the inner graph is used once
-        coordinator.before_layer_backward(layer, ctx.previous)
-        if recomputed:
-            # Recomputation: the parameters are gathered again; the same forward, in the
-            # first run's random-number and autocast state, builds the graph to differentiate.
-            with ctx.forward_state.reinstated():
-                leaves, y = layer.run_with_graph(x_in)
-            output = y if y.requires_grad else None
-            ctx.forward_state = None
-        inputs = ([x_in] if x_in.requires_grad else []) + leaves
-        grad_x = None
-        pending = None
-        if output is not None and inputs:
-            grads = torch.autograd.grad(output, inputs, grad_y, allow_unused=True)
-            if x_in.requires_grad:
-                grad_x, grads = grads[0], grads[1:]
-            if layer.trainable is not None:
-                pending = layer.trainable.start_reduce_scatter(
-                    list(grads), coordinator.scratch_for(layer.trainable))
-        elif layer.trainable is not None:
-            pending = layer.trainable.start_reduce_scatter(
-                [None] * len(leaves), coordinator.scratch_for(layer.trainable))
-        layer.free()
-        coordinator.after_layer_backward(pending)
-        return (None, None, None, grad_x) + (None,) * ctx.num_shards

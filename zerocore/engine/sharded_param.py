@@ -7,17 +7,26 @@ computes in fp16/bf16, ``model_copy`` is the same slice in that dtype, on the ma
 
 Keeping ``model_copy`` in step with the master:
 - ``zerocore.optim`` writes it in the same pass as it updates the master weights and then calls
-  ``mark_model_copy_synced()``;
+  ``mark_model_copy_synced``;
 - any other in-place writer of the master (``torch.optim.AdamW``, ``copy_`` under no_grad) bumps
-  the tensor's version counter, and ``refresh_model_copy()`` (called by the engine before every
+  the tensor's version counter, and ``refresh_model_copy`` (called by the engine before every
   all-gather) re-derives the copy.
 ``copy_generation`` increases whenever the copy changes, so a device-side mirror of it (CPU
 offload) knows when to fetch it again.
+
+What makes a parameter a shard is its attributes (``is_shard``), and what the engine and the
+optimizer do with one are the functions below, not methods of the class: a plan's rehearsed step
+(engine/rehearsal.py) shards on fake tensors, whose parameters are torch's own fake tensors with
+these attributes, and runs the same code. ``ShardParameter`` is the class of a real shard.
 """
 
 from __future__ import annotations
 
 import torch
+
+# The attribute that marks a shard: "master", or "offloaded" (the master and its model copy
+# in CPU memory: engine/offload.py).
+KIND = "zerocore_shard"
 
 
 class ShardParameter(torch.nn.Parameter):
@@ -32,43 +41,101 @@ class ShardParameter(torch.nn.Parameter):
     # settings (``zerocore.optim``'s ``param_overrides``). Set by the engine.
     names: tuple[str, ...]
     segments: tuple[tuple[str, int, int], ...]
+    # Offloaded shards: recorded on the upload stream after the last copy of the gather source
+    # to the device (None when none is in flight, or on the CPU), and the CPU threads the
+    # optimizer steps it with (None: torch's own count). See engine/offload.py.
+    upload_done: torch.cuda.Event | None
+    host_threads: int | None
 
     def __new__(cls, data: torch.Tensor, model_copy: torch.Tensor | None = None,
-                requires_grad: bool = True) -> "ShardParameter":
+                requires_grad: bool = True, offloaded: bool = False) -> "ShardParameter":
         assert data.dim() == 1 and data.dtype == torch.float32
         p = super().__new__(cls, data, requires_grad)
-        p.model_copy = model_copy
-        p.copy_generation = 0
-        p._synced_version = p._version
-        p.names, p.segments = (), ()
+        init_shard(p, model_copy, offloaded)
         return p
 
-    def set_layout(self, slots: list[tuple[str, int, int]], lo: int) -> None:
-        """slots: (name, first element, numel) of each parameter in the unsharded flat group;
-        lo: where this shard starts in it."""
-        hi = lo + self.numel()
-        self.names = tuple(name for name, _, _ in slots)
-        self.segments = tuple((name, max(start, lo) - lo, min(start + n, hi) - lo)
-                              for name, start, n in slots if start < hi and start + n > lo)
-
-    def prefix_names(self, prefix: str) -> None:
-        """Names relative to a container (``zerocore.shard``'s layer index)."""
-        self.names = tuple(prefix + n for n in self.names)
-        self.segments = tuple((prefix + n, a, b) for n, a, b in self.segments)
+    def refresh_model_copy(self) -> None:
+        refresh_model_copy(self)
 
     def mark_model_copy_synced(self) -> None:
-        """Called by a writer that updated the master and model_copy together."""
-        self._synced_version = self._version
-        self.copy_generation += 1
-
-    @torch.no_grad()
-    def refresh_model_copy(self) -> None:
-        """Re-derives ``model_copy`` from the master if something else changed the master."""
-        if self._version != self._synced_version:
-            if self.model_copy is not None:
-                self.model_copy.copy_(self.data)
-            self.mark_model_copy_synced()
+        mark_model_copy_synced(self)
 
     def gather_source(self) -> torch.Tensor:
-        """The tensor whose values the layer computes with: the copy, or the fp32 master."""
-        return self.data if self.model_copy is None else self.model_copy
+        return gather_source(self)
+
+
+def new_shard(master: torch.Tensor, model_copy: torch.Tensor | None,
+              offloaded: bool) -> torch.nn.Parameter:
+    """The shard parameter of ``master`` (1-D fp32): a ``ShardParameter``, or for a fake
+    master (a plan's rehearsal) torch's fake parameter with the same attributes."""
+    if type(master) is torch.Tensor:
+        return ShardParameter(master, model_copy, offloaded=offloaded)
+    p = torch.nn.Parameter(master)
+    init_shard(p, model_copy, offloaded)
+    return p
+
+
+def init_shard(p: torch.nn.Parameter, model_copy: torch.Tensor | None, offloaded: bool) -> None:
+    setattr(p, KIND, "offloaded" if offloaded else "master")
+    p.model_copy = model_copy
+    p.copy_generation = 0
+    p._synced_version = p._version
+    p.names, p.segments = (), ()
+    p.upload_done = None
+    p.host_threads = None
+
+
+def is_shard(p: torch.Tensor) -> bool:
+    return getattr(p, KIND, None) is not None
+
+
+def is_offloaded(p: torch.Tensor) -> bool:
+    return getattr(p, KIND, None) == "offloaded"
+
+
+def set_layout(p: torch.nn.Parameter, slots: list[tuple[str, int, int]], lo: int) -> None:
+    """slots: (name, first element, numel) of each parameter in the unsharded flat group;
+    lo: where this shard starts in it."""
+    hi = lo + p.numel()
+    p.names = tuple(name for name, _, _ in slots)
+    p.segments = tuple((name, max(start, lo) - lo, min(start + n, hi) - lo)
+                       for name, start, n in slots if start < hi and start + n > lo)
+
+
+def prefix_names(p: torch.nn.Parameter, prefix: str) -> None:
+    """Names relative to a container (``zerocore.shard``'s layer index)."""
+    p.names = tuple(prefix + n for n in p.names)
+    p.segments = tuple((prefix + n, a, b) for n, a, b in p.segments)
+
+
+def mark_model_copy_synced(p: torch.nn.Parameter) -> None:
+    """Called by a writer that updated the master and model_copy together."""
+    p._synced_version = p._version
+    p.copy_generation += 1
+
+
+def wait_for_device(p: torch.nn.Parameter) -> None:
+    """An offloaded shard: blocks the host until the last upload of its gather source has been
+    read (that copy only; nothing else on the device). Host writers of the master or of the
+    model copy (``zerocore.optim``, the engine's refresh of the copy) call it first."""
+    if p.upload_done is not None:
+        p.upload_done.synchronize()
+        p.upload_done = None
+
+
+def refresh_model_copy(p: torch.nn.Parameter) -> None:
+    """Re-derives ``model_copy`` from the master if something else changed the master. (Called
+    before every gather: the usual answer, nothing changed, costs one comparison.)"""
+    if p._version == p._synced_version:
+        return
+    if is_offloaded(p):
+        wait_for_device(p)  # the copy is about to be written: the device may read it
+    if p.model_copy is not None:
+        with torch.no_grad():
+            p.model_copy.copy_(p.data)
+    mark_model_copy_synced(p)
+
+
+def gather_source(p: torch.nn.Parameter) -> torch.Tensor:
+    """The tensor whose values the layer computes with: the copy, or the fp32 master."""
+    return p.data if p.model_copy is None else p.model_copy

@@ -1,123 +1,169 @@
 """``zerocore.shard``: the public entry point, and ``ShardedSequential``, the module it returns.
 
-``ShardedSequential`` runs its layers in order. Before a layer runs it waits for that layer's
-all-gather (started while the previous layer computed) and starts the next one's; after it runs
-it frees the gathered buffers, except the last layer's when backward will follow (it is the
-first layer backward needs: ``Prefetch.keep_last``). Backward is driven by ``LayerFunction``
-nodes (sharded_layer.py), coordinated by one ``BackwardCoordinator``.
+``ShardedSequential`` runs its layers in order, each a unit of the one runtime (runtime.py), as
+``zerocore.shard_model`` runs a model's units: gathered by a hook before it runs (the next one
+prefetched), freed after it ran unless the schedule keeps it for its backward, gathered again
+for its backward. A parameter that two layers share (tied weights: an embedding and the readout)
+belongs to the root unit, gathered for the whole forward and backward, as in ``shard_model``.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from zerocore.comm.device import Platform
-from zerocore.engine.meta_layer import MetaLayer
-from zerocore.engine.sharded_layer import LayerFunction, ShardedLayer
-from zerocore.engine.sharding import (Sharding, agree_on_structure, fingerprint, prepare_device,
+from zerocore.engine.meta_layer import MetaLayer, RangeReader
+from zerocore.engine.rehearsal import Rehearsal
+from zerocore.engine.runtime import Unit
+from zerocore.engine.sharded_layer import Params, ShardedLayer, collect_params
+from zerocore.engine.sharded_param import prefix_names
+from zerocore.engine.sharding import (Sharding, fingerprint, groups_of, prepare_device,
                                       process_group)
 from zerocore.policies import (Comm, Compile, FrozenWeights, MixedPrecision, Offload, Prefetch,
                                Recompute)
 
 
+def _tied_across_layers(layers: Sequence[nn.Module | MetaLayer]) -> dict[int, tuple]:
+    """Parameters that more than one layer holds, by id: (the name ``nn.Sequential(*layers)``
+    gives it, the parameter, every (owner module, attribute) in any layer, the layer it is first
+    named in)."""
+    seen: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]], set[int], int]] = {}
+    for i, layer in enumerate(layers):
+        module = layer.module if isinstance(layer, MetaLayer) else layer
+        for name, p, owners in collect_params(module):
+            entry = seen.setdefault(id(p), (f"{i}.{name}", p, [], set(), i))
+            entry[2].extend(owners)
+            entry[3].add(i)
+    return {key: (name, p, owners, first) for key, (name, p, owners, where, first)
+            in seen.items() if len(where) > 1}
+
+
 def _check_not_tied(layer: nn.Module, index: int,
                     owners: weakref.WeakValueDictionary[int, nn.Parameter]) -> None:
-    """Refuses a parameter already seen in an earlier layer, and remembers this layer's. (A
-    function of its own so that no loop variable keeps a full parameter alive afterwards.)"""
+    """Layers given one at a time (an iterator): refuses a parameter already seen in an earlier
+    layer, already sharded by then, and remembers this layer's. (A function of its own so that
+    no loop variable keeps a full parameter alive afterwards.)"""
     for name, p in layer.named_parameters():
         if owners.get(id(p)) is p:
             raise ValueError(f"zerocore.shard: parameter {name} of layer {index} also belongs to "
-                             f"an earlier layer; parameters tied across layers are not supported "
-                             f"(untie them or put both users in one layer)")
+                             f"an earlier layer; weights tied across layers need the layers as a "
+                             f"list (or nn.Sequential / nn.ModuleList), so that every layer is "
+                             f"seen before any is sharded; got an iterator")
     for p in layer.parameters():
         owners[id(p)] = p
 
 
 class ShardedSequential(nn.Module, Sharding):
-    """Runs sharded layers in order, each through an autograd Function; see ``zerocore.shard``.
-    What it shares with ``shard_model``'s sharding (reports, full states, release, the layers
-    kept gathered) is ``Sharding``'s."""
+    """Runs sharded layers in order; see ``zerocore.shard``. What it shares with
+    ``shard_model``'s sharding (the runtime, reports, full states, release, the layers kept
+    gathered) is ``Sharding``'s."""
 
-    def __init__(self, layers: Iterable[nn.Module], *, group: dist.ProcessGroup,
+    def __init__(self, layers: Iterable[nn.Module | MetaLayer], *, group: dist.ProcessGroup,
                  device: torch.device, mixed_precision: MixedPrecision, prefetch: Prefetch,
                  offload: Offload, recompute: Recompute | None = None,
                  frozen_weights: FrozenWeights = FrozenWeights(), comm: Comm = Comm(),
-                 compile: Compile | None = None, host_threads: int | None = None):
+                 compile: Compile | None = None, host_threads: int | None = None,
+                 rehearsal: Rehearsal | None = None):
         nn.Module.__init__(self)
         Sharding.__init__(self, group, device, mixed_precision=mixed_precision,
                           prefetch=prefetch, offload=offload, recompute=recompute,
                           frozen_weights=frozen_weights, comm=comm, compile=compile,
-                          host_threads=host_threads)
+                          host_threads=host_threads, rehearsal=rehearsal)
+        given = isinstance(layers, (list, tuple, nn.Sequential, nn.ModuleList))
+        tied = _tied_across_layers(layers) if given else {}
+        readers: dict[int, RangeReader] = {}
         sharded: list[ShardedLayer] = []
         owners: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
         iterator = iter(layers)
+        index = 0
+        # Each layer is a build step every rank agrees on (Sharding.attempt / agree): one that
+        # fails on one rank (its values, their quantization, memory) is raised on every rank
+        # at the next agreement, naming the rank and the layer.
         while True:
-            layer = next(iterator, None)
+            layer = self.attempt(index, lambda: next(iterator, None))
             read = None
             if isinstance(layer, MetaLayer):
                 layer, read = layer.module, layer.read
-            print_ = None if layer is None else fingerprint(layer.named_parameters())
-            if not agree_on_structure(len(sharded), print_, group, device):
+                readers[index] = read
+            params: Params | None = None
+            if layer is not None:
+                params = [e for e in collect_params(layer) if id(e[1]) not in tied]
+            print_ = None if params is None else fingerprint((n, p) for n, p, _ in params)
+            if not self.agree(index, print_, "zerocore.shard"):
                 break
-            _check_not_tied(layer, len(sharded), owners)
-            sharded.append(self.new_layer(layer, len(sharded), read=read))
-            if sharded[-1].trainable_shard is not None:
-                # Named as nn.Sequential(*layers) names them: "<layer index>.<name>".
-                sharded[-1].trainable_shard.prefix_names(f"{len(sharded) - 1}.")
-            del layer, read  # materialised layers may be freed one by one (see `shard`)
+            if not given:
+                _check_not_tied(layer, index, owners)
+            built = self.attempt(index, lambda: self.new_layer(layer, index, read=read,
+                                                               params=params))
+            if built is not None:
+                sharded.append(built)
+                if built.trainable_shard is not None:
+                    # Named as nn.Sequential(*layers) names them: "<layer index>.<name>".
+                    prefix_names(built.trainable_shard, f"{index}.")
+            index += 1
+            del layer, read, params, built  # materialised layers may be freed one by one
         if not sharded:
             raise ValueError("zerocore.shard: got no layers")
-        self._coordinator = self.seal(sharded)
-        self.layers = nn.ModuleList(sharded)
-        # Layers left gathered by the last forward for their backward; empty when none is.
-        self._kept: list[ShardedLayer] = []
+        self.num_units = len(sharded)
+        # The root: the weights tied across layers (none, usually: then it has no groups and
+        # is not one of ``layers``, which checkpoints index).
+        root_params = [(name, p, owners) for name, p, owners, _ in tied.values()]
+        firsts = {name: first for name, _, _, first in tied.values()}
+        what = "zerocore.shard: the weights tied across layers"
+        self.agree(len(sharded), fingerprint((n, p) for n, p, _ in root_params), what)
+        root = self.attempt(len(sharded), functools.partial(
+            ShardedLayer, nn.Module(), len(sharded), self.ctx, self.world_size,
+            read=_root_reader(readers, firsts), params=root_params))
+        self.settle(what)
+        del root_params, tied
+        self.layers = nn.ModuleList(sharded + ([root] if root.groups else []))
+        self._units: list[ShardedLayer] = sharded  # what forward runs, in order
+        self.seal(list(self.layers), recomputable=len(sharded))
+        units = [Unit(str(i), layer.module, layer) for i, layer in enumerate(sharded)]
+        self.start(self, units + [Unit("", self, root)], root_owners=[])
 
     def param_name(self, index: int, name: str) -> str:
-        return f"{index}.{name}"  # nn.Sequential(*layers)'s name of it
+        # nn.Sequential(*layers)'s name of it; the root's are named so already.
+        return name if index >= self.num_units else f"{index}.{name}"
+
+    def expected_traffic(self) -> tuple[int, int]:
+        units, root = self.layers[:self.num_units], self.layers[self.num_units:]
+        # A trainable root (tied weights) puts every layer in backward, as its first use does.
+        return self.schedule.traffic(
+            [groups_of(layer) for layer in units],
+            reduce_bytes=self.mixed_precision.grad_reduce_dtype.itemsize,
+            input_requires_grad=any(l.trainable is not None for l in root),
+            root=groups_of(root[0]) if root else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        layers: list[ShardedLayer] = list(self.layers)
-        for kept in self._kept:
-            # Kept by the previous forward: already freed if its backward ran; if not (and it
-            # may never run), freed now and gathered afresh below or in that backward (the
-            # trainable weights may have changed since; resident frozen groups stay).
-            kept.free()
-        self._kept = []
-        if self.offload.optimizer:
-            # Every upload the optimizer made necessary, at once: they overlap the first layers'
-            # gathers and computation, and each layer's all-gather waits for its own upload.
-            for layer in layers:
-                if layer.trainable is not None:
-                    layer.trainable.upload()
-        previous: ShardedLayer | None = None
-        layers[0].start_gather()
-        for i, layer in enumerate(layers):
-            layer.wait_gather()
-            if self.schedule.prefetch_forward and i + 1 < len(layers):
-                layers[i + 1].start_gather()
-            needs_graph = torch.is_grad_enabled() and (
-                layer.trainable is not None or (isinstance(x, torch.Tensor) and x.requires_grad))
-            if needs_graph:
-                shards = (layer.trainable_shard,) if layer.trainable_shard is not None else ()
-                x = LayerFunction.apply(self._coordinator, layer, previous, x, *shards)
-                previous = layer
-            else:
-                x = layer.run_without_graph(x)
-            if needs_graph and self.schedule.keeps_for_backward(i, last=i + 1 == len(layers)):
-                # Its backward finds it gathered (then frees it); if none runs, the next
-                # forward or the end of another backward frees it.
-                self._kept.append(layer)
-            else:
-                layer.free()
+        for layer in self._units:
+            x = layer.module(x)
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"layer {layer.index} returned {type(x).__name__}; the layers "
+                                f"of zerocore.shard map one tensor to one tensor (use "
+                                f"zerocore.shard_model for any other model)")
         return x
 
 
-def shard(layers: Iterable[nn.Module], *, group: dist.ProcessGroup | None = None,
+def _root_reader(readers: dict[int, RangeReader], firsts: dict[str, int]) -> RangeReader | None:
+    """Reads a tied parameter (named ``"<layer>.<name>"``) through the reader of the
+    ``MetaLayer`` it is first named in."""
+    if not readers:
+        return None
+
+    def read(name: str, start: int, stop: int) -> torch.Tensor:
+        index = firsts[name]
+        return readers[index](name[len(f"{index}."):], start, stop)
+    return read
+
+
+def shard(layers: Iterable[nn.Module | MetaLayer], *, group: dist.ProcessGroup | None = None,
           device: torch.device | str | None = None,
           mixed_precision: MixedPrecision = MixedPrecision(), prefetch: Prefetch = Prefetch(),
           offload: Offload = Offload(), recompute: Recompute | None = None,
@@ -131,9 +177,11 @@ def shard(layers: Iterable[nn.Module], *, group: dist.ProcessGroup | None = None
         tensor to one tensor, identical on every rank (same structure, same initial values: seed
         every rank alike or load the same checkpoint). Each layer's trainable parameters
         (``requires_grad`` now) and frozen parameters become two flat groups of which this rank
-        keeps 1/N; the modules
-        keep only their buffers. A ``zerocore.MetaLayer(module, read)`` in place of a layer has
-        its meta parameters read by range: each rank reads only its shard's elements.
+        keeps 1/N; the modules keep only their buffers. A parameter shared by several layers
+        (tied weights) becomes the root's, gathered for the whole step (layers given as a
+        sequence; an iterator with tied weights is refused). A ``zerocore.MetaLayer(module,
+        read)`` in place of a layer has its meta parameters read by range: each rank reads only
+        its shard's elements.
     group: the process group (default: the world). torch.distributed must be initialised; one
         process works too (world size 1).
     device: where layers compute. Default: CUDA when any backend of the group is NCCL

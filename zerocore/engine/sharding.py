@@ -1,36 +1,47 @@
 """The core both front doors share: a ``Sharding`` holds the process group, the policies, the
 sharded layers (``zerocore.shard``'s layers, ``zerocore.shard_model``'s units) and what they
-share (the group context: counter, transport, offload's streams), and decides once for both
-which layers stay gathered (``Prefetch.keep_gathered``, resident frozen groups), which are
-recomputed, and how backward is coordinated. Its reports (memory, communication), full-state
-iteration and release are written once. ``ShardedSequential`` (sharded_sequential.py) and
-``ShardedModel`` (sharded_model.py) are the two ways of running its layers: an autograd
-Function per layer, or hooks on the model's own modules. Checkpoints read a ``Sharding``,
-whichever front door made it.
+share (the group context: counter, transport, offload's streams), decides once for both which
+layers stay gathered (``Prefetch.keep_gathered``, resident frozen groups) and which are
+recomputed, and starts the one runtime that runs them (runtime.py). Its reports (memory,
+communication), full-state iteration and release are written once. ``ShardedSequential``
+(sharded_sequential.py) and ``ShardedModel`` (sharded_model.py) differ only in what they shard
+(a stack of layers, or a model by named units); checkpoints read a ``Sharding``, whichever front
+door made it.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Iterable, Iterator
+import logging
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from zerocore.comm import collectives, transport
-from zerocore.comm.collectives import CommCounter, PeerMemory
-from zerocore.comm.device import Platform, agree_on_devices, resolve_device
+from zerocore.comm.collectives import CommCounter
+from zerocore.comm.peer_memory import PeerMemory
+from zerocore.comm.device import Platform, agree_on_devices, comm_device, resolve_device
+from zerocore.comm.fake import is_fake
+from zerocore.comm.objects import all_gather_objects
 from zerocore.engine.compiled import compile_forward
 from zerocore.engine.flat_group import GroupContext
+from zerocore.engine.host_arena import HostArena
 from zerocore.engine.offload import OffloadStreams, cpu_threads
+from zerocore.engine.rehearsal import Rehearsal
 from zerocore.engine.report import CommReport, MemoryReport
 from zerocore.engine.schedule import Schedule
-from zerocore.engine.sharded_layer import BackwardCoordinator, ShardedLayer
-from zerocore.engine.sharded_param import ShardParameter
+from zerocore.engine.runtime import Runtime, Unit
+from zerocore.engine.sharded_layer import ShardedLayer
+from zerocore.engine.sharded_param import ShardParameter, is_shard
 from zerocore.kernels.ops import BUILD
 from zerocore.policies import (Comm, Compile, FrozenWeights, MixedPrecision, Offload, Prefetch,
                                Recompute)
+
+log = logging.getLogger(__name__)
+_CPU = torch.device("cpu")
+T = TypeVar("T")
 
 
 def fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -39,19 +50,46 @@ def fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> int:
     return int.from_bytes(hashlib.sha1(desc.encode()).digest()[:8], "little") >> 1
 
 
+class BuildError(ValueError, RuntimeError):
+    """A rank failed while the layers were being sharded (building a layer, reading its values,
+    quantizing them, allocating its shards): raised on every rank of the group alike, naming
+    the rank and the layer, instead of on that rank alone while the others wait for it in their
+    next collective until the process group's timeout. ``rank``: the first rank that failed.
+    A ValueError (most such failures are bad input: a layer, its values, a reader) and a
+    RuntimeError (the others: memory, a device), so that callers catching either see it."""
+
+    def __init__(self, message: str, rank: int):
+        super().__init__(message)
+        self.rank = rank
+
+    def __reduce__(self):
+        return BuildError, (str(self), self.rank)
+
+
 def agree_on_structure(index: int, print_: int | None, group: dist.ProcessGroup,
-                       device: torch.device, what: str = "zerocore.shard") -> bool:
+                       device: torch.device, what: str = "zerocore.shard",
+                       failed: str | None = None) -> bool:
     """Checks that every rank is at the same layer (or unit) with the same structure
     (``fingerprint``, None when this rank has none left); False when every rank has run out.
     Ranks given different stacks would otherwise issue mismatched collectives and hang; here
     each fails at once with a clear message. One tiny all-gather per layer, so layers can be
-    materialised one at a time."""
-    world = dist.get_world_size(group)
-    mine = torch.tensor([0 if print_ is None else 1, 0 if print_ is None else print_],
-                        dtype=torch.int64, device=device)
-    every = torch.empty(world * 2, dtype=torch.int64, device=device)
+    materialised one at a time. ``failed``: why this rank could not build the previous layer
+    (or get this one); then every rank raises ``BuildError`` with the first failed rank's
+    reason (the reasons travel only then, in one more exchange)."""
+    if is_fake(group):  # a planned world is this rank N times: it agrees
+        if failed is not None:
+            raise BuildError(f"{what}: {failed}", 0)
+        return print_ is not None
+    world = group.size()
+    mine = torch.tensor([0 if print_ is None else 1, 0 if print_ is None else print_,
+                         int(failed is not None)], dtype=torch.int64, device=device)
+    every = torch.empty(world * 3, dtype=torch.int64, device=device)
     collectives.all_gather_sync(every, mine, group)
-    present, prints = every.view(world, 2).unbind(1)
+    present, prints, broken = every.view(world, 3).unbind(1)
+    if broken.any():
+        reasons = all_gather_objects(failed, group, comm_device(group, _CPU, device))
+        rank = next(r for r, reason in enumerate(reasons) if reason is not None)
+        raise BuildError(f"{what}: rank {rank} {reasons[rank]}", rank)
     if present.min() != present.max():
         raise ValueError(f"{what}: ranks were given different numbers of layers (ranks "
                          f"{present.eq(0).nonzero().flatten().tolist()} have no layer {index}); "
@@ -68,7 +106,9 @@ def agree_on_policies(policies: dict[str, object], group: dist.ProcessGroup,
     """Checks that every rank was given the same policies (one tiny all-gather of a hash of
     their values): a rank that chose another transport, budget or precision would otherwise
     refuse, or issue other collectives, while the others wait for it until the timeout."""
-    world = dist.get_world_size(group)
+    if is_fake(group):
+        return  # a planned world is this rank N times: it agrees
+    world = group.size()
     text = ";".join(f"{name}={value!r}" for name, value in sorted(policies.items()))
     mine = torch.tensor([int.from_bytes(hashlib.sha1(text.encode()).digest()[:8], "little") >> 1],
                         dtype=torch.int64, device=device)
@@ -83,23 +123,34 @@ def agree_on_policies(policies: dict[str, object], group: dist.ProcessGroup,
 
 def build_context(group: dist.ProcessGroup, device: torch.device,
                   mixed_precision: MixedPrecision, offload: Offload,
-                  frozen_weights: FrozenWeights, comm: Comm,
-                  host_threads: int | None = None) -> GroupContext:
+                  frozen_weights: FrozenWeights, comm: Comm, host_threads: int | None = None,
+                  rehearsal: Rehearsal | None = None) -> GroupContext:
     """What every flat group of one sharded model shares (its counter, offload's streams, the
-    transport between ranks of one host)."""
+    transport: chosen here, once, by every rank together; see ``transport.choose``)."""
     streams = (OffloadStreams(device)
                if offload.optimizer and device.type == "cuda" else None)
-    peers = PeerMemory(comm.timeout_s) if comm.peer_read == "auto" else None
-    return GroupContext(group, dist.get_rank(group), device, mixed_precision.param_dtype,
+    arena = None
+    if rehearsal is not None:
+        peers, ways, kind, watch = None, rehearsal.ways, rehearsal.device_kind, rehearsal.watch
+    else:
+        if offload.optimizer:
+            arena = HostArena(pin=device.type == "cuda")
+        peers = PeerMemory(comm.timeout_s) if comm.peer_read == "auto" else None
+        ways, kind, watch = transport.choose(group, device, comm, peers), device.type, None
+        if not peers or not peers.available:
+            peers = None
+    return GroupContext(group, group.rank(), device, mixed_precision.param_dtype,
                         mixed_precision.grad_reduce_dtype, offload.optimizer, CommCounter(),
                         streams, int8_block=frozen_weights.int8_block, peers=peers, comm=comm,
-                        host_threads=host_threads)
+                        host_threads=host_threads, ways=ways, device_kind=kind, watch=watch,
+                        arena=arena)
 
 
 def memory_report_of(layers: list[ShardedLayer], rank: int, world_size: int,
                      device: torch.device, mixed_precision: MixedPrecision,
                      frozen_weights: FrozenWeights,
-                     optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
+                     optimizer: torch.optim.Optimizer | None = None,
+                     arena: HostArena | None = None) -> MemoryReport:
     """``memory_report`` of any sharded model: its layers' (or units') groups measured."""
     p_bytes = torch.tensor([], dtype=mixed_precision.param_dtype).element_size()
     param = master = grad = opt = gather = 0
@@ -110,7 +161,7 @@ def memory_report_of(layers: list[ShardedLayer], rank: int, world_size: int,
             shard = g.shard
             if g.trainable:
                 trainable_numel += g.layout.numel
-                if isinstance(shard, ShardParameter) and shard.model_copy is not None:
+                if is_shard(shard) and shard.model_copy is not None:
                     param += shard.model_copy.numel() * shard.model_copy.element_size()
                     master += shard.numel() * 4
                 else:
@@ -134,7 +185,9 @@ def memory_report_of(layers: list[ShardedLayer], rank: int, world_size: int,
         dev_alloc = torch.cuda.memory_allocated(device)
         dev_peak = torch.cuda.max_memory_allocated(device)
     return MemoryReport(rank, n, trainable_numel, frozen_numel, param, master, grad, opt,
-                        gather, predicted, dev_alloc, dev_peak)
+                        gather, predicted, dev_alloc, dev_peak,
+                        host_arena_bytes=arena.used if arena is not None else 0,
+                        pinned_bytes=arena.pinned if arena is not None else 0)
 
 
 def process_group(group: dist.ProcessGroup | None, what: str) -> dist.ProcessGroup:
@@ -179,10 +232,14 @@ class Sharding:
     def __init__(self, group: dist.ProcessGroup, device: torch.device, *,
                  mixed_precision: MixedPrecision, prefetch: Prefetch, offload: Offload,
                  recompute: Recompute | None, frozen_weights: FrozenWeights, comm: Comm,
-                 compile: Compile | None = None, host_threads: int | None = None):
+                 compile: Compile | None = None, host_threads: int | None = None,
+                 rehearsal: Rehearsal | None = None):
+        """rehearsal: the step runs for ``zerocore.plan`` (engine/rehearsal.py)."""
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        # The group's own rank and size: a planned world's group is not registered with
+        # torch.distributed (comm/fake.py).
+        self.rank = group.rank()
+        self.world_size = group.size()
         self.device = device
         self.mixed_precision = mixed_precision
         self.prefetch = prefetch
@@ -196,11 +253,45 @@ class Sharding:
                                frozen_weights=frozen_weights, comm=comm, compile=compile),
                           group, device, self.front_door)
         self.ctx = build_context(group, device, mixed_precision, offload, frozen_weights, comm,
-                                 host_threads)
+                                 host_threads, rehearsal)
         self.counter = self.ctx.counter
+        self.ways = self.ctx.ways
+        if self.rank == 0 and rehearsal is None:
+            log.info("%s: %d rank%s on %s; %s", self.front_door, self.world_size,
+                     "s" if self.world_size != 1 else "", device, self.ways.line())
         self.schedule: Schedule | None = None  # decided by ``seal``, once the layers are built
-        # What the last forward left gathered for its backward (the front door's own records).
-        self._kept: list = []
+        self.runtime: Runtime | None = None    # the hooks that run the layers (``start``)
+        # Why this rank's last build step failed, and its exception, until agreed (``agree``).
+        self._failed: tuple[str, Exception] | None = None
+
+    # -- building, a step every rank agrees on ------------------------------------------------
+
+    def attempt(self, index: int, make: Callable[[], T]) -> T | None:
+        """``make()`` (getting layer ``index`` or building it); None when it fails, or when an
+        earlier step of this rank's failed: the failure waits for the next ``agree`` (or
+        ``settle``), where every rank learns of it and raises, instead of this rank alone."""
+        if self._failed is not None:
+            return None
+        try:
+            return make()
+        except Exception as e:  # noqa: BLE001  (any failure must reach the other ranks)
+            self._failed = (f"could not build layer {index}: {type(e).__name__}: {e}", e)
+            return None
+
+    def agree(self, index: int, print_: int | None, what: str) -> bool:
+        """``agree_on_structure`` for layer ``index``, carrying this rank's failure, if any."""
+        failed = self._failed
+        try:
+            return agree_on_structure(index, print_, self.group, self.device, what,
+                                      failed=failed[0] if failed else None)
+        except BuildError as e:
+            if failed is not None:
+                raise e from failed[1]   # this rank's own exception as the cause
+            raise
+
+    def settle(self, what: str) -> None:
+        """After the last build step: every rank learns whether any failed."""
+        self.agree(-1, None, what)
 
     def new_layer(self, module: nn.Module, index: int, *, compiled: bool = True,
                   **where) -> ShardedLayer:
@@ -212,19 +303,36 @@ class Sharding:
             compile_forward(self.compile, module)
         return layer
 
-    def seal(self, layers: list[ShardedLayer], on_finish: Callable[[], None] | None = None,
-             recomputable: int | None = None) -> BackwardCoordinator:
+    def seal(self, layers: list[ShardedLayer], recomputable: int | None = None) -> None:
         """After the last layer is built: the step's schedule (zerocore/engine/schedule.py:
         the layers ``Prefetch.keep_gathered`` keeps, whose frozen groups become resident, and
-        those recomputed; every rank decides alike, the sizes being the same everywhere), and
-        the coordinator of their backward. ``recomputable``: as ``Schedule.of`` takes it."""
+        those recomputed; every rank decides alike, the sizes being the same everywhere).
+        ``recomputable``: as ``Schedule.of`` takes it."""
         self.schedule = Schedule.of(self.prefetch, self.recompute,
                                     [l.gathered_size for l in layers], recomputable)
         for layer in layers:
             layer.recompute = layer.index in self.schedule.recomputed
             if layer.frozen is not None:
                 layer.frozen.resident = self.schedule.resident(layer.index)
-        return BackwardCoordinator(layers, self.schedule.prefetch_backward, on_finish=on_finish)
+
+    def start(self, model: nn.Module, units: list[Unit], root_owners: list[nn.Module]) -> None:
+        """Puts the runtime's hooks on the model (zerocore/engine/runtime.py): ``units`` in
+        their index order, then the root (``model`` itself)."""
+        self.runtime = Runtime(model, units, self.schedule, offload=self.offload.optimizer,
+                               root_owners=root_owners, staging=self._staging())
+        if self.ctx.arena is not None:
+            self.ctx.arena.pin()   # every offloaded buffer is taken: pinned, exactly those
+
+    def _staging(self) -> list[torch.Tensor]:
+        """Offload on a GPU: the two host buffers gradient shards are copied into from the
+        device, in turn, each as large as the largest shard (from the arena, so pinned with it).
+        None on the CPU, where the gradients are already on the host."""
+        arena = self.ctx.arena if self.ctx.streams is not None else None
+        largest = max((l.trainable.layout.shard_numel for l in self.layers
+                       if l.trainable is not None), default=0)
+        if arena is None or largest == 0:
+            return []
+        return [arena.take(largest, self.ctx.reduce_dtype) for _ in range(2)]
 
     @property
     def kept_layers(self) -> frozenset[int]:
@@ -252,9 +360,7 @@ class Sharding:
         """Frees every gathered buffer, the resident frozen groups of ``Prefetch.keep_gathered``
         included (they are gathered again when next used). Call it after writing shards
         yourself; ``zerocore.load_checkpoint`` does."""
-        for layer in self.layers:
-            layer.release()
-        self._kept = []
+        self.runtime.release()
 
     def iter_full_states(self, trainable_only: bool = False, *, to_rank: int | None = None
                          ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
@@ -278,7 +384,8 @@ class Sharding:
         """Bytes of model state this rank holds, measured from the tensors, next to the
         (2+2+K)·Ψ/N_d prediction. Pass the optimizer to count its state."""
         return memory_report_of(list(self.layers), self.rank, self.world_size, self.device,
-                                self.mixed_precision, self.frozen_weights, optimizer)
+                                self.mixed_precision, self.frozen_weights, optimizer,
+                                self.ctx.arena)
 
     def expected_traffic(self) -> tuple[int, int]:
         """(bytes all-gathered, bytes reduce-scattered) one step should move."""

@@ -15,15 +15,17 @@ import contextlib
 import dataclasses
 import importlib
 import json
+import logging
 import os
 import platform
 import re
-import sys
 import time
 
 import torch
 
 from zerocore.kernels import _sources
+
+logger = logging.getLogger(__name__)
 
 REBUILD_HINT = "rebuild it with: pip install --no-build-isolation -e ."
 
@@ -83,7 +85,10 @@ def _import_prebuilt(package_dir: str) -> BuildInfo:
 
 
 def _say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    # A warning, so that it reaches a terminal by default (logging's last-resort handler
+    # writes warnings to stderr when the application configured nothing): a compile of
+    # minutes must not be silent.
+    logger.warning(message)
 
 
 def _compile_now() -> BuildInfo:
@@ -147,9 +152,9 @@ def load() -> BuildInfo:
     if os.path.exists(os.path.join(package_dir, "_C_build.json")):
         if not _prebuilt_is_stale(package_dir):
             return _import_prebuilt(package_dir)
-        print("zerocore: csrc/ changed since zerocore._C was installed; using a build of these "
-              "sources instead (`pip install --no-build-isolation -e .` rebuilds the installed "
-              "one)", file=sys.stderr, flush=True)
+        _say("zerocore: csrc/ changed since zerocore._C was installed; using a build of these "
+             "sources instead (`pip install --no-build-isolation -e .` rebuilds the installed "
+             "one)")
         return _compile_now()
     if os.path.isdir(os.path.join(_sources.repo_root(), "csrc")):
         return _compile_now()

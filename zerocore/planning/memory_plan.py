@@ -1,18 +1,10 @@
-"""What ``zerocore.plan`` reports (``MemoryPlan``, ``ModelState``, the categories of memory) and
-the layers as its simulations see them: flat layouts built as the engine builds them, one fake
-gathered buffer per group."""
+"""What ``zerocore.plan`` reports: ``MemoryPlan`` (one rank's memory at the step's peak, by
+category, and its traffic per step) and ``ModelState`` (the bytes of model state, from the flat
+layouts the engine built)."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-
-import torch
-from torch import nn
-
-from zerocore.engine.flat_layout import FlatLayout
-from zerocore.engine.sharded_layer import Params, collect_params
-from zerocore.policies import FrozenWeights, Prefetch
 
 GiB = 2**30
 
@@ -115,97 +107,3 @@ class MemoryPlan:
         lines.append(f"  per step: all-gathered {self.all_gather_bytes / GiB:.2f} GiB, "
                      f"reduce-scattered {self.reduce_scatter_bytes / GiB:.2f} GiB")
         return "\n".join(lines)
-
-
-@dataclasses.dataclass
-class Group:
-    layout: FlatLayout
-    trainable: bool
-    owners: list[list[tuple[nn.Module, str]]]
-    buffer: torch.Tensor | None = None      # fake gathered buffer, made once
-
-
-@dataclasses.dataclass
-class Layer:
-    index: int
-    module: nn.Module                        # a copy: parameters replaced by views when run
-    groups: list[Group]
-    recompute: bool
-
-    @property
-    def trainable(self) -> Group | None:
-        return next((g for g in self.groups if g.trainable), None)
-
-    def gathered_bytes(self, param_bytes: int) -> int:
-        return sum(g.layout.padded_numel for g in self.groups) * param_bytes
-
-
-def layer_of(module: nn.Module, index: int, world_size: int,
-                int8_block: int | None) -> Layer:
-    """A layer of a stack, as ``shard`` would split it into flat groups (on a copy: the caller's
-    layer keeps its parameters)."""
-    module = copy.deepcopy(module)
-    return layer_from_params(module, collect_params(module), index, world_size, int8_block)
-
-
-def layer_from_params(module: nn.Module, params: Params, index: int, world_size: int,
-                      int8_block: int | None) -> Layer:
-    """The flat groups of these parameters (trainable, then frozen), taken out of ``module``
-    (their views are installed in their owners' places when the layer runs)."""
-    groups = []
-    for trainable in (True, False):
-        chosen = [(n, p, o) for n, p, o in params if p.requires_grad == trainable]
-        if chosen:
-            multiple = int8_block if int8_block is not None and not trainable else 1
-            groups.append(Group(FlatLayout.build([(n, tuple(p.shape)) for n, p, _ in chosen],
-                                                  world_size, block=multiple),
-                                 trainable, [o for _, _, o in chosen]))
-    for _, _, owners in params:
-        for mod, attr in owners:
-            del mod._parameters[attr]
-    return Layer(index, module, groups, False)
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    world_size: int
-    device: str
-    param_bytes: int
-    reduce_bytes: int
-    param_dtype: torch.dtype
-    prefetch: Prefetch
-    offload: bool
-    micro_batches: int
-    frozen_weights: FrozenWeights = FrozenWeights()
-    reduce_way: str = "collective"      # comm/transport.py's name of how gradients travel
-
-    def gather_bytes(self, g: "Group") -> int:
-        """What one all-gather of the group moves (FlatGroup.gather_bytes)."""
-        if g.trainable:
-            return g.layout.padded_numel * self.param_bytes
-        return self.frozen_weights.frozen_nbytes(g.layout.padded_numel, self.param_bytes)
-
-
-def model_state(layers: list[Layer], opt: Options) -> ModelState:
-    t_numel = f_numel = t_shard = f_shard = 0
-    for layer in layers:
-        for g in layer.groups:
-            if g.trainable:
-                t_numel += g.layout.numel
-                t_shard += g.layout.shard_numel
-            else:
-                f_numel += g.layout.numel
-                f_shard += g.layout.shard_numel
-    sixteen = opt.param_bytes != 4
-    # Offload: the trainable model copies go to the host with everything the optimizer
-    # touches; the device keeps a mirror of each copy, and the frozen shards.
-    on_host = frozenset({TRAINABLE, MASTERS, OPTIMIZER, GRADIENTS} if opt.offload
-                        else set())
-    return ModelState(
-        trainable_numel=t_numel, frozen_numel=f_numel,
-        trainable_params=t_shard * (opt.param_bytes if sixteen else 4),
-        frozen_params=opt.frozen_weights.frozen_nbytes(f_shard, opt.param_bytes),
-        masters=t_shard * 4 if sixteen else 0, optimizer=t_shard * 8, gradients=t_shard * 4,
-        mirrors=t_shard * opt.param_bytes if opt.offload else 0, on_host=on_host)
-
-

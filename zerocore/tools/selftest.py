@@ -7,7 +7,9 @@ On the CPU always, and on the current CUDA device when one is visible:
   and every dtype combination, misaligned views included; on CUDA also against the CPU kernels,
   bit for bit, at a size that makes every grid-stride loop go round several times;
 - **engine**: ``zerocore.shard`` at world size 1 (gloo on the CPU, NCCL on a GPU) trained against
-  the unsharded model with ``torch.optim.AdamW``, and CPU offload against no offload;
+  the unsharded model with ``torch.optim.AdamW``, on a model whose flat groups end in padding and
+  on one whose groups end in real values (so that a reduction that leaves the end of its output
+  unwritten shows), and CPU offload against no offload;
 - **bandwidth**: ``tensor.copy_`` of a large buffer, and the fused Adam step's bandwidth as a
   fraction of it (a measurement: it never fails the run).
 
@@ -470,23 +472,49 @@ ENGINE_LOSS_RTOL = 1e-5
 # 3e-4·lr over 12 steps in tests/engine/test_shard.py). 2e-3·lr still fails on a missing weight
 # decay (lr·wd·|p| = 1e-3·|p| per step), a skipped update (~lr) or a wrong learning rate.
 ENGINE_PARAM_TOL_LR = 2e-3
-D_IN, HIDDEN, D_OUT, BATCH = 13, 37, 7, 16  # odd sizes: every flat group is padded
+BATCH = 24  # rows of a step's batch: whole for 1, 2, 3, 4, 6 and 8 ranks
 
 
-def _mlp() -> list[nn.Module]:
+@dataclasses.dataclass(frozen=True)
+class MlpShape:
+    """Widths of the selftest's MLP stack (in, hidden, out)."""
+
+    d_in: int
+    hidden: int
+    d_out: int
+
+
+# Odd sizes: every flat group is padded at its end (9-11 elements at world size 1).
+PADDED = MlpShape(13, 37, 7)
+# Every parameter a multiple of 16 elements (flat_layout.ALIGN) and every layer's total a
+# multiple of 16 x 6: no gap, no padding at world sizes 1, 2, 3 and 6, so each group ends with
+# its last bias and a reduction's last elements are real gradients.
+UNPADDED = MlpShape(32, 96, 96)
+
+
+def mlp(shape: MlpShape = PADDED) -> list[nn.Module]:
     """The same small MLP stack every call, without disturbing the caller's random state."""
+    d_in, hidden, d_out = shape.d_in, shape.hidden, shape.d_out
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return [nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.GELU()),
-                nn.Sequential(nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, HIDDEN), nn.GELU()),
-                nn.Sequential(nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, D_OUT))]
+        return [nn.Sequential(nn.Linear(d_in, hidden), nn.GELU()),
+                nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, hidden), nn.GELU()),
+                nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, d_out))]
 
 
-def _batch(step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and learnable targets (a fixed random teacher), the same for every run."""
-    x = torch.randn(BATCH, D_IN, generator=_gen(100 + step))
-    w = torch.randn(D_IN, D_OUT, generator=_gen(7)) / math.sqrt(D_IN)
+def batch(step: int, device: torch.device, shape: MlpShape = PADDED
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and learnable targets (a fixed random teacher), the same for every run: the
+    whole step's ``BATCH`` rows (ranks take their slice)."""
+    x = torch.randn(BATCH, shape.d_in, generator=_gen(100 + step))
+    w = torch.randn(shape.d_in, shape.d_out, generator=_gen(7)) / math.sqrt(shape.d_in)
     return x.to(device), torch.tanh(x @ w).to(device)
+
+
+def padded_groups(model: zerocore.ShardedSequential) -> list[str]:
+    """The flat groups of ``model`` that end in padding (or have gaps), by layer index."""
+    return [f"layer {i}" for i, layer in enumerate(model.layers) for g in layer.groups
+            if g.layout.padded_numel != g.layout.numel]
 
 
 @contextlib.contextmanager
@@ -512,10 +540,11 @@ def world_of_one(device: torch.device) -> Iterator[dist.ProcessGroup]:
 
 
 def _train(device: torch.device, steps: int, *, offload: bool, param_dtype: torch.dtype,
-           group: dist.ProcessGroup, with_reference: bool) -> dict:
+           group: dist.ProcessGroup, with_reference: bool, shape: MlpShape = PADDED) -> dict:
     """Trains the sharded MLP (and, with_reference, an unsharded copy with torch.optim.AdamW in
-    lockstep). Returns the losses and the final parameters by name, on the CPU."""
-    layers = _mlp()
+    lockstep). Returns the losses, the final parameters by name, on the CPU, and the groups
+    that end in padding."""
+    layers = mlp(shape)
     ref = nn.Sequential(*copy.deepcopy(layers)).to(device) if with_reference else None
     model = zerocore.shard(layers, group=group, device=device,
                            mixed_precision=zerocore.MixedPrecision(param_dtype),
@@ -524,9 +553,9 @@ def _train(device: torch.device, steps: int, *, offload: bool, param_dtype: torc
     if ref is not None:
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=ENGINE_LR,
                                     weight_decay=ENGINE_WEIGHT_DECAY)
-    out: dict = {"losses": [], "ref_losses": []}
+    out: dict = {"losses": [], "ref_losses": [], "padded": padded_groups(model)}
     for step in range(steps):
-        x, y = _batch(step, device)
+        x, y = batch(step, device, shape)
         loss = (model(x.to(param_dtype)).float() - y).pow(2).mean()
         loss.backward()
         opt.step()
@@ -545,11 +574,25 @@ def _train(device: torch.device, steps: int, *, offload: bool, param_dtype: torc
     return out
 
 
+def _params_row(check: str, device: torch.device, run: dict, seconds: float,
+                detail: str = "") -> Result:
+    """The parameters of a run against its reference's, in units of lr."""
+    if set(run["params"]) != set(run["ref_params"]):
+        return Result(check, device.type, "FAIL", None, None, "", seconds,
+                      f"names differ: {sorted(run['params'])} vs {sorted(run['ref_params'])}")
+    err, name = max(((run["params"][n] - w).abs().max().item() / ENGINE_LR, n)
+                    for n, w in run["ref_params"].items())
+    return _judged(check, device.type, err, ENGINE_PARAM_TOL_LR, "x lr", seconds,
+                   f"worst: {name}" + (f"; {detail}" if detail else ""))
+
+
 def check_engine(device: torch.device, steps: int) -> list[Result]:
-    """Three rows: the losses and the parameters of zerocore.shard + zerocore.optim.AdamW
-    against the unsharded model with torch.optim.AdamW (fp32), and bf16 training with CPU
-    offload against the same without (bit for bit: offload moves the optimizer's work to the
-    CPU kernel, which computes exactly what the device's kernel does)."""
+    """Four rows: the losses and the parameters of zerocore.shard + zerocore.optim.AdamW
+    against the unsharded model with torch.optim.AdamW (fp32); the parameters again for a model
+    whose groups end without padding (the last elements a reduction writes are real gradients);
+    and bf16 training with CPU offload against the same without (bit for bit: offload moves the
+    optimizer's work to the CPU kernel, which computes exactly what the device's kernel
+    does)."""
     rows = []
     with world_of_one(device) as group:
         t0 = time.perf_counter()
@@ -562,15 +605,19 @@ def check_engine(device: torch.device, steps: int) -> list[Result]:
         rows.append(_judged("engine ws1 losses vs torch AdamW", device.type, rel,
                             ENGINE_LOSS_RTOL, "rel", seconds,
                             f"{steps} steps, loss {first:.4f} -> {last:.4f}"))
-        if set(run["params"]) != set(run["ref_params"]):
-            rows.append(Result("engine ws1 params vs torch AdamW", device.type, "FAIL", None,
-                               None, "", 0.0, f"names differ: {sorted(run['params'])} vs "
-                                              f"{sorted(run['ref_params'])}"))
+        rows.append(_params_row("engine ws1 params vs torch AdamW", device, run, 0.0))
+
+        t0 = time.perf_counter()
+        run = _train(device, steps, offload=False, param_dtype=torch.float32, group=group,
+                     with_reference=True, shape=UNPADDED)
+        check = "engine ws1 unpadded groups vs torch AdamW"
+        if run["padded"]:
+            rows.append(Result(check, device.type, "FAIL", None, None, "",
+                               time.perf_counter() - t0,
+                               f"the model's groups are padded ({', '.join(run['padded'])})"))
         else:
-            err, name = max(((run["params"][n] - w).abs().max().item() / ENGINE_LR, n)
-                            for n, w in run["ref_params"].items())
-            rows.append(_judged("engine ws1 params vs torch AdamW", device.type, err,
-                                ENGINE_PARAM_TOL_LR, "x lr", 0.0, f"worst: {name}"))
+            rows.append(_params_row(check, device, run, time.perf_counter() - t0,
+                                    "every group ends with a real value"))
 
         t0 = time.perf_counter()
         plain, offloaded = (_train(device, steps, offload=o, param_dtype=torch.bfloat16,

@@ -1,0 +1,75 @@
+"""``HostArena``: the host memory of one sharding's offloaded state (``Offload(optimizer=True)``):
+the fp32 master shards, their 16-bit model copies and the two staging buffers gradients are
+copied into from the device, carved in order from one anonymous mapping, and on a GPU pinned,
+exactly the bytes used, once the layers are built.
+
+Why not ``torch.empty(..., pin_memory=True)`` per buffer: torch's caching host allocator rounds
+each pinned block up (to a power of two), and pinned memory cannot be swapped, with eight ranks
+a host; one registration (``cudaHostRegister``) of exactly what is used pins nothing more.
+
+Why a reservation: layers are sharded one at a time (a generator of layers keeps host memory near
+one layer), so the total is known only after the last. The mapping is reserved at the size of
+the host's memory, which costs address space only (a page takes memory when first written, and
+``MAP_NORESERVE`` keeps the reservation out of the kernel's overcommit accounting); what is
+carved is written at once, and the rest is never touched.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import weakref
+
+import torch
+
+# Linux's MAP_NORESERVE (the mmap module names it only from Python 3.13).
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
+_ALIGN = 64   # bytes: every buffer starts on a cache line (and any dtype's alignment)
+
+
+def _host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class HostArena:
+    """``take(numel, dtype)`` hands out consecutive buffers; ``pin()`` pins what was taken (on a
+    CUDA machine); ``used`` / ``pinned`` are the bytes carved and pinned."""
+
+    def __init__(self, pin: bool, reserve: int | None = None):
+        self._pin = pin
+        self._size = reserve if reserve is not None else _host_memory_bytes()
+        self._map = mmap.mmap(-1, self._size,
+                              flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)   # holds the mapping
+        self.used = 0
+        self.pinned = 0
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A new 1-D buffer of ``numel`` elements of ``dtype`` (zeros: fresh pages)."""
+        assert self.pinned == 0, "the arena is pinned already: buffers come before pin()"
+        start = -(-self.used // _ALIGN) * _ALIGN
+        end = start + numel * dtype.itemsize
+        if end > self._size:
+            raise MemoryError(f"zerocore: the offloaded state needs more than the host's "
+                              f"{self._size / 2**30:.1f} GiB of memory")
+        self.used = end
+        # A tensor of its own on the mapping's storage, not a view of ``_bytes``: views share
+        # one version counter, and a shard's counter says whether its master was written
+        # (sharded_param.refresh_model_copy), so every buffer has its own.
+        return torch.empty(0, dtype=dtype).set_(self._bytes.untyped_storage(),
+                                                start // dtype.itemsize, (numel,))
+
+    def pin(self) -> None:
+        """Pins the bytes taken so far (a CUDA machine; elsewhere nothing to do): host-device
+        copies of them then run asynchronously. Unpinned when the arena goes."""
+        if not self._pin or self.used == 0 or self.pinned:
+            return
+        ptr = self._bytes.data_ptr()
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(ptr, self.used, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"zerocore: pinning {self.used / 2**20:,.1f} MiB of host memory "
+                               f"for the offloaded state failed (cudaHostRegister: error "
+                               f"{int(err)}); the host may limit locked memory (ulimit -l)")
+        self.pinned = self.used
+        weakref.finalize(self, cudart.cudaHostUnregister, ptr)

@@ -1,0 +1,209 @@
+"""The step ``zerocore.plan`` measures: the engine's own. A sharding is built by the front door's
+own class over a planned world (comm/fake.py: ``world_size`` ranks, this one of them) on fake
+tensors (``FakeTensorMode``: shapes and dtypes, no memory, torch's own kernels' choices), with a
+transport that moves nothing and holds what each way says it holds (engine/rehearsal.py); then
+zerocore's AdamW, a first training step (after it nothing is created lazily: the optimizer's
+moments, the resident frozen groups, the order a model's units run in), and the step planned:
+its micro-batches' forward and backward, the optimizer step, ``zero_grad``.
+
+``LiveBytes`` follows every storage the run keeps alive; whenever their sum passes its peak, what
+the engine holds is read off the sharding by category (shards, masters, moments, gradients,
+gathered layers, gradient buffers) and the rest is activations. So the plan holds what the step
+holds, and no part of it re-tells the engine's walk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from zerocore.comm import transport
+from zerocore.engine.rehearsal import Rehearsal
+from zerocore.engine.sharding import Sharding
+from zerocore.optim import AdamW
+from zerocore.planning.live_bytes import LiveBytes
+from zerocore.planning.memory_plan import (ACTIVATIONS, CATEGORIES, CUDA_FIXED_HEADROOM,
+                                           CUDA_HEADROOM_FRACTION, FROZEN, GATHERED,
+                                           GRAD_BUFFERS, GRADIENTS, MASTERS, MIRRORS,
+                                           OPTIMIZER, TRAINABLE, MemoryPlan, ModelState)
+from zerocore.policies import Comm
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """What the planned step is: the sharding to build, and one micro-batch's loss."""
+
+    build: Callable[[Rehearsal], Sharding]     # the front door's class, over the rehearsal
+    loss: Callable[[], torch.Tensor]           # the model run on its fake input, and the loss
+    world_size: int
+    device: str                                # "cuda" or "cpu": the device planned for
+    comm: Comm
+    offload: bool                              # Offload(optimizer=True)
+    micro_batches: int
+
+
+class _Peak:
+    """The step's peak as it is found: the engine's holdings by category, and where."""
+
+    def __init__(self) -> None:
+        self.total = -1
+        self.parts: dict[str, int] = {}
+        self.phase = ""
+        self.gathered = 0          # most gathered-layer bytes at any point observed
+        self.activations = 0       # most activation bytes at any point observed
+
+
+def rehearse(step: Step, fake: FakeTensorMode, exclude: list[torch.Tensor]) -> MemoryPlan:
+    """Builds the sharding, runs a first step and the planned one on fake tensors (``fake``:
+    the mode the layers' buffers and the inputs were made in); the peak of the planned step,
+    per rank. ``exclude``: the step's inputs, which the caller holds (not counted)."""
+    ways = transport.planned(step.comm, device_kind=step.device, world_size=step.world_size)
+    peak = _Peak()
+    held: dict[str, Any] = {}          # the sharding, optimizer and label, once they exist
+
+    def observe(live: int) -> None:
+        parts = _by_category(held["sharding"], held["optimizer"], held["kept"])
+        parts[ACTIVATIONS] = live - sum(parts.values())
+        peak.gathered = max(peak.gathered, parts[GATHERED])
+        peak.activations = max(peak.activations, parts[ACTIVATIONS])
+        if live > peak.total:
+            peak.total, peak.parts, peak.phase = live, parts, _phase(held)
+
+    tracker = LiveBytes(observe)
+    for t in exclude:
+        tracker.exclude(t)
+
+    class Watch:  # the gathered buffers' resizes: counted, and observed when the window is open
+        @staticmethod
+        def resized(storage: torch.UntypedStorage) -> None:
+            tracker.resized(storage)
+            if tracker.peak is not None:
+                observe(tracker.live)
+
+    with fake, tracker, tracker.saved_hooks():
+        sharding = step.build(Rehearsal(ways, step.device, Watch()))
+        optimizer = AdamW(sharding.trainable_shards(), lr=1e-3)
+        # What the transport keeps from step to step (reading's received buffer, as large as
+        # the largest shard reduced so far): here from the start, as in every step after the
+        # first.
+        largest = max((l.trainable.layout.shard_numel for l in sharding.layers
+                       if l.trainable is not None), default=0)
+        kept = torch.empty(transport.REDUCES[ways.reduce].kept_nbytes(
+            largest * sharding.mixed_precision.grad_reduce_dtype.itemsize), dtype=torch.uint8)
+        held.update(sharding=sharding, optimizer=optimizer, kept=kept, label="", phase=None)
+        _train(step, sharding, optimizer, held, micro_batches=1)   # the first step
+        tracker.open_window()
+        _train(step, sharding, optimizer, held, micro_batches=min(step.micro_batches, 2))
+    return _plan(step, sharding, peak)
+
+
+def _train(step: Step, sharding: Sharding, optimizer: AdamW, held: dict,
+           micro_batches: int) -> None:
+    """Forward and backward of each micro-batch (the second sees gradients present: more
+    would hold nothing more), the optimizer's step, ``zero_grad(set_to_none=True)``."""
+    for m in range(micro_batches):
+        held["label"] = f"micro-batch {m + 1}, " if micro_batches > 1 else ""
+        value = step.loss()
+        value.backward()
+        del value
+    held["phase"] = "optimizer step"
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    held["phase"] = None
+
+
+def _phase(held: dict) -> str:
+    """Where the step is, as the runtime last said."""
+    if held["phase"] is not None:
+        return held["phase"]
+    sharding: Sharding = held["sharding"]
+    kind, index = sharding.runtime.where
+    if not kind:
+        return held["label"] + "start"
+    root = sharding.runtime.root.layer
+    what = "the root" if index == root.index and root.groups else f"layer {index}"
+    return f"{held['label']}{kind} of {what}"
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.untyped_storage().nbytes()
+
+
+def _by_category(sharding: Sharding, optimizer: AdamW, kept: torch.Tensor) -> dict[str, int]:
+    """What the engine holds now, by category (each storage once)."""
+    parts = dict.fromkeys(CATEGORIES[:-1], 0)
+    seen: set[int] = set()
+
+    def add(category: str, t: torch.Tensor | None) -> None:
+        if t is None:
+            return
+        key = t.untyped_storage()._cdata
+        if key not in seen:
+            seen.add(key)
+            parts[category] += _nbytes(t)
+
+    for layer in (u.layer for u in sharding.runtime.units):
+        for g in layer.groups:
+            parts[GATHERED] += g.gathered_bytes
+            shard = g.shard
+            if not g.trainable:
+                add(FROZEN, shard)
+                continue
+            copy = getattr(shard, "model_copy", None)
+            add(TRAINABLE, copy if copy is not None else shard)
+            if copy is not None:
+                add(MASTERS, shard)
+            parts[MIRRORS] += g.mirror_bytes
+            add(GRADIENTS, shard.grad)
+            for t in optimizer.state.get(shard, {}).values():
+                if isinstance(t, torch.Tensor) and t.dim() > 0:
+                    add(OPTIMIZER, t)
+    for t in sharding.runtime.coordinator.held_tensors():
+        add(GRAD_BUFFERS, t)
+    add(GRAD_BUFFERS, kept)
+    return parts
+
+
+def model_state(sharding: Sharding, on_host: frozenset[str]) -> ModelState:
+    """The bytes of model state of one rank, from the layouts the engine built."""
+    p_bytes = sharding.mixed_precision.param_dtype.itemsize
+    sixteen = p_bytes != 4
+    t_numel = f_numel = t_shard = f_shard = 0
+    for layer in sharding.layers:
+        for g in layer.groups:
+            if g.trainable:
+                t_numel += g.layout.numel
+                t_shard += g.layout.shard_numel
+            else:
+                f_numel += g.layout.numel
+                f_shard += g.layout.shard_numel
+    return ModelState(
+        trainable_numel=t_numel, frozen_numel=f_numel,
+        trainable_params=t_shard * (p_bytes if sixteen else 4),
+        frozen_params=sharding.frozen_weights.frozen_nbytes(f_shard, p_bytes),
+        masters=t_shard * 4 if sixteen else 0, optimizer=t_shard * 8, gradients=t_shard * 4,
+        mirrors=t_shard * p_bytes if sharding.offload.optimizer else 0, on_host=on_host)
+
+
+def _plan(step: Step, sharding: Sharding, peak: _Peak) -> MemoryPlan:
+    # Offload: the trainable model copies go to the host with everything the optimizer
+    # touches; the device keeps a mirror of each copy, and the frozen shards. (On the CPU
+    # host and device are one memory.)
+    on_host = frozenset({TRAINABLE, MASTERS, OPTIMIZER, GRADIENTS} if step.offload else set())
+    state = model_state(sharding, on_host)
+    cuda = step.device == "cuda"
+    device_tensors = sum(v for k, v in peak.parts.items() if not cuda or k not in on_host)
+    headroom = (CUDA_FIXED_HEADROOM + int(CUDA_HEADROOM_FRACTION * device_tensors)
+                if cuda else 0)
+    host = sum(v for k, v in peak.parts.items() if k in on_host) if cuda else 0
+    gather, reduce = sharding.expected_traffic()
+    return MemoryPlan(
+        world_size=step.world_size, device=step.device, state=state, peak=peak.parts,
+        peak_phase=peak.phase, gathered_peak=peak.gathered,
+        activations_peak=peak.activations, host_peak=host, headroom=headroom,
+        all_gather_bytes=gather * step.micro_batches,
+        reduce_scatter_bytes=reduce * step.micro_batches,
+        recomputed_layers=tuple(sorted(sharding.schedule.recomputed)))
