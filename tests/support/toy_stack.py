@@ -118,7 +118,8 @@ class Spec:
     train: str = "all"                  # "all", "biases" (weights frozen), "no_embedding",
                                         # "middle_frozen" (all of layer 1 frozen)
     max_norm: float | None = None       # clip through zerocore.LossScaler / clip_grad_norm_
-    offload: bool = False
+    offload: bool = False               # Offload(optimizer=True)
+    offload_params: bool = False        # Offload(params=True)
     param_dtype: torch.dtype = torch.float32
     with_unused: bool = False           # a trainable parameter that forward never uses
     gc_before_backward: bool = False    # gc.collect() between forward and backward
@@ -205,10 +206,11 @@ def accumulate_step(model: zerocore.ShardedSequential, spec: Spec, step: int, ra
 
 def shard_stack(spec: Spec) -> zerocore.ShardedSequential:
     """The stack of ``spec``, sharded in its parameter dtype, its optimizer offloaded when
-    ``spec.offload``."""
+    ``spec.offload``, its parameter shards when ``spec.offload_params``."""
     return zerocore.shard(make_layers(spec),
                           mixed_precision=zerocore.MixedPrecision(spec.param_dtype),
-                          offload=zerocore.Offload(optimizer=spec.offload))
+                          offload=zerocore.Offload(optimizer=spec.offload,
+                                                   params=spec.offload_params))
 
 
 def train_digest(model: zerocore.ShardedSequential, spec: Spec, rank: int,
