@@ -38,7 +38,7 @@ from zerocore.engine.offload import OffloadStreams
 from zerocore.engine.rehearsal import StorageWatch
 from zerocore.policies import Comm
 from zerocore.engine.sharded_param import (gather_source, is_offloaded, is_shard, new_shard,
-                                           refresh_model_copy, set_layout)
+                                           refresh_model_copy, set_layout, wait_for_device)
 
 
 class GroupState(enum.Enum):
@@ -318,9 +318,12 @@ class FlatGroup:
 
     def free(self, release: bool = False) -> None:
         """Gives the gathered buffer back, unless the group is resident (``release`` frees
-        it anyway)."""
+        it anyway). ``release`` also waits for the last upload that read a host shard: the
+        host may write the shard next (``zerocore.load_checkpoint``, ``load_frozen``)."""
         if self.state is GroupState.GATHERING:
             self.wait_gather()
+        if release:
+            self._wait_host_reads()
         self.gather.before_free()  # the other ranks may still be reading this buffer
         if self.int8_block is not None:
             self._q8_storage.resize_(0)  # the int8 bytes: dequantized already
@@ -330,6 +333,15 @@ class FlatGroup:
         self._storage.resize_(0)
         self._resized(self._storage)
         self.state = GroupState.SHARDED
+
+    def _wait_host_reads(self) -> None:
+        """Blocks the host until the last upload that read this group's host shard (or the
+        model copy a mirror is uploaded from) has completed; nothing else on the device."""
+        if is_offloaded(self.shard):
+            wait_for_device(self.shard)
+        elif self._host_read is not None:
+            self._host_read.synchronize()
+            self._host_read = None
 
     def _resized(self, storage: torch.UntypedStorage) -> None:
         if self._watch is not None:
@@ -381,9 +393,6 @@ class FlatGroup:
         quantized for int8 groups. Frees a gathered copy of the old values."""
         assert not self.trainable
         self.free(release=True)
-        if self._host_read is not None:  # a host shard: the last upload must have read it
-            self._host_read.synchronize()
-            self._host_read = None
         with torch.no_grad():
             if self.int8_block is not None:  # quantized on the device, as when sharded
                 self.shard.copy_(self._quantized(values.to(self.ctx.device)))
