@@ -23,8 +23,8 @@ from torch import nn
 
 import zerocore
 from zerocore.plan import FROZEN, TRAINABLE
-from tests.support.toy_stack import (LR, WEIGHT_DECAY, Spec, global_batch, loss_fn, make_layers,
-                                     model_input)
+from tests.support.toy_stack import (LR, WEIGHT_DECAY, Spec, digest_step, global_batch, loss_fn,
+                                     make_layers, model_input)
 
 WORLD_SIZES = [1, 2, 3]
 DOORS = ["shard", "shard_model"]
@@ -144,13 +144,7 @@ def train(rank: int, world_size: int, door: str, name: str, label: str) -> dict:
             # (the keep-gathered budget's).
             left_gathered += [g.gathered_bytes for g in groups(sharding)
                               if g.trainable or not g.resident]
-        for shard in sharding.trainable_shards():
-            h.update(shard.grad.numpy().tobytes())
-        if spec.max_norm is not None:
-            h.update(struct.pack("<d", scaler.step(opt, max_norm=spec.max_norm).grad_norm))
-        else:
-            opt.step()
-        opt.zero_grad()
+        digest_step(h, sharding, opt, scaler, spec)
         after_step.append(sharding.memory_report().device_shard_bytes)
     for index, state in sharding.iter_full_states():
         for n, t in sorted(state.items()):

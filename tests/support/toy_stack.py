@@ -224,14 +224,22 @@ def train_digest(model: zerocore.ShardedSequential, spec: Spec, rank: int,
     for step in range(spec.steps):
         for loss in accumulate_step(model, spec, step, rank, world_size):
             h.update(struct.pack("<d", loss))
-        for shard in model.trainable_shards():
-            h.update(shard.grad.numpy().tobytes())
-        if spec.max_norm is not None:
-            h.update(struct.pack("<d", scaler.step(opt, max_norm=spec.max_norm).grad_norm))
-        else:
-            opt.step()
-        opt.zero_grad()
+        digest_step(h, model, opt, scaler, spec)
     for name, t in sorted((final or full_params)(model).items()):
         h.update(name.encode())
         h.update(t.float().numpy().tobytes())
     return {"digest": h.hexdigest()}
+
+
+def digest_step(h: "hashlib._Hash", sharding: nn.Module, opt: torch.optim.Optimizer,
+                scaler: zerocore.LossScaler, spec: Spec) -> None:
+    """The end of one step of a digested run (``sharding``: either front door's): the gradient
+    shards hashed, the optimizer stepped (through the scaler, clipping to ``spec.max_norm``,
+    with the norm hashed, when it is set), the gradients zeroed."""
+    for shard in sharding.trainable_shards():
+        h.update(shard.grad.numpy().tobytes())
+    if spec.max_norm is not None:
+        h.update(struct.pack("<d", scaler.step(opt, max_norm=spec.max_norm).grad_norm))
+    else:
+        opt.step()
+    opt.zero_grad()
