@@ -574,6 +574,29 @@ def test_compile_trains_as_eager(cli_dirs, tmp_path):
 
 
 @pytest.mark.e2e
+def test_offload_trains_bitwise_as_without(cli_dirs, tmp_path):
+    # --offload params|optimizer|all (zerocore.Offload) and the older --offload-optimizer: a
+    # LoRA run in bf16 on 2 ranks (frozen base weights and bf16 copies: every kind of shard
+    # the parameter offload moves) gives the same losses, bit for bit, as without offload.
+    losses, lines = {}, {}
+    for flag in ((), ("--offload", "params"), ("--offload", "all"), ("--offload-optimizer",)):
+        out = tmp_path / ("-".join(flag).strip("-") or "none")
+        proc = run_cli("--nproc", 2, *common_args(cli_dirs, out), "--finetune", "lora",
+                       "--dtype", "bf16", "--max-steps", 2, "--sample-tokens", 0, *flag)
+        _check_ok(proc)
+        losses[flag] = [r["loss"] for r in read_metrics(out)[0]]
+        lines[flag] = next(line for line in proc.stdout.splitlines() if "fine-tuning" in line)
+    assert len(losses[()]) == 2
+    for flag, got in losses.items():
+        assert got == losses[()], (flag, losses)
+    assert "in CPU memory" not in lines[()]
+    assert "; parameter shards in CPU memory" in lines[("--offload", "params")]
+    assert ("; parameter shards and optimizer state in CPU memory"
+            in lines[("--offload", "all")])
+    assert "; optimizer state in CPU memory" in lines[("--offload-optimizer",)]
+
+
+@pytest.mark.e2e
 def test_torchrun_joins_its_group(cli_dirs, tmp_path):
     """Under torchrun (RANK/WORLD_SIZE set by the launcher) the CLI joins that group instead of
     spawning: the way it runs across machines."""
