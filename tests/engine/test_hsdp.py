@@ -20,8 +20,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import zerocore
-from tests.support.toy_stack import (LR, SEQ, WEIGHT_DECAY, Spec, global_batch, loss_fn,
-                                     make_layers)
+from tests.support.toy_stack import (LR, SEQ, WEIGHT_DECAY, Spec, assert_trains_as,
+                                     global_batch, loss_fn, make_layers)
 
 STEPS = 3
 MICRO = 2
@@ -151,17 +151,8 @@ def _check_against_reference(case: Case, got: list[dict], want: dict) -> None:
         for n_got, n_ref in zip(out["norms"], want["norms"]):
             assert n_ref > MAX_NORM  # every step clipped
             assert abs(n_got - n_ref) <= case.loss_rtol * n_ref, (n_got, n_ref)
-        assert out["weights"].keys() == want["weights"].keys()
-        if case.update_rtol is None:
-            for n, w in out["weights"].items():
-                torch.testing.assert_close(w.float(), want["weights"][n], rtol=0,
-                                           atol=case.weight_atol, msg=n)
-        else:
-            off = sum((w.float() - want["weights"][n]).square().sum()
-                      for n, w in out["weights"].items()).sqrt()
-            update = sum((want["weights"][n] - want["init"][n]).square().sum()
-                         for n in want["weights"]).sqrt()
-            assert off <= case.update_rtol * update, (off, update)
+        assert_trains_as(out["weights"], want["weights"], want["init"],
+                         atol=case.weight_atol, update_rtol=case.update_rtol)
 
 
 def _check_replicas(case: Case, got: list[dict]) -> None:

@@ -7,11 +7,9 @@ tests/engine/test_hsdp.py's.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
-import struct
 
 import pytest
 import torch
@@ -19,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import zerocore
-from tests.support.toy_stack import LR, WEIGHT_DECAY, Spec, accumulate_step, make_layers
+from tests.support.toy_stack import Spec, make_layers, train_digest
 
 WORLD_SIZES = [1, 2, 3]
 DOORS = ["shard", "shard_model"]
@@ -40,21 +38,10 @@ def _shard(door: str, **where):
     return model, zerocore.shard_model(model, [model[1], model[2]], **where)
 
 
-def digest(rank: int, world_size: int, door: str, how: str) -> str:
-    """A hash of a run's every loss and clipped norm and its final trainable shards."""
+def digest(rank: int, world_size: int, door: str, how: str) -> dict:
     where = {"mesh": init_device_mesh("cpu", (world_size,))} if how == "mesh" else {}
     model, sharding = _shard(door, **where)
-    opt = zerocore.optim.AdamW(sharding.trainable_shards(), lr=LR, weight_decay=WEIGHT_DECAY)
-    scaler = zerocore.LossScaler(sharding.group, dynamic=False)
-    h = hashlib.sha256()
-    for step in range(SPEC.steps):
-        for loss in accumulate_step(model, SPEC, step, rank, world_size):
-            h.update(struct.pack("<d", loss))
-        h.update(struct.pack("<d", scaler.step(opt, max_norm=SPEC.max_norm).grad_norm))
-        opt.zero_grad()
-    for shard in sharding.trainable_shards():
-        h.update(shard.detach().numpy().tobytes())
-    return h.hexdigest()
+    return train_digest(model, SPEC, rank, world_size, sharding=sharding)
 
 
 @pytest.mark.parametrize("door", DOORS)
