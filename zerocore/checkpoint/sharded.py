@@ -241,6 +241,17 @@ def _tidy(root: Path, final: Path, run_id: str | None, keep_last: int) -> None:
         remove_tree(path)
 
 
+def refuse_replicated(model: Any, what: str) -> None:
+    """HSDP's models (a 2-D mesh with several replicas) are not saved or loaded yet: each
+    replica's shard group would write the same rank files, and the ranks' random states are
+    per rank (issue 30, item 4). The same answer on every rank (the mesh is agreed)."""
+    mesh = model.mesh
+    if mesh.replicate is not None:
+        raise ValueError(f"{what}: the model is sharded HSDP ({mesh.shape[0]} replicas x "
+                         f"{mesh.shape[1]} shards), whose checkpoints zerocore does not write "
+                         f"or read yet; shard it flat (group= or a 1-D mesh) to checkpoint")
+
+
 def save_checkpoint(root: str | Path, step: int, model: Any,
                     optimizer: torch.optim.Optimizer, *, scaler: LossScaler | None = None,
                     extra: dict[str, Any] | None = None, keep_last: int = 3,
@@ -262,6 +273,7 @@ def save_checkpoint(root: str | Path, step: int, model: Any,
     anything cannot be written; nothing is then committed and earlier checkpoints are intact.
     """
     model = sharded_of(model)
+    refuse_replicated(model, "save_checkpoint")
     if include_frozen and model.frozen_weights.int8_block is not None:
         # The same answer on every rank (the policy is the model's), so no rank waits.
         raise ValueError("save_checkpoint: include_frozen=True with FrozenWeights('int8'): the "
@@ -442,6 +454,7 @@ def load_checkpoint(path: str | Path, model: Any,
     loss-scaler state are loaded (``zerocore.checkpoint.deepspeed.load_deepspeed_checkpoint``) and
     ``{"deepspeed": {...}}`` is returned."""
     path = Path(path)
+    refuse_replicated(sharded_of(model), "load_checkpoint")
     if is_deepspeed_checkpoint(path):
         return load_deepspeed_checkpoint(path, model, optimizer, scaler=scaler)
     model = sharded_of(model)
