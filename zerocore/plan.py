@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from zerocore.comm.fake import fake_group
+from zerocore.comm import mesh as meshes
 from zerocore.engine.meta_layer import MetaLayer
 from zerocore.engine.rehearsal import Rehearsal
 from zerocore.engine.sharded_model import ShardedModel, unit_modules
@@ -55,7 +55,8 @@ def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, worl
          mixed_precision: MixedPrecision = MixedPrecision(), prefetch: Prefetch = Prefetch(),
          offload: Offload = Offload(), recompute: Recompute | None = None,
          micro_batches: int = 1, frozen_weights: FrozenWeights = FrozenWeights(),
-         comm: Comm = Comm()) -> MemoryPlan:
+         comm: Comm = Comm(), mesh: tuple[int, int] | None = None,
+         nodes: int = 1) -> MemoryPlan:
     """The memory and communication of one training step of ``zerocore.shard(layers, ...)``
     on ``world_size`` ranks, per rank, from shapes alone.
 
@@ -67,6 +68,13 @@ def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, worl
         training loop computes it (default: the output's sum).
     device: "cuda" (NCCL: reduce-scatter buffers, the allocator's headroom) or "cpu" (gloo).
     micro_batches: forward/backward passes per optimizer step (gradient accumulation).
+    mesh: ``(replicas, shards)`` for HSDP (``shard(mesh=)`` with a 2-D mesh of that shape; their
+        product is ``world_size``), each replica a node: memory per rank is that of
+        ``shards`` ranks, parameter and reduce-scatter traffic stays in the node, and
+        ``replica_all_reduce_bytes`` cross the nodes (the accumulation's last micro-batch
+        alone all-reduces). None: flat over ``world_size`` ranks.
+    nodes: the nodes a flat layout's ranks span (``inter_node_bytes``: all its traffic when
+        more than one); with ``mesh``, its replicas are the nodes.
     comm: how gradients travel (``zerocore.Comm``), which decides what the transport holds. On
         the CPU, ``"auto"`` plans for ranks of one Linux host that may read each other's memory
         (what ``shard`` finds there unless ptrace is restricted); plan with
@@ -75,6 +83,8 @@ def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, worl
     its moments from construction; gradients are dropped by ``zero_grad(set_to_none=True)``.
     """
     _check("plan", device, world_size, micro_batches)
+    shape = meshes.check_shape(mesh, world_size, "plan")
+    _check_nodes("plan", nodes, world_size, shape)
     fake = FakeTensorMode()
     stack = [_planned(l.module if isinstance(l, MetaLayer) else l, fake) for l in layers]
     if not stack:
@@ -86,14 +96,16 @@ def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, worl
 
     def build(rehearsal: Rehearsal) -> ShardedSequential:
         held["model"] = ShardedSequential(
-            [MetaLayer(m, _read_nothing) for m in stack], group=fake_group(world_size),
+            [MetaLayer(m, _read_nothing) for m in stack],
+            mesh=meshes.planned(shape, world_size),
             device=_CPU, mixed_precision=mixed_precision, prefetch=prefetch, offload=offload,
             recompute=recompute, frozen_weights=frozen_weights, comm=comm, rehearsal=rehearsal)
         return held["model"]
 
     return rehearse(Step(build, lambda: loss(held["model"](x)), world_size=world_size,
                          device=device, comm=comm, offload=offload,
-                         micro_batches=micro_batches), fake, exclude=[x])
+                         micro_batches=micro_batches, mesh=shape, nodes=nodes), fake,
+                    exclude=[x])
 
 
 def plan_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module, example: Any = (), *,
@@ -103,7 +115,8 @@ def plan_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module, example
                prefetch: Prefetch = Prefetch(), offload: Offload = Offload(),
                recompute: Recompute | None = None, micro_batches: int = 1,
                frozen_weights: FrozenWeights = FrozenWeights(),
-               comm: Comm = Comm()) -> MemoryPlan:
+               comm: Comm = Comm(), mesh: tuple[int, int] | None = None,
+               nodes: int = 1) -> MemoryPlan:
     """The memory and communication of one training step of ``zerocore.shard_model(model,
     units, ...)`` on ``world_size`` ranks, per rank, from shapes alone: ``shard_model``'s own
     engine shards a copy of the model and runs its own forward on fake tensors.
@@ -118,6 +131,8 @@ def plan_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module, example
     The rest as for ``plan``; ``Recompute``'s positions are the units'.
     """
     _check("plan_model", device, world_size, micro_batches)
+    shape = meshes.check_shape(mesh, world_size, "plan_model")
+    _check_nodes("plan_model", nodes, world_size, shape)
     names = {id(m): n for n, m in model.named_modules()}
     chosen = unit_modules(model, units)   # refused as shard_model refuses them
     fake = FakeTensorMode()
@@ -134,14 +149,16 @@ def plan_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module, example
     inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
 
     def build(rehearsal: Rehearsal) -> ShardedModel:
-        return ShardedModel(copied, copied_units, group=fake_group(world_size), device=_CPU,
+        return ShardedModel(copied, copied_units, mesh=meshes.planned(shape, world_size),
+                            device=_CPU,
                             mixed_precision=mixed_precision, prefetch=prefetch,
                             offload=offload, frozen_weights=frozen_weights, comm=comm,
                             recompute=recompute, read=_read_nothing, rehearsal=rehearsal)
 
     return rehearse(Step(build, lambda: loss(copied(*args, **kwargs)), world_size=world_size,
                          device=device, comm=comm, offload=offload,
-                         micro_batches=micro_batches), fake, exclude=inputs)
+                         micro_batches=micro_batches, mesh=shape, nodes=nodes), fake,
+                    exclude=inputs)
 
 
 def _planned(module: nn.Module, fake: FakeTensorMode) -> nn.Module:
@@ -181,3 +198,12 @@ def _check(what: str, device: str, world_size: Any, micro_batches: Any) -> None:
     if type(micro_batches) is not int or micro_batches < 1:
         raise ValueError(f"{what}: micro_batches must be a positive int, got "
                          f"{micro_batches!r}")
+
+
+def _check_nodes(what: str, nodes: Any, world_size: int, shape: tuple[int, int] | None) -> None:
+    if type(nodes) is not int or nodes < 1 or world_size % nodes:
+        raise ValueError(f"{what}: nodes must be a positive int dividing world_size="
+                         f"{world_size}, got {nodes!r}")
+    if shape is not None and nodes not in (1, shape[0]):
+        raise ValueError(f"{what}: an HSDP mesh's nodes are its {shape[0]} replicas; leave "
+                         f"nodes out (got nodes={nodes})")

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 import zerocore
-from tests.support.toy_stack import LR, WEIGHT_DECAY, Spec, global_batch, loss_fn, make_layers
+from tests.support.toy_stack import (LR, WEIGHT_DECAY, Spec, assert_trains_as, global_batch,
+                                     loss_fn, make_layers)
 
 WORLD_SIZES = [1, 2, 3]
 STEPS = 3
@@ -164,17 +165,8 @@ def test_policy_trains_as_the_unsharded_model(world, name, door):
         for step, loss in enumerate(out["losses"]):
             ref = want["losses"][step][rank]
             assert abs(loss - ref) <= case.loss_rtol * abs(ref), (rank, step, loss, ref)
-        assert out["weights"].keys() == want["weights"].keys()
-        if case.update_rtol is None:
-            for n, w in out["weights"].items():
-                torch.testing.assert_close(w.float(), want["weights"][n], rtol=0,
-                                           atol=case.weight_atol, msg=n)
-        else:
-            off = sum((w.float() - want["weights"][n]).square().sum()
-                      for n, w in out["weights"].items()).sqrt()
-            update = sum((want["weights"][n] - want["init"][n]).square().sum()
-                         for n in want["weights"]).sqrt()
-            assert off <= case.update_rtol * update, (off, update)
+        assert_trains_as(out["weights"], want["weights"], want["init"],
+                         atol=case.weight_atol, update_rtol=case.update_rtol)
         # comm_report: the run moved what one step is expected to move, every step (the
         # resident frozen groups of Prefetch.keep_gathered once more, by the first gather).
         assert out["gathered"] == STEPS * out["expected"] + out["resident"], out

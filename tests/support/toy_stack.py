@@ -214,18 +214,20 @@ def shard_stack(spec: Spec) -> zerocore.ShardedSequential:
 
 
 def train_digest(model: zerocore.ShardedSequential, spec: Spec, rank: int,
-                 world_size: int, final=None) -> dict:
+                 world_size: int, final=None, sharding=None) -> dict:
     """Trains the sharded model and returns a digest of every step's loss (this rank's, exact),
     the gradient shards and norm before every step, and the final parameters (``final(model)``:
-    {name: tensor}; default every rank's shards gathered, fp32 masters)."""
-    opt = zerocore.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    scaler = zerocore.LossScaler(model.group, dynamic=False)
+    {name: tensor}; default every rank's shards gathered, fp32 masters). ``sharding``: the
+    model's, when ``model`` is not one itself (``shard_model``'s model)."""
+    sharding = model if sharding is None else sharding
+    opt = zerocore.optim.AdamW(sharding.trainable_shards(), lr=LR, weight_decay=WEIGHT_DECAY)
+    scaler = zerocore.LossScaler(sharding.group, dynamic=False)
     h = hashlib.sha256()
     for step in range(spec.steps):
         for loss in accumulate_step(model, spec, step, rank, world_size):
             h.update(struct.pack("<d", loss))
-        digest_step(h, model, opt, scaler, spec)
-    for name, t in sorted((final or full_params)(model).items()):
+        digest_step(h, sharding, opt, scaler, spec)
+    for name, t in sorted((final or full_params)(sharding).items()):
         h.update(name.encode())
         h.update(t.float().numpy().tobytes())
     return {"digest": h.hexdigest()}
@@ -243,3 +245,20 @@ def digest_step(h: "hashlib._Hash", sharding: nn.Module, opt: torch.optim.Optimi
     else:
         opt.step()
     opt.zero_grad()
+
+
+def assert_trains_as(weights: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                     init: dict[str, torch.Tensor], *, atol: float,
+                     update_rtol: float | None) -> None:
+    """Trained weights against the unsharded reference's (``want``, from ``init``): elementwise
+    within ``atol``; or, given ``update_rtol``, the whole update (``||w - w_ref|| /
+    ||w_ref - w_init||``), for reduced precision, where Adam turns the rounding of a tiny
+    gradient into lr-sized steps of a few elements while the update as a whole agrees."""
+    assert weights.keys() == want.keys(), (sorted(weights), sorted(want))
+    if update_rtol is None:
+        for n, w in weights.items():
+            torch.testing.assert_close(w.float(), want[n], rtol=0, atol=atol, msg=n)
+        return
+    off = sum((w.float() - want[n]).square().sum() for n, w in weights.items()).sqrt()
+    update = sum((want[n] - init[n]).square().sum() for n in want).sqrt()
+    assert off <= update_rtol * update, (off, update)

@@ -40,6 +40,11 @@ class CommCounter:
     all_gather_calls: int = 0
     reduce_scatter_calls: int = 0
     all_reduce_calls: int = 0
+    # HSDP: gradient shards all-reduced across the replicas (the replicate group: between
+    # nodes), counted as the shard-sized buffer each all-reduce sums; all the above stay in
+    # the shard group. None issued for one replica, where the bytes are still counted.
+    replica_all_reduce_bytes: int = 0
+    replica_all_reduce_calls: int = 0
     # Seconds the calling thread spent (time.perf_counter) issuing gathers (allocating the
     # gathered buffer, copying its own shard, enqueueing), blocked waiting for them, packing
     # and issuing gradient reductions, and blocked waiting for those (then averaging): where
@@ -162,6 +167,18 @@ def gather_to(shard: torch.Tensor, to_rank: int, group: dist.ProcessGroup
     dist.gather(shard, list(full.chunk(world)) if full is not None else None,
                 dst=dist.get_global_rank(group, to_rank), group=group)
     return full
+
+
+def all_reduce_across_replicas(t: torch.Tensor, group: dist.ProcessGroup,
+                               counter: CommCounter) -> None:
+    """t <- sum over the replicas of t, in place, synchronously (HSDP's gradient shards; the
+    group's own size, as a planned world's group is not registered: comm/fake.py). One
+    replica: no collective."""
+    counter.replica_all_reduce_bytes += nbytes(t)
+    if group.size() == 1:
+        return
+    counter.replica_all_reduce_calls += 1
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
 
 
 def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup, counter: CommCounter) -> None:

@@ -18,6 +18,10 @@ as ``mean_factors`` says on every backend: divide by ``pre``, SUM, divide by ``p
 - ``"read"`` (two gloo ranks of one host): each reads the other's contribution to its half.
 The values are the same bits whichever way they travel; only the cost differs, which is why
 the slower ways stay selectable (``Comm(gather=..., reduce=...)``), for tests and benchmarks.
+
+HSDP (a 2-D mesh, comm/mesh.py): each of these runs within the shard group, and
+``ReduceAcrossReplicas`` then all-reduces this rank's slice across the replicas (``Replicas``)
+before the one division by the whole world, on the backward that requires it.
 """
 
 from __future__ import annotations
@@ -48,15 +52,31 @@ class Route:
     # asked of the group once rather than at every gather.
     rank: int = 0
     global_ranks: tuple[int, ...] = (0,)
+    # HSDP: the replicas this group's gradient slices are all-reduced over after the group's
+    # own reduction; None: flat (the group's reduction is the whole mean).
+    replicas: "Replicas | None" = None
 
     @staticmethod
     def of(group: dist.ProcessGroup, counter: collectives.CommCounter, gloo: bool,
-           peers: peer_memory.PeerMemory | None) -> "Route":
+           peers: peer_memory.PeerMemory | None, replicas: "Replicas | None" = None
+           ) -> "Route":
         world = group.size()
         # A planned world's group is not registered with torch.distributed (comm/fake.py).
         ranks = (tuple(range(world)) if is_fake(group)
                  else tuple(dist.get_process_group_ranks(group)))
-        return Route(group, counter, gloo, peers, world, group.rank(), ranks)
+        return Route(group, counter, gloo, peers, world, group.rank(), ranks, replicas)
+
+    @property
+    def mean_world_size(self) -> int:
+        """How many ranks' gradients the mean is over: the group's, times its replicas."""
+        return self.world_size * (self.replicas.size if self.replicas is not None else 1)
+
+    def factors(self, dtype: torch.dtype) -> "MeanFactors":
+        """The mean's factors for this group's own way: the whole mean's, except that with
+        replicas the division after the sum waits for their all-reduce
+        (``ReduceAcrossReplicas``), so that it still comes once, after every rank's sum."""
+        f = mean_factors(dtype, self.mean_world_size)
+        return f if self.replicas is None else MeanFactors(f.pre, 1)
 
 
 class Gather:
@@ -120,7 +140,9 @@ class MeanFactors:
     """How the mean of the ranks' gradients is computed: each rank divides its packed gradients
     by ``pre`` (a power of two, so exactly, unless a value underflows), the ranks SUM them, and
     each divides its slice of the sum by ``post``, in fp32 (torch's arithmetic for 16-bit
-    tensors), rounded once to the reduce dtype. pre * post == the world size."""
+    tensors), rounded once to the reduce dtype. pre * post == the world size (HSDP: the shard
+    group's way sums with post 1, and the replicas' stage divides by the rest:
+    ``Route.factors``)."""
 
     pre: int
     post: float
@@ -190,9 +212,14 @@ class Reduce:
     def before_pack(self) -> None:
         """Waits until a packing buffer may be overwritten (nothing to wait for here)."""
 
+    def kept_tensors(self) -> list[torch.Tensor]:
+        """Tensors the way keeps between reductions (HSDP's sums kept over micro-batches), for
+        a plan's count; none here."""
+        return []
+
     def start(self, packed: torch.Tensor, lo: int, hi: int) -> Reduction:
         r = self.route
-        factors = mean_factors(packed.dtype, r.world_size)
+        factors = r.factors(packed.dtype)
         _divided(packed, factors.pre)
         if not r.gloo:
             out = torch.empty(hi - lo, dtype=packed.dtype, device=packed.device)
@@ -212,7 +239,7 @@ class ReduceByExchange(Reduce):
 
     def start(self, packed: torch.Tensor, lo: int, hi: int) -> Reduction:
         r = self.route
-        factors = mean_factors(packed.dtype, r.world_size)
+        factors = r.factors(packed.dtype)
         _divided(packed, factors.pre)
         received = torch.empty(hi - lo, dtype=packed.dtype, device=packed.device)
         handles = collectives.reduce_scatter_by_exchange(packed, received, r.process_group,
@@ -253,7 +280,7 @@ class ReduceByReading(Reduce):
         r = self.route
         self._seq += 1
         seq = self._seq
-        factors = mean_factors(packed.dtype, r.world_size)
+        factors = r.factors(packed.dtype)
         _divided(packed, factors.pre)  # before the other rank is told it may read
         peer_memory.start_reduce_by_reading(packed, r.peers, self._channel, seq,
                                             r.process_group, r.counter)
@@ -279,6 +306,73 @@ def _mean_of_sum(packed: torch.Tensor, lo: int, hi: int, received: torch.Tensor 
     if received is not None:
         mine.add_(received)  # x + y == y + x: the all-reduce's sum, bitwise
     return _divided(mine, factors.post)
+
+
+class Replicas:
+    """HSDP's replicate dim, one per sharding and shared by its groups' reductions: the group a
+    rank's gradient slices are all-reduced over (its replicas: the ranks holding the same
+    shard), and whether the reductions of the backward about to run are
+    (``Sharding.set_requires_all_reduce``: False on the micro-batches before the last of an
+    accumulation, as FSDP2's ``set_requires_all_reduce``)."""
+
+    def __init__(self, group: dist.ProcessGroup, counter: collectives.CommCounter):
+        self.group = group
+        self.size = group.size()
+        self.counter = counter
+        self.requires_all_reduce = True
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        """t <- its sum over the replicas, in place (counted as crossing the replicas)."""
+        collectives.all_reduce_across_replicas(t, self.group, self.counter)
+
+
+class ReduceAcrossReplicas(Reduce):
+    """HSDP's reduction: the shard group's own way (``inner``) sums the packed gradients within
+    the shard group (``Route.factors``: not yet divided); then this rank's slice, added to the
+    sums earlier micro-batches kept (``_kept``, fp32), is all-reduced across the replicas and
+    divided once by the whole world. On a backward whose reductions do not require the
+    all-reduce, the slice's sum is kept (fp32) and no gradient is delivered (``finish``
+    returns None): only the last micro-batch of an accumulation crosses the replicas."""
+
+    def __init__(self, route: Route, inner: Reduce):
+        super().__init__(route)
+        self.inner = inner
+        self.name = inner.name
+        # 1D fp32, shard_numel: the shard group's sums of the micro-batches not yet all-reduced.
+        self._kept: torch.Tensor | None = None
+
+    @property
+    def owned(self) -> bool:
+        return self.inner.owned
+
+    def before_pack(self) -> None:
+        self.inner.before_pack()
+
+    def kept_tensors(self) -> list[torch.Tensor]:
+        return [] if self._kept is None else [self._kept]
+
+    def start(self, packed: torch.Tensor, lo: int, hi: int) -> Reduction:
+        replicas = self.route.replicas
+        factors = mean_factors(packed.dtype, self.route.mean_world_size)
+        required = replicas.requires_all_reduce  # as it was when this backward reduced
+        reduction = self.inner.start(packed, lo, hi)
+
+        def finish() -> torch.Tensor | None:
+            mine = reduction.finish()  # this rank's slice, summed over the shard group
+            if not required:
+                if self._kept is None:
+                    self._kept = mine.to(torch.float32, copy=True)  # mine may be reused
+                else:
+                    self._kept.add_(mine)
+                return None
+            if self._kept is not None:
+                # One rounding to the reduce dtype of the micro-batches' fp32 sum, so that
+                # the replicas' traffic is the same whatever the accumulation.
+                kept, self._kept = self._kept.add_(mine), None
+                mine = kept if mine.dtype == torch.float32 else kept.to(mine.dtype)
+            replicas.all_reduce(mine)
+            return _divided(mine, factors.post)
+        return Reduction(finish, held=reduction.held)
 
 
 GATHERS: dict[str, type[Gather]] = {"collective": Gather, "read": GatherByReading}
@@ -324,16 +418,21 @@ class Ways:
     # A plan's step (``zerocore.plan``, over comm/fake.py's group): nothing moves, and each
     # way holds beside the packed buffer what it says it holds (``Reduce.in_flight_nbytes``).
     planned: bool = False
+    # How the ranks share the model (``Mesh.line``: flat, or HSDP's shards and replicas).
+    layout: str = ""
 
     def line(self) -> str:
-        return f"gather: {self.gather}; reduce: {self.reduce} ({self.why})"
+        ways = f"gather: {self.gather}; reduce: {self.reduce} ({self.why})"
+        return f"{self.layout}; {ways}" if self.layout else ways
 
 
 def choose(group: dist.ProcessGroup, device: torch.device, comm: Comm,
-           peers: PeerMemory | None) -> Ways:
+           peers: PeerMemory | None, layout: str = "") -> Ways:
     """Collective (every rank of ``group``, at the same point): the ways ``comm`` asks for on
     ``device``. Whether gloo ranks may read each other's memory is probed here, once, by all of
-    them; every rank learns the same facts, so every rank chooses alike."""
+    them; every rank learns the same facts, so every rank chooses alike. With HSDP ``group``
+    is the shard group: ranks read only the memory of their own group's ranks, and only when
+    the probe finds them on one host. ``layout``: ``Mesh.line()``, for the start-up line."""
     gloo = device.type == "cpu"
     world_size = group.size()
     can_read = gloo and peers is not None and peers.probe(group)
@@ -351,7 +450,7 @@ def choose(group: dist.ProcessGroup, device: torch.device, comm: Comm,
         why = f"gloo's collectives: {because}"
     if (comm.gather, comm.reduce) != ("auto", "auto"):
         why += f"; asked for gather={comm.gather!r}, reduce={comm.reduce!r}"
-    return Ways(gather, reduce, gloo, why)
+    return Ways(gather, reduce, gloo, why, layout=layout)
 
 
 def planned(comm: Comm, *, device_kind: str, world_size: int) -> Ways:
@@ -365,10 +464,16 @@ def planned(comm: Comm, *, device_kind: str, world_size: int) -> Ways:
 
 
 def strategies(ways: Ways, route: Route) -> tuple[Gather, Reduce]:
-    """One group's gather and reduce strategies, of the ways chosen for its sharding."""
+    """One group's gather and reduce strategies, of the ways chosen for its sharding (the
+    reduction wrapped in ``ReduceAcrossReplicas`` when the route has replicas)."""
     if ways.planned:
-        return PlannedGather(route, ways.gather), PlannedReduce(route, REDUCES[ways.reduce])
-    return GATHERS[ways.gather](route), REDUCES[ways.reduce](route)
+        gather, reduce = PlannedGather(route, ways.gather), PlannedReduce(route,
+                                                                          REDUCES[ways.reduce])
+    else:
+        gather, reduce = GATHERS[ways.gather](route), REDUCES[ways.reduce](route)
+    if route.replicas is not None:
+        reduce = ReduceAcrossReplicas(route, reduce)
+    return gather, reduce
 
 
 class PlannedGather(Gather):

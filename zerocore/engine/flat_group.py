@@ -100,6 +100,9 @@ class GroupContext:
     # Where offloaded shards live on the host (engine/host_arena.py); None without offload
     # (and in a plan's rehearsal, whose shards are fake).
     arena: HostArena | None = None
+    # HSDP: the replicas gradient shards are all-reduced across (``process_group`` being the
+    # shard group); None: flat.
+    replicas: transport.Replicas | None = None
 
 
 class FlatGroup:
@@ -187,7 +190,8 @@ class FlatGroup:
         self.state = GroupState.SHARDED
         # How this group's gathers and reductions travel (zerocore/comm/transport.py): the ways
         # chosen once for its sharding, strategies of its own (each keeps its own sequence).
-        route = transport.Route.of(ctx.process_group, ctx.counter, ctx.ways.gloo, ctx.peers)
+        route = transport.Route.of(ctx.process_group, ctx.counter, ctx.ways.gloo, ctx.peers,
+                                   ctx.replicas)
         self.gather, self.reduce = transport.strategies(ctx.ways, route)
         # A frozen group chosen by Prefetch.keep_gathered: once gathered it stays so (``free``
         # leaves it) until ``free(release=True)``; its values never change.
@@ -478,11 +482,12 @@ class FlatGroup:
                            scratch=scratch)
 
     @staticmethod
-    def finish_reduce_scatter(pending: PendingGrad) -> torch.Tensor:
+    def finish_reduce_scatter(pending: PendingGrad) -> torch.Tensor | None:
         """Waits for the reduction (on CUDA: makes the current stream wait) and returns this
         rank's averaged gradient shard (1D, reduce dtype, on the compute device); a view of
         ``pending.packed`` unless ``pending.owned``, so to be used before that buffer is
-        reused."""
+        reused. None: HSDP kept this micro-batch's sum for the all-reduce of a later one
+        (``transport.ReduceAcrossReplicas``)."""
         t0 = collectives.now()
         out = pending.reduction.finish()
         pending.group.ctx.counter.reduce_wait_s += collectives.now() - t0

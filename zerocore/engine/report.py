@@ -69,26 +69,62 @@ class MemoryReport:
 class CommReport:
     """Bytes moved by each kind of collective since the counter was last reset, and the ZeRO-3
     expectation for one step: every layer's parameters all-gathered twice (forward and backward,
-    2Ψ) and the trainable gradients reduce-scattered once (Ψ_t) — 3Ψ when everything trains."""
+    2Ψ) and the trainable gradients reduce-scattered once (Ψ_t) — 3Ψ when everything trains.
+    Those travel in the shard group; with HSDP each rank's gradient shards (Ψ_t/N_shard) are
+    also all-reduced across the replicas once per optimizer step, between the nodes."""
 
     all_gather_bytes: int
     reduce_scatter_bytes: int
     all_reduce_bytes: int
-    expected_all_gather_bytes: int      # per step
+    expected_all_gather_bytes: int      # per step (one forward and backward)
     expected_reduce_scatter_bytes: int  # per step
     # How the groups' gathers and reductions travel (zerocore/comm/transport.py), e.g. "gather:
     # read; reduce: exchange"; several ways when the groups differ.
     ways: str = ""
+    # HSDP: gradient shards all-reduced across the replicas, and the expectation per optimizer
+    # step (the last micro-batch of an accumulation alone all-reduces).
+    replica_all_reduce_bytes: int = 0
+    expected_replica_all_reduce_bytes: int = 0
+    layout: str = ""       # ``Mesh.line()``: flat, or HSDP's replicas x shards
+    hybrid: bool = False   # HSDP: the shard group is a node, the replicas are across nodes
+    nodes: int = 1         # the nodes a flat layout spans (torchrun's environment), else 1
+
+    @property
+    def shard_group_bytes(self) -> int:
+        """Parameter gathers and gradient reductions: the shard group's traffic."""
+        return self.all_gather_bytes + self.reduce_scatter_bytes
+
+    @property
+    def inter_node_bytes(self) -> int:
+        """Bytes of collectives whose group spans nodes: the replicas' all-reduces with HSDP;
+        everything when a flat layout spans several nodes; none on one node."""
+        if self.hybrid:
+            return self.replica_all_reduce_bytes
+        return self.shard_group_bytes if self.nodes > 1 else 0
+
+    @property
+    def intra_node_bytes(self) -> int:
+        """Bytes of collectives whose group is one node's ranks."""
+        if self.hybrid:
+            return self.shard_group_bytes
+        return 0 if self.nodes > 1 else self.shard_group_bytes
 
     def table(self, steps: int = 1) -> str:
         rows = [("all-gather", self.all_gather_bytes, self.expected_all_gather_bytes * steps),
                 ("reduce-scatter", self.reduce_scatter_bytes,
-                 self.expected_reduce_scatter_bytes * steps),
-                ("all-reduce", self.all_reduce_bytes, None)]
-        lines = [f"  {'collective':<16}{'measured MiB':>14}{'expected MiB':>14}"]
+                 self.expected_reduce_scatter_bytes * steps)]
+        if self.hybrid:
+            rows.append(("replica all-reduce", self.replica_all_reduce_bytes,
+                         self.expected_replica_all_reduce_bytes * steps))
+        rows.append(("all-reduce", self.all_reduce_bytes, None))
+        lines = [f"  {'collective':<20}{'measured MiB':>14}{'expected MiB':>14}"]
         for name, got, want in rows:
             w = f"{want / MiB:14.3f}" if want is not None else f"{'-':>14}"
-            lines.append(f"  {name:<16}{got / MiB:14.3f}{w}")
+            lines.append(f"  {name:<20}{got / MiB:14.3f}{w}")
+        lines.append(f"  intra-node {self.intra_node_bytes / MiB:.3f} MiB, inter-node "
+                     f"{self.inter_node_bytes / MiB:.3f} MiB")
+        if self.layout:
+            lines.append(f"  ({self.layout})")
         if self.ways:
             lines.append(f"  ({self.ways})")
         return "\n".join(lines)

@@ -13,21 +13,24 @@ device is sharded with ``read=``: each rank reads only its shards' elements.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.utils import parametrize
 
+from zerocore.comm import mesh as meshes
 from zerocore.comm.device import Platform
+from zerocore.comm.mesh import Mesh
 from zerocore.engine.compiled import plain_name, refuse_compiled_call
 from zerocore.engine.meta_layer import RangeReader
 from zerocore.engine.rehearsal import Rehearsal
 from zerocore.engine.runtime import Unit
 from zerocore.engine.sharded_layer import Params, ShardedLayer
-from zerocore.engine.sharding import (Sharding, fingerprint, groups_of, prepare_device,
-                                      process_group)
+from zerocore.engine.sharding import Sharding, fingerprint, groups_of, prepare_device
 from zerocore.policies import (Comm, Compile, FrozenWeights, MixedPrecision, Offload, Prefetch,
                                Recompute)
 
@@ -89,7 +92,7 @@ class ShardedModel(Sharding):
 
     front_door = "zerocore.shard_model"
 
-    def __init__(self, model: nn.Module, units: list[nn.Module], *, group: dist.ProcessGroup,
+    def __init__(self, model: nn.Module, units: list[nn.Module], *, mesh: Mesh,
                  device: torch.device, mixed_precision: MixedPrecision, prefetch: Prefetch,
                  offload: Offload, frozen_weights: FrozenWeights, comm: Comm = Comm(),
                  recompute: Recompute | None = None, compile: Compile | None = None,
@@ -97,7 +100,7 @@ class ShardedModel(Sharding):
                  rehearsal: Rehearsal | None = None):
         """read: where the values of parameters on the meta device come from (``shard_model``'s
         ``read``), by the model's own names. rehearsal: as ``Sharding`` takes it."""
-        super().__init__(group, device, mixed_precision=mixed_precision, prefetch=prefetch,
+        super().__init__(mesh, device, mixed_precision=mixed_precision, prefetch=prefetch,
                          offload=offload, recompute=recompute, frozen_weights=frozen_weights,
                          comm=comm, compile=compile, host_threads=host_threads,
                          rehearsal=rehearsal)
@@ -278,7 +281,7 @@ def unit_modules(model: nn.Module, units: Any) -> list[nn.Module]:
 
 
 def shard_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module = (), *,
-                group: dist.ProcessGroup | None = None,
+                group: dist.ProcessGroup | None = None, mesh: DeviceMesh | None = None,
                 device: torch.device | str | None = None,
                 mixed_precision: MixedPrecision = MixedPrecision(),
                 prefetch: Prefetch = Prefetch(), offload: Offload = Offload(),
@@ -301,8 +304,9 @@ def shard_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module = (), *
         objects (a KV cache, say), with or without grad. Every parameter not owned by exactly
         one unit (embeddings, final norm, head, weights tied between units or with the root)
         forms the root unit, gathered for the model's whole forward (and backward).
-    group, device, mixed_precision, prefetch, offload, frozen_weights, comm, recompute, platform:
-        as for ``zerocore.shard``; ``Recompute``'s positions are the units' (the root is never
+    group, mesh, device, mixed_precision, prefetch, offload, frozen_weights, comm, recompute,
+        platform: as for ``zerocore.shard`` (``mesh``: 1-D, or 2-D ``(replicate, shard)`` for
+        HSDP); ``Recompute``'s positions are the units' (the root is never
         recomputed). ``Prefetch.keep_gathered`` chooses from the root first (its frozen
         group, e.g. the embedding, then stays gathered from step to step), then the last units.
     compile: ``zerocore.Compile(...)``: each unit's forward is compiled with torch.compile,
@@ -317,7 +321,8 @@ def shard_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module = (), *
     ``.full_state_dict()``, ``.memory_report()``; ``save_checkpoint``/``load_checkpoint`` take
     the model or it.
     """
-    group = process_group(group, "zerocore.shard_model")
+    ranks = meshes.resolve(group, mesh, "zerocore.shard_model",
+                           nodes=meshes.nodes_of(os.environ))
     if not isinstance(model, nn.Module):
         raise TypeError(f"zerocore.shard_model expects an nn.Module, got {type(model).__name__}")
     if isinstance(getattr(model, SHARDING_ATTR, None), ShardedModel):
@@ -331,8 +336,9 @@ def shard_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module = (), *
                          f"device; only parameters are read by range: materialise the buffers "
                          f"first")
     unit_list = unit_modules(model, units)
-    dev, host_threads = prepare_device(device, group, offload, platform)
-    sharding = ShardedModel(model, unit_list, group=group, device=dev,
+    dev, host_threads = prepare_device(device, ranks, offload, platform)
+    meshes.check_device(mesh, dev.type, "zerocore.shard_model")
+    sharding = ShardedModel(model, unit_list, mesh=ranks, device=dev,
                             mixed_precision=mixed_precision, prefetch=prefetch, offload=offload,
                             frozen_weights=frozen_weights, comm=comm, recompute=recompute,
                             compile=compile, host_threads=host_threads, read=read)

@@ -10,21 +10,24 @@ belongs to the root unit, gathered for the whole forward and backward, as in ``s
 from __future__ import annotations
 
 import functools
+import os
 import weakref
 from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
+from zerocore.comm import mesh as meshes
 from zerocore.comm.device import Platform
+from zerocore.comm.mesh import Mesh
 from zerocore.engine.meta_layer import MetaLayer, RangeReader
 from zerocore.engine.rehearsal import Rehearsal
 from zerocore.engine.runtime import Unit
 from zerocore.engine.sharded_layer import Params, ShardedLayer, collect_params
 from zerocore.engine.sharded_param import prefix_names
-from zerocore.engine.sharding import (Sharding, fingerprint, groups_of, prepare_device,
-                                      process_group)
+from zerocore.engine.sharding import Sharding, fingerprint, groups_of, prepare_device
 from zerocore.policies import (Comm, Compile, FrozenWeights, MixedPrecision, Offload, Prefetch,
                                Recompute)
 
@@ -64,14 +67,14 @@ class ShardedSequential(nn.Module, Sharding):
     ``shard_model``'s sharding (the runtime, reports, full states, release, the layers kept
     gathered) is ``Sharding``'s."""
 
-    def __init__(self, layers: Iterable[nn.Module | MetaLayer], *, group: dist.ProcessGroup,
+    def __init__(self, layers: Iterable[nn.Module | MetaLayer], *, mesh: Mesh,
                  device: torch.device, mixed_precision: MixedPrecision, prefetch: Prefetch,
                  offload: Offload, recompute: Recompute | None = None,
                  frozen_weights: FrozenWeights = FrozenWeights(), comm: Comm = Comm(),
                  compile: Compile | None = None, host_threads: int | None = None,
                  rehearsal: Rehearsal | None = None):
         nn.Module.__init__(self)
-        Sharding.__init__(self, group, device, mixed_precision=mixed_precision,
+        Sharding.__init__(self, mesh, device, mixed_precision=mixed_precision,
                           prefetch=prefetch, offload=offload, recompute=recompute,
                           frozen_weights=frozen_weights, comm=comm, compile=compile,
                           host_threads=host_threads, rehearsal=rehearsal)
@@ -164,7 +167,7 @@ def _root_reader(readers: dict[int, RangeReader], firsts: dict[str, int]) -> Ran
 
 
 def shard(layers: Iterable[nn.Module | MetaLayer], *, group: dist.ProcessGroup | None = None,
-          device: torch.device | str | None = None,
+          mesh: DeviceMesh | None = None, device: torch.device | str | None = None,
           mixed_precision: MixedPrecision = MixedPrecision(), prefetch: Prefetch = Prefetch(),
           offload: Offload = Offload(), recompute: Recompute | None = None,
           frozen_weights: FrozenWeights = FrozenWeights(), comm: Comm = Comm(),
@@ -184,6 +187,15 @@ def shard(layers: Iterable[nn.Module | MetaLayer], *, group: dist.ProcessGroup |
         its shard's elements.
     group: the process group (default: the world). torch.distributed must be initialised; one
         process works too (world size 1).
+    mesh: a torch ``DeviceMesh`` instead of ``group`` (as FSDP2's ``fully_shard(mesh=)``):
+        1-D, sharded over its group, as ``group=`` would; 2-D with dims ``(replicate, shard)``,
+        HSDP: parameters, gradients and optimizer state sharded over the shard dim (lay it out
+        within a node: ``init_device_mesh("cuda", (nodes, gpus_per_node))``) and replicated
+        over the replicate dim; gathers and reduce-scatters stay within the shard group, and
+        each rank's gradient shard is all-reduced across its replicas, on the backward that
+        ``model.set_requires_all_reduce`` allows (every one by default; with accumulation,
+        set it False before the micro-batches before the last). ``model.group`` is then the
+        shard group (what ``zerocore.LossScaler`` takes).
     device: where layers compute. Default: CUDA when any backend of the group is NCCL
         (``"nccl"``, ``"cpu:gloo,cuda:nccl"``, or ``init_process_group()`` without a backend on
         a GPU machine): the group's ``device_id`` if it was given one, else the current device
@@ -206,12 +218,13 @@ def shard(layers: Iterable[nn.Module | MetaLayer], *, group: dist.ProcessGroup |
     Returns a module running the layers in order. Give ``model.parameters()`` (or
     ``model.trainable_shards()``) to ``zerocore.optim.AdamW``.
     """
-    group = process_group(group, "zerocore.shard")
+    ranks = meshes.resolve(group, mesh, "zerocore.shard", nodes=meshes.nodes_of(os.environ))
     if isinstance(layers, nn.Module) and not isinstance(layers, (nn.Sequential, nn.ModuleList)):
         raise TypeError("zerocore.shard expects a sequence of layers (nn.Sequential, "
                         "nn.ModuleList or list), not a single module")
-    dev, host_threads = prepare_device(device, group, offload, platform)
-    return ShardedSequential(layers, group=group, device=dev,
+    dev, host_threads = prepare_device(device, ranks, offload, platform)
+    meshes.check_device(mesh, dev.type, "zerocore.shard")
+    return ShardedSequential(layers, mesh=ranks, device=dev,
                              mixed_precision=mixed_precision, prefetch=prefetch, offload=offload,
                              recompute=recompute, frozen_weights=frozen_weights, comm=comm,
                              compile=compile, host_threads=host_threads)

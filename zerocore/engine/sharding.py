@@ -6,7 +6,9 @@ recomputed, and starts the one runtime that runs them (runtime.py). Its reports 
 communication), full-state iteration and release are written once. ``ShardedSequential``
 (sharded_sequential.py) and ``ShardedModel`` (sharded_model.py) differ only in what they shard
 (a stack of layers, or a model by named units); checkpoints read a ``Sharding``, whichever front
-door made it.
+door made it. The ranks it spans and how they share the model (flat, or HSDP's shards and
+replicas) are its ``Mesh`` (comm/mesh.py): ``group`` is the shard group, and every agreement
+runs over the whole mesh.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from zerocore.comm.collectives import CommCounter
 from zerocore.comm.peer_memory import PeerMemory
 from zerocore.comm.device import Platform, agree_on_devices, comm_device, resolve_device
 from zerocore.comm.fake import is_fake
+from zerocore.comm.mesh import Mesh
 from zerocore.comm.objects import all_gather_objects
 from zerocore.engine.compiled import compile_forward
 from zerocore.engine.flat_group import GroupContext
@@ -102,10 +105,11 @@ def agree_on_structure(index: int, print_: int | None, group: dist.ProcessGroup,
 
 
 def agree_on_policies(policies: dict[str, object], group: dist.ProcessGroup,
-                      device: torch.device, what: str) -> None:
+                      device: torch.device, what: str, noun: str = "policies") -> None:
     """Checks that every rank was given the same policies (one tiny all-gather of a hash of
     their values): a rank that chose another transport, budget or precision would otherwise
-    refuse, or issue other collectives, while the others wait for it until the timeout."""
+    refuse, or issue other collectives, while the others wait for it until the timeout.
+    ``noun``: what the values are, for the message (``"meshes"``)."""
     if is_fake(group):
         return  # a planned world is this rank N times: it agrees
     world = group.size()
@@ -116,17 +120,19 @@ def agree_on_policies(policies: dict[str, object], group: dist.ProcessGroup,
     collectives.all_gather_sync(every, mine, group)
     if every.min() != every.max():
         odd = [r for r in range(world) if every[r] != every[0]]
-        raise ValueError(f"{what}: ranks were given different policies (ranks {odd} differ from "
+        raise ValueError(f"{what}: ranks were given different {noun} (ranks {odd} differ from "
                          f"rank 0 in {', '.join(sorted(policies))}); every rank must pass the "
                          f"same ones")
 
 
-def build_context(group: dist.ProcessGroup, device: torch.device,
+def build_context(mesh: Mesh, device: torch.device,
                   mixed_precision: MixedPrecision, offload: Offload,
                   frozen_weights: FrozenWeights, comm: Comm, host_threads: int | None = None,
                   rehearsal: Rehearsal | None = None) -> GroupContext:
     """What every flat group of one sharded model shares (its counter, offload's streams, the
-    transport: chosen here, once, by every rank together; see ``transport.choose``)."""
+    transport: chosen here, once, by every rank together, see ``transport.choose``; HSDP's
+    replicas)."""
+    group = mesh.shard
     streams = OffloadStreams(device) if offload.any and device.type == "cuda" else None
     arena = None
     if rehearsal is not None:
@@ -135,15 +141,21 @@ def build_context(group: dist.ProcessGroup, device: torch.device,
         if offload.any:
             arena = HostArena(pin=device.type == "cuda")
         peers = PeerMemory(comm.timeout_s) if comm.peer_read == "auto" else None
-        ways, kind, watch = transport.choose(group, device, comm, peers), device.type, None
+        # Reading each other's memory is probed within the shard group alone: HSDP's replicas
+        # talk through the backend, and a shard group reads only if its ranks share a host.
+        ways = transport.choose(group, device, comm, peers, layout=mesh.line())
+        kind, watch = device.type, None
         if not peers or not peers.available:
             peers = None
+    counter = CommCounter()
+    replicas = (transport.Replicas(mesh.replicate, counter) if mesh.replicate is not None
+                else None)
     return GroupContext(group, group.rank(), device, mixed_precision.param_dtype,
-                        mixed_precision.grad_reduce_dtype, offload.optimizer, CommCounter(),
+                        mixed_precision.grad_reduce_dtype, offload.optimizer, counter,
                         streams, offload_params=offload.params,
                         int8_block=frozen_weights.int8_block, peers=peers, comm=comm,
                         host_threads=host_threads, ways=ways, device_kind=kind, watch=watch,
-                        arena=arena)
+                        arena=arena, replicas=replicas)
 
 
 def memory_report_of(layers: list[ShardedLayer], rank: int, world_size: int,
@@ -194,27 +206,18 @@ def memory_report_of(layers: list[ShardedLayer], rank: int, world_size: int,
                         device_shard_bytes=on_device)
 
 
-def process_group(group: dist.ProcessGroup | None, what: str) -> dist.ProcessGroup:
-    """The group to shard over (default: the world); RuntimeError before init_process_group."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(f"{what} needs torch.distributed to be initialised: call "
-                           f"torch.distributed.init_process_group(...) first (for one process: "
-                           f"backend='gloo', world_size=1, rank=0)")
-    return group if group is not None else dist.group.WORLD
-
-
-def prepare_device(device: torch.device | str | None, group: dist.ProcessGroup,
+def prepare_device(device: torch.device | str | None, mesh: Mesh,
                    offload: Offload, platform: Platform | None
                    ) -> tuple[torch.device, int | None]:
-    """Where this rank computes, checked by every rank together before anything is allocated
-    (see ``shard``'s ``device``), and the CPU threads its optimizer steps with when a GPU rank
-    offloads (its share of the host's cores; ``Offload.cpu_threads``), None otherwise. Nothing
-    of the process is changed here: the optimizer's host step uses that count for its own
-    duration (``zerocore.optim``)."""
-    dev = resolve_device(device, group)
+    """Where this rank computes, checked by every rank of the mesh together before anything
+    is allocated (see ``shard``'s ``device``), and the CPU threads its optimizer steps with
+    when a GPU rank offloads (its share of the host's cores; ``Offload.cpu_threads``), None
+    otherwise. Nothing of the process is changed here: the optimizer's host step uses that
+    count for its own duration (``zerocore.optim``)."""
+    dev = resolve_device(device, mesh.shard)
     if platform is None:
         platform = Platform.detect(dev, kernels_cuda=BUILD.has_cuda)
-    placement = agree_on_devices(group, dev, platform)
+    placement = agree_on_devices(mesh.whole, dev, platform)
     threads = None
     if offload.optimizer and dev.type == "cuda":
         # This rank's optimizer steps on the CPU, as every other rank's on this host does.
@@ -228,18 +231,21 @@ class Sharding:
     """What a sharded model is, whichever front door made it (``zerocore.shard``'s
     ``ShardedSequential``, ``zerocore.shard_model``'s ``ShardedModel``; both are one): its group,
     policies and ``layers`` (``ShardedLayer``, in their index order), and everything that does
-    not depend on how the layers run. Checkpoints, exports and optimizers need only this."""
+    not depend on how the layers run. Checkpoints, exports and optimizers need only this.
+    ``group``, ``rank``, ``world_size``: the shard group's (with HSDP, one replica's ranks;
+    ``mesh`` has the rest)."""
 
     layers: list[ShardedLayer] | nn.ModuleList  # set by the front door as it builds them
     front_door = "zerocore.shard"                # how messages name it
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, *,
+    def __init__(self, mesh: Mesh, device: torch.device, *,
                  mixed_precision: MixedPrecision, prefetch: Prefetch, offload: Offload,
                  recompute: Recompute | None, frozen_weights: FrozenWeights, comm: Comm,
                  compile: Compile | None = None, host_threads: int | None = None,
                  rehearsal: Rehearsal | None = None):
         """rehearsal: the step runs for ``zerocore.plan`` (engine/rehearsal.py)."""
-        self.group = group
+        self.mesh = mesh
+        group = self.group = mesh.shard
         # The group's own rank and size: a planned world's group is not registered with
         # torch.distributed (comm/fake.py).
         self.rank = group.rank()
@@ -252,17 +258,21 @@ class Sharding:
         self.frozen_weights = frozen_weights
         self.comm = comm
         self.compile = compile
+        # The mesh first: ranks given other meshes would agree on the rest in other groups.
+        agree_on_policies(dict(mesh=mesh.describe()), mesh.whole, device, self.front_door,
+                          noun="meshes")
         agree_on_policies(dict(mixed_precision=mixed_precision, prefetch=prefetch,
                                offload=offload, recompute=recompute,
                                frozen_weights=frozen_weights, comm=comm, compile=compile),
-                          group, device, self.front_door)
-        self.ctx = build_context(group, device, mixed_precision, offload, frozen_weights, comm,
+                          mesh.whole, device, self.front_door)
+        self.ctx = build_context(mesh, device, mixed_precision, offload, frozen_weights, comm,
                                  host_threads, rehearsal)
         self.counter = self.ctx.counter
         self.ways = self.ctx.ways
-        if self.rank == 0 and rehearsal is None:
-            log.info("%s: %d rank%s on %s; %s", self.front_door, self.world_size,
-                     "s" if self.world_size != 1 else "", device, self.ways.line())
+        if mesh.whole.rank() == 0 and rehearsal is None:
+            ranks = mesh.world_size
+            log.info("%s: %d rank%s on %s; %s", self.front_door, ranks,
+                     "s" if ranks != 1 else "", device, self.ways.line())
         self.schedule: Schedule | None = None  # decided by ``seal``, once the layers are built
         self.runtime: Runtime | None = None    # the hooks that run the layers (``start``)
         # Why this rank's last build step failed, and its exception, until agreed (``agree``).
@@ -286,7 +296,7 @@ class Sharding:
         """``agree_on_structure`` for layer ``index``, carrying this rank's failure, if any."""
         failed = self._failed
         try:
-            return agree_on_structure(index, print_, self.group, self.device, what,
+            return agree_on_structure(index, print_, self.mesh.whole, self.device, what,
                                       failed=failed[0] if failed else None)
         except BuildError as e:
             if failed is not None:
@@ -384,6 +394,21 @@ class Sharding:
         return ((layer.index, layer.full_state(trainable_only, to_rank=to_rank))
                 for layer in self.layers)
 
+    # -- accumulation ------------------------------------------------------------------------
+
+    def set_requires_all_reduce(self, requires: bool) -> None:
+        """HSDP: whether the next backward's gradient shards are all-reduced across the
+        replicas (default True). Set False for the micro-batches before the last of an
+        accumulation, True for the last: the earlier ones' sums wait, in fp32, and cross the
+        replicas once, with the last one's (FSDP2's ``set_requires_all_reduce``). Until then
+        the gradient shards do not hold those micro-batches: step the optimizer only after a
+        backward that all-reduced. Flat layouts have nothing to all-reduce: it changes
+        nothing there."""
+        if type(requires) is not bool:
+            raise TypeError(f"set_requires_all_reduce takes True or False, got {requires!r}")
+        if self.ctx.replicas is not None:
+            self.ctx.replicas.requires_all_reduce = requires
+
     # -- accounting --------------------------------------------------------------------------
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
@@ -399,16 +424,29 @@ class Sharding:
             [groups_of(layer) for layer in self.layers],
             reduce_bytes=self.mixed_precision.grad_reduce_dtype.itemsize)
 
+    def expected_replica_traffic(self) -> int:
+        """Bytes HSDP all-reduces across the replicas per optimizer step: every trainable
+        group's shard, once, in the reduce dtype (0 when flat, or with one replica)."""
+        if self.ctx.replicas is None:
+            return 0
+        return sum(l.trainable.layout.shard_numel for l in self.layers
+                   if l.trainable is not None) * self.mixed_precision.grad_reduce_dtype.itemsize
+
     def comm_report(self, reset: bool = False) -> CommReport:
         """Bytes moved by each kind of collective since the last reset, and the per-step
         expectation: every layer gathered in forward and again in backward, except layers no
         autograd node covers (before the first trainable one, when the input needs no
         gradient) and those kept gathered between the passes (``Prefetch.keep_last``,
-        ``keep_gathered``); trainable gradients reduced once; and how they travelled."""
+        ``keep_gathered``); trainable gradients reduced once; with HSDP each gradient shard
+        all-reduced across the replicas once per optimizer step; and how they travelled."""
         gather, reduce = self.expected_traffic()
         c = self.counter
         report = CommReport(c.all_gather_bytes, c.reduce_scatter_bytes, c.all_reduce_bytes,
-                            gather, reduce, ways=transport.ways(self.layers))
+                            gather, reduce, ways=transport.ways(self.layers),
+                            replica_all_reduce_bytes=c.replica_all_reduce_bytes,
+                            expected_replica_all_reduce_bytes=self.expected_replica_traffic(),
+                            layout=self.mesh.line(), hybrid=self.mesh.hybrid,
+                            nodes=self.mesh.nodes or 1)
         if reset:
             c.reset()
         return report

@@ -66,6 +66,25 @@ class MemoryPlan:
     reduce_scatter_bytes: int
     recomputed_layers: tuple[int, ...]
     windows_peak: int = 0              # most parameter-window bytes held at any point
+    # HSDP: gradient shards all-reduced across the replicas per optimizer step (between the
+    # nodes), and the mesh's (replicas, shards); flat: 0 and None.
+    replica_all_reduce_bytes: int = 0
+    mesh: tuple[int, int] | None = None
+    nodes: int = 1                     # the nodes the ranks span (HSDP: one per replica)
+
+    @property
+    def inter_node_bytes(self) -> int:
+        """Bytes per optimizer step of collectives whose group spans nodes: HSDP's replica
+        all-reduces (each replica a node); a flat layout's whole traffic on several nodes."""
+        if self.mesh is not None:
+            return self.replica_all_reduce_bytes
+        return self.all_gather_bytes + self.reduce_scatter_bytes if self.nodes > 1 else 0
+
+    @property
+    def intra_node_bytes(self) -> int:
+        """Bytes per optimizer step of collectives within one node."""
+        shard_group = self.all_gather_bytes + self.reduce_scatter_bytes
+        return shard_group if self.mesh is not None or self.nodes == 1 else 0
 
     @property
     def device_peak(self) -> int:
@@ -99,7 +118,8 @@ class MemoryPlan:
         ]
         if self.device == "cuda":
             rows.append(("CUDA context and allocator headroom", self.headroom))
-        lines = [f"per rank ({self.world_size} ranks, each the same), Ψ_trainable="
+        layout = (f"HSDP {self.mesh[0]}x{self.mesh[1]}, " if self.mesh is not None else "")
+        lines = [f"per rank ({layout}{self.world_size} ranks, each the same), Ψ_trainable="
                  f"{s.trainable_numel:,} Ψ_frozen={s.frozen_numel:,}"]
         lines += [f"  {name:<42}{value / GiB:10.2f} GiB" for name, value in rows]
         total = f"  {'total on the device at the peak':<42}{self.peak_bytes / GiB:10.2f} GiB"
@@ -113,4 +133,8 @@ class MemoryPlan:
         lines.append(f"  peak: {self.peak_phase}")
         lines.append(f"  per step: all-gathered {self.all_gather_bytes / GiB:.2f} GiB, "
                      f"reduce-scattered {self.reduce_scatter_bytes / GiB:.2f} GiB")
+        if self.nodes > 1:
+            lines.append(f"  per step on {self.nodes} nodes: within a node "
+                         f"{self.intra_node_bytes / GiB:.2f} GiB, across nodes "
+                         f"{self.inter_node_bytes / GiB:.2f} GiB")
         return "\n".join(lines)

@@ -44,6 +44,13 @@ class Step:
     comm: Comm
     offload: Offload
     micro_batches: int
+    mesh: tuple[int, int] | None = None        # HSDP's (replicas, shards); None: flat
+    nodes: int = 1                             # the nodes a flat layout spans
+
+    @property
+    def shards(self) -> int:
+        """The ranks each parameter is sharded over (the shard group's size)."""
+        return self.world_size if self.mesh is None else self.mesh[1]
 
 
 class _Peak:
@@ -62,7 +69,7 @@ def rehearse(step: Step, fake: FakeTensorMode, exclude: list[torch.Tensor]) -> M
     """Builds the sharding, runs a first step and the planned one on fake tensors (``fake``:
     the mode the layers' buffers and the inputs were made in); the peak of the planned step,
     per rank. ``exclude``: the step's inputs, which the caller holds (not counted)."""
-    ways = transport.planned(step.comm, device_kind=step.device, world_size=step.world_size)
+    ways = transport.planned(step.comm, device_kind=step.device, world_size=step.shards)
     peak = _Peak()
     held: dict[str, Any] = {}          # the sharding, optimizer and label, once they exist
 
@@ -109,6 +116,9 @@ def _train(step: Step, sharding: Sharding, optimizer: AdamW, held: dict,
     would hold nothing more), the optimizer's step, ``zero_grad(set_to_none=True)``."""
     for m in range(micro_batches):
         held["label"] = f"micro-batch {m + 1}, " if micro_batches > 1 else ""
+        # HSDP: the last micro-batch alone all-reduces across the replicas, as a training
+        # loop that accumulates asks (the earlier ones' sums are kept meanwhile).
+        sharding.set_requires_all_reduce(m == micro_batches - 1)
         value = step.loss()
         value.backward()
         del value
@@ -165,6 +175,8 @@ def _by_category(sharding: Sharding, optimizer: AdamW, kept: torch.Tensor) -> di
                 add(MASTERS if sixteen else TRAINABLE, shard)
             parts[MIRRORS] += g.mirror_bytes
             add(GRADIENTS, shard.grad)
+            for t in g.reduce.kept_tensors():
+                add(GRAD_BUFFERS, t)
             for t in optimizer.state.get(shard, {}).values():
                 if isinstance(t, torch.Tensor) and t.dim() > 0:
                     add(OPTIMIZER, t)
@@ -219,5 +231,7 @@ def _plan(step: Step, sharding: Sharding, peak: _Peak) -> MemoryPlan:
         activations_peak=peak.activations, host_peak=host, headroom=headroom,
         all_gather_bytes=gather * step.micro_batches,
         reduce_scatter_bytes=reduce * step.micro_batches,
+        replica_all_reduce_bytes=sharding.expected_replica_traffic(), mesh=step.mesh,
+        nodes=step.mesh[0] if step.mesh is not None else step.nodes,
         recomputed_layers=tuple(sorted(sharding.schedule.recomputed)),
         windows_peak=peak.windows)

@@ -1,0 +1,144 @@
+"""``mesh=`` on both front doors: a 1-D ``DeviceMesh`` shards as ``group=`` does, to the bit, at
+world sizes 1-3; and the meshes zerocore cannot take are refused on every rank, in one line,
+before anything is allocated (a mesh and a group, a 3-D mesh, meshes that differ between ranks,
+a mesh made for another kind of device than the model computes on). HSDP's training is
+tests/engine/test_hsdp.py's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import zerocore
+from tests.support.toy_stack import Spec, make_layers, train_digest
+
+WORLD_SIZES = [1, 2, 3]
+DOORS = ["shard", "shard_model"]
+# fp32 with accumulation and clipping: every path of a step (the flat engine's).
+SPEC = Spec(model="transformer", steps=3, micro=2, max_norm=0.5)
+# What a GPU machine would say (``shard(platform=)``), to reach the device check on this CPU.
+GPU_HOST = zerocore.Platform(host="gpu-host", torch_cuda="12.4", cuda_device_count=8,
+                             kernels_cuda=True, device_uuid=None, usable_cores=64)
+
+
+def _shard(door: str, **where):
+    """(the model, its sharding) of SPEC's stack through a front door."""
+    layers = make_layers(SPEC)
+    if door == "shard":
+        model = zerocore.shard(layers, **where)
+        return model, model
+    model = nn.Sequential(*layers)
+    return model, zerocore.shard_model(model, [model[1], model[2]], **where)
+
+
+def digest(rank: int, world_size: int, door: str, how: str) -> dict:
+    where = {"mesh": init_device_mesh("cpu", (world_size,))} if how == "mesh" else {}
+    model, sharding = _shard(door, **where)
+    return train_digest(model, SPEC, rank, world_size, sharding=sharding)
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_a_1d_mesh_shards_as_its_group_does(world, door):
+    assert world.run(digest, door, "mesh") == world.run(digest, door, "group")
+
+
+def refusal(rank: int, world_size: int, door: str, how: str) -> str:
+    where: dict = {}
+    if how == "both":
+        where = dict(mesh=init_device_mesh("cpu", (world_size,)),
+                     group=torch.distributed.group.WORLD)
+    elif how == "3-D":
+        where = dict(mesh=init_device_mesh("cpu", (1, 1, world_size)))
+    elif how == "not a mesh":
+        where = dict(mesh=(1, world_size))
+    elif how == "device":
+        where = dict(mesh=init_device_mesh("cpu", (world_size,)), device="cuda",
+                     platform=GPU_HOST)
+    elif how == "differ":
+        # Every rank builds both meshes (building one is collective); rank 0 passes the other.
+        hsdp = init_device_mesh("cpu", (2, world_size // 2))
+        flat = init_device_mesh("cpu", (1, world_size))
+        where = dict(mesh=flat if rank == 0 else hsdp)
+    try:
+        _shard(door, **where)
+    except (ValueError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "built"
+
+
+REFUSALS = {
+    "both": r"ValueError: zerocore\.{door}: give group= or mesh=, not both",
+    "3-D": r"ValueError: zerocore\.{door}: mesh has 3 dims \(1, 1, \d\); zerocore takes a 1-D "
+           r"mesh \(shard\) or a 2-D one \(replicate, shard\)",
+    "not a mesh": r"TypeError: zerocore\.{door}: mesh must be a torch\.distributed\.device_mesh"
+                  r"\.DeviceMesh",
+    "device": r"ValueError: zerocore\.{door}: the mesh was made for 'cpu' but the model "
+              r"computes on 'cuda'",
+}
+
+
+@pytest.mark.parametrize("door", DOORS)
+@pytest.mark.parametrize("how", sorted(REFUSALS))
+def test_a_mesh_zerocore_cannot_take_is_refused_on_every_rank(world, door, how):
+    for message in world.run(refusal, door, how):
+        assert "\n" not in message
+        assert re.match(REFUSALS[how].format(door=door), message), message
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_meshes_differing_between_ranks_are_refused_on_every_rank(worlds, door):
+    messages = worlds(4).run(refusal, door, "differ")
+    for m in messages:
+        assert m == (f"ValueError: zerocore.{door}: ranks were given different meshes (ranks "
+                     f"[1, 2, 3] differ from rank 0 in mesh); every rank must pass the same "
+                     f"ones"), m
+
+
+def start_up_line(rank: int, world_size: int, environ: dict, shape) -> str | None:
+    """The line rank 0 logs when sharding, under a launcher's environment (as torchrun sets
+    it; restored after)."""
+    saved = {k: os.environ.get(k) for k in environ}
+    os.environ.update(environ)
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("zerocore")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        where = {"mesh": init_device_mesh("cpu", shape)} if shape is not None else {}
+        _shard("shard", **where)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return records[0] if records else None
+
+
+def test_the_start_up_line_names_the_layout(worlds):
+    world = worlds(4)
+    torchrun = dict(WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", GROUP_RANK="0")
+    flat = world.run(start_up_line, torchrun, None)
+    assert flat[1:] == [None, None, None]  # rank 0 says it, once
+    assert ("zerocore.shard: 4 ranks on cpu; layout: flat over 4 ranks on 2 nodes (torchrun): "
+            "every gather and reduction spans the nodes; pass mesh=init_device_mesh(device, "
+            "(2, 2), mesh_dim_names=('replicate', 'shard')) for hybrid sharding (HSDP); "
+            "gather: ") in flat[0], flat[0]
+    hsdp = world.run(start_up_line, torchrun, (2, 2))
+    assert ("zerocore.shard: 4 ranks on cpu; layout: HSDP 2x2: sharded within each group of 2 "
+            "(a node), gathered there; gradient shards all-reduced across the 2 replicas; "
+            "gather: ") in hsdp[0], hsdp[0]
+    alone = world.run(start_up_line, {}, None)
+    assert "; layout: flat over 4 ranks; gather: " in alone[0], alone[0]

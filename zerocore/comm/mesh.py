@@ -1,0 +1,157 @@
+"""The ranks a sharded model spans, and how they share its state: ``Mesh`` is what zerocore reads
+of a torch ``DeviceMesh`` (``shard(mesh=...)``, as FSDP2's ``fully_shard(mesh=)``) or of a
+process group (``shard(group=...)``).
+
+- flat (a group, or a 1-D mesh): parameters, gradients and optimizer state sharded over every
+  rank, as ZeRO-3 does;
+- HSDP (a 2-D mesh, dims ``(replicate, shard)``): sharded over the shard dim (the ranks of one
+  node, when the mesh is laid out as torchrun numbers ranks) and replicated over the replicate
+  dim: gathers and reduce-scatters stay in the shard group, and only each rank's gradient shard
+  is all-reduced across its replicas (comm/transport.py, ``ReduceAcrossReplicas``).
+
+Every check the ranks must agree on runs over ``whole``, the group of every rank of the mesh:
+a row (shard group) and a column (replicate group) agreeing apart would leave the other rows
+waiting when one refuses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from zerocore.comm.fake import fake_group
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+    shard: dist.ProcessGroup              # parameters, gradients, optimizer state sharded over
+    replicate: dist.ProcessGroup | None   # HSDP's replicas of the shards; None: one copy (flat)
+    whole: dist.ProcessGroup              # every rank of the mesh: where the ranks agree
+    shape: tuple[int, int]                # (replicas, shards); flat: (1, ranks)
+    hybrid: bool                          # given as a 2-D mesh (a replicate dim of 1 included)
+    # The nodes the job spans, by torchrun's environment (``nodes_of``), for the start-up
+    # line; None when not launched so, or on one node.
+    nodes: int | None = None
+    # The global ranks of the mesh, row by row (one row per replica): what the ranks compare.
+    ranks: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def replicas(self) -> int:
+        return self.shape[0]
+
+    @property
+    def world_size(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def describe(self) -> str:
+        """What every rank must have been given alike (compared by ``Sharding``)."""
+        return f"{'hsdp' if self.hybrid else 'flat'} {self.shape} {self.ranks}"
+
+    def line(self) -> str:
+        """The layout, for the start-up line (``Ways.line``)."""
+        replicas, shards = self.shape
+        if self.hybrid:
+            if replicas == 1:
+                return (f"layout: HSDP 1x{shards}, one replica: sharded over all {shards} "
+                        f"ranks, nothing to all-reduce")
+            return (f"layout: HSDP {replicas}x{shards}: sharded within each group of {shards} "
+                    f"(a node), gathered there; gradient shards all-reduced across the "
+                    f"{replicas} replicas")
+        if self.nodes is not None and self.nodes > 1:
+            return (f"layout: flat over {shards} ranks on {self.nodes} nodes (torchrun): "
+                    f"every gather and reduction spans the nodes; pass "
+                    f"mesh=init_device_mesh(device, ({self.nodes}, "
+                    f"{shards // self.nodes}), mesh_dim_names=('replicate', 'shard')) "
+                    f"for hybrid sharding (HSDP)")
+        return f"layout: flat over {shards} rank{'s' if shards != 1 else ''}"
+
+
+def nodes_of(environ: Mapping[str, str]) -> int | None:
+    """The nodes a torchrun job spans (``WORLD_SIZE / LOCAL_WORLD_SIZE``; ``GROUP_RANK``, the
+    node's own rank, says it ran under an agent), or None when that environment is absent."""
+    try:
+        world, local = int(environ["WORLD_SIZE"]), int(environ["LOCAL_WORLD_SIZE"])
+        int(environ["GROUP_RANK"])
+    except (KeyError, ValueError):
+        return None
+    return world // local if local > 0 and world % local == 0 else None
+
+
+def flat(group: dist.ProcessGroup, nodes: int | None = None) -> Mesh:
+    """The flat layout over ``group``."""
+    n = group.size()
+    return Mesh(group, None, group, (1, n), hybrid=False, nodes=nodes,
+                ranks=(tuple(dist.get_process_group_ranks(group)),))
+
+
+def planned(shape: tuple[int, int] | None, world_size: int) -> Mesh:
+    """A planned world's mesh (``zerocore.plan``): fake groups (comm/fake.py) of each size, of
+    which this process is rank 0."""
+    if shape is None:
+        group = fake_group(world_size)
+        return Mesh(group, None, group, (1, world_size), hybrid=False)
+    replicas, shards = shape
+    return Mesh(fake_group(shards), fake_group(replicas) if replicas > 1 else None,
+                fake_group(world_size), (replicas, shards), hybrid=True)
+
+
+def check_shape(shape: object, world_size: int, what: str) -> tuple[int, int] | None:
+    """A planned mesh's ``(replicas, shards)``, checked against the world size."""
+    if shape is None:
+        return None
+    if (not isinstance(shape, tuple) or len(shape) != 2
+            or not all(type(n) is int and n >= 1 for n in shape)):
+        raise ValueError(f"{what}: mesh must be a (replicate, shard) pair of positive ints "
+                         f"(HSDP), or None (flat), got {shape!r}")
+    if shape[0] * shape[1] != world_size:
+        raise ValueError(f"{what}: a mesh of {shape[0]} replicas x {shape[1]} shards is "
+                         f"{shape[0] * shape[1]} ranks, not world_size={world_size}: the shard "
+                         f"dim must divide the world")
+    return shape
+
+
+def resolve(group: dist.ProcessGroup | None, mesh: DeviceMesh | None, what: str, *,
+            nodes: int | None = None) -> Mesh:
+    """The layout ``shard(group=, mesh=)`` asks for (neither: flat over the world).
+    ``nodes``: ``nodes_of`` the launcher's environment, read by the caller."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{what} needs torch.distributed to be initialised: call "
+                           f"torch.distributed.init_process_group(...) first (for one process: "
+                           f"backend='gloo', world_size=1, rank=0)")
+    if mesh is None:
+        return flat(group if group is not None else dist.group.WORLD, nodes)
+    if group is not None:
+        raise ValueError(f"{what}: give group= or mesh=, not both (a mesh has its own groups: "
+                         f"1-D for sharding over it, 2-D (replicate, shard) for HSDP)")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{what}: mesh must be a torch.distributed.device_mesh.DeviceMesh "
+                        f"(init_device_mesh(...)), got {type(mesh).__name__}")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"{what}: mesh has {mesh.ndim} dims {tuple(mesh.shape)}; zerocore "
+                         f"takes a 1-D mesh (shard) or a 2-D one (replicate, shard)")
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"{what}: this rank ({dist.get_rank()}) is not in the mesh "
+                         f"{mesh.mesh.tolist()}; call it only on the mesh's ranks")
+    if mesh.ndim == 1:
+        return flat(mesh.get_group(0), nodes)
+    replicas, shards = (int(n) for n in mesh.shape)
+    ranks = tuple(tuple(int(r) for r in row) for row in mesh.mesh.tolist())
+    everyone = sorted(r for row in ranks for r in row)
+    if everyone == list(range(dist.get_world_size())):
+        whole = dist.group.WORLD
+    else:  # made by the mesh's ranks alone (the world's others take no part)
+        whole = dist.new_group(everyone, use_local_synchronization=True)
+    return Mesh(mesh.get_group(1), mesh.get_group(0) if replicas > 1 else None, whole,
+                (replicas, shards), hybrid=True, nodes=nodes, ranks=ranks)
+
+
+def check_device(mesh: DeviceMesh | None, device_type: str, what: str) -> None:
+    """Refuses a mesh made for another kind of device than the one the model computes on (the
+    group's backend's, or ``device=``)."""
+    if mesh is not None and mesh.device_type != device_type:
+        raise ValueError(f"{what}: the mesh was made for {mesh.device_type!r} but the model "
+                         f"computes on {device_type!r} (from the process group's backend, or "
+                         f"device=); build the mesh with init_device_mesh({device_type!r}, ...)")
