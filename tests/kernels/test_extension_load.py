@@ -67,6 +67,64 @@ def test_compile_progress_says_each_file_and_keeps_talking_between(tmp_path):
                      "zerocore: 2 of 3 files compiled (42 s)"]
 
 
+def _screen(written: str) -> list[str]:
+    """The lines a terminal shows after ``written``: characters overwrite at the cursor, "\\r"
+    and "\\b" move it back, "\\033[K" erases to the end of the line, "\\n" starts the next."""
+    lines, col = [""], 0
+    i = 0
+    while i < len(written):
+        if written.startswith("\033[K", i):
+            lines[-1] = lines[-1][:col]
+            i += 3
+            continue
+        c = written[i]
+        if c == "\n":
+            lines.append("")
+            col = 0
+        elif c == "\r":
+            col = 0
+        elif c == "\b":
+            col = max(col - 1, 0)
+        else:
+            line = lines[-1].ljust(col)
+            lines[-1] = line[:col] + c + line[col + 1:]
+            col += 1
+        i += 1
+    return lines
+
+
+def test_build_messages_stand_on_their_own_lines_beside_pips_spinner(tmp_path, capsys):
+    """setup.py's messages on a terminal where pip draws its spinner between them (as pip's
+    InteractiveSpinner does: the message, then each character erased by backspace and space):
+    every message is a line of its own, pip's line stays, and the capture gets plain lines."""
+    tty = tmp_path / "tty"
+    tty.write_text("")
+    say = _sources.BuildMessages(str(tty))
+    spinner = "  Building editable for zerocore (pyproject.toml) ... "
+    with open(tty, "a") as pip:
+        pip.write(spinner + "-")
+        pip.flush()
+        for i, message in enumerate(["zerocore: compiling", "zerocore: 1 of 9 files compiled",
+                                     "zerocore: compiled zerocore._C in 31 s"]):
+            say(message)
+            pip.write("\b \b" + "\\|/-"[i])  # the spinner's next character
+            pip.flush()
+        pip.write("\b \bdone\n")
+    assert _screen(tty.read_bytes().decode()) == [  # bytes: read_text would make "\r" a newline
+        spinner + "-", "zerocore: compiling", "zerocore: 1 of 9 files compiled",
+        "zerocore: compiled zerocore._C in 31 s", "done", ""]
+    assert capsys.readouterr().out == ("zerocore: compiling\nzerocore: 1 of 9 files compiled\n"
+                                       "zerocore: compiled zerocore._C in 31 s\n")
+    # Before the fix each message ended the spinner's line instead of starting its own.
+    assert _screen(spinner + "-" + "zerocore: compiling\n")[0].endswith("-zerocore: compiling")
+
+
+def test_build_messages_without_a_terminal_are_printed_only(tmp_path, capsys):
+    say = _sources.BuildMessages(str(tmp_path / "no such dir" / "tty"))
+    say("zerocore: compiling")
+    assert capsys.readouterr().out == "zerocore: compiling\n"
+
+
 def test_one_compile_time_is_stated():
     """setup.py and the first-import compile quote the figure measured (docs/decisions.md); the
     README quotes the same."""
