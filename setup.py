@@ -21,6 +21,22 @@ sources = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sources)
 
 
+def _messages():
+    """``say(message)``: a line the user sees. pip captures a build's output unless run with
+    -v, so it also goes to the terminal directly when there is one, on a line of its own beside
+    pip's spinner (``TerminalLines``)."""
+    terminal = sources.TerminalLines()
+
+    def say(message: str) -> None:
+        print(message, flush=True)
+        try:
+            with open("/dev/tty", "a") as tty:
+                tty.write(terminal.text(message))
+        except OSError:  # no terminal (CI, a pipe): the captured line is all there is
+            pass
+    return say
+
+
 def _recorded_fingerprint() -> str | None:
     try:
         with open(os.path.join(ROOT, "zerocore", "_C_build.json")) as f:
@@ -53,7 +69,7 @@ def extension_args():
     arch = os.environ["TORCH_CUDA_ARCH_LIST"] if with_cuda else None
     fp = sources.fingerprint(ROOT, with_cuda=with_cuda, torch_version=torch.__version__,
                              cuda_arch_list=arch)
-    say = sources.BuildMessages()  # to the terminal too, each on a line of its own
+    say = _messages()
     what = (f"for torch {torch.__version__} "
             f"({'CPU+CUDA, arch ' + arch if with_cuda else 'CPU only'})")
 

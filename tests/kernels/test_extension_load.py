@@ -93,36 +93,22 @@ def _screen(written: str) -> list[str]:
     return lines
 
 
-def test_build_messages_stand_on_their_own_lines_beside_pips_spinner(tmp_path, capsys):
+def test_build_messages_stand_on_their_own_lines_beside_pips_spinner():
     """setup.py's messages on a terminal where pip draws its spinner between them (as pip's
-    InteractiveSpinner does: the message, then each character erased by backspace and space):
-    every message is a line of its own, pip's line stays, and the capture gets plain lines."""
-    tty = tmp_path / "tty"
-    tty.write_text("")
-    say = _sources.BuildMessages(str(tty))
+    InteractiveSpinner does: its line, then each character erased by backspace and space):
+    every message is a line of its own, and pip's line stays."""
+    terminal = _sources.TerminalLines()
     spinner = "  Building editable for zerocore (pyproject.toml) ... "
-    with open(tty, "a") as pip:
-        pip.write(spinner + "-")
-        pip.flush()
-        for i, message in enumerate(["zerocore: compiling", "zerocore: 1 of 9 files compiled",
-                                     "zerocore: compiled zerocore._C in 31 s"]):
-            say(message)
-            pip.write("\b \b" + "\\|/-"[i])  # the spinner's next character
-            pip.flush()
-        pip.write("\b \bdone\n")
-    assert _screen(tty.read_bytes().decode()) == [  # bytes: read_text would make "\r" a newline
-        spinner + "-", "zerocore: compiling", "zerocore: 1 of 9 files compiled",
-        "zerocore: compiled zerocore._C in 31 s", "done", ""]
-    assert capsys.readouterr().out == ("zerocore: compiling\nzerocore: 1 of 9 files compiled\n"
-                                       "zerocore: compiled zerocore._C in 31 s\n")
-    # Before the fix each message ended the spinner's line instead of starting its own.
-    assert _screen(spinner + "-" + "zerocore: compiling\n")[0].endswith("-zerocore: compiling")
-
-
-def test_build_messages_without_a_terminal_are_printed_only(tmp_path, capsys):
-    say = _sources.BuildMessages(str(tmp_path / "no such dir" / "tty"))
-    say("zerocore: compiling")
-    assert capsys.readouterr().out == "zerocore: compiling\n"
+    written = spinner + "-"
+    messages = ["zerocore: compiling", "zerocore: 1 of 9 files compiled",
+                "zerocore: compiled zerocore._C in 31 s"]
+    for i, message in enumerate(messages):
+        written += terminal.text(message)
+        written += "\b \b" + "\\|/-"[i]  # the spinner's next character
+    written += "\b \bdone\n"
+    assert _screen(written) == [spinner + "-", *messages, "done", ""]
+    # Each message written as a plain line would have ended the spinner's line instead.
+    assert _screen(spinner + "-" + messages[0] + "\n")[0].endswith("-zerocore: compiling")
 
 
 def test_one_compile_time_is_stated():

@@ -105,32 +105,23 @@ def objects_written_since(build_dir: str, since: float) -> int:
     return n
 
 
-class BuildMessages:
-    """What setup.py tells the user while it builds, each message on a line of its own.
+class TerminalLines:
+    """setup.py's messages as written to the terminal, each on a line of its own.
 
-    pip captures a build's output (shown only with -v), so each message is printed for the
-    capture and also written straight to the terminal, ``tty`` (none: CI, a pipe). On that
-    terminal pip's spinner is drawing: when the first message comes, pip's
-    "Building editable for zerocore (pyproject.toml) ... -" has no newline yet, and after each
-    message the spinner draws its next character at the start of the line below. So the first
-    message starts a new line, and each later one first clears the line it starts on."""
+    pip captures a build's output (shown only with -v), so setup.py also writes each message
+    straight to the terminal, where pip's spinner is drawing: when the first message comes,
+    pip's "Building editable for zerocore (pyproject.toml) ... -" has no newline yet, and after
+    each message the spinner draws its next character at the start of the line below. So the
+    first message starts a new line, and each later one first clears the line it starts on."""
 
-    def __init__(self, tty: str = "/dev/tty"):
-        self.tty = tty
+    def __init__(self):
         self.said = 0  # messages written so far
 
-    def terminal_text(self, message: str) -> str:
-        return ("\r\033[K" if self.said else "\n") + message + "\n"
-
-    def __call__(self, message: str) -> None:
-        print(message, flush=True)
-        text = self.terminal_text(message)
+    def text(self, message: str) -> str:
+        """What to write to the terminal for ``message``, the next message."""
+        text = ("\r\033[K" if self.said else "\n") + message + "\n"
         self.said += 1
-        try:
-            with open(self.tty, "a") as tty:  # "a": a test may give a file
-                tty.write(text)
-        except OSError:  # no terminal: the captured line is all there is
-            pass
+        return text
 
 
 @contextlib.contextmanager
