@@ -17,6 +17,7 @@ on 2 cores.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -181,6 +182,31 @@ def test_the_readme_output_block_is_what_the_built_in_run_prints(newcomer):
     printed = stdout.replace(env["HOME"], "~").splitlines()
     problem = mismatch(output_block(), printed)
     assert problem is None, problem
+
+
+def readme_metrics_keys() -> tuple[list[str], list[str]]:
+    """The keys the README says every line of metrics.jsonl holds, and those a validated step's
+    line holds besides."""
+    text = section(README.read_text(), "Fine-tuning GPT-NeoX", "Fine-tuning GPT-NeoX")
+    said = " ".join(text[text.index("`metrics.jsonl` (one JSON line"):].split())
+    every, validated = said.split("per step, each step once: ", 1)[1].split(";", 1)
+    return re.findall(r"`(\w+)`", every), re.findall(r"`(\w+)`", validated.split(")", 1)[0])
+
+
+@pytest.mark.e2e
+def test_metrics_jsonl_holds_what_the_readme_says(newcomer):
+    """Each step once, each line with the keys the README names, the validation in the last
+    step's line (not a line of its own repeating that step's number)."""
+    work, _, stdout = newcomer
+    every, validated = readme_metrics_keys()
+    assert validated == ["val_loss", "val_acc"], validated
+    lines = [json.loads(line) for line in
+             (work / "runs" / "neox-finetune" / "metrics.jsonl").read_text().splitlines()]
+    total = int(re.search(r"^training (\d+) steps", stdout, re.M).group(1))
+    assert [r["step"] for r in lines] == list(range(1, total + 1))
+    for r in lines[:-1]:
+        assert list(r) == every, r
+    assert list(lines[-1]) == every + validated, lines[-1]
 
 
 @pytest.mark.e2e
