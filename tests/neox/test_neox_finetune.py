@@ -269,6 +269,19 @@ def read_metrics(out: Path) -> tuple[list[dict], list[dict]]:
     return steps, [r for r in records if "loss" not in r]
 
 
+def comm_table(stdout: str) -> dict[str, tuple[str, str]]:
+    """The run's "communication this run" table: collective -> (measured, expected) MiB."""
+    lines = stdout[stdout.index("communication this run:"):].splitlines()[2:5]
+    return {name: (got, want) for name, got, want in (line.split() for line in lines)}
+
+
+def check_comm_table(stdout: str) -> None:
+    """The steps moved what ZeRO-3 expects of them, to the byte as printed."""
+    table = comm_table(stdout)
+    assert table["all-gather"][0] == table["all-gather"][1], table
+    assert table["reduce-scatter"][0] == table["reduce-scatter"][1], table
+
+
 def check_run_outputs(proc: subprocess.CompletedProcess, out: Path, *, n_steps: int,
                       world_size: int, trainable_names: set[str]) -> None:
     steps, finals = read_metrics(out)
@@ -284,6 +297,7 @@ def check_run_outputs(proc: subprocess.CompletedProcess, out: Path, *, n_steps: 
     for rank in range(world_size):
         assert f"rank {rank}/{world_size}:" in proc.stdout
     assert proc.stdout.count("measured / predicted") == world_size
+    check_comm_table(proc.stdout)
     ckpt = out / "checkpoints" / f"step-{n_steps:08d}"
     for line in (f"saved: checkpoint {ckpt}",
                  f"saved: trained parameters only {out / 'trainable.safetensors'}",
@@ -538,6 +552,21 @@ def test_the_built_in_run_learns_visibly(cli_dirs, tmp_path):
     assert len(losses) == 30 and losses[-1] < losses[0] - 1.0, losses
     sample = proc.stdout[proc.stdout.index("sample (48 tokens"):]
     assert len(sample.splitlines()) > 1  # the sample's text follows on its own lines
+
+
+@pytest.mark.e2e
+def test_the_communication_table_is_of_the_steps_not_the_validation(cli_dirs, tmp_path):
+    """Validated at steps 2 and 4 (--eval-every 2; the last step always is), the run's
+    communication table still shows what its 4 steps moved, measured equal to the expectation:
+    the validation's forwards gather every layer too (the built-in run's table showed 38 MiB
+    more than expected once the last validation moved into the training loop)."""
+    out = tmp_path / "out"
+    proc = run_cli("--nproc", 2, *common_args(cli_dirs, out), "--max-steps", 4,
+                   "--eval-every", 2, "--sample-tokens", 0)
+    _check_ok(proc)
+    steps, _ = read_metrics(out)
+    assert [("val_loss" in r) for r in steps] == [False, True, False, True]
+    check_comm_table(proc.stdout)
 
 
 @pytest.mark.e2e
