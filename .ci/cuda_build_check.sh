@@ -74,7 +74,7 @@ import torch
 
 torch.ops.load_library(sys.argv[1])
 missing = [f"zerocore::{op} for {key}"
-           for op in ("fused_adam", "grad_stats", "pack", "unpack", "quantize_blockwise",
+           for op in ("fused_adam", "fused_adam_multi", "grad_stats", "pack", "unpack", "quantize_blockwise",
                       "dequantize_blockwise_")
            for key in ("CPU", "CUDA")
            if not torch._C._dispatch_has_kernel_for_dispatch_key(f"zerocore::{op}", key)]

@@ -9,6 +9,8 @@ around it: gathering, installing views, autograd bookkeeping, reducing, the opti
 in the same ranks, stepped alternately in a seeded random order per round (the machine's load
 affects them alike):
 - ``shard``: ``zerocore.shard(layers)``, zerocore's AdamW;
+- ``shard A/A``: the same again, a second model stepped in the same rounds: the control, whose
+  ratio to ``shard`` is the noise band of the run (identical engines differ only by chance);
 - ``shard_model``: ``zerocore.shard_model(nn.Sequential(*layers), layers)`` (a unit per layer);
 - ``fsdp2``: ``fully_shard`` on every layer and on the stack, ``torch.optim.AdamW`` (fused
   where available);
@@ -58,9 +60,10 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
     device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
     base = stack(args.layers, args.width)
     engines = {}
-    model = zerocore.shard(copy.deepcopy(base), device=device)
-    engines["shard"] = (model, zerocore.optim.AdamW(model.parameters(), lr=1e-4),
-                        model.counter)
+    for name in ("shard", "shard A/A"):
+        model = zerocore.shard(copy.deepcopy(base), device=device)
+        engines[name] = (model, zerocore.optim.AdamW(model.parameters(), lr=1e-4),
+                         model.counter)
     layers = copy.deepcopy(base)
     seq = nn.Sequential(*layers)
     sharded = zerocore.shard_model(seq, layers)
@@ -126,7 +129,7 @@ def main() -> None:
             rank_main, nproc, args,
             backend="cuda:nccl,cpu:gloo" if args.device == "cuda" else "gloo")
         worst = {name: max(r[name]["us"] for r in per_rank) for name in per_rank[0]}
-        for name in ("shard", "shard_model", "fsdp2", "unsharded"):
+        for name in ("shard", "shard A/A", "shard_model", "fsdp2", "unsharded"):
             comm = per_rank[0][name]["comm_us"]
             rows.append((nproc, name, f"{worst[name]:.1f}",
                          "-" if comm is None else f"{comm:.1f}",

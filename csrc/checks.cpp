@@ -76,6 +76,44 @@ AdamConsts check_fused_adam(const at::Tensor& param, const at::Tensor& grad,
   return c;
 }
 
+std::vector<AdamConsts> check_fused_adam_multi(
+    at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+    at::TensorList exp_avg_sqs, at::TensorList model_copies, at::ArrayRef<double> lrs,
+    at::ArrayRef<double> weight_decays, double beta1, double beta2, double eps, int64_t step,
+    double inv_grad_scale, bool adamw) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n &&
+                  lrs.size() == n && weight_decays.size() == n,
+              "zerocore.fused_adam_multi: params, grads, exp_avgs, exp_avg_sqs, lrs and "
+              "weight_decays must have one entry per shard (", n, " params, ", grads.size(),
+              " grads, ", exp_avgs.size(), " exp_avgs, ", exp_avg_sqs.size(), " exp_avg_sqs, ",
+              lrs.size(), " lrs, ", weight_decays.size(), " weight_decays)");
+  TORCH_CHECK(model_copies.empty() || model_copies.size() == n,
+              "zerocore.fused_adam_multi: model_copies must be empty or have one entry per "
+              "shard, got ", model_copies.size(), " for ", n, " shards");
+  std::vector<AdamConsts> consts;
+  consts.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    const c10::optional<at::Tensor> copy =
+        model_copies.empty() ? c10::nullopt : c10::optional<at::Tensor>(model_copies[i]);
+    consts.push_back(check_fused_adam(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], copy,
+                                      lrs[i], beta1, beta2, eps, weight_decays[i], step,
+                                      inv_grad_scale, adamw));
+    // check_fused_adam checked each shard's tensors against its own param; one launch also
+    // needs every shard on one device, one gradient dtype and one model-copy dtype.
+    TORCH_CHECK(params[i].device() == params[0].device(),
+                "zerocore.fused_adam_multi: every shard must be on one device; shard ", i,
+                " is on ", params[i].device(), ", shard 0 on ", params[0].device());
+    TORCH_CHECK(grads[i].scalar_type() == grads[0].scalar_type(),
+                "zerocore.fused_adam_multi: every grad must have one dtype; grad ", i, " is ",
+                grads[i].scalar_type(), ", grad 0 ", grads[0].scalar_type());
+    TORCH_CHECK(!copy.has_value() || copy->scalar_type() == model_copies[0].scalar_type(),
+                "zerocore.fused_adam_multi: every model copy must have one dtype; copy ", i,
+                " is ", copy->scalar_type(), ", copy 0 ", model_copies[0].scalar_type());
+  }
+  return consts;
+}
+
 void check_grad_stats(const at::Tensor& grad, const at::Tensor& stats) {
   TORCH_CHECK(is_supported_float(grad.scalar_type()),
               "zerocore.grad_stats: grad must be float32, float16 or bfloat16, got ",

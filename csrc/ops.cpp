@@ -16,6 +16,15 @@ TORCH_LIBRARY(zerocore, m) {
       "fused_adam(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
       "Tensor(d!)? model_copy, float lr, float beta1, float beta2, float eps, "
       "float weight_decay, int step, float inv_grad_scale, bool adamw) -> ()");
+  // The same step over many flat shards at once, in one launch: shard i has its own lr[i] and
+  // weight_decay[i] (a run of parameters with its own settings is a shard of its own here);
+  // model_copies is empty (no copies) or one per shard. Every grad has one dtype, every model
+  // copy one dtype, all on one device. Each shard's elements compute the same bits as
+  // fused_adam on that shard alone.
+  m.def(
+      "fused_adam_multi(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+      "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] model_copies, float[] lrs, float[] weight_decays, "
+      "float beta1, float beta2, float eps, int step, float inv_grad_scale, bool adamw) -> ()");
   // stats[0] += sum(grad^2); stats[1] = 1 if any element of grad is inf or nan.
   m.def("grad_stats(Tensor grad, Tensor(a!) stats) -> ()");
   // flat[offsets[i] : offsets[i] + tensors[i].numel()] = tensors[i].flatten(); the rest of flat

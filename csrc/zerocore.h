@@ -33,6 +33,14 @@ AdamConsts check_fused_adam(const at::Tensor& param, const at::Tensor& grad,
                             double beta2, double eps, double weight_decay, int64_t step,
                             double inv_grad_scale, bool adamw);
 
+// Validates the arguments of zerocore::fused_adam_multi (every shard as fused_adam would, and
+// that the lists agree in length, device and dtypes) and returns each shard's scalars.
+std::vector<AdamConsts> check_fused_adam_multi(
+    at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+    at::TensorList exp_avg_sqs, at::TensorList model_copies, at::ArrayRef<double> lrs,
+    at::ArrayRef<double> weight_decays, double beta1, double beta2, double eps, int64_t step,
+    double inv_grad_scale, bool adamw);
+
 void check_grad_stats(const at::Tensor& grad, const at::Tensor& stats);
 
 // One stretch of a flat buffer written by pack (or read by unpack): either a copy to/from

@@ -15,9 +15,10 @@ and each bucket is laid out in one flat fp32 master buffer with flat fp32 moment
   same pass.
 Parameters with ``requires_grad=False`` at construction are kept in ``param_groups`` but get no
 state and are never stepped (build the optimizer again after unfreezing one). Each step packs
-the gradients of a bucket into one flat buffer (one multi-tensor copy) and runs
-one fused kernel over the whole bucket. Parameters whose ``.grad`` is None are skipped, as
-``torch.optim`` skips them; then that bucket is stepped parameter by parameter.
+the gradients of a bucket into one flat buffer (one multi-tensor copy) and runs one fused kernel
+launch over all the buckets of a param group that share a device, dtypes and step count (on a
+sharded model: every layer's shard in one launch). Parameters whose ``.grad`` is None are
+skipped, as ``torch.optim`` skips them; then that bucket is stepped parameter by parameter.
 
 Caveat shared with every optimizer that keeps master weights: after changing a low-precision
 parameter outside the optimizer, call ``sync_master_from_params()``.
@@ -59,6 +60,38 @@ class _Bucket:
     host_threads: int | None = None
     # The layer of a shard's bucket, for its label in a profiler trace; -1 for other buckets.
     layer_index: int = -1
+
+
+class _Launch:
+    """Buckets stepped by one ``fused_adam_multi`` call: one device, gradient dtype, model-copy
+    dtype and step count. Each bucket is one shard of the call, or one per run of parameters
+    with their own settings (the same kernel on slices: every element read and written once)."""
+
+    def __init__(self, step: int, host_threads: int | None):
+        self.step, self.host_threads = step, host_threads
+        self.buckets: list[_Bucket] = []
+        self._lists: tuple[list[torch.Tensor], ...] = ([], [], [], [], [])
+        self._lrs: list[float] = []
+        self._wds: list[float] = []
+
+    def add(self, b: _Bucket, grad_flat: torch.Tensor, hyper: dict[str, Any]) -> None:
+        self.buckets.append(b)
+        runs = b.runs or [(0, b.master.numel(), None, 1.0)]
+        for lo, hi, wd, scale in runs:
+            arrays = (b.master, grad_flat, b.exp_avg, b.exp_avg_sq, b.model_copy)
+            for out, a in zip(self._lists, arrays):
+                if a is not None:
+                    out.append(a if (lo, hi) == (0, a.numel()) else a[lo:hi])
+            settings = _with(hyper, wd, scale)
+            self._lrs.append(settings["lr"])
+            self._wds.append(settings["weight_decay"])
+
+    def run(self, hyper: dict[str, Any]) -> None:
+        masters, grads, exp_avgs, exp_avg_sqs, copies = self._lists
+        ops.fused_adam_multi(masters, grads, exp_avgs, exp_avg_sqs, copies or None,
+                             lrs=self._lrs, weight_decays=self._wds, beta1=hyper["beta1"],
+                             beta2=hyper["beta2"], eps=hyper["eps"], step=self.step,
+                             inv_grad_scale=hyper["inv_grad_scale"], adamw=hyper["adamw"])
 
 
 # param_overrides: a parameter's name (the model's own; "<layer index>.<name>" for
@@ -297,15 +330,39 @@ class Adam(torch.optim.Optimizer):
              inv_grad_scale: float = 1.0) -> Any:
         """One step. ``inv_grad_scale`` multiplies every gradient inside the kernel: pass
         ``clip_coef / loss_scale`` to unscale and clip without another pass over the gradients
-        (``zerocore.LossScaler.step`` does)."""
+        (``zerocore.LossScaler.step`` does).
+
+        Every bucket whose parameters all have gradients and one step count joins one kernel
+        launch per (device, gradient dtype, model-copy dtype, step count) of its param group:
+        on a sharded model, one launch for all the layers' shards, as one pass over memory."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group, buckets in zip(self.param_groups, self._buckets):
+            hyper = self._hyper(group, inv_grad_scale)
+            launches: dict[tuple, _Launch] = {}
             for b in buckets:
-                with _host_threads(b.host_threads), traced("adam", b.layer_index):
-                    self._step_bucket(group, b, inv_grad_scale)
+                for p in b.params:
+                    if is_offloaded(p):
+                        # The device may still be reading the master or model copy this step
+                        # rewrites (an upload): wait for that copy, and nothing else.
+                        wait_for_device(p)
+                parts = self._whole_bucket_parts(b)
+                if parts is None:
+                    with _host_threads(b.host_threads), traced("adam", b.layer_index):
+                        self._step_one_by_one(b, hyper)
+                    continue
+                step, grad_flat = parts
+                key = (b.master.device, grad_flat.dtype,
+                       None if b.model_copy is None else b.model_copy.dtype, step,
+                       b.host_threads)
+                launches.setdefault(key, _Launch(step, b.host_threads)).add(b, grad_flat, hyper)
+            for launch in launches.values():
+                with _host_threads(launch.host_threads), traced("adam", -1):
+                    launch.run(hyper)
+                for b in launch.buckets:
+                    self._mark_stepped(b.params)
         return loss
 
     def _hyper(self, group: dict[str, Any], inv_grad_scale: float) -> dict[str, Any]:
@@ -314,55 +371,45 @@ class Adam(torch.optim.Optimizer):
                     weight_decay=group["weight_decay"], adamw=self._adamw,
                     inv_grad_scale=inv_grad_scale)
 
-    def _step_bucket(self, group: dict[str, Any], b: _Bucket, inv_grad_scale: float) -> None:
-        for p in b.params:
-            if is_offloaded(p):
-                # The device may still be reading the master or model copy this step rewrites
-                # (an upload): wait for that copy, and nothing else.
-                wait_for_device(p)
+    def _whole_bucket_parts(self, b: _Bucket) -> tuple[int, torch.Tensor] | None:
+        """For a bucket whose parameters all have gradients and one step count: counts the
+        step and returns (the step count, the bucket's flat gradient), the bucket to be stepped
+        whole. None otherwise (nothing changed)."""
         grads = [p.grad for p in b.params]
         steps = [self.state[p]["step"] for p in b.params]
-        hyper = self._hyper(group, inv_grad_scale)
-        if all(g is not None for g in grads) and all(s == steps[0] for s in steps):
-            for s in steps:
-                s += 1
-            step = int(steps[0].item())
-            if b.grad_flat is None:
-                grad_flat = grads[0]
-            else:
-                grad_flat = ops.pack(grads, b.offsets, b.grad_flat)
-            if b.runs is None:
-                ops.fused_adam(b.master, grad_flat, b.exp_avg, b.exp_avg_sq, b.model_copy,
-                               step=step, **hyper)
-            else:
-                # Each run with its own settings: the same elementwise kernel on slices, so
-                # every element is read and written once, as in one call.
-                for lo, hi, wd, scale in b.runs:
-                    copy = None if b.model_copy is None else b.model_copy[lo:hi]
-                    ops.fused_adam(b.master[lo:hi], grad_flat[lo:hi], b.exp_avg[lo:hi],
-                                   b.exp_avg_sq[lo:hi], copy, step=step,
-                                   **_with(hyper, wd, scale))
-            stepped = b.params
-        else:
-            # Some parameters have no gradient (or were skipped before): step the others one by
-            # one on their slices of the flat buffers, exactly as torch.optim would.
-            stepped = []
-            for p, g, s, off in zip(b.params, grads, steps, b.offsets):
-                if g is None:
-                    continue
-                stepped.append(p)
-                if g.is_sparse:
-                    raise ValueError("zerocore.optim.Adam does not support sparse gradients")
-                s += 1
-                n = p.numel()
-                copy = None if b.model_copy is None else b.model_copy[off:off + n]
-                run = b.runs[0] if b.runs else (0, 0, None, 1.0)  # plain buckets: one run
-                ops.fused_adam(b.master[off:off + n], g.contiguous().view(-1),
-                               b.exp_avg[off:off + n], b.exp_avg_sq[off:off + n], copy,
-                               step=int(s.item()), **_with(hyper, run[2], run[3]))
+        if not (all(g is not None for g in grads) and all(s == steps[0] for s in steps)):
+            return None
+        for s in steps:
+            s += 1
+        step = int(steps[0].item())
+        grad_flat = grads[0] if b.grad_flat is None else ops.pack(grads, b.offsets, b.grad_flat)
+        return step, grad_flat
+
+    def _step_one_by_one(self, b: _Bucket, hyper: dict[str, Any]) -> None:
+        """Some parameters have no gradient (or were skipped before): steps the others one by
+        one on their slices of the flat buffers, exactly as torch.optim would."""
+        stepped = []
+        for p, off in zip(b.params, b.offsets):
+            g, s = p.grad, self.state[p]["step"]
+            if g is None:
+                continue
+            stepped.append(p)
+            if g.is_sparse:
+                raise ValueError("zerocore.optim.Adam does not support sparse gradients")
+            s += 1
+            n = p.numel()
+            copy = None if b.model_copy is None else b.model_copy[off:off + n]
+            run = b.runs[0] if b.runs else (0, 0, None, 1.0)  # plain buckets: one run
+            ops.fused_adam(b.master[off:off + n], g.contiguous().view(-1),
+                           b.exp_avg[off:off + n], b.exp_avg_sq[off:off + n], copy,
+                           step=int(s.item()), **_with(hyper, run[2], run[3]))
+        self._mark_stepped(stepped)
+
+    @staticmethod
+    def _mark_stepped(params: list[torch.nn.Parameter]) -> None:
         # Only a shard the kernel just wrote has a fresh model copy: a skipped one keeps whatever
         # outside write made it stale, for refresh_model_copy() to see.
-        for p in stepped:
+        for p in params:
             if is_shard(p):
                 mark_model_copy_synced(p)
 

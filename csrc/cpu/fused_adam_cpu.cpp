@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <mutex>
@@ -132,42 +133,113 @@ adam::Dtype dtype_of(at::ScalarType t) {
 // ISA's block), so no cache line of an aligned shard is written by two threads.
 constexpr int64_t kUnit = 64;
 
+adam::Scalars scalars_of(const AdamConsts& c) {
+  return adam::Scalars{c.inv_grad_scale, c.weight_decay,  c.decay_factor,
+                       c.one_minus_beta1, c.beta2,         c.one_minus_beta2,
+                       c.bias_correction2_sqrt, c.eps,     -c.step_size};
+}
+
+// The arrays of one shard, as the per-ISA range functions take them.
+struct Shard {
+  float* p;
+  const void* g;
+  float* m;
+  float* v;
+  void* copy;  // null: no model copy
+  int64_t n;
+  adam::Scalars s;
+};
+
+Shard shard_of(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg,
+               at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& model_copy,
+               const AdamConsts& c) {
+  TORCH_CHECK(param.device().is_cpu(), "zerocore.fused_adam (CPU): param must be on the CPU");
+  return Shard{param.data_ptr<float>(), grad.data_ptr(), exp_avg.data_ptr<float>(),
+               exp_avg_sq.data_ptr<float>(),
+               model_copy.has_value() ? model_copy->data_ptr() : nullptr, param.numel(),
+               scalars_of(c)};
+}
+
+// Only the model copy is worth streaming: param and the moments are stored to lines that were
+// just read, so they are in the cache already, while a normal store of the copy first reads each
+// of its lines from memory. Decided once per call, over all its shards.
+bool streams_copy(int64_t elements, int64_t grad_bytes, int64_t copy_bytes) {
+  const int64_t bytes = elements * (3 * 2 * static_cast<int64_t>(sizeof(float)) + grad_bytes +
+                                    copy_bytes);
+  return copy_bytes > 0 && bytes > kStreamingMinBytes;
+}
+
+// Steps every shard in one parallel region: threads take whole units of every shard (a unit
+// never spans two shards), so one call over many shards costs one wake-up of the thread pool
+// instead of one per shard, and each element is computed as fused_adam alone would.
+void step_shards(const std::vector<Shard>& shards, adam::RangeFn fn, bool stream) {
+  std::vector<int64_t> first_unit(shards.size() + 1, 0);  // shard i: units [first[i], first[i+1])
+  for (size_t i = 0; i < shards.size(); ++i) {
+    first_unit[i + 1] = first_unit[i] + (shards[i].n + kUnit - 1) / kUnit;
+  }
+  at::parallel_for(0, first_unit.back(), kGrain / kUnit, [&](int64_t u0, int64_t u1) {
+    // The shard holding unit u0, then each shard the range reaches into.
+    size_t i = std::upper_bound(first_unit.begin(), first_unit.end(), u0) - first_unit.begin() - 1;
+    for (int64_t u = u0; u < u1; ++i) {
+      const int64_t end_unit = std::min(u1, first_unit[i + 1]);
+      const Shard& sh = shards[i];
+      const int64_t begin = (u - first_unit[i]) * kUnit;
+      const int64_t end = std::min(sh.n, (end_unit - first_unit[i]) * kUnit);
+      if (begin < end) fn(sh.p, sh.g, sh.m, sh.v, sh.copy, begin, end, sh.s, stream);  // fences
+      u = end_unit;
+    }
+  });
+}
+
 void fused_adam_cpu(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg,
                     at::Tensor exp_avg_sq, const c10::optional<at::Tensor>& model_copy, double lr,
                     double beta1, double beta2, double eps, double weight_decay, int64_t step,
                     double inv_grad_scale, bool adamw) {
   const AdamConsts c = check_fused_adam(param, grad, exp_avg, exp_avg_sq, model_copy, lr, beta1,
                                         beta2, eps, weight_decay, step, inv_grad_scale, adamw);
-  TORCH_CHECK(param.device().is_cpu(), "zerocore.fused_adam (CPU): param must be on the CPU");
-  const int64_t n = param.numel();
-  if (n == 0) return;
-  const adam::Scalars s{c.inv_grad_scale, c.weight_decay,  c.decay_factor,
-                        c.one_minus_beta1, c.beta2,         c.one_minus_beta2,
-                        c.bias_correction2_sqrt, c.eps,     -c.step_size};
-  const adam::Dtype gd = dtype_of(grad.scalar_type());
+  const Shard sh = shard_of(param, grad, exp_avg, exp_avg_sq, model_copy, c);
+  if (sh.n == 0) return;
   const adam::Dtype cd = model_copy.has_value() ? dtype_of(model_copy->scalar_type()) : adam::kNone;
-  const adam::Kernels* isa = active_isa();
-  const adam::RangeFn fn = isa->fn[gd][cd];
-  float* p = param.data_ptr<float>();
-  float* m = exp_avg.data_ptr<float>();
-  float* v = exp_avg_sq.data_ptr<float>();
-  const void* g = grad.data_ptr();
-  void* copy = model_copy.has_value() ? model_copy->data_ptr() : nullptr;
-  // Only the model copy is worth streaming: param and the moments are stored to lines that were
-  // just read, so they are in the cache already, while a normal store of the copy first reads
-  // each of its lines from memory.
-  const int64_t bytes = n * static_cast<int64_t>(3 * 2 * sizeof(float) + grad.element_size() +
-                                                 (copy != nullptr ? model_copy->element_size() : 0));
-  const bool stream = copy != nullptr && bytes > kStreamingMinBytes;
-  const int64_t units = (n + kUnit - 1) / kUnit;
-  at::parallel_for(0, units, kGrain / kUnit, [&](int64_t u0, int64_t u1) {
-    fn(p, g, m, v, copy, u0 * kUnit, std::min(n, u1 * kUnit), s, stream);  // fences its own
-  });
+  const adam::RangeFn fn = active_isa()->fn[dtype_of(grad.scalar_type())][cd];
+  step_shards({sh}, fn,
+              streams_copy(sh.n, grad.element_size(),
+                           model_copy.has_value() ? model_copy->element_size() : 0));
+}
+
+void fused_adam_multi_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                          at::TensorList exp_avg_sqs, at::TensorList model_copies,
+                          at::ArrayRef<double> lrs, at::ArrayRef<double> weight_decays,
+                          double beta1, double beta2, double eps, int64_t step,
+                          double inv_grad_scale, bool adamw) {
+  const std::vector<AdamConsts> consts =
+      check_fused_adam_multi(params, grads, exp_avgs, exp_avg_sqs, model_copies, lrs,
+                             weight_decays, beta1, beta2, eps, step, inv_grad_scale, adamw);
+  if (params.empty()) return;
+  std::vector<Shard> shards;
+  shards.reserve(params.size());
+  int64_t elements = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    // The lists hold handles to the caller's tensors: stepping through them writes those.
+    at::Tensor param = params[i], exp_avg = exp_avgs[i], exp_avg_sq = exp_avg_sqs[i];
+    const c10::optional<at::Tensor> copy =
+        model_copies.empty() ? c10::nullopt : c10::optional<at::Tensor>(model_copies[i]);
+    shards.push_back(shard_of(param, grads[i], exp_avg, exp_avg_sq, copy, consts[i]));
+    elements += shards.back().n;
+  }
+  const adam::Dtype cd = model_copies.empty() ? adam::kNone
+                                              : dtype_of(model_copies[0].scalar_type());
+  const adam::RangeFn fn = active_isa()->fn[dtype_of(grads[0].scalar_type())][cd];
+  step_shards(shards, fn,
+              streams_copy(elements, grads[0].element_size(),
+                           model_copies.empty() ? 0 : model_copies[0].element_size()));
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(zerocore, CPU, m) { m.impl("fused_adam", &fused_adam_cpu); }
+TORCH_LIBRARY_IMPL(zerocore, CPU, m) {
+  m.impl("fused_adam", &fused_adam_cpu);
+  m.impl("fused_adam_multi", &fused_adam_multi_cpu);
+}
 
 // Ops without tensor arguments (so no dispatch key): kernels for every backend at once.
 TORCH_LIBRARY_FRAGMENT(zerocore, m) {

@@ -256,6 +256,14 @@ def test_resume_is_bitwise_exact(worlds, tmp_path, case):
     first = world.run(train, Job(steps=10, save_dir=str(tmp_path), **opts))
     ckpt = latest_checkpoint(tmp_path)
     assert ckpt is not None and ckpt.name == "step-00000010"
+    for r in range(2):
+        # A rank file holds its shards and moments, not the storage they live in (an offloaded
+        # master is a view of the host arena, reserved at the host's memory size; torch.save
+        # writes whole storages): at most its state's bytes (the model copies, also counted,
+        # are not saved) plus 256 KiB of zip records, pickle and RNG state.
+        state_bytes = sum(t.numel() * t.element_size() for t in first[r]["state"].values())
+        size = (ckpt / f"rank-{r:05d}.pt").stat().st_size
+        assert size <= state_bytes + (256 << 10), (r, size, state_bytes)
     second = world.run(train, Job(steps=20, resume=str(ckpt), init_seed=1, **opts))
 
     for r in range(2):

@@ -1,7 +1,8 @@
 """A ``torch.profiler`` trace of one training step shows the engine: every layer's gather (issued
 and waited for) and, for each layer with trainable parameters, its gradient reduction (issued
-and delivered) and its optimizer step, labelled ``zerocore::<what> layer <index>``, through both
-front doors, at world sizes 1-3."""
+and delivered), labelled ``zerocore::<what> layer <index>``, and the optimizer step, one fused
+launch over every layer's shard (``zerocore::adam``, around ``zerocore::fused_adam_multi``),
+through both front doors, at world sizes 1-3."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def traced_step(rank: int, world_size: int, door: str) -> dict:
         loss_fn(spec, model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward()
         opt.step()
     counts = collections.Counter(e.name for e in prof.events() if e.name.startswith("zerocore::"))
+    counts["ops"] = sum(e.name == "zerocore::fused_adam_multi" for e in prof.events())
     trainable = [l.index for l in sharding.layers if l.trainable is not None]
     return dict(counts=dict(counts), layers=[l.index for l in sharding.layers],
                 trainable=trainable)
@@ -46,7 +48,11 @@ def test_a_trace_shows_each_layers_gathers_reduces_and_steps(world, door):
             assert counts.get(f"zerocore::gather layer {i}", 0) >= 1, (i, counts)
             assert counts.get(f"zerocore::gather_wait layer {i}", 0) >= 1, (i, counts)
         for i in out["trainable"]:
-            for what in ("reduce", "reduce_wait", "adam"):
+            for what in ("reduce", "reduce_wait"):
                 assert counts.get(f"zerocore::{what} layer {i}") == 1, (what, i, counts)
         assert 0 not in out["trainable"]
-        assert "zerocore::reduce layer 0" not in counts and "zerocore::adam layer 0" not in counts
+        assert "zerocore::reduce layer 0" not in counts
+        # Every layer's fp32 shard stepped by one launch (one device, dtype and step count), in
+        # its labelled region; no layer stepped on its own.
+        assert counts.get("zerocore::adam") == 1 and counts["ops"] == 1, counts
+        assert not any(name.startswith("zerocore::adam layer") for name in counts), counts

@@ -29,13 +29,14 @@ def test_quick_run_passes_and_prints_the_table(capsys):
     assert selftest.main(["--device", "cpu", "--quick"]) == 0
     out = capsys.readouterr().out
     assert "check" in out and "max error vs tolerance" in out
-    for name in ("fused_adam vs reference", "grad_stats vs reference", "pack vs reference",
+    for name in ("fused_adam vs reference", "fused_adam_multi = fused_adam per shard",
+                 "grad_stats vs reference", "pack vs reference",
                  "unpack vs reference", "engine ws1 losses vs torch AdamW",
                  "engine ws1 params vs torch AdamW", "engine ws1 unpadded groups vs torch AdamW",
                  "offload vs no offload (bf16)", "copy bandwidth", "fused_adam bandwidth"):
         assert name in out, name
     assert "FAIL" not in out
-    assert "9 passed, 0 failed, 3 measured" in out
+    assert "10 passed, 0 failed, 3 measured" in out
 
 
 @pytest.mark.e2e
@@ -98,12 +99,24 @@ def _unpack_one_bit_off(flat, offsets, tensors):
             t.view(torch.int16).reshape(-1)[0] ^= 1
 
 
+def _multi_with_lrs_reversed(params, grads, exp_avgs, exp_avg_sqs, copies, *, lrs, **kw):
+    ops.fused_adam_multi(params, grads, exp_avgs, exp_avg_sqs, copies, lrs=lrs[::-1], **kw)
+
+
+def _multi_skipping_last(params, grads, exp_avgs, exp_avg_sqs, copies, **kw):
+    kw = {k: v[:-1] if k in ("lrs", "weight_decays") else v for k, v in kw.items()}
+    ops.fused_adam_multi(params[:-1], grads[:-1], exp_avgs[:-1], exp_avg_sqs[:-1], copies[:-1],
+                         **kw)
+
+
 BROKEN = {
     "adam-lr-0.1%-high": (selftest.check_fused_adam, _adam_with(lr=3.003e-3)),
     "adam-eps-1%-high": (selftest.check_fused_adam, _adam_with(eps=1.01e-6)),
     "adam-beta2-off": (selftest.check_fused_adam, _adam_with(beta2=0.981)),
     "adam-no-copy": (selftest.check_fused_adam, _adam_without_copy),
     "adam-copy-truncated": (selftest.check_fused_adam, _adam_truncating_copy),
+    "multi-lrs-swapped": (selftest.check_fused_adam_multi, _multi_with_lrs_reversed),
+    "multi-skips-last": (selftest.check_fused_adam_multi, _multi_skipping_last),
     "grad_stats-misses-nan": (selftest.check_grad_stats, _stats_ignoring_nonfinite),
     "grad_stats-drops-last": (selftest.check_grad_stats, _stats_dropping_last),
     "pack-no-padding": (selftest.check_pack, _pack_without_padding),
@@ -139,7 +152,8 @@ def test_wrong_op_fails(case):
     assert selftest.table([result]).count("FAIL") == 1
 
 
-@pytest.mark.parametrize("check", [selftest.check_fused_adam, selftest.check_grad_stats,
+@pytest.mark.parametrize("check", [selftest.check_fused_adam, selftest.check_fused_adam_multi,
+                                   selftest.check_grad_stats,
                                    selftest.check_pack, selftest.check_unpack,
                                    selftest.check_int8],
                          ids=lambda f: f.__name__)

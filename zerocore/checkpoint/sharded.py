@@ -163,6 +163,17 @@ def _check_replaceable(final: Path, run_id: str | None) -> None:
                               f"left alone: move them away, or save into another root")
 
 
+def _alone(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the CPU in a storage of exactly its own bytes. torch.save writes the whole
+    storage of every tensor it saves, and an offloaded master shard lives in its sharding's host
+    arena (engine/host_arena.py: one mapping reserved at the host's memory size), so saving it
+    as it is would write the arena, not the shard."""
+    t = t.detach().cpu()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()
+    return t
+
+
 def _rank_payload(model: Sharding, optimizer: torch.optim.Optimizer,
                   include_frozen: bool, identity: dict[str, Any]) -> dict[str, Any]:
     layers: dict[int, dict[str, Any]] = {}
@@ -170,16 +181,16 @@ def _rank_payload(model: Sharding, optimizer: torch.optim.Optimizer,
         entry: dict[str, Any] = {}
         if layer.trainable is not None:
             shard = layer.trainable.shard
-            entry["master"] = shard.detach().cpu()  # 1D, fp32, shard_numel
+            entry["master"] = _alone(shard)  # 1D, fp32, shard_numel
             state = optimizer.state.get(shard, {})
             for key in ("exp_avg", "exp_avg_sq"):
                 # torch.optim creates Adam's moments at the first step, as zeros: before it,
                 # zeros are what the next step starts from.
-                entry[key] = (state[key].detach().cpu() if key in state
+                entry[key] = (_alone(state[key]) if key in state
                               else torch.zeros_like(entry["master"]))
             entry["step"] = float(state["step"]) if "step" in state else 0.0
         if include_frozen and layer.frozen is not None:
-            entry["frozen"] = layer.frozen.shard.detach().cpu()  # 1D, param_dtype, shard_numel
+            entry["frozen"] = _alone(layer.frozen.shard)  # 1D, param_dtype, shard_numel
         layers[layer.index] = entry
     return {"identity": identity, "layers": layers, "rng": _rng_state(model.device)}
 

@@ -38,6 +38,25 @@ def fused_adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                     weight_decay, step, inv_grad_scale, adamw)
 
 
+def fused_adam_multi(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                     exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor],
+                     model_copies: Sequence[torch.Tensor] | None = None, *,
+                     lrs: Sequence[float], weight_decays: Sequence[float], beta1: float = 0.9,
+                     beta2: float = 0.999, eps: float = 1e-8, step: int,
+                     inv_grad_scale: float = 1.0, adamw: bool = True) -> None:
+    """``fused_adam`` on many flat shards in one launch (one parallel region on the CPU, one
+    kernel on CUDA): shard i with ``lrs[i]`` and ``weight_decays[i]``, the other settings and the
+    step count shared. Every shard's elements get exactly the bits ``fused_adam`` would give them
+    on that shard alone. All on one device; the grads of one dtype, the model copies (None, or
+    one per shard) of one dtype. A call with no shards does nothing."""
+    if not params:
+        return
+    _ops.fused_adam_multi(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
+                          list(model_copies or ()), [float(x) for x in lrs],
+                          [float(x) for x in weight_decays], beta1, beta2, eps, step,
+                          inv_grad_scale, adamw)
+
+
 def _cpu_adam_isa(isa: str | None = None) -> str:
     """Which CPU kernels ``fused_adam`` runs on: "scalar", "avx2" or "avx512" (by default the
     widest this CPU supports, or the environment variable ``ZEROCORE_CPU_ISA``, read at the first
@@ -117,6 +136,12 @@ def dequantize_blockwise(q: torch.Tensor, scales: torch.Tensor, block: int,
 @torch.library.register_fake("zerocore::fused_adam")
 def _fused_adam_fake(param, grad, exp_avg, exp_avg_sq, model_copy, lr, beta1, beta2, eps,
                      weight_decay, step, inv_grad_scale, adamw) -> None:
+    return None
+
+
+@torch.library.register_fake("zerocore::fused_adam_multi")
+def _fused_adam_multi_fake(params, grads, exp_avgs, exp_avg_sqs, model_copies, lrs,
+                           weight_decays, beta1, beta2, eps, step, inv_grad_scale, adamw) -> None:
     return None
 
 

@@ -35,6 +35,20 @@ def fused_adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         model_copy.copy_(param)
 
 
+def fused_adam_multi(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                     exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor],
+                     model_copies: Sequence[torch.Tensor] | None = None, *,
+                     lrs: Sequence[float], weight_decays: Sequence[float], beta1: float = 0.9,
+                     beta2: float = 0.999, eps: float = 1e-8, step: int,
+                     inv_grad_scale: float = 1.0, adamw: bool = True) -> None:
+    """Reference for ``zerocore.ops.fused_adam_multi``: ``fused_adam`` on each shard."""
+    copies = list(model_copies) if model_copies else [None] * len(params)
+    for param, grad, m, v, copy, lr, wd in zip(params, grads, exp_avgs, exp_avg_sqs, copies,
+                                               lrs, weight_decays, strict=True):
+        fused_adam(param, grad, m, v, copy, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                   weight_decay=wd, step=step, inv_grad_scale=inv_grad_scale, adamw=adamw)
+
+
 def grad_stats(grad: torch.Tensor, stats: torch.Tensor | None = None) -> torch.Tensor:
     """Reference for ``zerocore.ops.grad_stats``: squares summed in float64."""
     if stats is None:

@@ -126,6 +126,7 @@ class Kernels:
     see that the selftest catches it."""
 
     fused_adam: Callable[..., None] = ops.fused_adam
+    fused_adam_multi: Callable[..., None] = ops.fused_adam_multi
     grad_stats: Callable[..., torch.Tensor] = ops.grad_stats
     pack: Callable[..., torch.Tensor] = ops.pack
     unpack: Callable[..., None] = ops.unpack
@@ -264,6 +265,43 @@ def check_fused_adam(device: torch.device, sizes: Sequence[int], *,
                        f"model copy is not the master rounded to its dtype, {copy_wrong}")
     _, err, tol, where = worst
     return _judged("fused_adam vs reference", device.type, err, tol, "ulp", seconds, where)
+
+
+def check_fused_adam_multi(device: torch.device, sizes: Sequence[int], *,
+                           kernel: Callable[..., None] = ops.fused_adam_multi) -> Result:
+    """``kernel`` (one launch over many shards, what the optimizer runs every step) against
+    ``ops.fused_adam`` on each shard alone, bit for bit: a shard of every size, each with its own
+    lr and weight decay, every other one misaligned, a bf16 model copy, two steps."""
+    t0 = time.perf_counter()
+    lrs = [ADAM_HYPER["lr"] * (1 + i % 3) for i in range(len(sizes))]
+    wds = [0.1 * (i % 2) for i in range(len(sizes))]
+    runs = []  # [shards of the launch, shards stepped one by one]
+    for alone in (False, True):
+        shards = [(*_adam_inputs(n, 7000 + i, device, i % 2),
+                   torch.zeros(n, dtype=torch.bfloat16, device=device))
+                  for i, n in enumerate(sizes)]
+        for step in (1, 2):
+            grads = [_adam_grad(n, 7000 + i, step, device, shards[i][0], adamw=True)
+                     for i, n in enumerate(sizes)]
+            kw = dict(beta1=ADAM_HYPER["beta1"], beta2=ADAM_HYPER["beta2"],
+                      eps=ADAM_HYPER["eps"], step=step, inv_grad_scale=0.5, adamw=True)
+            if alone:
+                for (p, m, v, copy), g, lr, wd in zip(shards, grads, lrs, wds):
+                    ops.fused_adam(p, g, m, v, copy, lr=lr, weight_decay=wd, **kw)
+            else:
+                params, exp_avgs, exp_avg_sqs, copies = (list(a) for a in zip(*shards))
+                kernel(params, grads, exp_avgs, exp_avg_sqs, copies, lrs=lrs,
+                       weight_decays=wds, **kw)
+        runs.append(shards)
+    worst, where = 0, ""
+    for n, got, want in zip(sizes, *runs):
+        for name, a, b in zip(("param", "exp_avg", "exp_avg_sq", "model copy"), got, want):
+            bad = _bit_mismatches(a.contiguous(), b.contiguous())
+            if bad > worst:
+                worst, where = bad, f"{name}, shard of {n}"
+    _sync(device)
+    return _judged("fused_adam_multi = fused_adam per shard", device.type, worst, 0,
+                   "elements differ", time.perf_counter() - t0, where)
 
 
 # Relative error of grad_stats' sum of squares against float64. The CPU kernel sums float32
@@ -740,6 +778,9 @@ def plan(devices: Sequence[torch.device], sizes: Sizes, kernels: Kernels = Kerne
         steps += [
             Planned("fused_adam vs reference", dev, lambda d=dev, s=op_sizes: [check_fused_adam(
                 d, s, kernel=kernels.fused_adam, steps=sizes.adam_steps)]),
+            Planned("fused_adam_multi = fused_adam per shard", dev,
+                    lambda d=dev, s=op_sizes: [check_fused_adam_multi(
+                        d, s, kernel=kernels.fused_adam_multi)]),
             Planned("grad_stats vs reference", dev, lambda d=dev, s=op_sizes: [check_grad_stats(
                 d, s, kernel=kernels.grad_stats)]),
             Planned("pack vs reference", dev, lambda d=dev, s=op_sizes: [check_pack(
