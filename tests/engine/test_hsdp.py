@@ -186,6 +186,12 @@ def _check_traffic(case: Case, got: list[dict]) -> None:
         assert r.inter_node_bytes == r.replica_all_reduce_bytes
         assert r.intra_node_bytes == r.all_gather_bytes + r.reduce_scatter_bytes
         assert f"HSDP {replicas}x{shards}" in out["ways"], out["ways"]
+        assert (f"intra-node {r.intra_node_bytes / 2**20:.3f} MiB, inter-node "
+                f"{r.inter_node_bytes / 2**20:.3f} MiB") in r.table()
+        if shards == 2:
+            # The ways were chosen within the shard group: two ranks reduce by reading or by
+            # exchanging halves, which the four ranks of the mesh could not.
+            assert "reduce: read" in out["ways"] or "reduce: exchange" in out["ways"]
 
 
 def _worlds_of(worlds, case: Case):

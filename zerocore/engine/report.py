@@ -110,20 +110,23 @@ class CommReport:
         return 0 if self.nodes > 1 else self.shard_group_bytes
 
     def table(self, steps: int = 1) -> str:
+        """The bytes by collective against ``steps`` steps' expectation (HSDP's replicas: one
+        all-reduce per optimizer step, so pass optimizer steps when not accumulating), and,
+        when the ranks span nodes, the split intra-node / inter-node."""
         rows = [("all-gather", self.all_gather_bytes, self.expected_all_gather_bytes * steps),
                 ("reduce-scatter", self.reduce_scatter_bytes,
                  self.expected_reduce_scatter_bytes * steps)]
         if self.hybrid:
-            rows.append(("replica all-reduce", self.replica_all_reduce_bytes,
+            rows.append(("across replicas", self.replica_all_reduce_bytes,
                          self.expected_replica_all_reduce_bytes * steps))
         rows.append(("all-reduce", self.all_reduce_bytes, None))
-        lines = [f"  {'collective':<20}{'measured MiB':>14}{'expected MiB':>14}"]
+        lines = [f"  {'collective':<16}{'measured MiB':>14}{'expected MiB':>14}"]
         for name, got, want in rows:
             w = f"{want / MiB:14.3f}" if want is not None else f"{'-':>14}"
-            lines.append(f"  {name:<20}{got / MiB:14.3f}{w}")
-        lines.append(f"  intra-node {self.intra_node_bytes / MiB:.3f} MiB, inter-node "
-                     f"{self.inter_node_bytes / MiB:.3f} MiB")
-        if self.layout:
+            lines.append(f"  {name:<16}{got / MiB:14.3f}{w}")
+        if self.hybrid or self.nodes > 1:
+            lines.append(f"  intra-node {self.intra_node_bytes / MiB:.3f} MiB, inter-node "
+                         f"{self.inter_node_bytes / MiB:.3f} MiB")
             lines.append(f"  ({self.layout})")
         if self.ways:
             lines.append(f"  ({self.ways})")
