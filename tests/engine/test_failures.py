@@ -297,3 +297,23 @@ def test_a_refused_pidfd_getfd_falls_back_to_gloo_with_one_line(refuse, tmp_path
     assert want in lines[0][0] and "through gloo's collectives instead" in lines[0][0], lines
     if refuse == errno.ENOSYS:
         assert "Linux 5.6" in lines[0][0]
+
+
+def test_waiting_on_a_pipe_takes_descriptors_past_1024():
+    """The peer-memory transport waits on its pipes with poll: select() refuses a descriptor
+    numbered 1024 or more ("filedescriptor out of range"), which long-lived rank processes
+    reached in the suite (and a trainer with many open files would)."""
+    import select as select_module
+    from zerocore.comm.peer_memory import _ready
+    r, w = os.pipe()
+    high = None
+    try:
+        high = os.dup2(r, 1500)
+        assert not _ready(high, select_module.POLLIN, 0.05)  # nothing written: times out
+        os.write(w, b"x")
+        assert _ready(high, select_module.POLLIN, 1.0)
+        assert _ready(w, select_module.POLLOUT, 1.0)
+    finally:
+        for fd in (r, w, high):
+            if fd is not None:
+                os.close(fd)

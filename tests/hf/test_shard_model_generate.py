@@ -46,7 +46,8 @@ def gathered_run(rank: int, world_size: int, arch: str, mode: str) -> dict:
         counter.reset()
         forwards.clear()
         out = model.generate(input_ids=prompt, **kwargs, **extra)
-        return out, counter.all_gather_calls, len(forwards)
+        # Group gathers, not collectives: at one rank a gather runs none (it is a copy).
+        return out, counter.group_gathers, len(forwards)
 
     per_token, per_token_gathers, n_forwards = generate()
     with sharded.gathered():

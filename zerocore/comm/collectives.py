@@ -38,6 +38,9 @@ class CommCounter:
     # Collectives issued (a gather of one broadcast per rank, or by reading, is one): none for
     # one rank, where the bytes above are still counted (the estimate counts them).
     all_gather_calls: int = 0
+    # Parameter-group gathers the engine started, whatever their way and the world size (one
+    # rank's, a copy with no collective, included): how often a model's weights were gathered.
+    group_gathers: int = 0
     reduce_scatter_calls: int = 0
     all_reduce_calls: int = 0
     # HSDP: gradient shards all-reduced across the replicas (the replicate group: between

@@ -56,6 +56,15 @@ GATHER_READY, GATHER_READ, REDUCE_READY, REDUCE_READ = range(4)
 _MESSAGE = struct.Struct("<qq")  # (key, value)
 
 
+def _ready(fd: int, events: int, seconds: float) -> bool:
+    """Whether ``fd`` becomes ready for ``events`` (or is hung up) within ``seconds``. poll, not
+    select: select takes no descriptor numbered 1024 or more, which a long-lived process (a
+    trainer with data-loader workers, the test suite's rank processes) can reach."""
+    poller = select.poll()
+    poller.register(fd, events)
+    return bool(poller.poll(max(0.0, seconds) * 1000.0))
+
+
 class PeerMemory:
     """Reading the other ranks' memory directly: for the ranks of a gloo group that are processes
     of one Linux host allowed to read each other (``process_vm_readv``, what MPI libraries call
@@ -390,7 +399,7 @@ class _Pipes:
                 except BlockingIOError:
                     # The pipe is full: rank q has not read for thousands of messages.
                     left = deadline - time.monotonic()
-                    if left <= 0 or not select.select([], [fd], [], left)[1]:
+                    if left <= 0 or not _ready(fd, select.POLLOUT, left):
                         error = self._silent(q, "read this rank's messages")
                         if required:
                             raise error from None
@@ -418,7 +427,7 @@ class _Pipes:
         data = b""
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            if left <= 0 or not _ready(fd, select.POLLIN, left):
                 raise self._silent(rank, "answer")
             try:
                 chunk = os.read(fd, _MESSAGE.size - len(data))

@@ -305,6 +305,7 @@ class FlatGroup:
             source, _ = self._gather_input()
             self.gather.start(self._comm, source)
         self.state = GroupState.GATHERING
+        self.ctx.counter.group_gathers += 1
         self.ctx.counter.gather_issue_s += collectives.now() - t0
 
     def wait_gather(self) -> None:
