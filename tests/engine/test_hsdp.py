@@ -38,6 +38,7 @@ DOORS = ["shard", "shard_model"]
 class Case:
     shape: tuple[int, int]         # (replicas, shards)
     param_dtype: torch.dtype
+    offload: bool = False          # Offload(optimizer=True): masters and gradients on the host
     # fp32 (losses, clipped norms: relative; weights: absolute): the sum over ranks runs in
     # another order than one process's backward (here in two stages, the shard group then the
     # replicas), and zerocore's fused AdamW matches torch's to a few ulps a step. Measured: at
@@ -59,6 +60,9 @@ BF16 = dict(param_dtype=torch.bfloat16, loss_rtol=1e-2, update_rtol=0.15)
 CASES = {
     "2x2-fp32": Case((2, 2), **FP32),
     "2x2-bf16": Case((2, 2), **BF16),
+    # Offload on the CPU: the same arithmetic through the host arena (bitwise the plain run
+    # in the flat engine), so fp32's bounds.
+    "2x2-offload": Case((2, 2), offload=True, **FP32),
     "1x2-fp32": Case((1, 2), **FP32),
     "2x1-fp32": Case((2, 1), **FP32),
     "2x1-bf16": Case((2, 1), **BF16),
@@ -76,13 +80,13 @@ def _mesh(shape: tuple[int, int]):
 
 def _build(door: str, case: Case, mesh) -> tuple[nn.Module, zerocore.ShardedSequential]:
     layers = make_layers(_spec(case))
-    mp = zerocore.MixedPrecision(case.param_dtype)
+    policies = dict(mesh=mesh, mixed_precision=zerocore.MixedPrecision(case.param_dtype),
+                    offload=zerocore.Offload(optimizer=case.offload))
     if door == "shard":
-        model = zerocore.shard(layers, mesh=mesh, mixed_precision=mp)
+        model = zerocore.shard(layers, **policies)
         return model, model
     model = nn.Sequential(*layers)
-    return model, zerocore.shard_model(model, [model[1], model[2]], mesh=mesh,
-                                       mixed_precision=mp)
+    return model, zerocore.shard_model(model, [model[1], model[2]], **policies)
 
 
 def train_hsdp(rank: int, world_size: int, door: str, name: str) -> dict:
