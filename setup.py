@@ -21,15 +21,20 @@ sources = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sources)
 
 
-def _say(message: str) -> None:
-    """A line the user sees: pip captures a build's output unless run with -v, so it also goes
-    to the terminal directly when there is one."""
-    print(message, flush=True)
-    try:
-        with open("/dev/tty", "w") as tty:
-            tty.write(message + "\n")
-    except OSError:  # no terminal (CI, a pipe): the captured line is all there is
-        pass
+def _messages():
+    """``say(message)``: a line the user sees. pip captures a build's output unless run with
+    -v, so it also goes to the terminal directly when there is one, on a line of its own beside
+    pip's spinner (``TerminalLines``)."""
+    terminal = sources.TerminalLines()
+
+    def say(message: str) -> None:
+        print(message, flush=True)
+        try:
+            with open("/dev/tty", "a") as tty:
+                tty.write(terminal.text(message))
+        except OSError:  # no terminal (CI, a pipe): the captured line is all there is
+            pass
+    return say
 
 
 def _recorded_fingerprint() -> str | None:
@@ -64,6 +69,7 @@ def extension_args():
     arch = os.environ["TORCH_CUDA_ARCH_LIST"] if with_cuda else None
     fp = sources.fingerprint(ROOT, with_cuda=with_cuda, torch_version=torch.__version__,
                              cuda_arch_list=arch)
+    say = _messages()
     what = (f"for torch {torch.__version__} "
             f"({'CPU+CUDA, arch ' + arch if with_cuda else 'CPU only'})")
 
@@ -77,20 +83,20 @@ def extension_args():
             target = self.get_ext_fullpath("zerocore._C")
             in_tree = os.path.join(ROOT, "zerocore", os.path.basename(target))
             if _recorded_fingerprint() == fp and os.path.isfile(in_tree):
-                _say(f"zerocore: zerocore._C {what} is up to date; reusing it")
+                say(f"zerocore: zerocore._C {what} is up to date; reusing it")
                 if os.path.abspath(target) != os.path.abspath(in_tree):
                     os.makedirs(os.path.dirname(target), exist_ok=True)
                     shutil.copy2(in_tree, target)
             else:
                 n = len(src)
                 took = sources.CUDA_COMPILE_TIME if with_cuda else sources.CPU_COMPILE_TIME
-                _say(f"zerocore: compiling zerocore._C {what}: {n} files, {took}; a line as "
-                     f"each file is done")
+                say(f"zerocore: compiling zerocore._C {what}: {n} files, {took}; a line as "
+                    f"each file is done")
                 start, since = time.monotonic(), time.time()
                 with sources.compile_progress(
-                        _say, n, lambda: sources.objects_written_since(self.build_temp, since)):
+                        say, n, lambda: sources.objects_written_since(self.build_temp, since)):
                     super().run()
-                _say(f"zerocore: compiled zerocore._C in {time.monotonic() - start:.0f} s")
+                say(f"zerocore: compiled zerocore._C in {time.monotonic() - start:.0f} s")
             info = {"torch": torch.__version__, "cuda": torch.version.cuda if with_cuda else None,
                     "cuda_arch_list": arch, "avx2": sources.built_with_avx2(),
                     "fingerprint": fp}

@@ -31,17 +31,31 @@ bound: none), the launcher's exit code and its last error line (or last line) on
   (``--nproc 16 --oversubscribe``) as soon as all exist and 5 s after the start;
 - rank 1 SIGSTOPed in training (2 and 4 ranks, ``--timeout 5``): also the seconds until the
   launcher exited (issue 20's bound: --timeout + 5 s).
+
+Issue 33's new surfaces (``--repeats`` rounds too), on a finished 4-step run with checkpoints at
+steps 2 and 4 (each trial on a copy of it):
+
+- a resume in place (``--resume RUN/checkpoints/step-00000002 --output-dir RUN``) SIGINTed or
+  SIGKILLed before it retrains (1 s after its start, at its "resumed from" line, at its
+  "training 2 steps" line): metrics.jsonl and the checkpoints byte for byte as before, no
+  process left 2 s after the signal; then the newest checkpoint (step 4) resumed to step 6:
+  every step once, the first pass's lines of steps 1-4 unchanged;
+- ``neox.export SOURCE OUT --overwrite`` onto its own input (RUN RUN, CKPT CKPT, an output
+  inside the checkpoint, a checkpoint inside the output), with and without
+  ``--trainable-only``: refused with exit 2 and one line, every file of the run as it was.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -262,6 +276,19 @@ def _start(out: Path, cache: Path, nproc: int, *more) -> tuple[subprocess.Popen,
                             stderr=subprocess.PIPE, text=True), mark
 
 
+def _signal(launcher: subprocess.Popen, mark: str, sig: int, name: str,
+            ) -> tuple[float, int, str]:
+    """Sends ``sig`` to the launcher of run ``mark``: the seconds until no process of the run
+    was left, how many were alive 2 s after the signal, and the launcher's stderr."""
+    if launcher.poll() is not None:
+        raise RuntimeError(f"{name}: the run ended first: {launcher.communicate()[1]}")
+    os.kill(launcher.pid, sig)
+    gone, left = _time_until_gone(mark, time.monotonic())
+    # (communicate: the pipes stay open until the last process holding them is gone)
+    _, stderr = launcher.communicate(timeout=300)
+    return gone, left, stderr
+
+
 def signal_during_start_up(workdir: Path, cache: Path, sig: int, moment: float | str,
                            nproc: int) -> Ending:
     """Signals the launcher ``moment`` seconds after it started, or ("spawned") as soon as all
@@ -276,13 +303,8 @@ def signal_during_start_up(workdir: Path, cache: Path, sig: int, moment: float |
                 time.sleep(0.005)
         else:
             time.sleep(max(0.0, started + moment - time.monotonic()))
-        if launcher.poll() is not None:
-            raise RuntimeError(f"{name}: the run ended first: {launcher.communicate()[1]}")
         processes = len(run_processes(mark))
-        os.kill(launcher.pid, sig)
-        gone, left = _time_until_gone(mark, time.monotonic())
-        # (communicate: the pipes stay open until the last process holding them is gone)
-        _, stderr = launcher.communicate(timeout=300)
+        gone, left, stderr = _signal(launcher, mark, sig, name)
     finally:
         if launcher.poll() is None:
             launcher.kill()
@@ -331,6 +353,194 @@ def endings(workdir: Path, repeats: int, log=lambda *a: None) -> list[Ending]:
     return found
 
 
+# -- issue 33's new surfaces: a resume in place interrupted, an export onto its input --------
+
+# Steps long enough (about 0.1 s each on 2 cores) that a signal sent at the "training" line
+# lands before the resumed run has retrained its first step.
+IN_PLACE = ["--cpu", "--nproc", 2, "--data", EXCERPT, "--seq-len", 64, "--batch-size", 8,
+            "--seed", 1]
+EARLIER = "step-00000002"
+NEWEST = "step-00000004"
+# What a trial finds in metrics.jsonl after the stop: as it was; or, where the signal came after
+# the resumed run had retrained step 3 (then not a stop "before it retrains"), that line
+# replaced by its new one (the same losses, another tokens/s) and the others as they were.
+UNCHANGED = "byte for byte"
+RETRAINED_FIRST = "step 3 retrained first; the other lines byte for byte"
+# What resuming the newest checkpoint (step 4) to step 6 after the stop must give.
+KEPT = "every step once, 1-4 kept"
+
+
+def in_place_run(workdir: Path, cache: Path) -> Path:
+    """The issue's run: 4 steps, checkpoints at steps 2 and 4."""
+    out = workdir / "in-place-run"
+    done = subprocess.run(_finetune(*IN_PLACE, "--cache-dir", cache, "--max-steps", 4,
+                                    "--save-every", 2, "--output-dir", out),
+                          env=_env(), cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the 4-step run failed:\n{done.stderr}")
+    return out
+
+
+def _snapshot(root: Path) -> dict[str, str]:
+    """Every file under ``root``: its path below it, and the SHA-256 of its bytes."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _metric_lines(out: Path) -> list[str]:
+    return (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+
+
+@dataclasses.dataclass
+class InPlace:
+    """One resume in place stopped before it retrained, and the resume of the newest after."""
+    scenario: str
+    gone_s: float            # from the signal until no process of the run was alive
+    left_at_2s: int
+    exit_code: int | None
+    message: str
+    metrics: str             # "byte for byte", or how metrics.jsonl changed
+    checkpoints_intact: bool  # every file under checkpoints/ byte for byte as before
+    newest: str              # the resume of step 4 to step 6: "every step once, 1-4 kept", or not
+
+
+def resume_in_place(workdir: Path, run: Path, sig: int, moment: str) -> InPlace:
+    """Resumes step 2 of (a copy of) ``run`` in its own directory, sends ``sig`` at ``moment``
+    ("1 s", or the first line starting with "resumed from" or "training"), checks what is left,
+    then resumes the newest checkpoint to step 6."""
+    out = Path(shutil.copytree(run, workdir / uuid.uuid4().hex))
+    lines, checkpoints = _metric_lines(out), _snapshot(out / "checkpoints")
+    mark = uuid.uuid4().hex
+    name = f"{signal.Signals(sig).name} " + ("1 s after its start" if moment == "1 s" else
+                                            f"at its {moment!r} line")
+    # SIGINT as Ctrl-C on a terminal delivers it: to a process that has not chosen to ignore
+    # it (this script may itself have been started with it ignored, and children inherit that).
+    proc = subprocess.Popen(_finetune("--resume", out / "checkpoints" / EARLIER, "--output-dir",
+                                      out), env=_env(mark), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        if moment == "1 s":
+            time.sleep(1.0)
+        else:
+            for line in proc.stdout:  # rank 0's lines, flushed as printed
+                if line.startswith(moment):
+                    break
+        gone, left, stderr = _signal(proc, mark, sig, name)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _kill_all(mark)
+    after = _metric_lines(out)
+    if after == lines:
+        metrics = UNCHANGED
+    elif len(after) == len(lines) and after[:2] == lines[:2] and after[3:] == lines[3:]:
+        metrics = RETRAINED_FIRST
+    else:
+        metrics = f"CHANGED: {len(lines)} lines before, {len(after)} after"
+    intact = _snapshot(out / "checkpoints") == checkpoints
+    newest = subprocess.run(_finetune("--resume", out / "checkpoints", "--output-dir", out,
+                                      "--max-steps", 6), env=_env(), cwd=REPO,
+                            capture_output=True, text=True)
+    final = _metric_lines(out)
+    steps = [json.loads(line)["step"] for line in final]
+    if newest.returncode != 0:
+        then = f"FAILED (exit {newest.returncode}): {_message(newest.stderr)}"
+    elif f"resumed from {out / 'checkpoints' / NEWEST}" not in newest.stdout:
+        then = "NOT resumed from step 4"
+    elif steps != [1, 2, 3, 4, 5, 6] or final[:2] != lines[:2] or final[3] != lines[3] \
+            or len(after) < 3 or final[2] != after[2]:
+        then = f"LOST OR CHANGED lines: steps {steps}"
+    else:
+        then = KEPT
+    return InPlace(name, gone, left, proc.returncode, _message(stderr).replace(str(out), "RUN"),
+                   metrics, intact, then)
+
+
+@dataclasses.dataclass
+class ExportTry:
+    """One ``neox.export SOURCE OUT --overwrite`` onto its own input."""
+    scenario: str
+    exit_code: int
+    stderr_lines: int
+    message: str
+    intact: bool             # every file of the run byte for byte as before
+
+
+EXPORTS_ONTO_INPUT = {  # scenario: (SOURCE, OUT) below the run's directory
+    "RUN RUN": (".", "."), "CKPT CKPT": (f"checkpoints/{NEWEST}", f"checkpoints/{NEWEST}"),
+    "RUN CKPT/export": (".", f"checkpoints/{NEWEST}/export"),
+    "CKPT RUN": (f"checkpoints/{NEWEST}", ".")}
+
+
+def export_onto_input(workdir: Path, run: Path, scenario: str, trainable_only: bool,
+                      ) -> ExportTry:
+    out = Path(shutil.copytree(run, workdir / uuid.uuid4().hex))
+    source, target = EXPORTS_ONTO_INPUT[scenario]
+    before = _snapshot(out)
+    proc = subprocess.run([sys.executable, "-m", "neox.export", out / source, out / target,
+                           "--overwrite", *(["--trainable-only"] if trainable_only else [])],
+                          env=_env(), cwd=REPO, capture_output=True, text=True)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    name = scenario + (" --trainable-only" if trainable_only else "")
+    return ExportTry(f"neox.export {name} --overwrite", proc.returncode, len(lines),
+                     _message(proc.stderr).replace(str(out), "RUN"), _snapshot(out) == before)
+
+
+def new_surfaces(workdir: Path, repeats: int, log=lambda *a: None,
+                 ) -> tuple[list[InPlace], list[ExportTry]]:
+    """Issue 33's scenarios of the module docstring, ``repeats`` rounds of them all."""
+    run = in_place_run(workdir, workdir / "cache")
+    stops, exports = [], []
+    for _ in range(repeats):
+        for sig in (signal.SIGINT, signal.SIGKILL):
+            for moment in ("1 s", "resumed from", "training"):
+                stops.append(resume_in_place(workdir, run, sig, moment))
+                log(json.dumps(dataclasses.asdict(stops[-1])))
+        for scenario in EXPORTS_ONTO_INPUT:
+            for trainable_only in (False, True):
+                exports.append(export_onto_input(workdir, run, scenario, trainable_only))
+                log(json.dumps(dataclasses.asdict(exports[-1])))
+    return stops, exports
+
+
+def _grouped(found: list, key) -> dict:
+    by: dict = {}
+    for e in found:
+        by.setdefault(key(e), []).append(e)
+    return by
+
+
+def in_place_table(found: list[InPlace]) -> str:
+    rows = ["| resume of step 2 in place, stopped | runs | until no process left, s: median / "
+            "max | left at 2 s (max) | exit codes | message | metrics.jsonl | checkpoints "
+            "intact | then step 4 resumed to 6 |", "|---|---:|---:|---:|---|---|---|---|---|"]
+    for scenario, group in _grouped(found, lambda e: e.scenario).items():
+        gone = sorted(e.gone_s for e in group)
+        rows.append(f"| {scenario} | {len(group)} | {gone[len(gone) // 2]:.2f} / {gone[-1]:.2f} "
+                    f"| {max(e.left_at_2s for e in group)} | "
+                    f"{', '.join(sorted({str(e.exit_code) for e in group}))} | "
+                    + " / ".join(f"`{m}`" if m else "(none)"
+                                 for m in sorted({e.message for e in group})) + " | "
+                    f"{'; '.join(sorted({e.metrics for e in group}))} | "
+                    f"{sum(e.checkpoints_intact for e in group)} of {len(group)} | "
+                    f"{'; '.join(sorted({e.newest for e in group}))} |")
+    return "\n".join(rows)
+
+
+def export_table(found: list[ExportTry]) -> str:
+    rows = ["| export onto its input | runs | exit codes | stderr lines | every file intact "
+            "| message |", "|---|---:|---|---:|---|---|"]
+    for scenario, group in _grouped(found, lambda e: e.scenario).items():
+        said = sorted({e.message for e in group})
+        rows.append(f"| `{scenario}` | {len(group)} | "
+                    f"{', '.join(sorted({str(e.exit_code) for e in group}))} | "
+                    f"{max(e.stderr_lines for e in group)} | "
+                    f"{sum(e.intact for e in group)} of {len(group)} | "
+                    + " / ".join(f"`{m}`" for m in said) + " |")
+    return "\n".join(rows)
+
+
 def table(found: list[Ending]) -> str:
     """Markdown: one row per scenario over its runs (the median and the worst)."""
     rows = ["| fault | ranks | runs | processes at the fault (min-max) | until no process "
@@ -367,14 +577,24 @@ def main(argv: list[str] | None = None) -> int:
                              log=print) if args.kills else Report())
         trials_s = time.perf_counter() - start
         found = endings(Path(tmp), args.repeats, log=print)
+        endings_s = time.perf_counter() - start - trials_s
+        stops, exports = (new_surfaces(Path(tmp), args.repeats, log=print) if args.repeats
+                          else ([], []))
     print(json.dumps(dataclasses.asdict(report), indent=1))
-    print(f"kill trials {trials_s:.0f} s, all {time.perf_counter() - start:.0f} s")
+    print(f"kill trials {trials_s:.0f} s, endings {endings_s:.0f} s, all "
+          f"{time.perf_counter() - start:.0f} s")
     if found:
         print(table(found))
+    if stops:
+        print(in_place_table(stops))
+        print(export_table(exports))
     ok = (report.kills == report.resumed_from_complete == report.exact_continuations
           and report.duplicate_metric_lines == 0 and report.orphans == 0
           and all(e.left_at_2s == 0 and e.gone_s < math.inf for e in found)
-          and all(e.exit_s < STOP_BOUND_S for e in found if e.exit_s is not None))
+          and all(e.exit_s < STOP_BOUND_S for e in found if e.exit_s is not None)
+          and all(e.left_at_2s == 0 and e.checkpoints_intact and e.newest == KEPT
+                  and e.metrics in (UNCHANGED, RETRAINED_FIRST) for e in stops)
+          and all(e.exit_code == 2 and e.stderr_lines == 1 and e.intact for e in exports))
     return 0 if ok else 1
 
 

@@ -114,7 +114,12 @@ class Embedding(nn.Module):
 
     def __init__(self, config: NeoXConfig, *, device=None, dtype=None):
         super().__init__()
-        self.embed_in = nn.Embedding(config.vocab_size, config.hidden_size,
+        # On the meta device the weight is given, not initialised: nn.Embedding's normal_ runs
+        # there through torch's Python reference kernels, whose first call imports torch's
+        # compiler (seconds, during which a run's build showed nothing), to set no values.
+        weight = (torch.empty(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
+                  if device is not None and torch.device(device).type == "meta" else None)
+        self.embed_in = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight,
                                      device=device, dtype=dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -41,8 +41,8 @@ from zerocore.engine.sharded_model import ShardedModel, unit_modules
 from zerocore.engine.sharded_sequential import ShardedSequential
 from zerocore.planning.memory_plan import (  # noqa: F401  (the names a plan is read by)
     ACTIVATIONS, CATEGORIES, CUDA_FIXED_HEADROOM, CUDA_HEADROOM_FRACTION, FROZEN, GATHERED,
-    GiB, GRAD_BUFFERS, GRADIENTS, MASTERS, MIRRORS, OPTIMIZER, TRAINABLE, MemoryPlan,
-    ModelState)
+    GiB, GRAD_BUFFERS, GRADIENTS, MASTERS, MIRRORS, OPTIMIZER, TRAINABLE, WINDOWS,
+    MemoryPlan, ModelState)
 from zerocore.planning.rehearsed_step import Step, rehearse
 from zerocore.policies import (Comm, FrozenWeights, MixedPrecision, Offload, Prefetch,
                                Recompute)
@@ -103,7 +103,7 @@ def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, worl
         return held["model"]
 
     return rehearse(Step(build, lambda: loss(held["model"](x)), world_size=world_size,
-                         device=device, comm=comm, offload=offload.optimizer,
+                         device=device, comm=comm, offload=offload,
                          micro_batches=micro_batches, mesh=shape, nodes=nodes), fake,
                     exclude=[x])
 
@@ -156,7 +156,7 @@ def plan_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module, example
                             recompute=recompute, read=_read_nothing, rehearsal=rehearsal)
 
     return rehearse(Step(build, lambda: loss(copied(*args, **kwargs)), world_size=world_size,
-                         device=device, comm=comm, offload=offload.optimizer,
+                         device=device, comm=comm, offload=offload,
                          micro_batches=micro_batches, mesh=shape, nodes=nodes), fake,
                     exclude=inputs)
 

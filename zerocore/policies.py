@@ -86,11 +86,29 @@ class Prefetch:
 
 @dataclasses.dataclass(frozen=True)
 class Offload:
-    """CPU offload of optimizer state: the fp32 master shard, its gradient and the Adam moments
-    live in (pinned) CPU memory and are stepped there by the CPU fused kernel; gradient shards go
-    to the CPU after each reduce-scatter and updated low-precision shards come back before the
-    next all-gather. On CUDA both copies run on side streams, overlapping computation
-    (docs/decisions.md, "CPU offload: the stream design").
+    """CPU offload: what lives in (pinned) host memory instead of on the compute device. Two
+    independent halves; both together are the full CPU offload (FSDP2's CPUOffloadPolicy,
+    DeepSpeed's offload_param with offload_optimizer). docs/decisions.md, "CPU offload: the
+    stream design" and "Parameter offload (issue 31, item 1)".
+
+    optimizer: the fp32 master shard, its gradient and the Adam moments live on the host and
+        are stepped there by the CPU fused kernel; gradient shards go to the host after each
+        reduce-scatter and the updated model copy comes back before the next all-gather (into a
+        device mirror of it, kept between steps, unless ``params`` is set too). On CUDA both
+        copies run on side streams, overlapping computation.
+    params: every parameter shard the layers are gathered from lives on the host: the
+        trainable model copies (with ``optimizer``), and the frozen shards, int8 ones
+        included. The device holds a layer's shard only for the window of its all-gather: it
+        is uploaded (on CUDA, on a side stream) when the gather starts, on the prefetch
+        schedule, so while the layer before computes, and dropped once the gather has consumed
+        it; backward's gather uploads it again. Without ``optimizer``, as DeepSpeed's
+        offload_param alone, the optimizer stays on the device: the fp32 master, its gradient
+        and the Adam moments are device tensors, and the 16-bit copy is not kept at all: each
+        window is derived on the device from the master (one rounding pass, bitwise what the
+        optimizer would have written), since the device holds the master anyway; in fp32
+        compute the master is itself what is gathered and stays on the device. What this saves
+        is the frozen shards (LoRA, bias-only: nearly all the parameters) and the 16-bit copies.
+        Training is bitwise the same as without offload.
 
     cpu_threads: CPU threads a GPU rank steps its optimizer with on the CPU (torch's thread
     count for the duration of ``zerocore.optim``'s step on offloaded shards; the process's own
@@ -101,13 +119,23 @@ class Offload:
     """
 
     optimizer: bool = False
+    params: bool = False
     cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("optimizer", "params"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"Offload.{name} must be True or False, got "
+                                 f"{getattr(self, name)!r}")
         if self.cpu_threads is not None and (type(self.cpu_threads) is not int
                                              or self.cpu_threads < 1):
             raise ValueError(f"Offload.cpu_threads must be a positive int or None, got "
                              f"{self.cpu_threads!r}")
+
+    @property
+    def any(self) -> bool:
+        """Whether anything lives on the host (a host arena is needed)."""
+        return self.optimizer or self.params
 
 
 @dataclasses.dataclass(frozen=True)

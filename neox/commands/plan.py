@@ -27,7 +27,7 @@ from neox.config import preset_config
 from neox.dtypes import DTYPES
 from neox.finetune_modes import GROUP as MODE, auto_mode
 from neox.run.planning import DEFAULT_BPE_TOKENS, GiB, PlanRequest, plan_run, request_from_recipe
-from neox.run.recipe import MODEL, STEP, recipe_from_flags
+from neox.run.recipe import MODEL, STEP, offload_words, recipe_from_flags
 from neox.setting import UsageError
 from neox.weights import WeightsError, open_weights
 
@@ -86,7 +86,8 @@ def _as_dict(plan: zerocore.plan.MemoryPlan) -> dict[str, Any]:
             "peak_phase": plan.peak_phase, "device_peak": plan.device_peak,
             "headroom": plan.headroom, "peak_bytes": plan.peak_bytes,
             "host_peak": plan.host_peak, "activations_peak": plan.activations_peak,
-            "gathered_peak": plan.gathered_peak, "all_gather_bytes": plan.all_gather_bytes,
+            "gathered_peak": plan.gathered_peak, "windows_peak": plan.windows_peak,
+            "all_gather_bytes": plan.all_gather_bytes,
             "reduce_scatter_bytes": plan.reduce_scatter_bytes,
             "recomputed_layers": list(plan.recomputed_layers)}
 
@@ -117,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{r.mode.mode}, {str(r.dtype).removeprefix('torch.')} compute, gradients reduced "
           f"in {str(r.reduce_dtype).removeprefix('torch.')}; {r.batch_size} x {r.seq_len} "
           f"tokens per rank and micro-batch, {r.grad_accum} micro-batch(es) per step; "
-          f"{recomputed}; optimizer {'offloaded to the host' if r.offload else 'on the device'}"
+          f"{recomputed}; "
+          f"{offload_words(r.offload_params, r.offload) or 'nothing'} offloaded to the host"
           + (f"; --keep-gathered {r.keep_gathered}" if r.keep_gathered else "")
           + ("; frozen weights in int8" if r.frozen_weights == "int8" else ""))
     print(f"{r.world_size} ranks ({args.gpus} {'GPUs' if r.device == 'cuda' else 'processes'} "

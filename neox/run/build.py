@@ -19,7 +19,7 @@ from neox.dtypes import DTYPES, resolve_dtype
 from neox.finetune_modes import FinetuneMode, prepare_layer
 from neox.model import LayerSpec, layer_specs
 from neox.weights import RandomInit, WeightsReader, materialize, meta_layer, open_weights
-from neox.run.recipe import ModelRecipe, Recipe
+from neox.run.recipe import ModelRecipe, Recipe, offload_words
 from neox.run.progress import Log
 from neox.run.run_data import RunData
 from neox.run.step import recompute_policy
@@ -102,6 +102,8 @@ def build(recipe: Recipe, data: RunData, *, device: torch.device, rank: int, wor
     int8 = ("; frozen weights held and gathered in int8"
             if recipe.model.frozen_weights == "int8" else "")
     int8 += "; each layer's forward compiled (torch.compile)" if recipe.loop.compile else ""
+    offloaded = offload_words(recipe.loop.offloaded_params, recipe.loop.offloaded_optimizer)
+    int8 += f"; {offloaded} in CPU memory" if offloaded else ""
     log(f"model: {recipe.model.checkpoint or recipe.model.preset}, {config.num_hidden_layers} "
         f"blocks in the checkpoint, keeping {kept}; fine-tuning {mode.mode}; compute dtype "
         f"{str(dtype).removeprefix('torch.')}, gradients summed in {recipe.model.reduce_dtype}"
@@ -113,7 +115,9 @@ def build(recipe: Recipe, data: RunData, *, device: torch.device, rank: int, wor
                                mixed_precision=zerocore.MixedPrecision(
                                    param_dtype=dtype,
                                    reduce_dtype=DTYPES[recipe.model.reduce_dtype]),
-                               offload=zerocore.Offload(optimizer=recipe.loop.offload_optimizer),
+                               offload=zerocore.Offload(
+                                   optimizer=recipe.loop.offloaded_optimizer,
+                                   params=recipe.loop.offloaded_params),
                                prefetch=zerocore.Prefetch(
                                    keep_gathered=recipe.loop.keep_gathered),
                                frozen_weights=zerocore.FrozenWeights(recipe.model.frozen_weights),

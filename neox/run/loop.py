@@ -79,6 +79,7 @@ def train(state: TrainState, recipe: Recipe, data: RunData, metrics: MetricsFile
         f"{recipe.optim.warmup}")
     progress = Progress(total, enabled=rank == 0)
     model.comm_report(reset=True)
+    steps_comm: zerocore.CommReport | None = None  # of the steps before the last validation
     first_step, memory, validation = state.step, None, None
     nonfinite = 0               # consecutive steps with a non-finite loss or gradient
     metrics_error: OutputDirError | None = None    # rank 0's, reported at the next step
@@ -119,8 +120,12 @@ def train(state: TrainState, recipe: Recipe, data: RunData, metrics: MetricsFile
         nonfinite = nonfinite + 1 if bad else 0
         # The end of the run is validated too, in the last step's line (one line per step).
         if state.step == total or (loop.eval_every and state.step % loop.eval_every == 0):
+            # The communication report is of the training steps (its expectation is per step):
+            # the validation's gathers are left out of it.
+            steps_comm = _plus(steps_comm, model.comm_report(reset=True))
             validation = evaluate(model, ds.val, rank=rank, world_size=world_size,
                                   batch_size=loop.batch_size, device=device)
+            model.comm_report(reset=True)
             record["val_loss"], record["val_acc"] = validation
         if metrics is not None:
             try:
@@ -145,7 +150,18 @@ def train(state: TrainState, recipe: Recipe, data: RunData, metrics: MetricsFile
     progress.close()
     measured = probe.finish(state.step) if probe is not None else None
     zerocore.run_agreed(lambda: _raise(metrics_error))
-    return StepsDone(first_step, memory, model.comm_report(), measured, validation)
+    return StepsDone(first_step, memory, _plus(steps_comm, model.comm_report()), measured,
+                     validation)
+
+
+def _plus(a: zerocore.CommReport | None, b: zerocore.CommReport) -> zerocore.CommReport:
+    """The traffic of ``a``'s steps and ``b``'s together (the expectation is per step)."""
+    if a is None:
+        return b
+    return dataclasses.replace(b, all_gather_bytes=a.all_gather_bytes + b.all_gather_bytes,
+                               reduce_scatter_bytes=a.reduce_scatter_bytes
+                               + b.reduce_scatter_bytes,
+                               all_reduce_bytes=a.all_reduce_bytes + b.all_reduce_bytes)
 
 
 def _raise(error: BaseException | None) -> None:

@@ -37,13 +37,14 @@ class PlanRequest:
     batch_size: int
     seq_len: int
     grad_accum: int
-    offload: bool
+    offload: bool                         # the optimizer state in CPU memory
     recompute: tuple[int, ...]            # blocks recomputed (checkpoint indices)
     recompute_every: int
     world_size: int
     device: str                           # "cuda" or "cpu"
     keep_gathered: int | str = 0          # zerocore.Prefetch.keep_gathered
     frozen_weights: str | None = None     # zerocore.FrozenWeights.dtype: None or "int8"
+    offload_params: bool = False          # the parameter shards in CPU memory
     # The ranks' layout (zerocore.plan's): HSDP's (nodes, ranks per node), or None (flat,
     # over ``nodes`` nodes); and HSDP's cross-node gradients in int8 (zerocore.Comm).
     mesh: tuple[int, int] | None = None
@@ -59,7 +60,8 @@ def request_from_recipe(recipe: Recipe, config: NeoXConfig, *, world_size: int,
         config=config, filter_layers=recipe.model.filter_layers, mode=recipe.model.finetune,
         dtype=dtype, reduce_dtype=DTYPES[recipe.model.reduce_dtype],
         batch_size=loop.batch_size, seq_len=recipe.data.seq_len, grad_accum=loop.grad_accum,
-        offload=loop.offload_optimizer, recompute=loop.activation_checkpointing,
+        offload=loop.offloaded_optimizer, offload_params=loop.offloaded_params,
+        recompute=loop.activation_checkpointing,
         recompute_every=loop.activation_checkpointing_every, world_size=world_size,
         device=device, keep_gathered=loop.keep_gathered,
         frozen_weights=recipe.model.frozen_weights)
@@ -87,7 +89,7 @@ def plan_run(request: PlanRequest, *, recompute: tuple[int, ...] | None = None
     return zerocore.plan.plan(
         layers, ids, world_size=r.world_size, loss=loss, device=r.device,
         mixed_precision=zerocore.MixedPrecision(param_dtype=r.dtype, reduce_dtype=r.reduce_dtype),
-        offload=zerocore.Offload(optimizer=r.offload),
+        offload=zerocore.Offload(optimizer=r.offload, params=r.offload_params),
         prefetch=zerocore.Prefetch(keep_gathered=r.keep_gathered),
         frozen_weights=zerocore.FrozenWeights(r.frozen_weights),
         recompute=recompute_policy(specs, loop), micro_batches=r.grad_accum, mesh=r.mesh,

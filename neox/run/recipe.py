@@ -12,8 +12,8 @@ command-line flag therefore changes nothing stored.
 Versions (``RECIPE_VERSION`` is the newest field's ``since``): 1, the first; 2 stores frozen
 weights in the engine's words (``null`` or ``"int8"``, as ``zerocore.FrozenWeights``; version 1
 wrote ``"compute"`` for ``null``) and holds every field; 3 adds ``sample_temperature``; 4,
-``compile``. A field's ``since`` says from which
-version recipes always hold it; older ones may lack it and take its default, and its
+``compile``; 5, ``offload`` (``--offload params|optimizer|all``). A field's ``since`` says
+from which version recipes always hold it; older ones may lack it and take its default, and its
 ``upgrade`` turns their values into this version's.
 Checkpoints written before the recipe existed stored the command line's ``vars(args)`` under
 ``extra["args"]``; ``recipe_from_checkpoint`` reads that old form, in this one place.
@@ -39,7 +39,7 @@ from neox.setting import (Flag, UsageError, absolute_path, byte_budget, finite_f
 
 __all__ = ["RECIPE_VERSION", "Recipe", "ModelRecipe", "DataConfig", "OptimConfig", "LoopConfig",
            "OutputConfig", "RecipeError", "recipe_from_checkpoint", "recipe_fields",
-           "recipe_from_flags", "FROM_SCRATCH"]
+           "recipe_from_flags", "FROM_SCRATCH", "OFFLOADS", "offload_words"]
 
 class RecipeError(ValueError):
     """A stored recipe that cannot be read (unknown version, missing or mistyped field)."""
@@ -66,6 +66,9 @@ def _blocks(x: Any) -> bool:
 
 def _at_least(n: int):
     return lambda x: is_int(x) and x >= n
+
+
+OFFLOADS = ("params", "optimizer", "all")   # --offload's choices
 
 
 # The --help sections, in the order the commands list them.
@@ -249,8 +252,18 @@ class LoopConfig:
                         follows="seed")   # the data order
     offload_optimizer: bool = setting(
         False, check=_bool, problem="{name} must be a bool",
-        flag=Flag(STEP, "keep fp32 masters, gradients and Adam moments in CPU memory",
-                  resumable=True))
+        flag=Flag(STEP, "keep fp32 masters, gradients and Adam moments in CPU memory (as "
+                        "--offload optimizer)", resumable=True))
+    # What lives in CPU memory (zerocore.Offload): with offload_optimizer, the optimizer is
+    # offloaded when either says so.
+    offload: str | None = setting(
+        None, check=lambda x: x is None or x in OFFLOADS,
+        problem=f"{{name}} must be one of {OFFLOADS} or null, got {{value!r}}",
+        flag=Flag(STEP, "what lives in CPU memory: 'optimizer' (fp32 masters, gradients and "
+                        "Adam moments, stepped there), 'params' (every parameter shard, frozen "
+                        "ones too: the device holds a layer's only while its all-gather reads "
+                        "it; the optimizer stays on the device), 'all' (both) (default: none)",
+                  choices=OFFLOADS, resumable=True), since=5)
     # steps in a row with NaN/inf loss or gradients: stop
     max_nonfinite_steps: int = setting(
         3, check=_at_least(1), problem=_AT_LEAST_1,
@@ -293,6 +306,24 @@ class LoopConfig:
 
     def __post_init__(self) -> None:
         _check_fields(self, "recipe.loop")
+
+    @property
+    def offloaded_params(self) -> bool:
+        """Whether the parameter shards live in CPU memory (``zerocore.Offload(params=)``)."""
+        return self.offload in ("params", "all")
+
+    @property
+    def offloaded_optimizer(self) -> bool:
+        """Whether the optimizer state lives in CPU memory: ``--offload optimizer|all``, or
+        ``--offload-optimizer`` (``zerocore.Offload(optimizer=)``)."""
+        return self.offload_optimizer or self.offload in ("optimizer", "all")
+
+
+def offload_words(params: bool, optimizer: bool) -> str:
+    """What lives in CPU memory, in words: "parameter shards and optimizer state", ...; ""
+    for nothing."""
+    return " and ".join(w for w, on in (("parameter shards", params),
+                                        ("optimizer state", optimizer)) if on)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -131,7 +131,8 @@ class Job:
     save_dir: str | None = None    # then save a checkpoint under this root
     resume: str | None = None      # load this checkpoint first
     precision: str = "fp32"
-    offload: bool = False
+    offload: bool = False          # Offload(optimizer=True)
+    offload_params: bool = False   # Offload(params=True)
     dropout: float = 0.0
     init_seed: int = 0             # != 0: the trainable weights start elsewhere (re-drawn
     perturb_frozen: bool = False   # from this seed), and the frozen ones too if asked; a load
@@ -152,7 +153,8 @@ def build(job: Job, rank: int, world_size: int):
                         p.normal_(generator=g)
     model = zerocore.shard(layers,
                            mixed_precision=zerocore.MixedPrecision(param_dtype=dtype),
-                           offload=zerocore.Offload(optimizer=job.offload))
+                           offload=zerocore.Offload(optimizer=job.offload,
+                                                    params=job.offload_params))
     optimizer = zerocore.optim.AdamW(model.trainable_shards(), lr=LR, weight_decay=WEIGHT_DECAY)
     # A decaying learning rate: the scheduler's position is part of what must resume.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.1 * s))
@@ -244,6 +246,12 @@ RESUME_CASES = {
     "bf16": dict(precision="bf16"),
     "fp16-loss-scale": dict(precision="fp16"),
     "bf16-offload": dict(precision="bf16", offload=True),
+    # Parameter shards on the host, the optimizer on the device; the frozen shards saved, and
+    # wrong in the resumed model until the load writes them (into the host arena).
+    "bf16-offload-params-with-frozen": dict(precision="bf16", offload_params=True,
+                                            include_frozen=True, perturb_frozen=True),
+    "fp32-offload-params-and-optimizer": dict(precision="fp32", offload=True,
+                                              offload_params=True),
 }
 
 

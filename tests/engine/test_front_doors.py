@@ -58,6 +58,10 @@ CASES = {
     "keep-gathered-budget": Case({"prefetch": zerocore.Prefetch(keep_gathered=40_000)},
                                  train="biases"),
     "offload": Case({"offload": zerocore.Offload(optimizer=True)}),
+    # Parameter offload: the frozen weights on the host, the optimizer on the device (biases
+    # trained); and everything on the host.
+    "offload-params": Case({"offload": zerocore.Offload(params=True)}, train="biases"),
+    "offload-all": Case({"offload": zerocore.Offload(params=True, optimizer=True)}),
     # Every layer (shard) or unit (shard_model: the blocks; the root never) recomputed.
     "recompute": Case({"recompute": zerocore.Recompute()}),
     # Each layer's (unit's) forward compiled (inductor; the root of shard_model stays eager),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import io
 import threading
 
 import pytest
@@ -253,7 +254,9 @@ def digest_with_stand_in_streams(rank: int, world_size: int, spec: Spec) -> dict
     events = {name: len(es) for name, es in log.events.items()}
     out.update(offloaded=offloaded, events=events, calls=log.calls, gathers_on=log.gathers_on,
                recorded_on=log.recorded_on,
-               unsynchronized_downloads=sum(not e.synchronized for e in log.events["download"]),
+               unsynchronized_downloads=sum(not e.synchronized
+                                            for e in log.events.get("download", [])),
+               synchronized_uploads=sum(e.synchronized for e in log.events.get("upload", [])),
                in_flight=len(model.runtime.coordinator.to_host), adds=len(adders),
                adders_are_this_thread=sorted({a == threading.get_ident() for a in adders}))
     return out
@@ -294,6 +297,45 @@ def test_offload_stream_path_on_stand_in_streams(world, case):
         assert r["events"]["compute"] == passes * (2 * n - 1)  # one per gather waited for
 
 
+@pytest.mark.parametrize("optimizer", [False, True], ids=["params", "params+optimizer"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_param_offload_stream_path_on_stand_in_streams(world, case, optimizer):
+    """Offload(params=True), the CUDA code path with synchronous stand-in streams: bitwise the
+    results without streams, every window uploaded on the upload stream (or, with the optimizer
+    on the device, rounded from its master on the gather stream) and gathered from the gather
+    stream after it waited for the upload, every window's memory recorded on the compute stream
+    when the gather has consumed it (docs/decisions.md, "Parameter offload")."""
+    spec = dataclasses.replace(CASES[case], offload=optimizer, offload_params=True)
+    plain = world_digest(world, spec)
+    results = world.run(digest_with_stand_in_streams, spec)
+    got = hashlib.sha256("".join(r["digest"] for r in results).encode()).hexdigest()
+    assert got == plain
+    passes = spec.steps * spec.micro
+    # The bf16 case's frozen embedding is its one frozen group: gathered once per pass (forward
+    # only: nothing before it needs a gradient), from the host.
+    frozen_gathers = passes if spec.train == "no_embedding" else 0
+    for r in results:
+        calls, gathers = r["calls"], r["gathers_on"]
+        windows = gathers.count("gather")
+        uploads = r["events"].get("upload", 0)
+        assert calls.count(("wait_stream", "gather", "compute")) == windows
+        assert r["recorded_on"].count("compute") == windows
+        assert calls.count(("wait_event", "gather", "upload")) == uploads
+        assert "compute" not in r["events"]   # no mirror, whose reads are recorded
+        if optimizer:
+            # Every shard lives on the host: every gather reads an uploaded window, and the
+            # optimizer waits for each shard's last upload before it writes the shard.
+            assert windows == uploads == len(gathers) > 0
+            assert r["synchronized_uploads"] == spec.steps * r["offloaded"]
+        else:
+            # The optimizer's masters are on the device: fp32 ones are gathered from where
+            # they are (no window), bf16 ones rounded into a window on the gather stream; only
+            # the frozen shards come up from the host.
+            fp32 = spec.param_dtype == torch.float32
+            assert windows == (frozen_gathers if fp32 else len(gathers))
+            assert uploads == frozen_gathers and r["synchronized_uploads"] == 0
+
+
 # -- the host arena (engine/host_arena.py) --------------------------------------------------------
 
 def arena_state(rank: int, world_size: int) -> dict:
@@ -309,6 +351,12 @@ def arena_state(rank: int, world_size: int) -> dict:
     staging = model.runtime.coordinator._staging
     inside = all(base <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size()
                  <= base + arena.used for t in buffers + staging)
+    # Each buffer's storage is its own bytes, not the mapping: a checkpoint (torch.save) of a
+    # shard writes the shard, not the host's memory size.
+    own_storages = all(t.untyped_storage().nbytes() == t.numel() * t.element_size()
+                       for t in buffers + staging)
+    saved = io.BytesIO()
+    torch.save(buffers[0], saved)
     exact = sum(t.numel() * t.element_size() for t in buffers + staging)
     report = model.memory_report()
     # A step still trains (every gradient through a staging buffer on a GPU; here directly).
@@ -317,7 +365,9 @@ def arena_state(rank: int, world_size: int) -> dict:
     loss_fn(spec, model(x.chunk(world_size)[rank].to(torch.bfloat16)),
             y.chunk(world_size)[rank]).backward()
     opt.step()
-    return dict(inside=inside, exact=exact, used=arena.used, count=len(buffers + staging),
+    return dict(inside=inside, own_storages=own_storages, saved=len(saved.getvalue()),
+                first=buffers[0].numel() * buffers[0].element_size(),
+                exact=exact, used=arena.used, count=len(buffers + staging),
                 reported=report.host_arena_bytes, pinned=report.pinned_bytes,
                 staging=len(staging), table=report.table())
 
@@ -327,6 +377,8 @@ def test_offloaded_state_lives_in_one_arena_of_exactly_its_size(world):
         # Masters and model copies (a GPU adds two gradient staging buffers), and nothing
         # else: the sum of their bytes, plus at most one cache line of alignment each.
         assert r["inside"] and r["staging"] == 0   # staging only on a GPU
+        # torch.save's own framing is about 1.5 kB (measured: 1577 bytes for 40 bytes).
+        assert r["own_storages"] and r["saved"] < r["first"] + 4096, r
         assert r["exact"] <= r["used"] <= r["exact"] + 64 * r["count"], r
         assert r["reported"] == r["used"] and r["pinned"] == 0   # nothing is pinned on a CPU
         assert "host arena (offload)" in r["table"]

@@ -442,6 +442,23 @@ def test_20b_plan_prints_every_part(capsys):
         assert phrase in proc.stdout, (phrase, proc.stdout)
 
 
+def test_20b_lora_fits_one_24gb_gpu_with_its_parameters_offloaded(capsys):
+    # Issue 31's case: GPT-NeoX-20B's 38 GiB of bf16 frozen shards cannot be on a 24 GB GPU;
+    # with --offload params they are on the host and the GPU holds a layer's window at a time.
+    proc = call_main(plan_main, capsys, "--model", "gpt-neox-20b", "--finetune", "lora",
+                     "--batch-size", "1", "--seq-len", "2048", "--activation-checkpointing",
+                     "--gpus", "1", "--gpu-memory", "24", "--offload", "params", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    plan, memory = out["plan"], out["device_memory"]
+    assert plan["state"]["parameter shards, frozen"] > memory   # no fit without the offload
+    assert "parameter shards, frozen" in plan["on_host"]
+    # One layer's window at a time: a block is about 1/44 of the frozen bytes (the embedding
+    # and the head 1/66 each), far below a tenth.
+    assert 0 < plan["windows_peak"] < plan["state"]["parameter shards, frozen"] / 10
+    assert plan["peak_bytes"] <= memory, plan
+
+
 def test_json_numbers_follow_the_formula(capsys):
     proc = call_main(plan_main, capsys, "--model", "gpt-neox-20b", "--finetune", "full",
                      "--filter-layers", "0-3", "--batch-size", "1", "--seq-len", "512",

@@ -20,6 +20,8 @@ import os
 import pytest
 import torch
 
+import zerocore
+
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
@@ -50,6 +52,7 @@ class Spec:
     checkpointing: bool = False  # TrainingArguments(activation_checkpointing=True), both
     fp16: bool = False        # TrainingArguments(fp16=True): zerocore's fp16 and loss scaling
     overflow: tuple[int, int] | None = None  # (rank, step): an inf gradient there
+    offload: tuple[bool, bool] | None = None  # shard_options' Offload(params=, optimizer=)
 
 
 def _model(mode: str) -> torch.nn.Module:
@@ -128,9 +131,14 @@ def sharded_run(rank: int, world_size: int, out: str, spec: Spec) -> dict:
     model = _model(spec.mode)
     forwards = []  # the micro-batches this process trains on
     model.register_forward_pre_hook(lambda m, a: forwards.append(1) if m.training else None)
+    options = None
+    if spec.offload is not None:
+        params, optimizer = spec.offload
+        options = dict(offload=zerocore.Offload(params=params, optimizer=optimizer))
     trainer = Overflowing(model=model, args=_args(out, world_size, spec),
                           train_dataset=_data(), eval_dataset=_data()[:EVAL_ROWS],
-                          data_collator=transformers.default_data_collator)
+                          data_collator=transformers.default_data_collator,
+                          shard_options=options)
     skipped = []
 
     class Record(transformers.TrainerCallback):
@@ -146,7 +154,9 @@ def sharded_run(rank: int, world_size: int, out: str, spec: Spec) -> dict:
     trainer.save_model(f"{out}/export")
     adam_steps = {int(st["step"]) for st in trainer.zerocore_optimizer.state.values()}
     lrs = [h["learning_rate"] for h in trainer.state.log_history if "loss" in h]
+    report = trainer.sharding.memory_report()
     return dict(losses=losses, norms=norms, forwards=len(forwards), evals=[before, after],
+                host_arena=report.host_arena_bytes, on_device=report.device_shard_bytes,
                 skipped=skipped, adam_steps=adam_steps, lrs=lrs,
                 loss_scale=trainer.loss_scaler.loss_scale,
                 params=_trained(full, spec.mode) if rank == 0 else {})
@@ -156,6 +166,28 @@ def _assert_close_params(mine: dict, ref: dict) -> None:
     assert mine.keys() == ref.keys()
     for name in ref:
         torch.testing.assert_close(mine[name], ref[name], **PARAM_TOL, msg=name)
+
+
+def test_offload_through_shard_options_trains_bitwise_as_without(world, tmp_path):
+    # Parameter offload (alone: the optimizer on the device; and with the optimizer) through
+    # shard_options: the same bits as the run without offload, losses, norms, evaluations
+    # and trained weights (the frozen base weights then live on the host).
+    runs = {offload: world.run(sharded_run, str(tmp_path / str(offload)),
+                               Spec(mode="lora", offload=offload), timeout=300)
+            for offload in (None, (True, False), (True, True))}
+    for offload in ((True, False), (True, True)):
+        for plain, got in zip(runs[None], runs[offload]):
+            for key in ("losses", "norms", "evals", "skipped"):
+                assert got[key] == plain[key], (offload, key)
+            assert got["params"].keys() == plain["params"].keys()
+            for n, t in plain["params"].items():
+                assert torch.equal(got["params"][n], t), (offload, n)
+            # The shards were on the host: with the optimizer there too none is left on the
+            # device; alone, only the LoRA weights' fp32 masters (the optimizer's, computed
+            # with in fp32).
+            assert got["host_arena"] > 0 == plain["host_arena"]
+            assert (got["on_device"] == 0) if offload[1] else (
+                0 < got["on_device"] < plain["on_device"]), (offload, got["on_device"])
 
 
 @pytest.mark.parametrize("mode,checkpointing", [("full", False), ("lora", False), ("lora", True)],

@@ -67,6 +67,50 @@ def test_compile_progress_says_each_file_and_keeps_talking_between(tmp_path):
                      "zerocore: 2 of 3 files compiled (42 s)"]
 
 
+def _screen(written: str) -> list[str]:
+    """The lines a terminal shows after ``written``: characters overwrite at the cursor, "\\r"
+    and "\\b" move it back, "\\033[K" erases to the end of the line, "\\n" starts the next."""
+    lines, col = [""], 0
+    i = 0
+    while i < len(written):
+        if written.startswith("\033[K", i):
+            lines[-1] = lines[-1][:col]
+            i += 3
+            continue
+        c = written[i]
+        if c == "\n":
+            lines.append("")
+            col = 0
+        elif c == "\r":
+            col = 0
+        elif c == "\b":
+            col = max(col - 1, 0)
+        else:
+            line = lines[-1].ljust(col)
+            lines[-1] = line[:col] + c + line[col + 1:]
+            col += 1
+        i += 1
+    return lines
+
+
+def test_build_messages_stand_on_their_own_lines_beside_pips_spinner():
+    """setup.py's messages on a terminal where pip draws its spinner between them (as pip's
+    InteractiveSpinner does: its line, then each character erased by backspace and space):
+    every message is a line of its own, and pip's line stays."""
+    terminal = _sources.TerminalLines()
+    spinner = "  Building editable for zerocore (pyproject.toml) ... "
+    written = spinner + "-"
+    messages = ["zerocore: compiling", "zerocore: 1 of 9 files compiled",
+                "zerocore: compiled zerocore._C in 31 s"]
+    for i, message in enumerate(messages):
+        written += terminal.text(message)
+        written += "\b \b" + "\\|/-"[i]  # the spinner's next character
+    written += "\b \bdone\n"
+    assert _screen(written) == [spinner + "-", *messages, "done", ""]
+    # Each message written as a plain line would have ended the spinner's line instead.
+    assert _screen(spinner + "-" + messages[0] + "\n")[0].endswith("-zerocore: compiling")
+
+
 def test_one_compile_time_is_stated():
     """setup.py and the first-import compile quote the figure measured (docs/decisions.md); the
     README quotes the same."""

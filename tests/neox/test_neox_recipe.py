@@ -161,11 +161,37 @@ def test_compile_is_one_declaration_too():
     # --compile (LoopConfig.compile): the flag, the recipe, version 4; older recipes run eager.
     args = build_parser().parse_args(["--finetune", "full", "--compile"])
     assert recipe_from_flags(vars(args)).loop.compile is True
-    assert Recipe().loop.compile is False and RECIPE_VERSION == 4
+    assert Recipe().loop.compile is False and RECIPE_VERSION >= 4
     d = Recipe().to_dict()
     del d["loop"]["compile"]
     d["version"] = 3
     assert Recipe.from_dict(d).loop.compile is False
+
+
+def test_offload_is_one_declaration_too():
+    # --offload (LoopConfig.offload): the flag, the recipe, version 5; older recipes offload
+    # what their --offload-optimizer said, which keeps its meaning beside it.
+    def loop(*flags):
+        return recipe_from_flags(vars(build_parser().parse_args(["--finetune", "full",
+                                                                 *flags]))).loop
+    assert (loop("--offload", "params").offloaded_params,
+            loop("--offload", "params").offloaded_optimizer) == (True, False)
+    assert (loop("--offload", "all").offloaded_params,
+            loop("--offload", "all").offloaded_optimizer) == (True, True)
+    assert (loop("--offload-optimizer").offloaded_params,
+            loop("--offload-optimizer").offloaded_optimizer) == (False, True)
+    assert (loop().offloaded_params, loop().offloaded_optimizer) == (False, False)
+    assert RECIPE_VERSION >= 5
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--offload", "disk"])
+    d = Recipe().to_dict()
+    d["loop"]["offload"] = "disk"
+    with pytest.raises(RecipeError, match="recipe.loop: offload must be one of"):
+        Recipe.from_dict(d)
+    del d["loop"]["offload"]
+    d["version"], d["loop"]["offload_optimizer"] = 4, True
+    assert Recipe.from_dict(d).loop.offloaded_optimizer is True
+    assert Recipe.from_dict(d).loop.offload is None
 
 
 def test_recipe_parts_are_frozen():

@@ -118,7 +118,8 @@ class Spec:
     train: str = "all"                  # "all", "biases" (weights frozen), "no_embedding",
                                         # "middle_frozen" (all of layer 1 frozen)
     max_norm: float | None = None       # clip through zerocore.LossScaler / clip_grad_norm_
-    offload: bool = False
+    offload: bool = False               # Offload(optimizer=True)
+    offload_params: bool = False        # Offload(params=True)
     param_dtype: torch.dtype = torch.float32
     with_unused: bool = False           # a trainable parameter that forward never uses
     gc_before_backward: bool = False    # gc.collect() between forward and backward
@@ -205,10 +206,11 @@ def accumulate_step(model: zerocore.ShardedSequential, spec: Spec, step: int, ra
 
 def shard_stack(spec: Spec) -> zerocore.ShardedSequential:
     """The stack of ``spec``, sharded in its parameter dtype, its optimizer offloaded when
-    ``spec.offload``."""
+    ``spec.offload``, its parameter shards when ``spec.offload_params``."""
     return zerocore.shard(make_layers(spec),
                           mixed_precision=zerocore.MixedPrecision(spec.param_dtype),
-                          offload=zerocore.Offload(optimizer=spec.offload))
+                          offload=zerocore.Offload(optimizer=spec.offload,
+                                                   params=spec.offload_params))
 
 
 def train_digest(model: zerocore.ShardedSequential, spec: Spec, rank: int,
@@ -224,17 +226,25 @@ def train_digest(model: zerocore.ShardedSequential, spec: Spec, rank: int,
     for step in range(spec.steps):
         for loss in accumulate_step(model, spec, step, rank, world_size):
             h.update(struct.pack("<d", loss))
-        for shard in sharding.trainable_shards():
-            h.update(shard.grad.numpy().tobytes())
-        if spec.max_norm is not None:
-            h.update(struct.pack("<d", scaler.step(opt, max_norm=spec.max_norm).grad_norm))
-        else:
-            opt.step()
-        opt.zero_grad()
+        digest_step(h, sharding, opt, scaler, spec)
     for name, t in sorted((final or full_params)(sharding).items()):
         h.update(name.encode())
         h.update(t.float().numpy().tobytes())
     return {"digest": h.hexdigest()}
+
+
+def digest_step(h: "hashlib._Hash", sharding: nn.Module, opt: torch.optim.Optimizer,
+                scaler: zerocore.LossScaler, spec: Spec) -> None:
+    """The end of one step of a digested run (``sharding``: either front door's): the gradient
+    shards hashed, the optimizer stepped (through the scaler, clipping to ``spec.max_norm``,
+    with the norm hashed, when it is set), the gradients zeroed."""
+    for shard in sharding.trainable_shards():
+        h.update(shard.grad.numpy().tobytes())
+    if spec.max_norm is not None:
+        h.update(struct.pack("<d", scaler.step(opt, max_norm=spec.max_norm).grad_norm))
+    else:
+        opt.step()
+    opt.zero_grad()
 
 
 def assert_trains_as(weights: dict[str, torch.Tensor], want: dict[str, torch.Tensor],

@@ -9,12 +9,15 @@
   placeholder (``path/to``, ``CKPT``, a DeepSpeed run's ``ds_run/``, ...) are templates, not
   commands, and are not run.
 
-Marked shared_data: the built-in run trains on tiny_shakespeare, which a fresh clone downloads
-and CI takes from ../shared/data (no network there). The run takes about 2 minutes on 2 cores.
+The built-in run trains on tiny_shakespeare, which a newcomer's machine downloads; here it is
+the repository's copy (tests/data/tiny_shakespeare.txt.gz) put in the run's cache beforehand, so
+that these tests run in any clone, without network or ../shared. The run takes about 2 minutes
+on 2 cores.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -23,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.neox_testing import REPO, cli_env, with_shared_data
+from tests.support.neox_testing import REPO, cli_env, tiny_shakespeare
 
 README = REPO / "README.md"
 FIRST_COMMAND = [sys.executable, "-m", "neox.finetune"]  # the first set-up command's run
@@ -139,9 +142,11 @@ def mismatch(shown: list[str], printed: list[str]) -> str | None:
 
 @pytest.fixture(scope="module")
 def newcomer(tmp_path_factory) -> tuple[Path, dict[str, str], str]:
-    """The built-in run in a fresh directory with an empty cache (HOME): its stdout."""
+    """The built-in run in a fresh directory, with a cache (HOME) that holds only the corpus, as
+    the download leaves it: its stdout."""
     work = tmp_path_factory.mktemp("newcomer")
     env = {**cli_env(), "HOME": str(work / "home")}
+    tiny_shakespeare(work / "home" / ".cache" / "zerocore")
     proc = subprocess.run(FIRST_COMMAND, cwd=work, env=env, capture_output=True, text=True,
                           timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -171,7 +176,6 @@ def test_readme_commands_are_found():
 
 
 @pytest.mark.e2e
-@with_shared_data
 def test_the_readme_output_block_is_what_the_built_in_run_prints(newcomer):
     work, env, stdout = newcomer
     # The README writes the home directory as ~, as a newcomer reads it.
@@ -180,8 +184,32 @@ def test_the_readme_output_block_is_what_the_built_in_run_prints(newcomer):
     assert problem is None, problem
 
 
+def readme_metrics_keys() -> tuple[list[str], list[str]]:
+    """The keys the README says every line of metrics.jsonl holds, and those a validated step's
+    line holds besides."""
+    text = section(README.read_text(), "Fine-tuning GPT-NeoX", "Fine-tuning GPT-NeoX")
+    said = " ".join(text[text.index("`metrics.jsonl` (one JSON line"):].split())
+    every, validated = said.split("per step, each step once: ", 1)[1].split(";", 1)
+    return re.findall(r"`(\w+)`", every), re.findall(r"`(\w+)`", validated.split(")", 1)[0])
+
+
 @pytest.mark.e2e
-@with_shared_data
+def test_metrics_jsonl_holds_what_the_readme_says(newcomer):
+    """Each step once, each line with the keys the README names, the validation in the last
+    step's line (not a line of its own repeating that step's number)."""
+    work, _, stdout = newcomer
+    every, validated = readme_metrics_keys()
+    assert validated == ["val_loss", "val_acc"], validated
+    lines = [json.loads(line) for line in
+             (work / "runs" / "neox-finetune" / "metrics.jsonl").read_text().splitlines()]
+    total = int(re.search(r"^training (\d+) steps", stdout, re.M).group(1))
+    assert [r["step"] for r in lines] == list(range(1, total + 1))
+    for r in lines[:-1]:
+        assert list(r) == every, r
+    assert list(lines[-1]) == every + validated, lines[-1]
+
+
+@pytest.mark.e2e
 def test_every_readme_command_works_in_order_after_the_first(newcomer):
     work, env, _ = newcomer
     for command in readme_commands():

@@ -257,3 +257,23 @@ def test_the_zerocore_library_logs_and_never_prints():
              for node in ast.walk(ast.parse(path.read_text()))
              if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print"]
     assert not found, found
+
+
+def test_no_deprecated_transformers_checkpointing_names():
+    """transformers 5.24 renamed gradient checkpointing to activation checkpointing
+    (``TrainingArguments(activation_checkpointing=...)``, ``activation_checkpointing_enable``);
+    the old names still work but warn (a FutureWarning at each use: 29 in the suite before).
+    Neither the README's code blocks nor our code, examples and tests call them (PEFT's own
+    calls are PEFT's; prose may still name the old ones)."""
+    calls = []
+    for folder in ("zerocore", "neox", "examples", "tests", "bench"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call) and (
+                        getattr(node.func, "attr", None) == "gradient_checkpointing_enable"
+                        or any(k.arg == "gradient_checkpointing" for k in node.keywords)):
+                    calls.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    readme_code = "".join(REPO.joinpath("README.md").read_text().split("```")[1::2])
+    assert "gradient_checkpointing" not in readme_code
+    assert "activation_checkpointing=True" in readme_code  # the ShardedTrainer snippet's
+    assert not calls, calls

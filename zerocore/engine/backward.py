@@ -112,8 +112,9 @@ class BackwardCoordinator:
             if slot is not None:
                 self._staging_read[slot] = added
         else:
-            # On the CPU host and device are one (and the same cores): the gradient is added
-            # where it is, at once, before its packed buffer is reused below.
+            # On the CPU host and device are one (and the same cores), and without optimizer
+            # offload the master is where the gradient is: it is added there, at once, before
+            # its packed buffer is reused below.
             accumulate_grad(group.shard, grad, owned)
         if pending.scratch is not None:
             self._spare.append(pending.scratch)

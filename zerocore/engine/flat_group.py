@@ -7,7 +7,10 @@ Tensor roles (docs/glossary.md):
   param_dtype with requires_grad=False.
 - gather input: the param_dtype shard that is all-gathered (model_copy, the master itself in fp32,
   the frozen shard, or with CPU offload a device-side mirror of the CPU model_copy, uploaded
-  asynchronously: zerocore/engine/offload.py).
+  asynchronously: zerocore/engine/offload.py). With parameter offload (``Offload(params=True)``)
+  the shard lives on the host and the gather input is its window: a device copy made for one
+  gather (uploaded when the gather starts, dropped once the gather has consumed it; with the
+  optimizer on the device, the master's values rounded to param_dtype on the device).
 - gathered buffer: ``[padded_numel]`` in param_dtype, every rank's shard. Its storage is allocated
   (``resize_``) only while the group is gathered and released right after use, so between forward
   and backward the layer costs no parameter memory; autograd keeps views of the storage and sees
@@ -35,7 +38,7 @@ from zerocore.engine.offload import OffloadStreams
 from zerocore.engine.rehearsal import StorageWatch
 from zerocore.policies import Comm
 from zerocore.engine.sharded_param import (gather_source, is_offloaded, is_shard, new_shard,
-                                           refresh_model_copy, set_layout)
+                                           refresh_model_copy, set_layout, wait_for_device)
 
 
 class GroupState(enum.Enum):
@@ -71,6 +74,9 @@ class GroupContext:
     offload: bool                  # optimizer state (trainable shards) on the CPU
     counter: collectives.CommCounter
     streams: OffloadStreams | None = None  # offload's side streams on CUDA; None otherwise
+    # Offload(params=True): the shards gathered from live on the host (frozen shards; trainable
+    # model copies with optimizer offload), each gather reading a window of its own.
+    offload_params: bool = False
     # Frozen groups stored and gathered as int8 with an fp32 scale per block of this many
     # elements (FrozenWeights(dtype="int8")); None: in param_dtype.
     int8_block: int | None = None
@@ -111,27 +117,29 @@ class FlatGroup:
         dev, dt = ctx.device, ctx.param_dtype
         self.int8_block: int | None = None
         if trainable:
-            master_device = torch.device("cpu") if ctx.offload else dev
-
             def new(dtype: torch.dtype) -> torch.Tensor:
-                # Offloaded state comes from the sharding's host arena (pinned once built).
-                if ctx.arena is not None:
-                    return ctx.arena.take(layout.shard_numel, dtype)
-                return torch.empty(layout.shard_numel, dtype=dtype, device=master_device)
+                if ctx.offload:
+                    return _host_buffer(ctx, layout.shard_numel, dtype)
+                return torch.empty(layout.shard_numel, dtype=dtype, device=dev)
             master = new(torch.float32)
             master.copy_(full[lo:hi])
             copy = None
-            if dt != torch.float32:
+            # Parameter offload with the optimizer on the device keeps no 16-bit copy: each
+            # window is rounded from the master there, as the optimizer would have written it.
+            if dt != torch.float32 and (ctx.offload or not ctx.offload_params):
                 copy = new(dt)
                 copy.copy_(master)
             self.shard: torch.nn.Parameter = new_shard(master, copy, offloaded=ctx.offload)
             if ctx.offload:
                 self.shard.host_threads = ctx.host_threads
             set_layout(self.shard, [(sl.name, sl.offset, sl.numel) for sl in layout.slots], lo)
-            # With offload the gather input is a device mirror of the CPU copy.
+            # With optimizer offload alone the gather input is a device mirror of the CPU copy.
             self._mirror = (torch.empty(layout.shard_numel, dtype=dt, device=dev)
-                            if ctx.offload else None)
+                            if ctx.offload and not ctx.offload_params else None)
             self._mirror_generation = -1
+            # Parameter offload: every gather through a window, unless the gather input is
+            # the optimizer's own fp32 master on the device.
+            self._windowed = ctx.offload_params and (ctx.offload or dt != torch.float32)
         else:
             # int8 frozen weights (FrozenWeights): the shard is this rank's int8 values and
             # their fp32 scales, one byte buffer (``q | scales``), so one collective gathers
@@ -139,15 +147,26 @@ class FlatGroup:
             # every rank's part is quantized exactly as the whole tensor would be.
             self.int8_block = ctx.int8_block
             values = full[lo:hi].to(device=dev, copy=True)
-            if self.int8_block is not None:
-                self.shard = torch.nn.Parameter(self._quantized(values), requires_grad=False)
-            else:
-                self.shard = torch.nn.Parameter(values.to(dt), requires_grad=False)
+            data = self._quantized(values) if self.int8_block is not None else values.to(dt)
             del values
+            if ctx.offload_params:  # on the host (quantized on the device, as without offload)
+                data = _host_buffer(ctx, data.numel(), data.dtype).copy_(data)
+            self.shard = torch.nn.Parameter(data, requires_grad=False)
+            del data
             self._mirror = None
+            self._windowed = ctx.offload_params
         # Offload on CUDA: recorded on the compute stream once it has waited for an all-gather
         # that read the mirror; the next upload into the mirror waits for it.
         self._mirror_read: torch.cuda.Event | None = None
+        # Parameter offload: the gather input's device copy while its gather is in flight
+        # (1D, the shard's dtype and numel; None otherwise), and on CUDA the event of its
+        # upload, which the gather stream waits for.
+        self._window: torch.Tensor | None = None
+        self._window_ready: torch.cuda.Event | None = None
+        # A frozen shard on the host, on CUDA: the event of the last upload that read it (the
+        # host waits for it before writing the shard: ``load_frozen``). Trainable shards keep
+        # theirs as ``shard.upload_done``, which the optimizer waits for.
+        self._host_read: torch.cuda.Event | None = None
         storage = torch.empty(layout.padded_numel, dtype=dt, device=dev).untyped_storage()
         self._storage_nbytes = storage.nbytes()
         self._comm = torch.empty(0, dtype=dt, device=dev).set_(storage, 0, (layout.padded_numel,))
@@ -180,15 +199,62 @@ class FlatGroup:
 
     # -- all-gather ------------------------------------------------------------------------------
 
-    def _gather_input(self) -> torch.Tensor:
+    def _gather_input(self) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """The tensor the all-gather reads, and on CUDA the event the gather stream waits for
+        before reading it (None: nothing to wait for)."""
         shard = self.shard
+        if self._windowed:
+            self._window = self._upload_window()
+            return self._window, self._window_ready
         if not is_shard(shard):
-            return shard.data
+            return shard.data, None
         if self._mirror is None:
             refresh_model_copy(shard)
-            return gather_source(shard)
+            return gather_source(shard), None
         self.upload()
-        return self._mirror
+        return self._mirror, shard.upload_done
+
+    def _upload_window(self) -> torch.Tensor:
+        """Parameter offload: the device copy of this group's shard that one all-gather reads.
+        A host shard is copied up: on CUDA on the upload stream, recording the event the gather
+        stream waits for and the host waits for before it writes the shard; on the CPU into a
+        buffer of its own (the stand-in for device memory). A trainable group whose optimizer
+        (and master) is on the device rounds the master to param_dtype instead, on the gather
+        stream once it has waited for the compute stream (where the optimizer wrote the
+        master): the rounding the fused optimizer gives a model copy, so the same bits."""
+        shard, streams, dev = self.shard, self.ctx.streams, self.ctx.device
+        self._window_ready = None
+        if is_shard(shard) and not is_offloaded(shard):
+            if streams is None:
+                return shard.detach().to(self.ctx.param_dtype)
+            with torch.cuda.stream(streams.gather):
+                return shard.detach().to(self.ctx.param_dtype)
+        if is_shard(shard):
+            refresh_model_copy(shard)  # waits for the last upload first if it writes the copy
+            source = gather_source(shard)
+        else:
+            source = shard.data
+        if streams is None:
+            return torch.empty(source.numel(), dtype=source.dtype, device=dev).copy_(source)
+        with torch.cuda.stream(streams.upload):
+            window = torch.empty(source.numel(), dtype=source.dtype, device=dev)
+            window.copy_(source, non_blocking=True)
+            self._window_ready = streams.upload.record_event()
+        if is_shard(shard):
+            shard.upload_done = self._window_ready
+        else:
+            self._host_read = self._window_ready
+        return window
+
+    def _close_window(self) -> None:
+        """The gather has consumed the window (the compute stream waited for it): dropped. On
+        CUDA its memory is first recorded on the compute stream, so that the caching allocator
+        hands it out again only once the compute stream is past this point, after the
+        collective that read it."""
+        window, self._window = self._window, None
+        self._window_ready = None
+        if window is not None and self.ctx.streams is not None:
+            window.record_stream(torch.cuda.current_stream(self.ctx.device))
 
     def upload(self) -> None:
         """CPU offload: brings the device mirror up to date with the CPU gather source, if it
@@ -222,20 +288,21 @@ class FlatGroup:
         if self.int8_block is not None:
             self._q8_storage.resize_(self._comm_numel)
             self._resized(self._q8_storage)
-        source = self._gather_input()
         streams = self.ctx.streams
-        if self._mirror is not None and streams is not None:
+        if streams is not None and (self._mirror is not None or self._windowed):
             # Issued from the gather stream, which c10d makes NCCL wait for: it waits for the
-            # upload, and for the compute stream's work so far (the gathered buffer may reuse
-            # memory that work still reads). The compute stream itself waits only for the
-            # all-gather (wait_gather), never for an upload.
+            # compute stream's work so far (the gathered buffer may reuse memory that work
+            # still reads; a window rounded from the master reads what the optimizer wrote)
+            # and for the upload. The compute stream itself waits only for the all-gather
+            # (wait_gather), never for an upload.
             streams.gather.wait_stream(torch.cuda.current_stream(self.ctx.device))
-            upload = self.shard.upload_done
+            source, upload = self._gather_input()
             if upload is not None:
                 streams.gather.wait_event(upload)
             with torch.cuda.stream(streams.gather):
                 self.gather.start(self._comm, source)
         else:
+            source, _ = self._gather_input()
             self.gather.start(self._comm, source)
         self.state = GroupState.GATHERING
         self.ctx.counter.gather_issue_s += collectives.now() - t0
@@ -251,12 +318,16 @@ class FlatGroup:
             self.state = GroupState.GATHERED
             if self._mirror is not None and self.ctx.streams is not None:
                 self._mirror_read = torch.cuda.current_stream(self.ctx.device).record_event()
+            self._close_window()
 
     def free(self, release: bool = False) -> None:
         """Gives the gathered buffer back, unless the group is resident (``release`` frees
-        it anyway)."""
+        it anyway). ``release`` also waits for the last upload that read a host shard: the
+        host may write the shard next (``zerocore.load_checkpoint``, ``load_frozen``)."""
         if self.state is GroupState.GATHERING:
             self.wait_gather()
+        if release:
+            self._wait_host_reads()
         self.gather.before_free()  # the other ranks may still be reading this buffer
         if self.int8_block is not None:
             self._q8_storage.resize_(0)  # the int8 bytes: dequantized already
@@ -266,6 +337,15 @@ class FlatGroup:
         self._storage.resize_(0)
         self._resized(self._storage)
         self.state = GroupState.SHARDED
+
+    def _wait_host_reads(self) -> None:
+        """Blocks the host until the last upload that read this group's host shard (or the
+        model copy a mirror is uploaded from) has completed; nothing else on the device."""
+        if is_offloaded(self.shard):
+            wait_for_device(self.shard)
+        elif self._host_read is not None:
+            self._host_read.synchronize()
+            self._host_read = None
 
     def _resized(self, storage: torch.UntypedStorage) -> None:
         if self._watch is not None:
@@ -318,8 +398,8 @@ class FlatGroup:
         assert not self.trainable
         self.free(release=True)
         with torch.no_grad():
-            if self.int8_block is not None:
-                self.shard.data = self._quantized(values.to(self.shard.device))
+            if self.int8_block is not None:  # quantized on the device, as when sharded
+                self.shard.copy_(self._quantized(values.to(self.ctx.device)))
             else:
                 self.shard.copy_(values)
 
@@ -333,8 +413,26 @@ class FlatGroup:
     @property
     def mirror_bytes(self) -> int:
         """Bytes of the device mirror of a CPU-offloaded model copy (the gather input with
-        ``Offload(optimizer=True)``); 0 without offload."""
-        return 0 if self._mirror is None else self._mirror.numel() * self._mirror.element_size()
+        ``Offload(optimizer=True)`` alone); 0 otherwise."""
+        return _nbytes(self._mirror)
+
+    @property
+    def window_bytes(self) -> int:
+        """Bytes of the window in flight (``Offload(params=True)``: the device copy of the
+        shard one gather reads, from its start to its wait); 0 otherwise."""
+        return _nbytes(self._window)
+
+    @property
+    def device_shard_bytes(self) -> int:
+        """Bytes of this group's parameter shard on the compute device now, what its gathers
+        read there: the shard itself when it is kept there (a model copy, an fp32 master
+        computed with, a frozen shard), the mirror, or the window in flight."""
+        shard = self.shard
+        if self._windowed or self._mirror is not None:
+            return self.window_bytes + self.mirror_bytes
+        if is_shard(shard):
+            return _nbytes(gather_source(shard))
+        return _nbytes(shard)
 
     @property
     def gathered_bytes(self) -> int:
@@ -394,3 +492,15 @@ class FlatGroup:
         out = pending.reduction.finish()
         pending.group.ctx.counter.reduce_wait_s += collectives.now() - t0
         return out
+
+
+def _host_buffer(ctx: GroupContext, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D host buffer of offloaded state: from the sharding's host arena (pinned once the
+    layers are built), or in a plan's rehearsal, which has none, a fake CPU tensor."""
+    if ctx.arena is not None:
+        return ctx.arena.take(numel, dtype)
+    return torch.empty(numel, dtype=dtype, device="cpu")
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()

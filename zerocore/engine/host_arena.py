@@ -53,11 +53,14 @@ class HostArena:
             raise MemoryError(f"zerocore: the offloaded state needs more than the host's "
                               f"{self._size / 2**30:.1f} GiB of memory")
         self.used = end
-        # A tensor of its own on the mapping's storage, not a view of ``_bytes``: views share
-        # one version counter, and a shard's counter says whether its master was written
-        # (sharded_param.refresh_model_copy), so every buffer has its own.
-        return torch.empty(0, dtype=dtype).set_(self._bytes.untyped_storage(),
-                                                start // dtype.itemsize, (numel,))
+        # A tensor with a storage of its own, exactly its bytes of the mapping: not a view of
+        # ``_bytes``, as views share one version counter, and a shard's counter says whether
+        # its master was written (sharded_param.refresh_model_copy); and not a window on the
+        # whole mapping's storage, which ``torch.save`` (a checkpoint) would write whole, the
+        # reservation's size.
+        if numel == 0:
+            return torch.empty(0, dtype=dtype)   # frombuffer refuses a count of 0
+        return torch.frombuffer(self._map, dtype=dtype, count=numel, offset=start)
 
     def pin(self) -> None:
         """Pins the bytes taken so far (a CUDA machine; elsewhere nothing to do): host-device

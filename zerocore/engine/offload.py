@@ -1,7 +1,7 @@
-"""CPU offload's traffic between the device and the host (``Offload(optimizer=True)``): the side
-streams, gradient shards on their way to the CPU masters, and the CPU thread count of GPU
-ranks. (An offloaded master shard knows when the device has finished reading it:
-``sharded_param.wait_for_device``.)
+"""CPU offload's traffic between the device and the host (``Offload(optimizer=True)``, and the
+parameter windows of ``Offload(params=True)``): the side streams, gradient shards on their way
+to the CPU masters, and the CPU thread count of GPU ranks. (An offloaded master shard knows
+when the device has finished reading it: ``sharded_param.wait_for_device``.)
 
 The stream design (what overlaps with what, what waits for what) is written down in
 docs/decisions.md, "CPU offload: the stream design". In short, on CUDA:
@@ -17,6 +17,11 @@ docs/decisions.md, "CPU offload: the stream design". In short, on CUDA:
   that work still reads): the compute stream waits for the all-gather, never for an upload.
 On the CPU there are no streams: the same code runs with plain copies and no events, and gives
 bitwise the values of the synchronous offload it replaced.
+
+Parameter offload (``Offload(params=True)``) uses the same streams: each gather's window is
+uploaded on ``upload`` (or rounded from a device master on ``gather``) and gathered from
+``gather``; no mirror is kept (docs/decisions.md, "Parameter offload (issue 31, item 1)";
+zerocore/engine/flat_group.py, ``_upload_window``).
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ class OffloadStreams:
         assert device.type == "cuda"
         # Gradient shards device -> host; overlaps the backward of the layers before.
         self.download = torch.cuda.Stream(device)
-        # Model copies host -> device mirror; overlaps the host's Adam and the forward.
+        # Model copies host -> device mirror (parameter offload: host shards -> each gather's
+        # window); overlaps the host's Adam and the forward (the layer before's compute).
         self.upload = torch.cuda.Stream(device)
         # Issues offloaded groups' all-gathers after their upload; high priority, as the
         # compute stream will wait for what it issues.

@@ -17,8 +17,9 @@ class MemoryReport:
     world_size: int
     trainable_numel: int         # Ψ_trainable, real parameters (padding excluded), whole model
     frozen_numel: int            # Ψ_frozen
-    param_bytes: int             # shards the layers compute from: model copies, frozen shards,
-                                 # fp32 masters when computing in fp32, offload mirrors
+    param_bytes: int             # shards the layers compute from, wherever they live: model
+                                 # copies, frozen shards, fp32 masters when computing in fp32,
+                                 # offload mirrors
     master_bytes: int            # fp32 master shards kept beside a 16-bit model copy
     grad_bytes: int              # gradient shards (fp32) currently allocated
     optimizer_bytes: int         # optimizer state of the shards (Adam moments), if known
@@ -26,10 +27,15 @@ class MemoryReport:
     predicted_bytes: int         # (p + p + K)·Ψ_t/N + p·Ψ_f/N, the ZeRO-3 formula
     device_allocated: int | None = None  # torch.cuda.memory_allocated on GPU
     device_peak: int | None = None       # torch.cuda.max_memory_allocated on GPU
-    # Offload: the host arena's bytes (masters, model copies, gradient staging), and how many
+    # Offload: the host arena's bytes (masters, model copies, gradient staging, frozen shards
+    # with Offload(params=True)), and how many
     # of them are pinned (all, on a GPU machine, once the layers are built; none on the CPU).
     host_arena_bytes: int = 0
     pinned_bytes: int = 0
+    # Parameter-shard bytes on the compute device now (what the gathers read there): shards
+    # kept there, offload mirrors, and with Offload(params=True) only the windows of the
+    # gathers in flight (none between steps).
+    device_shard_bytes: int = 0
 
     @property
     def model_state_bytes(self) -> int:
@@ -44,7 +50,8 @@ class MemoryReport:
                 ("gradient shards", self.grad_bytes), ("optimizer state", self.optimizer_bytes),
                 ("model state (sum)", self.model_state_bytes),
                 ("predicted (2+2+K)Ψ/N", self.predicted_bytes),
-                ("gather buffers now", self.gather_bytes)]
+                ("gather buffers now", self.gather_bytes),
+                ("shards on the device now", self.device_shard_bytes)]
         if self.host_arena_bytes:
             rows += [("host arena (offload)", self.host_arena_bytes),
                      ("pinned host memory", self.pinned_bytes)]

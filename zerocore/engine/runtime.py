@@ -135,16 +135,19 @@ class Runtime:
     """The hooks that run a sharded model's units (see the module's docstring), and their state.
 
     units: the units in the order their layers are indexed, then the root (the model's own
-    module; a unit without groups when no parameter is the root's)."""
+    module; a unit without groups when no parameter is the root's). mirrors: the trainable
+    groups keep device mirrors of host model copies (``Offload(optimizer=True)`` alone)."""
 
     def __init__(self, model: nn.Module, units: list[Unit], schedule: Schedule, *,
-                 offload: bool, root_owners: list[nn.Module],
+                 mirrors: bool, root_owners: list[nn.Module],
                  staging: list[torch.Tensor] | None = None):
         self.model = model
         self.units = units
         self.root = units[-1]
         self.schedule = schedule
-        self.offload = offload
+        # Optimizer offload keeps device mirrors of the host's model copies, all uploaded when
+        # a forward starts (parameter offload uploads each gather's own window instead).
+        self.mirrors = mirrors
         self.coordinator = BackwardCoordinator([u.layer for u in units],
                                                schedule.prefetch_backward,
                                                on_finish=self._backward_ended,
@@ -329,7 +332,7 @@ class Runtime:
             if unit.active == 0:
                 unit.layer.free()
         self._kept = []
-        if self.offload:
+        if self.mirrors:
             # Every upload the optimizer made necessary, at once: they overlap the first
             # units' gathers and computation, and each unit's all-gather waits for its own.
             for unit in self.units:

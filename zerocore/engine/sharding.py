@@ -133,13 +133,12 @@ def build_context(mesh: Mesh, device: torch.device,
     transport: chosen here, once, by every rank together, see ``transport.choose``; HSDP's
     replicas)."""
     group = mesh.shard
-    streams = (OffloadStreams(device)
-               if offload.optimizer and device.type == "cuda" else None)
+    streams = OffloadStreams(device) if offload.any and device.type == "cuda" else None
     arena = None
     if rehearsal is not None:
         peers, ways, kind, watch = None, rehearsal.ways, rehearsal.device_kind, rehearsal.watch
     else:
-        if offload.optimizer:
+        if offload.any:
             arena = HostArena(pin=device.type == "cuda")
         peers = PeerMemory(comm.timeout_s) if comm.peer_read == "auto" else None
         # Reading each other's memory is probed within the shard group alone: HSDP's replicas
@@ -154,7 +153,8 @@ def build_context(mesh: Mesh, device: torch.device,
                 if mesh.replicate is not None else None)
     return GroupContext(group, group.rank(), device, mixed_precision.param_dtype,
                         mixed_precision.grad_reduce_dtype, offload.optimizer, counter,
-                        streams, int8_block=frozen_weights.int8_block, peers=peers, comm=comm,
+                        streams, offload_params=offload.params,
+                        int8_block=frozen_weights.int8_block, peers=peers, comm=comm,
                         host_threads=host_threads, ways=ways, device_kind=kind, watch=watch,
                         arena=arena, replicas=replicas)
 
@@ -166,17 +166,20 @@ def memory_report_of(layers: list[ShardedLayer], rank: int, world_size: int,
                      arena: HostArena | None = None) -> MemoryReport:
     """``memory_report`` of any sharded model: its layers' (or units') groups measured."""
     p_bytes = torch.tensor([], dtype=mixed_precision.param_dtype).element_size()
-    param = master = grad = opt = gather = 0
+    param = master = grad = opt = gather = on_device = 0
     trainable_numel = frozen_numel = 0
     for layer in layers:
         for g in layer.groups:
             gather += g.gathered_bytes
+            on_device += g.device_shard_bytes
             shard = g.shard
             if g.trainable:
                 trainable_numel += g.layout.numel
                 if is_shard(shard) and shard.model_copy is not None:
                     param += shard.model_copy.numel() * shard.model_copy.element_size()
                     master += shard.numel() * 4
+                elif p_bytes != 4:
+                    master += shard.numel() * 4  # Offload(params) alone: no 16-bit copy kept
                 else:
                     param += shard.numel() * 4
                 param += g.mirror_bytes
@@ -200,7 +203,8 @@ def memory_report_of(layers: list[ShardedLayer], rank: int, world_size: int,
     return MemoryReport(rank, n, trainable_numel, frozen_numel, param, master, grad, opt,
                         gather, predicted, dev_alloc, dev_peak,
                         host_arena_bytes=arena.used if arena is not None else 0,
-                        pinned_bytes=arena.pinned if arena is not None else 0)
+                        pinned_bytes=arena.pinned if arena is not None else 0,
+                        device_shard_bytes=on_device)
 
 
 def prepare_device(device: torch.device | str | None, mesh: Mesh,
@@ -336,16 +340,18 @@ class Sharding:
     def start(self, model: nn.Module, units: list[Unit], root_owners: list[nn.Module]) -> None:
         """Puts the runtime's hooks on the model (zerocore/engine/runtime.py): ``units`` in
         their index order, then the root (``model`` itself)."""
-        self.runtime = Runtime(model, units, self.schedule, offload=self.offload.optimizer,
+        self.runtime = Runtime(model, units, self.schedule,
+                               mirrors=self.offload.optimizer and not self.offload.params,
                                root_owners=root_owners, staging=self._staging())
         if self.ctx.arena is not None:
             self.ctx.arena.pin()   # every offloaded buffer is taken: pinned, exactly those
 
     def _staging(self) -> list[torch.Tensor]:
-        """Offload on a GPU: the two host buffers gradient shards are copied into from the
-        device, in turn, each as large as the largest shard (from the arena, so pinned with it).
-        None on the CPU, where the gradients are already on the host."""
-        arena = self.ctx.arena if self.ctx.streams is not None else None
+        """Optimizer offload on a GPU: the two host buffers gradient shards are copied into from
+        the device, in turn, each as large as the largest shard (from the arena, so pinned with
+        it). None on the CPU, where the gradients are already on the host, and when the
+        optimizer is on the device."""
+        arena = self.ctx.arena if self.ctx.streams is not None and self.ctx.offload else None
         largest = max((l.trainable.layout.shard_numel for l in self.layers
                        if l.trainable is not None), default=0)
         if arena is None or largest == 0:

@@ -15,10 +15,13 @@ import threading
 import time
 from typing import Callable, Iterator
 
-# What a compile of the kernels takes, as the messages and the README say it: CPU-only measured
-# (`python setup.py build_ext` of a fresh copy: 44 s at load 1, 82 s at load 9; docs/decisions.md,
-# "Compile time"); a CUDA build adds the four .cu files (not measured here: no GPU machine).
-CPU_COMPILE_TIME = "about 45 s on 2 idle cores"
+# What a compile of the kernels takes, as the messages and the README say it. CPU-only, measured
+# with `python setup.py build_ext --inplace` in a fresh clone on 2 cores: 30 s and 31 s at load
+# 2 (51-53 s of CPU time; bench/records/2026-12-02-reliability-fault-injection.md), 44 s at load
+# 1 and 82 s at load 9 earlier, 291 s on a machine busy with other work (issue 33): the CPU time
+# is fixed, the wall time is whatever share of the cores the compile gets. A CUDA build adds the
+# four .cu files (not measured here: no GPU machine).
+CPU_COMPILE_TIME = "30-45 s on 2 idle cores (minutes on a busy one)"
 CUDA_COMPILE_TIME = "5-10 minutes (an estimate)"
 
 # Compute capabilities built by default when TORCH_CUDA_ARCH_LIST is not set: A100 (8.0) and
@@ -100,6 +103,25 @@ def objects_written_since(build_dir: str, since: float) -> int:
                 except OSError:  # being replaced by the compiler right now
                     pass
     return n
+
+
+class TerminalLines:
+    """setup.py's messages as written to the terminal, each on a line of its own.
+
+    pip captures a build's output (shown only with -v), so setup.py also writes each message
+    straight to the terminal, where pip's spinner is drawing: when the first message comes,
+    pip's "Building editable for zerocore (pyproject.toml) ... -" has no newline yet, and after
+    each message the spinner draws its next character at the start of the line below. So the
+    first message starts a new line, and each later one first clears the line it starts on."""
+
+    def __init__(self):
+        self.said = 0  # messages written so far
+
+    def text(self, message: str) -> str:
+        """What to write to the terminal for ``message``, the next message."""
+        text = ("\r\033[K" if self.said else "\n") + message + "\n"
+        self.said += 1
+        return text
 
 
 @contextlib.contextmanager

@@ -21,7 +21,9 @@ TRAINABLE, FROZEN, MASTERS, OPTIMIZER, GRADIENTS, MIRRORS = (
     "parameter shards, trainable", "parameter shards, frozen", "fp32 master shards",
     "optimizer state", "gradient shards", "offload mirrors")
 GATHERED, GRAD_BUFFERS, ACTIVATIONS = ("gathered layers", "gradient buffers", "activations")
-CATEGORIES = (TRAINABLE, FROZEN, MASTERS, OPTIMIZER, GRADIENTS, MIRRORS, GATHERED,
+# Offload(params=True): the device copies of host shards that the gathers in flight read.
+WINDOWS = "parameter windows"
+CATEGORIES = (TRAINABLE, FROZEN, MASTERS, OPTIMIZER, GRADIENTS, MIRRORS, WINDOWS, GATHERED,
               GRAD_BUFFERS, ACTIVATIONS)
 
 
@@ -31,7 +33,9 @@ class ModelState:
 
     trainable_numel: int            # Ψ_trainable, whole model, padding excluded
     frozen_numel: int               # Ψ_frozen
-    trainable_params: int           # model copies (param dtype), or fp32 masters in fp32
+    trainable_params: int           # model copies (param dtype), or fp32 masters in fp32 (none
+                                    # in 16 bit with Offload(params=True) alone: rounded from
+                                    # the masters per gather)
     frozen_params: int              # frozen shards (param dtype)
     masters: int                    # fp32 masters beside 16-bit model copies
     optimizer: int                  # Adam's two fp32 moments
@@ -61,6 +65,7 @@ class MemoryPlan:
     all_gather_bytes: int              # per optimizer step (all micro-batches)
     reduce_scatter_bytes: int
     recomputed_layers: tuple[int, ...]
+    windows_peak: int = 0              # most parameter-window bytes held at any point
     # HSDP: gradient shards all-reduced across the replicas per optimizer step (between the
     # nodes), and the mesh's (replicas, shards); flat: 0 and None.
     replica_all_reduce_bytes: int = 0
@@ -98,16 +103,18 @@ class MemoryPlan:
         rows = [
             (f"parameter shards, trainable{host if TRAINABLE in s.on_host else ''}",
              s.trainable_params),
-            ("parameter shards, frozen", s.frozen_params),
+            (f"parameter shards, frozen{host if FROZEN in s.on_host else ''}", s.frozen_params),
             (f"fp32 master shards{host if MASTERS in s.on_host else ''}", s.masters),
             (f"gradient shards (fp32){host if GRADIENTS in s.on_host else ''}", s.gradients),
             (f"optimizer state (Adam){host if OPTIMIZER in s.on_host else ''}", s.optimizer),
             ("offload mirrors", s.mirrors),
+            ("parameter windows at the peak", self.peak.get(WINDOWS, 0)),
             ("gathered layers at the peak", self.peak[GATHERED]),
             ("gradient buffers at the peak", self.peak[GRAD_BUFFERS]),
             ("activations at the peak", self.peak[ACTIVATIONS]),
             ("(activations, most at any point)", self.activations_peak),
             ("(gathered layers, most at any point)", self.gathered_peak),
+            ("(parameter windows, most at any point)", self.windows_peak),
         ]
         if self.device == "cuda":
             rows.append(("CUDA context and allocator headroom", self.headroom))

@@ -28,8 +28,9 @@ from zerocore.planning.live_bytes import LiveBytes
 from zerocore.planning.memory_plan import (ACTIVATIONS, CATEGORIES, CUDA_FIXED_HEADROOM,
                                            CUDA_HEADROOM_FRACTION, FROZEN, GATHERED,
                                            GRAD_BUFFERS, GRADIENTS, MASTERS, MIRRORS,
-                                           OPTIMIZER, TRAINABLE, MemoryPlan, ModelState)
-from zerocore.policies import Comm
+                                           OPTIMIZER, TRAINABLE, WINDOWS, MemoryPlan,
+                                           ModelState)
+from zerocore.policies import Comm, Offload
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +42,7 @@ class Step:
     world_size: int
     device: str                                # "cuda" or "cpu": the device planned for
     comm: Comm
-    offload: bool                              # Offload(optimizer=True)
+    offload: Offload
     micro_batches: int
     mesh: tuple[int, int] | None = None        # HSDP's (replicas, shards); None: flat
     nodes: int = 1                             # the nodes a flat layout spans
@@ -61,6 +62,7 @@ class _Peak:
         self.phase = ""
         self.gathered = 0          # most gathered-layer bytes at any point observed
         self.activations = 0       # most activation bytes at any point observed
+        self.windows = 0           # most parameter-window bytes at any point observed
 
 
 def rehearse(step: Step, fake: FakeTensorMode, exclude: list[torch.Tensor]) -> MemoryPlan:
@@ -76,6 +78,7 @@ def rehearse(step: Step, fake: FakeTensorMode, exclude: list[torch.Tensor]) -> M
         parts[ACTIVATIONS] = live - sum(parts.values())
         peak.gathered = max(peak.gathered, parts[GATHERED])
         peak.activations = max(peak.activations, parts[ACTIVATIONS])
+        peak.windows = max(peak.windows, parts[WINDOWS])
         if live > peak.total:
             peak.total, peak.parts, peak.phase = live, parts, _phase(held)
 
@@ -155,17 +158,21 @@ def _by_category(sharding: Sharding, optimizer: AdamW, kept: torch.Tensor) -> di
             seen.add(key)
             parts[category] += _nbytes(t)
 
+    sixteen = sharding.mixed_precision.param_dtype != torch.float32
     for layer in (u.layer for u in sharding.runtime.units):
         for g in layer.groups:
             parts[GATHERED] += g.gathered_bytes
+            parts[WINDOWS] += g.window_bytes
             shard = g.shard
             if not g.trainable:
                 add(FROZEN, shard)
                 continue
             copy = getattr(shard, "model_copy", None)
-            add(TRAINABLE, copy if copy is not None else shard)
             if copy is not None:
+                add(TRAINABLE, copy)
                 add(MASTERS, shard)
+            else:  # in 16 bit, Offload(params=True) alone: a master, no copy kept
+                add(MASTERS if sixteen else TRAINABLE, shard)
             parts[MIRRORS] += g.mirror_bytes
             add(GRADIENTS, shard.grad)
             for t in g.reduce.kept_tensors():
@@ -183,6 +190,9 @@ def model_state(sharding: Sharding, on_host: frozenset[str]) -> ModelState:
     """The bytes of model state of one rank, from the layouts the engine built."""
     p_bytes = sharding.mixed_precision.param_dtype.itemsize
     sixteen = p_bytes != 4
+    offload = sharding.offload
+    # Parameter offload with the optimizer on the device keeps no 16-bit copy.
+    copies = not offload.params or offload.optimizer
     t_numel = f_numel = t_shard = f_shard = 0
     for layer in sharding.layers:
         for g in layer.groups:
@@ -194,17 +204,20 @@ def model_state(sharding: Sharding, on_host: frozenset[str]) -> ModelState:
                 f_shard += g.layout.shard_numel
     return ModelState(
         trainable_numel=t_numel, frozen_numel=f_numel,
-        trainable_params=t_shard * (p_bytes if sixteen else 4),
+        trainable_params=t_shard * (p_bytes if copies else 0) if sixteen else t_shard * 4,
         frozen_params=sharding.frozen_weights.frozen_nbytes(f_shard, p_bytes),
         masters=t_shard * 4 if sixteen else 0, optimizer=t_shard * 8, gradients=t_shard * 4,
-        mirrors=t_shard * p_bytes if sharding.offload.optimizer else 0, on_host=on_host)
+        mirrors=t_shard * p_bytes if offload.optimizer and not offload.params else 0,
+        on_host=on_host)
 
 
 def _plan(step: Step, sharding: Sharding, peak: _Peak) -> MemoryPlan:
-    # Offload: the trainable model copies go to the host with everything the optimizer
-    # touches; the device keeps a mirror of each copy, and the frozen shards. (On the CPU
-    # host and device are one memory.)
-    on_host = frozenset({TRAINABLE, MASTERS, OPTIMIZER, GRADIENTS} if step.offload else set())
+    # Optimizer offload: the trainable model copies go to the host with everything the
+    # optimizer touches; the device keeps a mirror of each copy (unless parameters are
+    # offloaded too). Parameter offload: the frozen shards go to the host, the device holds
+    # the windows in flight. (On the CPU host and device are one memory.)
+    on_host = frozenset(({TRAINABLE, MASTERS, OPTIMIZER, GRADIENTS} if step.offload.optimizer
+                         else set()) | ({FROZEN} if step.offload.params else set()))
     state = model_state(sharding, on_host)
     cuda = step.device == "cuda"
     device_tensors = sum(v for k, v in peak.parts.items() if not cuda or k not in on_host)
@@ -220,4 +233,5 @@ def _plan(step: Step, sharding: Sharding, peak: _Peak) -> MemoryPlan:
         reduce_scatter_bytes=reduce * step.micro_batches,
         replica_all_reduce_bytes=sharding.expected_replica_traffic(), mesh=step.mesh,
         nodes=step.mesh[0] if step.mesh is not None else step.nodes,
-        recomputed_layers=tuple(sorted(sharding.schedule.recomputed)))
+        recomputed_layers=tuple(sorted(sharding.schedule.recomputed)),
+        windows_peak=peak.windows)
