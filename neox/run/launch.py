@@ -458,6 +458,12 @@ def _run_rank(rank: int, task: RankTask,
         return EXIT_REPORTED
     except zerocore.PeerError:
         return EXIT_REPORTED  # another rank reported the problem
+    except zerocore.BuildError as e:
+        # Raised on every rank alike, naming the first that failed: that one says it (two
+        # ranks that both failed on a layer printed it twice, each before being stopped).
+        if e.rank == rank:
+            print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
+        return EXIT_REPORTED
     except (ValueError, FileNotFoundError, OSError) as e:  # user errors: one line
         print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
         return EXIT_REPORTED

@@ -155,7 +155,8 @@ def reduce_scatter_sum(output: torch.Tensor, full: torch.Tensor, group: dist.Pro
 
 
 def all_gather_sync(output: torch.Tensor, t: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """Blocking all-gather of small metadata (not counted: not model traffic)."""
+    """Blocking all-gather, not counted: small metadata (not model traffic), or traffic its
+    caller counts itself (comm/quantized_reduce.py)."""
     _all_gather_single(output, t, group=group)
 
 

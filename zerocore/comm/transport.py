@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from zerocore.comm import collectives, peer_memory
+from zerocore.comm import collectives, peer_memory, quantized_reduce
 from zerocore.comm.fake import is_fake
 from zerocore.comm.peer_memory import PeerMemory
 from zerocore.policies import Comm
@@ -311,19 +311,33 @@ def _mean_of_sum(packed: torch.Tensor, lo: int, hi: int, received: torch.Tensor 
 class Replicas:
     """HSDP's replicate dim, one per sharding and shared by its groups' reductions: the group a
     rank's gradient slices are all-reduced over (its replicas: the ranks holding the same
-    shard), and whether the reductions of the backward about to run are
+    shard), whether the reductions of the backward about to run are
     (``Sharding.set_requires_all_reduce``: False on the micro-batches before the last of an
-    accumulation, as FSDP2's ``set_requires_all_reduce``)."""
+    accumulation, as FSDP2's ``set_requires_all_reduce``), and whether they travel in int8
+    (``quantize_block``: ``Comm(quantize_gradients="int8")``'s block; None: exact)."""
 
-    def __init__(self, group: dist.ProcessGroup, counter: collectives.CommCounter):
+    def __init__(self, group: dist.ProcessGroup, counter: collectives.CommCounter,
+                 quantize_block: int | None = None):
         self.group = group
         self.size = group.size()
         self.counter = counter
+        self.quantize_block = quantize_block
         self.requires_all_reduce = True
 
-    def all_reduce(self, t: torch.Tensor) -> None:
-        """t <- its sum over the replicas, in place (counted as crossing the replicas)."""
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum of ``t`` over the replicas: ``t`` itself, summed in place; quantized, a new
+        fp32 tensor (comm/quantized_reduce.py). Counted as crossing the replicas."""
+        if self.quantize_block is not None:
+            return quantized_reduce.all_reduce_int8(t, self.group, self.counter,
+                                                    self.quantize_block)
         collectives.all_reduce_across_replicas(t, self.group, self.counter)
+        return t
+
+    def nbytes(self, numel: int, dtype: torch.dtype) -> int:
+        """Bytes one all-reduce of ``numel`` elements of ``dtype`` is counted as."""
+        if self.quantize_block is not None:
+            return quantized_reduce.message_nbytes(numel, self.size, self.quantize_block)
+        return numel * dtype.itemsize
 
 
 class ReduceAcrossReplicas(Reduce):
@@ -367,11 +381,12 @@ class ReduceAcrossReplicas(Reduce):
                 return None
             if self._kept is not None:
                 # One rounding to the reduce dtype of the micro-batches' fp32 sum, so that
-                # the replicas' traffic is the same whatever the accumulation.
+                # the replicas' traffic is the same whatever the accumulation (none when it
+                # travels quantized: the fp32 sum is quantized).
                 kept, self._kept = self._kept.add_(mine), None
-                mine = kept if mine.dtype == torch.float32 else kept.to(mine.dtype)
-            replicas.all_reduce(mine)
-            return _divided(mine, factors.post)
+                exact = replicas.quantize_block is None
+                mine = kept.to(mine.dtype) if exact and mine.dtype != torch.float32 else kept
+            return _divided(replicas.all_reduce(mine), factors.post)
         return Reduction(finish, held=reduction.held)
 
 

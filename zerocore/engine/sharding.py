@@ -148,8 +148,9 @@ def build_context(mesh: Mesh, device: torch.device,
         if not peers or not peers.available:
             peers = None
     counter = CommCounter()
-    replicas = (transport.Replicas(mesh.replicate, counter) if mesh.replicate is not None
-                else None)
+    block = comm.quantize_block if comm.quantize_gradients == "int8" else None
+    replicas = (transport.Replicas(mesh.replicate, counter, block)
+                if mesh.replicate is not None else None)
     return GroupContext(group, group.rank(), device, mixed_precision.param_dtype,
                         mixed_precision.grad_reduce_dtype, offload.optimizer, counter,
                         streams, offload_params=offload.params,
@@ -265,6 +266,13 @@ class Sharding:
                                offload=offload, recompute=recompute,
                                frozen_weights=frozen_weights, comm=comm, compile=compile),
                           mesh.whole, device, self.front_door)
+        if comm.quantize_gradients is not None and mesh.replicate is None:
+            # The same answer on every rank: the mesh and the policies are agreed.
+            raise ValueError(f"{self.front_door}: Comm(quantize_gradients="
+                             f"{comm.quantize_gradients!r}) quantizes the gradients' all-reduce "
+                             f"across HSDP's replicas, and this model has none ({mesh.line()}); "
+                             f"pass a 2-D mesh (replicate, shard) with more than one replica, "
+                             f"or leave it out")
         self.ctx = build_context(mesh, device, mixed_precision, offload, frozen_weights, comm,
                                  host_threads, rehearsal)
         self.counter = self.ctx.counter
@@ -426,11 +434,14 @@ class Sharding:
 
     def expected_replica_traffic(self) -> int:
         """Bytes HSDP all-reduces across the replicas per optimizer step: every trainable
-        group's shard, once, in the reduce dtype (0 when flat, or with one replica)."""
-        if self.ctx.replicas is None:
+        group's shard, once, in the reduce dtype, or quantized (``Replicas.nbytes``); 0 when
+        flat, or with one replica."""
+        replicas = self.ctx.replicas
+        if replicas is None:
             return 0
-        return sum(l.trainable.layout.shard_numel for l in self.layers
-                   if l.trainable is not None) * self.mixed_precision.grad_reduce_dtype.itemsize
+        return sum(replicas.nbytes(l.trainable.layout.shard_numel,
+                                   self.mixed_precision.grad_reduce_dtype)
+                   for l in self.layers if l.trainable is not None)
 
     def comm_report(self, reset: bool = False) -> CommReport:
         """Bytes moved by each kind of collective since the last reset, and the per-step

@@ -1,0 +1,96 @@
+"""qgZ for HSDP: the all-reduce of a gradient slice across the replicas (between nodes) in int8
+with an fp32 scale per block (``zerocore.Comm(quantize_gradients="int8")``), summed in fp32.
+
+Two hops, as a ring all-reduce has, each moving int8 (ZeRO++'s qgZ is this, hierarchically):
+1. the slice (padded to R chunks of whole blocks) is quantized and exchanged all-to-all: each
+   replica receives chunk j of every replica, dequantizes them and sums them in fp32 in replica
+   order;
+2. its summed chunk is quantized again and all-gathered; every replica dequantizes every chunk,
+   its own included, so every replica holds the same bits.
+Each rank sends and receives 2·(R−1)/R of the quantized slice, (1 + 4/block) bytes per element,
+where the exact all-reduce moves 2·(R−1)/R of the slice in the reduce dtype (2 or 4 bytes).
+
+Error: a block's values are rounded to its absmax/127, so each is off by at most absmax/254: the
+sum, by at most (Σ_r absmax_r + absmax of the sum) / 254 per element of a block (the first hop's
+error on each replica's values, then the second's), before the division by the world size.
+A non-finite value on any replica (an fp16 overflow) cannot be quantized: it travels as a flag,
+and every replica's result is NaN, which the loss scaler's check then finds on every replica.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from zerocore.comm.collectives import CommCounter, all_gather_sync
+from zerocore.kernels import ops
+
+
+def chunk_numel(numel: int, replicas: int, block: int) -> int:
+    """Elements of each replica's chunk: the slice split R ways, rounded up to whole blocks."""
+    per = -(-numel // replicas)
+    return -(-per // block) * block
+
+
+def message_nbytes(numel: int, replicas: int, block: int) -> int:
+    """Bytes of the quantized slice as it travels (R chunks, each its int8 values, fp32 scales
+    and a non-finite flag): what the counter counts per all-reduce, as it counts the exact
+    all-reduce's slice in the reduce dtype."""
+    chunk = chunk_numel(numel, replicas, block)
+    return replicas * _part_nbytes(chunk, block)
+
+
+def _part_nbytes(chunk: int, block: int) -> int:
+    return chunk + 4 * (chunk // block) + 4  # int8 | fp32 scales | int32 flag
+
+
+def _pack(values: torch.Tensor, block: int) -> torch.Tensor:
+    """One chunk (1D fp32, whole blocks) as a byte message: its int8 values, their scales, and
+    1 when it held a non-finite value (quantized as zeros then). No value is read on the host
+    (nothing waits for the device, and a plan's fake tensors pass through)."""
+    finite = torch.isfinite(values)
+    q, scales = ops.quantize_blockwise(torch.where(finite, values, 0.0), block)
+    flag = (~finite).any().to(torch.int32).reshape(1)
+    return torch.cat([q.view(torch.uint8), scales.view(torch.uint8), flag.view(torch.uint8)])
+
+
+def _unpack(part: torch.Tensor, out: torch.Tensor, block: int, add: bool) -> None:
+    """out (1D fp32, the chunk) <- (or +=) the chunk a message holds; NaN if it was flagged."""
+    n = out.numel()
+    q = part[:n].view(torch.int8)
+    scales = part[n:n + 4 * (n // block)].view(torch.float32)
+    flagged = part[n + 4 * (n // block):].view(torch.int32).bool()  # (1,)
+    values = ops.dequantize_blockwise(q, scales, block, torch.float32)
+    values.masked_fill_(flagged, float("nan"))
+    if add:
+        out.add_(values)
+    else:
+        out.copy_(values)
+
+
+def all_reduce_int8(t: torch.Tensor, group: dist.ProcessGroup, counter: CommCounter,
+                    block: int) -> torch.Tensor:
+    """The sum over the replicas of ``t`` (1D, any float dtype), through int8 (see the module):
+    a new 1-D fp32 tensor like ``t``, the same bits on every replica. One replica: ``t`` in
+    fp32 (nothing to exchange, nothing quantized)."""
+    replicas = group.size()
+    numel = t.numel()
+    counter.replica_all_reduce_bytes += message_nbytes(numel, replicas, block)
+    if replicas == 1:
+        return t.to(torch.float32, copy=True)
+    counter.replica_all_reduce_calls += 1
+    chunk = chunk_numel(numel, replicas, block)
+    padded = torch.zeros(replicas * chunk, dtype=torch.float32, device=t.device)
+    padded[:numel] = t
+    part = _part_nbytes(chunk, block)
+    send = torch.cat([_pack(c, block) for c in padded.chunk(replicas)])
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    total = torch.zeros(chunk, dtype=torch.float32, device=t.device)
+    for message in received.chunk(replicas):  # every replica's part of my chunk, in order
+        _unpack(message, total, block, add=True)
+    gathered = torch.empty(replicas * part, dtype=torch.uint8, device=t.device)
+    all_gather_sync(gathered, _pack(total, block), group)
+    for message, out in zip(gathered.chunk(replicas), padded.chunk(replicas)):
+        _unpack(message, out, block, add=False)
+    return padded[:numel]
