@@ -155,13 +155,13 @@ def train(state: TrainState, recipe: Recipe, data: RunData, metrics: MetricsFile
 
 
 def _plus(a: zerocore.CommReport | None, b: zerocore.CommReport) -> zerocore.CommReport:
-    """The traffic of ``a``'s steps and ``b``'s together (the expectation is per step)."""
+    """The traffic of ``a``'s steps and ``b``'s together: every count of bytes moved summed
+    (HSDP's replica all-reduces too), the per-step expectations and the rest as ``b``'s."""
     if a is None:
         return b
-    return dataclasses.replace(b, all_gather_bytes=a.all_gather_bytes + b.all_gather_bytes,
-                               reduce_scatter_bytes=a.reduce_scatter_bytes
-                               + b.reduce_scatter_bytes,
-                               all_reduce_bytes=a.all_reduce_bytes + b.all_reduce_bytes)
+    moved = {f.name: getattr(a, f.name) + getattr(b, f.name) for f in dataclasses.fields(b)
+             if f.name.endswith("_bytes") and not f.name.startswith("expected_")}
+    return dataclasses.replace(b, **moved)
 
 
 def _raise(error: BaseException | None) -> None:

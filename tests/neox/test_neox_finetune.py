@@ -42,6 +42,7 @@ import zerocore
 from tests.support.dist_utils import free_port, global_mean
 from tests.support.neox_testing import (CLI_TIMEOUT_S, EXCERPT, assert_clean_error, call_main,
                                         run_module)
+from neox.run.loop import _plus  # the loop's sum of the steps' traffic
 from neox import data as nd
 from neox.weights import RandomInit, iter_layer_states, iter_layers
 from neox.config import PRESETS, NeoXConfig
@@ -552,6 +553,20 @@ def test_the_built_in_run_learns_visibly(cli_dirs, tmp_path):
     assert len(losses) == 30 and losses[-1] < losses[0] - 1.0, losses
     sample = proc.stdout[proc.stdout.index("sample (48 tokens"):]
     assert len(sample.splitlines()) > 1  # the sample's text follows on its own lines
+
+
+def test_the_steps_traffic_adds_every_count_of_bytes_moved():
+    """What the loop adds up around each validation: every collective's bytes (HSDP's replica
+    all-reduces too), the expectations per step as they are."""
+    a = zerocore.CommReport(10, 20, 1, 100, 200, ways="w", replica_all_reduce_bytes=5,
+                            expected_replica_all_reduce_bytes=7)
+    b = dataclasses.replace(a, all_gather_bytes=30, replica_all_reduce_bytes=6)
+    both = _plus(a, b)
+    assert (both.all_gather_bytes, both.reduce_scatter_bytes, both.all_reduce_bytes,
+            both.replica_all_reduce_bytes) == (40, 40, 2, 11)
+    assert (both.expected_all_gather_bytes, both.expected_reduce_scatter_bytes,
+            both.expected_replica_all_reduce_bytes, both.ways) == (100, 200, 7, "w")
+    assert _plus(None, b) is b
 
 
 @pytest.mark.e2e
