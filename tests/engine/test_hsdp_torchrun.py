@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import zerocore
 from tests.support.dist_utils import free_port
 from tests.support.toy_stack import LR, Spec, global_batch, loss_fn, make_layers
+from tests.support.zerocore_log import logged
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC = Spec(model="transformer", steps=2, micro=2)
@@ -34,29 +34,13 @@ SPEC = Spec(model="transformer", steps=2, micro=2)
 TIMEOUT_S = 400
 
 
-def _logged(build) -> tuple[object, list[str]]:
-    """``build()``, and what the ``zerocore`` logger said meanwhile (INFO and up)."""
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())
-    logger = logging.getLogger("zerocore")
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    try:
-        return build(), records
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-
-
 def rank_main(out: str) -> None:
     torch.set_num_threads(1)  # four ranks share two cores
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    _, flat_lines = _logged(lambda: zerocore.shard(make_layers(SPEC)))
+    _, flat_lines = logged(lambda: zerocore.shard(make_layers(SPEC)))
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    model, hsdp_lines = _logged(lambda: zerocore.shard(make_layers(SPEC), mesh=mesh))
+    model, hsdp_lines = logged(lambda: zerocore.shard(make_layers(SPEC), mesh=mesh))
     # The node of every rank of this rank's shard group.
     nodes = [None] * model.world_size
     dist.all_gather_object(nodes, os.environ["GROUP_RANK"], group=model.group)

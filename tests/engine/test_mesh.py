@@ -7,7 +7,6 @@ tests/engine/test_hsdp.py's.
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 
@@ -18,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import zerocore
 from tests.support.toy_stack import Spec, make_layers, train_digest
+from tests.support.zerocore_log import logged
 
 WORLD_SIZES = [1, 2, 3]
 DOORS = ["shard", "shard_model"]
@@ -106,19 +106,10 @@ def start_up_line(rank: int, world_size: int, environ: dict, shape) -> str | Non
     it; restored after)."""
     saved = {k: os.environ.get(k) for k in environ}
     os.environ.update(environ)
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())
-    logger = logging.getLogger("zerocore")
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.INFO)
     try:
         where = {"mesh": init_device_mesh("cpu", shape)} if shape is not None else {}
-        _shard("shard", **where)
+        _, records = logged(lambda: _shard("shard", **where))
     finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
