@@ -204,13 +204,26 @@ def agree(rank: int, world_size: int, side_channel: bool, how: str,
 def test_agreement_counts_ranks_per_host(world, side_channel, how):
     """Every rank returns the same placement; ranks_on_host (the share of the host's cores a GPU
     rank takes for the CPU optimizer) counts the ranks on this host. Over the group itself, and
-    over the temporary gloo group used when the group has no CPU backend (NCCL alone)."""
+    over the gloo side group used when the group has no CPU backend (NCCL alone)."""
     results = world.run(agree, side_channel, how)
     for placement in results:
         assert isinstance(placement, zdevice.Placement), placement
         assert placement == results[0]
         assert placement.ranks_on_host == world.world_size
         assert [r.rank for r in placement.ranks] == list(range(world.world_size))
+
+
+def agree_again_and_again(rank: int, world_size: int, times: int) -> list[object]:
+    return [agree(rank, world_size, True, "one-gpu-each") for _ in range(times)]
+
+
+def test_the_side_group_serves_call_after_call(world):
+    """shard() twice on one NCCL-only group: each call's gloo side group gets a name of its own.
+    Destroying one after use let torch give the next the same name and store prefix, whose
+    rendezvous read the dead group's addresses (a hang, or "Connection refused" on a rank)."""
+    for placements in world.run(agree_again_and_again, 6):
+        assert all(isinstance(p, zdevice.Placement) for p in placements), placements
+        assert all(p == placements[0] for p in placements)
 
 
 def test_gloo_ranks_may_share_a_gpu(world):

@@ -224,7 +224,7 @@ def placement_problem(ranks: list[RankDevice], one_gpu_each: bool = True) -> str
 
 def uses_side_channel(backends: dict[str, str]) -> bool:
     """True when the group has no CPU backend (NCCL alone): the descriptions then travel over a
-    temporary gloo group, since an object all-gather over NCCL would run on the very GPU being
+    gloo side group, since an object all-gather over NCCL would run on the very GPU being
     checked."""
     return "cpu" not in backends
 
@@ -239,12 +239,12 @@ def agree_on_devices(group: dist.ProcessGroup, device: torch.device, platform: P
 
     The channel: the group itself when it has a CPU backend (gloo, "cpu:gloo,cuda:nccl");
     otherwise (NCCL alone) a gloo group of the same ranks, created by them alone
-    (``use_local_synchronization``: a subgroup's ranks need not wait for the world's others)
-    for the exchange and destroyed after. So a rank of an NCCL subgroup that cannot use its
-    device is refused on every rank of the subgroup at once, not on its own while the others
-    wait for it in their first NCCL collective.
+    (``use_local_synchronization``: a subgroup's ranks need not wait for the world's others),
+    kept for the process's life (one per call: see below why not destroyed). So a rank of an
+    NCCL subgroup that cannot use its device is refused on every rank of the subgroup at once,
+    not on its own while the others wait for it in their first NCCL collective.
 
-    side_channel: force the temporary gloo group (default: when the group has no CPU
+    side_channel: force the gloo side group (default: when the group has no CPU
     backend); tests use it to run that path over gloo. one_gpu_each: refuse two ranks on one GPU
     (default: when NCCL is the group's CUDA backend; gloo ranks may share one); tests set it to
     check NCCL's placement over gloo."""
@@ -270,13 +270,14 @@ def agree_on_devices(group: dist.ProcessGroup, device: torch.device, platform: P
         everyone = all_gather_objects(mine, group, cpu)
     else:
         # A gloo group of the same ranks, made by them alone (use_local_synchronization: the
-        # world's other ranks take no part), for this exchange only.
+        # world's other ranks take no part). It is left alive, not destroyed after the exchange:
+        # torch names such a group by its ranks and the number of live groups, so destroying it
+        # hands the next one (a second shard() on the same group) the same name and store
+        # prefix, whose rendezvous then reads this one's stale addresses: a hang, or "Connection
+        # refused" on some ranks (torch 2.13; reproduced by tests/engine/test_device.py).
         channel = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
                                  use_local_synchronization=True)
-        try:
-            everyone = all_gather_objects(mine, channel, cpu)
-        finally:
-            dist.destroy_process_group(channel)
+        everyone = all_gather_objects(mine, channel, cpu)
     ranks = [r for r in everyone if r is not None]
     problem = placement_problem(ranks, one_gpu_each)
     if problem is not None:
