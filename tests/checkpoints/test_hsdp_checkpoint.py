@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -28,7 +29,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import zerocore
 from tests.support.toy_stack import LR, WEIGHT_DECAY, Spec, global_batch, loss_fn, make_layers
-from zerocore.checkpoint import read_manifest
+from zerocore.checkpoint import list_checkpoints, read_manifest
+from zerocore.checkpoint import sharded as sharded_checkpoint
 
 SPEC = Spec(model="mlp")
 # 12 rows each step, whatever the world: 12 divides by 4, 3, 2 and 1 ranks, so every layout
@@ -85,6 +87,20 @@ def full_state(sharding, opt) -> dict[str, torch.Tensor]:
     return out
 
 
+def save(model, sharding, opt, root: str, step: int) -> dict[str, Any]:
+    """Saves, recording the names of the files this rank wrote."""
+    written: list[str] = []
+    write_file = sharded_checkpoint.write_file
+
+    def counted(path: Path, fill) -> Any:
+        written.append(Path(path).name)
+        return write_file(path, fill)
+
+    with mock.patch.object(sharded_checkpoint, "write_file", counted):
+        path = zerocore.save_checkpoint(root, step, model, opt)
+    return {"saved_path": str(path), "saved": full_state(sharding, opt), "written": written}
+
+
 def run(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     model, sharding = _build(job)
     opt = zerocore.optim.AdamW(sharding.trainable_shards(), lr=LR, weight_decay=WEIGHT_DECAY)
@@ -97,8 +113,7 @@ def run(rank: int, world_size: int, job: Job) -> dict[str, Any]:
         out["shards"] = [s.detach().clone() for s in sharding.trainable_shards()]
     for step in range(start, job.stop):
         if job.save is not None and step == job.save_at:
-            out["saved_path"] = str(zerocore.save_checkpoint(job.save, step, model, opt))
-            out["saved"] = full_state(sharding, opt)
+            out.update(save(model, sharding, opt, job.save, step))
         x, y = global_batch(SPEC, step, 0, ROWS_AS)
         loss = loss_fn(SPEC, model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank])
         loss.backward()
@@ -108,8 +123,7 @@ def run(rank: int, world_size: int, job: Job) -> dict[str, Any]:
         dist.all_reduce(mean)
         out["losses"][step] = mean.item() / world_size
     if job.save is not None and job.save_at == job.stop:
-        out["saved_path"] = str(zerocore.save_checkpoint(job.save, job.stop, model, opt))
-        out["saved"] = full_state(sharding, opt)
+        out.update(save(model, sharding, opt, job.save, job.stop))
     out["final"] = full_state(sharding, opt)
     return out
 
@@ -143,12 +157,15 @@ def _uninterrupted(worlds, door: str, shape: tuple[int, int] | None, flat: int,
 
 @pytest.mark.parametrize("door", ["shard", "shard_model"])
 def test_hsdp_writes_one_replica_and_resumes_bitwise(worlds, tmp_path, door):
-    ref = _uninterrupted(worlds, door, (2, 2), 0, tmp_path)
+    results = worlds(4).run(run, Job(door, (2, 2), save=str(tmp_path)))
+    ref = results[0]
     path = Path(ref["saved_path"])
     # Replica 0's shard group wrote its 2 rank files; replica 1 wrote nothing.
     assert sorted(p.name for p in path.iterdir()) == ["COMMIT", "manifest.json",
                                                       "rank-00000.pt", "rank-00001.pt"]
     assert read_manifest(path)["world_size"] == 2
+    assert [r["written"] for r in results] == [["rank-00000.pt", "manifest.json", "COMMIT"],
+                                               ["rank-00001.pt"], [], []]
     assert list(tmp_path.iterdir()) == [path]  # no temporary directory left behind
     resumed = worlds(4).run(run, Job(door, (2, 2), load=str(path)))
     assert_replicas_equal(resumed, (2, 2))
@@ -194,3 +211,23 @@ def test_load_across_layouts(worlds, tmp_path, case):
         assert_bitwise(r["loaded"], ref["saved"], "state loaded back")
         assert r["losses"] == {s: ref["losses"][s] for s in range(SAVE_AT, STEPS)}
         assert_bitwise(r["final"], ref["final"], "state after the resumed steps")
+
+
+def save_asked_apart(rank: int, world_size: int, root: str) -> str:
+    model, sharding = _build(Job("shard", (2, 2)))
+    opt = zerocore.optim.AdamW(sharding.trainable_shards(), lr=LR)
+    try:  # rank 3, of replica 1 (which writes nothing), is asked another step
+        zerocore.save_checkpoint(root, 5 if rank == 3 else 4, model, opt)
+    except ValueError as e:
+        return str(e)
+    return "saved"
+
+
+def test_a_replica_that_writes_nothing_still_agrees(worlds, tmp_path):
+    # Every rank of the mesh agrees on the save, not only replica 0's shard group.
+    for message in worlds(4).run(save_asked_apart, str(tmp_path)):
+        assert "rank 3 was asked to save step 5" in message and "rank 0 step 4" in message
+    # Nothing committed (the leader's empty temporary directory, made before the refusal came
+    # back, is a leftover the next save removes, as for a flat save).
+    assert list_checkpoints(tmp_path) == []
+    assert all(".tmp-" in p.name and not any(p.iterdir()) for p in tmp_path.iterdir())
