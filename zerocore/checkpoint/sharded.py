@@ -53,6 +53,11 @@ The root directory (checkpoint_dirs.py):
 Because the manifest carries the layout, a checkpoint written by N ranks loads into M ranks: the
 parameter offsets inside a flat group do not depend on the world size (only the tail padding
 does), so each new rank reads the byte ranges it needs from the old rank files (memory-mapped).
+
+An HSDP model (R replicas x S shards) is saved once, by replica 0's shard group, as a flat world
+of S ranks would save it (the other replicas write nothing but agree on every step): its
+checkpoint is a flat one, and loads under any layout; loading into HSDP, every replica's shard
+group reads the same shards, as a flat world of S ranks would.
 """
 
 from __future__ import annotations
