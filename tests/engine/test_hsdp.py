@@ -285,30 +285,6 @@ def test_plan_refuses_a_mesh_that_does_not_fit_the_world():
         zerocore.plan.plan(layers, example, world_size=4, mesh=(2, 2, 1))
 
 
-def checkpoint_refusal(rank: int, world_size: int, door: str, tmp: str) -> list[str]:
-    model, sharding = _build(door, CASES["2x2-fp32"], _mesh((2, 2)))
-    opt = zerocore.optim.AdamW(sharding.trainable_shards(), lr=LR)
-    messages = []
-    for call in (lambda: zerocore.save_checkpoint(tmp, 1, model, opt),
-                 lambda: zerocore.load_checkpoint(tmp, model, opt)):
-        try:
-            call()
-        except ValueError as e:
-            messages.append(str(e))
-    return messages
-
-
-@pytest.mark.parametrize("door", DOORS)
-def test_checkpoints_of_hsdp_are_refused_in_one_line_on_every_rank(worlds, door, tmp_path):
-    # Not written yet (issue 30, item 4): refused before anything is written, rather than four
-    # ranks writing two replicas' identical rank files into one directory.
-    for messages in worlds(4).run(checkpoint_refusal, door, str(tmp_path)):
-        assert [m.split(":")[0] for m in messages] == ["save_checkpoint", "load_checkpoint"]
-        for m in messages:
-            assert "the model is sharded HSDP (2 replicas x 2 shards)" in m and "\n" not in m
-    assert list(tmp_path.iterdir()) == []
-
-
 # -- qgZ: the replicas' all-reduce in int8 (Comm(quantize_gradients="int8")) --------------------
 
 BLOCK = 128

@@ -53,6 +53,11 @@ The root directory (checkpoint_dirs.py):
 Because the manifest carries the layout, a checkpoint written by N ranks loads into M ranks: the
 parameter offsets inside a flat group do not depend on the world size (only the tail padding
 does), so each new rank reads the byte ranges it needs from the old rank files (memory-mapped).
+
+An HSDP model (R replicas x S shards) is saved once, by replica 0's shard group, as a flat world
+of S ranks would save it (the other replicas write nothing but agree on every step): its
+checkpoint is a flat one, and loads under any layout; loading into HSDP, every replica's shard
+group reads the same shards, as a flat world of S ranks would.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from zerocore.checkpoint.agreed import agreed, sharded_of
 from zerocore.checkpoint.dirs import (LEFTOVER_DIR, UNKNOWN_RUN, aside_name, holds_only_our_files,
@@ -196,9 +202,9 @@ def _rank_payload(model: Sharding, optimizer: torch.optim.Optimizer,
 
 
 def _commit(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
-    """Rank 0: writes the manifest and its COMMIT record into ``tmp`` and renames ``tmp`` to
-    ``final`` (the commit point). A step saved again by the same run is renamed aside first
-    (the next ``_tidy`` deletes it) and put back if the commit fails."""
+    """The leader (replica 0's rank 0): writes the manifest and its COMMIT record into ``tmp``
+    and renames ``tmp`` to ``final`` (the commit point). A step saved again by the same run is
+    renamed aside first (the next ``_tidy`` deletes it) and put back if the commit fails."""
     raw = json.dumps(manifest, indent=1).encode()
     write_file(tmp / MANIFEST, lambda f: f.write(raw))
     write_file(tmp / COMMIT, lambda f: f.write(commit_record(raw)))
@@ -227,7 +233,7 @@ def _commit(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
 
 
 def _tidy(root: Path, final: Path, run_id: str | None, keep_last: int) -> None:
-    """Rank 0, after the commit: deletes the run's checkpoints beyond ``keep_last`` (never
+    """The leader, after the commit: deletes the run's checkpoints beyond ``keep_last`` (never
     ``final``), the directory ``final`` replaced, and the leftovers of killed saves."""
     doomed = []
     if keep_last > 0:
@@ -239,17 +245,6 @@ def _tidy(root: Path, final: Path, run_id: str | None, keep_last: int) -> None:
             rename(path, moved)
             path = moved
         remove_tree(path)
-
-
-def refuse_replicated(model: Any, what: str) -> None:
-    """HSDP's models (a 2-D mesh with several replicas) are not saved or loaded yet: each
-    replica's shard group would write the same rank files, and the ranks' random states are
-    per rank (issue 30, item 4). The same answer on every rank (the mesh is agreed)."""
-    mesh = model.mesh
-    if mesh.replicate is not None:
-        raise ValueError(f"{what}: the model is sharded HSDP ({mesh.shape[0]} replicas x "
-                         f"{mesh.shape[1]} shards), whose checkpoints zerocore does not write "
-                         f"or read yet; shard it flat (group= or a 1-D mesh) to checkpoint")
 
 
 def save_checkpoint(root: str | Path, step: int, model: Any,
@@ -273,7 +268,6 @@ def save_checkpoint(root: str | Path, step: int, model: Any,
     anything cannot be written; nothing is then committed and earlier checkpoints are intact.
     """
     model = sharded_of(model)
-    refuse_replicated(model, "save_checkpoint")
     if include_frozen and model.frozen_weights.int8_block is not None:
         # The same answer on every rank (the policy is the model's), so no rank waits.
         raise ValueError("save_checkpoint: include_frozen=True with FrozenWeights('int8'): the "
@@ -281,37 +275,50 @@ def save_checkpoint(root: str | Path, step: int, model: Any,
                          "save without include_frozen and consolidate or export from the base "
                          "checkpoint (neox.export does)")
     root = Path(root)
+    # ``group``, ``rank``, ``world``: the shard group's. With HSDP every replica holds the same
+    # shards, so replica 0's shard group alone writes its rank files, as a flat world of the
+    # shard group's size would (the checkpoint is a flat one: it loads under any layout); the
+    # other replicas write nothing, but every rank of the mesh agrees on each step (``whole``),
+    # so that a failure anywhere is raised everywhere. Flat: ``whole`` is ``group``.
     group, rank, world = model.group, model.rank, model.world_size
+    mesh = model.mesh
+    whole = mesh.whole
+    writes = mesh.replicate is None or mesh.replicate.rank() == 0
+    leader = writes and rank == 0  # names the directory, writes the manifest, commits, tidies
+    # The leader's rank in ``whole``: replica 0's first rank (the mesh's first row).
+    src = dist.get_group_rank(whole, mesh.ranks[0][0])
     # Where the small values below travel (comm/objects.py): the CPU on a group with a CPU
     # backend, else the model's device.
     device = model.device
     channel = comm_device(group, torch.device("cpu"), device)
+    whole_channel = comm_device(whole, torch.device("cpu"), device)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     scaler_state = scaler.state_dict() if scaler is not None else None
-    # Rank 0 names the temporary directory and says what it was asked to save, so that every
-    # rank can check it was asked the same.
+    # The leader names the temporary directory and says what it was asked to save, so that
+    # every rank can check it was asked the same.
     # It also draws the save's id, which every rank file records: a file of another save (of
     # another run of the same shape, saved without a run id too) is then told apart.
     plan: list[Any] = [(uuid.uuid4().hex[:8], uuid.uuid4().hex, step, run_id, include_frozen)
-                       if rank == 0 else None]
-    broadcast_objects(plan, 0, group, channel)
+                       if leader else None]
+    broadcast_objects(plan, src, whole, whole_channel)
     nonce, save_id, *asked = plan[0]
 
     def prepare() -> None:
         _check_save_args(step, run_id, keep_last, [extra or {}, groups, scaler_state],
                          [groups, scaler_state])
         if [step, run_id, include_frozen] != asked:
-            raise ValueError(f"save_checkpoint: rank {rank} was asked to save step {step}, "
-                             f"run_id {run_id!r}, include_frozen {include_frozen}, rank 0 "
-                             f"step {asked[0]}, run_id {asked[1]!r}, include_frozen "
+            # Ranks of ``whole`` (flat: of the group).
+            raise ValueError(f"save_checkpoint: rank {whole.rank()} was asked to save step "
+                             f"{step}, run_id {run_id!r}, include_frozen {include_frozen}, "
+                             f"rank {src} step {asked[0]}, run_id {asked[1]!r}, include_frozen "
                              f"{asked[2]}; every rank must pass the same")
-        if rank == 0:
+        if leader:
             _check_replaceable(root / step_dir_name(step), run_id)
             make_dir(root, parents=True)
             make_dir(root / f"{step_dir_name(step)}.tmp-{nonce}")
 
     not_saved = f"step {step} was not saved; the earlier checkpoints are unchanged"
-    agreed(_noting(prepare, not_saved), group, device)
+    agreed(_noting(prepare, not_saved), whole, device)
     final = root / step_dir_name(step)
     tmp = root / f"{final.name}.tmp-{nonce}"
     try:
@@ -331,24 +338,25 @@ def save_checkpoint(root: str | Path, step: int, model: Any,
         }
         if run_id is not None:
             manifest["run_id"] = run_id
-        digest: list[Any] = [manifest_digest(manifest) if rank == 0 else None]
-        broadcast_objects(digest, 0, group, channel)
+        digest: list[Any] = [manifest_digest(manifest) if leader else None]
+        broadcast_objects(digest, src, whole, whole_channel)
         identity = {**identity_record(manifest, rank), "manifest_sha256": digest[0]}
         info = agreed(_noting(lambda: write_file(
             tmp / rank_file(rank),
-            lambda f: torch.save(_rank_payload(model, optimizer, include_frozen, identity), f)),
-            not_saved), group, device)
+            lambda f: torch.save(_rank_payload(model, optimizer, include_frozen, identity), f))
+            if writes else None, not_saved), whole, device)
+        # Within each shard group: replica 0's gathers its files' records (the others, Nones).
         infos = all_gather_objects(info, group, channel)
         manifest["files"] = {rank_file(r): infos[r] for r in range(world)}
-        agreed(_noting(lambda: _commit(tmp, final, manifest) if rank == 0 else None,
-                        not_saved), group, device)
+        agreed(_noting(lambda: _commit(tmp, final, manifest) if leader else None,
+                        not_saved), whole, device)
     except BaseException:
-        if rank == 0:
+        if leader:
             remove_tree(tmp)
         raise
     saved_note = f"{final} was saved, but older directories could not all be removed"
-    agreed(_noting(lambda: _tidy(root, final, run_id, keep_last) if rank == 0 else None,
-                    saved_note), group, device)
+    agreed(_noting(lambda: _tidy(root, final, run_id, keep_last) if leader else None,
+                    saved_note), whole, device)
     return final
 
 
@@ -454,7 +462,6 @@ def load_checkpoint(path: str | Path, model: Any,
     loss-scaler state are loaded (``zerocore.checkpoint.deepspeed.load_deepspeed_checkpoint``) and
     ``{"deepspeed": {...}}`` is returned."""
     path = Path(path)
-    refuse_replicated(sharded_of(model), "load_checkpoint")
     if is_deepspeed_checkpoint(path):
         return load_deepspeed_checkpoint(path, model, optimizer, scaler=scaler)
     model = sharded_of(model)
@@ -469,6 +476,8 @@ def load_checkpoint(path: str | Path, model: Any,
         reader.check_all()
         return reader
 
-    reader = agreed(verify, model.group, model.device)
-    agreed(lambda: _restore(reader, model, optimizer, scaler), model.group, model.device)
+    # With HSDP each replica's shard group reads the same shards, as a flat world of the shard
+    # group's size would: the replicas end bitwise equal. Every rank of the mesh agrees.
+    reader = agreed(verify, model.mesh.whole, model.device)
+    agreed(lambda: _restore(reader, model, optimizer, scaler), model.mesh.whole, model.device)
     return reader.manifest["extra"]

@@ -97,7 +97,8 @@ def load_deepspeed_checkpoint(path: str | Path, model: Any, optimizer: torch.opt
                 f"make them agree")
         return ckpt
 
-    ckpt = agreed(verify, sharded.group, sharded.device)
+    # Every rank of the mesh agrees (HSDP: each replica reads the same pieces).
+    ckpt = agreed(verify, sharded.mesh.whole, sharded.device)
 
     def restore() -> None:
         sharded.release_gathered()
@@ -135,7 +136,7 @@ def load_deepspeed_checkpoint(path: str | Path, model: Any, optimizer: torch.opt
         if scaler is not None and ckpt.loss_scaler is not None:
             scaler.load_state_dict(_scaler_state(ckpt.loss_scaler, scaler))
 
-    agreed(restore, sharded.group, sharded.device)
+    agreed(restore, sharded.mesh.whole, sharded.device)
     return {"deepspeed": {"tag": ckpt.tag_dir.name, "global_steps": ckpt.global_steps,
                           "global_samples": ckpt.global_samples,
                           "ds_version": ckpt.ds_version, "world_size": ckpt.world_size}}
