@@ -46,8 +46,9 @@ from neox.run.run_dir import (OutputDirError, OutputDirLock, check_writable, che
 from neox.run.failed import RunFailed
 from neox.run.progress import say
 from neox.run.training import run_training
-from zerocore.tools.rank_processes import (STOP_GRACE_S, exit_description, receive,
-                                           run_ranks, set_parent_death_signal, watch_launcher)
+from zerocore.tools.rank_processes import (LEFT, STOP_GRACE_S, STOP_HEARD_WAIT_S,
+                                           exit_description, receive, run_ranks,
+                                           set_parent_death_signal, watch_launcher)
 
 __all__ = ["LaunchConfig", "RunRequest", "launch", "run_under_torchrun"]
 
@@ -365,7 +366,7 @@ def _rank_process(rank: int, fd: int, launcher_pid: int) -> NoReturn:
     """A rank started by ``launch``: reads its task from the launcher, watches it, runs."""
     link = socket.socket(fileno=fd)
     task = receive(link)
-    watch_launcher(rank, link, launcher_pid)  # from now on a stop request is heard (_watch)
+    stop_heard = watch_launcher(rank, link, launcher_pid)  # a stop request is heard from now on
 
     def report_lost(lost: int) -> None:
         try:
@@ -373,7 +374,7 @@ def _rank_process(rank: int, fd: int, launcher_pid: int) -> NoReturn:
         except OSError:
             pass
 
-    code = _run_rank(rank, task, report_lost=report_lost)
+    code = _run_rank(rank, task, report_lost=report_lost, stop_heard=stop_heard)
     sys.stdout.flush()
     sys.stderr.flush()
     # Leave at once when the run failed: its objects still hold the process group, and tearing
@@ -415,10 +416,13 @@ def run_under_torchrun(request: RunRequest, config: LaunchConfig) -> NoReturn:
 
 
 def _run_rank(rank: int, task: RankTask,
-              report_lost: Callable[[int], None] | None = None) -> int:
+              report_lost: Callable[[int], None] | None = None,
+              stop_heard: Callable[[float], bool] | None = None) -> int:
     """Sets up the device and the process group, runs the training, and turns what can go
     wrong into an exit code with one message. report_lost: told the rank this one lost contact
-    with when zerocore's transport found it silent (the launcher kills that rank)."""
+    with when zerocore's transport found it silent (the launcher kills that rank). stop_heard
+    (watch_launcher's): asked before a lost contact is reported, as the rank that left may
+    have left for the launcher's stop, which reaches this rank a moment later."""
     lock = None
     try:
         if task.use_cuda:
@@ -471,6 +475,8 @@ def _run_rank(rank: int, task: RankTask,
         if not _is_lost_peer(e):
             traceback.print_exc()
             return EXIT_CRASH
+        if stop_heard is not None and stop_heard(STOP_HEARD_WAIT_S):
+            return LEFT  # the launcher stopped the run, and says so once itself
         if (report_lost is not None and isinstance(e, zerocore.PeerLost) and e.silent
                 and e.rank is not None):
             report_lost(e.rank)  # still there, but silent: the launcher is to kill it

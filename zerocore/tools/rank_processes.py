@@ -6,7 +6,7 @@ a rank cannot outlive it, from its first instruction, however the launcher ends.
     def rank_main(rank, fd, launcher):            # in each rank, mymodule importable
         link = socket.socket(fileno=fd)
         task = receive(link)
-        watch_launcher(rank, link, launcher)
+        stop_heard = watch_launcher(rank, link, launcher)
         ...
 
 A rank runs ``BOOTSTRAP`` (``python -c``) before anything but the interpreter's own start-up is
@@ -18,6 +18,8 @@ launcher holds, so the rank sees it close when the launcher ends, however it end
 reads its task there (``receive``) and calls ``watch_launcher``: a thread that leaves the
 moment the link closes (saying so on stderr: nobody else can) or says stop (the launcher was
 stopped, and says so itself, once: the ranks leave silently rather than each print a line).
+It returns ``stop_heard``: a rank that finds another gone asks it before saying so, since a
+stop reaches the ranks one after another, and the first to leave is "gone" to the others.
 
 ``run_ranks`` is the launcher: it starts the ranks, sends each the task, forwards SIGINT and
 SIGTERM to them as a stop, and waits for them with ``watch`` (``wait_for_ranks`` by default:
@@ -48,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["BOOTSTRAP", "start_rank", "send", "receive", "watch_launcher", "stop_ranks",
            "run_ranks", "wait_for_ranks", "exit_description", "set_parent_death_signal",
-           "STOP_GRACE_S", "FAILURE_GRACE_S", "LEFT"]
+           "STOP_GRACE_S", "STOP_HEARD_WAIT_S", "FAILURE_GRACE_S", "LEFT"]
 
 # The exit code of a rank that left because its launcher ended or stopped it.
 LEFT = 128 + signal.SIGTERM
@@ -113,15 +115,25 @@ def _receive_exactly(link: socket.socket, n: int) -> bytes:
     return data
 
 
-def watch_launcher(rank: int, link: socket.socket, launcher_pid: int) -> None:
+# Seconds a rank that found another gone waits for a stop of its own before saying so: the
+# launcher sends its stops in one loop, so the next rank's arrives within milliseconds of the
+# first's; this is the wait on a loaded machine for the watcher thread to be scheduled.
+STOP_HEARD_WAIT_S = 0.5
+
+
+def watch_launcher(rank: int, link: socket.socket,
+                   launcher_pid: int) -> Callable[[float], bool]:
     """In a rank: leave when the launcher ends (saying so on stderr) or stops this rank
     (silently: the launcher says why), and on SIGTERM; then tell the launcher that a stop is
-    heard from now on ("up")."""
+    heard from now on ("up"). Returns ``stop_heard(within_s)``: whether a stop came, waiting
+    up to ``within_s`` for one (once one has, this process is leaving)."""
     said = threading.Lock()
+    stopping = threading.Event()
 
     def leave(why: str | None) -> NoReturn:
         if why is not None and said.acquire(blocking=False):
             logger.warning(f"rank {rank}: {why}; exiting")
+        stopping.set()  # (after the line: a caller of stop_heard may leave as soon as it is set)
         os._exit(LEFT)
 
     def watch() -> None:
@@ -140,6 +152,7 @@ def watch_launcher(rank: int, link: socket.socket, launcher_pid: int) -> None:
         link.sendall(b"up\n")
     except OSError:
         pass  # the launcher is gone: the watcher leaves
+    return stopping.wait
 
 
 def stop_ranks(links: list[socket.socket], signum: int) -> None:
