@@ -152,15 +152,23 @@ def test_no_recompile_no_graph_break(world, run: Run, graphs: int):
         assert warm["graphs"] - start["graphs"] == graphs, f"rank {rank}: {start} -> {warm}"
 
 
-def test_unit_compile_refused_under_shard_model(world):
-    world.run(_refuse_unit_compile)
+@pytest.mark.parametrize("front", ["shard", "shard_model"])
+def test_module_compile_refused_on_every_rank(world, front):
+    world.run(_refuse_unit_compile, front)
 
 
-def _refuse_unit_compile(rank: int, world_size: int) -> None:
+def _refuse_unit_compile(rank: int, world_size: int, front: str) -> None:
+    """``module.compile()`` compiles the engine's hooks with the module, under either door (the
+    layers of ``shard`` carry the same hooks); refused on every rank though only the last
+    rank's layer 1 was compiled (the others learn of it at the next agreement)."""
     model = Stacked()
-    model.layers[0].compile()
+    if rank == world_size - 1:
+        model.layers[1].compile()
     with pytest.raises(ValueError, match=r"module\.compile\(\).*zerocore\.Compile\(\)"):
-        zerocore.shard_model(model, model.layers)
+        if front == "shard":
+            zerocore.shard([model.emb, *model.layers, model.out])
+        else:
+            zerocore.shard_model(model, model.layers)
 
 
 # -- training parity with the eager engine ------------------------------------------------------

@@ -13,6 +13,7 @@ device is sharded with ``read=``: each rank reads only its shards' elements.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Any, Iterable, Iterator
 
@@ -116,8 +117,8 @@ class ShardedModel(Sharding):
             what = "the root unit" if module is model else f"unit {i} ({names[id(module)]})"
             self.agree(i, fingerprint((n, p) for n, p, _ in params),
                        f"zerocore.shard_model: {what}")
-            if module is not model:
-                refuse_compiled_call(module, what)  # it would compile the hooks below
+            if module is not model:  # it would compile the hooks below (raised on all ranks)
+                self.attempt(i, functools.partial(refuse_compiled_call, module, what))
             # Compile: each unit's forward (the hooks stay eager); the root is the model.
             layer = self.attempt(i, lambda: self.new_layer(
                 module, i, params=params, compiled=module is not model, read=read))

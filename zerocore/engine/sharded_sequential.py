@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from zerocore.comm import mesh as meshes
 from zerocore.comm.device import Platform
 from zerocore.comm.mesh import Mesh
+from zerocore.engine.compiled import refuse_compiled_call
 from zerocore.engine.meta_layer import MetaLayer, RangeReader
 from zerocore.engine.rehearsal import Rehearsal
 from zerocore.engine.runtime import Unit
@@ -102,6 +103,9 @@ class ShardedSequential(nn.Module, Sharding):
                 break
             if not given:
                 _check_not_tied(layer, index, owners)
+            if layer is not None:  # (refused on this rank, raised on all at the next agree)
+                self.attempt(index, functools.partial(refuse_compiled_call, layer,
+                                                      f"layer {index}"))
             built = self.attempt(index, lambda: self.new_layer(layer, index, read=read,
                                                                params=params))
             if built is not None:
