@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import io
 import threading
+import time
 
 import pytest
 import torch
@@ -224,11 +225,15 @@ def stand_in_cuda(log: StreamLog):
             setattr(obj, name, value)
 
 
-def digest_with_stand_in_streams(rank: int, world_size: int, spec: Spec) -> dict:
+def digest_with_stand_in_streams(rank: int, world_size: int, spec: Spec,
+                                 staging: bool = False) -> dict:
     """Offloaded training down the CUDA branches: the groups get stand-in streams, and gather and
     reduce-scatter with the collectives NCCL uses (gloo's own, bitwise equal to the broadcasts
     and in-place all-reduce the engine otherwise uses on gloo), so reduced gradients are buffers
-    of their own that go to the host through the download stream."""
+    of their own that go to the host through the download stream. ``staging``: through the two
+    staging buffers of the arena a GPU sharding takes (``Sharding._staging``; none on a CPU,
+    where the streams come after the build), with the host's additions slowed, so that a copy
+    into a buffer the worker has not finished reading would change the results."""
     model = shard_stack(spec)
     log = StreamLog()
     offloaded = 0
@@ -239,12 +244,22 @@ def digest_with_stand_in_streams(rank: int, world_size: int, spec: Spec) -> dict
             route = dataclasses.replace(g.gather.route, gloo=False)
             g.gather, g.reduce = transport.Gather(route), transport.Reduce(route)
             offloaded += g.trainable
+    coordinator = model.runtime.coordinator
+    buffers: list[torch.Tensor] = []
+    if staging:
+        model.ctx = dataclasses.replace(model.ctx, streams=StandInStreams(log))
+        buffers = model._staging()
+        coordinator._staging, coordinator._staging_read = buffers, [None] * len(buffers)
     adders: list[int] = []   # the threads that added gradients into the masters
+    staged: list[bool] = []  # whether each addition read a staging buffer
     add = offload.accumulate_grad
 
-    def noted(*args, **kwargs):
+    def noted(shard, grad, owned):
         adders.append(threading.get_ident())
-        return add(*args, **kwargs)
+        staged.append(any(grad.data_ptr() == b.data_ptr() for b in buffers))
+        if staging:
+            time.sleep(0.01)   # the worker lags: the next copy must wait for it
+        return add(shard, grad, owned)
     offload.accumulate_grad = noted
     try:
         with stand_in_cuda(log):
@@ -257,7 +272,8 @@ def digest_with_stand_in_streams(rank: int, world_size: int, spec: Spec) -> dict
                unsynchronized_downloads=sum(not e.synchronized
                                             for e in log.events.get("download", [])),
                synchronized_uploads=sum(e.synchronized for e in log.events.get("upload", [])),
-               in_flight=len(model.runtime.coordinator.to_host), adds=len(adders),
+               in_flight=len(coordinator.to_host), adds=len(adders), staged=staged,
+               staging_buffers=len(buffers),
                adders_are_this_thread=sorted({a == threading.get_ident() for a in adders}))
     return out
 
@@ -295,6 +311,23 @@ def test_offload_stream_path_on_stand_in_streams(world, case):
         assert calls.count(("wait_stream", "download", "compute")) == passes * n
         assert calls.count(("wait_event", "upload", "compute")) == (spec.steps - 1) * n
         assert r["events"]["compute"] == passes * (2 * n - 1)  # one per gather waited for
+
+
+def test_gradients_go_through_the_staging_buffers_in_turn(world):
+    """Optimizer offload on a GPU copies each gradient shard into one of two staging buffers of
+    the pinned arena, which the host's worker then adds into the master's gradient: a copy into
+    a buffer waits for the worker's last addition from it. On stand-in streams with a slow
+    worker, training stays bitwise that without streams, every addition reads a staging buffer,
+    and the buffers are the arena's (counted in it)."""
+    spec = dataclasses.replace(CASES["mlp-fp32-micro2-clip"], offload=True)
+    plain = world_digest(world, spec)
+    results = world.run(digest_with_stand_in_streams, spec, True)
+    got = hashlib.sha256("".join(r["digest"] for r in results).encode()).hexdigest()
+    assert got == plain
+    for r in results:
+        assert r["staging_buffers"] == 2
+        assert r["staged"] and all(r["staged"]), r["staged"]
+        assert r["adders_are_this_thread"] == [False] and r["in_flight"] == 0
 
 
 @pytest.mark.parametrize("optimizer", [False, True], ids=["params", "params+optimizer"])
