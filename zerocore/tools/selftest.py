@@ -605,6 +605,8 @@ def _train(device: torch.device, steps: int, *, offload: bool, param_dtype: torc
             ref_opt.step()
             ref_opt.zero_grad()
             out["ref_losses"].append(ref_loss.item())
+    report = model.memory_report()
+    out["arena"] = (report.host_arena_bytes, report.pinned_bytes)
     out["params"] = {f"{i}.{name}": t.float().cpu() for i, state in model.iter_full_states()
                      for name, t in state.items()}
     if ref is not None:
@@ -663,8 +665,14 @@ def check_engine(device: torch.device, steps: int) -> list[Result]:
         seconds = time.perf_counter() - t0
         bad = sum(_bit_mismatches(offloaded["params"][n], w) for n, w in plain["params"].items())
         bad += sum(a != b for a, b in zip(plain["losses"], offloaded["losses"]))
+        # The offloaded state is one arena, pinned whole on a GPU (exactly its bytes, so no
+        # rounded-up blocks of torch's caching host allocator), and nothing pinned on a CPU.
+        arena, pinned = offloaded["arena"]
+        expected = arena if device.type == "cuda" else 0
+        bad += pinned != expected
         rows.append(_judged("offload vs no offload (bf16)", device.type, bad, 0,
-                            "elements differ", seconds, f"{steps} steps, bit for bit"))
+                            "elements differ", seconds,
+                            f"{steps} steps, bit for bit; arena {arena} B, pinned {pinned} B"))
     return rows
 
 
