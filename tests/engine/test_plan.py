@@ -32,10 +32,10 @@ from tests.support.neox_testing import call_main
 CONFIG = NeoXConfig(vocab_size=2048, hidden_size=128, num_hidden_layers=3,
                     num_attention_heads=4, intermediate_size=512)
 BATCH, SEQ = 4, 64
-# The plan follows the engine's allocations one by one: measured agreement is within 0.1% on
-# these runs. 5% (the issue asks for 10%) still catches a layer's activations or a gathered
-# layer left out (each 8% or more of these totals).
-REL_TOL = 0.05
+# The plan is the engine's own step on fake tensors, following its allocations one by one:
+# measured agreement is within 0.1% on these runs. 2%, issue 29's bound, catches a layer's
+# activations or a gathered layer left out (each 8% or more of these totals) with a wide margin.
+REL_TOL = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,7 +245,10 @@ def test_plan_of_any_stack_from_meta_layers(worlds, name):
 MIXED_TOL = 0.02
 # With recomputation the planned peak falls short by a little more (measured 0.9947-0.9965,
 # both front doors): the step then runs the bf16 matmuls of a layer's forward again inside its
-# backward, whose kernel workspaces fake tensors do not see either.
+# backward, whose kernel workspaces fake tensors do not see either. How large those are is the
+# CPU's: 0.9947-0.9965 on an AMD EPYC, 0.978-0.979 in bf16 at 3 ranks on an Intel Xeon
+# (2026-12-03), whose oneDNN bf16 kernels convert through larger scratch buffers. 3% holds both;
+# a layer's activations left out would still be 8% or more.
 MIXED_RECOMPUTE_TOL = 0.03
 MIXED = {"bf16": (torch.bfloat16, False, zerocore.Comm(), {}),
          "bf16-offload": (torch.bfloat16, True, zerocore.Comm(), {}),

@@ -4,7 +4,8 @@ tensors (``FakeTensorMode``: shapes and dtypes, no memory, torch's own kernels' 
 transport that moves nothing and holds what each way says it holds (engine/rehearsal.py); then
 zerocore's AdamW, a first training step (after it nothing is created lazily: the optimizer's
 moments, the resident frozen groups, the order a model's units run in), and the step planned:
-its micro-batches' forward and backward, the optimizer step, ``zero_grad``.
+its micro-batches' forward and backward, the optimizer step, ``zero_grad``. What its
+collectives move (the engine's ``CommCounter``, over the fake groups) is the plan's traffic.
 
 ``LiveBytes`` follows every storage the run keeps alive; whenever their sum passes its peak, what
 the engine holds is read off the sharding by category (shards, masters, moments, gradients,
@@ -106,8 +107,28 @@ def rehearse(step: Step, fake: FakeTensorMode, exclude: list[torch.Tensor]) -> M
         held.update(sharding=sharding, optimizer=optimizer, kept=kept, label="", phase=None)
         _train(step, sharding, optimizer, held, micro_batches=1)   # the first step
         tracker.open_window()
-        _train(step, sharding, optimizer, held, micro_batches=min(step.micro_batches, 2))
-    return _plan(step, sharding, peak)
+        sharding.counter.reset()   # the planned step's own collectives, counted as it runs
+        micro = min(step.micro_batches, 2)
+        _train(step, sharding, optimizer, held, micro_batches=micro)
+    return _plan(step, sharding, peak, _traffic(sharding, micro, step.micro_batches))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Traffic:
+    all_gather: int         # bytes per optimizer step, as CommCounter counts them
+    reduce_scatter: int
+    replica_all_reduce: int
+
+
+def _traffic(sharding: Sharding, ran: int, micro_batches: int) -> _Traffic:
+    """What the rehearsed step's collectives moved (``ran`` micro-batches), per optimizer step
+    of ``micro_batches``: every micro-batch gathers and reduce-scatters alike; HSDP's
+    all-reduce across the replicas runs once per step, on the last micro-batch."""
+    c = sharding.counter
+    assert c.all_gather_bytes % ran == 0 and c.reduce_scatter_bytes % ran == 0, \
+        "micro-batches of one step moved different bytes"
+    return _Traffic(c.all_gather_bytes // ran * micro_batches,
+                    c.reduce_scatter_bytes // ran * micro_batches, c.replica_all_reduce_bytes)
 
 
 def _train(step: Step, sharding: Sharding, optimizer: AdamW, held: dict,
@@ -211,7 +232,7 @@ def model_state(sharding: Sharding, on_host: frozenset[str]) -> ModelState:
         on_host=on_host)
 
 
-def _plan(step: Step, sharding: Sharding, peak: _Peak) -> MemoryPlan:
+def _plan(step: Step, sharding: Sharding, peak: _Peak, traffic: _Traffic) -> MemoryPlan:
     # Optimizer offload: the trainable model copies go to the host with everything the
     # optimizer touches; the device keeps a mirror of each copy (unless parameters are
     # offloaded too). Parameter offload: the frozen shards go to the host, the device holds
@@ -224,14 +245,12 @@ def _plan(step: Step, sharding: Sharding, peak: _Peak) -> MemoryPlan:
     headroom = (CUDA_FIXED_HEADROOM + int(CUDA_HEADROOM_FRACTION * device_tensors)
                 if cuda else 0)
     host = sum(v for k, v in peak.parts.items() if k in on_host) if cuda else 0
-    gather, reduce = sharding.expected_traffic()
     return MemoryPlan(
         world_size=step.world_size, device=step.device, state=state, peak=peak.parts,
         peak_phase=peak.phase, gathered_peak=peak.gathered,
         activations_peak=peak.activations, host_peak=host, headroom=headroom,
-        all_gather_bytes=gather * step.micro_batches,
-        reduce_scatter_bytes=reduce * step.micro_batches,
-        replica_all_reduce_bytes=sharding.expected_replica_traffic(), mesh=step.mesh,
+        all_gather_bytes=traffic.all_gather, reduce_scatter_bytes=traffic.reduce_scatter,
+        replica_all_reduce_bytes=traffic.replica_all_reduce, mesh=step.mesh,
         nodes=step.mesh[0] if step.mesh is not None else step.nodes,
         recomputed_layers=tuple(sorted(sharding.schedule.recomputed)),
         windows_peak=peak.windows)
