@@ -140,3 +140,51 @@ def test_exchange_equals_all_reduce_bitwise(worlds, dtype):
     for r in worlds(2).run(exchange_vs_all_reduce, numel, dtype):
         assert r["equal"]
         assert r["calls"] == 2 and r["bytes"] == 2 * numel * itemsize
+
+
+# -- the choice itself: once per sharding, by the compute device ---------------------------------
+
+def _probes_per_shard(rank: int, world_size: int) -> tuple[int, str, str]:
+    from zerocore.comm.peer_memory import PeerMemory
+    probes = 0
+    probe = PeerMemory.probe
+
+    def counted(self, group):
+        nonlocal probes
+        probes += 1
+        return probe(self, group)
+    PeerMemory.probe = counted   # (a test may replace a method; the library never does)
+    try:
+        model = zerocore.shard(make_layers(Spec(model="transformer")))
+    finally:
+        PeerMemory.probe = probe
+    ways = {(g.gather.route.gloo, type(g.gather).__name__, type(g.reduce).__name__)
+            for layer in model.layers for g in layer.groups}
+    return probes, model.ways.line(), repr(sorted(ways))
+
+
+def test_the_transport_is_chosen_once_per_sharding(worlds):
+    """Every layer's groups build their ways from one choice, made by one probe of the ranks'
+    memory (a collective: not one per group, nor inside a group's constructor)."""
+    for world_size in (2, 3):
+        results = worlds(world_size).run(_probes_per_shard)
+        assert [r[0] for r in results] == [1] * world_size, results
+        assert len({r[1:] for r in results}) == 1, results   # every rank chose alike
+        assert results[0][2].count("(") == 1, results[0][2]  # one way for every group
+
+
+def _choose_on_each_device(rank: int, world_size: int) -> tuple[bool, str, bool]:
+    from zerocore.comm import transport
+    group = dist.group.WORLD
+    on_cuda = transport.choose(group, torch.device("cuda", 0), zerocore.Comm(), peers=None)
+    on_cpu = transport.choose(group, torch.device("cpu"), zerocore.Comm(), peers=None)
+    return on_cuda.gloo, on_cuda.why, on_cpu.gloo
+
+
+def test_the_compute_device_chooses_the_backends_ways(worlds):
+    """Whether the ranks use gloo's ways is the compute device's type, not the backend's name:
+    a group whose backend is "cpu:gloo,cuda:nccl" computing on CUDA takes NCCL's ways (the
+    group here is gloo's alone, which is the point: its name is not asked)."""
+    for gloo_on_cuda, why, gloo_on_cpu in worlds(2).run(_choose_on_each_device):
+        assert (gloo_on_cuda, gloo_on_cpu) == (False, True)
+        assert why == "the cuda backend's collectives", why
