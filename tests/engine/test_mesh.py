@@ -7,7 +7,6 @@ divide the world: ``zerocore.node_mesh``). HSDP's training is tests/engine/test_
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
@@ -16,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import zerocore
+from tests.support.environ import environment
 from tests.support.toy_stack import Spec, make_layers, train_digest
 from tests.support.zerocore_log import logged
 
@@ -111,17 +111,9 @@ def test_meshes_differing_between_ranks_are_refused_on_every_rank(worlds, door):
 def start_up_line(rank: int, world_size: int, environ: dict, shape) -> str | None:
     """The line rank 0 logs when sharding, under a launcher's environment (as torchrun sets
     it; restored after)."""
-    saved = {k: os.environ.get(k) for k in environ}
-    os.environ.update(environ)
-    try:
+    with environment(environ):
         where = {"mesh": init_device_mesh("cpu", shape)} if shape is not None else {}
         _, records = logged(lambda: _shard("shard", **where))
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return records[0] if records else None
 
 

@@ -22,6 +22,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import zerocore
+from tests.support.environ import environment
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -286,16 +287,8 @@ def test_resume_at_another_number_of_processes(worlds, tmp_path):
 def hsdp_run(rank: int, world_size: int, out: str, spec: Spec) -> dict:
     """``sharded_run`` of an HSDP spec, torchrun's variables restored after (these processes
     serve other tests, and zerocore.shard reads the nodes from them)."""
-    saved = {k: os.environ.get(k) for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                                            "MASTER_ADDR")}
-    try:
+    with environment({}, also=("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR")):
         return sharded_run(rank, world_size, out, spec)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.mark.parametrize("mode, mesh", [("full", "torchrun"), ("lora", "given")])
@@ -336,15 +329,14 @@ def test_hsdp_trains_as_the_unsharded_trainer_and_its_replicas_agree(worlds, tmp
 def hybrid_refused(rank: int, world_size: int, out: str) -> str:
     """ShardedTrainer(hybrid="hsdp") with torchrun's environment of one node (the harness's)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", OMP_NUM_THREADS="1")
+                      LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     from zerocore.hf_trainer import ShardedTrainer
-    try:
-        ShardedTrainer(model=_model("full"), args=_args(out, world_size, Spec()),
-                       train_dataset=_data(), hybrid="hsdp")
-    except ValueError as e:
-        return str(e)
-    finally:
-        os.environ.pop("GROUP_RANK")
+    with environment(dict(GROUP_RANK="0")):
+        try:
+            ShardedTrainer(model=_model("full"), args=_args(out, world_size, Spec()),
+                           train_dataset=_data(), hybrid="hsdp")
+        except ValueError as e:
+            return str(e)
     return "built"
 
 

@@ -12,12 +12,16 @@ nodes) and ``--quantize-gradients int8`` (qgZ).
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from neox.finetune import main as finetune_main
-from tests.support.neox_testing import EXCERPT, call_main
+from tests.support.neox_testing import EXCERPT, call_main, run_module
+from tests.support.two_nodes import run_two_nodes
 
 TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
             "MASTER_PORT")
@@ -94,3 +98,109 @@ def test_under_torchrun_each_rank_refuses_alike(no_torchrun, monkeypatch, capsys
     assert proc.returncode == 2
     assert proc.stderr == line + "\n", proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+# -- end to end -----------------------------------------------------------------------------------
+
+# The tiny preset from scratch (full training), on 32 sequences of 32 tokens a micro-batch over
+# all ranks, 2 micro-batches a step: every run below trains on the same global batches, whatever
+# its ranks (the sampler hands each step's next 32 windows to the ranks), so each step's loss is
+# comparable. No sample at the end (it costs a forward per token).
+GLOBAL_BATCH, STEPS = 32, 4
+JOB = ("--cpu", "--data", EXCERPT, "--seq-len", 32, "--seed", 5, "--grad-accum", 2,
+       "--sample-tokens", 0)
+# fp32, as the HSDP tests' (tests/engine/test_hsdp.py): the gradient is summed in another order
+# (within each node, then across the replicas; or over the ranks of another flat world), and
+# zerocore's fused AdamW matches torch's to a few ulps a step; the loss of a step, a mean over
+# 2048 tokens, then differs by a few ulps relative. 1e-5 is far above that, while a micro-batch
+# missed by the replicas' all-reduce (half the gradient), a gradient divided by the shards alone
+# (twice it) or a replica that skipped its update changes the next step's loss by ~1e-3.
+LOSS_RTOL = 1e-5
+# Two agents each start two ranks that import torch and neox: on 2 loaded cores, minutes.
+TIMEOUT_S = 600
+
+
+def job(out: Path, ranks: int, *flags) -> list:
+    return [*JOB, "--output-dir", out, "--batch-size", GLOBAL_BATCH // ranks, *flags]
+
+
+def losses(out: Path) -> dict[int, float]:
+    """Step -> loss, from the run's metrics (a resumed run appends its steps)."""
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+
+def check_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def flat(tmp_path_factory) -> dict[int, float]:
+    """The job flat on one rank: the losses every layout's run is held to."""
+    out = tmp_path_factory.mktemp("flat")
+    proc = run_module("neox.finetune", "--nproc", 1, "--max-steps", STEPS, *job(out, 1),
+                      "--cache-dir", out.parent / "cache")
+    check_ok(proc)
+    return losses(out)
+
+
+@pytest.fixture(scope="module")
+def hsdp(tmp_path_factory, flat) -> tuple[Path, str]:
+    """The job's first 2 steps with --hybrid hsdp under two torchrun agents of 2 ranks (HSDP
+    2x2); its output directory and what the agents printed."""
+    out = tmp_path_factory.mktemp("hsdp")
+    agents = run_two_nodes(["-m", "neox.finetune", "--hybrid", "hsdp", "--max-steps", 2,
+                            *job(out, 4), "--cache-dir", out.parent / "cache"],
+                           timeout=TIMEOUT_S)
+    assert agents.codes == [0, 0], agents.output[-8000:]
+    assert "Traceback" not in agents.output, agents.output[-8000:]
+    return out, agents.output
+
+
+def assert_losses_match(got: dict[int, float], flat: dict[int, float], steps) -> None:
+    for step in steps:
+        assert abs(got[step] - flat[step]) <= LOSS_RTOL * flat[step], (step, got, flat)
+
+
+@pytest.mark.e2e
+def test_hsdp_under_two_torchrun_agents_trains_as_the_flat_job(hsdp, flat):
+    out, printed = hsdp
+    # The start-up line names the layout, said once (by global rank 0).
+    said = [line for line in printed.splitlines() if line.startswith("layout:")]
+    assert len(said) == 1 and said[0].startswith(
+        "layout: HSDP 2x2: sharded within each group of 2 (a node), gathered there; gradient "
+        "shards all-reduced across the 2 replicas; gather: "), said
+    assert "replicas: the 2 replicas' trainable shards are bitwise equal" in printed
+    assert_losses_match(losses(out), flat, (1, 2))
+    # Across the nodes: each rank's gradient shard once per step, as expected to the byte.
+    table = printed[printed.index("communication this run:"):].splitlines()
+    across = next(line.split() for line in table if line.strip().startswith("across replicas"))
+    assert across[2] == across[3] and float(across[2]) > 0, table
+    assert (out / "checkpoints" / "step-00000002" / "COMMIT").is_file()
+
+
+@pytest.mark.e2e
+def test_an_hsdp_run_resumes_flat_and_back(hsdp, flat, tmp_path):
+    """The HSDP run's checkpoint (written by replica 0: a flat checkpoint of 2 ranks) resumed
+    flat on one rank (--hybrid none) for step 3, and that one's as HSDP again on this machine
+    (--nodes 2, a 2x1 mesh) for step 4: every step's loss as the uninterrupted flat job's."""
+    out = tmp_path / "run"
+    shutil.copytree(hsdp[0], out)
+    cache = hsdp[0].parent / "cache"
+    proc = run_module("neox.finetune", "--resume", out / "checkpoints", "--output-dir", out,
+                      "--hybrid", "none", "--nproc", 1, "--batch-size", GLOBAL_BATCH,
+                      "--max-steps", 3, "--cache-dir", cache)
+    check_ok(proc)
+    assert "resumed from " + str(out / "checkpoints" / "step-00000002") in proc.stdout
+    assert "layout:" not in proc.stdout  # flat on one node: nothing to say
+    proc = run_module("neox.finetune", "--resume", out / "checkpoints", "--output-dir", out,
+                      "--hybrid", "hsdp", "--nodes", 2, "--nproc", 2, "--batch-size",
+                      GLOBAL_BATCH // 2, "--max-steps", STEPS, "--cache-dir", cache)
+    check_ok(proc)
+    assert "resumed from " + str(out / "checkpoints" / "step-00000003") in proc.stdout
+    assert "layout: HSDP 2x1" in proc.stdout
+    assert "replicas: the 2 replicas' trainable shards are bitwise equal" in proc.stdout
+    got = losses(out)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert_losses_match(got, flat, range(1, STEPS + 1))
