@@ -17,7 +17,7 @@ import zerocore
 from neox.run.recipe import LoopConfig
 from neox.setting import UsageError
 
-__all__ = ["check_layout", "shard_options", "layout_words", "layout_line"]
+__all__ = ["check_layout", "quantize_problem", "shard_options", "layout_words", "layout_line"]
 
 
 def check_layout(loop: LoopConfig, *, world_size: int, nodes: int | None, torchrun: bool,
@@ -32,10 +32,9 @@ def check_layout(loop: LoopConfig, *, world_size: int, nodes: int | None, torchr
         raise UsageError("--nodes applies to --hybrid (the nodes hybrid sharding replicates "
                          "across); without it the layout is flat: give --hybrid hsdp, or leave "
                          "--nodes out")
-    if loop.quantize_gradients is not None and loop.hybrid is None:
-        raise UsageError(f"--quantize-gradients {loop.quantize_gradients} quantizes the "
-                         f"gradients' all-reduce across nodes, which only --hybrid has: add "
-                         f"--hybrid hsdp, or leave it out")
+    problem = quantize_problem(loop)
+    if problem is not None:
+        raise UsageError(problem)
     if loop.hybrid is None:
         return
     if nodes is None or nodes < 2:
@@ -49,6 +48,15 @@ def check_layout(loop: LoopConfig, *, world_size: int, nodes: int | None, torchr
     if world_size % nodes:
         raise UsageError(f"--nodes {nodes} does not divide the {world_size} ranks: every node "
                          f"runs as many ranks; give --nproc a multiple of --nodes")
+
+
+def quantize_problem(loop: LoopConfig) -> str | None:
+    """Why the recipe's --quantize-gradients cannot be (None: it can)."""
+    if loop.quantize_gradients is not None and loop.hybrid is None:
+        return (f"--quantize-gradients {loop.quantize_gradients} quantizes the gradients' "
+                f"all-reduce across nodes, which only --hybrid has: add --hybrid hsdp, or leave "
+                f"it out")
+    return None
 
 
 def shard_options(loop: LoopConfig, *, nodes: int, device_type: str,

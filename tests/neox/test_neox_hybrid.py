@@ -4,6 +4,8 @@ nodes) and ``--quantize-gradients int8`` (qgZ).
 - Bad combinations: one line and exit 2 from the command itself, before any process starts or
   anything is allocated; under torchrun every rank runs the same checks on the same flags and
   environment, so each rank says the same line.
+- ``neox.plan`` on several nodes: the layouts compared (memory per GPU, bytes within and
+  across the nodes per step), against the plans they must agree with.
 - End to end (marked e2e): the run under two torchrun agents on this machine (``--nnodes 2
   --nproc-per-node 2``, c10d rendezvous on 127.0.0.1), as two nodes; its losses against a flat
   run of the same job; its checkpoint resumed flat, and that one resumed as HSDP again
@@ -20,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from neox.finetune import main as finetune_main
+from neox.plan import main as plan_main
 from tests.support.neox_testing import EXCERPT, call_main, run_module
 from tests.support.two_nodes import run_two_nodes
 
@@ -98,6 +101,50 @@ def test_under_torchrun_each_rank_refuses_alike(no_torchrun, monkeypatch, capsys
     assert proc.returncode == 2
     assert proc.stderr == line + "\n", proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+# -- neox.plan: the layouts compared --------------------------------------------------------------
+
+def planned(capsys, *flags) -> subprocess.CompletedProcess:
+    # The tiny preset, LoRA, bf16 on GPUs: each plan runs the engine's step on fake tensors.
+    return call_main(plan_main, capsys, "--model", "tiny", "--finetune", "lora",
+                     "--grad-accum", 2, *flags)
+
+
+def test_plan_compares_the_layouts_on_several_nodes(capsys):
+    proc = planned(capsys, "--nodes", 2, "--gpus", 4, "--hybrid", "hsdp", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    rows = out["layouts"]
+    assert list(rows) == ["flat", "HSDP", "HSDP + qgZ int8"]
+    flat, hsdp, qgz = rows["flat"], rows["HSDP"], rows["HSDP + qgZ int8"]
+    # The layout asked for is the plan printed above the table, not planned twice apart.
+    chosen = out["plan"]
+    assert hsdp["within_nodes"] == chosen["all_gather_bytes"] + chosen["reduce_scatter_bytes"]
+    # HSDP holds the model state of one node's 4 ranks: a flat plan over 4 GPUs' (one node).
+    one_node = planned(capsys, "--nodes", 1, "--gpus", 4, "--json")
+    assert sum(json.loads(one_node.stdout)["plan"]["state"].values()) == hsdp["model_state"]
+    assert flat["model_state"] < hsdp["model_state"] == qgz["model_state"]
+    # Flat over 8 ranks on 2 nodes sends everything across them; HSDP only the gradient
+    # shards' all-reduce, and qgZ that in int8 (a byte and a 128th of a scale per element,
+    # against the fp32 reduction's 4).
+    assert flat["within_nodes"] == 0 < flat["across_nodes"]
+    assert 0 < hsdp["across_nodes"] < 0.01 * flat["across_nodes"]
+    assert 0.25 * hsdp["across_nodes"] < qgz["across_nodes"] < 0.27 * hsdp["across_nodes"]
+    assert hsdp["within_nodes"] == qgz["within_nodes"]
+    text = planned(capsys, "--nodes", 2, "--gpus", 4).stdout
+    table = text[text.index("layouts on 2 nodes x 4 GPUs"):].splitlines()
+    assert [line.split()[0] for line in table[2:]] == ["flat", "HSDP", "HSDP"], table
+
+
+@pytest.mark.parametrize("flags, line", [
+    (("--quantize-gradients", "int8", "--nodes", 2), REFUSALS["qgZ flat"][1]),
+    (("--hybrid", "hsdp"), "error: --hybrid hsdp replicates across nodes: plan it with --nodes 2 "
+                           "or more"),
+])
+def test_plan_refuses_a_layout_without_nodes_in_one_line(capsys, flags, line):
+    proc = planned(capsys, *flags)
+    assert proc.returncode == 2 and proc.stderr == line + "\n", proc.stderr
 
 
 # -- end to end -----------------------------------------------------------------------------------
