@@ -24,15 +24,12 @@ import pytest
 from neox.finetune import main as finetune_main
 from neox.plan import main as plan_main
 from tests.support.neox_testing import EXCERPT, call_main, run_module
-from tests.support.two_nodes import run_two_nodes
-
-TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-            "MASTER_PORT")
+from tests.support.two_nodes import LAUNCHER_VARIABLES, run_two_nodes
 
 
 @pytest.fixture
 def no_torchrun(monkeypatch):
-    for var in TORCHRUN:
+    for var in LAUNCHER_VARIABLES:
         monkeypatch.delenv(var, raising=False)
 
 
