@@ -1,7 +1,9 @@
 """GPT-NeoX-20B on a cluster, per layout: memory per GPU and bytes per optimizer step within and
 across the nodes, for flat ZeRO-3, HSDP (a 2-D mesh, nodes x GPUs per node) and HSDP with the
 cross-node gradients in int8 (qgZ), from ``zerocore.plan`` (the engine's own step on fake
-tensors: nothing is trained, no weights are read), as a Markdown table.
+tensors: nothing is trained, no weights are read), as a Markdown table. The layouts and their
+figures are ``neox.run.planning.compare_layouts``', the table ``python -m neox.plan --nodes N``
+prints.
 
     python bench/hybrid_plan.py --nodes 4 --gpus 8
 """
@@ -21,25 +23,18 @@ sys.path.insert(0, str(REPO))
 from neox.config import preset_config  # noqa: E402
 from neox.dtypes import DTYPES  # noqa: E402
 from neox.finetune_modes import FinetuneMode  # noqa: E402
-from neox.run.planning import PlanRequest, plan_run  # noqa: E402
-
-GiB = 2**30
-LAYOUTS = ("flat", "HSDP", "HSDP + qgZ int8")
+from neox.run.planning import GiB, PlanRequest, compare_layouts  # noqa: E402
 
 
-def _request(mode: str, layout: str, args: argparse.Namespace) -> PlanRequest:
+def _request(mode: str, args: argparse.Namespace) -> PlanRequest:
+    """The run on every GPU of the cluster (``compare_layouts`` lays it out on the nodes)."""
     config = preset_config("gpt-neox-20b", tokenizer_rows=None)
-    world = args.nodes * args.gpus
-    hybrid = layout != "flat"
     return PlanRequest(
         config=config, filter_layers=None, mode=FinetuneMode(mode, lora_rank=8),
         dtype=DTYPES["bf16"], reduce_dtype=DTYPES["fp32"], batch_size=args.batch_size,
         seq_len=args.seq_len, grad_accum=args.grad_accum, offload=False,
         recompute=tuple(range(config.num_hidden_layers)), recompute_every=1,
-        world_size=world, device="cuda",
-        mesh=(args.nodes, args.gpus) if hybrid else None,
-        nodes=1 if hybrid else args.nodes,
-        quantize_gradients="int8" if "qgZ" in layout else None)
+        world_size=args.nodes * args.gpus, device="cuda")
 
 
 def main() -> None:
@@ -59,13 +54,9 @@ def main() -> None:
           "within a node / step | across nodes / step |")
     print("|---|---|---:|---:|---:|---:|")
     for mode in ("lora", "full"):
-        for layout in LAYOUTS:
-            plan = plan_run(_request(mode, layout, args))
-            s = plan.state
-            state = sum(s.bytes_of().values())
-            print(f"| {mode} | {layout} | {gib(state)} GiB | {gib(plan.peak_bytes)} GiB | "
-                  f"{gib(plan.intra_node_bytes)} GiB | {gib(plan.inter_node_bytes)} GiB |",
-                  flush=True)
+        for r in compare_layouts(_request(mode, args), args.nodes):
+            print(f"| {mode} | {r.layout.name} | {gib(r.model_state)} GiB | {gib(r.peak)} GiB | "
+                  f"{gib(r.within_nodes)} GiB | {gib(r.across_nodes)} GiB |", flush=True)
 
 
 if __name__ == "__main__":

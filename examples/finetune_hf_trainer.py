@@ -7,6 +7,13 @@ reloaded by PEFT onto the base weights and must generate what the sharded model 
     torchrun --nproc-per-node 2 examples/finetune_hf_trainer.py [--steps 30] [--out DIR]
     python examples/finetune_hf_trainer.py --nproc 2      (starts the processes itself)
 
+Across nodes, ``--hybrid hsdp`` shards within each node and replicates across them (HSDP: only
+each rank's gradient shard crosses the nodes, once per step), ``--quantize-gradients int8``
+sends that in int8 (qgZ); on each of two nodes (here both on this machine):
+
+    torchrun --nnodes 2 --nproc-per-node 2 --node-rank 0|1 --rdzv-backend c10d \
+        --rdzv-endpoint HOST:29500 examples/finetune_hf_trainer.py --hybrid hsdp
+
 Started by this script, the processes cannot outlive it (zerocore.tools.rank_processes, as
 neox.finetune's ranks): killed, it takes them with it; Ctrl-C stops them. Bad arguments are
 refused in one line before any process starts.
@@ -68,7 +75,7 @@ def run(args: argparse.Namespace) -> None:
         gradient_accumulation_steps=2, learning_rate=args.lr, weight_decay=0.01,
         lr_scheduler_type="cosine", warmup_steps=max(1, args.steps // 10), max_grad_norm=1.0,
         activation_checkpointing=True, bf16=gpu and torch.cuda.is_bf16_supported(),
-        use_cpu=not gpu, logging_steps=5, save_steps=max(1, args.steps // 2),
+        use_cpu=not gpu, logging_steps=args.log_every, save_steps=max(1, args.steps // 2),
         save_total_limit=1, report_to=[], disable_tqdm=True, seed=0)
     base = base_model()
     if training_args.process_index == 0:
@@ -79,8 +86,16 @@ def run(args: argparse.Namespace) -> None:
     trainer = ShardedTrainer(
         model=model, args=training_args, train_dataset=byte_windows(args.data, args.seq_len, 512),
         data_collator=default_data_collator,
-        shard_options=dict(offload=zerocore.Offload(optimizer=True)))
+        shard_options=dict(offload=zerocore.Offload(optimizer=True),
+                           comm=zerocore.Comm(quantize_gradients=args.quantize_gradients)),
+        hybrid=args.hybrid)
+    if training_args.process_index == 0:
+        print(trainer.sharding.ways.line(), flush=True)  # how the ranks share the model
     trainer.train()
+    if args.hybrid is not None:  # collective: every replica's shards against the others'
+        agree = trainer.sharding.replicas_agree()
+        if training_args.process_index == 0:
+            print(f"replicas bitwise equal: {agree}", flush=True)
     trainer.save_model(str(out / "adapter"))  # collective: the adapter, written by rank 0
 
     # Every process generates (each unit's gather is a collective): the same line everywhere.
@@ -91,7 +106,8 @@ def run(args: argparse.Namespace) -> None:
         sharded_line = model.generate(input_ids=prompt, **GENERATE).cpu()
     if training_args.process_index == 0:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        print(f"losses every 5 steps: {' '.join(f'{x:.4f}' for x in losses)}", flush=True)
+        print(f"losses every {args.log_every} steps: {' '.join(f'{x:.4f}' for x in losses)}",
+              flush=True)
         reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out / "base"),
                                              out / "adapter").eval()
         with torch.no_grad():
@@ -141,6 +157,16 @@ def check(args: argparse.Namespace, torchrun: bool) -> str | None:
         return f"--steps {args.steps}: give 1 or more optimizer steps"
     if args.batch < 1:
         return f"--batch {args.batch}: give 1 or more sequences per process"
+    if args.log_every < 1:
+        return f"--log-every {args.log_every}: give 1 or more steps"
+    if args.quantize_gradients is not None and args.hybrid is None:
+        return (f"--quantize-gradients {args.quantize_gradients} quantizes the gradients' "
+                f"all-reduce across nodes, which only --hybrid has: add --hybrid hsdp")
+    nodes = zerocore.nodes_of(os.environ) if torchrun else None
+    if args.hybrid is not None and (nodes or 1) < 2:
+        return (f"--hybrid {args.hybrid} shards within each node and replicates across nodes: "
+                f"run under torchrun --nnodes N (N >= 2)"
+                + (f"; torchrun started {nodes} node" if nodes else ""))
     if not 1 <= args.seq_len <= positions:
         return f"--seq-len {args.seq_len}: the model has {positions} positions; give 1 to " \
                f"{positions}"
@@ -180,7 +206,16 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=4, help="sequences per process per micro-batch")
     p.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (default 1e-2)")
     p.add_argument("--out", default="runs/hf-trainer", help="output directory (runs/hf-trainer)")
+    p.add_argument("--log-every", type=int, default=5, help="steps between logged losses")
+    p.add_argument("--hybrid", choices=("none", "hsdp"), default="none",
+                   help="across torchrun's nodes: 'hsdp' shards within each node, replicated "
+                        "across nodes (default: none, flat over every rank)")
+    p.add_argument("--quantize-gradients", choices=("none", "int8"), default="none",
+                   help="with --hybrid: the gradients' all-reduce across nodes in int8 (qgZ)")
     args = p.parse_args()
+    args.hybrid = None if args.hybrid == "none" else args.hybrid
+    args.quantize_gradients = None if args.quantize_gradients == "none" else \
+        args.quantize_gradients
     torchrun = "RANK" in os.environ
     problem = check(args, torchrun)
     if problem is not None:

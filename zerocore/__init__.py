@@ -24,6 +24,7 @@ from zerocore.checkpoint import (CheckpointError, CheckpointWriteError, Incomple
 from zerocore.comm.agree import PeerError, run_agreed
 from zerocore.comm.peer_memory import PeerLost
 from zerocore.comm.device import Platform
+from zerocore.comm.mesh import from_environment as mesh_from_environment, node_mesh, nodes_of
 from zerocore.engine.meta_layer import MetaLayer
 from zerocore.engine.peak_memory import PeakMemory, peak_rss, reset_peak_rss
 from zerocore.engine.report import CommReport, MemoryReport
@@ -49,4 +50,4 @@ __all__ = ["BUILD", "ops", "optim", "reference", "shard", "ShardedSequential", "
            "incomplete_checkpoints", "IncompleteCheckpoint", "open_checkpoint", "read_manifest",
            "verify_files", "iter_full_layers", "ShardReader", "CheckpointError",
            "CheckpointWriteError", "Platform", "MetaLayer", "plan", "PeakMemory",
-           "peak_rss", "reset_peak_rss"]
+           "peak_rss", "reset_peak_rss", "node_mesh", "mesh_from_environment", "nodes_of"]

@@ -17,6 +17,11 @@ does through its own machinery for a replicated model is done here for a sharded
   lr, betas, eps and weight decay, and ``Trainer``'s own parameter groups: no decay for what
   ``Trainer.get_decay_parameter_names`` leaves out (biases and norms), as per-parameter
   overrides on the shards (``param_overrides``); ``optimizers=`` is refused;
+- under torchrun across nodes, ``hybrid="hsdp"`` shards within each node and replicates across
+  nodes (HSDP): the 2-D mesh ``(nodes, ranks per node)`` is built from torchrun's environment
+  (``zerocore.mesh_from_environment``) unless ``shard_options`` gives one (``mesh=``); with a
+  2-D mesh, the replicas' all-reduce runs once per optimizer step, with the backward of
+  ``Trainer``'s last micro-batch of an accumulation (its ``sync_gradients``);
 - ``max_grad_norm`` clips by the global norm over every rank's shards (what ``Trainer`` logs
   as ``grad_norm``), inside the fused Adam kernel, through ``zerocore.LossScaler``;
 - ``fp16=True`` trains with fp16 parameters, fp32 masters and reduction, and DeepSpeed's
@@ -58,6 +63,9 @@ from zerocore.loss_scale import global_grad_stats
 from zerocore.engine.sharded_model import ShardedModel
 
 CHECKPOINT_DIR = "zerocore"  # inside each checkpoint-N/ of Trainer
+# ``hybrid=``'s layouts: each takes the mesh of torchrun's nodes (another of zerocore's layouts
+# is one more word here, and its policy in the options given to shard_model).
+HYBRIDS = ("hsdp",)
 logger = logging.get_logger(__name__)
 
 
@@ -132,19 +140,27 @@ class ShardedTrainer(Trainer):
 
     units: the modules gathered and freed one at a time (default: ``default_units(model)``).
     shard_options: further keyword arguments of ``zerocore.shard_model`` (``offload``,
-        ``frozen_weights``, ``prefetch``, ``mixed_precision``, ``comm``, ...).
+        ``frozen_weights``, ``prefetch``, ``mixed_precision``, ``comm``, ``mesh``, ...).
+    hybrid: ``"hsdp"``: sharded within each node, replicated across nodes, over the mesh
+        ``shard_options["mesh"]``, else the one torchrun's environment says (``--nnodes N``,
+        N >= 2: refused otherwise). With ``comm=zerocore.Comm(quantize_gradients="int8")``
+        the replicas' all-reduce travels in int8 (qgZ).
     Every other argument is ``Trainer``'s; ``model`` must not be sharded yet.
     """
 
     def __init__(self, model: nn.Module, args: Any = None, *,
                  units: Iterable[nn.Module] | nn.Module | None = None,
-                 shard_options: dict[str, Any] | None = None, **kwargs: Any):
+                 shard_options: dict[str, Any] | None = None, hybrid: str | None = None,
+                 **kwargs: Any):
         if isinstance(getattr(model, "zerocore_sharding", None), ShardedModel):
             raise ValueError("ShardedTrainer: the model is sharded already; pass it unsharded "
                              "(ShardedTrainer shards it: units=..., shard_options=...)")
         if args is None:
             raise ValueError("ShardedTrainer: pass args=TrainingArguments(...)")
         _refuse_unsupported(model, args, kwargs)
+        if hybrid is not None and hybrid not in HYBRIDS:
+            raise ValueError(f"ShardedTrainer: hybrid must be None (flat) or one of {HYBRIDS}, "
+                             f"got {hybrid!r}")
         options = dict(shard_options or {})
         wanted = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
         if "mixed_precision" not in options and wanted is not None:
@@ -162,6 +178,11 @@ class ShardedTrainer(Trainer):
         device = args.device  # joins the process group (accelerate's PartialState) first
         if "device" not in options and device.type != "cpu":
             options["device"] = device
+        if hybrid is not None and "mesh" not in options:
+            # The nodes are torchrun's, read here, at the door, as zerocore.shard_model reads
+            # them for its start-up line.
+            options["mesh"] = zerocore.mesh_from_environment(
+                device.type, os.environ, what=f"ShardedTrainer(hybrid={hybrid!r})")
         self.sharding = zerocore.shard_model(
             model, default_units(model) if units is None else units, **options)
         # Steps every optimizer step: clipping and unscaling folded into the fused kernel; with
@@ -219,6 +240,14 @@ class ShardedTrainer(Trainer):
         # In fp32: an fp16 loss times 65536 would overflow by itself.
         loss = _ScaleGrad.apply(loss.float(), self.loss_scaler.loss_scale)
         return (loss, rest) if return_outputs else loss
+
+    def training_step(self, model: nn.Module, inputs: Any,
+                      num_items_in_batch: Any = None) -> torch.Tensor:
+        # HSDP: the replicas' all-reduce with the backward of the accumulation's last
+        # micro-batch alone (Trainer's own boundary: accelerate's sync_gradients, which its
+        # optimizer step follows); the earlier ones' sums wait in fp32. Flat: nothing changes.
+        self.sharding.set_requires_all_reduce(bool(self.accelerator.sync_gradients))
+        return super().training_step(model, inputs, num_items_in_batch)
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
         # Only measured here: the clipping happens in the step, inside the fused kernel.

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+import zerocore
 from neox.blocks import chosen_blocks
 from neox.commands.flags import (HelpFormatter, Parser, add_recipe_flags, explicit_flags, finite,
                                  nonnegative_int, positive_int)
@@ -27,6 +28,7 @@ from neox.config import NeoXConfig, preset_config
 from neox.finetune_modes import GROUP as MODE, auto_mode
 from neox.run import from_deepspeed as nds
 from neox.run.launch import LaunchConfig, RunRequest, launch, run_under_torchrun
+from neox.run.layout import check_layout
 from neox.run.progress import say
 from neox.run.recipe import (DATA, LOOP, MODEL, OPTIM, OUTPUT, STEP, FROM_SCRATCH, Recipe,
                              recipe_from_flags)
@@ -74,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--timeout", type=finite, default=300.0,
                    help="seconds a collective may wait before the run fails instead of hanging")
     r.add_argument("--cpu", action="store_true", help="use the CPU (gloo) even if GPUs exist")
+    r.add_argument("--nodes", type=positive_int, default=None,
+                   help="with --hybrid on one machine: lay the --nproc ranks out as this many "
+                        "nodes, as torchrun numbers them (node by node), to try a layout before "
+                        "renting the machines; under torchrun the nodes are torchrun's")
     return p
 
 
@@ -187,11 +193,17 @@ def main(argv: list[str] | None = None) -> int:
             own = (Path(recipe.output.output_dir) / CHECKPOINTS).resolve()
             if resume != args.resume and args.resume.resolve() != own:
                 warn_incomplete(args.resume, log)
+        # The layout of the recipe (a resumed run's included) against the nodes.
+        nodes = zerocore.nodes_of(os.environ) if torchrun else (args.nodes or 1)
+        world = (int(os.environ["WORLD_SIZE"]) if torchrun else
+                 min(args.nproc, torch.cuda.device_count()) if use_cuda else args.nproc)
+        check_layout(recipe.loop, world_size=world, nodes=nodes, torchrun=torchrun,
+                     nodes_given=args.nodes is not None)
     except (UsageError, OutputDirError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     launch_config = LaunchConfig(nproc=args.nproc, port=args.port, timeout=args.timeout,
-                                 use_cuda=use_cuda)
+                                 use_cuda=use_cuda, nodes=nodes or 1)
     request = RunRequest(recipe=recipe, resume=resume, overwrite=args.overwrite,
                          allow_unverified=args.allow_unverified, data_changed=args.data_changed,
                          deepspeed=deepspeed)

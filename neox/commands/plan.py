@@ -7,7 +7,9 @@ node, --nodes, --gpu-memory) and prints, per rank: the shards of parameters, gra
 masters and Adam state (trainable and frozen apart), the layers gathered at the peak, the
 activations with and without recomputation (of the attention kernel that runs: fused, no T x T
 weights), the CUDA allocator's headroom, the total against the GPU's memory, and the bytes
-all-gathered and reduce-scattered per optimizer step. A --checkpoint is opened for its
+all-gathered and reduce-scattered per optimizer step. On several --nodes it plans the layout
+--hybrid and --quantize-gradients choose, then compares the layouts (flat, HSDP, HSDP with qgZ):
+memory per GPU and bytes per step within and across the nodes. A --checkpoint is opened for its
 configuration and tensor shapes only; no weights are read. The numbers come from
 ``zerocore.plan``, which runs the step's schedule on fake tensors; on the CPU it agrees with
 measured runs (tests/engine/test_plan.py).
@@ -16,6 +18,7 @@ measured runs (tests/engine/test_plan.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -26,7 +29,9 @@ from neox.commands.flags import HelpFormatter, Parser, add_recipe_flags, finite,
 from neox.config import preset_config
 from neox.dtypes import DTYPES
 from neox.finetune_modes import GROUP as MODE, auto_mode
-from neox.run.planning import DEFAULT_BPE_TOKENS, GiB, PlanRequest, plan_run, request_from_recipe
+from neox.run.layout import quantize_problem
+from neox.run.planning import (DEFAULT_BPE_TOKENS, GiB, Layout, PlanRequest, compare_layouts,
+                               layouts_table, plan_run, request_from_recipe)
 from neox.run.recipe import MODEL, STEP, offload_words, recipe_from_flags
 from neox.setting import UsageError
 from neox.weights import WeightsError, open_weights
@@ -54,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _request(args: argparse.Namespace) -> PlanRequest:
-    """The run the flags describe, checked; ``UsageError`` with the flag's name otherwise."""
+def _request(args: argparse.Namespace) -> tuple[PlanRequest, Layout]:
+    """The run the flags describe, checked, and its layout; ``UsageError`` with the flag's
+    name otherwise."""
     if args.checkpoint is not None:
         try:
             with open_weights(args.checkpoint,
@@ -74,9 +80,17 @@ def _request(args: argparse.Namespace) -> PlanRequest:
                                         "activation_checkpointing": recomputed})
     if args.gpu_memory <= 0:
         raise UsageError(f"--gpu-memory {args.gpu_memory:g}: must be a number of GiB above 0")
+    problem = quantize_problem(recipe.loop)
+    if problem is not None:
+        raise UsageError(problem)
+    if recipe.loop.hybrid is not None and args.nodes < 2:
+        raise UsageError(f"--hybrid {recipe.loop.hybrid} replicates across nodes: plan it with "
+                         f"--nodes 2 or more")
     default_dtype = "bf16" if args.device == "cuda" else "fp32"  # neox.finetune's defaults
-    return request_from_recipe(recipe, config, world_size=args.gpus * args.nodes,
-                               device=args.device, dtype=DTYPES[args.dtype or default_dtype])
+    request = request_from_recipe(recipe, config, world_size=args.gpus * args.nodes,
+                                  device=args.device, dtype=DTYPES[args.dtype or default_dtype],
+                                  nodes=args.nodes)
+    return request, Layout(recipe.loop.hybrid, recipe.loop.quantize_gradients)
 
 
 def _as_dict(plan: zerocore.plan.MemoryPlan) -> dict[str, Any]:
@@ -95,7 +109,7 @@ def _as_dict(plan: zerocore.plan.MemoryPlan) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        request = _request(args)
+        request, layout = _request(args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -105,9 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     kept = request.filter_layers or tuple(range(request.config.num_hidden_layers))
     other = plan_run(request, recompute=() if request.recompute else kept)
     memory = int(args.gpu_memory * GiB)
+    # On several nodes, every layout beside the chosen one (planned once).
+    layouts = [] if args.nodes < 2 else compare_layouts(request, args.nodes,
+                                                        planned={layout: chosen})
     if args.json:
         print(json.dumps({"plan": _as_dict(chosen), "other_recompute": _as_dict(other),
-                          "device_memory": memory}))
+                          "device_memory": memory,
+                          "layouts": {r.layout.name: dataclasses.asdict(r) | {
+                              "layout": r.layout.name} for r in layouts}}))
         return 0
     r = request
     blocks = len(kept)
@@ -133,4 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     if chosen.host_peak:
         print(f"host memory per node for the offloaded state: "
               f"{chosen.host_peak * args.gpus / GiB:.1f} GiB")
+    if layouts:
+        print(f"layouts on {args.nodes} nodes x {args.gpus} "
+              f"{'GPUs' if r.device == 'cuda' else 'processes'} (--hybrid, "
+              f"--quantize-gradients):")
+        print(layouts_table(layouts))
     return 0

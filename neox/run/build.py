@@ -19,6 +19,7 @@ from neox.dtypes import DTYPES, resolve_dtype
 from neox.finetune_modes import FinetuneMode, prepare_layer
 from neox.model import LayerSpec, layer_specs
 from neox.weights import RandomInit, WeightsReader, materialize, meta_layer, open_weights
+from neox.run.layout import layout_line, layout_words, shard_options
 from neox.run.recipe import ModelRecipe, Recipe, offload_words
 from neox.run.progress import Log
 from neox.run.run_data import RunData
@@ -85,12 +86,14 @@ class TrainState:
     config: NeoXConfig                 # of the model the weights describe (all blocks)
     dtype: torch.dtype
     step: int = 0
+    nodes: int = 1                     # the run's nodes (torchrun's, or --nodes)
 
 
 def build(recipe: Recipe, data: RunData, *, device: torch.device, rank: int, world_size: int,
-          log: Log, comm: zerocore.Comm = zerocore.Comm()) -> TrainState:
+          log: Log, comm: zerocore.Comm = zerocore.Comm(), nodes: int = 1) -> TrainState:
     """The sharded model, its optimizer, schedule, loss scaler and data sampler. comm: how the
-    ranks exchange data, and the timeout of every wait (the launcher's --timeout)."""
+    ranks exchange data, and the timeout of every wait (the launcher's --timeout). nodes: the
+    run's (torchrun's, or --nodes), which --hybrid shards within."""
     config, reader = zerocore.run_agreed(lambda: weights_source(recipe.model, data.tokenizer))
     dtype = resolve_dtype(recipe.model.dtype, device)
     mode = recipe.model.finetune
@@ -104,11 +107,13 @@ def build(recipe: Recipe, data: RunData, *, device: torch.device, rank: int, wor
     int8 += "; each layer's forward compiled (torch.compile)" if recipe.loop.compile else ""
     offloaded = offload_words(recipe.loop.offloaded_params, recipe.loop.offloaded_optimizer)
     int8 += f"; {offloaded} in CPU memory" if offloaded else ""
+    int8 += layout_words(recipe.loop)
     log(f"model: {recipe.model.checkpoint or recipe.model.preset}, {config.num_hidden_layers} "
         f"blocks in the checkpoint, keeping {kept}; fine-tuning {mode.mode}; compute dtype "
         f"{str(dtype).removeprefix('torch.')}, gradients summed in {recipe.model.reduce_dtype}"
         f"{recomputed}{int8}; building layer by layer:")
     start = time.perf_counter()
+    layout = shard_options(recipe.loop, nodes=nodes, device_type=device.type, comm=comm)
     with reader:
         model = zerocore.shard(stream_layers(reader, config, recipe.model, log=log),
                                device=device,
@@ -121,9 +126,12 @@ def build(recipe: Recipe, data: RunData, *, device: torch.device, rank: int, wor
                                prefetch=zerocore.Prefetch(
                                    keep_gathered=recipe.loop.keep_gathered),
                                frozen_weights=zerocore.FrozenWeights(recipe.model.frozen_weights),
-                               recompute=recompute, comm=comm,
-                               compile=zerocore.Compile() if recipe.loop.compile else None)
+                               recompute=recompute,
+                               compile=zerocore.Compile() if recipe.loop.compile else None,
+                               **layout)
     log(f"built in {time.perf_counter() - start:.1f} s")
+    if recipe.loop.hybrid is not None or nodes > 1:
+        log(layout_line(recipe.loop, model.ways.line(), nodes=nodes, world_size=world_size))
     if model.kept_layers:
         held = sum(model.layers[i].gathered_size for i in model.kept_layers)
         log(f"--keep-gathered {recipe.loop.keep_gathered}: {len(model.kept_layers)} of "
@@ -146,4 +154,4 @@ def build(recipe: Recipe, data: RunData, *, device: torch.device, rank: int, wor
     sampler = zerocore.run_agreed(lambda: nd.WindowSampler(
         len(data.dataset.train), rank=rank, world_size=world_size, batch_size=loop.batch_size,
         seed=loop.seed))
-    return TrainState(model, optimizer, scheduler, scaler, sampler, config, dtype)
+    return TrainState(model, optimizer, scheduler, scaler, sampler, config, dtype, nodes=nodes)

@@ -48,6 +48,12 @@ def finish(state: TrainState, recipe: Recipe, data: RunData, done: StepsDone,
     if recipe.output.measure_memory:
         report_measured(state, recipe, done.measured, device=device, world_size=world_size,
                         log=log)
+    if recipe.loop.hybrid is not None:
+        # What the checkpoint (replica 0's shards) stands for: every replica's, to the bit.
+        agree = state.model.replicas_agree()
+        log(f"replicas: the {state.nodes} replicas' trainable shards are "
+            + ("bitwise equal" if agree else "NOT equal (a bug: please report it); the "
+                                             "checkpoint holds replica 0's"))
     ckpt = save(state, recipe, data, run_id, rank=rank)
     trained = write_trainable(state, Path(recipe.output.output_dir) / TRAINABLE, rank=rank)
     log(f"saved: checkpoint {ckpt}")
@@ -100,10 +106,12 @@ def sample_text(state: TrainState, recipe: Recipe, data: RunData, *, rank: int) 
     to print. Collective."""
     prompt = data.dataset.val.windows[0][:SAMPLE_PROMPT_TOKENS].long()[None]   # (1, T)
     generator = torch.Generator().manual_seed(recipe.loop.seed)
+    # Rank 0 chooses each token for the world (with HSDP another replica's shard group does not
+    # hold rank 0).
     ids = sample_sharded(state.model, prompt.to(state.model.device),
                          new_tokens=recipe.output.sample_tokens,
                          temperature=recipe.output.sample_temperature, top_k=SAMPLE_TOP_K,
-                         generator=generator, rank=rank, group=state.model.group)[0].tolist()
+                         generator=generator, rank=rank)[0].tolist()
     start = data.tokenizer.decode(ids[:SAMPLE_PROMPT_TOKENS])
     text = data.tokenizer.decode(ids).lstrip(" ")
     body = "\n".join("  " + line for line in text.splitlines())

@@ -74,6 +74,9 @@ class LaunchConfig:
     port: int                  # rendezvous port on this machine; 0: a free one
     timeout: float             # seconds a collective may wait before failing
     use_cuda: bool
+    # The nodes the ranks are laid out on, node by node (what --hybrid shards within):
+    # torchrun's, or --nodes on this machine.
+    nodes: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +105,7 @@ class RankTask:
     init_method: str
     use_cuda: bool
     timeout: float
+    nodes: int = 1
 
 
 def _free_port() -> int:
@@ -167,7 +171,8 @@ def launch(request: RunRequest, config: LaunchConfig) -> int:
         return EXIT_REPORTED
     try:
         init = f"tcp://127.0.0.1:{config.port or _free_port()}"
-        task = RankTask(request, run_id, world_size, init, config.use_cuda, config.timeout)
+        task = RankTask(request, run_id, world_size, init, config.use_cuda, config.timeout,
+                        config.nodes)
         return _run_ranks(task)
     finally:
         lock.release()
@@ -405,7 +410,8 @@ def run_under_torchrun(request: RunRequest, config: LaunchConfig) -> NoReturn:
     set_parent_death_signal(signal.SIGTERM)  # torchrun's agent is the parent
     if config.use_cuda:  # before this process allocates anything on the GPU
         os.environ.update(cuda_environment(dict(os.environ)))
-    task = RankTask(request, None, world, "env://", config.use_cuda, config.timeout)
+    task = RankTask(request, None, world, "env://", config.use_cuda, config.timeout,
+                    config.nodes)
     code = _run_rank(rank, task)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -455,7 +461,7 @@ def _run_rank(rank: int, task: RankTask,
                      world_size=task.world_size, device=device,
                      allow_unverified=task.request.allow_unverified,
                      data_changed=task.request.data_changed, deepspeed=task.request.deepspeed,
-                     comm=zerocore.Comm(timeout=task.timeout))
+                     comm=zerocore.Comm(timeout=task.timeout), nodes=task.nodes)
     except RunFailed as e:  # reported in one line, agreed by every rank
         if e.message:
             print(f"error: {e.message}", file=sys.stderr, flush=True)

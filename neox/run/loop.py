@@ -88,7 +88,10 @@ def train(state: TrainState, recipe: Recipe, data: RunData, metrics: MetricsFile
         # loss sum, correct, tokens, and whether rank 0 failed to write the last metrics line
         totals = torch.zeros(4, dtype=torch.float64, device=device)
         totals[3] = 1.0 if metrics_error is not None else 0.0
-        for _ in range(loop.grad_accum):
+        for micro in range(loop.grad_accum):
+            # HSDP: the replicas' all-reduce once per step, with the last micro-batch's backward
+            # (the earlier ones' sums wait in fp32); a flat layout ignores it.
+            model.set_requires_all_reduce(micro == loop.grad_accum - 1)
             x, y = nd.batch(ds.train, state.sampler.next_batch(), device=device)
             loss, correct = micro_batch_loss(model(x), y)
             state.scaler.scale(loss / loop.grad_accum).backward()

@@ -70,7 +70,8 @@ def report_measured(state: TrainState, recipe: Recipe, measured: MeasuredPeak | 
         log("memory: not measured (the run had a single step; the first is not measured)")
         return
     plan = plan_run(request_from_recipe(recipe, state.config, world_size=world_size,
-                                        device=device.type, dtype=state.dtype))
+                                        device=device.type, dtype=state.dtype,
+                                        nodes=state.nodes))
     planned = plan.device_peak
     mib = 2**20
     log(f"memory per rank over steps {state.step - every[0].steps + 1}-{state.step} (tensors, "

@@ -6,6 +6,7 @@ of ``neox.run.step``), for a recipe on a number of ranks. ``python -m neox.plan`
 from __future__ import annotations
 
 import dataclasses
+from typing import Mapping
 
 import torch
 
@@ -14,10 +15,11 @@ from neox.config import NeoXConfig
 from neox.dtypes import DTYPES
 from neox.finetune_modes import FinetuneMode, prepare_layer
 from neox.model import build_layer, layer_specs
-from neox.run.recipe import LoopConfig, Recipe
+from neox.run.recipe import HYBRIDS, LoopConfig, Recipe
 from neox.run.step import micro_batch_loss, recompute_policy
 
-__all__ = ["PlanRequest", "plan_run", "request_from_recipe", "GiB", "DEFAULT_BPE_TOKENS"]
+__all__ = ["PlanRequest", "plan_run", "request_from_recipe", "GiB", "DEFAULT_BPE_TOKENS",
+           "Layout", "LAYOUTS", "on_layout", "LayoutRow", "compare_layouts", "layouts_table"]
 
 GiB = 2**30
 # The tiny preset takes its vocabulary from the tokenizer a run trains (neox.data's byte-level
@@ -52,11 +54,38 @@ class PlanRequest:
     quantize_gradients: str | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How the ranks share the model across nodes, as a run's --hybrid and
+    --quantize-gradients say it."""
+
+    hybrid: str | None = None              # neox.run.recipe.HYBRIDS, or None: flat
+    quantize_gradients: str | None = None  # "int8" (qgZ), with a hybrid layout only
+
+    @property
+    def name(self) -> str:
+        name = "flat" if self.hybrid is None else self.hybrid.upper()
+        return name + (f" + qgZ {self.quantize_gradients}" if self.quantize_gradients else "")
+
+
+# The layouts ``compare_layouts`` plans: flat, and each hybrid one exact and with qgZ.
+LAYOUTS = (Layout(),) + tuple(Layout(h, q) for h in HYBRIDS for q in (None, "int8"))
+
+
+def on_layout(request: PlanRequest, layout: Layout, nodes: int) -> PlanRequest:
+    """``request`` on ``nodes`` nodes of ``request.world_size // nodes`` ranks, laid out so."""
+    hybrid = layout.hybrid is not None
+    return dataclasses.replace(
+        request, mesh=(nodes, request.world_size // nodes) if hybrid else None,
+        nodes=1 if hybrid else nodes, quantize_gradients=layout.quantize_gradients)
+
+
 def request_from_recipe(recipe: Recipe, config: NeoXConfig, *, world_size: int,
-                        device: str, dtype: torch.dtype) -> PlanRequest:
-    """The plan of a run of ``recipe`` on ``world_size`` ranks computing in ``dtype``."""
+                        device: str, dtype: torch.dtype, nodes: int = 1) -> PlanRequest:
+    """The plan of a run of ``recipe`` on ``world_size`` ranks computing in ``dtype``, on
+    ``nodes`` nodes laid out as the recipe says (--hybrid, --quantize-gradients)."""
     loop = recipe.loop
-    return PlanRequest(
+    request = PlanRequest(
         config=config, filter_layers=recipe.model.filter_layers, mode=recipe.model.finetune,
         dtype=dtype, reduce_dtype=DTYPES[recipe.model.reduce_dtype],
         batch_size=loop.batch_size, seq_len=recipe.data.seq_len, grad_accum=loop.grad_accum,
@@ -65,6 +94,7 @@ def request_from_recipe(recipe: Recipe, config: NeoXConfig, *, world_size: int,
         recompute_every=loop.activation_checkpointing_every, world_size=world_size,
         device=device, keep_gathered=loop.keep_gathered,
         frozen_weights=recipe.model.frozen_weights)
+    return on_layout(request, Layout(loop.hybrid, loop.quantize_gradients), nodes)
 
 
 def plan_run(request: PlanRequest, *, recompute: tuple[int, ...] | None = None
@@ -94,3 +124,40 @@ def plan_run(request: PlanRequest, *, recompute: tuple[int, ...] | None = None
         frozen_weights=zerocore.FrozenWeights(r.frozen_weights),
         recompute=recompute_policy(specs, loop), micro_batches=r.grad_accum, mesh=r.mesh,
         nodes=r.nodes, comm=zerocore.Comm(quantize_gradients=r.quantize_gradients))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutRow:
+    """One layout's plan, in the figures a comparison shows (bytes; traffic per step)."""
+
+    layout: Layout
+    model_state: int       # shards of parameters, gradients, masters and optimizer state
+    peak: int              # the device's peak, with the allocator's headroom
+    within_nodes: int      # moved within one node per optimizer step
+    across_nodes: int      # moved across the nodes per optimizer step
+
+
+def compare_layouts(request: PlanRequest, nodes: int,
+                    layouts: tuple[Layout, ...] = LAYOUTS,
+                    planned: Mapping[Layout, zerocore.plan.MemoryPlan] = {}
+                    ) -> list[LayoutRow]:
+    """``request`` planned on ``nodes`` nodes in each layout (``zerocore.plan`` each time:
+    the engine's own step on fake tensors; ``planned``: plans made already, by layout)."""
+    rows = []
+    for layout in layouts:
+        plan = planned.get(layout) or plan_run(on_layout(request, layout, nodes))
+        rows.append(LayoutRow(layout, sum(plan.state.bytes_of().values()), plan.peak_bytes,
+                              plan.intra_node_bytes, plan.inter_node_bytes))
+    return rows
+
+
+def layouts_table(rows: list[LayoutRow]) -> str:
+    """The rows as aligned text: memory per GPU, bytes per optimizer step within and across
+    the nodes, in GiB (MiB when every figure is below one GiB)."""
+    biggest = max(max(r.peak, r.within_nodes, r.across_nodes) for r in rows)
+    unit, size = ("GiB", GiB) if biggest >= GiB else ("MiB", 2**20)
+    head = (f"  {'layout':<18}{'model state':>13}{'peak':>11}{'within nodes':>15}"
+            f"{'across nodes':>15}   ({unit}; memory per GPU, bytes per step)")
+    return "\n".join([head] + [
+        f"  {r.layout.name:<18}{r.model_state / size:13.3f}{r.peak / size:11.3f}"
+        f"{r.within_nodes / size:15.3f}{r.across_nodes / size:15.3f}" for r in rows])

@@ -28,11 +28,11 @@ from neox.run.run_data import prepare_data, resumed_data
 def run_training(recipe: Recipe, *, resume: Path | None, run_id: str, rank: int,
                  world_size: int, device: torch.device, allow_unverified: bool = False,
                  data_changed: bool = False, deepspeed: Path | None = None,
-                 comm: zerocore.Comm = zerocore.Comm()) -> None:
+                 comm: zerocore.Comm = zerocore.Comm(), nodes: int = 1) -> None:
     """The whole run of one rank: from ``resume`` (a checkpoint directory, verified by
     neox.finetune before the launch, and again as it is loaded) when given, or continuing the
     DeepSpeed checkpoint ``deepspeed``. comm: as for ``build`` (give it the process group's
-    timeout)."""
+    timeout). nodes: the run's (torchrun's, or --nodes)."""
     log: Log = say if rank == 0 else (lambda *a, **k: None)
     torch.manual_seed(recipe.loop.seed)
     resumed = None if resume is None else zerocore.run_agreed(lambda: resumed_data(
@@ -40,7 +40,7 @@ def run_training(recipe: Recipe, *, resume: Path | None, run_id: str, rank: int,
     data = prepare_data(recipe.data, recipe.model, rank=rank, log=log, resumed=resumed)
     probe = MemoryProbe(device) if recipe.output.measure_memory else None
     state = build(recipe, data, device=device, rank=rank, world_size=world_size, log=log,
-                  comm=comm)
+                  comm=comm, nodes=nodes)
     if resume is not None:
         restore(state, resume, recipe.optim, rank=rank, log=log,
                 allow_unverified=allow_unverified, data_changed=data.changed)

@@ -285,6 +285,28 @@ def test_plan_refuses_a_mesh_that_does_not_fit_the_world():
         zerocore.plan.plan(layers, example, world_size=4, mesh=(2, 2, 1))
 
 
+def replicas_agree(rank: int, world_size: int, dtype: torch.dtype) -> tuple[bool, bool, bool]:
+    """``replicas_agree`` of a 2x2 model as built, after rank 3 (replica 1's second shard)
+    changed one bit of its model copy (16-bit) or master (fp32), and once more flat."""
+    model = zerocore.shard(make_layers(Spec(model="transformer")), mesh=_mesh((2, 2)),
+                           mixed_precision=zerocore.MixedPrecision(dtype))
+    built = model.replicas_agree()
+    if rank == 3:
+        shard = model.trainable_shards()[-1]
+        target = shard.model_copy if shard.model_copy is not None else shard
+        with torch.no_grad():
+            target.view(torch.int16 if target.element_size() == 2 else torch.int32)[0] ^= 1
+    tampered = model.replicas_agree()
+    flat = zerocore.shard(make_layers(Spec(model="transformer"))).replicas_agree()
+    return built, tampered, flat
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_replicas_agree_says_whether_the_replicas_hold_the_same_bits(worlds, dtype):
+    # One flipped bit on one rank: every rank hears of it.
+    assert worlds(4).run(replicas_agree, dtype) == [(True, False, True)] * 4
+
+
 # -- qgZ: the replicas' all-reduce in int8 (Comm(quantize_gradients="int8")) --------------------
 
 BLOCK = 128

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,11 +23,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import zerocore
-from tests.support.dist_utils import free_port
 from tests.support.toy_stack import LR, Spec, global_batch, loss_fn, make_layers
+from tests.support.two_nodes import run_two_nodes
 from tests.support.zerocore_log import logged
 
-REPO = Path(__file__).resolve().parents[2]
 SPEC = Spec(model="transformer", steps=2, micro=2)
 # Two agents rendezvous, then four ranks import torch and zerocore on a loaded 2-core machine.
 TIMEOUT_S = 400
@@ -71,27 +69,9 @@ def rank_main(out: str) -> None:
 @pytest.mark.e2e
 @pytest.mark.distributed
 def test_hsdp_under_two_torchrun_agents(tmp_path):
-    port = free_port()
     out = tmp_path / "result.json"
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = str(REPO)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-           "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "hsdp-test",
-           "-m", "tests.engine.test_hsdp_torchrun", str(out)]
-    agents = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]
-    outputs = []
-    try:
-        for agent in agents:
-            outputs.append(agent.communicate(timeout=TIMEOUT_S)[0])
-    finally:
-        for agent in agents:
-            if agent.poll() is None:
-                agent.kill()
-                agent.wait()
-    assert [a.returncode for a in agents] == [0, 0], "\n".join(outputs)[-6000:]
+    agents = run_two_nodes(["-m", "tests.engine.test_hsdp_torchrun", out], timeout=TIMEOUT_S)
+    assert agents.codes == [0, 0], agents.output[-6000:]
     got = json.loads(out.read_text())
     # The flat layout over the two agents says so; the mesh's says HSDP.
     assert len(got["flat"]) == 1 and ("layout: flat over 4 ranks on 2 nodes (torchrun)"

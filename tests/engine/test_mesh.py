@@ -1,13 +1,12 @@
 """``mesh=`` on both front doors: a 1-D ``DeviceMesh`` shards as ``group=`` does, to the bit, at
 world sizes 1-3; and the meshes zerocore cannot take are refused on every rank, in one line,
 before anything is allocated (a mesh and a group, a 3-D mesh, meshes that differ between ranks,
-a mesh made for another kind of device than the model computes on). HSDP's training is
-tests/engine/test_hsdp.py's.
+a mesh made for another kind of device than the model computes on, a node shape that does not
+divide the world: ``zerocore.node_mesh``). HSDP's training is tests/engine/test_hsdp.py's.
 """
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
@@ -16,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import zerocore
+from tests.support.environ import environment
 from tests.support.toy_stack import Spec, make_layers, train_digest
 from tests.support.zerocore_log import logged
 
@@ -61,6 +61,10 @@ def refusal(rank: int, world_size: int, door: str, how: str) -> str:
     elif how == "device":
         where = dict(mesh=init_device_mesh("cpu", (world_size,)), device="cuda",
                      platform=GPU_HOST)
+    elif how == "cuda mesh":
+        # torch builds a "cuda" mesh over gloo's CPU groups without complaint; the model
+        # computes where the group's backend says (the CPU), and the mesh alone says otherwise.
+        where = dict(mesh=init_device_mesh("cuda", (world_size,)))
     elif how == "differ":
         # Every rank builds both meshes (building one is collective); rank 0 passes the other.
         hsdp = init_device_mesh("cpu", (2, world_size // 2))
@@ -81,6 +85,9 @@ REFUSALS = {
                   r"\.DeviceMesh",
     "device": r"ValueError: zerocore\.{door}: the mesh was made for 'cpu' but the model "
               r"computes on 'cuda'",
+    "cuda mesh": r"ValueError: zerocore\.{door}: the mesh was made for 'cuda' but the model "
+                 r"computes on 'cpu' \(from the process group's backend, or device=\); build the "
+                 r"mesh with init_device_mesh\('cpu', \.\.\.\)$",
 }
 
 
@@ -104,17 +111,9 @@ def test_meshes_differing_between_ranks_are_refused_on_every_rank(worlds, door):
 def start_up_line(rank: int, world_size: int, environ: dict, shape) -> str | None:
     """The line rank 0 logs when sharding, under a launcher's environment (as torchrun sets
     it; restored after)."""
-    saved = {k: os.environ.get(k) for k in environ}
-    os.environ.update(environ)
-    try:
+    with environment(environ):
         where = {"mesh": init_device_mesh("cpu", shape)} if shape is not None else {}
         _, records = logged(lambda: _shard("shard", **where))
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return records[0] if records else None
 
 
@@ -133,3 +132,47 @@ def test_the_start_up_line_names_the_layout(worlds):
             "gather: ") in hsdp[0], hsdp[0]
     alone = world.run(start_up_line, {}, None)
     assert "; layout: flat over 4 ranks; gather: " in alone[0], alone[0]
+
+
+def node_meshes(rank: int, world_size: int, nodes: int) -> str | tuple:
+    """``zerocore.node_mesh("cpu", nodes)``'s mesh (its shape, rows and dim names), or its
+    refusal; beside what torch's own ``init_device_mesh`` does with that shape."""
+    try:
+        torch_says = init_device_mesh("cpu", (nodes, world_size // nodes)).mesh.tolist()
+    except RuntimeError as e:
+        torch_says = f"RuntimeError: {e}"
+    try:
+        mesh = zerocore.node_mesh("cpu", nodes)
+    except ValueError as e:
+        return f"ValueError: {e}", torch_says
+    return (tuple(mesh.shape), mesh.mesh.tolist(), mesh.mesh_dim_names), torch_says
+
+
+def test_a_node_mesh_is_torchruns_layout_or_refused_on_every_rank(worlds):
+    world = worlds(4)
+    for mesh, _ in world.run(node_meshes, 2):  # the ranks of a node are a row: torchrun's order
+        assert mesh == ((2, 2), [[0, 1], [2, 3]], ("replicate", "shard"))
+    for got, torch_says in world.run(node_meshes, 3):
+        # Torch takes a (3, 1) mesh over 4 ranks and leaves rank 3 out, silently.
+        assert torch_says == [[0], [1], [2]] or torch_says.startswith("RuntimeError"), torch_says
+        assert got == ("ValueError: zerocore.node_mesh: 3 nodes do not divide the world of 4 "
+                       "ranks: the shard dim (ranks per node) must divide the world; run as "
+                       "many ranks on every node"), got
+
+
+@pytest.mark.parametrize("environ, message", [
+    ({}, "zerocore.from_environment: hybrid sharding takes its nodes from torchrun's environment "
+         "(WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK), which this process does not have: start it "
+         "with torchrun --nnodes N --nproc-per-node M, or pass a 2-D mesh"),
+    (dict(WORLD_SIZE="4", LOCAL_WORLD_SIZE="4", GROUP_RANK="0"),
+     "zerocore.from_environment: hybrid sharding replicates across nodes, and torchrun started "
+     "one node (4 ranks): run with --nnodes 2 or more, or shard flat"),
+    (dict(WORLD_SIZE="5", LOCAL_WORLD_SIZE="2", GROUP_RANK="1"),
+     "zerocore.from_environment: LOCAL_WORLD_SIZE=2 does not divide WORLD_SIZE=5: the shard dim "
+     "(ranks per node) must divide the world; run as many ranks on every node"),
+])
+def test_nodes_from_an_environment_that_has_none_are_refused(environ, message):
+    # Read from the environment passed alone: refused before any collective.
+    with pytest.raises(ValueError) as e:
+        zerocore.mesh_from_environment("cpu", environ)
+    assert str(e.value) == message

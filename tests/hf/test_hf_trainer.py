@@ -19,8 +19,10 @@ import os
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 
 import zerocore
+from tests.support.environ import environment
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -53,6 +55,11 @@ class Spec:
     fp16: bool = False        # TrainingArguments(fp16=True): zerocore's fp16 and loss scaling
     overflow: tuple[int, int] | None = None  # (rank, step): an inf gradient there
     offload: tuple[bool, bool] | None = None  # shard_options' Offload(params=, optimizer=)
+    # HSDP 2x2 (4 ranks as 2 nodes of 2): "given", shard_options' mesh; "torchrun",
+    # hybrid="hsdp" with the mesh of torchrun's environment (set by the run).
+    mesh: str | None = None
+    rows: int = GLOBAL_ROWS   # rows per micro-batch over all ranks
+    clip: float | None = None  # max_grad_norm; None: MAX_GRAD_NORM[mode]
 
 
 def _model(mode: str) -> torch.nn.Module:
@@ -78,10 +85,10 @@ def _data() -> list[dict[str, torch.Tensor]]:
 
 def _args(out: str, world_size: int, spec: Spec) -> "transformers.TrainingArguments":
     return transformers.TrainingArguments(
-        output_dir=out, per_device_train_batch_size=GLOBAL_ROWS // world_size,
+        output_dir=out, per_device_train_batch_size=spec.rows // world_size,
         per_device_eval_batch_size=2,
         gradient_accumulation_steps=2, max_steps=spec.steps, learning_rate=LR,
-        weight_decay=0.1, adam_epsilon=EPS, max_grad_norm=MAX_GRAD_NORM[spec.mode],
+        weight_decay=0.1, adam_epsilon=EPS, max_grad_norm=spec.clip or MAX_GRAD_NORM[spec.mode],
         lr_scheduler_type="linear", warmup_steps=0, logging_steps=1,
         save_strategy="steps" if spec.save_steps else "no", save_steps=spec.save_steps or 500,
         activation_checkpointing=spec.checkpointing, fp16=spec.fp16,
@@ -117,13 +124,20 @@ def sharded_run(rank: int, world_size: int, out: str, spec: Spec) -> dict:
     # What torchrun sets, for accelerate (the process group exists already: the harness's).
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    if spec.mesh == "torchrun":  # as two nodes of two (hsdp_run restores these)
+        # (accelerate asks for MASTER_ADDR on several nodes, though the group exists.)
+        os.environ.update(LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2",
+                          GROUP_RANK=str(rank // 2), MASTER_ADDR="127.0.0.1")
     from zerocore.hf_trainer import ShardedTrainer
 
     class Overflowing(ShardedTrainer):
         """Makes a gradient inf on one rank in one step, after its first micro-batch."""
 
         def training_step(self, *args, **kwargs):
+            before = self.sharding.counter.replica_all_reduce_calls
             loss = super().training_step(*args, **kwargs)
+            replica_calls.append((self.accelerator.sync_gradients,
+                                  self.sharding.counter.replica_all_reduce_calls - before))
             if spec.overflow == (rank, self.state.global_step):
                 self.sharding.trainable_shards()[0].grad[0] = float("inf")
             return loss
@@ -135,10 +149,15 @@ def sharded_run(rank: int, world_size: int, out: str, spec: Spec) -> dict:
     if spec.offload is not None:
         params, optimizer = spec.offload
         options = dict(offload=zerocore.Offload(params=params, optimizer=optimizer))
+    replica_calls: list[tuple[bool, int]] = []  # (sync_gradients, all-reduces) per micro-batch
+    if spec.mesh == "given":
+        options = dict(mesh=init_device_mesh("cpu", (2, world_size // 2),
+                                             mesh_dim_names=("replicate", "shard")))
     trainer = Overflowing(model=model, args=_args(out, world_size, spec),
                           train_dataset=_data(), eval_dataset=_data()[:EVAL_ROWS],
                           data_collator=transformers.default_data_collator,
-                          shard_options=options)
+                          shard_options=options,
+                          hybrid="hsdp" if spec.mesh == "torchrun" else None)
     skipped = []
 
     class Record(transformers.TrainerCallback):
@@ -156,6 +175,11 @@ def sharded_run(rank: int, world_size: int, out: str, spec: Spec) -> dict:
     lrs = [h["learning_rate"] for h in trainer.state.log_history if "loss" in h]
     report = trainer.sharding.memory_report()
     return dict(losses=losses, norms=norms, forwards=len(forwards), evals=[before, after],
+                replica_calls=replica_calls, replicas_agree=trainer.sharding.replicas_agree(),
+                shards=[t.detach().clone() for t in trainer.sharding.trainable_shards()],
+                place=trainer.sharding.rank, ways=trainer.sharding.ways.line(),
+                trainable_units=sum(1 for u in trainer.sharding.layers
+                                    if u.trainable is not None),
                 host_arena=report.host_arena_bytes, on_device=report.device_shard_bytes,
                 skipped=skipped, adam_steps=adam_steps, lrs=lrs,
                 loss_scale=trainer.loss_scaler.loss_scale,
@@ -258,6 +282,69 @@ def test_resume_at_another_number_of_processes(worlds, tmp_path):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]),
                                    **LOSS_TOL)
     _assert_close_params(resumed[0]["params"], ref["params"])
+
+
+def hsdp_run(rank: int, world_size: int, out: str, spec: Spec) -> dict:
+    """``sharded_run`` of an HSDP spec, torchrun's variables restored after (these processes
+    serve other tests, and zerocore.shard reads the nodes from them)."""
+    with environment({}, also=("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR")):
+        return sharded_run(rank, world_size, out, spec)
+
+
+@pytest.mark.parametrize("mode, mesh", [("full", "torchrun"), ("lora", "given")])
+def test_hsdp_trains_as_the_unsharded_trainer_and_its_replicas_agree(worlds, tmp_path, mode,
+                                                                     mesh):
+    """HSDP 2x2: 4 ranks as 2 nodes of 2, the mesh from torchrun's environment (hybrid="hsdp")
+    or given in shard_options. Trainer's losses, norms, evaluations and trained weights as the
+    unsharded Trainer's, on the same global batches (8 rows: 2 per rank), to the flat tests'
+    tolerances (the sums run in another order again: within the node, then across it); the
+    replicas' shards bitwise equal; the replicas' all-reduce only with the backward of each
+    step's last micro-batch, once per trainable unit."""
+    # Clipping below every step's norm (full training's: 0.91, 0.50, 0.49 on these batches).
+    spec = Spec(mode=mode, steps=3, rows=8, mesh=mesh, clip={"full": 0.4}.get(mode))
+    ref = reference(str(tmp_path / "ref"), spec)
+    got = worlds(4).run(hsdp_run, str(tmp_path / "hsdp"), spec, timeout=300)
+    assert len(ref["losses"]) == spec.steps
+    for r in got:
+        assert "layout: HSDP 2x2" in r["ways"], r["ways"]
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]),
+                                   **LOSS_TOL)
+        torch.testing.assert_close(torch.tensor(r["evals"]), torch.tensor(ref["evals"]),
+                                   **LOSS_TOL)
+        # Two micro-batches a step: (not the last, none), (the last, one per trainable unit).
+        units = r["trainable_units"]
+        assert units > 0 and r["replica_calls"] == [(False, 0), (True, units)] * spec.steps
+        assert r["replicas_agree"]
+    norms = torch.tensor(ref["norms"])
+    assert bool((norms > (spec.clip or MAX_GRAD_NORM[mode])).all()), norms
+    torch.testing.assert_close(torch.tensor(got[0]["norms"]), norms, rtol=1e-4, atol=0.0)
+    _assert_close_params(got[0]["params"], ref["params"])
+    for rank, r in enumerate(got):  # ranks at one place of the shard dim: the same bits
+        assert r["place"] == rank % 2
+        twin = got[rank % 2]["shards"]
+        assert len(r["shards"]) == len(twin) > 0
+        assert all(torch.equal(a, b) for a, b in zip(r["shards"], twin)), rank
+
+
+def hybrid_refused(rank: int, world_size: int, out: str) -> str:
+    """ShardedTrainer(hybrid="hsdp") with torchrun's environment of one node (the harness's)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    from zerocore.hf_trainer import ShardedTrainer
+    with environment(dict(GROUP_RANK="0")):
+        try:
+            ShardedTrainer(model=_model("full"), args=_args(out, world_size, Spec()),
+                           train_dataset=_data(), hybrid="hsdp")
+        except ValueError as e:
+            return str(e)
+    return "built"
+
+
+def test_hybrid_on_one_node_is_refused_on_every_rank(worlds, tmp_path):
+    for m in worlds(2).run(hybrid_refused, str(tmp_path)):
+        assert m == ("ShardedTrainer(hybrid='hsdp'): hybrid sharding replicates across nodes, "
+                     "and torchrun started one node (2 ranks): run with --nnodes 2 or more, or "
+                     "shard flat"), m
 
 
 REFUSED = {  # TrainingArguments / Trainer arguments ShardedTrainer refuses, and the message's key

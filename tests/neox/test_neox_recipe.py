@@ -197,3 +197,31 @@ def test_offload_is_one_declaration_too():
 def test_recipe_parts_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         _recipe().optim.lr = 1.0  # type: ignore[misc]
+
+
+def test_the_layout_is_one_declaration_too():
+    # --hybrid and --quantize-gradients (LoopConfig.hybrid, .quantize_gradients): the words,
+    # the recipe, version 6; older recipes were flat, their gradients exact.
+    def loop(*flags):
+        return recipe_from_flags(vars(build_parser().parse_args(["--finetune", "full",
+                                                                 *flags]))).loop
+    assert (loop().hybrid, loop().quantize_gradients) == (None, None)
+    assert (loop("--hybrid", "none").hybrid, loop("--hybrid", "hsdp").hybrid) == (None, "hsdp")
+    assert loop("--quantize-gradients", "int8").quantize_gradients == "int8"
+    assert loop("--quantize-gradients", "none").quantize_gradients is None
+    assert RECIPE_VERSION >= 6
+    for flag in ("--hybrid", "--quantize-gradients"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([flag, "int4"])
+    d = Recipe(loop=LoopConfig(hybrid="hsdp", quantize_gradients="int8")).to_dict()
+    assert Recipe.from_dict(json.loads(json.dumps(d))).loop == \
+        LoopConfig(hybrid="hsdp", quantize_gradients="int8")
+    d["loop"]["hybrid"] = "ring"
+    with pytest.raises(RecipeError, match=r"recipe.loop: hybrid must be null \(flat\) or one of"):
+        Recipe.from_dict(d)
+    del d["loop"]["hybrid"], d["loop"]["quantize_gradients"]
+    with pytest.raises(RecipeError, match=r"missing fields \['hybrid', 'quantize_gradients'\]"):
+        Recipe.from_dict(d)
+    d["version"] = 5
+    assert (Recipe.from_dict(d).loop.hybrid, Recipe.from_dict(d).loop.quantize_gradients) == \
+        (None, None)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.processes import RUN_MARK, left_after, marked
+from tests.support.two_nodes import run_two_nodes
 
 # Each test runs an example as a user would, in its own processes.
 pytestmark = pytest.mark.e2e
@@ -72,6 +73,42 @@ def test_finetune_hf_trainer_example(tmp_path):
     assert (tmp_path / "out" / "checkpoint-12" / "zerocore" / "step-00000012" / "COMMIT").is_file()
 
 
+# qgZ's stated bound on real training (docs/decisions.md, "qgZ"; tests/engine/test_hsdp.py):
+# each step's loss within 1% of the exact run's. Measured here: 2e-5 (the last printed digit).
+QGZ_LOSS_RTOL = 1e-2
+
+
+def example_losses(stdout: str) -> list[float]:
+    return [float(x) for x in re.search(r"losses every 1 steps: (.*)", stdout).group(1).split()]
+
+
+def test_the_trainer_example_under_two_torchrun_agents_hsdp_and_qgz(tmp_path):
+    """Two torchrun agents of 2 ranks on this machine, as two nodes: --hybrid hsdp with the
+    cross-node gradients in int8 (qgZ). It finishes, says its layout, its replicas end bitwise
+    equal, PEFT's reload of the adapter generates what the sharded model does, and its losses
+    are the flat job's (one process, the same 16 rows a micro-batch: Trainer hands each rank its
+    part of the same global batch) within qgZ's bound."""
+    steps = ["--steps", "4", "--log-every", "1"]
+    agents = run_two_nodes([ROOT / "examples" / "finetune_hf_trainer.py", *steps, "--hybrid",
+                            "hsdp", "--quantize-gradients", "int8", "--out", tmp_path / "hsdp"],
+                           timeout=600, env=_example_env())
+    assert agents.codes == [0, 0], agents.output[-6000:]
+    printed = agents.output
+    said = [line for line in printed.splitlines() if line.startswith("layout:")]
+    assert len(said) == 1 and said[0].startswith("layout: HSDP 2x2: "), said
+    assert "replicas bitwise equal: True" in printed
+    assert "same as the sharded model's: True" in printed
+    flat = subprocess.run([sys.executable, str(ROOT / "examples" / "finetune_hf_trainer.py"),
+                           *steps, "--nproc", "1", "--batch", "16", "--out",
+                           str(tmp_path / "flat")],
+                          capture_output=True, text=True, timeout=600, env=_example_env())
+    assert flat.returncode == 0, flat.stderr[-3000:]
+    got, want = example_losses(printed), example_losses(flat.stdout)
+    assert len(got) == len(want) == 4
+    for g, w in zip(got, want):
+        assert abs(g - w) <= QGZ_LOSS_RTOL * w, (got, want)
+
+
 def test_example_help_shows_the_whole_description():
     for name in ("train_mlp.py", "finetune_hf_lora.py", "finetune_hf_trainer.py"):
         proc = subprocess.run([sys.executable, str(ROOT / "examples" / name), "--help"],
@@ -96,7 +133,12 @@ def _example_env(**more: str) -> dict[str, str]:
     (["--batch", "0"], "--batch 0: give 1 or more sequences per process"),
     (["--lr", "nan"], "--lr nan: give a positive, finite learning rate"),
     (["--out", "OUT_UNDER_A_FILE"], "cannot write there (Not a directory)"),
-], ids=["nproc-0", "no-data", "seq-len-0", "seq-len-huge", "batch-0", "lr-nan", "unwritable-out"])
+    (["--quantize-gradients", "int8"], "--quantize-gradients int8 quantizes the gradients' "
+                                       "all-reduce across nodes, which only --hybrid has"),
+    (["--hybrid", "hsdp"], "--hybrid hsdp shards within each node and replicates across nodes: "
+                           "run under torchrun --nnodes N (N >= 2)"),
+], ids=["nproc-0", "no-data", "seq-len-0", "seq-len-huge", "batch-0", "lr-nan", "unwritable-out",
+        "qgz-flat", "hybrid-one-machine"])
 def test_the_trainer_example_refuses_bad_arguments_in_one_line(tmp_path, args, phrase):
     (tmp_path / "file").write_text("x")
     args = [str(tmp_path / "file" / "out") if a == "OUT_UNDER_A_FILE" else a for a in args]

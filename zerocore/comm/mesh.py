@@ -20,7 +20,7 @@ import dataclasses
 from typing import Mapping
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from zerocore.comm.fake import fake_group
 
@@ -155,3 +155,45 @@ def check_device(mesh: DeviceMesh | None, device_type: str, what: str) -> None:
         raise ValueError(f"{what}: the mesh was made for {mesh.device_type!r} but the model "
                          f"computes on {device_type!r} (from the process group's backend, or "
                          f"device=); build the mesh with init_device_mesh({device_type!r}, ...)")
+
+
+def node_mesh(device_type: str, nodes: int, *, what: str = "zerocore.node_mesh") -> DeviceMesh:
+    """Collective: the 2-D mesh ``(nodes, ranks per node)`` over the initialised world, dims
+    ``("replicate", "shard")``, as torchrun numbers ranks (node by node): HSDP's, sharded within
+    each node. Checked first, alike on every rank (the world size and ``nodes`` are the same
+    everywhere), with zerocore's message where torch would raise its own or, for a shard dim
+    that leaves ranks out, none at all."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{what} needs torch.distributed to be initialised: call "
+                           f"torch.distributed.init_process_group(...) first")
+    world = dist.get_world_size()
+    if type(nodes) is not int or nodes < 1:
+        raise ValueError(f"{what}: nodes must be an int >= 1, got {nodes!r}")
+    if world % nodes:
+        raise ValueError(f"{what}: {nodes} nodes do not divide the world of {world} ranks: the "
+                         f"shard dim (ranks per node) must divide the world; run as many ranks "
+                         f"on every node")
+    return init_device_mesh(device_type, (nodes, world // nodes),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+def from_environment(device_type: str, environ: Mapping[str, str], *,
+                     what: str = "zerocore.from_environment") -> DeviceMesh:
+    """Collective: ``node_mesh`` of the nodes torchrun started (``nodes_of(environ)``; the
+    caller passes its environment, read nowhere else). Refused, alike on every rank, when the
+    process was not started by torchrun or the job has one node (no replica to share with)."""
+    nodes = nodes_of(environ)
+    if nodes is None:
+        if all(k in environ for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")):
+            raise ValueError(f"{what}: LOCAL_WORLD_SIZE={environ['LOCAL_WORLD_SIZE']} does not "
+                             f"divide WORLD_SIZE={environ['WORLD_SIZE']}: the shard dim (ranks "
+                             f"per node) must divide the world; run as many ranks on every node")
+        raise ValueError(f"{what}: hybrid sharding takes its nodes from torchrun's environment "
+                         f"(WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK), which this process does "
+                         f"not have: start it with torchrun --nnodes N --nproc-per-node M, or "
+                         f"pass a 2-D mesh")
+    if nodes == 1:
+        raise ValueError(f"{what}: hybrid sharding replicates across nodes, and torchrun "
+                         f"started one node ({environ['WORLD_SIZE']} ranks): run with "
+                         f"--nnodes 2 or more, or shard flat")
+    return node_mesh(device_type, nodes, what=what)

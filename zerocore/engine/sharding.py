@@ -417,6 +417,25 @@ class Sharding:
         if self.ctx.replicas is not None:
             self.ctx.replicas.requires_all_reduce = requires
 
+    def replicas_agree(self) -> bool:
+        """Collective (every rank of the mesh): whether HSDP's replicas hold the same bits:
+        each rank's trainable shards (fp32 masters and 16-bit model copies) hashed, and the
+        hashes of each place in the shard dim compared across the replicas; the same answer on
+        every rank. True for a flat layout (one copy). It reads every trainable shard once:
+        a check for the end of a run, not for every step."""
+        digest = hashlib.sha256()
+        for shard in self.trainable_shards():
+            for t in (shard, shard.model_copy):
+                if t is not None:
+                    digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy())
+        mine = (self.rank, digest.hexdigest())
+        every = all_gather_objects(mine, self.mesh.whole,
+                                   comm_device(self.mesh.whole, _CPU, self.device))
+        by_place: dict[int, set[str]] = {}
+        for place, hexdigest in every:
+            by_place.setdefault(place, set()).add(hexdigest)
+        return all(len(d) == 1 for d in by_place.values())
+
     # -- accounting --------------------------------------------------------------------------
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:

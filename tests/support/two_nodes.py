@@ -1,0 +1,63 @@
+"""Two nodes on this machine: two torchrun agents (``--nnodes 2 --nproc-per-node 2``, c10d
+rendezvous on 127.0.0.1 at a free port), each starting its node's ranks, the way a job starts
+on two machines. What each agent printed comes back, with its exit code."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from tests.support.dist_utils import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+# Variables of an enclosing launcher that would confuse the agents' own.
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                      "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclasses.dataclass(frozen=True)
+class Agents:
+    codes: list[int]
+    outputs: list[str]     # each agent's stdout and stderr together (its ranks' too)
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.outputs)
+
+
+def torchrun_command(port: int, program: Sequence[str], *, nproc: int = 2,
+                     nnodes: int = 2, node_rank: int | None = None) -> list[str]:
+    """``python -m torch.distributed.run`` of one agent; ``program``: ``["-m", module, ...]``
+    or a script and its arguments. ``node_rank``: fixed, else assigned by the rendezvous."""
+    rank = [] if node_rank is None else ["--node-rank", str(node_rank)]
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+            "--nproc-per-node", str(nproc), *rank, "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"two-nodes-{port}",
+            *map(str, program)]
+
+
+def run_two_nodes(program: Sequence[str], *, timeout: float, nproc: int = 2,
+                  env: dict[str, str] | None = None) -> Agents:
+    """Both agents run ``program`` (the rendezvous numbers the nodes); waits for both (killed past
+    ``timeout`` seconds)."""
+    port = free_port()
+    environ = {k: v for k, v in (env or os.environ).items() if k not in LAUNCHER_VARIABLES}
+    environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO), environ.get("PYTHONPATH")) if p)
+    agents = [subprocess.Popen(torchrun_command(port, program, nproc=nproc),
+                               cwd=REPO, env=environ, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = []
+    try:
+        for agent in agents:
+            outputs.append(agent.communicate(timeout=timeout)[0])
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
+    return Agents([a.returncode for a in agents], outputs)
