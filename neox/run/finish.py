@@ -44,7 +44,8 @@ def finish(state: TrainState, recipe: Recipe, data: RunData, done: StepsDone,
         log("memory per rank (model state, measured vs (2+2+K)·Ψ/N_d):")
         for t in tables:
             log(t)
-        log("communication this run:\n" + done.comm.table(steps=state.step - done.first_step))
+        log("communication this run:\n" + done.comm.table(steps=state.step - done.first_step,
+                                                          micro_batches=recipe.loop.grad_accum))
     if recipe.output.measure_memory:
         report_measured(state, recipe, done.measured, device=device, world_size=world_size,
                         log=log)

@@ -574,10 +574,12 @@ def test_the_communication_table_is_of_the_steps_not_the_validation(cli_dirs, tm
     """Validated at steps 2 and 4 (--eval-every 2; the last step always is), the run's
     communication table still shows what its 4 steps moved, measured equal to the expectation:
     the validation's forwards gather every layer too (the built-in run's table showed 38 MiB
-    more than expected once the last validation moved into the training loop)."""
+    more than expected once the last validation moved into the training loop). With two
+    micro-batches per step: every pass gathers and reduces (the table once expected one pass
+    per step)."""
     out = tmp_path / "out"
     proc = run_cli("--nproc", 2, *common_args(cli_dirs, out), "--max-steps", 4,
-                   "--eval-every", 2, "--sample-tokens", 0)
+                   "--eval-every", 2, "--sample-tokens", 0, "--grad-accum", 2)
     _check_ok(proc)
     steps, _ = read_metrics(out)
     assert [("val_loss" in r) for r in steps] == [False, True, False, True]

@@ -109,13 +109,15 @@ class CommReport:
             return self.shard_group_bytes
         return 0 if self.nodes > 1 else self.shard_group_bytes
 
-    def table(self, steps: int = 1) -> str:
-        """The bytes by collective against ``steps`` steps' expectation (HSDP's replicas: one
-        all-reduce per optimizer step, so pass optimizer steps when not accumulating), and,
-        when the ranks span nodes, the split intra-node / inter-node."""
-        rows = [("all-gather", self.all_gather_bytes, self.expected_all_gather_bytes * steps),
+    def table(self, steps: int = 1, micro_batches: int = 1) -> str:
+        """The bytes by collective against the expectation of ``steps`` optimizer steps of
+        ``micro_batches`` forward and backward passes each (gathers and reduce-scatters run
+        every pass; HSDP's all-reduce across the replicas once per optimizer step), and, when
+        the ranks span nodes, the split intra-node / inter-node."""
+        passes = steps * micro_batches
+        rows = [("all-gather", self.all_gather_bytes, self.expected_all_gather_bytes * passes),
                 ("reduce-scatter", self.reduce_scatter_bytes,
-                 self.expected_reduce_scatter_bytes * steps)]
+                 self.expected_reduce_scatter_bytes * passes)]
         if self.hybrid:
             rows.append(("across replicas", self.replica_all_reduce_bytes,
                          self.expected_replica_all_reduce_bytes * steps))
