@@ -70,6 +70,11 @@ def refusal(rank: int, world_size: int, door: str, how: str) -> str:
         hsdp = init_device_mesh("cpu", (2, world_size // 2))
         flat = init_device_mesh("cpu", (1, world_size))
         where = dict(mesh=flat if rank == 0 else hsdp)
+    elif how == "differ device":
+        # The same shape made for another device on rank 0: refused by every rank together,
+        # not by rank 0 alone while the others wait for it.
+        cuda, cpu = init_device_mesh("cuda", (world_size,)), init_device_mesh("cpu", (world_size,))
+        where = dict(mesh=cuda if rank == 0 else cpu)
     try:
         _shard(door, **where)
     except (ValueError, TypeError) as e:
@@ -106,6 +111,16 @@ def test_meshes_differing_between_ranks_are_refused_on_every_rank(worlds, door):
         assert m == (f"ValueError: zerocore.{door}: ranks were given different meshes (ranks "
                      f"[1, 2, 3] differ from rank 0 in mesh); every rank must pass the same "
                      f"ones"), m
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_a_mesh_for_another_device_on_one_rank_is_refused_on_every_rank(worlds, door):
+    """Rank 0's mesh alone is made for "cuda": its refusal travels with the ranks' devices
+    (agree_on_devices), so the others raise it too instead of waiting for rank 0."""
+    for m in worlds(3).run(refusal, door, "differ device"):
+        assert m == (f"ValueError: zerocore.{door}: the mesh was made for 'cuda' but the model "
+                     f"computes on 'cpu' (from the process group's backend, or device=); build "
+                     f"the mesh with init_device_mesh('cpu', ...) (ranks 0)"), m
 
 
 def start_up_line(rank: int, world_size: int, environ: dict, shape) -> str | None:

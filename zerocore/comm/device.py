@@ -178,6 +178,9 @@ class RankDevice:
     device: str            # "cpu", "cuda:0"
     uuid: str | None       # the CUDA device's UUID, None on the CPU or when unknown
     problem: str | None    # why this rank cannot compute there (device_problem), or None
+    # The caller's own refusal of this rank's setting (e.g. a mesh made for another kind of
+    # device), raised on every rank as it is: the exchange is where the ranks first meet.
+    refusal: str | None = None
 
     def gpu_key(self) -> tuple[str, ...] | None:
         """What identifies the physical GPU: its UUID, else (host, device); None on the CPU."""
@@ -231,7 +234,8 @@ def uses_side_channel(backends: dict[str, str]) -> bool:
 
 def agree_on_devices(group: dist.ProcessGroup, device: torch.device, platform: Platform, *,
                      side_channel: bool | None = None,
-                     one_gpu_each: bool | None = None) -> Placement:
+                     one_gpu_each: bool | None = None,
+                     refusal: str | None = None) -> Placement:
     """Collective: every rank describes its device, the ranks exchange the descriptions over a
     CPU channel, and either every rank returns the same ``Placement`` or every rank raises the
     same ValueError (a rank that cannot use its device, ranks on different kinds of device, two
@@ -247,7 +251,8 @@ def agree_on_devices(group: dist.ProcessGroup, device: torch.device, platform: P
     side_channel: force the gloo side group (default: when the group has no CPU
     backend); tests use it to run that path over gloo. one_gpu_each: refuse two ranks on one GPU
     (default: when NCCL is the group's CUDA backend; gloo ranks may share one); tests set it to
-    check NCCL's placement over gloo."""
+    check NCCL's placement over gloo. refusal: this rank's refusal of its setting (a whole
+    message), raised on every rank, naming the ranks it concerns when not all."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     backends = backend_map(group)
     mismatch = current_device_mismatch(rank, device, platform,
@@ -256,8 +261,10 @@ def agree_on_devices(group: dist.ProcessGroup, device: torch.device, platform: P
         logger.warning(mismatch)
     mine = RankDevice(rank, platform.host, str(device),
                       platform.device_uuid if device.type == "cuda" else None,
-                      device_problem(device, platform))
+                      device_problem(device, platform), refusal)
     if world == 1:  # nobody to agree with, nor to share a GPU with
+        if refusal is not None:
+            raise ValueError(refusal)
         if mine.problem is not None:
             raise ValueError(f"zerocore.shard: rank 0: {mine.problem}")
         return Placement((mine,), 1)
@@ -279,6 +286,11 @@ def agree_on_devices(group: dist.ProcessGroup, device: torch.device, platform: P
                                  use_local_synchronization=True)
         everyone = all_gather_objects(mine, channel, cpu)
     ranks = [r for r in everyone if r is not None]
+    refused = [r for r in ranks if r.refusal is not None]
+    if refused:
+        which = ("" if len(refused) == len(ranks) else
+                 f" (ranks {', '.join(str(r.rank) for r in refused)})")
+        raise ValueError(refused[0].refusal + which)
     problem = placement_problem(ranks, one_gpu_each)
     if problem is not None:
         raise ValueError(f"zerocore.shard: {problem}")

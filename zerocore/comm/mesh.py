@@ -37,6 +37,8 @@ class Mesh:
     nodes: int | None = None
     # The global ranks of the mesh, row by row (one row per replica): what the ranks compare.
     ranks: tuple[tuple[int, ...], ...] = ()
+    # The device type of the DeviceMesh given (``init_device_mesh``'s), None for a group.
+    device_type: str | None = None
 
     @property
     def replicas(self) -> int:
@@ -48,7 +50,8 @@ class Mesh:
 
     def describe(self) -> str:
         """What every rank must have been given alike (compared by ``Sharding``)."""
-        return f"{'hsdp' if self.hybrid else 'flat'} {self.shape} {self.ranks}"
+        return (f"{'hsdp' if self.hybrid else 'flat'} {self.shape} {self.ranks} "
+                f"{self.device_type or 'group'}")
 
     def line(self) -> str:
         """The layout, for the start-up line (``Ways.line``)."""
@@ -80,11 +83,12 @@ def nodes_of(environ: Mapping[str, str]) -> int | None:
     return world // local if local > 0 and world % local == 0 else None
 
 
-def flat(group: dist.ProcessGroup, nodes: int | None = None) -> Mesh:
-    """The flat layout over ``group``."""
+def flat(group: dist.ProcessGroup, nodes: int | None = None,
+         device_type: str | None = None) -> Mesh:
+    """The flat layout over ``group`` (of a 1-D mesh made for ``device_type``)."""
     n = group.size()
     return Mesh(group, None, group, (1, n), hybrid=False, nodes=nodes,
-                ranks=(tuple(dist.get_process_group_ranks(group)),))
+                ranks=(tuple(dist.get_process_group_ranks(group)),), device_type=device_type)
 
 
 def planned(shape: tuple[int, int] | None, world_size: int) -> Mesh:
@@ -136,7 +140,7 @@ def resolve(group: dist.ProcessGroup | None, mesh: DeviceMesh | None, what: str,
         raise ValueError(f"{what}: this rank ({dist.get_rank()}) is not in the mesh "
                          f"{mesh.mesh.tolist()}; call it only on the mesh's ranks")
     if mesh.ndim == 1:
-        return flat(mesh.get_group(0), nodes)
+        return flat(mesh.get_group(0), nodes, mesh.device_type)
     replicas, shards = (int(n) for n in mesh.shape)
     ranks = tuple(tuple(int(r) for r in row) for row in mesh.mesh.tolist())
     everyone = sorted(r for row in ranks for r in row)
@@ -145,16 +149,19 @@ def resolve(group: dist.ProcessGroup | None, mesh: DeviceMesh | None, what: str,
     else:  # made by the mesh's ranks alone (the world's others take no part)
         whole = dist.new_group(everyone, use_local_synchronization=True)
     return Mesh(mesh.get_group(1), mesh.get_group(0) if replicas > 1 else None, whole,
-                (replicas, shards), hybrid=True, nodes=nodes, ranks=ranks)
+                (replicas, shards), hybrid=True, nodes=nodes, ranks=ranks,
+                device_type=mesh.device_type)
 
 
-def check_device(mesh: DeviceMesh | None, device_type: str, what: str) -> None:
-    """Refuses a mesh made for another kind of device than the one the model computes on (the
-    group's backend's, or ``device=``)."""
-    if mesh is not None and mesh.device_type != device_type:
-        raise ValueError(f"{what}: the mesh was made for {mesh.device_type!r} but the model "
-                         f"computes on {device_type!r} (from the process group's backend, or "
-                         f"device=); build the mesh with init_device_mesh({device_type!r}, ...)")
+def device_refusal(mesh: Mesh, device_type: str, what: str) -> str | None:
+    """Why a mesh made for another kind of device than the one the model computes on (the
+    group's backend's, or ``device=``) is refused, or None. The ranks exchange it with their
+    devices (``agree_on_devices``), so a rank given another mesh is refused on every rank."""
+    if mesh.device_type is not None and mesh.device_type != device_type:
+        return (f"{what}: the mesh was made for {mesh.device_type!r} but the model "
+                f"computes on {device_type!r} (from the process group's backend, or "
+                f"device=); build the mesh with init_device_mesh({device_type!r}, ...)")
+    return None
 
 
 def node_mesh(device_type: str, nodes: int, *, what: str = "zerocore.node_mesh") -> DeviceMesh:

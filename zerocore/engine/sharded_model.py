@@ -337,8 +337,8 @@ def shard_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module = (), *
                          f"device; only parameters are read by range: materialise the buffers "
                          f"first")
     unit_list = unit_modules(model, units)
-    dev, host_threads = prepare_device(device, ranks, offload, platform)
-    meshes.check_device(mesh, dev.type, "zerocore.shard_model")
+    dev, host_threads = prepare_device(device, ranks, offload, platform,
+                                       "zerocore.shard_model")
     sharding = ShardedModel(model, unit_list, mesh=ranks, device=dev,
                             mixed_precision=mixed_precision, prefetch=prefetch, offload=offload,
                             frozen_weights=frozen_weights, comm=comm, recompute=recompute,

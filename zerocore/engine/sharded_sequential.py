@@ -227,7 +227,6 @@ def shard(layers: Iterable[nn.Module | MetaLayer], *, group: dist.ProcessGroup |
         raise TypeError("zerocore.shard expects a sequence of layers (nn.Sequential, "
                         "nn.ModuleList or list), not a single module")
     dev, host_threads = prepare_device(device, ranks, offload, platform)
-    meshes.check_device(mesh, dev.type, "zerocore.shard")
     return ShardedSequential(layers, mesh=ranks, device=dev,
                              mixed_precision=mixed_precision, prefetch=prefetch, offload=offload,
                              recompute=recompute, frozen_weights=frozen_weights, comm=comm,

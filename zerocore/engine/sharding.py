@@ -26,7 +26,7 @@ from zerocore.comm.collectives import CommCounter
 from zerocore.comm.peer_memory import PeerMemory
 from zerocore.comm.device import Platform, agree_on_devices, comm_device, resolve_device
 from zerocore.comm.fake import is_fake
-from zerocore.comm.mesh import Mesh
+from zerocore.comm.mesh import Mesh, device_refusal
 from zerocore.comm.objects import all_gather_objects
 from zerocore.engine.compiled import compile_forward
 from zerocore.engine.flat_group import GroupContext
@@ -208,7 +208,7 @@ def memory_report_of(layers: list[ShardedLayer], rank: int, world_size: int,
 
 
 def prepare_device(device: torch.device | str | None, mesh: Mesh,
-                   offload: Offload, platform: Platform | None
+                   offload: Offload, platform: Platform | None, what: str = "zerocore.shard"
                    ) -> tuple[torch.device, int | None]:
     """Where this rank computes, checked by every rank of the mesh together before anything
     is allocated (see ``shard``'s ``device``), and the CPU threads its optimizer steps with
@@ -218,7 +218,8 @@ def prepare_device(device: torch.device | str | None, mesh: Mesh,
     dev = resolve_device(device, mesh.shard)
     if platform is None:
         platform = Platform.detect(dev, kernels_cuda=BUILD.has_cuda)
-    placement = agree_on_devices(mesh.whole, dev, platform)
+    placement = agree_on_devices(mesh.whole, dev, platform,
+                                 refusal=device_refusal(mesh, dev.type, what))
     threads = None
     if offload.optimizer and dev.type == "cuda":
         # This rank's optimizer steps on the CPU, as every other rank's on this host does.
