@@ -19,10 +19,11 @@ from torch.distributed.device_mesh import init_device_mesh
 import zerocore
 from zerocore.comm.quantized_reduce import reduce_scatter_message_nbytes
 from tests.support.hybrid_runs import (BF16, FP32, MICRO, QGZ_STEPS, QUANTIZE_BLOCK, STEPS,
-                                       Case, check_against_reference, mesh_of,
+                                       Case, check_against_reference, mesh_of, plan_of,
                                        quantized_collective, run_qgz, train_hybrid,
                                        train_unsharded)
-from tests.support.toy_stack import Spec, make_layers
+from tests.support.toy_stack import SEQ, Spec, make_layers
+from zerocore.plan import SECONDARY
 
 HPZ = dict(layout="hpz")
 CASES = {
@@ -82,6 +83,28 @@ def _check_traffic(case: Case, got: list[dict]) -> None:
                 f"{r.inter_node_bytes / 2**20:.3f} MiB") in r.table()
 
 
+def _check_plan(case: Case, got: list[dict], plan) -> None:
+    """zerocore.plan predicts, from shapes alone, every byte the run moved (per group) and the
+    secondary shards it held between the passes, and memory per rank sharded over all ranks."""
+    for out in got:
+        r, memory = out["report"], out["memory"]
+        assert (plan.all_gather_bytes * STEPS, plan.reduce_scatter_bytes * STEPS) == \
+            (r.all_gather_bytes, r.reduce_scatter_bytes)
+        assert (plan.across_all_gather_bytes * STEPS, plan.across_reduce_scatter_bytes * STEPS) \
+            == (r.across_all_gather_bytes, r.across_reduce_scatter_bytes)
+        assert plan.inter_node_bytes * STEPS == r.inter_node_bytes > 0
+        # After the first forward every layer backward gathers again holds its secondary
+        # shard (the plan's most at any point), all of them on every rank alike.
+        assert 0 < memory.secondary_bytes == plan.secondary_peak
+        assert f"secondary shards now {memory.secondary_bytes / 2**20:.3f} MiB" in \
+            " ".join(memory.table().split())
+        assert memory.world_size == plan.world_size == case.shape[0] * case.shape[1]
+        s = plan.state
+        assert memory.param_bytes == s.trainable_params + s.frozen_params
+        assert memory.master_bytes == s.masters and memory.optimizer_bytes == s.optimizer
+    assert "hpZ 2x2" in plan.table() or case.shape != (2, 2)
+
+
 @pytest.mark.parametrize("name, door", PARAMS)
 def test_hpz_trains_as_the_unsharded_model(worlds, name, door):
     case = CASES[name]
@@ -94,6 +117,7 @@ def test_hpz_trains_as_the_unsharded_model(worlds, name, door):
     assert [out["group"] for out in got] == [
         ((w % shards) * replicas + w // shards, replicas * shards) for w in range(len(got))]
     _check_traffic(case, got)
+    _check_plan(case, got, plan_of(door, case))
 
 
 # -- qgZ on hpZ: the cross-node reduce-scatter in int8 --------------------------------------------
@@ -185,3 +209,48 @@ def test_hybrid_takes_only_its_layouts():
     with pytest.raises(ValueError, match=r"Hybrid.layout must be one of \('hsdp', 'hpz'\), "
                                          r"got 'hpZ'"):
         zerocore.Hybrid("hpZ")
+
+
+def test_plan_refuses_hpz_without_nodes():
+    with torch.device("meta"):
+        layers = make_layers(Spec(model="transformer"))
+    example = torch.zeros(2, SEQ, dtype=torch.int64, device="meta")
+    hpz = zerocore.Hybrid("hpz")
+    with pytest.raises(ValueError, match=r"^plan: Hybrid\('hpz'\) needs a 2-D mesh \(replicate, "
+                                         r"shard\) and this model has none \(layout: flat over 4 "
+                                         r"ranks\); pass mesh=\(nodes, ranks_per_node\)"):
+        zerocore.plan.plan(layers, example, world_size=4, hybrid=hpz)
+    with pytest.raises(ValueError, match=r"^plan: Hybrid\('hpz'\) gathers across the mesh's "
+                                         r"replicate dim and this mesh has one replica"):
+        zerocore.plan.plan(layers, example, world_size=4, mesh=(1, 4), hybrid=hpz)
+
+
+def test_plan_sets_hpz_beside_flat_and_hsdp():
+    """On 2 nodes x 2: hpZ holds flat's model state per rank (sharded over all 4) plus its
+    secondary shards, moves within the node what flat moves in all, and sends across the
+    nodes a quarter of flat's traffic: each forward's gathers and each micro-batch's gradient
+    reduce-scatters, 1/S each (the formulas of docs/decisions.md)."""
+    with torch.device("meta"):
+        layers = make_layers(Spec(model="transformer"))
+    example = torch.zeros(2, SEQ, dtype=torch.int64, device="meta")
+    common = dict(world_size=4, device="cpu", micro_batches=2)
+    flat = zerocore.plan.plan(layers, example, nodes=2, **common)
+    hsdp = zerocore.plan.plan(layers, example, mesh=(2, 2), **common)
+    hpz = zerocore.plan.plan(layers, example, mesh=(2, 2), hybrid=zerocore.Hybrid("hpz"),
+                             **common)
+    qgz = zerocore.plan.plan(layers, example, mesh=(2, 2), hybrid=zerocore.Hybrid("hpz"),
+                             comm=zerocore.Comm(quantize_gradients="int8"), **common)
+    assert hpz.state == flat.state != hsdp.state
+    assert hpz.peak[SECONDARY] > 0 and flat.peak[SECONDARY] == hsdp.peak[SECONDARY] == 0
+    assert hpz.intra_node_bytes == flat.all_gather_bytes + flat.reduce_scatter_bytes
+    # Across the nodes, half (S = 2) of each forward's gathers and of the gradients; flat
+    # sends every forward gather and the backward's again (every layer but the last, kept for
+    # its backward), and the gradients.
+    forward = hpz.across_all_gather_bytes * 2
+    assert 0 < flat.all_gather_bytes - forward < forward
+    assert hpz.across_reduce_scatter_bytes * 2 == flat.reduce_scatter_bytes
+    assert hsdp.inter_node_bytes < qgz.inter_node_bytes < hpz.inter_node_bytes \
+        < flat.inter_node_bytes
+    assert qgz.across_all_gather_bytes == hpz.across_all_gather_bytes
+    assert qgz.across_reduce_scatter_bytes < 0.28 * hpz.across_reduce_scatter_bytes
+    assert qgz.state == hpz.state

@@ -20,8 +20,8 @@ from torch.distributed.device_mesh import init_device_mesh
 import zerocore
 from zerocore.comm.collectives import CommCounter
 from zerocore.comm.quantized_reduce import all_reduce_int8, reduce_scatter_int8
-from tests.support.toy_stack import (LR, WEIGHT_DECAY, Spec, assert_trains_as, global_batch,
-                                     loss_fn, make_layers)
+from tests.support.toy_stack import (LOCAL_BATCH, LR, SEQ, WEIGHT_DECAY, Spec, assert_trains_as,
+                                     global_batch, loss_fn, make_layers)
 
 STEPS = 3
 MICRO = 2
@@ -84,6 +84,16 @@ def build(door: str, case: Case, mesh) -> tuple[nn.Module, zerocore.ShardedSeque
     layers, ``shard_model`` an ``nn.Sequential`` of them with the blocks as units (the root
     holds the embedding and the readout)."""
     layers = make_layers(spec_of(case))
+    policies = policies_of(case, mesh)
+    if door == "shard":
+        model = zerocore.shard(layers, **policies)
+        return model, model
+    model = nn.Sequential(*layers)
+    return model, zerocore.shard_model(model, [model[1], model[2]], **policies)
+
+
+def policies_of(case: Case, mesh=None) -> dict:
+    """The front doors' keywords for ``case`` (``mesh``: its DeviceMesh)."""
     policies = dict(
         mesh=mesh, mixed_precision=zerocore.MixedPrecision(case.param_dtype),
         offload=zerocore.Offload(optimizer=case.offload, params=case.offload_params),
@@ -92,11 +102,7 @@ def build(door: str, case: Case, mesh) -> tuple[nn.Module, zerocore.ShardedSeque
         prefetch=zerocore.Prefetch(keep_gathered=case.keep_gathered))
     if case.layout != "hsdp":  # HSDP by default: a 2-D mesh alone
         policies["hybrid"] = zerocore.Hybrid(case.layout)
-    if door == "shard":
-        model = zerocore.shard(layers, **policies)
-        return model, model
-    model = nn.Sequential(*layers)
-    return model, zerocore.shard_model(model, [model[1], model[2]], **policies)
+    return policies
 
 
 def train_hybrid(rank: int, world_size: int, door: str, case: Case) -> dict:
@@ -122,6 +128,8 @@ def train_hybrid(rank: int, world_size: int, door: str, case: Case) -> dict:
             loss = loss_fn(spec, model(x.chunk(world_size)[rank]),
                            y.chunk(world_size)[rank]) / MICRO
             forward_across.append(counter.replicate_all_gather_calls - gathers)
+            if step == m == 0:
+                memory = sharding.memory_report(opt)  # between the passes
             gathers = counter.replicate_all_gather_calls
             scaler.scale(loss).backward()
             backward_across.append(counter.replicate_all_gather_calls - gathers)
@@ -140,12 +148,28 @@ def train_hybrid(rank: int, world_size: int, door: str, case: Case) -> dict:
               for s in sharding.trainable_shards()]
     trainable = [l.trainable.layout for l in sharding.layers if l.trainable is not None]
     return dict(losses=losses, norms=norms, weights=weights, shards=shards,
-                early_calls=early_calls, report=report,
+                early_calls=early_calls, report=report, memory=memory,
                 replica_calls=counter.replica_all_reduce_calls,
                 forward_across=forward_across, backward_across=backward_across,
                 group=(sharding.rank, sharding.world_size),
                 padded=[lay.padded_numel for lay in trainable],
                 ways=sharding.ways.line())
+
+
+def plan_of(door: str, case: Case) -> zerocore.plan.MemoryPlan:
+    """``zerocore.plan`` (``plan_model`` for ``shard_model``) of ``build``'s model on the
+    case's mesh, with its policies, for one rank's micro-batch."""
+    with torch.device("meta"):
+        layers = make_layers(spec_of(case))
+    example = torch.zeros(LOCAL_BATCH, SEQ, dtype=torch.int64, device="meta")
+    policies = policies_of(case)
+    del policies["mesh"]
+    policies.update(world_size=case.shape[0] * case.shape[1], mesh=case.shape, device="cpu",
+                    micro_batches=MICRO)
+    if door == "shard":
+        return zerocore.plan.plan(layers, example, **policies)
+    model = nn.Sequential(*layers)
+    return zerocore.plan.plan_model(model, [model[1], model[2]], example, **policies)
 
 
 def train_unsharded(case: Case, world_size: int) -> dict:

@@ -169,16 +169,20 @@ def planned(shape: tuple[int, int] | None, world_size: int,
                 layout=layout_of(hybrid, replicas))
 
 
-def refuse_hybrid(mesh: Mesh, hybrid: Hybrid | None, what: str) -> None:
+MESH_2D = ("mesh=init_device_mesh(device, (nodes, ranks_per_node), mesh_dim_names="
+           "('replicate', 'shard'))")
+
+
+def refuse_hybrid(mesh: Mesh, hybrid: Hybrid | None, what: str, fix: str = MESH_2D) -> None:
     """A hybrid layout asked for where the mesh cannot give it (no 2-D mesh; hpZ with one
-    replica): one line, the same on every rank once the mesh and the policies are agreed."""
+    replica): one line, the same on every rank once the mesh and the policies are agreed.
+    ``fix``: how the caller passes a 2-D mesh."""
     if hybrid is None:
         return
     if not mesh.hybrid:
         raise ValueError(f"{what}: Hybrid({hybrid.layout!r}) needs a 2-D mesh (replicate, "
-                         f"shard) and this model has none ({mesh.line()}); pass mesh="
-                         f"init_device_mesh(device, (nodes, ranks_per_node), mesh_dim_names="
-                         f"('replicate', 'shard')), or leave hybrid out")
+                         f"shard) and this model has none ({mesh.line()}); pass {fix}, or "
+                         f"leave hybrid out")
     if hybrid.layout == "hpz" and not mesh.hpz:
         raise ValueError(f"{what}: Hybrid('hpz') gathers across the mesh's replicate dim and "
                          f"this mesh has one replica ({mesh.line()}); pass a 2-D mesh with "

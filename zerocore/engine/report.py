@@ -36,6 +36,11 @@ class MemoryReport:
     # kept there, offload mirrors, and with Offload(params=True) only the windows of the
     # gathers in flight (none between steps).
     device_shard_bytes: int = 0
+    # hpZ: the secondary shards held now (each layer's 1/N_shard, kept from its forward until
+    # its backward gathers from it: all of them, Ψ/N_shard in the param dtype, between the
+    # passes); transient, as the gather buffers, so not model state.
+    secondary_bytes: int = 0
+    hpz: bool = False
 
     @property
     def model_state_bytes(self) -> int:
@@ -52,6 +57,8 @@ class MemoryReport:
                 ("predicted (2+2+K)Ψ/N", self.predicted_bytes),
                 ("gather buffers now", self.gather_bytes),
                 ("shards on the device now", self.device_shard_bytes)]
+        if self.hpz:
+            rows.append(("secondary shards now", self.secondary_bytes))
         if self.host_arena_bytes:
             rows += [("host arena (offload)", self.host_arena_bytes),
                      ("pinned host memory", self.pinned_bytes)]

@@ -169,14 +169,15 @@ def memory_report_of(layers: list[ShardedLayer], rank: int, world_size: int,
                      device: torch.device, mixed_precision: MixedPrecision,
                      frozen_weights: FrozenWeights,
                      optimizer: torch.optim.Optimizer | None = None,
-                     arena: HostArena | None = None) -> MemoryReport:
+                     arena: HostArena | None = None, hpz: bool = False) -> MemoryReport:
     """``memory_report`` of any sharded model: its layers' (or units') groups measured."""
     p_bytes = torch.tensor([], dtype=mixed_precision.param_dtype).element_size()
-    param = master = grad = opt = gather = on_device = 0
+    param = master = grad = opt = gather = on_device = secondary = 0
     trainable_numel = frozen_numel = 0
     for layer in layers:
         for g in layer.groups:
             gather += g.gathered_bytes
+            secondary += g.secondary_bytes
             on_device += g.device_shard_bytes
             shard = g.shard
             if g.trainable:
@@ -210,7 +211,7 @@ def memory_report_of(layers: list[ShardedLayer], rank: int, world_size: int,
                         gather, predicted, dev_alloc, dev_peak,
                         host_arena_bytes=arena.used if arena is not None else 0,
                         pinned_bytes=arena.pinned if arena is not None else 0,
-                        device_shard_bytes=on_device)
+                        device_shard_bytes=on_device, secondary_bytes=secondary, hpz=hpz)
 
 
 def prepare_device(device: torch.device | str | None, mesh: Mesh,
@@ -433,10 +434,12 @@ class Sharding:
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
         """Bytes of model state this rank holds, measured from the tensors, next to the
-        (2+2+K)·Ψ/N_d prediction. Pass the optimizer to count its state."""
+        (2+2+K)·Ψ/N_d prediction (N_d: the ranks the state is sharded over, all of them with
+        hpZ); and what is held now beyond it (gathered buffers, hpZ's secondary shards). Pass
+        the optimizer to count its state."""
         return memory_report_of(list(self.layers), self.rank, self.world_size, self.device,
                                 self.mixed_precision, self.frozen_weights, optimizer,
-                                self.ctx.arena)
+                                self.ctx.arena, hpz=self.mesh.hpz)
 
     def expected_traffic(self, forward_only: bool = False) -> tuple[int, int]:
         """(bytes all-gathered, bytes reduce-scattered) one step should move (within the shard

@@ -28,8 +28,8 @@ from zerocore.planning.live_bytes import LiveBytes
 from zerocore.planning.memory_plan import (ACTIVATIONS, CATEGORIES, CUDA_FIXED_HEADROOM,
                                            CUDA_HEADROOM_FRACTION, FROZEN, GATHERED,
                                            GRAD_BUFFERS, GRADIENTS, MASTERS, MIRRORS,
-                                           OPTIMIZER, TRAINABLE, WINDOWS, MemoryPlan,
-                                           ModelState)
+                                           OPTIMIZER, SECONDARY, TRAINABLE, WINDOWS,
+                                           MemoryPlan, ModelState)
 from zerocore.policies import Comm, Offload
 
 
@@ -63,6 +63,7 @@ class _Peak:
         self.gathered = 0          # most gathered-layer bytes at any point observed
         self.activations = 0       # most activation bytes at any point observed
         self.windows = 0           # most parameter-window bytes at any point observed
+        self.secondary = 0         # most secondary-shard bytes at any point observed (hpZ)
 
 
 def rehearse(step: Step, fake: FakeTensorMode, exclude: list[torch.Tensor]) -> MemoryPlan:
@@ -79,6 +80,7 @@ def rehearse(step: Step, fake: FakeTensorMode, exclude: list[torch.Tensor]) -> M
         peak.gathered = max(peak.gathered, parts[GATHERED])
         peak.activations = max(peak.activations, parts[ACTIVATIONS])
         peak.windows = max(peak.windows, parts[WINDOWS])
+        peak.secondary = max(peak.secondary, parts[SECONDARY])
         if live > peak.total:
             peak.total, peak.parts, peak.phase = live, parts, _phase(held)
 
@@ -163,6 +165,7 @@ def _by_category(sharding: Sharding, optimizer: AdamW, kept: torch.Tensor) -> di
         for g in layer.groups:
             parts[GATHERED] += g.gathered_bytes
             parts[WINDOWS] += g.window_bytes
+            parts[SECONDARY] += g.secondary_bytes
             shard = g.shard
             if not g.trainable:
                 add(FROZEN, shard)
@@ -225,6 +228,8 @@ def _plan(step: Step, sharding: Sharding, peak: _Peak) -> MemoryPlan:
                 if cuda else 0)
     host = sum(v for k, v in peak.parts.items() if k in on_host) if cuda else 0
     gather, reduce = sharding.expected_traffic()
+    across_gather, across_reduce = sharding.expected_across_traffic()
+    mesh = sharding.mesh
     return MemoryPlan(
         world_size=step.world_size, device=step.device, state=state, peak=peak.parts,
         peak_phase=peak.phase, gathered_peak=peak.gathered,
@@ -234,4 +239,8 @@ def _plan(step: Step, sharding: Sharding, peak: _Peak) -> MemoryPlan:
         replica_all_reduce_bytes=sharding.expected_replica_traffic(), mesh=step.mesh,
         nodes=step.mesh[0] if step.mesh is not None else step.nodes,
         recomputed_layers=tuple(sorted(sharding.schedule.recomputed)),
-        windows_peak=peak.windows)
+        windows_peak=peak.windows,
+        across_all_gather_bytes=across_gather * step.micro_batches,
+        across_reduce_scatter_bytes=across_reduce * step.micro_batches,
+        layout="hpZ" if mesh.hpz else "HSDP" if mesh.hybrid else "",
+        secondary_peak=peak.secondary)
