@@ -1,7 +1,8 @@
 """GPT-NeoX-20B on a cluster, per layout: memory per GPU and bytes per optimizer step within and
-across the nodes, for flat ZeRO-3, HSDP (a 2-D mesh, nodes x GPUs per node) and HSDP with the
-cross-node gradients in int8 (qgZ), from ``zerocore.plan`` (the engine's own step on fake
-tensors: nothing is trained, no weights are read), as a Markdown table.
+across the nodes, for flat ZeRO-3, HSDP (a 2-D mesh, nodes x GPUs per node), hpZ (the same mesh,
+``zerocore.Hybrid("hpz")``), each hybrid layout also with the cross-node gradients in int8
+(qgZ), from ``zerocore.plan`` (the engine's own step on fake tensors: nothing is trained, no
+weights are read), as a Markdown table.
 
     python bench/hybrid_plan.py --nodes 4 --gpus 8
 """
@@ -24,7 +25,7 @@ from neox.finetune_modes import FinetuneMode  # noqa: E402
 from neox.run.planning import PlanRequest, plan_run  # noqa: E402
 
 GiB = 2**30
-LAYOUTS = ("flat", "HSDP", "HSDP + qgZ int8")
+LAYOUTS = ("flat", "HSDP", "HSDP + qgZ int8", "hpZ", "hpZ + qgZ int8")
 
 
 def _request(mode: str, layout: str, args: argparse.Namespace) -> PlanRequest:
@@ -39,7 +40,8 @@ def _request(mode: str, layout: str, args: argparse.Namespace) -> PlanRequest:
         world_size=world, device="cuda",
         mesh=(args.nodes, args.gpus) if hybrid else None,
         nodes=1 if hybrid else args.nodes,
-        quantize_gradients="int8" if "qgZ" in layout else None)
+        quantize_gradients="int8" if "qgZ" in layout else None,
+        hybrid="hpz" if layout.startswith("hpZ") else None)
 
 
 def main() -> None:
@@ -55,17 +57,17 @@ def main() -> None:
           f"reduction, {args.batch_size} x {args.seq_len} tokens per rank per micro-batch, "
           f"{args.grad_accum} micro-batches per step, every block recomputed; planned "
           f"{datetime.date.today()} with torch {torch.__version__}.\n")
-    print("| fine-tuning | layout | model state / GPU | peak / GPU (with headroom) | "
-          "within a node / step | across nodes / step |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("| fine-tuning | layout | model state / GPU | secondary shards / GPU (most) | "
+          "peak / GPU (with headroom) | within a node / step | across nodes / step |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for mode in ("lora", "full"):
         for layout in LAYOUTS:
             plan = plan_run(_request(mode, layout, args))
             s = plan.state
             state = sum(s.bytes_of().values())
-            print(f"| {mode} | {layout} | {gib(state)} GiB | {gib(plan.peak_bytes)} GiB | "
-                  f"{gib(plan.intra_node_bytes)} GiB | {gib(plan.inter_node_bytes)} GiB |",
-                  flush=True)
+            print(f"| {mode} | {layout} | {gib(state)} GiB | {gib(plan.secondary_peak)} GiB | "
+                  f"{gib(plan.peak_bytes)} GiB | {gib(plan.intra_node_bytes)} GiB | "
+                  f"{gib(plan.inter_node_bytes)} GiB |", flush=True)
 
 
 if __name__ == "__main__":

@@ -275,8 +275,9 @@ class Comm:
         ranks) or ``"read"`` (two gloo ranks of one host). Every way gives the same bits; the
         named ones are for comparing them (tests, benchmarks), and one that does not apply is
         refused when the model is sharded.
-    quantize_gradients: None (default), or ``"int8"``: HSDP's all-reduce of the gradient
-        shards across the replicas (between nodes) travels in int8 with an fp32 scale per
+    quantize_gradients: None (default), or ``"int8"``: the gradients' reduction across the
+        nodes (HSDP's all-reduce of the gradient shards across the replicas; hpZ's
+        reduce-scatter of the secondary gradient slices) travels in int8 with an fp32 scale per
         ``quantize_block`` elements, summed in fp32 (zerocore/comm/quantized_reduce.py, ZeRO++'s
         qgZ): about a quarter of fp32's bytes across the nodes, half of bf16's, within the error
         bound stated there; gathers and reductions inside the node stay exact. Needs a 2-D mesh

@@ -45,11 +45,13 @@ class PlanRequest:
     keep_gathered: int | str = 0          # zerocore.Prefetch.keep_gathered
     frozen_weights: str | None = None     # zerocore.FrozenWeights.dtype: None or "int8"
     offload_params: bool = False          # the parameter shards in CPU memory
-    # The ranks' layout (zerocore.plan's): HSDP's (nodes, ranks per node), or None (flat,
-    # over ``nodes`` nodes); and HSDP's cross-node gradients in int8 (zerocore.Comm).
+    # The ranks' layout (zerocore.plan's): a 2-D mesh's (nodes, ranks per node), or None
+    # (flat, over ``nodes`` nodes); the cross-node gradients in int8 (zerocore.Comm); and how
+    # the mesh shares the model (zerocore.Hybrid's layout: None or "hsdp", or "hpz").
     mesh: tuple[int, int] | None = None
     nodes: int = 1
     quantize_gradients: str | None = None
+    hybrid: str | None = None
 
 
 def request_from_recipe(recipe: Recipe, config: NeoXConfig, *, world_size: int,
@@ -93,4 +95,5 @@ def plan_run(request: PlanRequest, *, recompute: tuple[int, ...] | None = None
         prefetch=zerocore.Prefetch(keep_gathered=r.keep_gathered),
         frozen_weights=zerocore.FrozenWeights(r.frozen_weights),
         recompute=recompute_policy(specs, loop), micro_batches=r.grad_accum, mesh=r.mesh,
-        nodes=r.nodes, comm=zerocore.Comm(quantize_gradients=r.quantize_gradients))
+        nodes=r.nodes, comm=zerocore.Comm(quantize_gradients=r.quantize_gradients),
+        hybrid=zerocore.Hybrid(r.hybrid) if r.hybrid is not None else None)

@@ -33,9 +33,10 @@ CASES = {
     # Every layer (block) recomputed, and a gathered budget that keeps the readout and one
     # block from forward to backward (the blocks are about 33 kB gathered in fp32, the
     # embedding and readout about 8 kB each): a recomputed layer's backward gathers from its
-    # secondary shard; a kept one needs none. fp32's bounds: the same arithmetic.
+    # secondary shard; a kept one needs none. Through gloo's collectives within the node (the
+    # other cases read each other's memory there). fp32's bounds: the same arithmetic.
     "2x2-recompute-keep": Case((2, 2), **HPZ, **FP32, recompute=True, keep_gathered=45_000,
-                               doors=("shard",)),
+                               ways=("collective", "collective"), doors=("shard",)),
     # Optimizer and parameter offload (on the CPU: the host arena; each gather's input a
     # window): the same arithmetic, fp32's bounds.
     "2x2-offload": Case((2, 2), **HPZ, **FP32, offload=True, offload_params=True,
@@ -79,6 +80,8 @@ def _check_traffic(case: Case, got: list[dict]) -> None:
         assert r.inter_node_bytes == r.across_all_gather_bytes + r.across_reduce_scatter_bytes
         assert r.intra_node_bytes == r.all_gather_bytes + r.reduce_scatter_bytes
         assert f"hpZ {replicas}x{shards}" in out["ways"], out["ways"]
+        if case.ways != ("auto", "auto"):
+            assert "gather: {}; reduce: {}".format(*case.ways) in out["ways"], out["ways"]
         assert (f"intra-node {r.intra_node_bytes / 2**20:.3f} MiB, inter-node "
                 f"{r.inter_node_bytes / 2**20:.3f} MiB") in r.table()
 
@@ -116,6 +119,10 @@ def test_hpz_trains_as_the_unsharded_model(worlds, name, door):
     # s·R + r, each slice once.
     assert [out["group"] for out in got] == [
         ((w % shards) * replicas + w // shards, replicas * shards) for w in range(len(got))]
+    # An export to rank 0 of model.group (the whole mesh): the same weights, there alone.
+    assert got[0]["exported"].keys() == got[0]["weights"].keys()
+    assert all(torch.equal(got[0]["exported"][n], w) for n, w in got[0]["weights"].items())
+    assert all(out["exported"] == {} for out in got[1:])
     _check_traffic(case, got)
     _check_plan(case, got, plan_of(door, case))
 

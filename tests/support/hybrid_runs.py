@@ -45,6 +45,7 @@ class Case:
     loss_scaling: bool = False     # fp16: LossScaler(dynamic=True)
     recompute: bool = False        # Recompute(): every layer (shard) or block (shard_model)
     keep_gathered: int = 0         # Prefetch.keep_gathered, bytes
+    ways: tuple[str, str] = ("auto", "auto")  # Comm(gather=..., reduce=...)
     doors: tuple[str, ...] = DOORS
     # fp32 (losses, clipped norms: relative; weights: absolute): the sum over ranks runs in
     # another order than one process's backward (here in two stages, the shard group then the
@@ -99,7 +100,8 @@ def policies_of(case: Case, mesh=None) -> dict:
         offload=zerocore.Offload(optimizer=case.offload, params=case.offload_params),
         frozen_weights=zerocore.FrozenWeights("int8" if case.frozen_int8 else None),
         recompute=zerocore.Recompute() if case.recompute else None,
-        prefetch=zerocore.Prefetch(keep_gathered=case.keep_gathered))
+        prefetch=zerocore.Prefetch(keep_gathered=case.keep_gathered),
+        comm=zerocore.Comm(gather=case.ways[0], reduce=case.ways[1]))
     if case.layout != "hsdp":  # HSDP by default: a 2-D mesh alone
         policies["hybrid"] = zerocore.Hybrid(case.layout)
     return policies
@@ -144,10 +146,13 @@ def train_hybrid(rank: int, world_size: int, door: str, case: Case) -> dict:
     weights = {sharding.param_name(i, n): t
                for i, state in sharding.iter_full_states(trainable_only=True)
                for n, t in state.items()}
+    exported = {sharding.param_name(i, n): t  # gathered to rank 0 of ``sharding.group`` alone
+                for i, state in sharding.iter_full_states(trainable_only=True, to_rank=0)
+                for n, t in state.items()}
     shards = [(s.detach().clone(), None if s.model_copy is None else s.model_copy.clone())
               for s in sharding.trainable_shards()]
     trainable = [l.trainable.layout for l in sharding.layers if l.trainable is not None]
-    return dict(losses=losses, norms=norms, weights=weights, shards=shards,
+    return dict(losses=losses, norms=norms, weights=weights, exported=exported, shards=shards,
                 early_calls=early_calls, report=report, memory=memory,
                 replica_calls=counter.replica_all_reduce_calls,
                 forward_across=forward_across, backward_across=backward_across,

@@ -127,7 +127,8 @@ def _broadcast_each(output: torch.Tensor, shard: torch.Tensor, group: dist.Proce
     handles = [dist.broadcast(shard if r == rank else slices[r], src=global_ranks[r],
                               group=group, async_op=True)
                for r in range(len(global_ranks))]
-    slices[rank].copy_(shard)  # while the other ranks' slices arrive
+    if slices[rank].data_ptr() != shard.data_ptr():  # (hpZ gathers in place)
+        slices[rank].copy_(shard)  # while the other ranks' slices arrive
     return handles
 
 def all_reduce_sum_in_place(full: torch.Tensor, group: dist.ProcessGroup,
