@@ -189,24 +189,25 @@ def test_qgz_on_hpz_trains_within_its_bound(worlds, dtype):
 # -- refusals -----------------------------------------------------------------------------------
 
 
-def hpz_without_nodes(rank: int, world_size: int, how: str) -> str:
+def hybrid_without_nodes(rank: int, world_size: int, layout: str, how: str) -> str:
     where = {"group": {}, "1-D mesh": {"mesh": init_device_mesh("cpu", (world_size,))},
              "one replica": {"mesh": mesh_of((1, world_size))}}[how]
     try:
         zerocore.shard(make_layers(Spec(model="transformer")),
-                       hybrid=zerocore.Hybrid("hpz"), **where)
+                       hybrid=zerocore.Hybrid(layout), **where)
     except ValueError as e:
         return str(e)
     return "built"
 
 
-@pytest.mark.parametrize("how", ["group", "1-D mesh", "one replica"])
-def test_hpz_without_nodes_is_refused_on_every_rank(worlds, how):
+@pytest.mark.parametrize("layout, how", [("hpz", "group"), ("hpz", "1-D mesh"),
+                                         ("hpz", "one replica"), ("hsdp", "group")])
+def test_hybrid_without_nodes_is_refused_on_every_rank(worlds, layout, how):
     want = ("zerocore.shard: Hybrid('hpz') gathers across the mesh's replicate dim and this "
             "mesh has one replica" if how == "one replica" else
-            "zerocore.shard: Hybrid('hpz') needs a 2-D mesh (replicate, shard) and this model "
-            "has none")
-    for m in worlds(2).run(hpz_without_nodes, how):
+            f"zerocore.shard: Hybrid({layout!r}) needs a 2-D mesh (replicate, shard) and this "
+            f"model has none")
+    for m in worlds(2).run(hybrid_without_nodes, layout, how):
         assert m.startswith(want), m
         assert "\n" not in m
 

@@ -6,8 +6,9 @@ recomputed, and starts the one runtime that runs them (runtime.py). Its reports 
 communication), full-state iteration and release are written once. ``ShardedSequential``
 (sharded_sequential.py) and ``ShardedModel`` (sharded_model.py) differ only in what they shard
 (a stack of layers, or a model by named units); checkpoints read a ``Sharding``, whichever front
-door made it. The ranks it spans and how they share the model (flat, or HSDP's shards and
-replicas) are its ``Mesh`` (comm/mesh.py): ``group`` is the shard group, and every agreement
+door made it. The ranks it spans and how they share the model (flat; HSDP's shards and
+replicas; hpZ's shards over every rank, gathered across the nodes and within them) are its
+``Mesh`` (comm/mesh.py): ``group`` is the group the state is sharded over, and every agreement
 runs over the whole mesh.
 """
 
