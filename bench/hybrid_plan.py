@@ -1,9 +1,9 @@
 """GPT-NeoX-20B on a cluster, per layout: memory per GPU and bytes per optimizer step within and
-across the nodes, for flat ZeRO-3, HSDP (a 2-D mesh, nodes x GPUs per node) and HSDP with the
-cross-node gradients in int8 (qgZ), from ``zerocore.plan`` (the engine's own step on fake
-tensors: nothing is trained, no weights are read), as a Markdown table. The layouts and their
-figures are ``neox.run.planning.compare_layouts``', the table ``python -m neox.plan --nodes N``
-prints.
+across the nodes, for flat ZeRO-3, HSDP (a 2-D mesh, nodes x GPUs per node), hpZ (the same mesh,
+``zerocore.Hybrid("hpz")``), each hybrid layout also with the cross-node gradients in int8
+(qgZ), from ``zerocore.plan`` (the engine's own step on fake tensors: nothing is trained, no
+weights are read), as a Markdown table. The layouts and their figures are
+``neox.run.planning.compare_layouts``', the table ``python -m neox.plan --nodes N`` prints.
 
     python bench/hybrid_plan.py --nodes 4 --gpus 8
 """
@@ -50,13 +50,14 @@ def main() -> None:
           f"reduction, {args.batch_size} x {args.seq_len} tokens per rank per micro-batch, "
           f"{args.grad_accum} micro-batches per step, every block recomputed; planned "
           f"{datetime.date.today()} with torch {torch.__version__}.\n")
-    print("| fine-tuning | layout | model state / GPU | peak / GPU (with headroom) | "
-          "within a node / step | across nodes / step |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("| fine-tuning | layout | model state / GPU | secondary shards / GPU (most) | "
+          "peak / GPU (with headroom) | within a node / step | across nodes / step |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for mode in ("lora", "full"):
         for r in compare_layouts(_request(mode, args), args.nodes):
-            print(f"| {mode} | {r.layout.name} | {gib(r.model_state)} GiB | {gib(r.peak)} GiB | "
-                  f"{gib(r.within_nodes)} GiB | {gib(r.across_nodes)} GiB |", flush=True)
+            print(f"| {mode} | {r.layout.name} | {gib(r.model_state)} GiB | "
+                  f"{gib(r.secondary)} GiB | {gib(r.peak)} GiB | {gib(r.within_nodes)} GiB | "
+                  f"{gib(r.across_nodes)} GiB |", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ reloaded by PEFT onto the base weights and must generate what the sharded model 
     python examples/finetune_hf_trainer.py --nproc 2      (starts the processes itself)
 
 Across nodes, ``--hybrid hsdp`` shards within each node and replicates across them (HSDP: only
-each rank's gradient shard crosses the nodes, once per step), ``--quantize-gradients int8``
-sends that in int8 (qgZ); on each of two nodes (here both on this machine):
+each rank's gradient shard crosses the nodes, once per step), ``--hybrid hpz`` shards over
+every rank and keeps a node-local copy for backward (ZeRO++'s hpZ), ``--quantize-gradients
+int8`` sends the gradients across the nodes in int8 (qgZ); on each of two nodes (here both on
+this machine):
 
     torchrun --nnodes 2 --nproc-per-node 2 --node-rank 0|1 --rdzv-backend c10d \
         --rdzv-endpoint HOST:29500 examples/finetune_hf_trainer.py --hybrid hsdp
@@ -161,10 +163,10 @@ def check(args: argparse.Namespace, torchrun: bool) -> str | None:
         return f"--log-every {args.log_every}: give 1 or more steps"
     if args.quantize_gradients is not None and args.hybrid is None:
         return (f"--quantize-gradients {args.quantize_gradients} quantizes the gradients' "
-                f"all-reduce across nodes, which only --hybrid has: add --hybrid hsdp")
+                f"all-reduce across nodes, which only --hybrid has: add --hybrid hsdp or hpz")
     nodes = zerocore.nodes_of(os.environ) if torchrun else None
     if args.hybrid is not None and (nodes or 1) < 2:
-        return (f"--hybrid {args.hybrid} shards within each node and replicates across nodes: "
+        return (f"--hybrid {args.hybrid} lays the ranks out in nodes: "
                 f"run under torchrun --nnodes N (N >= 2)"
                 + (f"; torchrun started {nodes} node" if nodes else ""))
     if not 1 <= args.seq_len <= positions:
@@ -207,9 +209,10 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (default 1e-2)")
     p.add_argument("--out", default="runs/hf-trainer", help="output directory (runs/hf-trainer)")
     p.add_argument("--log-every", type=int, default=5, help="steps between logged losses")
-    p.add_argument("--hybrid", choices=("none", "hsdp"), default="none",
+    p.add_argument("--hybrid", choices=("none", "hsdp", "hpz"), default="none",
                    help="across torchrun's nodes: 'hsdp' shards within each node, replicated "
-                        "across nodes (default: none, flat over every rank)")
+                        "across nodes; 'hpz' shards over every rank with a node-local copy "
+                        "for backward (default: none, flat over every rank)")
     p.add_argument("--quantize-gradients", choices=("none", "int8"), default="none",
                    help="with --hybrid: the gradients' all-reduce across nodes in int8 (qgZ)")
     args = p.parse_args()

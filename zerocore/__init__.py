@@ -35,14 +35,14 @@ from zerocore.engine.sharding import BuildError
 from zerocore.kernels import ops, reference
 from zerocore.kernels.ops import BUILD
 from zerocore.loss_scale import LossScaler, StepResult
-from zerocore.policies import (Comm, Compile, FrozenWeights, LossScaling, MixedPrecision,
-                               Offload, Prefetch, Recompute)
+from zerocore.policies import (Comm, Compile, FrozenWeights, Hybrid, LossScaling,
+                               MixedPrecision, Offload, Prefetch, Recompute)
 
 __version__ = "0.1.0"
 __all__ = ["BUILD", "ops", "optim", "reference", "shard", "ShardedSequential", "ShardParameter",
            "shard_model", "ShardedModel", "sharding_of",
            "MixedPrecision", "Prefetch", "Offload", "Recompute", "FrozenWeights", "Comm",
-           "Compile",
+           "Compile", "Hybrid",
            "LossScaling", "LossScaler", "StepResult",
            "MemoryReport", "CommReport", "run_agreed", "PeerError", "PeerLost",
            "BuildError", "save_checkpoint",

@@ -65,7 +65,7 @@ from zerocore.engine.sharded_model import ShardedModel
 CHECKPOINT_DIR = "zerocore"  # inside each checkpoint-N/ of Trainer
 # ``hybrid=``'s layouts: each takes the mesh of torchrun's nodes (another of zerocore's layouts
 # is one more word here, and its policy in the options given to shard_model).
-HYBRIDS = ("hsdp",)
+HYBRIDS = ("hsdp", "hpz")
 logger = logging.get_logger(__name__)
 
 
@@ -141,10 +141,12 @@ class ShardedTrainer(Trainer):
     units: the modules gathered and freed one at a time (default: ``default_units(model)``).
     shard_options: further keyword arguments of ``zerocore.shard_model`` (``offload``,
         ``frozen_weights``, ``prefetch``, ``mixed_precision``, ``comm``, ``mesh``, ...).
-    hybrid: ``"hsdp"``: sharded within each node, replicated across nodes, over the mesh
+    hybrid: ``"hsdp"``: sharded within each node, replicated across nodes; ``"hpz"``
+        (``zerocore.Hybrid("hpz")``): state sharded over every rank, with a node-local
+        secondary shard of each layer from its forward to its backward; either over the mesh
         ``shard_options["mesh"]``, else the one torchrun's environment says (``--nnodes N``,
         N >= 2: refused otherwise). With ``comm=zerocore.Comm(quantize_gradients="int8")``
-        the replicas' all-reduce travels in int8 (qgZ).
+        the gradients cross the nodes in int8 (qgZ).
     Every other argument is ``Trainer``'s; ``model`` must not be sharded yet.
     """
 
@@ -183,6 +185,8 @@ class ShardedTrainer(Trainer):
             # them for its start-up line.
             options["mesh"] = zerocore.mesh_from_environment(
                 device.type, os.environ, what=f"ShardedTrainer(hybrid={hybrid!r})")
+        if hybrid is not None and "hybrid" not in options:
+            options["hybrid"] = zerocore.Hybrid(hybrid)
         self.sharding = zerocore.shard_model(
             model, default_units(model) if units is None else units, **options)
         # Steps every optimizer step: clipping and unscaling folded into the fused kernel; with

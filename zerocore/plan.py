@@ -41,10 +41,10 @@ from zerocore.engine.sharded_model import ShardedModel, unit_modules
 from zerocore.engine.sharded_sequential import ShardedSequential
 from zerocore.planning.memory_plan import (  # noqa: F401  (the names a plan is read by)
     ACTIVATIONS, CATEGORIES, CUDA_FIXED_HEADROOM, CUDA_HEADROOM_FRACTION, FROZEN, GATHERED,
-    GiB, GRAD_BUFFERS, GRADIENTS, MASTERS, MIRRORS, OPTIMIZER, TRAINABLE, WINDOWS,
+    GiB, GRAD_BUFFERS, GRADIENTS, MASTERS, MIRRORS, OPTIMIZER, SECONDARY, TRAINABLE, WINDOWS,
     MemoryPlan, ModelState)
 from zerocore.planning.rehearsed_step import Step, rehearse
-from zerocore.policies import (Comm, FrozenWeights, MixedPrecision, Offload, Prefetch,
+from zerocore.policies import (Comm, FrozenWeights, Hybrid, MixedPrecision, Offload, Prefetch,
                                Recompute)
 
 _CPU = torch.device("cpu")
@@ -56,7 +56,7 @@ def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, worl
          offload: Offload = Offload(), recompute: Recompute | None = None,
          micro_batches: int = 1, frozen_weights: FrozenWeights = FrozenWeights(),
          comm: Comm = Comm(), mesh: tuple[int, int] | None = None,
-         nodes: int = 1) -> MemoryPlan:
+         hybrid: Hybrid | None = None, nodes: int = 1) -> MemoryPlan:
     """The memory and communication of one training step of ``zerocore.shard(layers, ...)``
     on ``world_size`` ranks, per rank, from shapes alone.
 
@@ -73,6 +73,11 @@ def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, worl
         ``shards`` ranks, parameter and reduce-scatter traffic stays in the node, and
         ``replica_all_reduce_bytes`` cross the nodes (the accumulation's last micro-batch
         alone all-reduces). None: flat over ``world_size`` ranks.
+    hybrid: how the mesh shares the model, as ``shard(hybrid=)``: ``zerocore.Hybrid("hpz")``
+        plans hpZ (memory per rank that of ``world_size`` ranks plus the secondary shards held
+        between forward and backward; ``across_all_gather_bytes`` and
+        ``across_reduce_scatter_bytes`` cross the nodes); needs ``mesh`` with more than one
+        replica.
     nodes: the nodes a flat layout's ranks span (``inter_node_bytes``: all its traffic when
         more than one); with ``mesh``, its replicas are the nodes.
     comm: how gradients travel (``zerocore.Comm``), which decides what the transport holds. On
@@ -85,6 +90,7 @@ def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, worl
     _check("plan", device, world_size, micro_batches)
     shape = meshes.check_shape(mesh, world_size, "plan")
     _check_nodes("plan", nodes, world_size, shape)
+    _check_hybrid("plan", hybrid, shape, world_size)
     fake = FakeTensorMode()
     stack = [_planned(l.module if isinstance(l, MetaLayer) else l, fake) for l in layers]
     if not stack:
@@ -97,9 +103,10 @@ def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, worl
     def build(rehearsal: Rehearsal) -> ShardedSequential:
         held["model"] = ShardedSequential(
             [MetaLayer(m, _read_nothing) for m in stack],
-            mesh=meshes.planned(shape, world_size),
+            mesh=meshes.planned(shape, world_size, hybrid),
             device=_CPU, mixed_precision=mixed_precision, prefetch=prefetch, offload=offload,
-            recompute=recompute, frozen_weights=frozen_weights, comm=comm, rehearsal=rehearsal)
+            recompute=recompute, frozen_weights=frozen_weights, comm=comm, rehearsal=rehearsal,
+            hybrid=hybrid)
         return held["model"]
 
     return rehearse(Step(build, lambda: loss(held["model"](x)), world_size=world_size,
@@ -116,7 +123,7 @@ def plan_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module, example
                recompute: Recompute | None = None, micro_batches: int = 1,
                frozen_weights: FrozenWeights = FrozenWeights(),
                comm: Comm = Comm(), mesh: tuple[int, int] | None = None,
-               nodes: int = 1) -> MemoryPlan:
+               hybrid: Hybrid | None = None, nodes: int = 1) -> MemoryPlan:
     """The memory and communication of one training step of ``zerocore.shard_model(model,
     units, ...)`` on ``world_size`` ranks, per rank, from shapes alone: ``shard_model``'s own
     engine shards a copy of the model and runs its own forward on fake tensors.
@@ -128,11 +135,12 @@ def plan_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module, example
     loss: maps the model's output to the scalar whose backward the step runs (default: the
         output's ``loss`` when it has one, as a ``transformers`` model given labels does, else
         the output's sum).
-    The rest as for ``plan``; ``Recompute``'s positions are the units'.
+    The rest as for ``plan`` (``hybrid`` too); ``Recompute``'s positions are the units'.
     """
     _check("plan_model", device, world_size, micro_batches)
     shape = meshes.check_shape(mesh, world_size, "plan_model")
     _check_nodes("plan_model", nodes, world_size, shape)
+    _check_hybrid("plan_model", hybrid, shape, world_size)
     names = {id(m): n for n, m in model.named_modules()}
     chosen = unit_modules(model, units)   # refused as shard_model refuses them
     fake = FakeTensorMode()
@@ -149,11 +157,12 @@ def plan_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module, example
     inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
 
     def build(rehearsal: Rehearsal) -> ShardedModel:
-        return ShardedModel(copied, copied_units, mesh=meshes.planned(shape, world_size),
-                            device=_CPU,
+        return ShardedModel(copied, copied_units,
+                            mesh=meshes.planned(shape, world_size, hybrid), device=_CPU,
                             mixed_precision=mixed_precision, prefetch=prefetch,
                             offload=offload, frozen_weights=frozen_weights, comm=comm,
-                            recompute=recompute, read=_read_nothing, rehearsal=rehearsal)
+                            recompute=recompute, read=_read_nothing, rehearsal=rehearsal,
+                            hybrid=hybrid)
 
     return rehearse(Step(build, lambda: loss(copied(*args, **kwargs)), world_size=world_size,
                          device=device, comm=comm, offload=offload,
@@ -198,6 +207,16 @@ def _check(what: str, device: str, world_size: Any, micro_batches: Any) -> None:
     if type(micro_batches) is not int or micro_batches < 1:
         raise ValueError(f"{what}: micro_batches must be a positive int, got "
                          f"{micro_batches!r}")
+
+
+def _check_hybrid(what: str, hybrid: Any, shape: tuple[int, int] | None,
+                  world_size: int) -> None:
+    """Refuses a hybrid layout the planned mesh cannot give, as ``shard`` refuses it."""
+    if hybrid is not None and not isinstance(hybrid, Hybrid):
+        raise TypeError(f"{what}: hybrid must be a zerocore.Hybrid or None, got "
+                        f"{type(hybrid).__name__}")
+    meshes.refuse_hybrid(meshes.planned(shape, world_size, hybrid), hybrid, what,
+                         fix="mesh=(nodes, ranks_per_node)")
 
 
 def _check_nodes(what: str, nodes: Any, world_size: int, shape: tuple[int, int] | None) -> None:

@@ -275,8 +275,9 @@ class Comm:
         ranks) or ``"read"`` (two gloo ranks of one host). Every way gives the same bits; the
         named ones are for comparing them (tests, benchmarks), and one that does not apply is
         refused when the model is sharded.
-    quantize_gradients: None (default), or ``"int8"``: HSDP's all-reduce of the gradient
-        shards across the replicas (between nodes) travels in int8 with an fp32 scale per
+    quantize_gradients: None (default), or ``"int8"``: the gradients' reduction across the
+        nodes (HSDP's all-reduce of the gradient shards across the replicas; hpZ's
+        reduce-scatter of the secondary gradient slices) travels in int8 with an fp32 scale per
         ``quantize_block`` elements, summed in fp32 (zerocore/comm/quantized_reduce.py, ZeRO++'s
         qgZ): about a quarter of fp32's bytes across the nodes, half of bf16's, within the error
         bound stated there; gathers and reductions inside the node stay exact. Needs a 2-D mesh
@@ -347,3 +348,29 @@ class Compile:
         if not isinstance(self.backend, str):
             raise ValueError(f"zerocore.Compile.backend is a backend's name, got "
                              f"{type(self.backend).__name__}")
+
+
+HYBRID_LAYOUTS = ("hsdp", "hpz")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hybrid:
+    """How a 2-D mesh ``(replicate, shard)`` shares the model (``shard(mesh=..., hybrid=...)``;
+    a 2-D mesh without it is HSDP). docs/decisions.md, "Hybrid sharding (issue 30)".
+
+    layout: ``"hsdp"``: parameters, gradients and optimizer state sharded over the shard dim (a
+        node) and replicated over the replicate dim; only gradient shards cross the nodes.
+        ``"hpz"`` (ZeRO++'s hpZ): masters, gradients and optimizer state sharded over all R·S
+        ranks (ZeRO-3's memory); a layer's forward gathers its 16-bit weights across the nodes
+        once and keeps a node-local secondary shard (1/S of the layer) until its backward,
+        whose gather reads only those, within the node; gradients are reduce-scattered within
+        the node, then across the nodes (in int8 with ``Comm(quantize_gradients="int8")``).
+        Needs a 2-D mesh with more than one replica.
+    """
+
+    layout: str = "hsdp"
+
+    def __post_init__(self) -> None:
+        if self.layout not in HYBRID_LAYOUTS:
+            raise ValueError(f"Hybrid.layout must be one of {HYBRID_LAYOUTS}, got "
+                             f"{self.layout!r}")

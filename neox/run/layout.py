@@ -5,8 +5,9 @@ The nodes are torchrun's (``zerocore.nodes_of`` of its environment, read by the 
 edge) or, on one machine under neox's own launcher, ``--nodes`` (the ranks numbered as torchrun
 numbers them: node by node). ``--hybrid hsdp`` gives ``zerocore.shard`` the 2-D mesh
 ``(nodes, ranks per node)`` (``zerocore.node_mesh``): sharded within each node, replicated
-across nodes. Another layout of zerocore's is one more word in ``neox.run.recipe.HYBRIDS`` and
-its policy in ``shard_options``.
+across nodes; ``--hybrid hpz`` the same mesh with ``zerocore.Hybrid("hpz")``. Another layout
+of zerocore's is one more word in ``neox.run.recipe.HYBRIDS`` and its policy in
+``shard_options``.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ def quantize_problem(loop: LoopConfig) -> str | None:
     """Why the recipe's --quantize-gradients cannot be (None: it can)."""
     if loop.quantize_gradients is not None and loop.hybrid is None:
         return (f"--quantize-gradients {loop.quantize_gradients} quantizes the gradients' "
-                f"all-reduce across nodes, which only --hybrid has: add --hybrid hsdp, or leave "
-                f"it out")
+                f"all-reduce across nodes, which only --hybrid has: add --hybrid hsdp or hpz, or "
+                f"leave it out")
     return None
 
 
@@ -66,7 +67,8 @@ def shard_options(loop: LoopConfig, *, nodes: int, device_type: str,
     comm = dataclasses.replace(comm, quantize_gradients=loop.quantize_gradients)
     if loop.hybrid is None:
         return dict(comm=comm)
-    return dict(comm=comm, mesh=zerocore.node_mesh(device_type, nodes, what="--hybrid"))
+    return dict(comm=comm, mesh=zerocore.node_mesh(device_type, nodes, what="--hybrid"),
+                hybrid=zerocore.Hybrid(loop.hybrid))
 
 
 def layout_words(loop: LoopConfig) -> str:
@@ -84,5 +86,6 @@ def layout_line(loop: LoopConfig, ways: str, *, nodes: int, world_size: int) -> 
     if loop.hybrid is None:
         return (f"layout: flat over {world_size} ranks on {nodes} nodes: every gather and "
                 f"reduction spans the nodes; --hybrid hsdp shards within each node instead")
-    return ways + (f"; the replicas' all-reduce in {loop.quantize_gradients} (qgZ)"
+    crossing = "the replicas' all-reduce" if loop.hybrid == "hsdp" else "the cross-node reduce"
+    return ways + (f"; {crossing} in {loop.quantize_gradients} (qgZ)"
                    if loop.quantize_gradients else "")

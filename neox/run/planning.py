@@ -47,11 +47,13 @@ class PlanRequest:
     keep_gathered: int | str = 0          # zerocore.Prefetch.keep_gathered
     frozen_weights: str | None = None     # zerocore.FrozenWeights.dtype: None or "int8"
     offload_params: bool = False          # the parameter shards in CPU memory
-    # The ranks' layout (zerocore.plan's): HSDP's (nodes, ranks per node), or None (flat,
-    # over ``nodes`` nodes); and HSDP's cross-node gradients in int8 (zerocore.Comm).
+    # The ranks' layout (zerocore.plan's): a 2-D mesh's (nodes, ranks per node), or None
+    # (flat, over ``nodes`` nodes); the cross-node gradients in int8 (zerocore.Comm); and how
+    # the mesh shares the model (zerocore.Hybrid's layout: None or "hsdp", or "hpz").
     mesh: tuple[int, int] | None = None
     nodes: int = 1
     quantize_gradients: str | None = None
+    hybrid: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +66,7 @@ class Layout:
 
     @property
     def name(self) -> str:
-        name = "flat" if self.hybrid is None else self.hybrid.upper()
+        name = "flat" if self.hybrid is None else {"hsdp": "HSDP", "hpz": "hpZ"}[self.hybrid]
         return name + (f" + qgZ {self.quantize_gradients}" if self.quantize_gradients else "")
 
 
@@ -77,7 +79,8 @@ def on_layout(request: PlanRequest, layout: Layout, nodes: int) -> PlanRequest:
     hybrid = layout.hybrid is not None
     return dataclasses.replace(
         request, mesh=(nodes, request.world_size // nodes) if hybrid else None,
-        nodes=1 if hybrid else nodes, quantize_gradients=layout.quantize_gradients)
+        nodes=1 if hybrid else nodes, quantize_gradients=layout.quantize_gradients,
+        hybrid=layout.hybrid)
 
 
 def request_from_recipe(recipe: Recipe, config: NeoXConfig, *, world_size: int,
@@ -123,7 +126,8 @@ def plan_run(request: PlanRequest, *, recompute: tuple[int, ...] | None = None
         prefetch=zerocore.Prefetch(keep_gathered=r.keep_gathered),
         frozen_weights=zerocore.FrozenWeights(r.frozen_weights),
         recompute=recompute_policy(specs, loop), micro_batches=r.grad_accum, mesh=r.mesh,
-        nodes=r.nodes, comm=zerocore.Comm(quantize_gradients=r.quantize_gradients))
+        nodes=r.nodes, comm=zerocore.Comm(quantize_gradients=r.quantize_gradients),
+        hybrid=zerocore.Hybrid(r.hybrid) if r.hybrid is not None else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +137,7 @@ class LayoutRow:
     layout: Layout
     model_state: int       # shards of parameters, gradients, masters and optimizer state
     peak: int              # the device's peak, with the allocator's headroom
+    secondary: int         # hpZ's secondary shards held at most (0 otherwise)
     within_nodes: int      # moved within one node per optimizer step
     across_nodes: int      # moved across the nodes per optimizer step
 
@@ -147,7 +152,8 @@ def compare_layouts(request: PlanRequest, nodes: int,
     for layout in layouts:
         plan = planned.get(layout) or plan_run(on_layout(request, layout, nodes))
         rows.append(LayoutRow(layout, sum(plan.state.bytes_of().values()), plan.peak_bytes,
-                              plan.intra_node_bytes, plan.inter_node_bytes))
+                              plan.secondary_peak, plan.intra_node_bytes,
+                              plan.inter_node_bytes))
     return rows
 
 
@@ -156,8 +162,10 @@ def layouts_table(rows: list[LayoutRow]) -> str:
     the nodes, in GiB (MiB when every figure is below one GiB)."""
     biggest = max(max(r.peak, r.within_nodes, r.across_nodes) for r in rows)
     unit, size = ("GiB", GiB) if biggest >= GiB else ("MiB", 2**20)
-    head = (f"  {'layout':<18}{'model state':>13}{'peak':>11}{'within nodes':>15}"
-            f"{'across nodes':>15}   ({unit}; memory per GPU, bytes per step)")
+    head = (f"  {'layout':<18}{'model state':>13}{'secondary':>11}{'peak':>11}"
+            f"{'within nodes':>15}{'across nodes':>15}   ({unit}; memory per GPU, bytes per "
+            f"step; secondary: hpZ's node-local shards at most)")
     return "\n".join([head] + [
-        f"  {r.layout.name:<18}{r.model_state / size:13.3f}{r.peak / size:11.3f}"
-        f"{r.within_nodes / size:15.3f}{r.across_nodes / size:15.3f}" for r in rows])
+        f"  {r.layout.name:<18}{r.model_state / size:13.3f}{r.secondary / size:11.3f}"
+        f"{r.peak / size:11.3f}{r.within_nodes / size:15.3f}{r.across_nodes / size:15.3f}"
+        for r in rows])

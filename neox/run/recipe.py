@@ -71,7 +71,7 @@ def _at_least(n: int):
 
 OFFLOADS = ("params", "optimizer", "all")   # --offload's choices
 # --hybrid's layouts besides "none" (neox/run/layout.py turns each into zerocore's options).
-HYBRIDS = ("hsdp",)
+HYBRIDS = ("hsdp", "hpz")
 
 
 # The --help sections, in the order the commands list them.
@@ -291,15 +291,18 @@ class LoopConfig:
                   parse=int, metavar="K", resumable=True))
     # How the ranks share the model across nodes: None, flat ZeRO-3 over every rank; "hsdp",
     # sharded within each node and replicated across nodes (a 2-D mesh (nodes, ranks per
-    # node); neox/run/layout.py). A resumed run may change it: checkpoints load into any layout.
+    # node); neox/run/layout.py); "hpz", zerocore.Hybrid("hpz") on that mesh. A resumed run may
+    # change it: checkpoints load into any layout.
     hybrid: str | None = setting(
         None, check=lambda x: x is None or x in HYBRIDS, since=6,
         problem=f"{{name}} must be null (flat) or one of {HYBRIDS}, got {{value!r}}",
         flag=Flag(STEP, "how the ranks share the model across nodes: 'none', flat ZeRO-3 over "
                         "every rank (every gather crosses the nodes); 'hsdp', sharded within each "
                         "node and replicated across nodes (only each rank's gradient shard "
-                        "crosses them, once per step); the nodes are torchrun's (--nnodes), or "
-                        "--nodes on one machine",
+                        "crosses them, once per step); 'hpz', ZeRO-3's memory over every rank "
+                        "with a node-local copy of each layer's shards from forward to backward "
+                        "(backward's gathers stay in the node); the nodes are torchrun's "
+                        "(--nnodes), or --nodes on one machine",
                   choices={"none": None, **{h: h for h in HYBRIDS}},
                   text=lambda x: "none" if x is None else x, resumable=True))
     # HSDP's cross-node gradient all-reduce in int8 with a scale per block (zerocore's qgZ,

@@ -1,4 +1,5 @@
-"""Checkpoints of HSDP models (a 2-D CPU ``DeviceMesh`` (replicate, shard) over gloo ranks).
+"""Checkpoints of HSDP and hpZ models (a 2-D CPU ``DeviceMesh`` (replicate, shard) over gloo
+ranks).
 
 - Saving writes replica 0's rank files alone: a 2x2 model's checkpoint holds 2 rank files, the
   format of a flat checkpoint of 2 ranks, and its manifest says so.
@@ -9,6 +10,8 @@
   steps after it are bitwise the uninterrupted run's when the run goes back to its own layout
   through the other (HSDP -> flat 3 -> HSDP, flat 3 -> HSDP -> flat 3, with no training in
   between); in the other layout they match it within fp32 rounding (another summation order).
+- hpZ 2x2: every rank writes its slice as the flat rank holding it (a flat checkpoint of 4
+  ranks), resumes bitwise, and loads to and from HSDP 2x2 and flat 3 as above.
 
 The MLP of tests/support/toy_stack.py, through both front doors, without dropout (the replicas'
 random states come back as replica 0's: docs/decisions.md).
@@ -48,7 +51,8 @@ OTHER_LAYOUT_LOSS_TOL = dict(rtol=1e-5, atol=0.0)
 @dataclasses.dataclass(frozen=True)
 class Job:
     door: str                          # "shard" or "shard_model"
-    shape: tuple[int, int] | None      # HSDP (replicas, shards); None: flat over the world
+    shape: tuple[int, int] | None      # the mesh's (replicas, shards); None: flat over the world
+    layout: str = "hsdp"               # with a mesh, zerocore.Hybrid's layout
     stop: int = STEPS                  # train until this global step
     load: str | None = None            # load this checkpoint first (its step is the start)
     save: str | None = None            # save under this root ...
@@ -59,11 +63,25 @@ def _build(job: Job):
     layers = make_layers(SPEC)
     mesh = (init_device_mesh("cpu", job.shape, mesh_dim_names=("replicate", "shard"))
             if job.shape is not None else None)
+    hybrid = zerocore.Hybrid(job.layout) if mesh is not None else None
     if job.door == "shard":
-        model = zerocore.shard(layers, mesh=mesh)
+        model = zerocore.shard(layers, mesh=mesh, hybrid=hybrid)
         return model, model
     model = nn.Sequential(*layers)
-    return model, zerocore.shard_model(model, [model[0], model[1]], mesh=mesh)
+    return model, zerocore.shard_model(model, [model[0], model[1]], mesh=mesh, hybrid=hybrid)
+
+
+def in_slice_order(chunks: list[torch.Tensor], sharding) -> list[torch.Tensor]:
+    """Every rank's shard, gathered in the rank order of ``sharding.group``, in the order of
+    the slices they hold: the same but for hpZ, where rank w of an R x S mesh (row w // S,
+    column w % S) holds slice (w % S)·R + w // S."""
+    if not sharding.mesh.hpz:
+        return chunks
+    replicas, shards = sharding.mesh.shape
+    out = [None] * len(chunks)
+    for w, chunk in enumerate(chunks):
+        out[(w % shards) * replicas + w // shards] = chunk
+    return out
 
 
 def full_state(sharding, opt) -> dict[str, torch.Tensor]:
@@ -80,6 +98,7 @@ def full_state(sharding, opt) -> dict[str, torch.Tensor]:
             t = t.detach().contiguous()
             flat = torch.empty(t.numel() * sharding.world_size, dtype=t.dtype)
             dist.all_gather_into_tensor(flat, t, group=sharding.group)
+            flat = torch.cat(in_slice_order(list(flat.chunk(sharding.world_size)), sharding))
             for s in g.layout.slots:
                 out[f"{key}:{sharding.param_name(layer.index, s.name)}"] = \
                     flat[s.offset:s.offset + s.numel].view(s.shape).clone()
@@ -144,14 +163,30 @@ def assert_replicas_equal(results: list[dict[str, Any]], shape: tuple[int, int])
                 assert torch.equal(a, b), f"replica {r} shard {s} differs from replica 0's"
 
 
-def _world(shape: tuple[int, int] | None, flat: int) -> int:
+# A layout: (the mesh's shape, or None for flat; the flat world's size; Hybrid's layout).
+Layout = tuple[tuple[int, int] | None, int, str]
+HSDP_2X2: Layout = ((2, 2), 0, "hsdp")
+HPZ_2X2: Layout = ((2, 2), 0, "hpz")
+
+
+def _world(layout: Layout) -> int:
+    shape, flat, _ = layout
     return shape[0] * shape[1] if shape is not None else flat
 
 
-def _uninterrupted(worlds, door: str, shape: tuple[int, int] | None, flat: int,
-                   root: Path) -> dict[str, Any]:
+def _job(door: str, layout: Layout, **rest) -> Job:
+    return Job(door, layout[0], layout[2], **rest)
+
+
+def _check_replicas(results: list[dict[str, Any]], layout: Layout) -> None:
+    shape, _, kind = layout
+    if shape is not None and kind == "hsdp":
+        assert_replicas_equal(results, shape)
+
+
+def _uninterrupted(worlds, door: str, layout: Layout, root: Path) -> dict[str, Any]:
     """The uninterrupted run of a layout, saving at SAVE_AT on the way (rank 0's results)."""
-    results = worlds(_world(shape, flat)).run(run, Job(door, shape, save=str(root)))
+    results = worlds(_world(layout)).run(run, _job(door, layout, save=str(root)))
     return results[0]
 
 
@@ -175,25 +210,27 @@ def test_hsdp_writes_one_replica_and_resumes_bitwise(worlds, tmp_path, door):
         assert_bitwise(r["final"], ref["final"], "state after the resumed steps")
 
 
-# (saved layout, its flat world, loaded layout, its flat world, the front door)
+# (saved layout, loaded layout, the front door)
 ACROSS = {
-    "hsdp2x2-to-flat3": ((2, 2), 0, None, 3, "shard"),
-    "hsdp2x2-to-flat1": ((2, 2), 0, None, 1, "shard_model"),
-    "flat3-to-hsdp2x2": (None, 3, (2, 2), 0, "shard_model"),
-    "flat3-to-hsdp1x2": (None, 3, (1, 2), 0, "shard"),
-    "flat3-to-hsdp2x1": (None, 3, (2, 1), 0, "shard"),
+    "hsdp2x2-to-flat3": (HSDP_2X2, (None, 3, "hsdp"), "shard"),
+    "hsdp2x2-to-flat1": (HSDP_2X2, (None, 1, "hsdp"), "shard_model"),
+    "flat3-to-hsdp2x2": ((None, 3, "hsdp"), HSDP_2X2, "shard_model"),
+    "flat3-to-hsdp1x2": ((None, 3, "hsdp"), ((1, 2), 0, "hsdp"), "shard"),
+    "flat3-to-hsdp2x1": ((None, 3, "hsdp"), ((2, 1), 0, "hsdp"), "shard"),
+    # hpZ: to HSDP and back, to flat 3 and back (each a load from the other's files).
+    "hpz2x2-to-hsdp2x2": (HPZ_2X2, HSDP_2X2, "shard"),
+    "hpz2x2-to-flat3": (HPZ_2X2, (None, 3, "hsdp"), "shard_model"),
 }
 
 
 @pytest.mark.parametrize("case", ACROSS)
 def test_load_across_layouts(worlds, tmp_path, case):
-    saved_shape, saved_flat, shape, flat, door = ACROSS[case]
-    ref = _uninterrupted(worlds, door, saved_shape, saved_flat, tmp_path / "ref")
+    saved, loaded, door = ACROSS[case]
+    ref = _uninterrupted(worlds, door, saved, tmp_path / "ref")
     path = ref["saved_path"]
     # Into the other layout: loaded bitwise, and the steps after it within fp32 rounding.
-    other = worlds(_world(shape, flat)).run(run, Job(door, shape, load=path))
-    if shape is not None:
-        assert_replicas_equal(other, shape)
+    other = worlds(_world(loaded)).run(run, _job(door, loaded, load=path))
+    _check_replicas(other, loaded)
     for r in other:
         assert_bitwise(r["loaded"], ref["saved"], "state loaded into the other layout")
         for s in range(SAVE_AT, STEPS):
@@ -201,14 +238,33 @@ def test_load_across_layouts(worlds, tmp_path, case):
                                        **OTHER_LAYOUT_LOSS_TOL)
     # Through the other layout and back, with no step in between: bitwise the uninterrupted
     # run, whatever the world sizes the files were written by.
-    through = worlds(_world(shape, flat)).run(
-        run, Job(door, shape, load=path, stop=SAVE_AT, save=str(tmp_path / "through")))
-    back = worlds(_world(saved_shape, saved_flat)).run(
-        run, Job(door, saved_shape, load=through[0]["saved_path"]))
-    if saved_shape is not None:
-        assert_replicas_equal(back, saved_shape)
+    through = worlds(_world(loaded)).run(
+        run, _job(door, loaded, load=path, stop=SAVE_AT, save=str(tmp_path / "through")))
+    back = worlds(_world(saved)).run(run, _job(door, saved, load=through[0]["saved_path"]))
+    _check_replicas(back, saved)
     for r in back:
         assert_bitwise(r["loaded"], ref["saved"], "state loaded back")
+        assert r["losses"] == {s: ref["losses"][s] for s in range(SAVE_AT, STEPS)}
+        assert_bitwise(r["final"], ref["final"], "state after the resumed steps")
+
+
+@pytest.mark.parametrize("door", ["shard", "shard_model"])
+def test_hpz_writes_every_slice_and_resumes_bitwise(worlds, tmp_path, door):
+    results = worlds(4).run(run, _job(door, HPZ_2X2, save=str(tmp_path)))
+    ref = results[0]
+    path = Path(ref["saved_path"])
+    # The state is flat over the 4 ranks: each wrote the rank file of the slice it holds
+    # (rank 1, row 0 column 1, holds slice 2), rank 0 (slice 0) the manifest and COMMIT too.
+    assert sorted(p.name for p in path.iterdir()) == [
+        "COMMIT", "manifest.json", "rank-00000.pt", "rank-00001.pt", "rank-00002.pt",
+        "rank-00003.pt"]
+    assert read_manifest(path)["world_size"] == 4
+    assert [r["written"] for r in results] == [["rank-00000.pt", "manifest.json", "COMMIT"],
+                                               ["rank-00002.pt"], ["rank-00001.pt"],
+                                               ["rank-00003.pt"]]
+    resumed = worlds(4).run(run, _job(door, HPZ_2X2, load=str(path)))
+    for r in resumed:
+        assert_bitwise(r["loaded"], ref["saved"], "state loaded")
         assert r["losses"] == {s: ref["losses"][s] for s in range(SAVE_AT, STEPS)}
         assert_bitwise(r["final"], ref["final"], "state after the resumed steps")
 

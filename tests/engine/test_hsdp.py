@@ -12,51 +12,17 @@ bytes per group are the formulas' (``comm_report``), and that ``zerocore.plan`` 
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
-import torch.distributed as dist
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
 import zerocore
-from zerocore.comm.collectives import CommCounter
-from zerocore.comm.quantized_reduce import all_reduce_int8, chunk_numel, message_nbytes
-from tests.support.toy_stack import (LR, SEQ, WEIGHT_DECAY, Spec, assert_trains_as,
-                                     global_batch, loss_fn, make_layers)
+from zerocore.comm.quantized_reduce import chunk_numel, message_nbytes
+from tests.support.hybrid_runs import (BF16, DOORS, FP32, MICRO, QGZ_STEPS, QUANTIZE_BLOCK,
+                                       STEPS, Case, build, check_against_reference, mesh_of,
+                                       quantized_collective, run_qgz, spec_of, train_hybrid,
+                                       train_unsharded)
+from tests.support.toy_stack import LR, SEQ, WEIGHT_DECAY, Spec, global_batch, loss_fn, make_layers
 
-STEPS = 3
-MICRO = 2
-# Small enough that every step clips (the transformer's gradient norm starts near 3 and stays
-# above 1 over these steps: checked below), so clipping's all-reduced norm is exercised.
-MAX_NORM = 0.5
-DOORS = ["shard", "shard_model"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    shape: tuple[int, int]         # (replicas, shards)
-    param_dtype: torch.dtype
-    offload: bool = False          # Offload(optimizer=True): masters and gradients on the host
-    # fp32 (losses, clipped norms: relative; weights: absolute): the sum over ranks runs in
-    # another order than one process's backward (here in two stages, the shard group then the
-    # replicas), and zerocore's fused AdamW matches torch's to a few ulps a step. Measured: at
-    # most 1.4e-7 on the losses, 9e-8 on the norms, 4.7e-6 on the weights (2x2; 2.6e-7 for
-    # the others), as test_shard.py's PARAM_TOL explains: an element whose gradient nearly
-    # cancels turns rounding noise into a fraction of lr. 2e-5 (2e-3 lr, test_shard's bound) is
-    # 4x that, while a missed micro-batch, a gradient divided by the shards alone (2x) or a
-    # replica that skipped its update (lr) is far outside.
-    # bf16 compute (2^-9 relative per operation) against the fp32 reference, as the
-    # front-door table's bf16 row (bounds 1e-2 on losses and norms, 0.15 on the whole update
-    # ||w - w_ref|| / ||w_ref - w_init||); measured here 2.1e-3, 1.2e-3 and 0.036.
-    loss_rtol: float = 1e-5
-    weight_atol: float = 2e-5
-    update_rtol: float | None = None
-
-
-FP32 = dict(param_dtype=torch.float32)
-BF16 = dict(param_dtype=torch.bfloat16, loss_rtol=1e-2, update_rtol=0.15)
 CASES = {
     "2x2-fp32": Case((2, 2), **FP32),
     "2x2-bf16": Case((2, 2), **BF16),
@@ -67,99 +33,6 @@ CASES = {
     "2x1-fp32": Case((2, 1), **FP32),
     "2x1-bf16": Case((2, 1), **BF16),
 }
-
-
-def _spec(case: Case) -> Spec:
-    return Spec(model="transformer", steps=STEPS, micro=MICRO, max_norm=MAX_NORM,
-                param_dtype=case.param_dtype)
-
-
-def _mesh(shape: tuple[int, int]):
-    return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
-
-
-def _build(door: str, case: Case, mesh) -> tuple[nn.Module, zerocore.ShardedSequential]:
-    layers = make_layers(_spec(case))
-    policies = dict(mesh=mesh, mixed_precision=zerocore.MixedPrecision(case.param_dtype),
-                    offload=zerocore.Offload(optimizer=case.offload))
-    if door == "shard":
-        model = zerocore.shard(layers, **policies)
-        return model, model
-    model = nn.Sequential(*layers)
-    return model, zerocore.shard_model(model, [model[1], model[2]], **policies)
-
-
-def train_hsdp(rank: int, world_size: int, door: str, name: str) -> dict:
-    case = CASES[name]
-    spec = _spec(case)
-    model, sharding = _build(door, case, _mesh(case.shape))
-    opt = zerocore.optim.AdamW(sharding.trainable_shards(), lr=LR, weight_decay=WEIGHT_DECAY)
-    scaler = zerocore.LossScaler(sharding.group, dynamic=False)
-    sharding.comm_report(reset=True)
-    counter = sharding.counter
-    losses, norms, early_calls = [], [], []
-    for step in range(STEPS):
-        for m in range(MICRO):
-            last = m == MICRO - 1
-            sharding.set_requires_all_reduce(last)
-            before = counter.replica_all_reduce_calls
-            x, y = global_batch(spec, step, m, world_size)  # every rank's rows; this one's
-            loss = loss_fn(spec, model(x.chunk(world_size)[rank]),
-                           y.chunk(world_size)[rank]) / MICRO
-            loss.backward()
-            if not last:
-                early_calls.append(counter.replica_all_reduce_calls - before)
-            losses.append(loss.item())
-        norms.append(scaler.step(opt, max_norm=MAX_NORM).grad_norm)
-        opt.zero_grad()
-    report = sharding.comm_report()
-    weights = {sharding.param_name(i, n): t
-               for i, state in sharding.iter_full_states(trainable_only=True)
-               for n, t in state.items()}
-    shards = [(s.detach().clone(), None if s.model_copy is None else s.model_copy.clone())
-              for s in sharding.trainable_shards()]
-    trainable = [l.trainable.layout for l in sharding.layers if l.trainable is not None]
-    return dict(losses=losses, norms=norms, weights=weights, shards=shards,
-                early_calls=early_calls, report=report,
-                replica_calls=counter.replica_all_reduce_calls,
-                group=(sharding.rank, sharding.world_size),
-                padded=[lay.padded_numel for lay in trainable],
-                ways=sharding.ways.line())
-
-
-def train_unsharded(case: Case, world_size: int) -> dict:
-    """The same model, one process, fp32, torch.optim.AdamW and clip_grad_norm_, on the whole
-    global batch of each micro-batch (each rank's rows a slice of it: the mean of the ranks'
-    losses is its loss, and the averaged gradients its gradient)."""
-    spec = dataclasses.replace(_spec(case), param_dtype=torch.float32)
-    model = nn.Sequential(*make_layers(spec))
-    init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    losses, norms = [], []
-    for step in range(STEPS):
-        for m in range(MICRO):
-            x, y = global_batch(spec, step, m, world_size)
-            with torch.no_grad():
-                losses.append([loss_fn(spec, model(xr), yr).item() / MICRO
-                               for xr, yr in zip(x.chunk(world_size), y.chunk(world_size))])
-            (loss_fn(spec, model(x), y) / MICRO).backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
-        opt.step()
-        opt.zero_grad()
-    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return dict(losses=losses, norms=norms, weights=weights, init=init)
-
-
-def _check_against_reference(case: Case, got: list[dict], want: dict) -> None:
-    for rank, out in enumerate(got):
-        for i, loss in enumerate(out["losses"]):
-            ref = want["losses"][i][rank]
-            assert abs(loss - ref) <= case.loss_rtol * abs(ref), (rank, i, loss, ref)
-        for n_got, n_ref in zip(out["norms"], want["norms"]):
-            assert n_ref > MAX_NORM  # every step clipped
-            assert abs(n_got - n_ref) <= case.loss_rtol * n_ref, (n_got, n_ref)
-        assert_trains_as(out["weights"], want["weights"], want["init"],
-                         atol=case.weight_atol, update_rtol=case.update_rtol)
 
 
 def _check_replicas(case: Case, got: list[dict]) -> None:
@@ -210,8 +83,8 @@ def _worlds_of(worlds, case: Case):
 def test_hsdp_trains_as_the_unsharded_model(worlds, name, door):
     case = CASES[name]
     world = _worlds_of(worlds, case)
-    got = world.run(train_hsdp, door, name, timeout=300)
-    _check_against_reference(case, got, train_unsharded(case, world.world_size))
+    got = world.run(train_hybrid, door, case, timeout=300)
+    check_against_reference(case, got, train_unsharded(case, world.world_size))
     _check_replicas(case, got)
     _check_traffic(case, got)
 
@@ -219,9 +92,9 @@ def test_hsdp_trains_as_the_unsharded_model(worlds, name, door):
 def flat_digest(rank: int, world_size: int, door: str, how: str) -> dict:
     """One replica (a 1x2 mesh) against group= over the same ranks: the same bits."""
     case = CASES["1x2-fp32"]
-    mesh = _mesh((1, world_size)) if how == "mesh" else None
-    model, sharding = _build(door, case, mesh)
-    spec = _spec(case)
+    mesh = mesh_of((1, world_size)) if how == "mesh" else None
+    model, sharding = build(door, case, mesh)
+    spec = spec_of(case)
     opt = zerocore.optim.AdamW(sharding.trainable_shards(), lr=LR, weight_decay=WEIGHT_DECAY)
     losses = []
     for step in range(STEPS):
@@ -253,7 +126,7 @@ def test_plan_predicts_the_hsdp_step():
     formula from the same layouts)."""
     case = CASES["2x2-fp32"]
     with torch.device("meta"):
-        layers = make_layers(_spec(case))
+        layers = make_layers(spec_of(case))
     example = torch.zeros(2, SEQ, dtype=torch.int64, device="meta")
     hsdp = zerocore.plan.plan(layers, example, world_size=4, mesh=(2, 2), device="cpu",
                               micro_batches=MICRO)
@@ -277,7 +150,7 @@ def test_plan_predicts_the_hsdp_step():
 
 def test_plan_refuses_a_mesh_that_does_not_fit_the_world():
     with torch.device("meta"):
-        layers = make_layers(_spec(CASES["2x2-fp32"]))
+        layers = make_layers(spec_of(CASES["2x2-fp32"]))
     example = torch.zeros(2, SEQ, dtype=torch.int64, device="meta")
     with pytest.raises(ValueError, match=r"2 replicas x 3 shards is 6 ranks, not world_size=4"):
         zerocore.plan.plan(layers, example, world_size=4, mesh=(2, 3))
@@ -288,7 +161,7 @@ def test_plan_refuses_a_mesh_that_does_not_fit_the_world():
 def replicas_agree(rank: int, world_size: int, dtype: torch.dtype) -> tuple[bool, bool, bool]:
     """``replicas_agree`` of a 2x2 model as built, after rank 3 (replica 1's second shard)
     changed one bit of its model copy (16-bit) or master (fp32), and once more flat."""
-    model = zerocore.shard(make_layers(Spec(model="transformer")), mesh=_mesh((2, 2)),
+    model = zerocore.shard(make_layers(Spec(model="transformer")), mesh=mesh_of((2, 2)),
                            mixed_precision=zerocore.MixedPrecision(dtype))
     built = model.replicas_agree()
     if rank == 3:
@@ -309,26 +182,13 @@ def test_replicas_agree_says_whether_the_replicas_hold_the_same_bits(worlds, dty
 
 # -- qgZ: the replicas' all-reduce in int8 (Comm(quantize_gradients="int8")) --------------------
 
-BLOCK = 128
-
-
-def quantized_sum(rank: int, world_size: int, numel: int, poison: bool) -> dict:
-    """all_reduce_int8 over every rank as replicas, of values whose size varies over four
-    decades along the slice (so blocks have different scales); ``poison``: rank 1 holds an inf."""
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(numel, generator=g) * torch.logspace(-3, 1, numel)
-    if poison and rank == 1:
-        x[7] = float("inf")
-    counter = CommCounter()
-    y = all_reduce_int8(x, dist.group.WORLD, counter, BLOCK)
-    return dict(x=x, y=y, nbytes=counter.replica_all_reduce_bytes,
-                calls=counter.replica_all_reduce_calls)
+BLOCK = QUANTIZE_BLOCK
 
 
 @pytest.mark.parametrize("replicas", [2, 3])
 def test_the_int8_sum_is_within_its_bound_and_the_same_on_every_replica(worlds, replicas):
     numel = 1000  # not a whole number of blocks, nor of replicas' chunks
-    got = worlds(replicas).run(quantized_sum, numel, False)
+    got = worlds(replicas).run(quantized_collective, "all_reduce", numel)
     xs = torch.stack([out["x"] for out in got]).double()
     exact = xs.sum(0)
     chunk = chunk_numel(numel, replicas, BLOCK)
@@ -357,41 +217,10 @@ def test_the_int8_sum_is_within_its_bound_and_the_same_on_every_replica(worlds, 
 
 
 def test_a_non_finite_value_reaches_every_replica(worlds):
-    for out in worlds(2).run(quantized_sum, 1000, True):
+    for out in worlds(2).run(quantized_collective, "all_reduce", 1000, True):
         assert out["y"].isnan().any() and not out["y"].isinf().any()
 
 
-def train_qgz(rank: int, world_size: int, quantize: bool, dtype: torch.dtype) -> dict:
-    """The 2x2 model for QGZ_STEPS steps of two micro-batches, exact or through int8: the mean
-    loss over the ranks each step, the replicas' shards, the cross-node bytes."""
-    spec = Spec(model="transformer", steps=QGZ_STEPS, micro=MICRO, param_dtype=dtype)
-    comm = zerocore.Comm(quantize_gradients="int8" if quantize else None)
-    model = zerocore.shard(make_layers(spec), mesh=_mesh((2, 2)), comm=comm,
-                           mixed_precision=zerocore.MixedPrecision(dtype))
-    opt = zerocore.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    model.comm_report(reset=True)
-    losses = []
-    for step in range(QGZ_STEPS):
-        total = torch.zeros(1, dtype=torch.float64)
-        for m in range(MICRO):
-            model.set_requires_all_reduce(m == MICRO - 1)
-            x, y = global_batch(spec, step, m, world_size)
-            loss = loss_fn(spec, model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank])
-            (loss / MICRO).backward()
-            total += loss.item() / MICRO
-        opt.step()
-        opt.zero_grad()
-        dist.all_reduce(total)
-        losses.append(total.item() / world_size)
-    report = model.comm_report()
-    return dict(losses=losses, shards=[s.detach().clone() for s in model.trainable_shards()],
-                replica_bytes=report.replica_all_reduce_bytes,
-                expected=report.expected_replica_all_reduce_bytes,
-                numels=[l.trainable.layout.shard_numel for l in model.layers
-                        if l.trainable is not None])
-
-
-QGZ_STEPS = 20
 # qgZ's stated bound on real training: the toy transformer's mean loss, step by step over 20
 # steps, within 1% (relative) of the same run with the exact all-reduce. Each element of the
 # cross-node sum is off by at most (its block's absmaxes) / 254 per hop (the unit test above);
@@ -402,14 +231,8 @@ QGZ_LOSS_RTOL = 1e-2
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_qgz_trains_within_its_bound(worlds, dtype):
-    world = worlds(4)
-    exact = world.run(train_qgz, False, dtype, timeout=600)
-    quantized = world.run(train_qgz, True, dtype, timeout=600)
-    for e, q in zip(exact, quantized):
-        rel = [abs(a - b) / a for a, b in zip(e["losses"], q["losses"])]
-        assert max(rel) <= QGZ_LOSS_RTOL, rel
-        assert q["losses"][-1] < 0.1 * q["losses"][0]  # it trained
-        assert q["losses"] != e["losses"]  # and the int8 path ran
+    _, quantized = run_qgz(worlds(4), dtype, "hsdp", QGZ_LOSS_RTOL)
+    for q in quantized:
         # The bytes across the nodes: each group's shard as int8, its scales and flags.
         per_step = sum(message_nbytes(n, 2, BLOCK) for n in q["numels"])
         assert q["expected"] == per_step and q["replica_bytes"] == QGZ_STEPS * per_step
@@ -420,7 +243,7 @@ def test_qgz_trains_within_its_bound(worlds, dtype):
 
 
 def qgz_without_replicas(rank: int, world_size: int, shape) -> str:
-    mesh = {} if shape is None else {"mesh": _mesh(shape)}
+    mesh = {} if shape is None else {"mesh": mesh_of(shape)}
     try:
         zerocore.shard(make_layers(Spec(model="transformer")),
                        comm=zerocore.Comm(quantize_gradients="int8"), **mesh)
@@ -441,7 +264,7 @@ def test_qgz_without_replicas_is_refused_on_every_rank(worlds, shape):
 def test_plan_predicts_qgz_bytes():
     case = CASES["2x2-fp32"]
     with torch.device("meta"):
-        layers = make_layers(_spec(case))
+        layers = make_layers(spec_of(case))
     example = torch.zeros(2, SEQ, dtype=torch.int64, device="meta")
     exact = zerocore.plan.plan(layers, example, world_size=4, mesh=(2, 2), device="cpu")
     int8 = zerocore.plan.plan(layers, example, world_size=4, mesh=(2, 2), device="cpu",

@@ -41,7 +41,7 @@ def refused(capsys, tmp_path, *flags) -> subprocess.CompletedProcess:
 REFUSALS = {
     "qgZ flat": (("--quantize-gradients", "int8"),
                  "error: --quantize-gradients int8 quantizes the gradients' all-reduce across "
-                 "nodes, which only --hybrid has: add --hybrid hsdp, or leave it out"),
+                 "nodes, which only --hybrid has: add --hybrid hsdp or hpz, or leave it out"),
     "one machine": (("--hybrid", "hsdp"),
                     "error: --hybrid hsdp shards within each node and replicates across nodes, "
                     "and this machine is one node: run under torchrun --nnodes N (N >= 2), or "
@@ -113,8 +113,9 @@ def test_plan_compares_the_layouts_on_several_nodes(capsys):
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     rows = out["layouts"]
-    assert list(rows) == ["flat", "HSDP", "HSDP + qgZ int8"]
+    assert list(rows) == ["flat", "HSDP", "HSDP + qgZ int8", "hpZ", "hpZ + qgZ int8"]
     flat, hsdp, qgz = rows["flat"], rows["HSDP"], rows["HSDP + qgZ int8"]
+    hpz, hpz_qgz = rows["hpZ"], rows["hpZ + qgZ int8"]
     # The layout asked for is the plan printed above the table, not planned twice apart.
     chosen = out["plan"]
     assert hsdp["within_nodes"] == chosen["all_gather_bytes"] + chosen["reduce_scatter_bytes"]
@@ -129,9 +130,17 @@ def test_plan_compares_the_layouts_on_several_nodes(capsys):
     assert 0 < hsdp["across_nodes"] < 0.01 * flat["across_nodes"]
     assert 0.25 * hsdp["across_nodes"] < qgz["across_nodes"] < 0.27 * hsdp["across_nodes"]
     assert hsdp["within_nodes"] == qgz["within_nodes"]
+    # hpZ: flat's model state (over all 8 ranks) plus the secondary shards it holds; its
+    # forward gathers and gradient reduce-scatters cross the nodes, backward's gathers do
+    # not; qgZ shrinks the reduce-scatters.
+    assert hpz["model_state"] == hpz_qgz["model_state"] == flat["model_state"]
+    assert hpz["secondary"] > 0 == flat["secondary"] == hsdp["secondary"]
+    assert hsdp["across_nodes"] < hpz_qgz["across_nodes"] < hpz["across_nodes"] \
+        < flat["across_nodes"]
     text = planned(capsys, "--nodes", 2, "--gpus", 4).stdout
     table = text[text.index("layouts on 2 nodes x 4 GPUs"):].splitlines()
-    assert [line.split()[0] for line in table[2:]] == ["flat", "HSDP", "HSDP"], table
+    assert [line.split()[0] for line in table[2:]] == ["flat", "HSDP", "HSDP", "hpZ", "hpZ"], \
+        table
 
 
 @pytest.mark.parametrize("flags, line", [

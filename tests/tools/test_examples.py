@@ -135,8 +135,8 @@ def _example_env(**more: str) -> dict[str, str]:
     (["--out", "OUT_UNDER_A_FILE"], "cannot write there (Not a directory)"),
     (["--quantize-gradients", "int8"], "--quantize-gradients int8 quantizes the gradients' "
                                        "all-reduce across nodes, which only --hybrid has"),
-    (["--hybrid", "hsdp"], "--hybrid hsdp shards within each node and replicates across nodes: "
-                           "run under torchrun --nnodes N (N >= 2)"),
+    (["--hybrid", "hpz"], "--hybrid hpz lays the ranks out in nodes: "
+                          "run under torchrun --nnodes N (N >= 2)"),
 ], ids=["nproc-0", "no-data", "seq-len-0", "seq-len-huge", "batch-0", "lr-nan", "unwritable-out",
         "qgz-flat", "hybrid-one-machine"])
 def test_the_trainer_example_refuses_bad_arguments_in_one_line(tmp_path, args, phrase):

@@ -57,7 +57,9 @@ does), so each new rank reads the byte ranges it needs from the old rank files (
 An HSDP model (R replicas x S shards) is saved once, by replica 0's shard group, as a flat world
 of S ranks would save it (the other replicas write nothing but agree on every step): its
 checkpoint is a flat one, and loads under any layout; loading into HSDP, every replica's shard
-group reads the same shards, as a flat world of S ranks would.
+group reads the same shards, as a flat world of S ranks would. An hpZ model's state is flat over
+all R·S ranks: each rank writes its slice as the flat rank holding it, a flat checkpoint of R·S
+ranks, and loads its slice the same way.
 """
 
 from __future__ import annotations
@@ -275,15 +277,18 @@ def save_checkpoint(root: str | Path, step: int, model: Any,
                          "save without include_frozen and consolidate or export from the base "
                          "checkpoint (neox.export does)")
     root = Path(root)
-    # ``group``, ``rank``, ``world``: the shard group's. With HSDP every replica holds the same
-    # shards, so replica 0's shard group alone writes its rank files, as a flat world of the
-    # shard group's size would (the checkpoint is a flat one: it loads under any layout); the
-    # other replicas write nothing, but every rank of the mesh agrees on each step (``whole``),
-    # so that a failure anywhere is raised everywhere. Flat: ``whole`` is ``group``.
+    # ``group``, ``rank``, ``world``: the ranks the state is sharded over and this rank's slice.
+    # With HSDP every replica holds the same shards, so replica 0's shard group alone writes
+    # its rank files, as a flat world of the shard group's size would (the checkpoint is a
+    # flat one: it loads under any layout); the other replicas write nothing, but every rank
+    # of the mesh agrees on each step (``whole``), so that a failure anywhere is raised
+    # everywhere. Flat: ``whole`` is ``group``. hpZ: the state is flat over every rank, each
+    # rank writing its slice as the flat rank that holds it (``rank``, not its rank in
+    # ``group``: ``Mesh.in_state_order``).
     group, rank, world = model.group, model.rank, model.world_size
     mesh = model.mesh
     whole = mesh.whole
-    writes = mesh.replicate is None or mesh.replicate.rank() == 0
+    writes = not mesh.replicated or mesh.replicate.rank() == 0
     leader = writes and rank == 0  # names the directory, writes the manifest, commits, tidies
     # The leader's rank in ``whole``: replica 0's first rank (the mesh's first row).
     src = dist.get_group_rank(whole, mesh.ranks[0][0])
@@ -345,8 +350,9 @@ def save_checkpoint(root: str | Path, step: int, model: Any,
             tmp / rank_file(rank),
             lambda f: torch.save(_rank_payload(model, optimizer, include_frozen, identity), f))
             if writes else None, not_saved), whole, device)
-        # Within each shard group: replica 0's gathers its files' records (the others, Nones).
-        infos = all_gather_objects(info, group, channel)
+        # Within each shard group: replica 0's gathers its files' records (the others, Nones);
+        # hpZ's, every rank's, put in the order of the slices they hold.
+        infos = mesh.in_state_order(all_gather_objects(info, group, channel))
         manifest["files"] = {rank_file(r): infos[r] for r in range(world)}
         agreed(_noting(lambda: _commit(tmp, final, manifest) if leader else None,
                         not_saved), whole, device)

@@ -48,6 +48,14 @@ class CommCounter:
     # the shard group. None issued for one replica, where the bytes are still counted.
     replica_all_reduce_bytes: int = 0
     replica_all_reduce_calls: int = 0
+    # hpZ: gathers of primary shards into secondary shards and reduce-scatters of secondary
+    # gradient slices over the replicate group (between nodes), counted as above (the
+    # gathered secondary shard; the secondary slice reduced, or its int8 message); the
+    # fields above then hold the shard group's (within the node) alone.
+    replicate_all_gather_bytes: int = 0
+    replicate_all_gather_calls: int = 0
+    replicate_reduce_scatter_bytes: int = 0
+    replicate_reduce_scatter_calls: int = 0
     # Seconds the calling thread spent (time.perf_counter) issuing gathers (allocating the
     # gathered buffer, copying its own shard, enqueueing), blocked waiting for them, packing
     # and issuing gradient reductions, and blocked waiting for those (then averaging): where
@@ -78,6 +86,18 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
     return _all_gather_single(output, shard, group=group, async_op=True)
 
 
+def all_gather_across_nodes(output: torch.Tensor, shard: torch.Tensor,
+                            group: dist.ProcessGroup, counter: CommCounter, gloo: bool,
+                            rank: int, global_ranks: tuple[int, ...]) -> list[dist.Work | None]:
+    """hpZ's gather over the replicate group: ``all_gather`` (on gloo
+    ``all_gather_by_broadcast``), counted as crossing the nodes."""
+    counter.replicate_all_gather_bytes += nbytes(output)
+    counter.replicate_all_gather_calls += 1
+    if gloo:
+        return _broadcast_each(output, shard, group, rank, global_ranks)
+    return [_all_gather_single(output, shard, group=group, async_op=True)]
+
+
 def all_gather_by_broadcast(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
                             counter: CommCounter, rank: int | None = None,
                             global_ranks: tuple[int, ...] | None = None
@@ -97,11 +117,18 @@ def all_gather_by_broadcast(output: torch.Tensor, shard: torch.Tensor, group: di
         output.copy_(shard)
         return []
     counter.all_gather_calls += 1
-    slices = output.chunk(world)
+    return _broadcast_each(output, shard, group, rank, global_ranks)
+
+
+def _broadcast_each(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
+                    rank: int, global_ranks: tuple[int, ...]) -> list[dist.Work | None]:
+    """``all_gather_by_broadcast``'s broadcasts, uncounted."""
+    slices = output.chunk(len(global_ranks))
     handles = [dist.broadcast(shard if r == rank else slices[r], src=global_ranks[r],
                               group=group, async_op=True)
-               for r in range(world)]
-    slices[rank].copy_(shard)  # while the other ranks' slices arrive
+               for r in range(len(global_ranks))]
+    if slices[rank].data_ptr() != shard.data_ptr():  # (hpZ gathers in place)
+        slices[rank].copy_(shard)  # while the other ranks' slices arrive
     return handles
 
 def all_reduce_sum_in_place(full: torch.Tensor, group: dist.ProcessGroup,
@@ -183,6 +210,28 @@ def all_reduce_across_replicas(t: torch.Tensor, group: dist.ProcessGroup,
         return
     counter.replica_all_reduce_calls += 1
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+
+
+def reduce_scatter_across_nodes(full: torch.Tensor, group: dist.ProcessGroup,
+                                counter: CommCounter, gloo: bool) -> torch.Tensor:
+    """hpZ's reduce-scatter over the replicate group, synchronously: this rank's slice of the
+    sum over the group of ``full`` (1D, a multiple of the group's size), counted as crossing
+    the nodes (the group's own size and rank: a planned world's group is not registered,
+    comm/fake.py). On gloo an all-reduce in place (as ``all_reduce_sum_in_place``), the
+    result a view of ``full``; otherwise the backend's reduce-scatter into a tensor of its
+    own."""
+    counter.replicate_reduce_scatter_bytes += nbytes(full)
+    world = group.size()
+    mine = full.chunk(world)[group.rank()]
+    if world == 1:
+        return mine
+    counter.replicate_reduce_scatter_calls += 1
+    if gloo:
+        dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group)
+        return mine
+    out = torch.empty_like(mine)
+    _reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group)
+    return out
 
 
 def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup, counter: CommCounter) -> None:

@@ -7,7 +7,12 @@ process group (``shard(group=...)``).
 - HSDP (a 2-D mesh, dims ``(replicate, shard)``): sharded over the shard dim (the ranks of one
   node, when the mesh is laid out as torchrun numbers ranks) and replicated over the replicate
   dim: gathers and reduce-scatters stay in the shard group, and only each rank's gradient shard
-  is all-reduced across its replicas (comm/transport.py, ``ReduceAcrossReplicas``).
+  is all-reduced across its replicas (comm/transport.py, ``ReduceAcrossReplicas``);
+- hpZ (a 2-D mesh with ``Hybrid("hpz")``): state sharded over every rank, rank (r, s) holding
+  slice s·R + r of each flat group (``state_rank``), so that the replicate group of column s
+  gathers, in its rank order, exactly slice s of S (the secondary shard, kept within the node
+  from forward to backward) and the shard group then gathers the layer from those
+  (comm/transport.py, ``AcrossNodes``).
 
 Every check the ranks must agree on runs over ``whole``, the group of every rank of the mesh:
 a row (shard group) and a column (replicate group) agreeing apart would leave the other rows
@@ -23,12 +28,17 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from zerocore.comm.fake import fake_group
+from zerocore.policies import Hybrid
 
 
 @dataclasses.dataclass(frozen=True)
 class Mesh:
-    shard: dist.ProcessGroup              # parameters, gradients, optimizer state sharded over
-    replicate: dist.ProcessGroup | None   # HSDP's replicas of the shards; None: one copy (flat)
+    # The ranks a layer is gathered within and its gradients reduce-scattered within first:
+    # flat and HSDP shard the state over it; hpZ over every rank (``state_group``).
+    shard: dist.ProcessGroup
+    # HSDP's replicas of the shards, hpZ's ranks of one shard column across the nodes; None:
+    # flat, or one replica.
+    replicate: dist.ProcessGroup | None
     whole: dist.ProcessGroup              # every rank of the mesh: where the ranks agree
     shape: tuple[int, int]                # (replicas, shards); flat: (1, ranks)
     hybrid: bool                          # given as a 2-D mesh (a replicate dim of 1 included)
@@ -39,6 +49,7 @@ class Mesh:
     ranks: tuple[tuple[int, ...], ...] = ()
     # The device type of the DeviceMesh given (``init_device_mesh``'s), None for a group.
     device_type: str | None = None
+    layout: str = "flat"                  # "flat", "hsdp" or "hpz"
 
     @property
     def replicas(self) -> int:
@@ -48,14 +59,66 @@ class Mesh:
     def world_size(self) -> int:
         return self.shape[0] * self.shape[1]
 
+    @property
+    def hpz(self) -> bool:
+        return self.layout == "hpz"
+
+    @property
+    def replicated(self) -> bool:
+        """Whether ranks hold copies of each other's state (HSDP with more than one replica):
+        then one replica's ranks alone write checkpoints."""
+        return self.layout == "hsdp" and self.replicate is not None
+
+    @property
+    def state_group(self) -> dist.ProcessGroup:
+        """The group the state (masters, gradients, optimizer state) is sharded over:
+        ``model.group``, over which the gradient norm is summed (``LossScaler``)."""
+        return self.whole if self.hpz else self.shard
+
+    @property
+    def state_size(self) -> int:
+        return self.world_size if self.hpz else self.shape[1]
+
+    @property
+    def state_rank(self) -> int:
+        """Which slice of each flat group this rank holds (``model.rank``): its rank in the
+        shard group; with hpZ, s·R + r for its rank s in the shard group and r in the
+        replicate group (see the module), which is not its rank in ``state_group``
+        (``in_state_order`` reorders)."""
+        if not self.hpz:
+            return self.shard.rank()
+        return self.shard.rank() * self.shape[0] + self.replicate.rank()
+
+    def in_state_order(self, values: list) -> list:
+        """``values``, one per rank of ``state_group`` in its rank order (an all-gather's),
+        reordered by the slice each rank holds (``state_rank``): the identity except for hpZ,
+        whose state group is the whole mesh. Every group's ranks are in global order (torch
+        sorts a new group's ranks), so each rank's slice follows from the grid."""
+        if not self.hpz:
+            return list(values)
+        rows = [sorted(row) for row in self.ranks]
+        columns = [sorted(column) for column in zip(*self.ranks)]
+        slice_of = {g: rows[i].index(g) * self.shape[0] + columns[j].index(g)
+                    for i, row in enumerate(self.ranks) for j, g in enumerate(row)}
+        out: list = [None] * len(values)
+        for w, g in enumerate(sorted(slice_of)):
+            out[slice_of[g]] = values[w]
+        return out
+
     def describe(self) -> str:
         """What every rank must have been given alike (compared by ``Sharding``)."""
-        return (f"{'hsdp' if self.hybrid else 'flat'} {self.shape} {self.ranks} "
+        return (f"{self.layout} {self.shape} {self.ranks} "
                 f"{self.device_type or 'group'}")
 
     def line(self) -> str:
         """The layout, for the start-up line (``Ways.line``)."""
         replicas, shards = self.shape
+        if self.hpz:
+            return (f"layout: hpZ {replicas}x{shards}: state sharded over all "
+                    f"{replicas * shards} ranks; each forward gathers a layer's shards across "
+                    f"the {replicas} nodes into a secondary shard kept in the node of "
+                    f"{shards}, from which backward gathers; gradients reduce-scattered within "
+                    f"the node, then across the nodes")
         if self.hybrid:
             if replicas == 1:
                 return (f"layout: HSDP 1x{shards}, one replica: sharded over all {shards} "
@@ -91,7 +154,14 @@ def flat(group: dist.ProcessGroup, nodes: int | None = None,
                 ranks=(tuple(dist.get_process_group_ranks(group)),), device_type=device_type)
 
 
-def planned(shape: tuple[int, int] | None, world_size: int) -> Mesh:
+def layout_of(hybrid: Hybrid | None, replicas: int) -> str:
+    """The layout a 2-D mesh of ``replicas`` replicas takes under ``hybrid``: hpZ when asked
+    and there are replicas to gather across (``Sharding`` refuses it otherwise), else HSDP."""
+    return "hpz" if hybrid is not None and hybrid.layout == "hpz" and replicas > 1 else "hsdp"
+
+
+def planned(shape: tuple[int, int] | None, world_size: int,
+            hybrid: Hybrid | None = None) -> Mesh:
     """A planned world's mesh (``zerocore.plan``): fake groups (comm/fake.py) of each size, of
     which this process is rank 0."""
     if shape is None:
@@ -99,7 +169,28 @@ def planned(shape: tuple[int, int] | None, world_size: int) -> Mesh:
         return Mesh(group, None, group, (1, world_size), hybrid=False)
     replicas, shards = shape
     return Mesh(fake_group(shards), fake_group(replicas) if replicas > 1 else None,
-                fake_group(world_size), (replicas, shards), hybrid=True)
+                fake_group(world_size), (replicas, shards), hybrid=True,
+                layout=layout_of(hybrid, replicas))
+
+
+MESH_2D = ("mesh=init_device_mesh(device, (nodes, ranks_per_node), mesh_dim_names="
+           "('replicate', 'shard'))")
+
+
+def refuse_hybrid(mesh: Mesh, hybrid: Hybrid | None, what: str, fix: str = MESH_2D) -> None:
+    """A hybrid layout asked for where the mesh cannot give it (no 2-D mesh; hpZ with one
+    replica): one line, the same on every rank once the mesh and the policies are agreed.
+    ``fix``: how the caller passes a 2-D mesh."""
+    if hybrid is None:
+        return
+    if not mesh.hybrid:
+        raise ValueError(f"{what}: Hybrid({hybrid.layout!r}) needs a 2-D mesh (replicate, "
+                         f"shard) and this model has none ({mesh.line()}); pass {fix}, or "
+                         f"leave hybrid out")
+    if hybrid.layout == "hpz" and not mesh.hpz:
+        raise ValueError(f"{what}: Hybrid('hpz') gathers across the mesh's replicate dim and "
+                         f"this mesh has one replica ({mesh.line()}); pass a 2-D mesh with "
+                         f"more than one replica (a node each), or leave hybrid out")
 
 
 def check_shape(shape: object, world_size: int, what: str) -> tuple[int, int] | None:
@@ -118,9 +209,11 @@ def check_shape(shape: object, world_size: int, what: str) -> tuple[int, int] | 
 
 
 def resolve(group: dist.ProcessGroup | None, mesh: DeviceMesh | None, what: str, *,
-            nodes: int | None = None) -> Mesh:
-    """The layout ``shard(group=, mesh=)`` asks for (neither: flat over the world).
-    ``nodes``: ``nodes_of`` the launcher's environment, read by the caller."""
+            nodes: int | None = None, hybrid: Hybrid | None = None) -> Mesh:
+    """The layout ``shard(group=, mesh=, hybrid=)`` asks for (neither: flat over the world;
+    a 2-D mesh: HSDP, or hpZ when ``hybrid`` says so). ``nodes``: ``nodes_of`` the launcher's
+    environment, read by the caller. A hybrid layout the mesh cannot give is refused later,
+    once every rank agrees on the mesh and the policies (``refuse_hybrid``)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"{what} needs torch.distributed to be initialised: call "
                            f"torch.distributed.init_process_group(...) first (for one process: "
@@ -150,7 +243,7 @@ def resolve(group: dist.ProcessGroup | None, mesh: DeviceMesh | None, what: str,
         whole = dist.new_group(everyone, use_local_synchronization=True)
     return Mesh(mesh.get_group(1), mesh.get_group(0) if replicas > 1 else None, whole,
                 (replicas, shards), hybrid=True, nodes=nodes, ranks=ranks,
-                device_type=mesh.device_type)
+                layout=layout_of(hybrid, replicas), device_type=mesh.device_type)
 
 
 def device_refusal(mesh: Mesh, device_type: str, what: str) -> str | None:

@@ -1,5 +1,7 @@
-"""qgZ for HSDP: the all-reduce of a gradient slice across the replicas (between nodes) in int8
-with an fp32 scale per block (``zerocore.Comm(quantize_gradients="int8")``), summed in fp32.
+"""qgZ: the cross-node reduction of a gradient slice in int8 with an fp32 scale per block
+(``zerocore.Comm(quantize_gradients="int8")``), summed in fp32: HSDP's all-reduce across the
+replicas (``all_reduce_int8``), and hpZ's reduce-scatter across the nodes
+(``reduce_scatter_int8``: the first hop below alone, each rank keeping its own summed chunk).
 
 Two hops, as a ring all-reduce has, each moving int8 (ZeRO++'s qgZ is this, hierarchically):
 1. the slice (padded to R chunks of whole blocks) is quantized and exchanged all-to-all: each
@@ -15,6 +17,10 @@ sum, by at most (Σ_r absmax_r + absmax of the sum) / 254 per element of a block
 error on each replica's values, then the second's), before the division by the world size.
 A non-finite value on any replica (an fp16 overflow) cannot be quantized: it travels as a flag,
 and every replica's result is NaN, which the loss scaler's check then finds on every replica.
+
+The reduce-scatter's chunks are the ranks' own slices (the slice split R ways exactly, each
+padded to whole blocks: a rank's chunk is its primary shard), and its error is the first hop's
+alone: at most Σ_r absmax_r / 254 per element of a block.
 """
 
 from __future__ import annotations
@@ -68,6 +74,43 @@ def _unpack(part: torch.Tensor, out: torch.Tensor, block: int, add: bool) -> Non
         out.copy_(values)
 
 
+def _sum_chunks(padded: torch.Tensor, group: dist.ProcessGroup, block: int) -> torch.Tensor:
+    """The first hop: ``padded`` (2D fp32, (R, chunk), whole blocks a row) quantized row by row
+    and exchanged all-to-all; the sum over the replicas of this rank's row, dequantized and
+    summed in fp32 in rank order (1D fp32, chunk)."""
+    send = torch.cat([_pack(row, block) for row in padded.unbind(0)])
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    total = torch.zeros(padded.shape[1], dtype=torch.float32, device=padded.device)
+    for message in received.chunk(group.size()):  # every replica's part of my chunk, in order
+        _unpack(message, total, block, add=True)
+    return total
+
+
+def reduce_scatter_int8(t: torch.Tensor, group: dist.ProcessGroup, counter: CommCounter,
+                        block: int) -> torch.Tensor:
+    """This rank's slice (slice ``group.rank()`` of R equal ones) of the sum over the group of
+    ``t`` (1D, any float dtype, a multiple of R elements), through int8 (see the module): a
+    new 1-D fp32 tensor. Counted as crossing the nodes (hpZ's replicate group)."""
+    ranks = group.size()
+    per = t.numel() // ranks
+    chunk = -(-per // block) * block
+    counter.replicate_reduce_scatter_bytes += reduce_scatter_message_nbytes(t.numel(), ranks,
+                                                                            block)
+    if ranks == 1:
+        return t.to(torch.float32, copy=True)
+    counter.replicate_reduce_scatter_calls += 1
+    padded = torch.zeros(ranks, chunk, dtype=torch.float32, device=t.device)
+    padded[:, :per] = t.view(ranks, per)
+    return _sum_chunks(padded, group, block)[:per]
+
+
+def reduce_scatter_message_nbytes(numel: int, ranks: int, block: int) -> int:
+    """Bytes ``reduce_scatter_int8`` of ``numel`` elements over ``ranks`` is counted as: R
+    chunks of the exact split, each rounded up to whole blocks, as they travel."""
+    return ranks * _part_nbytes(-(-(numel // ranks) // block) * block, block)
+
+
 def all_reduce_int8(t: torch.Tensor, group: dist.ProcessGroup, counter: CommCounter,
                     block: int) -> torch.Tensor:
     """The sum over the replicas of ``t`` (1D, any float dtype), through int8 (see the module):
@@ -83,12 +126,7 @@ def all_reduce_int8(t: torch.Tensor, group: dist.ProcessGroup, counter: CommCoun
     padded = torch.zeros(replicas * chunk, dtype=torch.float32, device=t.device)
     padded[:numel] = t
     part = _part_nbytes(chunk, block)
-    send = torch.cat([_pack(c, block) for c in padded.chunk(replicas)])
-    received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)
-    total = torch.zeros(chunk, dtype=torch.float32, device=t.device)
-    for message in received.chunk(replicas):  # every replica's part of my chunk, in order
-        _unpack(message, total, block, add=True)
+    total = _sum_chunks(padded.view(replicas, chunk), group, block)
     gathered = torch.empty(replicas * part, dtype=torch.uint8, device=t.device)
     all_gather_sync(gathered, _pack(total, block), group)
     for message, out in zip(gathered.chunk(replicas), padded.chunk(replicas)):

@@ -22,6 +22,12 @@ the slower ways stay selectable (``Comm(gather=..., reduce=...)``), for tests an
 HSDP (a 2-D mesh, comm/mesh.py): each of these runs within the shard group, and
 ``ReduceAcrossReplicas`` then all-reduces this rank's slice across the replicas (``Replicas``)
 before the one division by the whole world, on the backward that requires it.
+
+hpZ (a 2-D mesh with ``Hybrid("hpz")``): a forward's gather first gathers the primary shards
+across the nodes into this rank's secondary shard (``AcrossNodes.start_gather``), then the
+shard group's way gathers the layer from the secondary shards; backward's gather is the second
+step alone. ``ReduceAcrossNodes`` reduces within the shard group to the secondary slice, then
+reduce-scatters that across the nodes (``AcrossNodes.reduce_scatter``) before the one division.
 """
 
 from __future__ import annotations
@@ -55,28 +61,44 @@ class Route:
     # HSDP: the replicas this group's gradient slices are all-reduced over after the group's
     # own reduction; None: flat (the group's reduction is the whole mean).
     replicas: "Replicas | None" = None
+    # hpZ: the nodes this group's secondary slices are reduce-scattered across after the
+    # group's own reduction (and its primary shards gathered across before its gathers).
+    across: "AcrossNodes | None" = None
 
     @staticmethod
     def of(group: dist.ProcessGroup, counter: collectives.CommCounter, gloo: bool,
-           peers: peer_memory.PeerMemory | None, replicas: "Replicas | None" = None
-           ) -> "Route":
+           peers: peer_memory.PeerMemory | None, replicas: "Replicas | None" = None,
+           across: "AcrossNodes | None" = None) -> "Route":
         world = group.size()
-        # A planned world's group is not registered with torch.distributed (comm/fake.py).
-        ranks = (tuple(range(world)) if is_fake(group)
-                 else tuple(dist.get_process_group_ranks(group)))
-        return Route(group, counter, gloo, peers, world, group.rank(), ranks, replicas)
+        return Route(group, counter, gloo, peers, world, group.rank(), group_ranks(group),
+                     replicas, across)
+
+    @property
+    def second_stage(self) -> "Replicas | AcrossNodes | None":
+        return self.replicas if self.replicas is not None else self.across
 
     @property
     def mean_world_size(self) -> int:
-        """How many ranks' gradients the mean is over: the group's, times its replicas."""
-        return self.world_size * (self.replicas.size if self.replicas is not None else 1)
+        """How many ranks' gradients the mean is over: the group's, times its replicas (or
+        hpZ's nodes)."""
+        stage = self.second_stage
+        return self.world_size * (stage.size if stage is not None else 1)
 
     def factors(self, dtype: torch.dtype) -> "MeanFactors":
         """The mean's factors for this group's own way: the whole mean's, except that with
-        replicas the division after the sum waits for their all-reduce
-        (``ReduceAcrossReplicas``), so that it still comes once, after every rank's sum."""
+        replicas (or hpZ's nodes) the division after the sum waits for their reduction
+        (``ReduceAcrossReplicas``, ``ReduceAcrossNodes``), so that it still comes once, after
+        every rank's sum."""
         f = mean_factors(dtype, self.mean_world_size)
-        return f if self.replicas is None else MeanFactors(f.pre, 1)
+        return f if self.second_stage is None else MeanFactors(f.pre, 1)
+
+
+def group_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
+    """The group's ranks as global ranks (a planned world's group is not registered with
+    torch.distributed, comm/fake.py: its own numbering)."""
+    if is_fake(group):
+        return tuple(range(group.size()))
+    return tuple(dist.get_process_group_ranks(group))
 
 
 class Gather:
@@ -390,6 +412,108 @@ class ReduceAcrossReplicas(Reduce):
         return Reduction(finish, held=reduction.held)
 
 
+class AcrossNodes:
+    """hpZ's replicate dim, one per sharding and shared by its groups: the group between the
+    nodes (a shard column: the ranks holding slice s of S of every layer, one per node) over
+    which each forward gathers the ranks' primary shards into their secondary shard
+    (``start_gather``), and over which each gradient's secondary slice, summed within the node,
+    is reduce-scattered to the primary shards (``reduce_scatter``), exactly or, with
+    ``quantize_block`` (``Comm(quantize_gradients="int8")``), in int8 (qgZ). Both counted as
+    crossing the nodes. ``shards``: the shard group's size S (a secondary shard is 1/S of a
+    layer). ``gloo``: gloo on the CPU (the gathers by broadcasts, the reduce-scatter an
+    all-reduce in place); ``planned``: a plan's step (comm/fake.py), whose gathers are the
+    plain collective."""
+
+    def __init__(self, group: dist.ProcessGroup, counter: collectives.CommCounter, *,
+                 shards: int, gloo: bool, planned: bool = False,
+                 quantize_block: int | None = None):
+        self.group = group
+        self.size = group.size()
+        self.rank = group.rank()
+        self.global_ranks = group_ranks(group)
+        self.counter = counter
+        self.shards = shards
+        self.gloo = gloo
+        self.planned = planned
+        self.quantize_block = quantize_block
+
+    def start_gather(self, out: torch.Tensor, source: torch.Tensor) -> list[dist.Work | None]:
+        """Starts out (1D, the secondary shard: R primary shards) <- every node's primary
+        shard ``source`` of this column, in replicate-group rank order; ``wait_gather`` the
+        handles returned."""
+        return collectives.all_gather_across_nodes(
+            out, source, self.group, self.counter, self.gloo and not self.planned, self.rank,
+            self.global_ranks)
+
+    @staticmethod
+    def wait_gather(handles: list[dist.Work | None]) -> None:
+        for handle in handles:
+            if handle is not None:
+                handle.wait()
+
+    def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's primary slice of the sum across the nodes of ``t`` (1D, the secondary
+        slice, summed within each node), synchronously: a view of ``t`` (gloo, exact), or a
+        tensor of its own (the device backend's; quantized: fp32)."""
+        if self.quantize_block is not None:
+            return quantized_reduce.reduce_scatter_int8(t, self.group, self.counter,
+                                                        self.quantize_block)
+        return collectives.reduce_scatter_across_nodes(t, self.group, self.counter, self.gloo)
+
+    def gather_nbytes(self, gathered_nbytes: int) -> int:
+        """Bytes one cross-node gather of a group whose whole gather moves ``gathered_nbytes``
+        is counted as: its secondary shard, 1/S of it."""
+        return gathered_nbytes // self.shards
+
+    def reduce_nbytes(self, padded_numel: int, dtype: torch.dtype) -> int:
+        """Bytes one cross-node reduce-scatter of a group of ``padded_numel`` elements reduced
+        in ``dtype`` is counted as: its secondary slice, or that slice's int8 message."""
+        numel = padded_numel // self.shards
+        if self.quantize_block is not None:
+            return quantized_reduce.reduce_scatter_message_nbytes(numel, self.size,
+                                                                  self.quantize_block)
+        return numel * dtype.itemsize
+
+
+class ReduceAcrossNodes(Reduce):
+    """hpZ's reduction: the shard group's own way (``inner``) sums the packed gradients within
+    the node into this rank's secondary slice (``Route.factors``: not yet divided), which is
+    reduce-scattered across the nodes to this rank's primary shard (``AcrossNodes``) and
+    divided once by the whole world: the mean the flat layout computes, summed in another
+    order. Every micro-batch crosses the nodes: the state is sharded over every rank, so there
+    is no replica to defer to (``set_requires_all_reduce`` changes nothing here)."""
+
+    def __init__(self, route: Route, inner: Reduce):
+        super().__init__(route)
+        self.inner = inner
+        self.name = inner.name
+
+    @property
+    def owned(self) -> bool:
+        # A quantized reduce-scatter's result is a tensor of its own; the exact one is a view
+        # of the inner way's result where that is one.
+        return self.inner.owned or self.route.across.quantize_block is not None
+
+    def before_pack(self) -> None:
+        self.inner.before_pack()
+
+    def kept_tensors(self) -> list[torch.Tensor]:
+        return self.inner.kept_tensors()
+
+    def start(self, packed: torch.Tensor, lo: int, hi: int) -> Reduction:
+        """``lo, hi``: this rank's primary shard (its slice s·R + r); the shard group's way
+        reduces to its secondary slice s, which holds it."""
+        r = self.route
+        factors = mean_factors(packed.dtype, r.mean_world_size)
+        per = packed.numel() // r.world_size
+        reduction = self.inner.start(packed, r.rank * per, (r.rank + 1) * per)
+
+        def finish() -> torch.Tensor:
+            mine = reduction.finish()  # the secondary slice, summed over the shard group
+            return _divided(r.across.reduce_scatter(mine), factors.post)
+        return Reduction(finish, held=reduction.held)
+
+
 GATHERS: dict[str, type[Gather]] = {"collective": Gather, "read": GatherByReading}
 REDUCES: dict[str, type[Reduce]] = {"collective": Reduce, "exchange": ReduceByExchange,
                                     "read": ReduceByReading}
@@ -480,7 +604,8 @@ def planned(comm: Comm, *, device_kind: str, world_size: int) -> Ways:
 
 def strategies(ways: Ways, route: Route) -> tuple[Gather, Reduce]:
     """One group's gather and reduce strategies, of the ways chosen for its sharding (the
-    reduction wrapped in ``ReduceAcrossReplicas`` when the route has replicas)."""
+    reduction wrapped in ``ReduceAcrossReplicas`` when the route has replicas, in
+    ``ReduceAcrossNodes`` when it crosses hpZ's nodes)."""
     if ways.planned:
         gather, reduce = PlannedGather(route, ways.gather), PlannedReduce(route,
                                                                           REDUCES[ways.reduce])
@@ -488,6 +613,8 @@ def strategies(ways: Ways, route: Route) -> tuple[Gather, Reduce]:
         gather, reduce = GATHERS[ways.gather](route), REDUCES[ways.reduce](route)
     if route.replicas is not None:
         reduce = ReduceAcrossReplicas(route, reduce)
+    if route.across is not None:
+        reduce = ReduceAcrossNodes(route, reduce)
     return gather, reduce
 
 

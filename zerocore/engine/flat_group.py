@@ -16,6 +16,10 @@ Tensor roles (docs/glossary.md):
   and backward the layer costs no parameter memory; autograd keeps views of the storage and sees
   the same values again once backward re-gathers into it.
 - unsharded views: one view of the gathered buffer per parameter, installed on the module.
+- secondary shard (hpZ): this rank's slice s of S of the gathered buffer (in ``_comm``'s dtype:
+  param_dtype, or int8 values and scales), which the replicate group gathers from the primary
+  shards across the nodes; copied out when the forward frees the group with backward still to
+  come, and gathered from, within the node, by that backward (then dropped).
 
 Two tensors alias the gathered storage: ``_comm`` is what collectives write into, ``_compute`` is
 what the views are cut from. They have separate version counters, so re-gathering before backward
@@ -31,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from zerocore.comm import collectives, peer_memory, transport
+from zerocore.comm.mesh import Mesh
 from zerocore.kernels import ops
 from zerocore.engine.flat_layout import FlatLayout
 from zerocore.engine.host_arena import HostArena
@@ -103,6 +108,13 @@ class GroupContext:
     # HSDP: the replicas gradient shards are all-reduced across (``process_group`` being the
     # shard group); None: flat.
     replicas: transport.Replicas | None = None
+    # hpZ: the nodes primary shards are gathered across into secondary shards, and secondary
+    # gradient slices reduce-scattered across (``rank`` is then this rank's slice s·R + r of
+    # every layout over all the ranks, ``process_group`` the shard group); None otherwise.
+    across: transport.AcrossNodes | None = None
+    # The ranks the model spans (comm/mesh.py): the group and order full states are gathered
+    # in (``gather_full``); None: ``process_group`` in its rank order.
+    mesh: Mesh | None = None
 
 
 class FlatGroup:
@@ -191,8 +203,15 @@ class FlatGroup:
         # How this group's gathers and reductions travel (zerocore/comm/transport.py): the ways
         # chosen once for its sharding, strategies of its own (each keeps its own sequence).
         route = transport.Route.of(ctx.process_group, ctx.counter, ctx.ways.gloo, ctx.peers,
-                                   ctx.replicas)
+                                   ctx.replicas, ctx.across)
         self.gather, self.reduce = transport.strategies(ctx.ways, route)
+        # hpZ: the gather across the nodes in flight (its handles: the first of a forward
+        # gather's two steps), and the secondary shard kept for backward (1D, ``_comm``'s
+        # dtype, 1/S of it) with the shard's version when it was kept (a shard changed since,
+        # by the optimizer or a load, makes it stale: gathered afresh).
+        self._across_handles: list[dist.Work | None] | None = None
+        self._secondary: torch.Tensor | None = None
+        self._secondary_version = -1
         # A frozen group chosen by Prefetch.keep_gathered: once gathered it stays so (``free``
         # leaves it) until ``free(release=True)``; its values never change.
         self.resident = False
@@ -288,8 +307,14 @@ class FlatGroup:
         if self.int8_block is not None:
             self._q8_storage.resize_(self._comm_numel)
             self._resized(self._q8_storage)
+        if self._secondary is not None and self._secondary_version != self.shard._version:
+            self.drop_secondary()  # stale: the shard changed since the forward that kept it
         streams = self.ctx.streams
-        if streams is not None and (self._mirror is not None or self._windowed):
+        if self._secondary is not None:
+            # hpZ's backward: within the node alone, from the secondary shards (no upload:
+            # the secondary shard is on the device, written on the compute stream).
+            self.gather.start(self._comm, self._secondary)
+        elif streams is not None and (self._mirror is not None or self._windowed):
             # Issued from the gather stream, which c10d makes NCCL wait for: it waits for the
             # compute stream's work so far (the gathered buffer may reuse memory that work
             # still reads; a window rounded from the master reads what the optimizer wrote)
@@ -300,20 +325,45 @@ class FlatGroup:
             if upload is not None:
                 streams.gather.wait_event(upload)
             with torch.cuda.stream(streams.gather):
-                self.gather.start(self._comm, source)
+                self._start_from_shard(source)
         else:
             source, _ = self._gather_input()
-            self.gather.start(self._comm, source)
+            self._start_from_shard(source)
         self.state = GroupState.GATHERING
         self.ctx.counter.group_gathers += 1
         self.ctx.counter.gather_issue_s += collectives.now() - t0
+
+    def _start_from_shard(self, source: torch.Tensor) -> None:
+        """Starts gathering from this rank's shard: over the shard group; with hpZ over the
+        replicate group first, into this rank's secondary shard of the gathered buffer (the
+        shard group's gather from it is issued by ``wait_gather``)."""
+        across = self.ctx.across
+        if across is None:
+            self.gather.start(self._comm, source)
+        else:
+            self._across_handles = across.start_gather(self._secondary_region(), source)
+
+    def _secondary_region(self) -> torch.Tensor:
+        """This rank's secondary shard within the gathered buffer (``_comm``): slice s of S,
+        where the cross-node gather writes and the shard group's gather reads."""
+        route = self.gather.route
+        return self._comm.chunk(route.world_size)[route.rank]
 
     def wait_gather(self) -> None:
         self.start_gather()
         if self.state is GroupState.GATHERING:
             t0 = collectives.now()
+            from_secondary = self._secondary is not None
+            if self._across_handles is not None:
+                # hpZ's forward: the secondary shard is in; the layer is gathered from the
+                # secondary shards within the node. (Not overlapped yet: issued here.)
+                transport.AcrossNodes.wait_gather(self._across_handles)
+                self._across_handles = None
+                self.gather.start(self._comm, self._secondary_region())
             self.gather.wait(self._comm)
             self.ctx.counter.gather_wait_s += collectives.now() - t0
+            if from_secondary:
+                self.drop_secondary()  # its values are the gathered buffer's now
             if self.int8_block is not None:
                 self._dequantize(self._comm, self._compute)
             self.state = GroupState.GATHERED
@@ -321,14 +371,23 @@ class FlatGroup:
                 self._mirror_read = torch.cuda.current_stream(self.ctx.device).record_event()
             self._close_window()
 
-    def free(self, release: bool = False) -> None:
+    def free(self, release: bool = False, keep_secondary: bool = False) -> None:
         """Gives the gathered buffer back, unless the group is resident (``release`` frees
         it anyway). ``release`` also waits for the last upload that read a host shard: the
-        host may write the shard next (``zerocore.load_checkpoint``, ``load_frozen``)."""
+        host may write the shard next (``zerocore.load_checkpoint``, ``load_frozen``).
+        ``keep_secondary`` (hpZ; the runtime's, after a forward whose backward will gather
+        the group again): the secondary shard is copied out of the gathered buffer first and
+        kept for that gather; otherwise one kept is dropped."""
         if self.state is GroupState.GATHERING:
             self.wait_gather()
         if release:
             self._wait_host_reads()
+        if (keep_secondary and self.ctx.across is not None and not self.resident
+                and self.state is GroupState.GATHERED):
+            self._secondary = self._secondary_region().clone()
+            self._secondary_version = self.shard._version
+        elif not keep_secondary:
+            self.drop_secondary()
         self.gather.before_free()  # the other ranks may still be reading this buffer
         if self.int8_block is not None:
             self._q8_storage.resize_(0)  # the int8 bytes: dequantized already
@@ -338,6 +397,11 @@ class FlatGroup:
         self._storage.resize_(0)
         self._resized(self._storage)
         self.state = GroupState.SHARDED
+
+    def drop_secondary(self) -> None:
+        """Gives back the secondary shard kept for backward (hpZ), if any."""
+        self._secondary = None
+        self._secondary_version = -1
 
     def _wait_host_reads(self) -> None:
         """Blocks the host until the last upload that read this group's host shard (or the
@@ -359,7 +423,10 @@ class FlatGroup:
         to_rank: None, every rank receives them (an all-gather); r, only rank r of the group
         does (a gather) and the others get an empty dict, so they never hold the full group."""
         shard = self.shard.data.to(self.ctx.device)
-        group = self.ctx.process_group
+        mesh = self.ctx.mesh
+        # The ranks the state is sharded over (hpZ: every rank of the mesh, whose rank order
+        # is not the slices' order: ``Mesh.in_state_order``).
+        group = self.ctx.process_group if mesh is None else mesh.state_group
         if to_rank is None:
             full = torch.empty(self.layout.world_size * shard.numel(), dtype=shard.dtype,
                                device=shard.device)
@@ -368,6 +435,8 @@ class FlatGroup:
             full = collectives.gather_to(shard, to_rank, group)
             if full is None:
                 return {}
+        if mesh is not None and mesh.hpz:
+            full = torch.cat(mesh.in_state_order(list(full.chunk(self.layout.world_size))))
         if self.int8_block is not None:  # every rank's q | scales -> the dequantized values
             values = torch.empty(self.layout.padded_numel, dtype=self.ctx.param_dtype,
                                  device=full.device)
@@ -434,6 +503,11 @@ class FlatGroup:
         if is_shard(shard):
             return _nbytes(gather_source(shard))
         return _nbytes(shard)
+
+    @property
+    def secondary_bytes(self) -> int:
+        """Bytes of the secondary shard kept for backward now (hpZ; 0 otherwise)."""
+        return _nbytes(self._secondary)
 
     @property
     def gathered_bytes(self) -> int:

@@ -36,6 +36,11 @@ class MemoryReport:
     # kept there, offload mirrors, and with Offload(params=True) only the windows of the
     # gathers in flight (none between steps).
     device_shard_bytes: int = 0
+    # hpZ: the secondary shards held now (each layer's 1/N_shard, kept from its forward until
+    # its backward gathers from it: all of them, Ψ/N_shard in the param dtype, between the
+    # passes); transient, as the gather buffers, so not model state.
+    secondary_bytes: int = 0
+    hpz: bool = False
 
     @property
     def model_state_bytes(self) -> int:
@@ -52,6 +57,8 @@ class MemoryReport:
                 ("predicted (2+2+K)Ψ/N", self.predicted_bytes),
                 ("gather buffers now", self.gather_bytes),
                 ("shards on the device now", self.device_shard_bytes)]
+        if self.hpz:
+            rows.append(("secondary shards now", self.secondary_bytes))
         if self.host_arena_bytes:
             rows += [("host arena (offload)", self.host_arena_bytes),
                      ("pinned host memory", self.pinned_bytes)]
@@ -71,7 +78,9 @@ class CommReport:
     expectation for one step: every layer's parameters all-gathered twice (forward and backward,
     2Ψ) and the trainable gradients reduce-scattered once (Ψ_t) — 3Ψ when everything trains.
     Those travel in the shard group; with HSDP each rank's gradient shards (Ψ_t/N_shard) are
-    also all-reduced across the replicas once per optimizer step, between the nodes."""
+    also all-reduced across the replicas once per optimizer step, between the nodes; with hpZ
+    each forward gathers 1/N_shard of every layer across the nodes, and each micro-batch
+    reduce-scatters 1/N_shard of the trainable gradients across them."""
 
     all_gather_bytes: int
     reduce_scatter_bytes: int
@@ -85,9 +94,19 @@ class CommReport:
     # step (the last micro-batch of an accumulation alone all-reduces).
     replica_all_reduce_bytes: int = 0
     expected_replica_all_reduce_bytes: int = 0
-    layout: str = ""       # ``Mesh.line()``: flat, or HSDP's replicas x shards
-    hybrid: bool = False   # HSDP: the shard group is a node, the replicas are across nodes
+    layout: str = ""       # ``Mesh.line()``: flat, or HSDP's / hpZ's replicas x shards
+    # A 2-D mesh (HSDP, hpZ): the shard group is a node, the replicate group spans the nodes.
+    hybrid: bool = False
     nodes: int = 1         # the nodes a flat layout spans (torchrun's environment), else 1
+    # hpZ: the replicate group's gathers (each forward's secondary shards) and reduce-scatters
+    # (each micro-batch's secondary gradient slices), and their expectation per step (one
+    # forward and backward); the all-gather and reduce-scatter above are then the shard
+    # group's alone.
+    across_all_gather_bytes: int = 0
+    across_reduce_scatter_bytes: int = 0
+    expected_across_all_gather_bytes: int = 0
+    expected_across_reduce_scatter_bytes: int = 0
+    hpz: bool = False
 
     @property
     def shard_group_bytes(self) -> int:
@@ -96,10 +115,12 @@ class CommReport:
 
     @property
     def inter_node_bytes(self) -> int:
-        """Bytes of collectives whose group spans nodes: the replicas' all-reduces with HSDP;
-        everything when a flat layout spans several nodes; none on one node."""
+        """Bytes of collectives whose group spans nodes: the replicate group's with a 2-D mesh
+        (HSDP's all-reduces; hpZ's gathers and reduce-scatters across the nodes); everything
+        when a flat layout spans several nodes; none on one node."""
         if self.hybrid:
-            return self.replica_all_reduce_bytes
+            return (self.replica_all_reduce_bytes + self.across_all_gather_bytes
+                    + self.across_reduce_scatter_bytes)
         return self.shard_group_bytes if self.nodes > 1 else 0
 
     @property
@@ -118,7 +139,12 @@ class CommReport:
         rows = [("all-gather", self.all_gather_bytes, self.expected_all_gather_bytes * passes),
                 ("reduce-scatter", self.reduce_scatter_bytes,
                  self.expected_reduce_scatter_bytes * passes)]
-        if self.hybrid:
+        if self.hpz:
+            rows += [("gather, nodes", self.across_all_gather_bytes,
+                      self.expected_across_all_gather_bytes * passes),
+                     ("reduce, nodes", self.across_reduce_scatter_bytes,
+                      self.expected_across_reduce_scatter_bytes * passes)]
+        elif self.hybrid:
             rows.append(("across replicas", self.replica_all_reduce_bytes,
                          self.expected_replica_all_reduce_bytes * steps))
         rows.append(("all-reduce", self.all_reduce_bytes, None))

@@ -274,6 +274,9 @@ class Runtime:
                 # backward comes, the next forward frees it.
                 self._kept.append(unit)
                 return
+            # Backward gathers it again: hpZ keeps its secondary shards for that gather.
+            self._free_unless_held(unit, keep_secondary=True)
+            return
         self._free_unless_held(unit)
 
     def _backward_begins(self, call: UnitCall) -> None:
@@ -332,6 +335,11 @@ class Runtime:
             if unit.active == 0:
                 unit.layer.free()
         self._kept = []
+        for unit in self.units:
+            # hpZ's secondary shards kept by the previous forward for a backward that did not
+            # run (and may never): given back (its backward, if it comes, gathers afresh).
+            if unit.active == 0:
+                unit.layer.drop_secondary()
         if self.mirrors:
             # Every upload the optimizer made necessary, at once: they overlap the first
             # units' gathers and computation, and each unit's all-gather waits for its own.
@@ -399,9 +407,9 @@ class Runtime:
                 if id(unit) in held and unit.active == 0:
                     unit.layer.free()
 
-    def _free_unless_held(self, unit: Unit) -> None:
+    def _free_unless_held(self, unit: Unit, keep_secondary: bool = False) -> None:
         if self._held is None or id(unit) not in self._held:
-            unit.layer.free()
+            unit.layer.free(keep_secondary=keep_secondary)
 
     def _refuse_graph_while_held(self) -> None:
         if self._held is not None and torch.is_grad_enabled():

@@ -56,10 +56,11 @@ class Schedule:
         return index in self.kept or (last and self.keep_last)
 
     def traffic(self, layers: Sequence[Groups], *, reduce_bytes: int,
-                input_requires_grad: bool = False, root: Groups | None = None
-                ) -> tuple[int, int]:
+                input_requires_grad: bool = False, root: Groups | None = None,
+                forward_only: bool = False) -> tuple[int, int]:
         """(bytes all-gathered, bytes reduce-scattered) by one forward and backward, counted as
-        the unsharded buffers (``CommCounter``).
+        the unsharded buffers (``CommCounter``). ``forward_only``: the forward's gathers alone
+        (hpZ's gathers across the nodes: backward's stay within the node).
 
         A layer is gathered for forward, and again for backward unless no autograd node covers
         it (it comes before the first layer with a trainable group, when the input needs no
@@ -74,7 +75,7 @@ class Schedule:
         for i, groups in enumerate(layers):
             in_backward = i >= first
             held = in_backward and self.keeps_for_backward(i, last=i == len(layers) - 1)
-            times = 2 if in_backward and not held else 1
+            times = 2 if in_backward and not held and not forward_only else 1
             for padded, trainable, nbytes in groups:
                 if self.resident(i) and not trainable:
                     continue

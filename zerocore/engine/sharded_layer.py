@@ -154,11 +154,17 @@ class ShardedLayer(nn.Module):
             for g in self.groups:
                 g.wait_gather()
 
-    def free(self) -> None:
+    def free(self, keep_secondary: bool = False) -> None:
         """Frees the gathered buffers, except a resident frozen group's
-        (Prefetch.keep_gathered)."""
+        (Prefetch.keep_gathered). ``keep_secondary``: hpZ keeps each group's secondary shard
+        for the backward that will gather it again (``FlatGroup.free``)."""
         for g in self.groups:
-            g.free()
+            g.free(keep_secondary=keep_secondary)
+
+    def drop_secondary(self) -> None:
+        """Gives back the secondary shards kept for a backward (hpZ), if any."""
+        for g in self.groups:
+            g.drop_secondary()
 
     def release(self) -> None:
         """Frees every gathered buffer, resident ones included."""

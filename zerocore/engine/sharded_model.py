@@ -32,8 +32,8 @@ from zerocore.engine.rehearsal import Rehearsal
 from zerocore.engine.runtime import Unit
 from zerocore.engine.sharded_layer import Params, ShardedLayer
 from zerocore.engine.sharding import Sharding, fingerprint, groups_of, prepare_device
-from zerocore.policies import (Comm, Compile, FrozenWeights, MixedPrecision, Offload, Prefetch,
-                               Recompute)
+from zerocore.policies import (Comm, Compile, FrozenWeights, Hybrid, MixedPrecision, Offload,
+                               Prefetch, Recompute)
 
 # Where a unit's shards are registered on its module (the root's: on the model), so that
 # ``model.parameters()`` yields exactly what this rank owns, as for ``zerocore.shard``.
@@ -98,13 +98,13 @@ class ShardedModel(Sharding):
                  offload: Offload, frozen_weights: FrozenWeights, comm: Comm = Comm(),
                  recompute: Recompute | None = None, compile: Compile | None = None,
                  host_threads: int | None = None, read: RangeReader | None = None,
-                 rehearsal: Rehearsal | None = None):
+                 rehearsal: Rehearsal | None = None, hybrid: Hybrid | None = None):
         """read: where the values of parameters on the meta device come from (``shard_model``'s
-        ``read``), by the model's own names. rehearsal: as ``Sharding`` takes it."""
+        ``read``), by the model's own names. rehearsal, hybrid: as ``Sharding`` takes them."""
         super().__init__(mesh, device, mixed_precision=mixed_precision, prefetch=prefetch,
                          offload=offload, recompute=recompute, frozen_weights=frozen_weights,
                          comm=comm, compile=compile, host_threads=host_threads,
-                         rehearsal=rehearsal)
+                         rehearsal=rehearsal, hybrid=hybrid)
         self.model = model
         targets = _parametrized_each_forward(model)  # before the parameters are taken out
         per_unit, root_params = assign_params(model, units)
@@ -184,7 +184,7 @@ class ShardedModel(Sharding):
         ``model.parameters()`` yields too."""
         return self.shards()
 
-    def expected_traffic(self) -> tuple[int, int]:
+    def expected_traffic(self, forward_only: bool = False) -> tuple[int, int]:
         """(bytes all-gathered, bytes reduce-scattered) one step should move: the units as
         ``zerocore.shard``'s layers (every unit is in backward when the root trains, the
         embedding being its first operation), the root once (``Schedule.traffic``)."""
@@ -192,7 +192,8 @@ class ShardedModel(Sharding):
         return self.schedule.traffic(
             [groups_of(l) for l in self.layers[:-1]],
             reduce_bytes=self.mixed_precision.grad_reduce_dtype.itemsize,
-            input_requires_grad=root.trainable is not None, root=groups_of(root))
+            input_requires_grad=root.trainable is not None, root=groups_of(root),
+            forward_only=forward_only)
 
     def remove(self) -> None:
         """Removes the hooks and the forwards Recompute and Compile gave the units (the model
@@ -288,7 +289,7 @@ def shard_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module = (), *
                 prefetch: Prefetch = Prefetch(), offload: Offload = Offload(),
                 frozen_weights: FrozenWeights = FrozenWeights(), comm: Comm = Comm(),
                 recompute: Recompute | None = None, compile: Compile | None = None,
-                platform: Platform | None = None,
+                hybrid: Hybrid | None = None, platform: Platform | None = None,
                 read: RangeReader | None = None) -> ShardedModel:
     """Shards ``model`` in place across the ranks of a process group (ZeRO-3), unit by unit.
 
@@ -306,8 +307,9 @@ def shard_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module = (), *
         one unit (embeddings, final norm, head, weights tied between units or with the root)
         forms the root unit, gathered for the model's whole forward (and backward).
     group, mesh, device, mixed_precision, prefetch, offload, frozen_weights, comm, recompute,
-        platform: as for ``zerocore.shard`` (``mesh``: 1-D, or 2-D ``(replicate, shard)`` for
-        HSDP); ``Recompute``'s positions are the units' (the root is never
+        hybrid, platform: as for ``zerocore.shard`` (``mesh``: 1-D, or 2-D ``(replicate,
+        shard)`` for HSDP, or hpZ with ``hybrid=zerocore.Hybrid("hpz")``); ``Recompute``'s
+        positions are the units' (the root is never
         recomputed). ``Prefetch.keep_gathered`` chooses from the root first (its frozen
         group, e.g. the embedding, then stays gathered from step to step), then the last units.
     compile: ``zerocore.Compile(...)``: each unit's forward is compiled with torch.compile,
@@ -323,7 +325,7 @@ def shard_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module = (), *
     the model or it.
     """
     ranks = meshes.resolve(group, mesh, "zerocore.shard_model",
-                           nodes=meshes.nodes_of(os.environ))
+                           nodes=meshes.nodes_of(os.environ), hybrid=hybrid)
     if not isinstance(model, nn.Module):
         raise TypeError(f"zerocore.shard_model expects an nn.Module, got {type(model).__name__}")
     if isinstance(getattr(model, SHARDING_ATTR, None), ShardedModel):
@@ -342,6 +344,7 @@ def shard_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module = (), *
     sharding = ShardedModel(model, unit_list, mesh=ranks, device=dev,
                             mixed_precision=mixed_precision, prefetch=prefetch, offload=offload,
                             frozen_weights=frozen_weights, comm=comm, recompute=recompute,
-                            compile=compile, host_threads=host_threads, read=read)
+                            compile=compile, host_threads=host_threads, read=read,
+                            hybrid=hybrid)
     setattr(model, SHARDING_ATTR, sharding)
     return sharding

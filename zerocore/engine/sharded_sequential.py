@@ -29,8 +29,8 @@ from zerocore.engine.runtime import Unit
 from zerocore.engine.sharded_layer import Params, ShardedLayer, collect_params
 from zerocore.engine.sharded_param import prefix_names
 from zerocore.engine.sharding import Sharding, fingerprint, groups_of, prepare_device
-from zerocore.policies import (Comm, Compile, FrozenWeights, MixedPrecision, Offload, Prefetch,
-                               Recompute)
+from zerocore.policies import (Comm, Compile, FrozenWeights, Hybrid, MixedPrecision, Offload,
+                               Prefetch, Recompute)
 
 
 def _tied_across_layers(layers: Sequence[nn.Module | MetaLayer]) -> dict[int, tuple]:
@@ -73,12 +73,12 @@ class ShardedSequential(nn.Module, Sharding):
                  offload: Offload, recompute: Recompute | None = None,
                  frozen_weights: FrozenWeights = FrozenWeights(), comm: Comm = Comm(),
                  compile: Compile | None = None, host_threads: int | None = None,
-                 rehearsal: Rehearsal | None = None):
+                 rehearsal: Rehearsal | None = None, hybrid: Hybrid | None = None):
         nn.Module.__init__(self)
         Sharding.__init__(self, mesh, device, mixed_precision=mixed_precision,
                           prefetch=prefetch, offload=offload, recompute=recompute,
                           frozen_weights=frozen_weights, comm=comm, compile=compile,
-                          host_threads=host_threads, rehearsal=rehearsal)
+                          host_threads=host_threads, rehearsal=rehearsal, hybrid=hybrid)
         given = isinstance(layers, (list, tuple, nn.Sequential, nn.ModuleList))
         tied = _tied_across_layers(layers) if given else {}
         readers: dict[int, RangeReader] = {}
@@ -139,14 +139,14 @@ class ShardedSequential(nn.Module, Sharding):
         # nn.Sequential(*layers)'s name of it; the root's are named so already.
         return name if index >= self.num_units else f"{index}.{name}"
 
-    def expected_traffic(self) -> tuple[int, int]:
+    def expected_traffic(self, forward_only: bool = False) -> tuple[int, int]:
         units, root = self.layers[:self.num_units], self.layers[self.num_units:]
         # A trainable root (tied weights) puts every layer in backward, as its first use does.
         return self.schedule.traffic(
             [groups_of(layer) for layer in units],
             reduce_bytes=self.mixed_precision.grad_reduce_dtype.itemsize,
             input_requires_grad=any(l.trainable is not None for l in root),
-            root=groups_of(root[0]) if root else None)
+            root=groups_of(root[0]) if root else None, forward_only=forward_only)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self._units:
@@ -175,7 +175,7 @@ def shard(layers: Iterable[nn.Module | MetaLayer], *, group: dist.ProcessGroup |
           mixed_precision: MixedPrecision = MixedPrecision(), prefetch: Prefetch = Prefetch(),
           offload: Offload = Offload(), recompute: Recompute | None = None,
           frozen_weights: FrozenWeights = FrozenWeights(), comm: Comm = Comm(),
-          compile: Compile | None = None,
+          compile: Compile | None = None, hybrid: Hybrid | None = None,
           platform: Platform | None = None) -> ShardedSequential:
     """Shards a stack of layers across the ranks of a process group (ZeRO-3).
 
@@ -200,6 +200,12 @@ def shard(layers: Iterable[nn.Module | MetaLayer], *, group: dist.ProcessGroup |
         ``model.set_requires_all_reduce`` allows (every one by default; with accumulation,
         set it False before the micro-batches before the last). ``model.group`` is then the
         shard group (what ``zerocore.LossScaler`` takes).
+    hybrid: how a 2-D mesh shares the model (``zerocore.Hybrid``): None or ``Hybrid("hsdp")``,
+        HSDP as above; ``Hybrid("hpz")``, ZeRO++'s hpZ: masters, gradients and optimizer state
+        sharded over all the mesh's ranks (``model.group`` is then the whole mesh's group), a
+        layer's forward gathering across the nodes once and keeping a node-local secondary
+        shard from which its backward gathers within the node. Refused without a 2-D mesh,
+        and for hpZ with one replica.
     device: where layers compute. Default: CUDA when any backend of the group is NCCL
         (``"nccl"``, ``"cpu:gloo,cuda:nccl"``, or ``init_process_group()`` without a backend on
         a GPU machine): the group's ``device_id`` if it was given one, else the current device
@@ -222,7 +228,8 @@ def shard(layers: Iterable[nn.Module | MetaLayer], *, group: dist.ProcessGroup |
     Returns a module running the layers in order. Give ``model.parameters()`` (or
     ``model.trainable_shards()``) to ``zerocore.optim.AdamW``.
     """
-    ranks = meshes.resolve(group, mesh, "zerocore.shard", nodes=meshes.nodes_of(os.environ))
+    ranks = meshes.resolve(group, mesh, "zerocore.shard", nodes=meshes.nodes_of(os.environ),
+                           hybrid=hybrid)
     if isinstance(layers, nn.Module) and not isinstance(layers, (nn.Sequential, nn.ModuleList)):
         raise TypeError("zerocore.shard expects a sequence of layers (nn.Sequential, "
                         "nn.ModuleList or list), not a single module")
@@ -230,4 +237,4 @@ def shard(layers: Iterable[nn.Module | MetaLayer], *, group: dist.ProcessGroup |
     return ShardedSequential(layers, mesh=ranks, device=dev,
                              mixed_precision=mixed_precision, prefetch=prefetch, offload=offload,
                              recompute=recompute, frozen_weights=frozen_weights, comm=comm,
-                             compile=compile, host_threads=host_threads)
+                             compile=compile, host_threads=host_threads, hybrid=hybrid)

@@ -6,8 +6,9 @@ recomputed, and starts the one runtime that runs them (runtime.py). Its reports 
 communication), full-state iteration and release are written once. ``ShardedSequential``
 (sharded_sequential.py) and ``ShardedModel`` (sharded_model.py) differ only in what they shard
 (a stack of layers, or a model by named units); checkpoints read a ``Sharding``, whichever front
-door made it. The ranks it spans and how they share the model (flat, or HSDP's shards and
-replicas) are its ``Mesh`` (comm/mesh.py): ``group`` is the shard group, and every agreement
+door made it. The ranks it spans and how they share the model (flat; HSDP's shards and
+replicas; hpZ's shards over every rank, gathered across the nodes and within them) are its
+``Mesh`` (comm/mesh.py): ``group`` is the group the state is sharded over, and every agreement
 runs over the whole mesh.
 """
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerocore.comm import collectives, transport
+from zerocore.comm import mesh as meshes
 from zerocore.comm.collectives import CommCounter
 from zerocore.comm.peer_memory import PeerMemory
 from zerocore.comm.device import Platform, agree_on_devices, comm_device, resolve_device
@@ -39,8 +41,8 @@ from zerocore.engine.runtime import Runtime, Unit
 from zerocore.engine.sharded_layer import ShardedLayer
 from zerocore.engine.sharded_param import ShardParameter, is_shard
 from zerocore.kernels.ops import BUILD
-from zerocore.policies import (Comm, Compile, FrozenWeights, MixedPrecision, Offload, Prefetch,
-                               Recompute)
+from zerocore.policies import (Comm, Compile, FrozenWeights, Hybrid, MixedPrecision, Offload,
+                               Prefetch, Recompute)
 
 log = logging.getLogger(__name__)
 _CPU = torch.device("cpu")
@@ -131,7 +133,7 @@ def build_context(mesh: Mesh, device: torch.device,
                   rehearsal: Rehearsal | None = None) -> GroupContext:
     """What every flat group of one sharded model shares (its counter, offload's streams, the
     transport: chosen here, once, by every rank together, see ``transport.choose``; HSDP's
-    replicas)."""
+    replicas, or hpZ's nodes)."""
     group = mesh.shard
     streams = OffloadStreams(device) if offload.any and device.type == "cuda" else None
     arena = None
@@ -149,28 +151,34 @@ def build_context(mesh: Mesh, device: torch.device,
             peers = None
     counter = CommCounter()
     block = comm.quantize_block if comm.quantize_gradients == "int8" else None
-    replicas = (transport.Replicas(mesh.replicate, counter, block)
-                if mesh.replicate is not None else None)
-    return GroupContext(group, group.rank(), device, mixed_precision.param_dtype,
+    replicas = across = None
+    if mesh.hpz:
+        across = transport.AcrossNodes(mesh.replicate, counter, shards=mesh.shape[1],
+                                       gloo=ways.gloo, planned=ways.planned,
+                                       quantize_block=block)
+    elif mesh.replicate is not None:
+        replicas = transport.Replicas(mesh.replicate, counter, block)
+    return GroupContext(group, mesh.state_rank, device, mixed_precision.param_dtype,
                         mixed_precision.grad_reduce_dtype, offload.optimizer, counter,
                         streams, offload_params=offload.params,
                         int8_block=frozen_weights.int8_block, peers=peers, comm=comm,
                         host_threads=host_threads, ways=ways, device_kind=kind, watch=watch,
-                        arena=arena, replicas=replicas)
+                        arena=arena, replicas=replicas, across=across, mesh=mesh)
 
 
 def memory_report_of(layers: list[ShardedLayer], rank: int, world_size: int,
                      device: torch.device, mixed_precision: MixedPrecision,
                      frozen_weights: FrozenWeights,
                      optimizer: torch.optim.Optimizer | None = None,
-                     arena: HostArena | None = None) -> MemoryReport:
+                     arena: HostArena | None = None, hpz: bool = False) -> MemoryReport:
     """``memory_report`` of any sharded model: its layers' (or units') groups measured."""
     p_bytes = torch.tensor([], dtype=mixed_precision.param_dtype).element_size()
-    param = master = grad = opt = gather = on_device = 0
+    param = master = grad = opt = gather = on_device = secondary = 0
     trainable_numel = frozen_numel = 0
     for layer in layers:
         for g in layer.groups:
             gather += g.gathered_bytes
+            secondary += g.secondary_bytes
             on_device += g.device_shard_bytes
             shard = g.shard
             if g.trainable:
@@ -204,7 +212,7 @@ def memory_report_of(layers: list[ShardedLayer], rank: int, world_size: int,
                         gather, predicted, dev_alloc, dev_peak,
                         host_arena_bytes=arena.used if arena is not None else 0,
                         pinned_bytes=arena.pinned if arena is not None else 0,
-                        device_shard_bytes=on_device)
+                        device_shard_bytes=on_device, secondary_bytes=secondary, hpz=hpz)
 
 
 def prepare_device(device: torch.device | str | None, mesh: Mesh,
@@ -234,8 +242,10 @@ class Sharding:
     ``ShardedSequential``, ``zerocore.shard_model``'s ``ShardedModel``; both are one): its group,
     policies and ``layers`` (``ShardedLayer``, in their index order), and everything that does
     not depend on how the layers run. Checkpoints, exports and optimizers need only this.
-    ``group``, ``rank``, ``world_size``: the shard group's (with HSDP, one replica's ranks;
-    ``mesh`` has the rest)."""
+    ``group``, ``rank``, ``world_size``: the ranks the state is sharded over, and which slice
+    this rank holds (``Mesh.state_group``, ``state_rank``): the shard group's with HSDP (one
+    replica's ranks; ``mesh`` has the rest); with hpZ every rank of the mesh, ``rank`` being
+    the slice s·R + r, not the rank in ``group``."""
 
     layers: list[ShardedLayer] | nn.ModuleList  # set by the front door as it builds them
     front_door = "zerocore.shard"                # how messages name it
@@ -244,14 +254,15 @@ class Sharding:
                  mixed_precision: MixedPrecision, prefetch: Prefetch, offload: Offload,
                  recompute: Recompute | None, frozen_weights: FrozenWeights, comm: Comm,
                  compile: Compile | None = None, host_threads: int | None = None,
-                 rehearsal: Rehearsal | None = None):
-        """rehearsal: the step runs for ``zerocore.plan`` (engine/rehearsal.py)."""
+                 rehearsal: Rehearsal | None = None, hybrid: Hybrid | None = None):
+        """rehearsal: the step runs for ``zerocore.plan`` (engine/rehearsal.py). hybrid: the
+        layout asked of a 2-D mesh (``mesh`` was resolved with it)."""
         self.mesh = mesh
-        group = self.group = mesh.shard
-        # The group's own rank and size: a planned world's group is not registered with
+        self.group = mesh.state_group
+        # The groups' own ranks and sizes: a planned world's group is not registered with
         # torch.distributed (comm/fake.py).
-        self.rank = group.rank()
-        self.world_size = group.size()
+        self.rank = mesh.state_rank
+        self.world_size = mesh.state_size
         self.device = device
         self.mixed_precision = mixed_precision
         self.prefetch = prefetch
@@ -265,15 +276,18 @@ class Sharding:
                           noun="meshes")
         agree_on_policies(dict(mixed_precision=mixed_precision, prefetch=prefetch,
                                offload=offload, recompute=recompute,
-                               frozen_weights=frozen_weights, comm=comm, compile=compile),
+                               frozen_weights=frozen_weights, comm=comm, compile=compile,
+                               hybrid=hybrid),
                           mesh.whole, device, self.front_door)
+        # The same answers on every rank: the mesh and the policies are agreed.
+        meshes.refuse_hybrid(mesh, hybrid, self.front_door)
         if comm.quantize_gradients is not None and mesh.replicate is None:
-            # The same answer on every rank: the mesh and the policies are agreed.
             raise ValueError(f"{self.front_door}: Comm(quantize_gradients="
                              f"{comm.quantize_gradients!r}) quantizes the gradients' all-reduce "
                              f"across HSDP's replicas, and this model has none ({mesh.line()}); "
                              f"pass a 2-D mesh (replicate, shard) with more than one replica, "
                              f"or leave it out")
+        self.hybrid = hybrid
         self.ctx = build_context(mesh, device, mixed_precision, offload, frozen_weights, comm,
                                  host_threads, rehearsal)
         self.counter = self.ctx.counter
@@ -441,16 +455,34 @@ class Sharding:
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
         """Bytes of model state this rank holds, measured from the tensors, next to the
-        (2+2+K)·Ψ/N_d prediction. Pass the optimizer to count its state."""
+        (2+2+K)·Ψ/N_d prediction (N_d: the ranks the state is sharded over, all of them with
+        hpZ); and what is held now beyond it (gathered buffers, hpZ's secondary shards). Pass
+        the optimizer to count its state."""
         return memory_report_of(list(self.layers), self.rank, self.world_size, self.device,
                                 self.mixed_precision, self.frozen_weights, optimizer,
-                                self.ctx.arena)
+                                self.ctx.arena, hpz=self.mesh.hpz)
 
-    def expected_traffic(self) -> tuple[int, int]:
-        """(bytes all-gathered, bytes reduce-scattered) one step should move."""
+    def expected_traffic(self, forward_only: bool = False) -> tuple[int, int]:
+        """(bytes all-gathered, bytes reduce-scattered) one step should move (within the shard
+        group); ``forward_only``: the forward's gathers alone."""
         return self.schedule.traffic(
             [groups_of(layer) for layer in self.layers],
-            reduce_bytes=self.mixed_precision.grad_reduce_dtype.itemsize)
+            reduce_bytes=self.mixed_precision.grad_reduce_dtype.itemsize,
+            forward_only=forward_only)
+
+    def expected_across_traffic(self) -> tuple[int, int]:
+        """hpZ: (bytes gathered, bytes reduce-scattered) across the nodes by one forward and
+        backward: each forward gather's secondary shard (1/S of it; backward's gathers stay in
+        the node), and each trainable group's secondary gradient slice (1/S of it, in the
+        reduce dtype, or its int8 message: ``AcrossNodes.reduce_nbytes``); (0, 0) otherwise."""
+        across = self.ctx.across
+        if across is None:
+            return 0, 0
+        forward, _ = self.expected_traffic(forward_only=True)
+        return (across.gather_nbytes(forward),
+                sum(across.reduce_nbytes(l.trainable.layout.padded_numel,
+                                         self.mixed_precision.grad_reduce_dtype)
+                    for l in self.layers if l.trainable is not None))
 
     def expected_replica_traffic(self) -> int:
         """Bytes HSDP all-reduces across the replicas per optimizer step: every trainable
@@ -469,15 +501,23 @@ class Sharding:
         autograd node covers (before the first trainable one, when the input needs no
         gradient) and those kept gathered between the passes (``Prefetch.keep_last``,
         ``keep_gathered``); trainable gradients reduced once; with HSDP each gradient shard
-        all-reduced across the replicas once per optimizer step; and how they travelled."""
+        all-reduced across the replicas once per optimizer step; with hpZ each forward's
+        secondary shards gathered and each micro-batch's secondary gradient slices
+        reduce-scattered across the nodes; and how they travelled."""
         gather, reduce = self.expected_traffic()
+        across_gather, across_reduce = self.expected_across_traffic()
         c = self.counter
         report = CommReport(c.all_gather_bytes, c.reduce_scatter_bytes, c.all_reduce_bytes,
                             gather, reduce, ways=transport.ways(self.layers),
                             replica_all_reduce_bytes=c.replica_all_reduce_bytes,
                             expected_replica_all_reduce_bytes=self.expected_replica_traffic(),
                             layout=self.mesh.line(), hybrid=self.mesh.hybrid,
-                            nodes=self.mesh.nodes or 1)
+                            nodes=self.mesh.nodes or 1,
+                            across_all_gather_bytes=c.replicate_all_gather_bytes,
+                            across_reduce_scatter_bytes=c.replicate_reduce_scatter_bytes,
+                            expected_across_all_gather_bytes=across_gather,
+                            expected_across_reduce_scatter_bytes=across_reduce,
+                            hpz=self.mesh.hpz)
         if reset:
             c.reset()
         return report

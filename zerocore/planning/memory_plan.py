@@ -23,8 +23,10 @@ TRAINABLE, FROZEN, MASTERS, OPTIMIZER, GRADIENTS, MIRRORS = (
 GATHERED, GRAD_BUFFERS, ACTIVATIONS = ("gathered layers", "gradient buffers", "activations")
 # Offload(params=True): the device copies of host shards that the gathers in flight read.
 WINDOWS = "parameter windows"
+# hpZ: each layer's secondary shard (1/N_shard of it), kept from its forward to its backward.
+SECONDARY = "secondary shards"
 CATEGORIES = (TRAINABLE, FROZEN, MASTERS, OPTIMIZER, GRADIENTS, MIRRORS, WINDOWS, GATHERED,
-              GRAD_BUFFERS, ACTIVATIONS)
+              SECONDARY, GRAD_BUFFERS, ACTIVATIONS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,13 +73,23 @@ class MemoryPlan:
     replica_all_reduce_bytes: int = 0
     mesh: tuple[int, int] | None = None
     nodes: int = 1                     # the nodes the ranks span (HSDP: one per replica)
+    # hpZ: per optimizer step, the forwards' gathers of secondary shards and the micro-batches'
+    # reduce-scatters of secondary gradient slices across the nodes (the all-gather and
+    # reduce-scatter above are then within the node); the layout's name for the table.
+    across_all_gather_bytes: int = 0
+    across_reduce_scatter_bytes: int = 0
+    layout: str = ""                   # "HSDP", "hpZ", or "" (flat)
+    secondary_peak: int = 0            # most secondary-shard bytes held at any point (hpZ)
 
     @property
     def inter_node_bytes(self) -> int:
-        """Bytes per optimizer step of collectives whose group spans nodes: HSDP's replica
-        all-reduces (each replica a node); a flat layout's whole traffic on several nodes."""
+        """Bytes per optimizer step of collectives whose group spans nodes: a 2-D mesh's
+        replicate group's (HSDP's replica all-reduces; hpZ's gathers and reduce-scatters
+        across the nodes; each replica a node); a flat layout's whole traffic on several
+        nodes."""
         if self.mesh is not None:
-            return self.replica_all_reduce_bytes
+            return (self.replica_all_reduce_bytes + self.across_all_gather_bytes
+                    + self.across_reduce_scatter_bytes)
         return self.all_gather_bytes + self.reduce_scatter_bytes if self.nodes > 1 else 0
 
     @property
@@ -110,15 +122,20 @@ class MemoryPlan:
             ("offload mirrors", s.mirrors),
             ("parameter windows at the peak", self.peak.get(WINDOWS, 0)),
             ("gathered layers at the peak", self.peak[GATHERED]),
+            ("secondary shards at the peak (hpZ)", self.peak.get(SECONDARY, 0)),
             ("gradient buffers at the peak", self.peak[GRAD_BUFFERS]),
             ("activations at the peak", self.peak[ACTIVATIONS]),
             ("(activations, most at any point)", self.activations_peak),
             ("(gathered layers, most at any point)", self.gathered_peak),
             ("(parameter windows, most at any point)", self.windows_peak),
+            ("(secondary shards, most at any point)", self.secondary_peak),
         ]
+        if self.layout != "hpZ":
+            rows = [row for row in rows if "secondary" not in row[0]]
         if self.device == "cuda":
             rows.append(("CUDA context and allocator headroom", self.headroom))
-        layout = (f"HSDP {self.mesh[0]}x{self.mesh[1]}, " if self.mesh is not None else "")
+        layout = (f"{self.layout or 'HSDP'} {self.mesh[0]}x{self.mesh[1]}, "
+                  if self.mesh is not None else "")
         lines = [f"per rank ({layout}{self.world_size} ranks, each the same), Ψ_trainable="
                  f"{s.trainable_numel:,} Ψ_frozen={s.frozen_numel:,}"]
         lines += [f"  {name:<42}{value / GiB:10.2f} GiB" for name, value in rows]
@@ -133,6 +150,10 @@ class MemoryPlan:
         lines.append(f"  peak: {self.peak_phase}")
         lines.append(f"  per step: all-gathered {self.all_gather_bytes / GiB:.2f} GiB, "
                      f"reduce-scattered {self.reduce_scatter_bytes / GiB:.2f} GiB")
+        if self.layout == "hpZ":
+            lines.append(f"  per step across the nodes: secondary shards gathered "
+                         f"{self.across_all_gather_bytes / GiB:.2f} GiB, gradient slices "
+                         f"reduce-scattered {self.across_reduce_scatter_bytes / GiB:.2f} GiB")
         if self.nodes > 1:
             lines.append(f"  per step on {self.nodes} nodes: within a node "
                          f"{self.intra_node_bytes / GiB:.2f} GiB, across nodes "

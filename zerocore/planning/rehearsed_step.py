@@ -29,8 +29,8 @@ from zerocore.planning.live_bytes import LiveBytes
 from zerocore.planning.memory_plan import (ACTIVATIONS, CATEGORIES, CUDA_FIXED_HEADROOM,
                                            CUDA_HEADROOM_FRACTION, FROZEN, GATHERED,
                                            GRAD_BUFFERS, GRADIENTS, MASTERS, MIRRORS,
-                                           OPTIMIZER, TRAINABLE, WINDOWS, MemoryPlan,
-                                           ModelState)
+                                           OPTIMIZER, SECONDARY, TRAINABLE, WINDOWS,
+                                           MemoryPlan, ModelState)
 from zerocore.policies import Comm, Offload
 
 
@@ -64,6 +64,7 @@ class _Peak:
         self.gathered = 0          # most gathered-layer bytes at any point observed
         self.activations = 0       # most activation bytes at any point observed
         self.windows = 0           # most parameter-window bytes at any point observed
+        self.secondary = 0         # most secondary-shard bytes at any point observed (hpZ)
 
 
 def rehearse(step: Step, fake: FakeTensorMode, exclude: list[torch.Tensor]) -> MemoryPlan:
@@ -80,6 +81,7 @@ def rehearse(step: Step, fake: FakeTensorMode, exclude: list[torch.Tensor]) -> M
         peak.gathered = max(peak.gathered, parts[GATHERED])
         peak.activations = max(peak.activations, parts[ACTIVATIONS])
         peak.windows = max(peak.windows, parts[WINDOWS])
+        peak.secondary = max(peak.secondary, parts[SECONDARY])
         if live > peak.total:
             peak.total, peak.parts, peak.phase = live, parts, _phase(held)
 
@@ -118,17 +120,21 @@ class _Traffic:
     all_gather: int         # bytes per optimizer step, as CommCounter counts them
     reduce_scatter: int
     replica_all_reduce: int
+    across_all_gather: int      # hpZ: over the replicate group (between the nodes)
+    across_reduce_scatter: int
 
 
 def _traffic(sharding: Sharding, ran: int, micro_batches: int) -> _Traffic:
     """What the rehearsed step's collectives moved (``ran`` micro-batches), per optimizer step
-    of ``micro_batches``: every micro-batch gathers and reduce-scatters alike; HSDP's
-    all-reduce across the replicas runs once per step, on the last micro-batch."""
+    of ``micro_batches``: every micro-batch gathers and reduce-scatters alike (hpZ's across
+    the nodes too); HSDP's all-reduce across the replicas runs once per step, on the last
+    micro-batch."""
     c = sharding.counter
-    assert c.all_gather_bytes % ran == 0 and c.reduce_scatter_bytes % ran == 0, \
-        "micro-batches of one step moved different bytes"
-    return _Traffic(c.all_gather_bytes // ran * micro_batches,
-                    c.reduce_scatter_bytes // ran * micro_batches, c.replica_all_reduce_bytes)
+    per_pass = (c.all_gather_bytes, c.reduce_scatter_bytes, c.replicate_all_gather_bytes,
+                c.replicate_reduce_scatter_bytes)
+    assert all(n % ran == 0 for n in per_pass), "micro-batches of one step moved different bytes"
+    gather, reduce, across_gather, across_reduce = (n // ran * micro_batches for n in per_pass)
+    return _Traffic(gather, reduce, c.replica_all_reduce_bytes, across_gather, across_reduce)
 
 
 def _train(step: Step, sharding: Sharding, optimizer: AdamW, held: dict,
@@ -184,6 +190,7 @@ def _by_category(sharding: Sharding, optimizer: AdamW, kept: torch.Tensor) -> di
         for g in layer.groups:
             parts[GATHERED] += g.gathered_bytes
             parts[WINDOWS] += g.window_bytes
+            parts[SECONDARY] += g.secondary_bytes
             shard = g.shard
             if not g.trainable:
                 add(FROZEN, shard)
@@ -245,6 +252,7 @@ def _plan(step: Step, sharding: Sharding, peak: _Peak, traffic: _Traffic) -> Mem
     headroom = (CUDA_FIXED_HEADROOM + int(CUDA_HEADROOM_FRACTION * device_tensors)
                 if cuda else 0)
     host = sum(v for k, v in peak.parts.items() if k in on_host) if cuda else 0
+    mesh = sharding.mesh
     return MemoryPlan(
         world_size=step.world_size, device=step.device, state=state, peak=peak.parts,
         peak_phase=peak.phase, gathered_peak=peak.gathered,
@@ -253,4 +261,8 @@ def _plan(step: Step, sharding: Sharding, peak: _Peak, traffic: _Traffic) -> Mem
         replica_all_reduce_bytes=traffic.replica_all_reduce, mesh=step.mesh,
         nodes=step.mesh[0] if step.mesh is not None else step.nodes,
         recomputed_layers=tuple(sorted(sharding.schedule.recomputed)),
-        windows_peak=peak.windows)
+        windows_peak=peak.windows,
+        across_all_gather_bytes=traffic.across_all_gather,
+        across_reduce_scatter_bytes=traffic.across_reduce_scatter,
+        layout="hpZ" if mesh.hpz else "HSDP" if mesh.hybrid else "",
+        secondary_peak=peak.secondary)
