@@ -30,7 +30,19 @@ bound: none), the launcher's exit code and its last error line (or last line) on
   torch itself, then its ranks starting, importing and joining), and with 16 ranks
   (``--nproc 16 --oversubscribe``) as soon as all exist and 5 s after the start;
 - rank 1 SIGSTOPed in training (2 and 4 ranks, ``--timeout 5``): also the seconds until the
-  launcher exited (issue 20's bound: --timeout + 5 s).
+  launcher exited (issue 20's bound: --timeout + 5 s);
+- rank 1 SIGKILLed in training (2 and 4 ranks): also the seconds until the launcher exited
+  (the same bound), whose error line must name the rank and its signal (``rank 1 (pid N) was
+  killed by SIGKILL``);
+- SIGINT to the run's whole process group in training (2 and 4 ranks), as a terminal's Ctrl-C
+  sends it (``os.killpg``; the run is started in a session of its own, with SIGINT's default
+  disposition): the ranks ignore it and leave when the launcher stops them, silently, so the
+  launcher's ``stopped by SIGINT`` must be the only line on stderr (issue 33: the ranks'
+  "exiting" lines interleaved);
+- ``examples/finetune_hf_trainer.py`` (2 processes, started by it) SIGKILLed once its ranks
+  train (its OUT/base saved): its ranks must go with it (issue 33: they lived 8 s).
+
+Every ending also counts the non-empty lines on stderr.
 
 Issue 33's new surfaces (``--repeats`` rounds too), on a finished 4-step run with checkpoints at
 steps 2 and 4 (each trial on a copy of it):
@@ -257,13 +269,27 @@ class Ending:
     exit_code: int | None    # the launcher's (negative: killed by that signal)
     message: str             # its last error line on stderr (else its last line)
     processes: int = 0       # processes of the run (the launcher included) at the fault
-    exit_s: float | None = None  # a stopped rank: from the SIGSTOP until the launcher exited
+    exit_s: float | None = None  # a rank's fault: from it until the launcher exited
+    stderr_lines: int = 0    # non-empty lines on stderr, every process of the run's together
+
+
+def _lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.strip()]
 
 
 def _message(stderr: str) -> str:
-    lines = [line for line in stderr.splitlines() if line.strip()]
+    lines = _lines(stderr)
     errors = [line for line in lines if line.startswith("error")]
     return (errors or lines or [""])[-1][:300]
+
+
+def _as_from_a_terminal() -> None:
+    """In the child before it runs: a session (and process group) of its own, as a shell
+    gives a command, so that ``os.killpg`` reaches the run and not this script; and SIGINT's
+    default disposition (this script may have been started with it ignored, and children
+    inherit that)."""
+    os.setsid()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _start(out: Path, cache: Path, nproc: int, *more) -> tuple[subprocess.Popen, str]:
@@ -273,7 +299,8 @@ def _start(out: Path, cache: Path, nproc: int, *more) -> tuple[subprocess.Popen,
     if nproc != 2:
         argv += ["--nproc", nproc, "--oversubscribe"]
     return subprocess.Popen(_finetune(*argv), env=_env(mark), cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True), mark
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_as_from_a_terminal), mark
 
 
 def _signal(launcher: subprocess.Popen, mark: str, sig: int, name: str,
@@ -309,31 +336,94 @@ def signal_during_start_up(workdir: Path, cache: Path, sig: int, moment: float |
         if launcher.poll() is None:
             launcher.kill()
         _kill_all(mark)
-    return Ending(name, nproc, gone, left, launcher.returncode, _message(stderr), processes)
+    return Ending(name, nproc, gone, left, launcher.returncode, _message(stderr), processes,
+                  stderr_lines=len(_lines(stderr)))
 
 
-def stop_a_rank(workdir: Path, cache: Path, nproc: int) -> Ending:
-    """SIGSTOPs rank 1 once the run has logged 2 steps (``--timeout STOP_TIMEOUT_S``), and
-    times until the launcher exits and until no process of the run is left."""
+def _fault_in_training(workdir: Path, cache: Path, nproc: int, name: str,
+                       fault, *more) -> Ending:
+    """Once the run has logged 2 steps, ``fault(launcher, mark)`` (the fault itself, sent at
+    once); times until the launcher exits and until no process of the run is left."""
     out = workdir / uuid.uuid4().hex
-    launcher, mark = _start(out, cache, nproc, "--timeout", STOP_TIMEOUT_S)
+    launcher, mark = _start(out, cache, nproc, *more)
     try:
         while len(_losses(out)) < 2:
             if launcher.poll() is not None:
-                raise RuntimeError(f"the run ended before the stop: {launcher.communicate()[1]}")
+                raise RuntimeError(f"{name}: the run ended first: {launcher.communicate()[1]}")
             time.sleep(0.01)
         processes = len(run_processes(mark))
-        os.kill(rank_pids(mark, launcher.pid)[1], signal.SIGSTOP)
-        stopped = time.monotonic()
+        fault(launcher, mark)
+        faulted = time.monotonic()
         _, stderr = launcher.communicate(timeout=300)
-        exited = time.monotonic() - stopped
-        gone, left = _time_until_gone(mark, stopped)
+        exited = time.monotonic() - faulted
+        gone, left = _time_until_gone(mark, faulted)
     finally:
         if launcher.poll() is None:
             launcher.kill()
         _kill_all(mark)
-    return Ending(f"rank 1 SIGSTOPed in training, --timeout {STOP_TIMEOUT_S:g}", nproc, gone,
-                  left, launcher.returncode, _message(stderr), processes, exited)
+    return Ending(name, nproc, gone, left, launcher.returncode, _message(stderr), processes,
+                  exited, len(_lines(stderr)))
+
+
+def _signal_rank_1(sig: int):
+    return lambda launcher, mark: os.kill(rank_pids(mark, launcher.pid)[1], sig)
+
+
+def stop_a_rank(workdir: Path, cache: Path, nproc: int) -> Ending:
+    """SIGSTOPs rank 1 in training (``--timeout STOP_TIMEOUT_S``)."""
+    return _fault_in_training(workdir, cache, nproc,
+                              f"rank 1 SIGSTOPed in training, --timeout {STOP_TIMEOUT_S:g}",
+                              _signal_rank_1(signal.SIGSTOP), "--timeout", STOP_TIMEOUT_S)
+
+
+def kill_a_rank(workdir: Path, cache: Path, nproc: int) -> Ending:
+    """SIGKILLs rank 1 in training."""
+    return _fault_in_training(workdir, cache, nproc, "rank 1 SIGKILLed in training",
+                              _signal_rank_1(signal.SIGKILL))
+
+
+def interrupt_the_group(workdir: Path, cache: Path, nproc: int) -> Ending:
+    """SIGINT to the run's process group in training, as Ctrl-C on a terminal."""
+    return _fault_in_training(workdir, cache, nproc,
+                              "SIGINT to the process group in training (Ctrl-C)",
+                              lambda launcher, mark: os.killpg(launcher.pid, signal.SIGINT))
+
+
+TRAINER_EXAMPLE = REPO / "examples" / "finetune_hf_trainer.py"
+
+
+def kill_the_trainer_example(workdir: Path, cache: Path) -> Ending:
+    """SIGKILLs examples/finetune_hf_trainer.py once its 2 ranks train (rank 0 has saved
+    OUT/base, which it does once the process group exists), and times until none is left."""
+    out, mark = workdir / uuid.uuid4().hex, uuid.uuid4().hex
+    main = subprocess.Popen([sys.executable, str(TRAINER_EXAMPLE), "--steps", "1000", "--out",
+                             str(out)], env=_env(mark) | {"PYTHONWARNINGS": "ignore"},
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=_as_from_a_terminal)
+    name = "examples/finetune_hf_trainer.py SIGKILLed in training"
+    try:
+        while not (out / "base" / "config.json").is_file():
+            if main.poll() is not None:
+                raise RuntimeError(f"{name}: the example ended first: {main.communicate()[1]}")
+            time.sleep(0.05)
+        processes = len(run_processes(mark))
+        gone, left, stderr = _signal(main, mark, signal.SIGKILL, name)
+    finally:
+        if main.poll() is None:
+            main.kill()
+        _kill_all(mark)
+    return Ending(name, 2, gone, left, main.returncode, _message(stderr), processes,
+                  stderr_lines=len(_lines(stderr)))
+
+
+def _as_promised(e: Ending) -> bool:
+    """What a scenario's ending must say: a killed rank named with its signal; Ctrl-C one
+    line, the launcher's."""
+    if e.scenario == "rank 1 SIGKILLed in training":
+        return re.match(r"error: rank 1 \(pid \d+\) was killed by SIGKILL", e.message) is not None
+    if e.scenario.startswith("SIGINT to the process group"):
+        return e.stderr_lines == 1 and e.message == "stopped by SIGINT" and e.exit_code == 130
+    return True
 
 
 def endings(workdir: Path, repeats: int, log=lambda *a: None) -> list[Ending]:
@@ -343,7 +433,9 @@ def endings(workdir: Path, repeats: int, log=lambda *a: None) -> list[Ending]:
              for sig in (signal.SIGKILL, signal.SIGTERM) for moment in (0.2, 1.0, 5.0)]
     plans += [(signal_during_start_up, (sig, moment, 16))
               for sig in (signal.SIGKILL, signal.SIGTERM) for moment in ("spawned", 5.0)]
-    plans += [(stop_a_rank, (nproc,)) for nproc in (2, 4)]
+    plans += [(fn, (nproc,)) for fn in (stop_a_rank, kill_a_rank, interrupt_the_group)
+              for nproc in (2, 4)]
+    plans += [(kill_the_trainer_example, ())]
     found = []
     for _ in range(repeats):
         for fn, plan in plans:
@@ -413,12 +505,11 @@ def resume_in_place(workdir: Path, run: Path, sig: int, moment: str) -> InPlace:
     mark = uuid.uuid4().hex
     name = f"{signal.Signals(sig).name} " + ("1 s after its start" if moment == "1 s" else
                                             f"at its {moment!r} line")
-    # SIGINT as Ctrl-C on a terminal delivers it: to a process that has not chosen to ignore
-    # it (this script may itself have been started with it ignored, and children inherit that).
+    # SIGINT as Ctrl-C on a terminal delivers it (to the command alone: its ranks do not exist
+    # yet at the earliest moment, and ignore it later).
     proc = subprocess.Popen(_finetune("--resume", out / "checkpoints" / EARLIER, "--output-dir",
                                       out), env=_env(mark), cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_as_from_a_terminal)
     try:
         if moment == "1 s":
             time.sleep(1.0)
@@ -544,8 +635,9 @@ def export_table(found: list[ExportTry]) -> str:
 def table(found: list[Ending]) -> str:
     """Markdown: one row per scenario over its runs (the median and the worst)."""
     rows = ["| fault | ranks | runs | processes at the fault (min-max) | until no process "
-            "left, s: median / max | left at 2 s (max) | launcher exit after the stop, s: max "
-            "| exit codes | message |", "|---|---:|---:|---:|---:|---:|---:|---|---|"]
+            "left, s: median / max | left at 2 s (max) | launcher exit after the rank's fault, "
+            "s: max | exit codes | stderr lines (max) | message |",
+            "|---|---:|---:|---:|---:|---:|---:|---|---:|---|"]
     by: dict[tuple[str, int], list[Ending]] = {}
     for e in found:
         by.setdefault((e.scenario, e.nproc), []).append(e)
@@ -559,6 +651,7 @@ def table(found: list[Ending]) -> str:
                     f"{gone[len(gone) // 2]:.2f} / "
                     f"{gone[-1]:.2f} | {max(e.left_at_2s for e in group)} | "
                     f"{f'{max(exits):.2f}' if exits else '-'} | {codes} | "
+                    f"{max(e.stderr_lines for e in group)} | "
                     + " / ".join(f"`{m}`" if m else "(none)" for m in said) + " |")
     return "\n".join(rows)
 
@@ -592,6 +685,7 @@ def main(argv: list[str] | None = None) -> int:
           and report.duplicate_metric_lines == 0 and report.orphans == 0
           and all(e.left_at_2s == 0 and e.gone_s < math.inf for e in found)
           and all(e.exit_s < STOP_BOUND_S for e in found if e.exit_s is not None)
+          and all(_as_promised(e) for e in found)
           and all(e.left_at_2s == 0 and e.checkpoints_intact and e.newest == KEPT
                   and e.metrics in (UNCHANGED, RETRAINED_FIRST) for e in stops)
           and all(e.exit_code == 2 and e.stderr_lines == 1 and e.intact for e in exports))

@@ -7,7 +7,8 @@ checked before anything starts, and calls the run. ``python -m neox.<command>`` 
 - ``evaluate``, ``generate``: a model loaded by ``neox.run.inference``;
 - ``export``: a run's checkpoint as a Hugging Face directory (``neox.run.export``);
 - ``plan``: memory and traffic of a run before renting GPUs (``neox.run.planning``);
-- ``flags``: what they share (the parser, argparse types, the recipe's flags).
+- ``flags``: what they share (the parser, argparse types, the recipe's flags);
+- ``entry``: how ``neox/<command>.py`` runs one (Ctrl-C before it runs: one line).
 
 Only these modules import argparse; no library module imports them.
 """

@@ -6,6 +6,7 @@ reproduces one way a run could be lost, corrupted or left running, and checks th
   2 and 16 ranks: no process of the run is left 2 s after the signal; a rank is tied to its
   launcher before its first import; a killed rank is named with its signal; a stopped rank
   (SIGSTOP; 2 and 4 ranks) ends the run within --timeout + 5 s, named, and is killed;
+- Ctrl-C while a command still imports torch: one line, ``stopped by SIGINT``, exit 130;
 - impossible settings are refused before any process starts;
 - a diverging run stops with a message and never saves non-finite weights; metrics stay JSON;
 - flags given on --resume: optimisation flags apply (said in the log), identity flags refused;
@@ -184,6 +185,25 @@ def test_ranks_do_not_outlive_their_launcher(cache, tmp_path, sig):
         # One line, the launcher's: the ranks leave silently (each rank's "exiting" line
         # interleaved with the others' and the progress line).
         assert stderr.strip().splitlines() == [f"stopped by {sig.name}"], stderr
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("command", ["finetune", "export", "evaluate", "generate", "plan"])
+def test_ctrl_c_while_a_command_imports_torch_is_one_line(tmp_path, command):
+    # Importing torch takes the first seconds of every command (6 s on a busy 2-core machine),
+    # before the launcher's own handling of SIGINT exists. A stand-in torch, ahead of the real
+    # one on the path, interrupts its own import as Ctrl-C would at that moment, every time
+    # (a signal sent after a delay would land there only on a slow enough machine).
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(
+        "import os, signal\nos.kill(os.getpid(), signal.SIGINT)\n")
+    env = cli_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    proc = subprocess.run([sys.executable, "-m", f"neox.{command}", "--help"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert (proc.returncode, proc.stderr, proc.stdout) == (
+        128 + signal.SIGINT, "stopped by SIGINT\n", "")
 
 
 @pytest.mark.e2e
