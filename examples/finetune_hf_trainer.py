@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> None:
     if training_args.process_index == 0:
         print(trainer.sharding.ways.line(), flush=True)  # how the ranks share the model
     trainer.train()
-    if args.hybrid is not None:  # collective: every replica's shards against the others'
+    if args.hybrid == "hsdp":  # collective: every replica's shards against the others'
         agree = trainer.sharding.replicas_agree()
         if training_args.process_index == 0:
             print(f"replicas bitwise equal: {agree}", flush=True)

@@ -49,8 +49,9 @@ def finish(state: TrainState, recipe: Recipe, data: RunData, done: StepsDone,
     if recipe.output.measure_memory:
         report_measured(state, recipe, done.measured, device=device, world_size=world_size,
                         log=log)
-    if recipe.loop.hybrid is not None:
+    if recipe.loop.hybrid == "hsdp":
         # What the checkpoint (replica 0's shards) stands for: every replica's, to the bit.
+        # (hpZ has no replicas: every rank holds its own slice.)
         agree = state.model.replicas_agree()
         log(f"replicas: the {state.nodes} replicas' trainable shards are "
             + ("bitwise equal" if agree else "NOT equal (a bug: please report it); the "

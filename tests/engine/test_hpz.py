@@ -22,6 +22,7 @@ from tests.support.hybrid_runs import (BF16, FP32, MICRO, QGZ_STEPS, QUANTIZE_BL
                                        Case, check_against_reference, mesh_of, plan_of,
                                        quantized_collective, run_qgz, train_hybrid,
                                        train_unsharded)
+from tests.support import toy_stack
 from tests.support.toy_stack import SEQ, Spec, make_layers
 from zerocore.plan import SECONDARY
 
@@ -262,3 +263,41 @@ def test_plan_sets_hpz_beside_flat_and_hsdp():
     assert qgz.across_all_gather_bytes == hpz.across_all_gather_bytes
     assert qgz.across_reduce_scatter_bytes < 0.28 * hpz.across_reduce_scatter_bytes
     assert qgz.state == hpz.state
+
+
+# -- values changed between a forward and its backward -------------------------------------------
+
+def _step_between_forward_and_backward(rank: int, world_size: int, hybrid: bool) -> dict:
+    """A forward, an optimizer step (gradients of ones), then the forward's backward: hpZ's
+    secondary shards kept by that forward hold the weights before the step, so backward must
+    gather the stepped ones again, across the nodes, as a flat layout gathers them again. The
+    gradients (hashed per rank's slice, in slice order) must be the flat layout's of the same
+    sequence: the optimizer writes through ``.data``, which a tensor's version does not see."""
+    torch.manual_seed(0)
+    where = (dict(mesh=mesh_of((2, world_size // 2)), hybrid=zerocore.Hybrid("hpz"))
+             if hybrid else {})
+    model = zerocore.shard(make_layers(Spec(model="mlp")), **where)
+    opt = zerocore.optim.AdamW(model.trainable_shards(), lr=1e-1)
+    x = torch.randn(4, toy_stack.D_IN, generator=torch.Generator().manual_seed(1))
+    out = model(x)
+    for p in model.trainable_shards():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    across = model.counter.replicate_all_gather_calls
+    out.pow(2).sum().backward()
+    grads = {model.rank: [p.grad.clone() for p in model.trainable_shards()]}
+    return dict(across=model.counter.replicate_all_gather_calls - across, grads=grads)
+
+
+def test_a_step_between_forward_and_backward_gathers_the_new_weights(worlds):
+    flat = worlds(4).run(_step_between_forward_and_backward, False)
+    hpz = worlds(4).run(_step_between_forward_and_backward, True)
+    assert all(r["across"] > 0 for r in hpz), [r["across"] for r in hpz]
+    # The flat layout over 4 ranks holds the same slices in rank order, hpZ in slice order.
+    by_slice = {s: g for r in flat for s, g in r["grads"].items()}
+    for r in hpz:
+        (s, grads), = r["grads"].items()
+        for got, want in zip(grads, by_slice[s]):
+            # Summed in another order (within the node, then across): fp32 rounding.
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)

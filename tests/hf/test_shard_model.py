@@ -408,3 +408,38 @@ def test_gradient_reaches_the_inputs(world, mode):
     model's, through every unit (each rank its own input: input gradients are not averaged)."""
     for worst in world.run(input_grad_run, mode):
         assert worst < 1e-5, worst  # GRAD_TOL of tests/engine/test_shard.py
+
+
+class _Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _root_module_after_a_step(rank: int, world_size: int) -> bool:
+    torch.manual_seed(0)
+    model = _Stack()
+    sharding = zerocore.shard_model(model, list(model.blocks))
+    opt = zerocore.optim.AdamW(sharding.trainable_shards(), lr=0.1)
+    x = torch.randn(2, 8)
+    model(x).sum().backward()
+    with torch.no_grad():
+        model.head(x)            # the root gathered outside a forward: it stays gathered
+    opt.step()                   # its master changes (the fused kernel writes through .data)
+    with torch.no_grad():
+        after = model.head(x)    # the stepped weights, gathered again
+        sharding.release_gathered()
+        fresh = model.head(x)
+    return torch.equal(after, fresh)
+
+
+def test_a_module_called_after_a_step_uses_the_stepped_weights(world):
+    """Values gathered before the optimizer step are gathered again after it, though the
+    optimizer's writes leave the shard's tensor version unchanged."""
+    assert all(world.run(_root_module_after_a_step))

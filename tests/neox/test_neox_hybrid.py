@@ -257,3 +257,22 @@ def test_an_hsdp_run_resumes_flat_and_back(hsdp, flat, tmp_path):
     got = losses(out)
     assert sorted(got) == list(range(1, STEPS + 1))
     assert_losses_match(got, flat, range(1, STEPS + 1))
+
+
+@pytest.mark.e2e
+def test_an_hsdp_run_resumes_as_hpz(hsdp, flat, tmp_path):
+    """The HSDP run's checkpoint resumed with --hybrid hpz on this machine (--nodes 2: hpZ
+    2x1, the state over both ranks, each forward gathering across the "nodes"): steps 3-4's
+    losses as the flat job's, the layout said, and no replicas to compare (hpZ has none)."""
+    out = tmp_path / "run"
+    shutil.copytree(hsdp[0], out)
+    proc = run_module("neox.finetune", "--resume", out / "checkpoints", "--output-dir", out,
+                      "--hybrid", "hpz", "--nodes", 2, "--nproc", 2, "--batch-size",
+                      GLOBAL_BATCH // 2, "--max-steps", STEPS,
+                      "--cache-dir", hsdp[0].parent / "cache")
+    check_ok(proc)
+    assert "layout: hpZ 2x1" in proc.stdout, proc.stdout
+    assert "replicas:" not in proc.stdout
+    got = losses(out)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert_losses_match(got, flat, range(1, STEPS + 1))

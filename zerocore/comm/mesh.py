@@ -236,6 +236,17 @@ def resolve(group: dist.ProcessGroup | None, mesh: DeviceMesh | None, what: str,
         return flat(mesh.get_group(0), nodes, mesh.device_type)
     replicas, shards = (int(n) for n in mesh.shape)
     ranks = tuple(tuple(int(r) for r in row) for row in mesh.mesh.tolist())
+    # torch numbers a group's ranks in increasing global order, whatever the mesh's order: a
+    # rank's place in its row (shard group) and column (replicate group) is then its place in
+    # the mesh only if both increase, which init_device_mesh's meshes do. Otherwise the slices
+    # ranks hold would not be the ones the layout gives them (hpZ's s·R + r, HSDP's replicas
+    # summing the same slice): refused, alike on every rank (every rank holds the same mesh).
+    if any(list(row) != sorted(row) for row in ranks) or \
+            any(list(col) != sorted(col) for col in zip(*ranks)):
+        raise ValueError(f"{what}: the mesh {[list(row) for row in ranks]} does not number its "
+                         f"ranks in increasing order along each row and each column; build it "
+                         f"with init_device_mesh(device_type, (replicate, shard)), or order "
+                         f"its rows and columns so")
     everyone = sorted(r for row in ranks for r in row)
     if everyone == list(range(dist.get_world_size())):
         whole = dist.group.WORLD

@@ -43,7 +43,8 @@ from zerocore.engine.offload import OffloadStreams
 from zerocore.engine.rehearsal import StorageWatch
 from zerocore.policies import Comm
 from zerocore.engine.sharded_param import (gather_source, is_offloaded, is_shard, new_shard,
-                                           refresh_model_copy, set_layout, wait_for_device)
+                                           refresh_model_copy, set_layout, shard_stamp,
+                                           wait_for_device)
 
 
 class GroupState(enum.Enum):
@@ -211,7 +212,7 @@ class FlatGroup:
         # by the optimizer or a load, makes it stale: gathered afresh).
         self._across_handles: list[dist.Work | None] | None = None
         self._secondary: torch.Tensor | None = None
-        self._secondary_version = -1
+        self._secondary_version: tuple[int, int] | None = None
         # A frozen group chosen by Prefetch.keep_gathered: once gathered it stays so (``free``
         # leaves it) until ``free(release=True)``; its values never change.
         self.resident = False
@@ -307,7 +308,7 @@ class FlatGroup:
         if self.int8_block is not None:
             self._q8_storage.resize_(self._comm_numel)
             self._resized(self._q8_storage)
-        if self._secondary is not None and self._secondary_version != self.shard._version:
+        if self._secondary is not None and self._secondary_version != shard_stamp(self.shard):
             self.drop_secondary()  # stale: the shard changed since the forward that kept it
         streams = self.ctx.streams
         if self._secondary is not None:
@@ -362,8 +363,9 @@ class FlatGroup:
                 self.gather.start(self._comm, self._secondary_region())
             self.gather.wait(self._comm)
             self.ctx.counter.gather_wait_s += collectives.now() - t0
-            if from_secondary:
-                self.drop_secondary()  # its values are the gathered buffer's now
+            # A gather from the secondary shard keeps it: a unit gathered again within the same
+            # backward (its forward recomputed by a checkpoint around it) gathers from it
+            # once more, inside the node; ``free`` gives it back once the backward is done.
             if self.int8_block is not None:
                 self._dequantize(self._comm, self._compute)
             self.state = GroupState.GATHERED
@@ -383,9 +385,9 @@ class FlatGroup:
         if release:
             self._wait_host_reads()
         if (keep_secondary and self.ctx.across is not None and not self.resident
-                and self.state is GroupState.GATHERED):
+                and self.state is GroupState.GATHERED and self._secondary is None):
             self._secondary = self._secondary_region().clone()
-            self._secondary_version = self.shard._version
+            self._secondary_version = shard_stamp(self.shard)
         elif not keep_secondary:
             self.drop_secondary()
         self.gather.before_free()  # the other ranks may still be reading this buffer
@@ -401,7 +403,7 @@ class FlatGroup:
     def drop_secondary(self) -> None:
         """Gives back the secondary shard kept for backward (hpZ), if any."""
         self._secondary = None
-        self._secondary_version = -1
+        self._secondary_version = None
 
     def _wait_host_reads(self) -> None:
         """Blocks the host until the last upload that read this group's host shard (or the

@@ -40,6 +40,7 @@ from zerocore.engine.flat_group import GroupState
 from zerocore.engine.recompute import recomputing
 from zerocore.engine.schedule import Schedule
 from zerocore.engine.sharded_layer import ShardedLayer
+from zerocore.engine.sharded_param import shard_stamp
 from zerocore.engine.tracing import traced
 
 
@@ -52,7 +53,7 @@ class Unit:
     layer: ShardedLayer
     # The trainable shard's version when its group was last gathered: a group still gathered
     # after the optimizer changed the shard (a prefetch no forward used) is gathered afresh.
-    gathered_version: int = -1
+    gathered_version: tuple[int, int] | None = None  # shard_stamp when gathered
     active: int = 0           # calls of this unit whose backward has begun and not ended
     call: "UnitCall | None" = None  # the call in progress (between the two forward hooks)
 
@@ -191,7 +192,7 @@ class Runtime:
     def _start(self, unit: Unit) -> None:
         trainable = unit.layer.trainable
         if trainable is not None and trainable.state is GroupState.SHARDED:
-            unit.gathered_version = trainable.shard._version
+            unit.gathered_version = shard_stamp(trainable.shard)
         unit.layer.start_gather()
 
     def _ready(self, unit: Unit) -> None:
@@ -199,7 +200,8 @@ class Runtime:
         optimizer changed the shard are gathered again."""
         trainable = unit.layer.trainable
         if (trainable is not None and trainable.state is not GroupState.SHARDED
-                and unit.gathered_version != trainable.shard._version and unit.active == 0):
+                and unit.gathered_version != shard_stamp(trainable.shard)
+                and unit.active == 0):
             unit.layer.free()
         self._start(unit)
         unit.layer.wait_gather()

@@ -114,6 +114,15 @@ def mark_model_copy_synced(p: torch.nn.Parameter) -> None:
     p.copy_generation += 1
 
 
+def shard_stamp(p: torch.nn.Parameter) -> tuple[int, int]:
+    """What changes whenever the shard's values do: an in-place write through the parameter
+    (a load, a user's ``copy_``) bumps its version; the optimizer's fused kernel writes through
+    ``.data``, which does not, and bumps ``copy_generation`` instead. Gathered values (kept
+    between the passes, hpZ's secondary shards) are stale once it moves. (A frozen shard has
+    no optimizer: its version alone.)"""
+    return p._version, getattr(p, "copy_generation", 0)
+
+
 def wait_for_device(p: torch.nn.Parameter) -> None:
     """An offloaded shard: blocks the host until the last upload of its gather source has been
     read (that copy only; nothing else on the device). Host writers of the master or of the
