@@ -354,7 +354,6 @@ class FlatGroup:
         self.start_gather()
         if self.state is GroupState.GATHERING:
             t0 = collectives.now()
-            from_secondary = self._secondary is not None
             if self._across_handles is not None:
                 # hpZ's forward: the secondary shard is in; the layer is gathered from the
                 # secondary shards within the node. (Not overlapped yet: issued here.)
