@@ -63,6 +63,7 @@ def refused_on_rank(rank: int, world_size: int) -> tuple[str | None, str | None]
     as gloo refuses a device it was built without (the CPU has no such device to try)."""
     group, cpu = dist.group.WORLD, torch.device("cpu")
     fine = job.refused_collective(group, cpu)
+    assert job.refused_collective(group, cpu, quantized=True) is None  # qgZ's all-to-all too
     real = collectives.reduce_scatter_sum
 
     def refusing(*args, **kwargs):
@@ -94,6 +95,18 @@ def test_usage_errors():
     if not torch.cuda.is_available():
         assert job.main(["compare", "--devices", "cpu,cuda"]) == 2
     assert job.main(["compare", "--devices", "cpu"]) == 2
+
+
+@pytest.mark.distributed
+def test_the_mesh_job_runs_a_1x1_mesh_bitwise_and_qgz_within_its_bound(capfd):
+    """``job mesh`` on the CPU, as the GPU check's dry run runs it: a 1x1 mesh trains bit for
+    bit as flat sharding, and qgZ over two replicas within its bound of the exact run (not
+    equal to it: the quantization is there)."""
+    assert job.main(["mesh", "--device", "cpu"]) == 0
+    out = capfd.readouterr().out
+    assert "1x1 mesh against flat, 1 rank on cpu, fp32: bit for bit PASS" in out, out
+    diff = float(re.search(r"losses differ by (\S+) relative", out).group(1))
+    assert 0 < diff <= job.QGZ_LOSS_RTOL, out
 
 
 # -- the GPU check's dry run ----------------------------------------------------------------------
