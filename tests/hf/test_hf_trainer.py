@@ -58,6 +58,7 @@ class Spec:
     # HSDP 2x2 (4 ranks as 2 nodes of 2): "given", shard_options' mesh; "torchrun",
     # hybrid="hsdp" with the mesh of torchrun's environment (set by the run).
     mesh: str | None = None
+    hybrid: str = "hsdp"      # the layout of mesh="torchrun" (ShardedTrainer's hybrid=)
     rows: int = GLOBAL_ROWS   # rows per micro-batch over all ranks
     clip: float | None = None  # max_grad_norm; None: MAX_GRAD_NORM[mode]
 
@@ -157,7 +158,7 @@ def sharded_run(rank: int, world_size: int, out: str, spec: Spec) -> dict:
                           train_dataset=_data(), eval_dataset=_data()[:EVAL_ROWS],
                           data_collator=transformers.default_data_collator,
                           shard_options=options,
-                          hybrid="hsdp" if spec.mesh == "torchrun" else None)
+                          hybrid=spec.hybrid if spec.mesh == "torchrun" else None)
     skipped = []
 
     class Record(transformers.TrainerCallback):
@@ -324,6 +325,27 @@ def test_hsdp_trains_as_the_unsharded_trainer_and_its_replicas_agree(worlds, tmp
         twin = got[rank % 2]["shards"]
         assert len(r["shards"]) == len(twin) > 0
         assert all(torch.equal(a, b) for a, b in zip(r["shards"], twin)), rank
+
+
+def test_hpz_trains_as_the_unsharded_trainer(worlds, tmp_path):
+    """ShardedTrainer(hybrid="hpz") on 4 ranks as 2 nodes of 2 (the mesh from torchrun's
+    environment): as the unsharded Trainer to the HSDP test's tolerances; every rank holds its
+    own slice of the state (s·R + r: four places), and there is no replicas' all-reduce."""
+    spec = Spec(mode="full", steps=3, rows=8, mesh="torchrun", hybrid="hpz", clip=0.4)
+    ref = reference(str(tmp_path / "ref"), spec)
+    got = worlds(4).run(hsdp_run, str(tmp_path / "hpz"), spec, timeout=300)
+    for r in got:
+        assert "layout: hpZ 2x2" in r["ways"], r["ways"]
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]),
+                                   **LOSS_TOL)
+        torch.testing.assert_close(torch.tensor(r["evals"]), torch.tensor(ref["evals"]),
+                                   **LOSS_TOL)
+        assert all(calls == 0 for _, calls in r["replica_calls"]), r["replica_calls"]
+    torch.testing.assert_close(torch.tensor(got[0]["norms"]), torch.tensor(ref["norms"]),
+                               rtol=1e-4, atol=0.0)
+    _assert_close_params(got[0]["params"], ref["params"])
+    # Rank (r, s) = (rank // 2, rank % 2) holds slice s·2 + r.
+    assert [r["place"] for r in got] == [0, 2, 1, 3]
 
 
 def hybrid_refused(rank: int, world_size: int, out: str) -> str:
