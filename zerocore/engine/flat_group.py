@@ -34,11 +34,13 @@ from zerocore.comm import collectives, peer_memory, transport
 from zerocore.kernels import ops
 from zerocore.engine.flat_layout import FlatLayout
 from zerocore.engine.host_arena import HostArena
+from zerocore.engine.nvme_store import NvmeStore
 from zerocore.engine.offload import OffloadStreams
 from zerocore.engine.rehearsal import StorageWatch
 from zerocore.policies import Comm
-from zerocore.engine.sharded_param import (gather_source, is_offloaded, is_shard, new_shard,
-                                           refresh_model_copy, set_layout, wait_for_device)
+from zerocore.engine.sharded_param import (gather_source, is_offloaded, is_shard, master_values,
+                                           new_shard, placeholder, refresh_model_copy,
+                                           set_layout, wait_for_device)
 
 
 class GroupState(enum.Enum):
@@ -103,6 +105,10 @@ class GroupContext:
     # HSDP: the replicas gradient shards are all-reduced across (``process_group`` being the
     # shard group); None: flat.
     replicas: transport.Replicas | None = None
+    # NVMe offload: the sharding's scratch and its pool (engine/nvme_store.py), and what lives
+    # there: the trainable masters and moments (``Offload(optimizer="nvme")``).
+    store: NvmeStore | None = None
+    nvme_optimizer: bool = False
 
 
 class FlatGroup:
@@ -121,15 +127,19 @@ class FlatGroup:
                 if ctx.offload:
                     return _host_buffer(ctx, layout.shard_numel, dtype)
                 return torch.empty(layout.shard_numel, dtype=dtype, device=dev)
-            master = new(torch.float32)
-            master.copy_(full[lo:hi])
-            copy = None
-            # Parameter offload with the optimizer on the device keeps no 16-bit copy: each
-            # window is rounded from the master there, as the optimizer would have written it.
-            if dt != torch.float32 and (ctx.offload or not ctx.offload_params):
-                copy = new(dt)
-                copy.copy_(master)
-            self.shard: torch.nn.Parameter = new_shard(master, copy, offloaded=ctx.offload)
+            if ctx.nvme_optimizer:
+                self.shard: torch.nn.Parameter = _nvme_shard(ctx, full[lo:hi], new(dt))
+            else:
+                master = new(torch.float32)
+                master.copy_(full[lo:hi])
+                copy = None
+                # Parameter offload with the optimizer on the device keeps no 16-bit copy:
+                # each window is rounded from the master there, as the optimizer would have
+                # written it.
+                if dt != torch.float32 and (ctx.offload or not ctx.offload_params):
+                    copy = new(dt)
+                    copy.copy_(master)
+                self.shard = new_shard(master, copy, offloaded=ctx.offload)
             if ctx.offload:
                 self.shard.host_threads = ctx.host_threads
             set_layout(self.shard, [(sl.name, sl.offset, sl.numel) for sl in layout.slots], lo)
@@ -358,7 +368,7 @@ class FlatGroup:
 
         to_rank: None, every rank receives them (an all-gather); r, only rank r of the group
         does (a gather) and the others get an empty dict, so they never hold the full group."""
-        shard = self.shard.data.to(self.ctx.device)
+        shard = master_values(self.shard).to(self.ctx.device)
         group = self.ctx.process_group
         if to_rank is None:
             full = torch.empty(self.layout.world_size * shard.numel(), dtype=shard.dtype,
@@ -493,6 +503,19 @@ class FlatGroup:
         out = pending.reduction.finish()
         pending.group.ctx.counter.reduce_wait_s += collectives.now() - t0
         return out
+
+
+def _nvme_shard(ctx: GroupContext, values: torch.Tensor,
+                copy: torch.Tensor) -> torch.nn.Parameter:
+    """NVMe offload: a trainable shard whose fp32 master (``values``, written now) and Adam
+    moments (zeros) live in the sharding's scratch, and whose model copy (``copy``, host memory,
+    in the param dtype, fp32 included: it is what the layers compute with) is kept here."""
+    record = ctx.store.add_adam(values.numel(), "a layer's fp32 master and Adam moments")
+    ctx.store.write_values(record.master, values)
+    copy.copy_(values)
+    shard = new_shard(placeholder(values.numel()), copy, offloaded=True)
+    shard.nvme = record
+    return shard
 
 
 def _host_buffer(ctx: GroupContext, numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,378 @@
+"""``NvmeStore``: one sharding's model state on NVMe (``Offload(optimizer="nvme")``,
+ZeRO-Infinity): where each array lives in the rank's scratch file (engine/scratch_file.py), and
+the pipeline that moves it through a bounded pool of host buffers.
+
+Layout. Arrays are laid end to end in the scratch file, each starting on a 4 KiB block: for each
+trainable shard, in the order the layers are built, its fp32 master, then its two Adam moments
+(an ``AdamRecord``), each contiguous. A shard is stepped in chunks of ``chunk_numel`` elements
+(a whole number of blocks of fp32), chunk k of a shard being elements ``[k·C, (k+1)·C)`` of its
+three arrays.
+
+The pool: ``BUFFERS`` buffers carved from the host arena (pinned with it on a GPU machine;
+page-aligned, what direct I/O needs), each holding one chunk of the three arrays. ``stream``
+runs a pass over chunks: the reader thread fills buffers ahead, the caller steps chunk k on the
+calling thread while chunk k+1 (and k+2) is read and chunk k-1 written by the writer thread; a
+buffer is read into again only once its write is done. One reader and one writer, each issuing
+one transfer per array of a chunk (megabytes each: the disk sees long sequential requests, and
+the two directions overlap). The host memory the masters and moments take is the pool, whatever
+the model's size.
+
+A failed read or write (a disk that fills, an I/O error) ends the pass once every transfer in
+flight is done, raising ``NvmeIOError`` saying what failed and what to do: after a failed write
+the state on the disk is part-stepped, so the run cannot go on; its checkpoints are ordinary
+files elsewhere, untouched.
+
+In a plan's rehearsal (engine/rehearsal.py) the store has no file: the pool is a fake tensor
+and the transfers do nothing, so the planned step runs the same passes and holds the same host
+memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import warnings
+import weakref
+from typing import Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from zerocore.comm.agree import run_agreed
+from zerocore.comm.fake import is_fake
+from zerocore.engine.scratch_file import BLOCK, ScratchFile, round_up
+
+log = logging.getLogger(__name__)
+
+# Chunk buffers in the pool: one being read ahead, one stepped, one being written, and one more,
+# so that a read of the chunk after next can start while a write is still in flight.
+BUFFERS = 4
+_FP32 = torch.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """An array in the scratch file."""
+
+    offset: int            # bytes from the file's start; a whole number of blocks
+    numel: int
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def span(self) -> int:
+        """Bytes it occupies in the file: whole blocks."""
+        return round_up(self.nbytes)
+
+
+# An AdamRecord's arrays, by the names checkpoints and optimizers give them.
+ADAM_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AdamRecord:
+    """One trainable shard's fp32 master and Adam moments in its store's scratch file (what an
+    NVMe shard's ``.nvme`` is)."""
+
+    master: Region
+    exp_avg: Region
+    exp_avg_sq: Region
+    store: "NvmeStore"
+
+    @property
+    def numel(self) -> int:
+        return self.master.numel
+
+    def regions(self) -> tuple[Region, Region, Region]:
+        return self.master, self.exp_avg, self.exp_avg_sq
+
+    def read(self, key: str) -> torch.Tensor:
+        """The values of ``key`` (one of ``ADAM_KEYS``), in a new tensor."""
+        return self.store.read_values(getattr(self, key))
+
+    def write(self, key: str, values: torch.Tensor) -> None:
+        self.store.write_values(getattr(self, key), values)
+        if key != "master":
+            self.store.moments_written.add(id(self))
+
+    def mapped(self, key: str) -> torch.Tensor:
+        """``key``'s values on a read-only mapping of the file (``NvmeStore.mapped``)."""
+        return self.store.mapped(getattr(self, key))
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """Elements ``[lo, hi)`` of a record's three arrays."""
+
+    record: AdamRecord
+    lo: int
+    hi: int
+
+
+class NvmeIOError(OSError):
+    """A read or write of the scratch failed (see the module's docstring). Its text is the
+    message alone (``errno`` is kept as an attribute)."""
+
+    def __init__(self, code: int | None, message: str):
+        super().__init__(message)
+        self.errno = code
+
+    def __reduce__(self):
+        return type(self), (self.errno, str(self))
+
+
+class NvmeStore:
+    """Where one sharding's NVMe-offloaded arrays live, and the pool they move through. Owned by
+    the sharding (its group context); its file and threads go with it."""
+
+    def __init__(self, file: ScratchFile | None, pool: torch.Tensor, *,
+                 group: dist.ProcessGroup, device: torch.device):
+        """file: the rank's scratch (None in a plan's rehearsal: nothing is moved). pool: 1-D
+        uint8 host memory, page-aligned, split into ``BUFFERS`` chunk buffers. group, device:
+        where a pass's failure is agreed (every rank of the sharding steps together)."""
+        self.file = file
+        self.path = file.directory if file is not None else None
+        self.pool = pool
+        per_buffer = pool.numel() // BUFFERS // BLOCK * BLOCK
+        # Elements of each of a chunk's three fp32 arrays: a whole number of blocks each.
+        self.chunk_numel = per_buffer // 3 // BLOCK * BLOCK // _FP32.itemsize
+        assert self.chunk_numel > 0, "the pool is smaller than Offload's minimum"
+        self._buffers = [pool[i * per_buffer:(i + 1) * per_buffer] for i in range(BUFFERS)]
+        self.size = 0          # bytes of the file's arrays (the planned size in a rehearsal)
+        # The records (by id) whose moments were written (stepped, or loaded): no longer the
+        # zeros a new optimizer starts from (``fresh_moments``).
+        self.moments_written: set[int] = set()
+        self.group, self.device = group, device
+        self._reader: concurrent.futures.ThreadPoolExecutor | None = None
+        self._writer: concurrent.futures.ThreadPoolExecutor | None = None
+        if file is not None:
+            self._reader = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="zerocore-nvme-read")
+            self._writer = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="zerocore-nvme-write")
+            # The threads and the file go with the store (the file's blocks with it).
+            weakref.finalize(self, _close, self._reader, self._writer, file)
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.pool.numel()
+
+    # -- the file's layout --------------------------------------------------------------------
+
+    def add_region(self, numel: int, dtype: torch.dtype, what: str) -> Region:
+        """A new array's place at the end of the file, reserved on the disk (a full disk is
+        ``ScratchSpaceError`` here, naming ``what``)."""
+        span = round_up(numel * dtype.itemsize)
+        if self.file is not None:
+            offset = self.file.reserve(span, what)
+        else:
+            offset = self.size
+        self.size = offset + span
+        return Region(offset, numel, dtype)
+
+    def add_adam(self, numel: int, what: str) -> AdamRecord:
+        """A trainable shard's master and moments (the moments read as zeros: reserved blocks
+        never written are zeros)."""
+        return AdamRecord(*(self.add_region(numel, _FP32, what) for _ in range(3)), store=self)
+
+    # -- whole arrays, outside a step ----------------------------------------------------------
+
+    def write_values(self, region: Region, values: torch.Tensor) -> None:
+        """``region`` <- ``values`` (its numel, any float dtype: converted), through the first
+        buffer of the pool, one buffer's bytes at a time."""
+        assert values.numel() == region.numel
+        if self.file is None:
+            return
+        buffer = self._buffers[0]
+        step = buffer.numel() // region.dtype.itemsize
+        flat = values.reshape(-1)
+        for lo in range(0, region.numel, step):
+            hi = min(lo + step, region.numel)
+            part = buffer[:round_up((hi - lo) * region.dtype.itemsize)]
+            part.view(region.dtype)[:hi - lo].copy_(flat[lo:hi])
+            self._io("writing", self.file.write, region.offset + lo * region.dtype.itemsize,
+                     part)
+
+    def read_values(self, region: Region, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``region``'s values, into ``out`` (its numel, any dtype) or a new tensor."""
+        if out is None:
+            out = torch.empty(region.numel, dtype=region.dtype)
+        if self.file is None:
+            return out
+        buffer = self._buffers[0]
+        step = buffer.numel() // region.dtype.itemsize
+        for lo in range(0, region.numel, step):
+            hi = min(lo + step, region.numel)
+            part = buffer[:round_up((hi - lo) * region.dtype.itemsize)]
+            self._io("reading", self.file.read, region.offset + lo * region.dtype.itemsize, part)
+            out[lo:hi].copy_(part.view(region.dtype)[:hi - lo])
+        return out
+
+    def mapped(self, region: Region) -> torch.Tensor:
+        """``region`` as a tensor on a read-only mapping of the file: for a checkpoint, which
+        writes it out without the process holding it (the pages are the page cache's)."""
+        assert self.file is not None
+        if region.numel == 0:
+            return torch.empty(0, dtype=region.dtype)
+        mapping = self.file.mapped(region.offset, region.span)
+        # frombuffer keeps the mapping alive; it is read-only, which torch warns of once.
+        with _quiet_read_only():
+            return torch.frombuffer(mapping, dtype=region.dtype, count=region.numel)
+
+    def zero(self, region: Region) -> None:
+        """``region`` <- zeros."""
+        if self.file is None:
+            return
+        buffer = self._buffers[0]
+        buffer.zero_()
+        for lo in range(0, region.span, buffer.numel()):
+            part = buffer[:min(buffer.numel(), region.span - lo)]
+            self._io("writing", self.file.write, region.offset + lo, part)
+
+    def fresh_moments(self, record: AdamRecord) -> None:
+        """Makes ``record``'s moments zeros, as an optimizer built on its shard starts from
+        (they are, unless an earlier optimizer stepped them or a checkpoint was loaded)."""
+        if id(record) in self.moments_written:
+            self.zero(record.exp_avg)
+            self.zero(record.exp_avg_sq)
+            self.moments_written.discard(id(record))
+
+    # -- a pass over chunks --------------------------------------------------------------------
+
+    def chunks(self, record: AdamRecord) -> list[Chunk]:
+        n, c = record.numel, self.chunk_numel
+        return [Chunk(record, lo, min(lo + c, n)) for lo in range(0, n, c)]
+
+    def stream(self, chunks: Iterable[Chunk],
+               step: Callable[[Chunk, torch.Tensor, torch.Tensor, torch.Tensor], None]) -> None:
+        """``step(chunk, master, exp_avg, exp_avg_sq)`` for each chunk in order, on this thread,
+        each array a 1-D fp32 view of the chunk's values in a pool buffer, which ``step``
+        updates in place; each chunk is written back after its step. Reads run ahead on the
+        reader thread and writes behind on the writer thread (the module's docstring).
+        NvmeIOError when a transfer fails, once none is in flight."""
+        chunks = list(chunks)
+        self.moments_written.update(id(c.record) for c in chunks)
+        free = list(range(BUFFERS))
+        reads: collections.deque = collections.deque()    # (chunk, buffer, future), in order
+        writes: collections.deque = collections.deque()   # (buffer, future), in order
+        ahead = iter(chunks)
+        failure: BaseException | None = None
+
+        def read_next() -> None:
+            chunk = next(ahead, None)
+            if chunk is None:
+                return
+            if not free:  # every buffer is stepped or being written: the oldest write frees one
+                buffer, done = writes.popleft()
+                done.result()
+                free.append(buffer)
+            buffer = free.pop(0)
+            reads.append((chunk, buffer, self._submit(self._reader, self._read, chunk, buffer)))
+
+        try:
+            for _ in range(BUFFERS - 1):   # one buffer left for the first write
+                read_next()
+            while reads:
+                chunk, buffer, done = reads.popleft()
+                done.result()
+                step(chunk, *self._arrays(chunk, buffer))
+                writes.append((buffer, self._submit(self._writer, self._write, chunk, buffer)))
+                read_next()
+            while writes:
+                buffer, done = writes.popleft()
+                done.result()
+        except BaseException as e:
+            failure = e
+        finally:
+            # No transfer may touch a buffer after the pass: every one in flight ends first.
+            for _, _, done in reads:
+                _settle(done)
+            for _, done in writes:
+                _settle(done)
+        if failure is not None:
+            raise failure
+
+    def agreed(self, fn: Callable[[], None]) -> None:
+        """``fn()`` (a pass), its failure raised on every rank of the sharding: the lowest rank
+        with it raises it, the others ``PeerError`` (comm/agree.py). Ranks step together, so
+        one rank's full disk stops them all at once instead of leaving them to wait for it in
+        the next gather."""
+        if self.file is None or is_fake(self.group):
+            fn()
+            return
+        run_agreed(fn, group=self.group, device=self.device)
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _arrays(self, chunk: Chunk, buffer: int) -> tuple[torch.Tensor, ...]:
+        """The chunk's three arrays (fp32 views) in pool buffer ``buffer``."""
+        n = chunk.hi - chunk.lo
+        span = round_up(n * _FP32.itemsize)
+        base = self._buffers[buffer]
+        return tuple(base[i * span:i * span + n * _FP32.itemsize].view(_FP32)
+                     for i in range(3))
+
+    def _transfers(self, chunk: Chunk, buffer: int):
+        n = chunk.hi - chunk.lo
+        span = round_up(n * _FP32.itemsize)
+        base = self._buffers[buffer]
+        for i, region in enumerate(chunk.record.regions()):
+            yield region.offset + chunk.lo * _FP32.itemsize, base[i * span:(i + 1) * span]
+
+    def _read(self, chunk: Chunk, buffer: int) -> None:
+        for offset, part in self._transfers(chunk, buffer):
+            self._io("reading", self.file.read, offset, part)
+
+    def _write(self, chunk: Chunk, buffer: int) -> None:
+        for offset, part in self._transfers(chunk, buffer):
+            self._io("writing", self.file.write, offset, part)
+
+    def _submit(self, pool, fn, *args) -> concurrent.futures.Future:
+        if pool is None:  # a rehearsal: nothing moves
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(None)
+            return done
+        return pool.submit(fn, *args)
+
+    def _io(self, doing: str, fn: Callable[[int, torch.Tensor], None], offset: int,
+            part: torch.Tensor) -> None:
+        """``fn(offset, part)``, a transfer; its OSError as NvmeIOError saying what to do."""
+        try:
+            fn(offset, part)
+        except OSError as e:
+            after = ("the state there is now part-stepped, so this run cannot go on: resume "
+                     "from its last checkpoint" if doing == "writing" else
+                     "nothing was changed by this transfer; the run cannot go on without it")
+            raise NvmeIOError(e.errno, f"zerocore: NVMe offload: {doing} the scratch in "
+                                       f"Offload(path={self.path!r}) failed: {e.strerror or e}; "
+                                       f"{after} (free space there, or give another path)"
+                              ) from None
+
+
+def _settle(done: concurrent.futures.Future) -> None:
+    """Waits for a transfer, whatever its outcome (a pass that failed is being unwound)."""
+    try:
+        done.result()
+    except BaseException:  # noqa: BLE001  (the pass's first failure is the one raised)
+        pass
+
+
+def _close(reader: concurrent.futures.ThreadPoolExecutor,
+           writer: concurrent.futures.ThreadPoolExecutor, file: ScratchFile) -> None:
+    reader.shutdown(wait=True)
+    writer.shutdown(wait=True)
+    file.close()
+
+
+@contextlib.contextmanager
+def _quiet_read_only() -> Iterator[None]:
+    """Silences torch's warning that a buffer is not writable (a checkpoint only reads it)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        yield
