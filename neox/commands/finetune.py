@@ -187,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
             own = (Path(recipe.output.output_dir) / CHECKPOINTS).resolve()
             if resume != args.resume and args.resume.resolve() != own:
                 warn_incomplete(args.resume, log)
+        problem = recipe.loop.offload_problem(for_a_run=True)  # (a resume's flags merged)
+        if problem is not None:
+            raise UsageError(problem)
     except (UsageError, OutputDirError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -52,7 +52,9 @@ class Spec:
     checkpointing: bool = False  # TrainingArguments(activation_checkpointing=True), both
     fp16: bool = False        # TrainingArguments(fp16=True): zerocore's fp16 and loss scaling
     overflow: tuple[int, int] | None = None  # (rank, step): an inf gradient there
-    offload: tuple[bool, bool] | None = None  # shard_options' Offload(params=, optimizer=)
+    # shard_options' Offload(params=, optimizer=) (with optimizer "nvme": a scratch directory
+    # beside the output)
+    offload: tuple[bool | str, bool | str] | None = None
 
 
 def _model(mode: str) -> torch.nn.Module:
@@ -134,7 +136,12 @@ def sharded_run(rank: int, world_size: int, out: str, spec: Spec) -> dict:
     options = None
     if spec.offload is not None:
         params, optimizer = spec.offload
-        options = dict(offload=zerocore.Offload(params=params, optimizer=optimizer))
+        path = None
+        if optimizer == "nvme":
+            path = f"{out}-scratch"
+            os.makedirs(path, exist_ok=True)
+        options = dict(offload=zerocore.Offload(params=params, optimizer=optimizer, path=path,
+                                                pool_bytes=1 << 20))
     trainer = Overflowing(model=model, args=_args(out, world_size, spec),
                           train_dataset=_data(), eval_dataset=_data()[:EVAL_ROWS],
                           data_collator=transformers.default_data_collator,
@@ -172,10 +179,11 @@ def test_offload_through_shard_options_trains_bitwise_as_without(world, tmp_path
     # Parameter offload (alone: the optimizer on the device; and with the optimizer) through
     # shard_options: the same bits as the run without offload, losses, norms, evaluations
     # and trained weights (the frozen base weights then live on the host).
+    # With the optimizer on NVMe (and the parameters on the host): the same again.
     runs = {offload: world.run(sharded_run, str(tmp_path / str(offload)),
                                Spec(mode="lora", offload=offload), timeout=300)
-            for offload in (None, (True, False), (True, True))}
-    for offload in ((True, False), (True, True)):
+            for offload in (None, (True, False), (True, True), (True, "nvme"))}
+    for offload in ((True, False), (True, True), (True, "nvme")):
         for plain, got in zip(runs[None], runs[offload]):
             for key in ("losses", "norms", "evals", "skipped"):
                 assert got[key] == plain[key], (offload, key)
