@@ -126,7 +126,7 @@ class _NvmeLaunch:
 
     def run(self, hyper: dict[str, Any]) -> None:
         def step_chunk(chunk: Chunk, master: torch.Tensor, exp_avg: torch.Tensor,
-                       exp_avg_sq: torch.Tensor) -> None:
+                       exp_avg_sq: torch.Tensor, disk_copy: torch.Tensor | None) -> None:
             b, grad, runs = self._work[id(chunk.record)]
             lists: tuple[list[torch.Tensor], ...] = ([], [], [], [], [])
             lrs, wds = [], []
@@ -135,8 +135,10 @@ class _NvmeLaunch:
                 if a >= z:
                     continue
                 i, j = a - chunk.lo, z - chunk.lo
-                parts = (master[i:j], grad[a:z], exp_avg[i:j], exp_avg_sq[i:j],
-                         None if b.model_copy is None else b.model_copy[a:z])
+                # The model copy: in host memory, or on NVMe (this chunk's, in the pool).
+                copy = (b.model_copy[a:z] if b.model_copy is not None
+                        else None if disk_copy is None else disk_copy[i:j])
+                parts = (master[i:j], grad[a:z], exp_avg[i:j], exp_avg_sq[i:j], copy)
                 for out, part in zip(lists, parts):
                     if part is not None:
                         out.append(part)

@@ -91,7 +91,8 @@ OFFLOAD_DEVICES = ("cpu", "nvme")
 DEFAULT_POOL_BYTES = 256 * 2**20
 # The smallest pool: four chunk buffers (engine/nvme_store.py: one read ahead, one stepped, one
 # written, one spare), each holding a chunk of the three fp32 arrays Adam steps (master and two
-# moments), each array one 4096-byte block at least (what O_DIRECT transfers are aligned to).
+# moments), each array one 4096-byte block at least (what O_DIRECT transfers are aligned to);
+# with params="nvme" too, a fourth array, the model copy the step writes.
 MIN_POOL_BYTES = 4 * 3 * 4096
 
 
@@ -166,6 +167,11 @@ class Offload:
             if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
                 raise ValueError(f"Offload.path must be a directory's path, got {self.path!r}")
             object.__setattr__(self, "path", os.fspath(self.path))
+        if self.params == "nvme" and self.optimizer == "cpu":
+            raise ValueError("Offload(params='nvme', optimizer='cpu'): the 16-bit copies the "
+                             "host optimizer writes every step would go to NVMe while its "
+                             "fp32 masters, twice their size, stay in host memory; give "
+                             "optimizer='nvme' too (or params='cpu')")
         if self.nvme and self.path is None:
             raise ValueError("Offload: 'nvme' needs path=, the directory (on a local disk) to "
                              "keep the scratch files in")
@@ -173,14 +179,23 @@ class Offload:
             raise ValueError(f"Offload(path={self.path!r}) is where NVMe offload keeps its "
                              f"scratch; give optimizer='nvme' or params='nvme', or leave path "
                              f"out")
-        if type(self.pool_bytes) is not int or self.pool_bytes < MIN_POOL_BYTES:
-            raise ValueError(f"Offload.pool_bytes must be an int >= {MIN_POOL_BYTES} (four "
-                             f"chunk buffers of three 4 KiB blocks), got {self.pool_bytes!r}")
+        least = self.min_pool_bytes
+        if type(self.pool_bytes) is not int or self.pool_bytes < least:
+            raise ValueError(f"Offload.pool_bytes must be an int >= {least} (four chunk "
+                             f"buffers of {least // 4 // 4096} 4 KiB blocks), got "
+                             f"{self.pool_bytes!r}")
 
     @property
     def any(self) -> bool:
         """Whether anything lives off the device (a host arena is needed)."""
         return bool(self.optimizer or self.params)
+
+    @property
+    def min_pool_bytes(self) -> int:
+        """The smallest ``pool_bytes`` (``MIN_POOL_BYTES``, a third more when the step writes
+        model copies to NVMe too)."""
+        both = self.optimizer == "nvme" and self.params == "nvme"
+        return MIN_POOL_BYTES * 4 // 3 if both else MIN_POOL_BYTES
 
     @property
     def nvme(self) -> bool:

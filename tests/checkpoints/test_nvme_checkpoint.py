@@ -1,10 +1,11 @@
-"""Checkpoints of NVMe-offloaded runs (``Offload(optimizer="nvme")``): ordinary zerocore
-checkpoints, written from the scratch (mapped, array by array) and read back into it; the same
-tensors as a run in memory saves; resumed exactly, by an NVMe run or a run in memory, at the
-world size that saved them or another."""
+"""Checkpoints of NVMe-offloaded runs (``Offload(optimizer="nvme")``, with ``params="nvme"``
+too): ordinary zerocore checkpoints, written from the scratch (mapped, array by array) and read
+back into it; the same tensors as a run in memory saves (the frozen shards included); resumed
+exactly, by an NVMe run or a run in memory, at the world size that saved them or another."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import zerocore
@@ -17,12 +18,17 @@ SAVED_AT = 2
 
 
 def run(rank: int, world_size: int, nvme: str | None, steps: range, save: str | None = None,
-        resume: str | None = None) -> dict:
-    """Trains ``steps`` (from a checkpoint when ``resume``), optimizer on NVMe in ``nvme`` or in
-    memory (None); this rank's losses and the gradient norm of each step, exactly, and the
-    final parameters (every rank the same)."""
-    offload = (zerocore.Offload(optimizer="nvme", path=nvme, pool_bytes=MIN_POOL_BYTES)
-               if nvme else zerocore.Offload())
+        resume: str | None = None, params: bool = True) -> dict:
+    """Trains ``steps`` (from a checkpoint when ``resume``), optimizer on NVMe in ``nvme``
+    (and the parameter shards, with ``params``) or in memory (None); this rank's losses and
+    the gradient norm of each step, exactly, and the final parameters (every rank the same).
+    Saves with the frozen shards."""
+    offload = zerocore.Offload()
+    if nvme:
+        # A pool of two slots at least of the largest shard (the frozen embedding at one rank).
+        offload = zerocore.Offload(optimizer="nvme", params="nvme" if params else False,
+                                   path=nvme, pool_bytes=256 * 1024 if params
+                                   else MIN_POOL_BYTES)
     model = zerocore.shard(make_layers(SPEC), offload=offload,
                            mixed_precision=zerocore.MixedPrecision(SPEC.param_dtype))
     opt = zerocore.optim.AdamW(model.trainable_shards(), lr=LR, weight_decay=WEIGHT_DECAY)
@@ -36,7 +42,8 @@ def run(rank: int, world_size: int, nvme: str | None, steps: range, save: str | 
         opt.zero_grad()
     saved = None
     if save is not None:
-        saved = str(zerocore.save_checkpoint(save, steps.stop, model, opt, scaler=scaler))
+        saved = str(zerocore.save_checkpoint(save, steps.stop, model, opt, scaler=scaler,
+                                             include_frozen=True))
     full = {f"{i}.{n}": t for i, st in model.iter_full_states() for n, t in st.items()}
     return dict(steps=per_step, full=full, saved=saved)
 
@@ -45,30 +52,34 @@ def rank_file_layers(path: str, rank: int) -> dict:
     return torch.load(f"{path}/rank-{rank:05d}.pt", weights_only=True)["layers"]
 
 
-def test_an_nvme_checkpoint_holds_what_a_run_in_memory_saves(worlds, tmp_path):
+@pytest.mark.parametrize("params", [False, True], ids=["optimizer", "optimizer-and-params"])
+def test_an_nvme_checkpoint_holds_what_a_run_in_memory_saves(worlds, tmp_path, params):
     world = worlds(2)
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     memory = world.run(run, None, range(SAVED_AT), str(tmp_path / "memory"))[0]["saved"]
-    nvme = world.run(run, str(scratch), range(SAVED_AT), str(tmp_path / "nvme"))[0]["saved"]
+    nvme = world.run(run, str(scratch), range(SAVED_AT), str(tmp_path / "nvme"), None,
+                     params)[0]["saved"]
     for r in range(2):
         a, b = rank_file_layers(memory, r), rank_file_layers(nvme, r)
         assert a.keys() == b.keys()
         for index in a:
             assert a[index].keys() == b[index].keys()
             for key, value in a[index].items():
-                if isinstance(value, torch.Tensor):  # master, moments: exactly their bytes
+                if isinstance(value, torch.Tensor):  # master, moments, frozen: their bytes
                     assert torch.equal(value, b[index][key]), (index, key)
-                    assert b[index][key].untyped_storage().nbytes() == value.numel() * 4
+                    assert (b[index][key].untyped_storage().nbytes()
+                            == value.numel() * value.element_size())
                 else:
                     assert value == b[index][key], (index, key)
 
 
 def test_an_nvme_run_resumes_exactly_anywhere(worlds, tmp_path):
-    """Saved by 2 NVMe ranks after 2 steps, then: resumed by 2 NVMe ranks, bitwise the
-    uninterrupted run; resumed at 3 and 1 ranks, by NVMe and by runs in memory, bitwise each
-    other (a checkpoint resumed at another world size continues as one of a run in memory:
-    tests/checkpoints/test_checkpoint.py compares that with the uninterrupted run)."""
+    """Saved by 2 NVMe ranks (optimizer and parameters) after 2 steps, then: resumed by 2 NVMe
+    ranks, bitwise the uninterrupted run; resumed at 3 and 1 ranks, by NVMe and by runs in
+    memory, bitwise each other (a checkpoint resumed at another world size continues as one
+    of a run in memory: tests/checkpoints/test_checkpoint.py compares that with the
+    uninterrupted run)."""
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     whole = worlds(2).run(run, None, range(SPEC.steps))

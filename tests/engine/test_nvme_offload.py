@@ -32,13 +32,24 @@ from tests.support.toy_stack import LR, WEIGHT_DECAY, Spec, accumulate_step, tra
 WORLD_SIZES = [1, 2, 3]
 
 
+# With params="nvme" the pool holds two of the largest shard a gather reads at least (a block
+# of the toy transformer in fp32 at one rank: 50 kB); 256 KiB gives four slots there, and
+# chunks of 4,096 elements for the optimizer, so its shards are still stepped in several.
+PARAMS_POOL = 256 * 1024
+
+
 def offload_of(label: str, path: str) -> zerocore.Offload:
-    """The offloads compared: "none" (the reference), the optimizer on NVMe with the
-    parameters on the device, and with the parameter shards in host memory too."""
+    """The offloads compared: "none" (the reference); the optimizer on NVMe with the
+    parameters on the device, in host memory ("+params") or on NVMe too ("all"); the
+    parameters alone on NVMe, the optimizer on the device ("params")."""
     return {"none": zerocore.Offload(),
             "nvme": zerocore.Offload(optimizer="nvme", path=path, pool_bytes=MIN_POOL_BYTES),
             "nvme+params": zerocore.Offload(optimizer="nvme", params="cpu", path=path,
-                                            pool_bytes=MIN_POOL_BYTES)}[label]
+                                            pool_bytes=MIN_POOL_BYTES),
+            "all": zerocore.Offload(optimizer="nvme", params="nvme", path=path,
+                                    pool_bytes=PARAMS_POOL),
+            "params": zerocore.Offload(params="nvme", path=path,
+                                       pool_bytes=PARAMS_POOL)}[label]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +57,7 @@ class Case:
     spec: Spec
     doors: tuple[str, ...] = tuple(DOORS)
     policies: dict = dataclasses.field(default_factory=dict)
-    labels: tuple[str, ...] = ("nvme", "nvme+params")
+    labels: tuple[str, ...] = ("nvme", "nvme+params", "all", "params")
 
 
 # fp32 with accumulation and clipping (the model copy the kernel writes is fp32 here, the
@@ -54,22 +65,23 @@ class Case:
 # biases-only run: many small shards, one chunk each); a keep-gathered budget (40 kB keeps some
 # of the transformer's layers: tests/engine/test_front_doors.py).
 CASES = {
-    "mlp-fp32-micro2-clip": Case(Spec(model="mlp", steps=3, micro=2, max_norm=0.05)),
+    "mlp-fp32-micro2-clip": Case(Spec(model="mlp", steps=3, micro=2, max_norm=0.05),
+                                 labels=("nvme", "nvme+params", "all")),
     "transformer-bf16-frozen-embedding": Case(Spec(model="transformer", steps=3,
                                                    train="no_embedding",
                                                    param_dtype=torch.bfloat16)),
     "transformer-bf16-recompute": Case(Spec(model="transformer", steps=2,
                                             param_dtype=torch.bfloat16), ("shard",),
-                                       {"recompute": zerocore.Recompute()}, ("nvme",)),
+                                       {"recompute": zerocore.Recompute()}, ("nvme", "all")),
     "transformer-int8-biases": Case(Spec(model="transformer", steps=2, train="biases",
                                          param_dtype=torch.bfloat16), ("shard_model",),
                                     {"frozen_weights": zerocore.FrozenWeights("int8")},
-                                    ("nvme",)),
+                                    ("nvme", "params")),
     "transformer-keep-gathered-budget": Case(Spec(model="transformer", steps=2,
                                                   max_norm=0.05),
                                              ("shard",),
                                              {"prefetch": zerocore.Prefetch(
-                                                 keep_gathered=40_000)}, ("nvme+params",)),
+                                                 keep_gathered=40_000)}, ("nvme+params", "all")),
 }
 PAIRS = [(name, door) for name, case in sorted(CASES.items()) for door in case.doors]
 
@@ -86,15 +98,35 @@ def full_states(sharding) -> dict[str, torch.Tensor]:
 
 def train(rank: int, world_size: int, door: str, name: str, label: str, path: str) -> dict:
     case = CASES[name]
-    model, sharding = build(door, case, offload_of(label, path))
+    offload = offload_of(label, path)
+    model, sharding = build(door, case, offload)
     out = train_digest(model, case.spec, rank, world_size, final=full_states, sharding=sharding)
     store = sharding.ctx.store
     if store is not None:
         report = sharding.memory_report()
-        shards = [s.numel() for s in sharding.trainable_shards()]
+        groups = [g for layer in sharding.layers for g in layer.groups]
+        # What the scratch holds: each trainable shard's master and moments (fp32) when the
+        # optimizer is there, and its model copy (param dtype) with the parameters; each
+        # frozen shard's bytes with the parameters.
+        p_bytes = case.spec.param_dtype.itemsize
+        arrays = [(g.layout.shard_numel * 4, 3 if offload.optimizer == "nvme" else 0)
+                  for g in groups if g.trainable]
+        if offload.params == "nvme":
+            arrays += [(g.layout.shard_numel * p_bytes, 1) for g in groups
+                       if g.trainable and offload.optimizer]
+            arrays += [(g.shard.numel() * g.shard.element_size(), 1) for g in groups
+                       if not g.trainable]
+        # The frozen shards, and the copies with the optimizer, are in none of the memories.
+        in_memory = sum(g.memory_shard_bytes for g in groups
+                        if not g.trainable or offload.optimizer)
         out.update(entries=os.listdir(path), master_bytes=report.master_bytes,
                    nvme_bytes=report.nvme_bytes, store_size=store.size,
-                   arrays=3 * sum(shards) * 4, shards=len(shards))
+                   arrays=sum(n * k for n, k in arrays), count=sum(k for _, k in arrays),
+                   in_memory=in_memory, after_step=report.device_shard_bytes,
+                   staying=sum(g.layout.shard_numel * 4 for g in groups if g.trainable
+                               and not offload.optimizer
+                               and case.spec.param_dtype == torch.float32),
+                   reads=(store.reads_ahead, store.reads_waited))
     return out
 
 
@@ -102,16 +134,30 @@ def train(rank: int, world_size: int, door: str, name: str, label: str, path: st
 def test_nvme_trains_bitwise_as_in_memory(world, tmp_path, name, door):
     """Losses, gradient shards before every step, gradient norms, and the final weights read
     back from the scratch: the same bits as training in memory."""
+    case = CASES[name]
     plain = world.run(train, door, name, "none", str(tmp_path))
-    for label in CASES[name].labels:
+    for label in case.labels:
         for r, p in zip(world.run(train, door, name, label, str(tmp_path)), plain):
             assert r["digest"] == p["digest"], (label, r["digest"], p["digest"])
-            # The masters and moments are on the disk, none in memory; the scratch is unnamed
-            # (nothing to see in its directory, nothing to leave behind).
-            assert r["master_bytes"] == 0 and r["nvme_bytes"] == r["store_size"], r
+            # The masters and moments are on the disk, none in memory, and with params="nvme"
+            # the shards the gathers read; the scratch is unnamed (nothing to see in its
+            # directory, nothing to leave behind).
+            assert (r["master_bytes"] == 0) == (label != "params"), r
+            assert r["nvme_bytes"] == r["store_size"], r
             # Each array in whole 4 KiB blocks: less than a block more per array.
-            assert r["arrays"] <= r["nvme_bytes"] < r["arrays"] + 3 * 4096 * r["shards"], r
+            assert r["arrays"] <= r["nvme_bytes"] <= r["arrays"] + 4095 * r["count"], r
             assert r["entries"] == [], r["entries"]
+            if label in ("all", "params"):
+                assert r["in_memory"] == 0, r
+                # After a step nothing of a shard is on the (stand-in) device, but the fp32
+                # masters the optimizer on the device computes with (params="nvme" alone).
+                assert r["after_step"] == r["staying"], r
+            if label == "all":
+                # Past the first step (and the first two reads of each next, which learn what
+                # follows the last backward), the gathers find their shards read ahead.
+                ahead, waited = r["reads"]
+                steps = case.spec.steps
+                assert waited <= (ahead + waited) // steps + 2 * (steps - 1), r["reads"]
     assert os.listdir(tmp_path) == []
 
 
@@ -237,7 +283,9 @@ POOL = 1 << 20
 
 def stack_offload(label: str, path: str) -> zerocore.Offload:
     return {"cpu": zerocore.Offload(optimizer=True),
-            "nvme": zerocore.Offload(optimizer="nvme", path=path, pool_bytes=POOL)}[label]
+            "nvme": zerocore.Offload(optimizer="nvme", path=path, pool_bytes=POOL),
+            "all": zerocore.Offload(optimizer="nvme", params="nvme", path=path,
+                                    pool_bytes=POOL)}[label]
 
 
 def measure_stack(rank: int, world_size: int, label: str, path: str) -> dict:
@@ -265,9 +313,9 @@ PLAN_TOL = 0.02
 
 def test_the_plan_shows_the_pool_and_the_scratch_and_matches_the_measured_peak(worlds,
                                                                                tmp_path):
-    plans = {label: planned(label, 2, "cpu", str(tmp_path)) for label in ("cpu", "nvme")}
-    measured = {label: worlds(2).run(measure_stack, label, str(tmp_path))
-                for label in ("cpu", "nvme")}
+    labels = ("cpu", "nvme", "all")
+    plans = {label: planned(label, 2, "cpu", str(tmp_path)) for label in labels}
+    measured = {label: worlds(2).run(measure_stack, label, str(tmp_path)) for label in labels}
     for label, plan in plans.items():
         got = min(r["peak"] for r in measured[label])
         assert abs(plan.device_peak / got - 1) < PLAN_TOL, (label, plan.device_peak, got,
@@ -285,7 +333,39 @@ def test_the_plan_shows_the_pool_and_the_scratch_and_matches_the_measured_peak(w
     assert cpu.device_peak - nvme.device_peak == pytest.approx(
         cpu.state.masters + cpu.state.optimizer - POOL, rel=0.01)
     # On a GPU machine they leave the host: its peak falls by as much.
-    gpu = {label: planned(label, 2, "cuda", str(tmp_path)) for label in ("cpu", "nvme")}
+    gpu = {label: planned(label, 2, "cuda", str(tmp_path)) for label in labels}
     assert gpu["cpu"].host_peak - gpu["nvme"].host_peak == pytest.approx(
         cpu.state.masters + cpu.state.optimizer - POOL, rel=0.01)
+    # With the parameters there too, the model copies leave it as well (none are frozen here).
+    every = plans["all"]
+    assert every.state.trainable_params == 0 and every.state.nvme == measured["all"][0]["nvme"]
+    # (each copy's region rounded up to whole 4 KiB blocks: at most a block more per layer)
+    copies = every.state.nvme - nvme.state.nvme
+    assert 0 <= copies - nvme.state.trainable_params < 4096 * len(layer_stack("meta")), copies
+    assert gpu["nvme"].host_peak - gpu["all"].host_peak == pytest.approx(
+        nvme.state.trainable_params, rel=0.01)
     assert os.listdir(tmp_path) == []
+
+
+def build_with_a_pool(rank: int, world_size: int, path: str, pool: int) -> tuple[str, str]:
+    """The plan's stack (its embedding's shard: 64 kB in bf16 at two ranks) with a pool of
+    ``pool`` bytes; what was raised."""
+    try:
+        zerocore.shard(layer_stack(), mixed_precision=zerocore.MixedPrecision(torch.bfloat16),
+                       offload=zerocore.Offload(optimizer="nvme", params="nvme", path=path,
+                                                pool_bytes=pool))
+    except ValueError as e:
+        return type(e).__name__, str(e)
+    return "", ""
+
+
+def test_a_pool_too_small_for_two_shards_is_refused_saying_how_large(worlds, tmp_path):
+    """With params="nvme" the pool holds two of the largest shard a gather reads at least:
+    a smaller one is refused, the same on every rank (the shards and the pool are), naming
+    the size it needs."""
+    least = zerocore.Offload(optimizer="nvme", params="nvme", path=str(tmp_path)).min_pool_bytes
+    got = worlds(2).run(build_with_a_pool, str(tmp_path), least)
+    assert got[0] == got[1] and got[0][0] == "ValueError", got
+    assert "with params='nvme' the pool holds at least 2 of the largest shard" in got[0][1]
+    needed = int(got[0][1].rsplit(">= ", 1)[1])
+    assert worlds(2).run(build_with_a_pool, str(tmp_path), needed) == [("", ""), ("", "")]

@@ -56,7 +56,8 @@ def test_values_round_trip_and_a_pass_steps_every_chunk_once(tmp_path, direct):
     # A pass: each chunk's arrays arrive as stored, are changed in place, and are stored back.
     seen = []
 
-    def step(chunk, master, exp_avg, exp_avg_sq):
+    def step(chunk, master, exp_avg, exp_avg_sq, copy):
+        assert copy is None  # (no model copies in this store)
         i = records.index(chunk.record)
         for a, v in zip((master, exp_avg, exp_avg_sq), want[i]):
             assert torch.equal(a, v[chunk.lo:chunk.hi])
@@ -113,7 +114,7 @@ def test_a_pass_reads_ahead_and_writes_behind_while_it_steps(tmp_path):
     file.region_bytes = record.master.span
     file.gated = True
 
-    def step(chunk, master, exp_avg, exp_avg_sq):
+    def step(chunk, master, exp_avg, exp_avg_sq, copy):
         starts[chunk.lo // store.chunk_numel].set()
 
     store.stream(store.chunks(record), step)
@@ -162,6 +163,51 @@ def test_a_failed_write_ends_the_pass_with_nothing_in_flight(tmp_path):
     # The third chunk's write failed (three arrays each): the pass stopped there, having
     # stepped at most the chunks read ahead, and no transfer was under way when it raised.
     assert 3 <= len(stepped) < 8 and file.active == 0, (stepped, file.active)
+
+
+def test_a_step_writes_the_model_copies_it_is_given(tmp_path):
+    """With params="nvme" a record holds its model copy too: a pass hands ``step`` the
+    chunk's copy (not read: the step writes all of it) and writes it back with the rest."""
+    store = NvmeStore(ScratchFile(str(tmp_path)), pool(4 * MIN_POOL_BYTES // 3),
+                      group=dist.GroupMember.WORLD, device=torch.device("cpu"), copies=True)
+    record = store.add_adam(2500, "a test's arrays", copy_dtype=torch.bfloat16)
+    record.write("master", torch.linspace(-1, 1, 2500))
+
+    def step(chunk, master, exp_avg, exp_avg_sq, copy):
+        assert copy.dtype == torch.bfloat16 and copy.numel() == master.numel()
+        copy.copy_(master * 3)
+    store.stream(store.chunks(record), step)
+    assert len(store.chunks(record)) > 1
+    assert torch.equal(store.read_values(record.copy),
+                       (torch.linspace(-1, 1, 2500) * 3).to(torch.bfloat16))
+
+
+def test_the_gathers_reads_are_read_ahead_in_the_order_they_came_last_time(tmp_path):
+    """``window_source``: each region's values, read when asked the first time round; from
+    the second, the regions that followed the last two reads are on their way before they
+    are asked for (a forward's order, then a backward's, where a layer read twice is
+    followed by another each time)."""
+    store = store_in(tmp_path)
+    regions = []
+    for i in range(4):
+        region = store.add_region(1000 + i, torch.bfloat16, "a test's shard")
+        store.write_values(region, torch.full((1000 + i,), float(i)))
+        regions.append(region)
+    store.use_slots(max(r.span for r in regions))
+    order = [0, 1, 2, 3, 2, 1]   # forward 0..3, backward 2, 1 (3 kept, 0 has none)
+    for step in range(4):
+        for i in order:
+            values, slot = store.window_source(regions[i])
+            assert torch.equal(values, torch.full((1000 + i,), float(i), dtype=torch.bfloat16))
+            store.window_copied(slot, None)
+        if step == 0:
+            assert (store.reads_ahead, store.reads_waited) == (0, len(order))
+    # The first step read everything when asked, the second learnt what follows its end (its
+    # first two reads), every later one found everything read ahead.
+    assert store.reads_waited == len(order) + 2, (store.reads_ahead, store.reads_waited)
+    assert store.reads_ahead == 4 * len(order) - store.reads_waited
+    with pytest.raises(ValueError, match=r"\(28,672 bytes each here.*give pool_bytes >= 57344"):
+        store.use_slots(24 * 1024 + 1)
 
 
 def test_the_file_has_no_name_and_its_space_goes_with_it(tmp_path):

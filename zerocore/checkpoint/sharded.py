@@ -203,7 +203,8 @@ def _rank_payload(model: Sharding, optimizer: torch.optim.Optimizer,
                                   else torch.zeros_like(entry["master"]))
             entry["step"] = float(state["step"]) if "step" in state else 0.0
         if include_frozen and layer.frozen is not None:
-            entry["frozen"] = _alone(layer.frozen.shard)  # 1D, param_dtype, shard_numel
+            # 1D, param_dtype, shard_numel; on NVMe, mapped from the scratch
+            entry["frozen"] = _alone(layer.frozen.saved_values())
         layers[layer.index] = entry
     return {"identity": identity, "layers": layers, "rng": _rng_state(model.device)}
 

@@ -2,20 +2,29 @@
 ZeRO-Infinity): where each array lives in the rank's scratch file (engine/scratch_file.py), and
 the pipeline that moves it through a bounded pool of host buffers.
 
-Layout. Arrays are laid end to end in the scratch file, each starting on a 4 KiB block: for each
-trainable shard, in the order the layers are built, its fp32 master, then its two Adam moments
-(an ``AdamRecord``), each contiguous. A shard is stepped in chunks of ``chunk_numel`` elements
-(a whole number of blocks of fp32), chunk k of a shard being elements ``[k·C, (k+1)·C)`` of its
-three arrays.
+Layout. Arrays are laid end to end in the scratch file, each starting on a 4 KiB block, in the
+order the layers are built: for each trainable shard its fp32 master, then its two Adam moments,
+then with ``Offload(params="nvme")`` its model copy in the param dtype (an ``AdamRecord``); for
+each frozen shard with ``params="nvme"`` its values (int8 ones as their bytes), each contiguous.
+A shard is stepped in chunks of ``chunk_numel`` elements (a whole number of blocks of fp32),
+chunk k of a shard being elements ``[k·C, (k+1)·C)`` of each of its arrays.
 
-The pool: ``BUFFERS`` buffers carved from the host arena (pinned with it on a GPU machine;
-page-aligned, what direct I/O needs), each holding one chunk of the three arrays. ``stream``
-runs a pass over chunks: the reader thread fills buffers ahead, the caller steps chunk k on the
-calling thread while chunk k+1 (and k+2) is read and chunk k-1 written by the writer thread; a
-buffer is read into again only once its write is done. One reader and one writer, each issuing
-one transfer per array of a chunk (megabytes each: the disk sees long sequential requests, and
-the two directions overlap). The host memory the masters and moments take is the pool, whatever
-the model's size.
+The pool: host memory carved from the host arena (pinned with it on a GPU machine; page-aligned,
+what direct I/O needs), used one way at a time:
+- by the optimizer's step, as ``BUFFERS`` chunk buffers, each holding one chunk of a record's
+  arrays. ``stream`` runs a pass over chunks: the reader thread fills buffers ahead, the caller
+  steps chunk k on the calling thread while chunk k+1 (and k+2) is read and chunk k-1 written by
+  the writer thread; a buffer is read into again only once its write is done. One reader and
+  one writer, each issuing one transfer per array of a chunk (megabytes each: the disk sees long
+  sequential requests, and the two directions overlap).
+- by the gathers of forward and backward (``params="nvme"``), as slots of the largest shard a
+  gather reads: ``window_source`` reads a shard into a slot, from which the gather's window is
+  copied (on a GPU, uploaded). Each read also starts, on the reader thread, the reads of the
+  shards that followed it the last time (the gathers run in the same order every step: the
+  forward's, then the backward's), as many as there are other slots, so a layer's shards are
+  on their way while the layers before it compute: the read-ahead rides the prefetch schedule,
+  a layer or two ahead of its gathers.
+The host memory the offloaded state takes is the pool, whatever the model's size.
 
 A failed read or write (a disk that fills, an I/O error) ends the pass once every transfer in
 flight is done, raising ``NvmeIOError`` saying what failed and what to do: after a failed write
@@ -34,6 +43,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import threading
 import warnings
 import weakref
 from typing import Callable, Iterable, Iterator
@@ -51,6 +61,9 @@ log = logging.getLogger(__name__)
 # so that a read of the chunk after next can start while a write is still in flight.
 BUFFERS = 4
 _FP32 = torch.float32
+# The slots the gathers' reads need at least: one being copied into a window, one being read
+# ahead.
+MIN_SLOTS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,18 +91,21 @@ ADAM_KEYS = ("master", "exp_avg", "exp_avg_sq")
 @dataclasses.dataclass(frozen=True, eq=False)
 class AdamRecord:
     """One trainable shard's fp32 master and Adam moments in its store's scratch file (what an
-    NVMe shard's ``.nvme`` is)."""
+    NVMe shard's ``.nvme`` is), and with ``params="nvme"`` its model copy (the gathers' input,
+    which the step writes)."""
 
     master: Region
     exp_avg: Region
     exp_avg_sq: Region
     store: "NvmeStore"
+    copy: Region | None = None
 
     @property
     def numel(self) -> int:
         return self.master.numel
 
     def regions(self) -> tuple[Region, Region, Region]:
+        """The arrays a step reads."""
         return self.master, self.exp_avg, self.exp_avg_sq
 
     def read(self, key: str) -> torch.Tensor:
@@ -132,18 +148,35 @@ class NvmeStore:
     the sharding (its group context); its file and threads go with it."""
 
     def __init__(self, file: ScratchFile | None, pool: torch.Tensor, *,
-                 group: dist.ProcessGroup, device: torch.device):
+                 group: dist.ProcessGroup, device: torch.device, copies: bool = False):
         """file: the rank's scratch (None in a plan's rehearsal: nothing is moved). pool: 1-D
         uint8 host memory, page-aligned, split into ``BUFFERS`` chunk buffers. group, device:
-        where a pass's failure is agreed (every rank of the sharding steps together)."""
+        where a pass's failure is agreed (every rank of the sharding steps together). copies:
+        the records hold model copies too (``params="nvme"``): a fourth array per chunk."""
         self.file = file
         self.path = file.directory if file is not None else None
         self.pool = pool
         per_buffer = pool.numel() // BUFFERS // BLOCK * BLOCK
-        # Elements of each of a chunk's three fp32 arrays: a whole number of blocks each.
-        self.chunk_numel = per_buffer // 3 // BLOCK * BLOCK // _FP32.itemsize
+        self._arrays_per_chunk = 4 if copies else 3
+        # Elements of each of a chunk's arrays (spans of fp32: a whole number of blocks each).
+        self.chunk_numel = (per_buffer // self._arrays_per_chunk // BLOCK * BLOCK
+                            // _FP32.itemsize)
         assert self.chunk_numel > 0, "the pool is smaller than Offload's minimum"
         self._buffers = [pool[i * per_buffer:(i + 1) * per_buffer] for i in range(BUFFERS)]
+        # The gathers' reads (``params="nvme"``): slots of ``slot_bytes`` each (``use_slots``),
+        # what each region read was followed by the last time, and the reads ahead in flight.
+        self.slot_bytes = 0
+        self._slots: list[torch.Tensor] = []
+        self._slot_busy: list[object | None] = []   # a slot's last upload (a CUDA event)
+        # What the gathers read after each two reads the last time (by the regions' offsets:
+        # two, as a layer read in forward and again in backward is followed by different
+        # ones), and the last two reads.
+        self._next: dict[tuple[int, int], Region] = {}
+        self._last: tuple[int, int] = (-1, -1)
+        # offset -> (slot, its read), in the order they were started
+        self._ahead: dict[int, tuple[int, concurrent.futures.Future]] = {}
+        # The gathers' reads so far: found read ahead, or read when asked for.
+        self.reads_ahead = self.reads_waited = 0
         self.size = 0          # bytes of the file's arrays (the planned size in a rehearsal)
         # The records (by id) whose moments were written (stepped, or loaded): no longer the
         # zeros a new optimizer starts from (``fresh_moments``).
@@ -176,10 +209,13 @@ class NvmeStore:
         self.size = offset + span
         return Region(offset, numel, dtype)
 
-    def add_adam(self, numel: int, what: str) -> AdamRecord:
+    def add_adam(self, numel: int, what: str,
+                 copy_dtype: torch.dtype | None = None) -> AdamRecord:
         """A trainable shard's master and moments (the moments read as zeros: reserved blocks
-        never written are zeros)."""
-        return AdamRecord(*(self.add_region(numel, _FP32, what) for _ in range(3)), store=self)
+        never written are zeros), and its model copy in ``copy_dtype`` if given."""
+        arrays = [self.add_region(numel, _FP32, what) for _ in range(3)]
+        copy = self.add_region(numel, copy_dtype, what) if copy_dtype is not None else None
+        return AdamRecord(*arrays, store=self, copy=copy)
 
     # -- whole arrays, outside a step ----------------------------------------------------------
 
@@ -189,6 +225,7 @@ class NvmeStore:
         assert values.numel() == region.numel
         if self.file is None:
             return
+        self._drop_reads_ahead()  # (they use the pool, and may be of this region)
         buffer = self._buffers[0]
         step = buffer.numel() // region.dtype.itemsize
         flat = values.reshape(-1)
@@ -205,6 +242,7 @@ class NvmeStore:
             out = torch.empty(region.numel, dtype=region.dtype)
         if self.file is None:
             return out
+        self._drop_reads_ahead()
         buffer = self._buffers[0]
         step = buffer.numel() // region.dtype.itemsize
         for lo in range(0, region.numel, step):
@@ -229,6 +267,7 @@ class NvmeStore:
         """``region`` <- zeros."""
         if self.file is None:
             return
+        self._drop_reads_ahead()
         buffer = self._buffers[0]
         buffer.zero_()
         for lo in range(0, region.span, buffer.numel()):
@@ -250,14 +289,17 @@ class NvmeStore:
         return [Chunk(record, lo, min(lo + c, n)) for lo in range(0, n, c)]
 
     def stream(self, chunks: Iterable[Chunk],
-               step: Callable[[Chunk, torch.Tensor, torch.Tensor, torch.Tensor], None]) -> None:
-        """``step(chunk, master, exp_avg, exp_avg_sq)`` for each chunk in order, on this thread,
-        each array a 1-D fp32 view of the chunk's values in a pool buffer, which ``step``
-        updates in place; each chunk is written back after its step. Reads run ahead on the
-        reader thread and writes behind on the writer thread (the module's docstring).
-        NvmeIOError when a transfer fails, once none is in flight."""
+               step: Callable[[Chunk, torch.Tensor, torch.Tensor, torch.Tensor,
+                               torch.Tensor | None], None]) -> None:
+        """``step(chunk, master, exp_avg, exp_avg_sq, copy)`` for each chunk in order, on this
+        thread, each array a 1-D view of the chunk's values in a pool buffer (fp32; ``copy``,
+        the model copy's chunk in the param dtype, unread, for ``step`` to write, or None when
+        the record has none), which ``step`` updates in place; each chunk is written back after
+        its step. Reads run ahead on the reader thread and writes behind on the writer thread
+        (the module's docstring). NvmeIOError when a transfer fails, once none is in flight."""
         chunks = list(chunks)
         self.moments_written.update(id(c.record) for c in chunks)
+        self._drop_reads_ahead()  # (the pool is the chunks' now; copies are rewritten)
         free = list(range(BUFFERS))
         reads: collections.deque = collections.deque()    # (chunk, buffer, future), in order
         writes: collections.deque = collections.deque()   # (buffer, future), in order
@@ -287,6 +329,7 @@ class NvmeStore:
             while writes:
                 buffer, done = writes.popleft()
                 done.result()
+            self._new_step()
         except BaseException as e:
             failure = e
         finally:
@@ -297,6 +340,111 @@ class NvmeStore:
                 _settle(done)
         if failure is not None:
             raise failure
+
+    # -- the gathers' reads (params="nvme") ----------------------------------------------------
+
+    def use_slots(self, largest: int) -> None:
+        """Splits the pool into slots of ``largest`` bytes (the largest shard a gather reads,
+        whole blocks), for ``window_source``. ValueError, saying how large the pool must be,
+        when fewer than ``MIN_SLOTS`` fit."""
+        if largest == 0:
+            return  # nothing read by the gathers (no frozen shard, nothing trainable here)
+        slot = round_up(largest)
+        count = self.pool.numel() // slot
+        if count < MIN_SLOTS:
+            raise ValueError(
+                f"Offload(pool_bytes={self.pool.numel()}): with params='nvme' the pool holds "
+                f"at least {MIN_SLOTS} of the largest shard a gather reads ({slot:,} bytes "
+                f"each here: one copied for its gather while the next is read); give "
+                f"pool_bytes >= {MIN_SLOTS * slot}")
+        self.slot_bytes = slot
+        self._slots = [self.pool[i * slot:(i + 1) * slot] for i in range(count)]
+        self._slot_busy = [None] * count
+
+    def window_source(self, region: Region) -> tuple[torch.Tensor, int]:
+        """``region``'s values (a view of a pool slot) for a gather's window, and the slot.
+        Read ahead already when it followed the last two reads the same way before (then only
+        waited for), else read now; either way the regions that followed it (and the read
+        before it) last time are then started, into the other slots. Call ``window_copied``
+        once the window is made."""
+        if self._last[1] >= 0:
+            self._next[self._last] = region
+        self._last = (self._last[1], region.offset)
+        ahead = self._ahead.pop(region.offset, None)
+        if ahead is None:
+            slot = self._free_slot()
+            self._fill(region, slot)
+            self.reads_waited += 1
+        else:
+            slot, done = ahead
+            done.result()
+            self.reads_ahead += 1
+        self._read_ahead(slot)
+        return self._slot_view(region, slot), slot
+
+    def window_copied(self, slot: int, upload: object | None) -> None:
+        """The window was made from ``slot`` (on a GPU: by an upload still running, whose event
+        ``upload`` is; the slot is read into again only once it has completed)."""
+        self._slot_busy[slot] = upload
+
+    def _slot_view(self, region: Region, slot: int) -> torch.Tensor:
+        return self._slots[slot][:region.nbytes].view(region.dtype)
+
+    def _free_slot(self, taken: set[int] = frozenset()) -> int:
+        """A slot no read ahead holds (and not in ``taken``); dropping the oldest read ahead
+        when all do."""
+        held = {s for s, _ in self._ahead.values()} | set(taken)
+        free = [s for s in range(len(self._slots)) if s not in held]
+        if free:
+            return free[0]
+        oldest = next(iter(self._ahead))
+        slot, done = self._ahead.pop(oldest)
+        _settle(done)
+        return slot
+
+    def _fill(self, region: Region, slot: int) -> None:
+        """Reads ``region`` into ``slot`` on this thread."""
+        self._wait_upload(slot)
+        if self.file is not None:
+            self._io("reading", self.file.read, region.offset,
+                     self._slots[slot][:region.span])
+
+    def _read_ahead(self, current: int | None) -> None:
+        """Starts the reads of the regions that followed the last two reads last time (and
+        those after them, each once), in that order, into the slots other than ``current``
+        (None: any), as many as there are."""
+        last, seen = self._last, set()
+        taken = set() if current is None else {current}
+        nxt = self._next.get(last)
+        while nxt is not None and nxt.offset not in seen and len(taken) < len(self._slots):
+            seen.add(nxt.offset)
+            if nxt.offset not in self._ahead:
+                slot = self._free_slot(taken)
+                self._ahead[nxt.offset] = (slot, self._submit(self._reader, self._fill, nxt,
+                                                              slot))
+            taken.add(self._ahead[nxt.offset][0])
+            last = (last[1], nxt.offset)
+            nxt = self._next.get(last)
+
+    def _new_step(self) -> None:
+        """The optimizer's pass is over: the next step's first reads are started at once
+        (after it: the copies they read are the pass's)."""
+        if self._slots:
+            self._read_ahead(None)
+
+    def _wait_upload(self, slot: int) -> None:
+        busy, self._slot_busy[slot] = self._slot_busy[slot], None
+        if busy is not None:
+            busy.synchronize()
+
+    def _drop_reads_ahead(self) -> None:
+        """Waits for the reads ahead in flight and forgets them: the pool is about to be used
+        another way, or the regions written."""
+        ahead, self._ahead = self._ahead, {}
+        for _, done in ahead.values():
+            _settle(done)
+        for slot in range(len(self._slots)):
+            self._wait_upload(slot)
 
     def agreed(self, fn: Callable[[], None]) -> None:
         """``fn()`` (a pass), its failure raised on every rank of the sharding: the lowest rank
@@ -310,28 +458,34 @@ class NvmeStore:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _arrays(self, chunk: Chunk, buffer: int) -> tuple[torch.Tensor, ...]:
-        """The chunk's three arrays (fp32 views) in pool buffer ``buffer``."""
+    def _parts(self, chunk: Chunk, buffer: int) -> list[tuple[Region, torch.Tensor]]:
+        """Each of the chunk's arrays (the model copy last, if any) and its bytes in pool
+        buffer ``buffer`` (whole blocks: what is transferred)."""
         n = chunk.hi - chunk.lo
         span = round_up(n * _FP32.itemsize)
         base = self._buffers[buffer]
-        return tuple(base[i * span:i * span + n * _FP32.itemsize].view(_FP32)
-                     for i in range(3))
+        regions = list(chunk.record.regions())
+        if chunk.record.copy is not None:
+            regions.append(chunk.record.copy)
+        return [(region, base[i * span:i * span + round_up(n * region.dtype.itemsize)])
+                for i, region in enumerate(regions)]
 
-    def _transfers(self, chunk: Chunk, buffer: int):
+    def _arrays(self, chunk: Chunk, buffer: int) -> tuple[torch.Tensor | None, ...]:
+        """The chunk's master, moments and model copy (None: none) in pool buffer ``buffer``."""
         n = chunk.hi - chunk.lo
-        span = round_up(n * _FP32.itemsize)
-        base = self._buffers[buffer]
-        for i, region in enumerate(chunk.record.regions()):
-            yield region.offset + chunk.lo * _FP32.itemsize, base[i * span:(i + 1) * span]
+        views = [part[:n * region.dtype.itemsize].view(region.dtype)
+                 for region, part in self._parts(chunk, buffer)]
+        return (*views, None) if len(views) == 3 else tuple(views)
 
     def _read(self, chunk: Chunk, buffer: int) -> None:
-        for offset, part in self._transfers(chunk, buffer):
-            self._io("reading", self.file.read, offset, part)
+        for region, part in self._parts(chunk, buffer)[:3]:  # (a copy is written, not read)
+            self._io("reading", self.file.read,
+                     region.offset + chunk.lo * region.dtype.itemsize, part)
 
     def _write(self, chunk: Chunk, buffer: int) -> None:
-        for offset, part in self._transfers(chunk, buffer):
-            self._io("writing", self.file.write, offset, part)
+        for region, part in self._parts(chunk, buffer):
+            self._io("writing", self.file.write,
+                     region.offset + chunk.lo * region.dtype.itemsize, part)
 
     def _submit(self, pool, fn, *args) -> concurrent.futures.Future:
         if pool is None:  # a rehearsal: nothing moves
@@ -365,8 +519,12 @@ def _settle(done: concurrent.futures.Future) -> None:
 
 def _close(reader: concurrent.futures.ThreadPoolExecutor,
            writer: concurrent.futures.ThreadPoolExecutor, file: ScratchFile) -> None:
-    reader.shutdown(wait=True)
-    writer.shutdown(wait=True)
+    """The store's end: its threads, then its file. Every write was waited for by its pass; a
+    read ahead still running is waited for too, unless the store ends on one of its own
+    threads (a collection of the garbage may run there), which cannot wait for itself."""
+    own = threading.current_thread() in set(reader._threads) | set(writer._threads)
+    for pool in (reader, writer):
+        pool.shutdown(wait=not own, cancel_futures=True)
     file.close()
 
 

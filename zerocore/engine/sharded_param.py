@@ -104,12 +104,12 @@ def is_nvme(p: torch.Tensor) -> bool:
     return getattr(p, "nvme", None) is not None
 
 
-def placeholder(numel: int) -> torch.Tensor:
-    """What an NVMe shard's tensor is: ``numel`` fp32 zeros that take four bytes (one element,
-    expanded), so that the parameter keeps its shape (its ``.grad`` is a real gradient shard)
-    and its memory is not the master's; an in-place write to it (another optimizer, a
+def placeholder(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """What a shard on NVMe is as a tensor: ``numel`` zeros that take one element (expanded),
+    so that the parameter keeps its shape (a trainable one's ``.grad`` is a real gradient
+    shard) and its memory is not its values'; an in-place write to it (another optimizer, a
     ``copy_``) fails loudly instead of changing nothing."""
-    return torch.zeros((), dtype=torch.float32).expand(numel)
+    return torch.zeros((), dtype=dtype).expand(numel)
 
 
 def set_layout(p: torch.nn.Parameter, slots: list[tuple[str, int, int]], lo: int) -> None:
@@ -172,8 +172,11 @@ def set_master(p: torch.nn.Parameter, values: torch.Tensor) -> None:
             p.copy_(values)
             return
         p.nvme.write("master", values)
-        wait_for_device(p)  # the copy is about to be written: the device may read it
-        p.model_copy.copy_(values)
+        if p.nvme.copy is not None:  # the model copy on NVMe too (Offload(params="nvme"))
+            p.nvme.store.write_values(p.nvme.copy, values.to(p.nvme.copy.dtype))
+        else:
+            wait_for_device(p)  # the copy is about to be written: the device may read it
+            p.model_copy.copy_(values)
         mark_model_copy_synced(p)
 
 

@@ -143,7 +143,8 @@ def build_context(mesh: Mesh, device: torch.device,
         peers, ways, kind, watch = None, rehearsal.ways, rehearsal.device_kind, rehearsal.watch
         if offload.nvme:  # the pool, fake; no file
             store = NvmeStore(None, torch.empty(offload.pool_bytes, dtype=torch.uint8),
-                              group=mesh.whole, device=device)
+                              group=mesh.whole, device=device,
+                              copies=offload.params == "nvme")
     else:
         if offload.any:
             arena = HostArena(pin=device.type == "cuda")
@@ -166,7 +167,8 @@ def build_context(mesh: Mesh, device: torch.device,
                         int8_block=frozen_weights.int8_block, peers=peers, comm=comm,
                         host_threads=host_threads, ways=ways, device_kind=kind, watch=watch,
                         arena=arena, replicas=replicas, store=store,
-                        nvme_optimizer=offload.optimizer == "nvme")
+                        nvme_optimizer=offload.optimizer == "nvme",
+                        nvme_params=offload.params == "nvme")
 
 
 def open_store(offload: Offload, arena: HostArena, mesh: Mesh,
@@ -180,7 +182,8 @@ def open_store(offload: Offload, arena: HostArena, mesh: Mesh,
     direct = (all_gather_objects(scratch.direct, mesh.whole, channel)
               if mesh.whole.size() > 1 else [scratch.direct])
     pool = arena.take(offload.pool_bytes, torch.uint8, align=BLOCK)
-    store = NvmeStore(scratch, pool, group=mesh.whole, device=device)
+    store = NvmeStore(scratch, pool, group=mesh.whole, device=device,
+                      copies=offload.params == "nvme")
     if mesh.whole.rank() == 0:
         buffered = [r for r, d in enumerate(direct) if not d]
         how = ("direct I/O (O_DIRECT)" if not buffered else
@@ -209,10 +212,11 @@ def memory_report_of(layers: list[ShardedLayer], rank: int, world_size: int,
             shard = g.shard
             if g.trainable:
                 trainable_numel += g.layout.numel
-                if is_shard(shard) and shard.model_copy is not None:
+                if is_nvme(shard):  # the master on NVMe (``nvme_bytes``), the copy there too?
+                    param += g.memory_shard_bytes
+                elif is_shard(shard) and shard.model_copy is not None:
                     param += shard.model_copy.numel() * shard.model_copy.element_size()
-                    if not is_nvme(shard):  # else the master is on NVMe (``nvme_bytes``)
-                        master += shard.numel() * 4
+                    master += shard.numel() * 4
                 elif p_bytes != 4:
                     master += shard.numel() * 4  # Offload(params) alone: no 16-bit copy kept
                 else:
@@ -226,7 +230,7 @@ def memory_report_of(layers: list[ShardedLayer], rank: int, world_size: int,
                             opt += t.numel() * t.element_size()
             else:
                 frozen_numel += g.layout.numel
-                param += shard.numel() * shard.element_size()
+                param += g.memory_shard_bytes
     n = world_size
     k = 8 if p_bytes == 4 else 12  # Adam moments, plus an fp32 master when computing in 16 bit
     predicted = ((p_bytes + p_bytes + k) * trainable_numel
@@ -373,6 +377,12 @@ class Sharding:
         ``recomputable``: as ``Schedule.of`` takes it."""
         self.schedule = Schedule.of(self.prefetch, self.recompute,
                                     [l.gathered_size for l in layers], recomputable)
+        if self.ctx.nvme_params:
+            # The gathers read their shards through the pool: slots of the largest (the same
+            # on every rank: the shards are equal, so is the pool: refused alike, if it is).
+            self.ctx.store.use_slots(max((g.disk_region.span for l in layers
+                                          for g in l.groups if g.disk_region is not None),
+                                         default=0))
         for layer in layers:
             layer.recompute = layer.index in self.schedule.recomputed
             if layer.frozen is not None:

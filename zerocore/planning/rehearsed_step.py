@@ -196,7 +196,7 @@ def model_state(sharding: Sharding, on_host: frozenset[str]) -> ModelState:
     sixteen = p_bytes != 4
     offload = sharding.offload
     # Parameter offload with the optimizer on the device keeps no 16-bit copy; NVMe offload
-    # keeps one in fp32 too (the master being in the scratch).
+    # keeps one in fp32 too (the master being in the scratch), in memory unless params="nvme".
     copies = not offload.params or offload.optimizer
     nvme = offload.optimizer == "nvme"
     store = sharding.ctx.store
@@ -209,10 +209,12 @@ def model_state(sharding: Sharding, on_host: frozenset[str]) -> ModelState:
             else:
                 f_numel += g.layout.numel
                 f_shard += g.layout.shard_numel
+    on_disk = offload.params == "nvme"   # the frozen shards, and the copies with the optimizer
+    trainable = t_shard * (p_bytes if copies else 0) if sixteen else t_shard * 4
     return ModelState(
         trainable_numel=t_numel, frozen_numel=f_numel,
-        trainable_params=t_shard * (p_bytes if copies else 0) if sixteen else t_shard * 4,
-        frozen_params=sharding.frozen_weights.frozen_nbytes(f_shard, p_bytes),
+        trainable_params=0 if on_disk and nvme else trainable,
+        frozen_params=0 if on_disk else sharding.frozen_weights.frozen_nbytes(f_shard, p_bytes),
         masters=t_shard * 4 if sixteen and not nvme else 0,
         optimizer=0 if nvme else t_shard * 8, gradients=t_shard * 4,
         mirrors=t_shard * p_bytes if offload.optimizer and not offload.params else 0,
