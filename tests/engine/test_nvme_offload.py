@@ -24,6 +24,7 @@ from zerocore.engine.scratch_file import ScratchSpaceError
 from zerocore.policies import MIN_POOL_BYTES
 from zerocore.plan import MASTERS, NVME_POOL, OPTIMIZER
 from tests.support.scratch_disk import read_only_dir
+from tests.support.stand_in_streams import StreamLog, stand_in_cuda, use_stand_in_streams
 from tests.support.offload_stack import (BATCH, DOORS, SEQ, layer_stack, measured_peaks,
                                          stack_loss)
 from tests.support.offload_stack import build as build_stack
@@ -172,6 +173,38 @@ def test_the_shards_are_stepped_in_several_chunks(world, tmp_path):
     """What the parity above exercises: shards of several chunks (so reads ahead and writes
     behind), at every world size."""
     assert all(world.run(chunked_somewhere, str(tmp_path)))
+
+
+# -- the CUDA branch, on stand-in streams ------------------------------------------------------
+
+def train_on_stand_in_streams(rank: int, world_size: int, path: str) -> dict:
+    """The optimizer and parameters on NVMe, down the CUDA branches (stand-in streams: the
+    copies synchronous, the waits and records logged)."""
+    case = CASES["transformer-bf16-frozen-embedding"]
+    _, sharding = build("shard", case, offload_of("all", path))
+    log = StreamLog()
+    use_stand_in_streams(sharding, log)
+    with stand_in_cuda(log):
+        out = train_digest(sharding, case.spec, rank, world_size, final=full_states)
+    store = sharding.ctx.store
+    uploads = log.events.get("upload", [])
+    return dict(out, uploads=len(uploads), synchronized=sum(e.synchronized for e in uploads),
+                waits=log.calls.count(("wait_event", "gather", "upload")),
+                windows=log.gathers_on.count("gather"), slots=len(store._slots),
+                reads=store.reads_ahead + store.reads_waited)
+
+
+def test_the_cuda_branch_uploads_each_window_from_its_slot(world, tmp_path):
+    """On a GPU a window is uploaded from its pool slot on the upload stream, the gather waits
+    for that upload, and the slot is read into again only once the upload is done: bitwise the
+    run in memory; every window of every gather uploaded; every upload but those of the last
+    reads (as many as there are slots) waited for before its slot was reused."""
+    plain = world.run(train, "shard", "transformer-bf16-frozen-embedding", "none",
+                      str(tmp_path))
+    for r, p in zip(world.run(train_on_stand_in_streams, str(tmp_path)), plain):
+        assert r["digest"] == p["digest"]
+        assert r["uploads"] == r["windows"] == r["waits"] == r["reads"] > 0, r
+        assert r["uploads"] - r["slots"] <= r["synchronized"] <= r["uploads"], r
 
 
 # -- the path checks: one line, every rank --------------------------------------------------------
