@@ -32,7 +32,7 @@ from neox.run.recipe import MODEL, STEP, offload_words, recipe_from_flags
 from neox.setting import UsageError
 from neox.weights import WeightsError, open_weights
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "recommend", "request_of"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _request(args: argparse.Namespace) -> PlanRequest:
+def request_of(args: argparse.Namespace) -> PlanRequest:
     """The run the flags describe, checked; ``UsageError`` with the flag's name otherwise."""
     if args.checkpoint is not None:
         try:
@@ -138,7 +138,11 @@ def recommend(request: PlanRequest, *, ranks_per_node: int, gpu_memory: int,
         tried = dataclasses.replace(request, offload=offload in ("optimizer", "all"),
                                     offload_params=offload in ("params", "all"),
                                     offload_device=device)
-        needs = _needs(plan_run(tried), ranks_per_node)
+        try:
+            needs = _needs(plan_run(tried), ranks_per_node)
+        except ValueError as e:  # the engine refuses it (a pool too small for the shards)
+            lines.append(f"  {_flags(offload, device):<42}refused: {e}")
+            continue
         ok = _fits(needs, request.device, gpu_memory, host_memory)
         gpu = f"{needs[0] / GiB:.1f} GiB per GPU, " if request.device == "cuda" else ""
         nvme = f", {needs[2] / GiB:.1f} GiB on NVMe" if needs[2] else ""
@@ -152,7 +156,7 @@ def recommend(request: PlanRequest, *, ranks_per_node: int, gpu_memory: int,
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        request = _request(args)
+        request = request_of(args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
