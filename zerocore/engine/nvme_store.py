@@ -44,6 +44,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import time
 import warnings
 import weakref
 from typing import Callable, Iterable, Iterator
@@ -131,6 +132,18 @@ class Chunk:
     hi: int
 
 
+@dataclasses.dataclass
+class PassTimes:
+    """Where a pass's time went, and what it moved."""
+
+    total_s: float = 0.0
+    step_s: float = 0.0          # in the caller's step (the CPU Adam)
+    read_wait_s: float = 0.0     # waiting for a chunk's read
+    write_wait_s: float = 0.0    # waiting for a write to free a buffer, or for the last ones
+    read_bytes: int = 0
+    written_bytes: int = 0
+
+
 class NvmeIOError(OSError):
     """A read or write of the scratch failed (see the module's docstring). Its text is the
     message alone (``errno`` is kept as an attribute)."""
@@ -177,6 +190,9 @@ class NvmeStore:
         self._ahead: dict[int, tuple[int, concurrent.futures.Future]] = {}
         # The gathers' reads so far: found read ahead, or read when asked for.
         self.reads_ahead = self.reads_waited = 0
+        # The last pass: its seconds in all, stepping (the caller's ``step``), and waiting for
+        # reads and for writes; and the bytes it read and wrote (for benchmarks).
+        self.last_pass = PassTimes()
         self.size = 0          # bytes of the file's arrays (the planned size in a rehearsal)
         # The records (by id) whose moments were written (stepped, or loaded): no longer the
         # zeros a new optimizer starts from (``fresh_moments``).
@@ -300,6 +316,12 @@ class NvmeStore:
         chunks = list(chunks)
         self.moments_written.update(id(c.record) for c in chunks)
         self._drop_reads_ahead()  # (the pool is the chunks' now; copies are rewritten)
+        times = self.last_pass = PassTimes()
+        began = time.perf_counter()
+        for c in chunks:
+            parts = self._parts(c, 0)
+            times.read_bytes += sum(p.numel() for _, p in parts[:3])
+            times.written_bytes += sum(p.numel() for _, p in parts)
         free = list(range(BUFFERS))
         reads: collections.deque = collections.deque()    # (chunk, buffer, future), in order
         writes: collections.deque = collections.deque()   # (buffer, future), in order
@@ -312,7 +334,9 @@ class NvmeStore:
                 return
             if not free:  # every buffer is stepped or being written: the oldest write frees one
                 buffer, done = writes.popleft()
+                t0 = time.perf_counter()
                 done.result()
+                times.write_wait_s += time.perf_counter() - t0
                 free.append(buffer)
             buffer = free.pop(0)
             reads.append((chunk, buffer, self._submit(self._reader, self._read, chunk, buffer)))
@@ -322,13 +346,20 @@ class NvmeStore:
                 read_next()
             while reads:
                 chunk, buffer, done = reads.popleft()
+                t0 = time.perf_counter()
                 done.result()
+                t1 = time.perf_counter()
                 step(chunk, *self._arrays(chunk, buffer))
+                times.read_wait_s += t1 - t0
+                times.step_s += time.perf_counter() - t1
                 writes.append((buffer, self._submit(self._writer, self._write, chunk, buffer)))
                 read_next()
+            t0 = time.perf_counter()
             while writes:
                 buffer, done = writes.popleft()
                 done.result()
+            times.write_wait_s += time.perf_counter() - t0
+            times.total_s = time.perf_counter() - began
             self._new_step()
         except BaseException as e:
             failure = e
