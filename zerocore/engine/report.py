@@ -44,9 +44,8 @@ class MemoryReport:
 
     @property
     def model_state_bytes(self) -> int:
-        """Model state wherever it lives: memory, and NVMe offload's scratch."""
-        return (self.param_bytes + self.master_bytes + self.grad_bytes + self.optimizer_bytes
-                + self.nvme_bytes)
+        """Model state in memory (host or device); NVMe offload's scratch is ``nvme_bytes``."""
+        return self.param_bytes + self.master_bytes + self.grad_bytes + self.optimizer_bytes
 
     @property
     def ratio_to_prediction(self) -> float:
@@ -54,13 +53,13 @@ class MemoryReport:
 
     def table(self) -> str:
         rows = [("parameter shards", self.param_bytes), ("fp32 master shards", self.master_bytes),
-                ("gradient shards", self.grad_bytes), ("optimizer state", self.optimizer_bytes)]
+                ("gradient shards", self.grad_bytes), ("optimizer state", self.optimizer_bytes),
+                ("model state (sum)", self.model_state_bytes)]
         if self.nvme_bytes:
-            rows += [("on NVMe (scratch)", self.nvme_bytes)]
-        rows += [("model state (sum)", self.model_state_bytes),
-                ("predicted (2+2+K)Ψ/N", self.predicted_bytes),
-                ("gather buffers now", self.gather_bytes),
-                ("shards on the device now", self.device_shard_bytes)]
+            rows += [("  and on NVMe (scratch)", self.nvme_bytes)]
+        rows += [("predicted (2+2+K)Ψ/N", self.predicted_bytes),
+                 ("gather buffers now", self.gather_bytes),
+                 ("shards on the device now", self.device_shard_bytes)]
         if self.host_arena_bytes:
             rows += [("host arena (offload)", self.host_arena_bytes),
                      ("pinned host memory", self.pinned_bytes)]
