@@ -175,6 +175,47 @@ def test_the_shards_are_stepped_in_several_chunks(world, tmp_path):
     assert all(world.run(chunked_somewhere, str(tmp_path)))
 
 
+def a_second_optimizer(rank: int, world_size: int, path: str) -> dict:
+    """A step with one optimizer, then a second optimizer built on the same model and a step
+    with it: an optimizer starts from zero moments (zeros_like's, in memory), so the second
+    must not find the first's in the scratch. What the moments are, and the weights after."""
+    spec = CASES["transformer-bf16-frozen-embedding"].spec
+    out = {}
+    for label in ("none", "nvme"):
+        _, model = build("shard", CASES["transformer-bf16-frozen-embedding"],
+                         offload_of(label, path))
+        for step in range(2):
+            opt = zerocore.optim.AdamW(model.trainable_shards(), lr=LR,
+                                       weight_decay=WEIGHT_DECAY)
+            if label == "nvme":
+                moments = [float(s.nvme.read(k).abs().sum()) for s in model.trainable_shards()
+                           for k in ("exp_avg", "exp_avg_sq")]
+                out.setdefault("moments", []).append(moments)
+            accumulate_step(model, spec, step, rank, world_size)
+            opt.step()
+            opt.zero_grad()
+        try:
+            opt.state_dict()
+            out[f"{label}-state_dict"] = "given"
+        except ValueError as e:
+            out[f"{label}-state_dict"] = str(e)
+        out[label] = full_states(model)
+    return out
+
+
+def test_a_new_optimizer_starts_from_zero_moments_and_state_dicts_are_refused(worlds,
+                                                                             tmp_path):
+    for r in worlds(2).run(a_second_optimizer, str(tmp_path)):
+        first, second = r["moments"]
+        assert set(first) == {0.0} and set(second) == {0.0}, r["moments"]
+        assert r["none"].keys() == r["nvme"].keys()
+        for name, t in r["none"].items():
+            assert torch.equal(r["nvme"][name], t), name
+        assert r["none-state_dict"] == "given"
+        assert "live on NVMe" in r["nvme-state_dict"] and "zerocore.save_checkpoint" in \
+            r["nvme-state_dict"]
+
+
 # -- the CUDA branch, on stand-in streams ------------------------------------------------------
 
 def train_on_stand_in_streams(rank: int, world_size: int, path: str) -> dict:
