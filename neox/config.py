@@ -289,6 +289,8 @@ PRESETS: dict[str, NeoXConfig] = {
                               num_attention_heads=16, intermediate_size=4096),
     "pythia-1b": NeoXConfig(vocab_size=50304, hidden_size=2048, num_hidden_layers=16,
                             num_attention_heads=8, intermediate_size=8192),
+    "pythia-1.4b": NeoXConfig(vocab_size=50304, hidden_size=2048, num_hidden_layers=24,
+                              num_attention_heads=16, intermediate_size=8192),
     "gpt-neox-20b": NeoXConfig(vocab_size=50432, hidden_size=6144, num_hidden_layers=44,
                                num_attention_heads=64, intermediate_size=24576,
                                hidden_act="gelu_fast"),

@@ -32,7 +32,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from zerocore.engine.sharded_param import (ShardParameter, is_offloaded, is_shard,
+from zerocore.engine.nvme_store import AdamRecord, Chunk, NvmeStore
+from zerocore.engine.sharded_param import (ShardParameter, is_nvme, is_offloaded, is_shard,
                                            mark_model_copy_synced, wait_for_device)
 from zerocore.engine.tracing import traced
 from zerocore.kernels import ops
@@ -46,9 +47,9 @@ class _Bucket:
 
     params: list[torch.nn.Parameter]
     offsets: list[int]               # start of each parameter in the flat buffers
-    master: torch.Tensor             # 1D, fp32: the weights Adam updates
-    exp_avg: torch.Tensor            # 1D, fp32
-    exp_avg_sq: torch.Tensor         # 1D, fp32
+    master: torch.Tensor | None      # 1D, fp32: the weights Adam updates (None: on NVMe)
+    exp_avg: torch.Tensor | None     # 1D, fp32 (None: on NVMe)
+    exp_avg_sq: torch.Tensor | None  # 1D, fp32 (None: on NVMe)
     model_copy: torch.Tensor | None  # 1D, fp16/bf16: what the model computes with; None if fp32
     grad_flat: torch.Tensor | None   # 1D, gradient dtype; None for a shard (its grad is flat)
     # Per-parameter settings (param_overrides) where they differ within the bucket: (start,
@@ -60,6 +61,13 @@ class _Bucket:
     host_threads: int | None = None
     # The layer of a shard's bucket, for its label in a profiler trace; -1 for other buckets.
     layer_index: int = -1
+    # NVMe offload: where the shard's master and moments live (its ``.nvme``); the bucket is
+    # stepped chunk by chunk through its store's pool (``_NvmeLaunch``). None: in memory.
+    nvme: AdamRecord | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.nvme.numel if self.nvme is not None else self.master.numel()
 
 
 class _Launch:
@@ -76,7 +84,7 @@ class _Launch:
 
     def add(self, b: _Bucket, grad_flat: torch.Tensor, hyper: dict[str, Any]) -> None:
         self.buckets.append(b)
-        runs = b.runs or [(0, b.master.numel(), None, 1.0)]
+        runs = b.runs or [(0, b.numel, None, 1.0)]
         for lo, hi, wd, scale in runs:
             arrays = (b.master, grad_flat, b.exp_avg, b.exp_avg_sq, b.model_copy)
             for out, a in zip(self._lists, arrays):
@@ -92,6 +100,59 @@ class _Launch:
                              lrs=self._lrs, weight_decays=self._wds, beta1=hyper["beta1"],
                              beta2=hyper["beta2"], eps=hyper["eps"], step=self.step,
                              inv_grad_scale=hyper["inv_grad_scale"], adamw=hyper["adamw"])
+
+
+class _NvmeLaunch:
+    """NVMe buckets of one store stepped in one pass over their chunks (``NvmeStore.stream``):
+    each chunk's runs of settings in one ``fused_adam_multi`` call on the chunk's master and
+    moments in a pool buffer, the gradient and the model copy sliced alike. Adam is elementwise
+    and every kernel variant gives each element the same bits whatever its neighbours, so the
+    chunks step exactly as the whole shards would."""
+
+    def __init__(self, store: NvmeStore, step: int, host_threads: int | None):
+        self.store, self.step, self.host_threads = store, step, host_threads
+        self.buckets: list[_Bucket] = []
+        # Each record's bucket, gradient and runs (start, end, lr, weight decay).
+        self._work: dict[int, tuple[_Bucket, torch.Tensor, list[tuple[int, int, float, float]]]]
+        self._work = {}
+
+    def add(self, b: _Bucket, grad_flat: torch.Tensor, hyper: dict[str, Any]) -> None:
+        self.buckets.append(b)
+        runs = []
+        for lo, hi, wd, scale in b.runs or [(0, b.numel, None, 1.0)]:
+            settings = _with(hyper, wd, scale)
+            runs.append((lo, hi, settings["lr"], settings["weight_decay"]))
+        self._work[id(b.nvme)] = (b, grad_flat, runs)
+
+    def run(self, hyper: dict[str, Any]) -> None:
+        def step_chunk(chunk: Chunk, master: torch.Tensor, exp_avg: torch.Tensor,
+                       exp_avg_sq: torch.Tensor, disk_copy: torch.Tensor | None) -> None:
+            b, grad, runs = self._work[id(chunk.record)]
+            lists: tuple[list[torch.Tensor], ...] = ([], [], [], [], [])
+            lrs, wds = [], []
+            for lo, hi, lr, wd in runs:
+                a, z = max(lo, chunk.lo), min(hi, chunk.hi)
+                if a >= z:
+                    continue
+                i, j = a - chunk.lo, z - chunk.lo
+                # The model copy: in host memory, or on NVMe (this chunk's, in the pool).
+                copy = (b.model_copy[a:z] if b.model_copy is not None
+                        else None if disk_copy is None else disk_copy[i:j])
+                parts = (master[i:j], grad[a:z], exp_avg[i:j], exp_avg_sq[i:j], copy)
+                for out, part in zip(lists, parts):
+                    if part is not None:
+                        out.append(part)
+                lrs.append(lr)
+                wds.append(wd)
+            masters, grads, exp_avgs, exp_avg_sqs, copies = lists
+            ops.fused_adam_multi(masters, grads, exp_avgs, exp_avg_sqs, copies or None,
+                                 lrs=lrs, weight_decays=wds, beta1=hyper["beta1"],
+                                 beta2=hyper["beta2"], eps=hyper["eps"], step=self.step,
+                                 inv_grad_scale=hyper["inv_grad_scale"], adamw=hyper["adamw"])
+
+        store = self.store
+        chunks = [c for b in self.buckets for c in store.chunks(b.nvme)]
+        store.agreed(lambda: store.stream(chunks, step_chunk))
 
 
 # param_overrides: a parameter's name (the model's own; "<layer index>.<name>" for
@@ -282,6 +343,15 @@ class Adam(torch.optim.Optimizer):
     def _shard_bucket(self, p: ShardParameter) -> _Bucket:
         if p.dtype != torch.float32 or p.dim() != 1:
             raise ValueError("zerocore.optim: a ShardParameter must be a 1-D float32 master shard")
+        if is_nvme(p):
+            # The master and moments are in the scratch (the moments start from zeros, as
+            # zeros_like's: the store zeroes them if an earlier optimizer wrote them).
+            p.nvme.store.fresh_moments(p.nvme)
+            bucket = _Bucket([p], [0], None, None, None, p.model_copy, None,
+                             self._shard_runs(p), p.host_threads,
+                             getattr(p, "layer_index", -1), nvme=p.nvme)
+            self._bind_state(bucket)
+            return bucket
         bucket = _Bucket([p], [0], p.data, torch.zeros_like(p.data), torch.zeros_like(p.data),
                          p.model_copy, None, self._shard_runs(p),
                          p.host_threads if is_offloaded(p) else None,
@@ -313,7 +383,11 @@ class Adam(torch.optim.Optimizer):
 
     def _bind_state(self, b: _Bucket) -> None:
         """Makes ``self.state[p]`` hold views into the bucket's flat buffers, so the standard
-        ``torch.optim.Optimizer.state_dict`` sees exactly what the kernel updates."""
+        ``torch.optim.Optimizer.state_dict`` sees exactly what the kernel updates. An NVMe
+        bucket's state here is its step count alone: its moments are in the scratch."""
+        if b.nvme is not None:
+            self.state[b.params[0]] = {"step": torch.tensor(0.0)}
+            return
         views = zip(b.params, _flat_views(b.exp_avg, b.params, b.offsets),
                     _flat_views(b.exp_avg_sq, b.params, b.offsets),
                     _flat_views(b.master, b.params, b.offsets))
@@ -341,7 +415,7 @@ class Adam(torch.optim.Optimizer):
                 loss = closure()
         for group, buckets in zip(self.param_groups, self._buckets):
             hyper = self._hyper(group, inv_grad_scale)
-            launches: dict[tuple, _Launch] = {}
+            launches: dict[tuple, _Launch | _NvmeLaunch] = {}
             for b in buckets:
                 for p in b.params:
                     if is_offloaded(p):
@@ -350,13 +424,19 @@ class Adam(torch.optim.Optimizer):
                         wait_for_device(p)
                 parts = self._whole_bucket_parts(b)
                 if parts is None:
-                    with _host_threads(b.host_threads), traced("adam", b.layer_index):
-                        self._step_one_by_one(b, hyper)
+                    if b.nvme is None:  # (an NVMe shard without a gradient: nothing to step)
+                        with _host_threads(b.host_threads), traced("adam", b.layer_index):
+                            self._step_one_by_one(b, hyper)
                     continue
                 step, grad_flat = parts
-                key = (b.master.device, grad_flat.dtype,
-                       None if b.model_copy is None else b.model_copy.dtype, step,
-                       b.host_threads)
+                copy_dtype = None if b.model_copy is None else b.model_copy.dtype
+                if b.nvme is not None:
+                    key = (id(b.nvme.store), grad_flat.dtype, copy_dtype, step, b.host_threads)
+                    launch = launches.setdefault(key, _NvmeLaunch(b.nvme.store, step,
+                                                                  b.host_threads))
+                    launch.add(b, grad_flat, hyper)
+                    continue
+                key = (b.master.device, grad_flat.dtype, copy_dtype, step, b.host_threads)
                 launches.setdefault(key, _Launch(step, b.host_threads)).add(b, grad_flat, hyper)
             for launch in launches.values():
                 with _host_threads(launch.host_threads), traced("adam", -1):
@@ -424,11 +504,24 @@ class Adam(torch.optim.Optimizer):
 
     # -- checkpoints ---------------------------------------------------------------------------
 
+    def _refuse_nvme(self, what: str) -> None:
+        if any(b.nvme is not None for buckets in self._buckets for b in buckets):
+            raise ValueError(f"zerocore.optim: {what}: this optimizer steps shards whose "
+                             f"masters and moments live on NVMe (Offload(optimizer='nvme')), "
+                             f"which a state dict in memory cannot hold; use "
+                             f"zerocore.save_checkpoint / load_checkpoint (they read and write "
+                             f"the scratch layer by layer)")
+
+    def state_dict(self) -> dict[str, Any]:
+        self._refuse_nvme("state_dict()")
+        return super().state_dict()
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state dict of this class or of ``torch.optim.Adam``/``AdamW`` (same layout).
         Values are copied into the flat buffers, so the parameters' storage is unchanged. The
         whole state dict is checked before anything is written, so a mismatched one raises
         ValueError and leaves the optimizer as it was."""
+        self._refuse_nvme("load_state_dict()")
         groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
         if len(groups) != len(self.param_groups):

@@ -41,8 +41,8 @@ from zerocore.engine.sharded_model import ShardedModel, unit_modules
 from zerocore.engine.sharded_sequential import ShardedSequential
 from zerocore.planning.memory_plan import (  # noqa: F401  (the names a plan is read by)
     ACTIVATIONS, CATEGORIES, CUDA_FIXED_HEADROOM, CUDA_HEADROOM_FRACTION, FROZEN, GATHERED,
-    GiB, GRAD_BUFFERS, GRADIENTS, MASTERS, MIRRORS, OPTIMIZER, SECONDARY, TRAINABLE, WINDOWS,
-    MemoryPlan, ModelState)
+    GiB, GRAD_BUFFERS, GRADIENTS, MASTERS, MIRRORS, NVME_POOL, OPTIMIZER, SECONDARY, TRAINABLE,
+    WINDOWS, MemoryPlan, ModelState)
 from zerocore.planning.rehearsed_step import Step, rehearse
 from zerocore.policies import (Comm, FrozenWeights, Hybrid, MixedPrecision, Offload, Prefetch,
                                Recompute)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import os
 from typing import Any
 
 import torch
@@ -84,31 +85,57 @@ class Prefetch:
         return frozenset(chosen)
 
 
+# Where an offloaded half lives: host memory, or files on a local disk (ZeRO-Infinity).
+OFFLOAD_DEVICES = ("cpu", "nvme")
+# Offload(pool_bytes=): the host memory NVMe offload reads and writes through by default.
+DEFAULT_POOL_BYTES = 256 * 2**20
+# The smallest pool: four chunk buffers (engine/nvme_store.py: one read ahead, one stepped, one
+# written, one spare), each holding a chunk of the three fp32 arrays Adam steps (master and two
+# moments), each array one 4096-byte block at least (what O_DIRECT transfers are aligned to);
+# with params="nvme" too, a fourth array, the model copy the step writes.
+MIN_POOL_BYTES = 4 * 3 * 4096
+
+
 @dataclasses.dataclass(frozen=True)
 class Offload:
-    """CPU offload: what lives in (pinned) host memory instead of on the compute device. Two
-    independent halves; both together are the full CPU offload (FSDP2's CPUOffloadPolicy,
-    DeepSpeed's offload_param with offload_optimizer). docs/decisions.md, "CPU offload: the
-    stream design" and "Parameter offload (issue 31, item 1)".
+    """Offload: what lives off the compute device, and where: in (pinned) host memory
+    (``"cpu"``) or in files on a local disk (``"nvme"``, ZeRO-Infinity). Two independent
+    halves; both together are the full offload (FSDP2's CPUOffloadPolicy, DeepSpeed's
+    offload_param with offload_optimizer, each with its own ``device``). docs/decisions.md,
+    "CPU offload: the stream design", "Parameter offload (issue 31, item 1)" and "NVMe offload
+    (issue 31, item 2)".
 
-    optimizer: the fp32 master shard, its gradient and the Adam moments live on the host and
-        are stepped there by the CPU fused kernel; gradient shards go to the host after each
-        reduce-scatter and the updated model copy comes back before the next all-gather (into a
-        device mirror of it, kept between steps, unless ``params`` is set too). On CUDA both
-        copies run on side streams, overlapping computation.
-    params: every parameter shard the layers are gathered from lives on the host: the
-        trainable model copies (with ``optimizer``), and the frozen shards, int8 ones
-        included. The device holds a layer's shard only for the window of its all-gather: it
-        is uploaded (on CUDA, on a side stream) when the gather starts, on the prefetch
-        schedule, so while the layer before computes, and dropped once the gather has consumed
-        it; backward's gather uploads it again. Without ``optimizer``, as DeepSpeed's
-        offload_param alone, the optimizer stays on the device: the fp32 master, its gradient
-        and the Adam moments are device tensors, and the 16-bit copy is not kept at all: each
-        window is derived on the device from the master (one rounding pass, bitwise what the
-        optimizer would have written), since the device holds the master anyway; in fp32
-        compute the master is itself what is gathered and stays on the device. What this saves
-        is the frozen shards (LoRA, bias-only: nearly all the parameters) and the 16-bit copies.
-        Training is bitwise the same as without offload.
+    optimizer: False, or where the optimizer lives: ``"cpu"`` (``True`` means ``"cpu"``) or
+        ``"nvme"``. The fp32 master shard, its gradient and the Adam moments live on the host
+        and are stepped there by the CPU fused kernel; gradient shards go to the host after
+        each reduce-scatter and the updated model copy comes back before the next all-gather
+        (into a device mirror of it, kept between steps, unless ``params`` is set too). On CUDA
+        both copies run on side streams, overlapping computation. ``"nvme"``: the fp32 masters
+        and the Adam moments live in a scratch file under ``path`` instead of in host memory,
+        and the CPU Adam steps them chunk by chunk through ``pool_bytes`` of host buffers,
+        reading the next chunk and writing the last while it steps one; the gradients and the
+        model copy the kernel writes (in the param dtype, fp32 included) stay in host memory.
+    params: False, or where every parameter shard the layers are gathered from lives:
+        ``"cpu"`` (``True`` means ``"cpu"``) or ``"nvme"``. The trainable model copies (with
+        ``optimizer``), and the frozen shards, int8 ones included. The device holds a layer's
+        shard only for the window of its all-gather: it is uploaded (on CUDA, on a side stream)
+        when the gather starts, on the prefetch schedule, so while the layer before computes,
+        and dropped once the gather has consumed it; backward's gather uploads it again.
+        Without ``optimizer``, as DeepSpeed's offload_param alone, the optimizer stays on the
+        device: the fp32 master, its gradient and the Adam moments are device tensors, and the
+        16-bit copy is not kept at all: each window is derived on the device from the master
+        (one rounding pass, bitwise what the optimizer would have written), since the device
+        holds the master anyway; in fp32 compute the master is itself what is gathered and
+        stays on the device. What this saves is the frozen shards (LoRA, bias-only: nearly all
+        the parameters) and the 16-bit copies. Training is bitwise the same as without offload.
+    path: the directory NVMe offload keeps its scratch in (a local disk; each rank's scratch is
+        one file in it, with no name: the kernel frees it when the rank ends, however it ends).
+        Needed with ``"nvme"``, refused without. Checked before anything is built: it must be
+        an existing, writable directory, and hold the scratch (reserved as the layers are
+        built); each is one line, on every rank.
+    pool_bytes: the host memory NVMe offload's chunks move through (``"nvme"`` only): what
+        host memory holds of the masters and moments, at most. Larger chunks mean fewer,
+        longer reads and writes; at least ``MIN_POOL_BYTES``.
 
     cpu_threads: CPU threads a GPU rank steps its optimizer with on the CPU (torch's thread
     count for the duration of ``zerocore.optim``'s step on offloaded shards; the process's own
@@ -118,24 +145,62 @@ class Offload:
     Ranks computing on the CPU step with the thread count their launcher chose.
     """
 
-    optimizer: bool = False
-    params: bool = False
+    optimizer: bool | str = False
+    params: bool | str = False
     cpu_threads: int | None = None
+    path: str | None = None
+    pool_bytes: int = DEFAULT_POOL_BYTES
 
     def __post_init__(self) -> None:
         for name in ("optimizer", "params"):
-            if type(getattr(self, name)) is not bool:
-                raise ValueError(f"Offload.{name} must be True or False, got "
-                                 f"{getattr(self, name)!r}")
+            value = getattr(self, name)
+            if value is True:
+                object.__setattr__(self, name, "cpu")  # frozen: normalised once, here
+            elif value is not False and value not in OFFLOAD_DEVICES:
+                raise ValueError(f"Offload.{name} must be False, True (the host), 'cpu' or "
+                                 f"'nvme', got {value!r}")
         if self.cpu_threads is not None and (type(self.cpu_threads) is not int
                                              or self.cpu_threads < 1):
             raise ValueError(f"Offload.cpu_threads must be a positive int or None, got "
                              f"{self.cpu_threads!r}")
+        if self.path is not None:
+            if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
+                raise ValueError(f"Offload.path must be a directory's path, got {self.path!r}")
+            object.__setattr__(self, "path", os.fspath(self.path))
+        if self.params == "nvme" and self.optimizer == "cpu":
+            raise ValueError("Offload(params='nvme', optimizer='cpu'): the 16-bit copies the "
+                             "host optimizer writes every step would go to NVMe while its "
+                             "fp32 masters, twice their size, stay in host memory; give "
+                             "optimizer='nvme' too (or params='cpu')")
+        if self.nvme and self.path is None:
+            raise ValueError("Offload: 'nvme' needs path=, the directory (on a local disk) to "
+                             "keep the scratch files in")
+        if not self.nvme and self.path is not None:
+            raise ValueError(f"Offload(path={self.path!r}) is where NVMe offload keeps its "
+                             f"scratch; give optimizer='nvme' or params='nvme', or leave path "
+                             f"out")
+        least = self.min_pool_bytes
+        if type(self.pool_bytes) is not int or self.pool_bytes < least:
+            raise ValueError(f"Offload.pool_bytes must be an int >= {least} (four chunk "
+                             f"buffers of {least // 4 // 4096} 4 KiB blocks), got "
+                             f"{self.pool_bytes!r}")
 
     @property
     def any(self) -> bool:
-        """Whether anything lives on the host (a host arena is needed)."""
-        return self.optimizer or self.params
+        """Whether anything lives off the device (a host arena is needed)."""
+        return bool(self.optimizer or self.params)
+
+    @property
+    def min_pool_bytes(self) -> int:
+        """The smallest ``pool_bytes`` (``MIN_POOL_BYTES``, a third more when the step writes
+        model copies to NVMe too)."""
+        both = self.optimizer == "nvme" and self.params == "nvme"
+        return MIN_POOL_BYTES * 4 // 3 if both else MIN_POOL_BYTES
+
+    @property
+    def nvme(self) -> bool:
+        """Whether either half lives on NVMe (a scratch file under ``path``)."""
+        return "nvme" in (self.optimizer, self.params)
 
 
 @dataclasses.dataclass(frozen=True)

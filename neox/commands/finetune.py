@@ -193,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
             own = (Path(recipe.output.output_dir) / CHECKPOINTS).resolve()
             if resume != args.resume and args.resume.resolve() != own:
                 warn_incomplete(args.resume, log)
+        problem = recipe.loop.offload_problem(for_a_run=True)  # (a resume's flags merged)
+        if problem is not None:
+            raise UsageError(problem)
         # The layout of the recipe (a resumed run's included) against the nodes.
         nodes = zerocore.nodes_of(os.environ) if torchrun else (args.nodes or 1)
         world = (int(os.environ["WORLD_SIZE"]) if torchrun else

@@ -36,7 +36,7 @@ from neox.run.recipe import MODEL, STEP, offload_words, recipe_from_flags
 from neox.setting import UsageError
 from neox.weights import WeightsError, open_weights
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "recommend", "request_of"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--nodes", type=positive_int, default=1, help="nodes")
     m.add_argument("--gpu-memory", type=finite, default=80.0, metavar="GIB",
                    help="memory of one GPU in GiB (80: A100/H100 80GB; 141: H200)")
+    m.add_argument("--host-memory", type=finite, default=None, metavar="GIB",
+                   help="host memory (RAM) of one node in GiB: the plan then also recommends "
+                        "the least offload that fits the GPUs and the host (--offload, "
+                        "--offload-device), keeping a tenth of the host for everything else")
     m.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="plan GPU ranks (NCCL) or CPU processes (gloo, as neox.finetune --cpu "
                         "runs them; --gpus is then the process count)")
@@ -59,9 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _request(args: argparse.Namespace) -> tuple[PlanRequest, Layout]:
-    """The run the flags describe, checked, and its layout; ``UsageError`` with the flag's
-    name otherwise."""
+def request_of(args: argparse.Namespace) -> PlanRequest:
+    """The run the flags describe, checked; ``UsageError`` with the flag's name otherwise."""
     if args.checkpoint is not None:
         try:
             with open_weights(args.checkpoint,
@@ -86,11 +89,15 @@ def _request(args: argparse.Namespace) -> tuple[PlanRequest, Layout]:
     if recipe.loop.hybrid is not None and args.nodes < 2:
         raise UsageError(f"--hybrid {recipe.loop.hybrid} replicates across nodes: plan it with "
                          f"--nodes 2 or more")
+    if args.host_memory is not None and args.host_memory <= 0:
+        raise UsageError(f"--host-memory {args.host_memory:g}: must be a number of GiB above 0")
+    problem = recipe.loop.offload_problem(for_a_run=False)
+    if problem is not None:
+        raise UsageError(problem)
     default_dtype = "bf16" if args.device == "cuda" else "fp32"  # neox.finetune's defaults
-    request = request_from_recipe(recipe, config, world_size=args.gpus * args.nodes,
-                                  device=args.device, dtype=DTYPES[args.dtype or default_dtype],
-                                  nodes=args.nodes)
-    return request, Layout(recipe.loop.hybrid, recipe.loop.quantize_gradients)
+    return request_from_recipe(recipe, config, world_size=args.gpus * args.nodes,
+                               device=args.device, dtype=DTYPES[args.dtype or default_dtype],
+                               nodes=args.nodes)
 
 
 def _as_dict(plan: zerocore.plan.MemoryPlan) -> dict[str, Any]:
@@ -101,15 +108,66 @@ def _as_dict(plan: zerocore.plan.MemoryPlan) -> dict[str, Any]:
             "headroom": plan.headroom, "peak_bytes": plan.peak_bytes,
             "host_peak": plan.host_peak, "activations_peak": plan.activations_peak,
             "gathered_peak": plan.gathered_peak, "windows_peak": plan.windows_peak,
+            "nvme_bytes": s.nvme, "nvme_pool_bytes": s.pool,
             "all_gather_bytes": plan.all_gather_bytes,
             "reduce_scatter_bytes": plan.reduce_scatter_bytes,
             "recomputed_layers": list(plan.recomputed_layers)}
 
 
+# The offloads a plan tries, from the least traffic to the most: (--offload, --offload-device).
+# Parameters on the host cost a copy per gather; NVMe, the disk's bandwidth.
+CANDIDATES = ((None, "cpu"), ("optimizer", "cpu"), ("params", "cpu"), ("all", "cpu"),
+              ("optimizer", "nvme"), ("params", "nvme"), ("all", "nvme"))
+# What a recommendation leaves of the host's memory for everything but the model state and the
+# step (the system, the data, the CUDA driver's own pinned buffers).
+HOST_SPARE = 0.1
+
+
+def _needs(plan: zerocore.plan.MemoryPlan, ranks_per_node: int) -> tuple[int, int, int]:
+    """(bytes per GPU, host bytes per node, NVMe bytes per node). On the CPU, each process's
+    peak is host memory."""
+    host = plan.host_peak if plan.device == "cuda" else plan.device_peak
+    return plan.peak_bytes, host * ranks_per_node, plan.state.nvme * ranks_per_node
+
+
+def _fits(needs: tuple[int, int, int], device: str, gpu_memory: int, host_memory: int) -> bool:
+    gpu, host, _ = needs
+    return (device == "cpu" or gpu <= gpu_memory) and host <= (1 - HOST_SPARE) * host_memory
+
+
+def _flags(offload: str | None, device: str) -> str:
+    if offload is None:
+        return "no offload"
+    return f"--offload {offload}" + (" --offload-device nvme" if device == "nvme" else "")
+
+
+def recommend(request: PlanRequest, *, ranks_per_node: int, gpu_memory: int,
+              host_memory: int) -> tuple[tuple[str | None, str] | None, list[str]]:
+    """The first of ``CANDIDATES`` that fits (None: none does), and a line for each tried."""
+    lines = []
+    for offload, device in CANDIDATES:
+        tried = dataclasses.replace(request, offload=offload in ("optimizer", "all"),
+                                    offload_params=offload in ("params", "all"),
+                                    offload_device=device)
+        try:
+            needs = _needs(plan_run(tried), ranks_per_node)
+        except ValueError as e:  # the engine refuses it (a pool too small for the shards)
+            lines.append(f"  {_flags(offload, device):<42}refused: {e}")
+            continue
+        ok = _fits(needs, request.device, gpu_memory, host_memory)
+        gpu = f"{needs[0] / GiB:.1f} GiB per GPU, " if request.device == "cuda" else ""
+        nvme = f", {needs[2] / GiB:.1f} GiB on NVMe" if needs[2] else ""
+        lines.append(f"  {_flags(offload, device):<42}{gpu}{needs[1] / GiB:.1f} GiB of host "
+                     f"memory per node{nvme}: {'fits' if ok else 'does not fit'}")
+        if ok:
+            return (offload, device), lines
+    return None, lines
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        request, layout = _request(args)
+        request = request_of(args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -121,12 +179,20 @@ def main(argv: list[str] | None = None) -> int:
     memory = int(args.gpu_memory * GiB)
     # On several nodes, every layout beside the chosen one (planned once).
     layouts = [] if args.nodes < 2 else compare_layouts(request, args.nodes,
-                                                        planned={layout: chosen})
+                                                        planned={Layout(
+                                                            request.hybrid,
+                                                            request.quantize_gradients): chosen})
     if args.json:
-        print(json.dumps({"plan": _as_dict(chosen), "other_recompute": _as_dict(other),
-                          "device_memory": memory,
-                          "layouts": {r.layout.name: dataclasses.asdict(r) | {
-                              "layout": r.layout.name} for r in layouts}}))
+        out = {"plan": _as_dict(chosen), "other_recompute": _as_dict(other),
+               "device_memory": memory,
+               "layouts": {r.layout.name: dataclasses.asdict(r) | {"layout": r.layout.name}
+                           for r in layouts}}
+        if args.host_memory is not None:
+            best, _ = recommend(request, ranks_per_node=args.gpus, gpu_memory=memory,
+                                host_memory=int(args.host_memory * GiB))
+            out["recommended"] = (None if best is None else
+                                  {"offload": best[0], "offload_device": best[1]})
+        print(json.dumps(out))
         return 0
     r = request
     blocks = len(kept)
@@ -138,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
           f"in {str(r.reduce_dtype).removeprefix('torch.')}; {r.batch_size} x {r.seq_len} "
           f"tokens per rank and micro-batch, {r.grad_accum} micro-batch(es) per step; "
           f"{recomputed}; "
-          f"{offload_words(r.offload_params, r.offload) or 'nothing'} offloaded to the host"
+          f"{offload_words(r.offload_params, r.offload) or 'nothing'} offloaded to "
+          f"{'NVMe' if r.offload_device == 'nvme' else 'the host'}"
           + (f"; --keep-gathered {r.keep_gathered}" if r.keep_gathered else "")
           + ("; frozen weights in int8" if r.frozen_weights == "int8" else ""))
     print(f"{r.world_size} ranks ({args.gpus} {'GPUs' if r.device == 'cuda' else 'processes'} "
@@ -152,6 +219,19 @@ def main(argv: list[str] | None = None) -> int:
     if chosen.host_peak:
         print(f"host memory per node for the offloaded state: "
               f"{chosen.host_peak * args.gpus / GiB:.1f} GiB")
+    if chosen.state.nvme:
+        print(f"NVMe per node for the scratch (--offload-path): "
+              f"{chosen.state.nvme * args.gpus / GiB:.1f} GiB")
+    if args.host_memory is not None:
+        best, lines = recommend(r, ranks_per_node=args.gpus, gpu_memory=memory,
+                                host_memory=int(args.host_memory * GiB))
+        where = (f"{args.gpu_memory:g} GiB GPUs and " if r.device == "cuda" else "")
+        print(f"offloads tried for {where}{args.host_memory:g} GiB of host memory per node "
+              f"(a tenth of it kept spare):")
+        print("\n".join(lines))
+        print(f"recommended: {_flags(*best)}" if best is not None else
+              "recommended: nothing fits; more ranks (--gpus, --nodes), LoRA, "
+              "--activation-checkpointing or a shorter --seq-len would shrink it")
     if layouts:
         print(f"layouts on {args.nodes} nodes x {args.gpus} "
               f"{'GPUs' if r.device == 'cuda' else 'processes'} (--hybrid, "

@@ -106,7 +106,11 @@ def build(recipe: Recipe, data: RunData, *, device: torch.device, rank: int, wor
             if recipe.model.frozen_weights == "int8" else "")
     int8 += "; each layer's forward compiled (torch.compile)" if recipe.loop.compile else ""
     offloaded = offload_words(recipe.loop.offloaded_params, recipe.loop.offloaded_optimizer)
-    int8 += f"; {offloaded} in CPU memory" if offloaded else ""
+    if offloaded:
+        where = ("on NVMe (fp32 masters and Adam moments in scratch files in "
+                 f"{recipe.loop.offload_path})" if recipe.loop.offload_device == "nvme"
+                 else "in CPU memory")
+        int8 += f"; {offloaded} {where}"
     int8 += layout_words(recipe.loop)
     log(f"model: {recipe.model.checkpoint or recipe.model.preset}, {config.num_hidden_layers} "
         f"blocks in the checkpoint, keeping {kept}; fine-tuning {mode.mode}; compute dtype "
@@ -120,9 +124,7 @@ def build(recipe: Recipe, data: RunData, *, device: torch.device, rank: int, wor
                                mixed_precision=zerocore.MixedPrecision(
                                    param_dtype=dtype,
                                    reduce_dtype=DTYPES[recipe.model.reduce_dtype]),
-                               offload=zerocore.Offload(
-                                   optimizer=recipe.loop.offloaded_optimizer,
-                                   params=recipe.loop.offloaded_params),
+                               offload=zerocore.Offload(**recipe.loop.offload_policy()),
                                prefetch=zerocore.Prefetch(
                                    keep_gathered=recipe.loop.keep_gathered),
                                frozen_weights=zerocore.FrozenWeights(recipe.model.frozen_weights),

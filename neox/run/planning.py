@@ -16,6 +16,7 @@ from neox.dtypes import DTYPES
 from neox.finetune_modes import FinetuneMode, prepare_layer
 from neox.model import build_layer, layer_specs
 from neox.run.recipe import HYBRIDS, LoopConfig, Recipe
+from zerocore.policies import DEFAULT_POOL_BYTES
 from neox.run.step import micro_batch_loss, recompute_policy
 
 __all__ = ["PlanRequest", "plan_run", "request_from_recipe", "GiB", "DEFAULT_BPE_TOKENS",
@@ -47,6 +48,10 @@ class PlanRequest:
     keep_gathered: int | str = 0          # zerocore.Prefetch.keep_gathered
     frozen_weights: str | None = None     # zerocore.FrozenWeights.dtype: None or "int8"
     offload_params: bool = False          # the parameter shards in CPU memory
+    # Where the offloaded halves live ("cpu" or "nvme": zerocore.Offload's devices), and the
+    # host pool NVMe offload moves its chunks through.
+    offload_device: str = "cpu"
+    offload_pool: int = DEFAULT_POOL_BYTES
     # The ranks' layout (zerocore.plan's): a 2-D mesh's (nodes, ranks per node), or None
     # (flat, over ``nodes`` nodes); the cross-node gradients in int8 (zerocore.Comm); and how
     # the mesh shares the model (zerocore.Hybrid's layout: None or "hsdp", or "hpz").
@@ -93,11 +98,25 @@ def request_from_recipe(recipe: Recipe, config: NeoXConfig, *, world_size: int,
         dtype=dtype, reduce_dtype=DTYPES[recipe.model.reduce_dtype],
         batch_size=loop.batch_size, seq_len=recipe.data.seq_len, grad_accum=loop.grad_accum,
         offload=loop.offloaded_optimizer, offload_params=loop.offloaded_params,
+        offload_device=loop.offload_device, offload_pool=loop.offload_pool,
         recompute=loop.activation_checkpointing,
         recompute_every=loop.activation_checkpointing_every, world_size=world_size,
         device=device, keep_gathered=loop.keep_gathered,
         frozen_weights=recipe.model.frozen_weights)
     return on_layout(request, Layout(loop.hybrid, loop.quantize_gradients), nodes)
+
+
+# Where a plan says NVMe offload's scratch would be: it writes nothing, so any path will do.
+PLANNED_PATH = "(planned)"
+
+
+def offload_of(r: PlanRequest) -> zerocore.Offload:
+    """The request's ``zerocore.Offload``: each half it offloads, on its device."""
+    device = r.offload_device
+    return zerocore.Offload(optimizer=device if r.offload else False,
+                            params=device if r.offload_params else False,
+                            path=PLANNED_PATH if device == "nvme" else None,
+                            pool_bytes=r.offload_pool)
 
 
 def plan_run(request: PlanRequest, *, recompute: tuple[int, ...] | None = None
@@ -122,7 +141,7 @@ def plan_run(request: PlanRequest, *, recompute: tuple[int, ...] | None = None
     return zerocore.plan.plan(
         layers, ids, world_size=r.world_size, loss=loss, device=r.device,
         mixed_precision=zerocore.MixedPrecision(param_dtype=r.dtype, reduce_dtype=r.reduce_dtype),
-        offload=zerocore.Offload(optimizer=r.offload, params=r.offload_params),
+        offload=offload_of(r),
         prefetch=zerocore.Prefetch(keep_gathered=r.keep_gathered),
         frozen_weights=zerocore.FrozenWeights(r.frozen_weights),
         recompute=recompute_policy(specs, loop), micro_batches=r.grad_accum, mesh=r.mesh,

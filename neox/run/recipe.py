@@ -13,7 +13,8 @@ Versions (``RECIPE_VERSION`` is the newest field's ``since``): 1, the first; 2 s
 weights in the engine's words (``null`` or ``"int8"``, as ``zerocore.FrozenWeights``; version 1
 wrote ``"compute"`` for ``null``) and holds every field; 3 adds ``sample_temperature``; 4,
 ``compile``; 5, ``offload`` (``--offload params|optimizer|all``); 6, ``hybrid`` and
-``quantize_gradients`` (``--hybrid hsdp``, ``--quantize-gradients int8``). A field's ``since`` says
+``quantize_gradients`` (``--hybrid hsdp``, ``--quantize-gradients int8``); 7, ``offload_device``,
+``offload_path`` and ``offload_pool`` (``--offload-device nvme``). A field's ``since`` says
 from which version recipes always hold it; older ones may lack it and take its default, and its
 ``upgrade`` turns their values into this version's.
 Checkpoints written before the recipe existed stored the command line's ``vars(args)`` under
@@ -37,6 +38,7 @@ from neox.dtypes import DTYPES
 from neox.finetune_modes import FinetuneMode, auto_mode
 from neox.setting import (Flag, UsageError, absolute_path, byte_budget, finite_float, flag_dest,
                           flag_name, is_finite, is_int, problem, setting, setting_of)
+from zerocore.policies import DEFAULT_POOL_BYTES, MIN_POOL_BYTES, OFFLOAD_DEVICES
 
 __all__ = ["RECIPE_VERSION", "Recipe", "ModelRecipe", "DataConfig", "OptimConfig", "LoopConfig",
            "OutputConfig", "RecipeError", "recipe_from_checkpoint", "recipe_fields",
@@ -267,6 +269,31 @@ class LoopConfig:
                         "ones too: the device holds a layer's only while its all-gather reads "
                         "it; the optimizer stays on the device), 'all' (both) (default: none)",
                   choices=OFFLOADS, resumable=True), since=5)
+    # Where what --offload names lives (zerocore.Offload's optimizer=/params= device): host
+    # memory, or scratch files on a local disk (ZeRO-Infinity). Bitwise the same either way,
+    # so a resumed run may change it, and the path and pool with it.
+    offload_device: str = setting(
+        "cpu", check=lambda x: x in OFFLOAD_DEVICES,
+        problem=f"{{name}} must be one of {OFFLOAD_DEVICES}, got {{value!r}}",
+        flag=Flag(STEP, "where what --offload names lives: 'cpu' (host memory) or 'nvme' "
+                        "(ZeRO-Infinity: the fp32 masters and Adam moments in a scratch file "
+                        "per rank in --offload-path, on a local disk, stepped through "
+                        "--offload-pool of host memory; the gradients and 16-bit copies stay "
+                        "in host memory) (default: cpu)", choices=OFFLOAD_DEVICES,
+                  resumable=True), since=7)
+    offload_path: str | None = setting(
+        None, check=_path_or_none, problem="{name} must be a directory, got {value!r}",
+        flag=Flag(STEP, "the directory --offload-device nvme keeps its scratch in (a local "
+                        "disk with room for 12 bytes per trained parameter per node; the files "
+                        "have no name and go when the ranks end, however they end)",
+                  parse=Path, store=absolute_path, metavar="DIR", resumable=True), since=7)
+    offload_pool: int = setting(
+        DEFAULT_POOL_BYTES, check=_at_least(MIN_POOL_BYTES),
+        problem=f"{{name}} must be a size of at least {MIN_POOL_BYTES} bytes, got {{value!r}}",
+        flag=Flag(STEP, "host memory per rank that --offload-device nvme reads and writes "
+                        "through (e.g. 256MiB, 1GiB): all it holds of the masters and moments "
+                        "at once; larger means longer transfers", parse=byte_budget,
+                  metavar="SIZE", text=lambda x: f"{x // 2**20}MiB", resumable=True), since=7)
     # steps in a row with NaN/inf loss or gradients: stop
     max_nonfinite_steps: int = setting(
         3, check=_at_least(1), problem=_AT_LEAST_1,
@@ -344,9 +371,34 @@ class LoopConfig:
 
     @property
     def offloaded_optimizer(self) -> bool:
-        """Whether the optimizer state lives in CPU memory: ``--offload optimizer|all``, or
-        ``--offload-optimizer`` (``zerocore.Offload(optimizer=)``)."""
+        """Whether the optimizer state lives off the device: ``--offload optimizer|all``, or
+        ``--offload-optimizer`` (``zerocore.Offload(optimizer=)``), in host memory or on NVMe
+        (``offload_device``)."""
         return self.offload_optimizer or self.offload in ("optimizer", "all")
+
+    def offload_policy(self) -> dict[str, Any]:
+        """``zerocore.Offload``'s keywords for this loop: each half offloaded to
+        ``offload_device``, with the NVMe path and pool."""
+        nvme = self.offload_device == "nvme"
+        return dict(optimizer=self.offload_device if self.offloaded_optimizer else False,
+                    params=self.offload_device if self.offloaded_params else False,
+                    path=self.offload_path if nvme else None,
+                    pool_bytes=self.offload_pool)
+
+    def offload_problem(self, *, for_a_run: bool) -> str | None:
+        """What is wrong with the offload flags together, in one line (None: nothing):
+        --offload-device nvme with nothing offloaded, or for a run without --offload-path (a
+        plan needs none: it writes nothing). (A path with --offload-device cpu is unused: a
+        run resumed in memory keeps the path its checkpoint's recipe names.)"""
+        if self.offload_device != "nvme":
+            return None
+        if not (self.offloaded_optimizer or self.offloaded_params):
+            return ("--offload-device nvme: nothing is offloaded; add --offload optimizer "
+                    "(the fp32 masters and Adam moments on NVMe), params or all")
+        if for_a_run and self.offload_path is None:
+            return ("--offload-device nvme needs --offload-path DIR, the directory on a local "
+                    "disk to keep the scratch files in")
+        return None
 
 
 def offload_words(params: bool, optimizer: bool) -> str:

@@ -21,7 +21,7 @@ from neox.run.run_data import RunData
 def check_finite_weights(state: TrainState, *, rank: int) -> None:
     """Refuses to go on (and so to save) when any trainable weight is NaN or infinite on any
     rank: a diverged run must never overwrite good checkpoints. Collective."""
-    ok = all(bool(torch.isfinite(s).all()) for s in state.model.trainable_shards())
+    ok = state.model.trainable_finite()
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=state.model.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     if not int(flag):

@@ -16,7 +16,6 @@ does not apply and is skipped, saying so, while the same-run comparison still ru
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import io
@@ -30,7 +29,8 @@ from torch import nn
 import zerocore
 from zerocore.engine import offload
 from zerocore.engine.sharded_param import KIND
-from zerocore.comm import collectives, transport
+from tests.support.stand_in_streams import (StandInStreams, StreamLog, stand_in_cuda,
+                                             use_stand_in_streams)
 from tests.support.toy_stack import (LR, Spec, global_batch, loss_fn, make_layers, shard_stack,
                                      train_digest)
 
@@ -132,99 +132,6 @@ def test_offload_pipeline_state(world, door):
 
 # -- the CUDA branches, run on the CPU with stand-in streams --------------------------------------
 
-class StandInEvent:
-    """An event that is complete (the copies here are synchronous) but answers its first
-    ``query()`` with False, so that the deferred delivery of a gradient is exercised too."""
-
-    def __init__(self, log: "StreamLog", stream: "StandInStream"):
-        self.log, self.stream = log, stream
-        self.queried = self.synchronized = False
-
-    def query(self) -> bool:
-        ready, self.queried = self.queried, True
-        return ready
-
-    def synchronize(self) -> None:
-        self.synchronized = True
-
-
-class StandInStream:
-    def __init__(self, log: "StreamLog", name: str):
-        self.log, self.name = log, name
-
-    def wait_stream(self, other: "StandInStream") -> None:
-        self.log.calls.append(("wait_stream", self.name, other.name))
-
-    def wait_event(self, event: StandInEvent) -> None:
-        self.log.calls.append(("wait_event", self.name, event.stream.name))
-
-    def record_event(self) -> StandInEvent:
-        event = StandInEvent(self.log, self)
-        self.log.events.setdefault(self.name, []).append(event)
-        return event
-
-
-class StreamLog:
-    """What the engine did with streams: calls, events per stream, the current stream at each
-    all-gather, and the tensors recorded on streams."""
-
-    def __init__(self):
-        self.calls: list[tuple[str, str, str]] = []
-        self.events: dict[str, list[StandInEvent]] = {}
-        self.compute = StandInStream(self, "compute")
-        self.current = self.compute
-        self.gathers_on: list[str] = []
-        self.recorded_on: list[str] = []
-
-    def current_stream(self, device=None) -> StandInStream:
-        return self.current
-
-    @contextlib.contextmanager
-    def stream(self, s: StandInStream):
-        before, self.current = self.current, s
-        try:
-            yield
-        finally:
-            self.current = before
-
-
-class StandInStreams:
-    """OffloadStreams' three streams, for a CPU run."""
-
-    def __init__(self, log: StreamLog):
-        self.download = StandInStream(log, "download")
-        self.upload = StandInStream(log, "upload")
-        self.gather = StandInStream(log, "gather")
-
-
-@contextlib.contextmanager
-def stand_in_cuda(log: StreamLog):
-    """The few torch.cuda entry points the offload pipeline calls, answered by ``log`` (a test
-    may replace torch's functions; the library never does), and every all-gather logged with the
-    stream it was issued from."""
-    all_gather = collectives.all_gather
-
-    def logged_all_gather(*args, **kwargs):
-        log.gathers_on.append(log.current.name)
-        return all_gather(*args, **kwargs)
-
-    def record_stream(tensor, stream):
-        log.recorded_on.append(stream.name)
-
-    replaced = [(torch.cuda, "current_stream", log.current_stream),
-                (torch.cuda, "stream", log.stream),
-                (torch.Tensor, "record_stream", record_stream),
-                (collectives, "all_gather", logged_all_gather)]
-    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in replaced]
-    try:
-        for obj, name, value in replaced:
-            setattr(obj, name, value)
-        yield
-    finally:
-        for obj, name, value in saved:
-            setattr(obj, name, value)
-
-
 def digest_with_stand_in_streams(rank: int, world_size: int, spec: Spec,
                                  staging: bool = False) -> dict:
     """Offloaded training down the CUDA branches: the groups get stand-in streams, and gather and
@@ -236,14 +143,7 @@ def digest_with_stand_in_streams(rank: int, world_size: int, spec: Spec,
     into a buffer the worker has not finished reading would change the results."""
     model = shard_stack(spec)
     log = StreamLog()
-    offloaded = 0
-    for layer in model.layers:
-        for g in layer.groups:
-            g.ctx = dataclasses.replace(g.ctx, streams=StandInStreams(log))
-            # NCCL's ways (zerocore/comm/transport.py) on the gloo group.
-            route = dataclasses.replace(g.gather.route, gloo=False)
-            g.gather, g.reduce = transport.Gather(route), transport.Reduce(route)
-            offloaded += g.trainable
+    offloaded = use_stand_in_streams(model, log)
     coordinator = model.runtime.coordinator
     buffers: list[torch.Tensor] = []
     if staging:

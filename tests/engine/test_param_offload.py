@@ -18,16 +18,17 @@ import struct
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import zerocore
 from zerocore.plan import FROZEN, TRAINABLE
+from tests.support.offload_stack import (BATCH, DOORS, SEQ, layer_stack, measured_peaks,
+                                         stack_loss)
+from tests.support.offload_stack import build as build_stack
 from tests.support.toy_stack import (LR, WEIGHT_DECAY, Spec, digest_step, global_batch, loss_fn,
-                                     make_layers, model_input)
+                                     model_input)
 
 WORLD_SIZES = [1, 2, 3]
-DOORS = ["shard", "shard_model"]
 # Every offload combination; "none" is the reference each is compared with.
 OFFLOADS = {"none": zerocore.Offload(), "optimizer": zerocore.Offload(optimizer=True),
             "params": zerocore.Offload(params=True),
@@ -67,16 +68,8 @@ CASES = {
 
 
 def build(door: str, case: Case, offload: zerocore.Offload):
-    """(the callable model, its sharding). ``shard_model`` takes the middle layers as units and
-    leaves the first and the last to the root (as a Hugging Face model's embedding and head)."""
-    layers = make_layers(case.spec)
-    policies = dict(case.policies, offload=offload,
-                    mixed_precision=zerocore.MixedPrecision(case.spec.param_dtype))
-    if door == "shard":
-        model = zerocore.shard(layers, **policies)
-        return model, model
-    model = nn.Sequential(*layers)
-    return model, zerocore.shard_model(model, list(model)[1:-1], **policies)
+    """(the callable model, its sharding) (tests/support/offload_stack.py)."""
+    return build_stack(door, case.spec, case.policies, offload)
 
 
 def groups(sharding) -> list:
@@ -226,25 +219,6 @@ def test_memory_report_shows_the_shards_falling_to_the_window(world):
         assert "shards on the device now" in r["table"]
 
 
-def layer_stack(device: str | None = None) -> list[nn.Module]:
-    """Layers large enough that what the plan does not count (Python objects, the kernels' own
-    workspaces) is small beside what it does: an embedding, four blocks of 4 x 128^2 weights,
-    a head."""
-    torch.manual_seed(0)
-    d, vocab = 128, 512
-    blocks = [nn.Sequential(nn.LayerNorm(d, device=device), nn.Linear(d, 4 * d, device=device),
-                            nn.GELU(), nn.Linear(4 * d, d, device=device)) for _ in range(4)]
-    return [nn.Embedding(vocab, d, device=device), *blocks, nn.Linear(d, vocab, device=device)]
-
-
-BATCH, SEQ = 4, 64
-
-
-def stack_loss(out: torch.Tensor) -> torch.Tensor:
-    target = torch.zeros(out.shape[0] * out.shape[1], dtype=torch.long)
-    return F.cross_entropy(out.flatten(0, 1).float(), target)
-
-
 def plan_policies(label: str) -> dict:
     return dict(mixed_precision=zerocore.MixedPrecision(torch.bfloat16, torch.float32),
                 offload=OFFLOADS[label], frozen_weights=zerocore.FrozenWeights("int8"))
@@ -260,32 +234,9 @@ def freeze_blocks(layers: list[nn.Module]) -> list[nn.Module]:
 
 
 def measure_stack(rank: int, world_size: int, label: str) -> list[int]:
-    """The peak bytes of two steps after a first (``PeakMemory`` plus the host arena, which is
-    mapped outside torch's allocator), three times: the CPU's count can only over-count (a
-    buffer gloo's worker thread lets go of last is not seen freed: PeakMemory's docstring), so
-    the smallest is the step's own."""
-    peaks = []
-    for _ in range(3):
-        with zerocore.PeakMemory("cpu") as peak:
-            arena = train_stack(label, peak)
-        peaks.append(peak.peak_bytes + arena)
-    return peaks
-
-
-def train_stack(label: str, peak: zerocore.PeakMemory) -> int:
-    """Three steps, the peak's window opened after the first (nothing is created lazily after
-    it); the bytes of the host arena. Everything it makes is its own, and goes within the
-    region (PeakMemory counts what was made before and freed inside it negatively)."""
-    model = zerocore.shard(freeze_blocks(layer_stack()), **plan_policies(label))
-    opt = zerocore.optim.AdamW(model.parameters(), lr=1e-3)
-    for step in range(3):
-        if step == 1:
-            peak.mark()
-        stack_loss(model(torch.zeros(BATCH, SEQ, dtype=torch.long))).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    arena = model.ctx.arena
-    return arena.used if arena is not None else 0
+    """Three peaks of two steps (tests/support/offload_stack.py: the smallest is the step's)."""
+    return measured_peaks(lambda: zerocore.shard(freeze_blocks(layer_stack()),
+                                                 **plan_policies(label)))[0]
 
 
 def planned(label: str, world_size: int, device: str):

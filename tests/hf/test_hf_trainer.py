@@ -54,7 +54,9 @@ class Spec:
     checkpointing: bool = False  # TrainingArguments(activation_checkpointing=True), both
     fp16: bool = False        # TrainingArguments(fp16=True): zerocore's fp16 and loss scaling
     overflow: tuple[int, int] | None = None  # (rank, step): an inf gradient there
-    offload: tuple[bool, bool] | None = None  # shard_options' Offload(params=, optimizer=)
+    # shard_options' Offload(params=, optimizer=) (with optimizer "nvme": a scratch directory
+    # beside the output)
+    offload: tuple[bool | str, bool | str] | None = None
     # HSDP 2x2 (4 ranks as 2 nodes of 2): "given", shard_options' mesh; "torchrun",
     # hybrid="hsdp" with the mesh of torchrun's environment (set by the run).
     mesh: str | None = None
@@ -149,7 +151,12 @@ def sharded_run(rank: int, world_size: int, out: str, spec: Spec) -> dict:
     options = None
     if spec.offload is not None:
         params, optimizer = spec.offload
-        options = dict(offload=zerocore.Offload(params=params, optimizer=optimizer))
+        path = None
+        if optimizer == "nvme":
+            path = f"{out}-scratch"
+            os.makedirs(path, exist_ok=True)
+        options = dict(offload=zerocore.Offload(params=params, optimizer=optimizer, path=path,
+                                                pool_bytes=1 << 20))
     replica_calls: list[tuple[bool, int]] = []  # (sync_gradients, all-reduces) per micro-batch
     if spec.mesh == "given":
         options = dict(mesh=init_device_mesh("cpu", (2, world_size // 2),
@@ -197,10 +204,11 @@ def test_offload_through_shard_options_trains_bitwise_as_without(world, tmp_path
     # Parameter offload (alone: the optimizer on the device; and with the optimizer) through
     # shard_options: the same bits as the run without offload, losses, norms, evaluations
     # and trained weights (the frozen base weights then live on the host).
+    # With the optimizer on NVMe (and the parameters on the host): the same again.
     runs = {offload: world.run(sharded_run, str(tmp_path / str(offload)),
                                Spec(mode="lora", offload=offload), timeout=300)
-            for offload in (None, (True, False), (True, True))}
-    for offload in ((True, False), (True, True)):
+            for offload in (None, (True, False), (True, True), (True, "nvme"))}
+    for offload in ((True, False), (True, True), (True, "nvme")):
         for plain, got in zip(runs[None], runs[offload]):
             for key in ("losses", "norms", "evals", "skipped"):
                 assert got[key] == plain[key], (offload, key)

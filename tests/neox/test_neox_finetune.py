@@ -643,6 +643,36 @@ def test_offload_trains_bitwise_as_without(cli_dirs, tmp_path):
 
 
 @pytest.mark.e2e
+def test_nvme_offload_from_the_flags_to_a_run_resumed_in_memory(cli_dirs, tmp_path):
+    # --offload optimizer --offload-device nvme --offload-path DIR: the LoRA bf16 run above on
+    # 2 ranks, its first step with the masters and moments on NVMe, saved, then resumed in host
+    # memory (--offload-device cpu, given on --resume): the same losses, bit for bit, as the
+    # run without offload; nothing left in the scratch directory.
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    same = ("--nproc", 2, "--finetune", "lora", "--dtype", "bf16", "--sample-tokens", 0)
+    plain = tmp_path / "plain"
+    _check_ok(run_cli(*same, *common_args(cli_dirs, plain), "--max-steps", 2))
+    out = tmp_path / "nvme"
+    proc = run_cli(*same, *common_args(cli_dirs, out), "--max-steps", 1, "--offload",
+                   "optimizer", "--offload-device", "nvme", "--offload-path", scratch,
+                   "--offload-pool", "1MiB")
+    _check_ok(proc)
+    assert f"; optimizer state on NVMe (fp32 masters and Adam moments in scratch files in " \
+           f"{scratch.resolve()})" in proc.stdout
+    resumed = run_cli("--resume", out / "checkpoints", "--output-dir", out, "--max-steps", 2,
+                      "--offload-device", "cpu")
+    _check_ok(resumed)
+    assert "; optimizer state in CPU memory" in resumed.stdout
+    got = [r["loss"] for r in read_metrics(out)[0]]
+    assert len(got) == 2 and got == [r["loss"] for r in read_metrics(plain)[0]]
+    assert list(scratch.iterdir()) == []
+    missing = run_cli(*same, *common_args(cli_dirs, tmp_path / "refused"), "--offload",
+                      "optimizer", "--offload-device", "nvme")
+    assert missing.returncode == 2 and "needs --offload-path DIR" in missing.stderr
+
+
+@pytest.mark.e2e
 def test_torchrun_joins_its_group(cli_dirs, tmp_path):
     """Under torchrun (RANK/WORLD_SIZE set by the launcher) the CLI joins that group instead of
     spawning: the way it runs across machines."""

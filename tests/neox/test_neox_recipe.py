@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import zerocore
 from neox import export
 from neox.commands.finetune import build_parser
 from neox.commands.flags import explicit_flags
@@ -21,6 +22,7 @@ from neox.finetune_modes import FinetuneMode
 from neox.run.recipe import (RECIPE_VERSION, DataConfig, LoopConfig, ModelRecipe, OptimConfig,
                              OutputConfig, Recipe, RecipeError, recipe_from_checkpoint,
                              recipe_from_flags)
+from neox.setting import UsageError
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "recipe_v0_lora"
 
@@ -225,3 +227,38 @@ def test_the_layout_is_one_declaration_too():
     d["version"] = 5
     assert (Recipe.from_dict(d).loop.hybrid, Recipe.from_dict(d).loop.quantize_gradients) == \
         (None, None)
+
+
+def test_the_offload_device_path_and_pool_are_declarations_too():
+    # --offload-device, --offload-path, --offload-pool (LoopConfig, version 7): parsed, checked
+    # together, stored, mapped onto zerocore.Offload; recipes of version 6 load offloading to
+    # host memory, as their runs did.
+    def loop(*flags):
+        return recipe_from_flags(vars(build_parser().parse_args(["--finetune", "full",
+                                                                 *flags]))).loop
+    nvme = loop("--offload", "all", "--offload-device", "nvme", "--offload-path", "scratch",
+                "--offload-pool", "64MiB")
+    assert nvme.offload_path == str(Path("scratch").resolve()) and nvme.offload_pool == 2**26
+    assert zerocore.Offload(**nvme.offload_policy()) == zerocore.Offload(
+        optimizer="nvme", params="nvme", path=str(Path("scratch").resolve()), pool_bytes=2**26)
+    assert nvme.offload_problem(for_a_run=True) is None
+    cpu = loop("--offload", "optimizer")
+    assert (cpu.offload_device, cpu.offload_pool) == ("cpu", zerocore.policies.DEFAULT_POOL_BYTES)
+    assert zerocore.Offload(**cpu.offload_policy()) == zerocore.Offload(optimizer=True)
+    assert RECIPE_VERSION >= 7
+    assert loop("--offload-device", "nvme").offload_problem(for_a_run=False) == (
+        "--offload-device nvme: nothing is offloaded; add --offload optimizer (the fp32 masters "
+        "and Adam moments on NVMe), params or all")
+    no_path = loop("--offload-optimizer", "--offload-device", "nvme")
+    assert no_path.offload_problem(for_a_run=False) is None  # a plan writes nothing
+    assert "needs --offload-path DIR" in no_path.offload_problem(for_a_run=True)
+    with pytest.raises(UsageError, match="--offload-pool must be a size of at least 49152"):
+        loop("--offload-pool", "1KiB")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--offload-device", "disk"])
+    d = Recipe().to_dict()
+    for name in ("offload_device", "offload_path", "offload_pool"):
+        del d["loop"][name]
+    d["version"] = 6
+    old = Recipe.from_dict(d).loop
+    assert (old.offload_device, old.offload_path) == ("cpu", None)

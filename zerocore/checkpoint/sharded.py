@@ -87,7 +87,8 @@ from zerocore.comm.device import comm_device
 from zerocore.comm.objects import all_gather_objects, broadcast_objects
 from zerocore.loss_scale import LossScaler
 from zerocore.optim import overrides_mismatch
-from zerocore.engine.sharded_param import ShardParameter
+from zerocore.engine.nvme_store import ADAM_KEYS
+from zerocore.engine.sharded_param import ShardParameter, is_nvme, set_master
 from zerocore.engine.sharding import Sharding
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
@@ -189,16 +190,23 @@ def _rank_payload(model: Sharding, optimizer: torch.optim.Optimizer,
         entry: dict[str, Any] = {}
         if layer.trainable is not None:
             shard = layer.trainable.shard
-            entry["master"] = _alone(shard)  # 1D, fp32, shard_numel
             state = optimizer.state.get(shard, {})
-            for key in ("exp_avg", "exp_avg_sq"):
-                # torch.optim creates Adam's moments at the first step, as zeros: before it,
-                # zeros are what the next step starts from.
-                entry[key] = (_alone(state[key]) if key in state
-                              else torch.zeros_like(entry["master"]))
+            if is_nvme(shard):
+                # On NVMe: mapped from the scratch, so that torch.save reads each array from
+                # the disk as it writes it, and the process never holds the state.
+                for key in ADAM_KEYS:
+                    entry[key] = shard.nvme.mapped(key)
+            else:
+                entry["master"] = _alone(shard)  # 1D, fp32, shard_numel
+                for key in ("exp_avg", "exp_avg_sq"):
+                    # torch.optim creates Adam's moments at the first step, as zeros: before
+                    # it, zeros are what the next step starts from.
+                    entry[key] = (_alone(state[key]) if key in state
+                                  else torch.zeros_like(entry["master"]))
             entry["step"] = float(state["step"]) if "step" in state else 0.0
         if include_frozen and layer.frozen is not None:
-            entry["frozen"] = _alone(layer.frozen.shard)  # 1D, param_dtype, shard_numel
+            # 1D, param_dtype, shard_numel; on NVMe, mapped from the scratch
+            entry["frozen"] = _alone(layer.frozen.saved_values())
         layers[layer.index] = entry
     return {"identity": identity, "layers": layers, "rng": _rng_state(model.device)}
 
@@ -423,14 +431,18 @@ def _restore(reader: ShardReader, model: Sharding,
             if layer.trainable is not None:
                 lo, hi = layer.trainable.layout.shard_range(rank)
                 shard: ShardParameter = layer.trainable.shard  # type: ignore[assignment]
-                shard.copy_(reader.read(layer.index, "master", lo, hi))
                 state = optimizer.state.setdefault(shard, {})
-                for key in ("exp_avg", "exp_avg_sq"):
-                    values = reader.read(layer.index, key, lo, hi).to(shard.device)
+                values = {key: reader.read(layer.index, key, lo, hi) for key in ADAM_KEYS}
+                set_master(shard, values["master"])
+                if is_nvme(shard):
+                    for key in ("exp_avg", "exp_avg_sq"):  # into the scratch, chunk by chunk
+                        shard.nvme.write(key, values[key])
+                for key in ("exp_avg", "exp_avg_sq") if not is_nvme(shard) else ():
+                    value = values[key].to(shard.device)
                     if key in state:
-                        state[key].copy_(values)
+                        state[key].copy_(value)
                     else:
-                        state[key] = values
+                        state[key] = value
                 step = reader.rank_data(0)["layers"][layer.index]["step"]
                 if "step" in state and isinstance(state["step"], torch.Tensor):
                     state["step"].fill_(step)

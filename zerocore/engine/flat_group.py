@@ -39,12 +39,13 @@ from zerocore.comm.mesh import Mesh
 from zerocore.kernels import ops
 from zerocore.engine.flat_layout import FlatLayout
 from zerocore.engine.host_arena import HostArena
+from zerocore.engine.nvme_store import NvmeStore, Region
 from zerocore.engine.offload import OffloadStreams
 from zerocore.engine.rehearsal import StorageWatch
 from zerocore.policies import Comm
-from zerocore.engine.sharded_param import (gather_source, is_offloaded, is_shard, new_shard,
-                                           refresh_model_copy, set_layout, shard_stamp,
-                                           wait_for_device)
+from zerocore.engine.sharded_param import (gather_source, is_offloaded, is_shard, master_values,
+                                           new_shard, placeholder, refresh_model_copy,
+                                           set_layout, shard_stamp, wait_for_device)
 
 
 class GroupState(enum.Enum):
@@ -116,6 +117,13 @@ class GroupContext:
     # The ranks the model spans (comm/mesh.py): the group and order full states are gathered
     # in (``gather_full``); None: ``process_group`` in its rank order.
     mesh: Mesh | None = None
+    # NVMe offload: the sharding's scratch and its pool (engine/nvme_store.py), and what lives
+    # there: the trainable masters and moments (``Offload(optimizer="nvme")``).
+    store: NvmeStore | None = None
+    nvme_optimizer: bool = False
+    # ... and the shards the gathers read (``Offload(params="nvme")``): frozen shards, and
+    # with the optimizer there too the model copies.
+    nvme_params: bool = False
 
 
 class FlatGroup:
@@ -129,20 +137,28 @@ class FlatGroup:
         lo, hi = layout.shard_range(ctx.rank)
         dev, dt = ctx.device, ctx.param_dtype
         self.int8_block: int | None = None
+        # A frozen shard on NVMe (``Offload(params="nvme")``): where its values are in the
+        # sharding's scratch (the trainable group's model copy on NVMe is its ``.nvme.copy``).
+        self._disk: Region | None = None
         if trainable:
             def new(dtype: torch.dtype) -> torch.Tensor:
                 if ctx.offload:
                     return _host_buffer(ctx, layout.shard_numel, dtype)
                 return torch.empty(layout.shard_numel, dtype=dtype, device=dev)
-            master = new(torch.float32)
-            master.copy_(full[lo:hi])
-            copy = None
-            # Parameter offload with the optimizer on the device keeps no 16-bit copy: each
-            # window is rounded from the master there, as the optimizer would have written it.
-            if dt != torch.float32 and (ctx.offload or not ctx.offload_params):
-                copy = new(dt)
-                copy.copy_(master)
-            self.shard: torch.nn.Parameter = new_shard(master, copy, offloaded=ctx.offload)
+            if ctx.nvme_optimizer:
+                self.shard: torch.nn.Parameter = _nvme_shard(
+                    ctx, full[lo:hi], None if ctx.nvme_params else new(dt), dt)
+            else:
+                master = new(torch.float32)
+                master.copy_(full[lo:hi])
+                copy = None
+                # Parameter offload with the optimizer on the device keeps no 16-bit copy:
+                # each window is rounded from the master there, as the optimizer would have
+                # written it.
+                if dt != torch.float32 and (ctx.offload or not ctx.offload_params):
+                    copy = new(dt)
+                    copy.copy_(master)
+                self.shard = new_shard(master, copy, offloaded=ctx.offload)
             if ctx.offload:
                 self.shard.host_threads = ctx.host_threads
             set_layout(self.shard, [(sl.name, sl.offset, sl.numel) for sl in layout.slots], lo)
@@ -162,7 +178,12 @@ class FlatGroup:
             values = full[lo:hi].to(device=dev, copy=True)
             data = self._quantized(values) if self.int8_block is not None else values.to(dt)
             del values
-            if ctx.offload_params:  # on the host (quantized on the device, as without offload)
+            if ctx.nvme_params:  # on NVMe: the tensor holds no values (``_disk`` has them)
+                self._disk = ctx.store.add_region(data.numel(), data.dtype,
+                                                  "a layer's frozen parameter shard")
+                ctx.store.write_values(self._disk, data)
+                data = placeholder(data.numel(), data.dtype)
+            elif ctx.offload_params:  # on the host (quantized on the device, as without it)
                 data = _host_buffer(ctx, data.numel(), data.dtype).copy_(data)
             self.shard = torch.nn.Parameter(data, requires_grad=False)
             del data
@@ -244,6 +265,8 @@ class FlatGroup:
         master): the rounding the fused optimizer gives a model copy, so the same bits."""
         shard, streams, dev = self.shard, self.ctx.streams, self.ctx.device
         self._window_ready = None
+        if self.disk_region is not None:
+            return self._window_from_disk(self.disk_region)
         if is_shard(shard) and not is_offloaded(shard):
             if streams is None:
                 return shard.detach().to(self.ctx.param_dtype)
@@ -264,6 +287,32 @@ class FlatGroup:
             shard.upload_done = self._window_ready
         else:
             self._host_read = self._window_ready
+        return window
+
+    @property
+    def disk_region(self) -> Region | None:
+        """Where the shard the gathers read lives on NVMe (``params="nvme"``); None: not there."""
+        if self._disk is not None:
+            return self._disk
+        nvme = getattr(self.shard, "nvme", None)
+        return nvme.copy if nvme is not None else None
+
+    def _window_from_disk(self, region: Region) -> torch.Tensor:
+        """Parameter offload to NVMe: the window made from the shard's values read into a pool
+        slot (read ahead, as a rule, while the layers before computed: ``NvmeStore``); on CUDA
+        uploaded from the (pinned) slot on the upload stream, the slot read into again once
+        that upload is done."""
+        store, streams, dev = self.ctx.store, self.ctx.streams, self.ctx.device
+        source, slot = store.window_source(region)
+        if streams is None:
+            window = torch.empty(source.numel(), dtype=source.dtype, device=dev).copy_(source)
+            store.window_copied(slot, None)
+            return window
+        with torch.cuda.stream(streams.upload):
+            window = torch.empty(source.numel(), dtype=source.dtype, device=dev)
+            window.copy_(source, non_blocking=True)
+            self._window_ready = streams.upload.record_event()
+        store.window_copied(slot, self._window_ready)
         return window
 
     def _close_window(self) -> None:
@@ -423,7 +472,7 @@ class FlatGroup:
 
         to_rank: None, every rank receives them (an all-gather); r, only rank r of the group
         does (a gather) and the others get an empty dict, so they never hold the full group."""
-        shard = self.shard.data.to(self.ctx.device)
+        shard = self.values().to(self.ctx.device)
         mesh = self.ctx.mesh
         # The ranks the state is sharded over (hpZ: every rank of the mesh, whose rank order
         # is not the slices' order: ``Mesh.in_state_order``).
@@ -470,9 +519,27 @@ class FlatGroup:
         self.free(release=True)
         with torch.no_grad():
             if self.int8_block is not None:  # quantized on the device, as when sharded
-                self.shard.copy_(self._quantized(values.to(self.ctx.device)))
+                data = self._quantized(values.to(self.ctx.device))
             else:
-                self.shard.copy_(values)
+                data = values
+            if self._disk is not None:
+                self.ctx.store.write_values(self._disk, data.to(self._disk.dtype))
+            else:
+                self.shard.copy_(data)
+
+    def values(self) -> torch.Tensor:
+        """The shard's values, wherever they live: a trainable group's fp32 master, a frozen
+        group's shard (int8 bytes as they are); read from NVMe into a new tensor when there."""
+        if self._disk is not None:
+            return self.ctx.store.read_values(self._disk)
+        return master_values(self.shard)
+
+    def saved_values(self) -> torch.Tensor:
+        """A frozen group's shard for a checkpoint: the tensor, or on NVMe its region mapped
+        (what torch.save then reads from the disk as it writes)."""
+        if self._disk is not None:
+            return self.ctx.store.mapped(self._disk)
+        return self.shard.detach()
 
     @property
     def gather_bytes(self) -> int:
@@ -492,6 +559,15 @@ class FlatGroup:
         """Bytes of the window in flight (``Offload(params=True)``: the device copy of the
         shard one gather reads, from its start to its wait); 0 otherwise."""
         return _nbytes(self._window)
+
+    @property
+    def memory_shard_bytes(self) -> int:
+        """Bytes of the shard the gathers read, held in memory (host or device): none when it
+        is on NVMe."""
+        if self.disk_region is not None:
+            return 0
+        source = gather_source(self.shard) if is_shard(self.shard) else self.shard
+        return _nbytes(source)
 
     @property
     def device_shard_bytes(self) -> int:
@@ -568,6 +644,24 @@ class FlatGroup:
         out = pending.reduction.finish()
         pending.group.ctx.counter.reduce_wait_s += collectives.now() - t0
         return out
+
+
+def _nvme_shard(ctx: GroupContext, values: torch.Tensor, copy: torch.Tensor | None,
+                dtype: torch.dtype) -> torch.nn.Parameter:
+    """NVMe offload: a trainable shard whose fp32 master (``values``, written now) and Adam
+    moments (zeros) live in the sharding's scratch, and whose model copy (in the param dtype,
+    fp32 included: it is what the layers compute with) is ``copy``, in host memory, or (None:
+    ``params="nvme"``) in the scratch too. Either is written now, rounded from the master."""
+    record = ctx.store.add_adam(values.numel(), "a layer's fp32 master and Adam moments",
+                                copy_dtype=dtype if copy is None else None)
+    ctx.store.write_values(record.master, values)
+    if copy is None:
+        ctx.store.write_values(record.copy, values.to(dtype))
+    else:
+        copy.copy_(values)
+    shard = new_shard(placeholder(values.numel()), copy, offloaded=True)
+    shard.nvme = record
+    return shard
 
 
 def _host_buffer(ctx: GroupContext, numel: int, dtype: torch.dtype) -> torch.Tensor:

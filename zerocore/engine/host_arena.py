@@ -44,10 +44,11 @@ class HostArena:
         self.used = 0
         self.pinned = 0
 
-    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A new 1-D buffer of ``numel`` elements of ``dtype`` (zeros: fresh pages)."""
+    def take(self, numel: int, dtype: torch.dtype, align: int = _ALIGN) -> torch.Tensor:
+        """A new 1-D buffer of ``numel`` elements of ``dtype`` (zeros: fresh pages), starting
+        at a multiple of ``align`` bytes (the page, for direct I/O's buffers)."""
         assert self.pinned == 0, "the arena is pinned already: buffers come before pin()"
-        start = -(-self.used // _ALIGN) * _ALIGN
+        start = -(-self.used // align) * align
         end = start + numel * dtype.itemsize
         if end > self._size:
             raise MemoryError(f"zerocore: the offloaded state needs more than the host's "

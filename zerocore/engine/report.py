@@ -41,9 +41,15 @@ class MemoryReport:
     # passes); transient, as the gather buffers, so not model state.
     secondary_bytes: int = 0
     hpz: bool = False
+    # NVMe offload: the bytes of this rank's scratch file (fp32 masters and Adam moments, each
+    # array rounded up to 4 KiB blocks), and of the host pool they move through (part of the
+    # host arena).
+    nvme_bytes: int = 0
+    nvme_pool_bytes: int = 0
 
     @property
     def model_state_bytes(self) -> int:
+        """Model state in memory (host or device); NVMe offload's scratch is ``nvme_bytes``."""
         return self.param_bytes + self.master_bytes + self.grad_bytes + self.optimizer_bytes
 
     @property
@@ -53,15 +59,19 @@ class MemoryReport:
     def table(self) -> str:
         rows = [("parameter shards", self.param_bytes), ("fp32 master shards", self.master_bytes),
                 ("gradient shards", self.grad_bytes), ("optimizer state", self.optimizer_bytes),
-                ("model state (sum)", self.model_state_bytes),
-                ("predicted (2+2+K)Ψ/N", self.predicted_bytes),
-                ("gather buffers now", self.gather_bytes),
-                ("shards on the device now", self.device_shard_bytes)]
+                ("model state (sum)", self.model_state_bytes)]
+        if self.nvme_bytes:
+            rows += [("  and on NVMe (scratch)", self.nvme_bytes)]
+        rows += [("predicted (2+2+K)Ψ/N", self.predicted_bytes),
+                 ("gather buffers now", self.gather_bytes),
+                 ("shards on the device now", self.device_shard_bytes)]
         if self.hpz:
             rows.append(("secondary shards now", self.secondary_bytes))
         if self.host_arena_bytes:
             rows += [("host arena (offload)", self.host_arena_bytes),
                      ("pinned host memory", self.pinned_bytes)]
+        if self.nvme_pool_bytes:
+            rows += [("  of which NVMe pool", self.nvme_pool_bytes)]
         if self.device_allocated is not None:
             rows += [("device allocated", self.device_allocated),
                      ("device peak", self.device_peak or 0)]

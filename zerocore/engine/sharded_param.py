@@ -46,6 +46,11 @@ class ShardParameter(torch.nn.Parameter):
     # optimizer steps it with (None: torch's own count). See engine/offload.py.
     upload_done: torch.cuda.Event | None
     host_threads: int | None
+    # NVMe offload (``Offload(optimizer="nvme")``): where the master and its Adam moments live
+    # in the sharding's scratch (an ``nvme_store.AdamRecord``); the tensor itself then holds no
+    # values (``placeholder``), ``model_copy`` being what the layers compute with. None: the
+    # tensor is the master.
+    nvme: object | None
 
     def __new__(cls, data: torch.Tensor, model_copy: torch.Tensor | None = None,
                 requires_grad: bool = True, offloaded: bool = False) -> "ShardParameter":
@@ -83,6 +88,7 @@ def init_shard(p: torch.nn.Parameter, model_copy: torch.Tensor | None, offloaded
     p.names, p.segments = (), ()
     p.upload_done = None
     p.host_threads = None
+    p.nvme = None
 
 
 def is_shard(p: torch.Tensor) -> bool:
@@ -91,6 +97,19 @@ def is_shard(p: torch.Tensor) -> bool:
 
 def is_offloaded(p: torch.Tensor) -> bool:
     return getattr(p, KIND, None) == "offloaded"
+
+
+def is_nvme(p: torch.Tensor) -> bool:
+    """Whether the shard's master and moments live on NVMe, not in the tensor."""
+    return getattr(p, "nvme", None) is not None
+
+
+def placeholder(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """What a shard on NVMe is as a tensor: ``numel`` zeros that take one element (expanded),
+    so that the parameter keeps its shape (a trainable one's ``.grad`` is a real gradient
+    shard) and its memory is not its values'; an in-place write to it (another optimizer, a
+    ``copy_``) fails loudly instead of changing nothing."""
+    return torch.zeros((), dtype=dtype).expand(numel)
 
 
 def set_layout(p: torch.nn.Parameter, slots: list[tuple[str, int, int]], lo: int) -> None:
@@ -143,6 +162,31 @@ def refresh_model_copy(p: torch.nn.Parameter) -> None:
         with torch.no_grad():
             p.model_copy.copy_(p.data)
     mark_model_copy_synced(p)
+
+
+def master_values(p: torch.nn.Parameter) -> torch.Tensor:
+    """The fp32 master's values: the tensor itself, or for an NVMe shard read from its scratch
+    into a new tensor (one shard at a time: for exports and checks, not the hot path)."""
+    if is_nvme(p):
+        return p.nvme.read("master")
+    return p.detach()
+
+
+def set_master(p: torch.nn.Parameter, values: torch.Tensor) -> None:
+    """Writes the fp32 master (a load): into the tensor, or an NVMe shard's scratch, whose
+    model copy is then derived at once (the tensor's version, which ``refresh_model_copy``
+    watches, is not the master's there)."""
+    with torch.no_grad():
+        if not is_nvme(p):
+            p.copy_(values)
+            return
+        p.nvme.write("master", values)
+        if p.nvme.copy is not None:  # the model copy on NVMe too (Offload(params="nvme"))
+            p.nvme.store.write_values(p.nvme.copy, values.to(p.nvme.copy.dtype))
+        else:
+            wait_for_device(p)  # the copy is about to be written: the device may read it
+            p.model_copy.copy_(values)
+        mark_model_copy_synced(p)
 
 
 def gather_source(p: torch.nn.Parameter) -> torch.Tensor:

@@ -14,6 +14,7 @@ runs over the whole mesh.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from typing import Callable, Iterable, Iterator, TypeVar
@@ -26,6 +27,7 @@ from zerocore.comm import collectives, transport
 from zerocore.comm import mesh as meshes
 from zerocore.comm.collectives import CommCounter
 from zerocore.comm.peer_memory import PeerMemory
+from zerocore.comm.agree import run_agreed
 from zerocore.comm.device import Platform, agree_on_devices, comm_device, resolve_device
 from zerocore.comm.fake import is_fake
 from zerocore.comm.mesh import Mesh, device_refusal
@@ -33,13 +35,15 @@ from zerocore.comm.objects import all_gather_objects
 from zerocore.engine.compiled import compile_forward
 from zerocore.engine.flat_group import GroupContext
 from zerocore.engine.host_arena import HostArena
+from zerocore.engine.nvme_store import NvmeStore
 from zerocore.engine.offload import OffloadStreams, cpu_threads
 from zerocore.engine.rehearsal import Rehearsal
 from zerocore.engine.report import CommReport, MemoryReport
 from zerocore.engine.schedule import Schedule
 from zerocore.engine.runtime import Runtime, Unit
 from zerocore.engine.sharded_layer import ShardedLayer
-from zerocore.engine.sharded_param import ShardParameter, is_shard
+from zerocore.engine.scratch_file import BLOCK, ScratchFile
+from zerocore.engine.sharded_param import ShardParameter, is_nvme, is_shard, master_values
 from zerocore.kernels.ops import BUILD
 from zerocore.policies import (Comm, Compile, FrozenWeights, Hybrid, MixedPrecision, Offload,
                                Prefetch, Recompute)
@@ -136,12 +140,18 @@ def build_context(mesh: Mesh, device: torch.device,
     replicas, or hpZ's nodes)."""
     group = mesh.shard
     streams = OffloadStreams(device) if offload.any and device.type == "cuda" else None
-    arena = None
+    arena = store = None
     if rehearsal is not None:
         peers, ways, kind, watch = None, rehearsal.ways, rehearsal.device_kind, rehearsal.watch
+        if offload.nvme:  # the pool, fake; no file
+            store = NvmeStore(None, torch.empty(offload.pool_bytes, dtype=torch.uint8),
+                              group=mesh.whole, device=device,
+                              copies=offload.params == "nvme")
     else:
         if offload.any:
             arena = HostArena(pin=device.type == "cuda")
+        if offload.nvme:
+            store = open_store(offload, arena, mesh, device)
         peers = PeerMemory(comm.timeout_s) if comm.peer_read == "auto" else None
         # Reading each other's memory is probed within the shard group alone: HSDP's replicas
         # talk through the backend, and a shard group reads only if its ranks share a host.
@@ -163,14 +173,41 @@ def build_context(mesh: Mesh, device: torch.device,
                         streams, offload_params=offload.params,
                         int8_block=frozen_weights.int8_block, peers=peers, comm=comm,
                         host_threads=host_threads, ways=ways, device_kind=kind, watch=watch,
-                        arena=arena, replicas=replicas, across=across, mesh=mesh)
+                        arena=arena, replicas=replicas, across=across, mesh=mesh, store=store,
+                        nvme_optimizer=offload.optimizer == "nvme",
+                        nvme_params=offload.params == "nvme")
+
+
+def open_store(offload: Offload, arena: HostArena, mesh: Mesh,
+               device: torch.device) -> NvmeStore:
+    """NVMe offload: this rank's scratch file under ``offload.path`` and the pool it moves
+    through (from the host arena: pinned with it), opened by every rank of the mesh together:
+    a path that is missing, not a directory or not writable on any rank is raised on every
+    rank (``run_agreed``). Rank 0 says where the scratch is and how it is read."""
+    scratch = run_agreed(lambda: ScratchFile(offload.path), group=mesh.whole, device=device)
+    channel = comm_device(mesh.whole, _CPU, device)
+    direct = (all_gather_objects(scratch.direct, mesh.whole, channel)
+              if mesh.whole.size() > 1 else [scratch.direct])
+    pool = arena.take(offload.pool_bytes, torch.uint8, align=BLOCK)
+    store = NvmeStore(scratch, pool, group=mesh.whole, device=device,
+                      copies=offload.params == "nvme")
+    if mesh.whole.rank() == 0:
+        buffered = [r for r, d in enumerate(direct) if not d]
+        how = ("direct I/O (O_DIRECT)" if not buffered else
+               f"buffered I/O on rank(s) {buffered}: the file system refuses O_DIRECT there, "
+               f"so what is moved passes through the page cache (dropped after use)")
+        log.info("NVMe offload: each rank's scratch is an unnamed file in %s (freed when the "
+                 "rank ends), moved through a pool of %.1f MiB in chunks of %d elements, %s",
+                 offload.path, offload.pool_bytes / 2**20, store.chunk_numel, how)
+    return store
 
 
 def memory_report_of(layers: list[ShardedLayer], rank: int, world_size: int,
                      device: torch.device, mixed_precision: MixedPrecision,
                      frozen_weights: FrozenWeights,
                      optimizer: torch.optim.Optimizer | None = None,
-                     arena: HostArena | None = None, hpz: bool = False) -> MemoryReport:
+                     arena: HostArena | None = None, hpz: bool = False,
+                     store: NvmeStore | None = None) -> MemoryReport:
     """``memory_report`` of any sharded model: its layers' (or units') groups measured."""
     p_bytes = torch.tensor([], dtype=mixed_precision.param_dtype).element_size()
     param = master = grad = opt = gather = on_device = secondary = 0
@@ -183,7 +220,9 @@ def memory_report_of(layers: list[ShardedLayer], rank: int, world_size: int,
             shard = g.shard
             if g.trainable:
                 trainable_numel += g.layout.numel
-                if is_shard(shard) and shard.model_copy is not None:
+                if is_nvme(shard):  # the master on NVMe (``nvme_bytes``), the copy there too?
+                    param += g.memory_shard_bytes
+                elif is_shard(shard) and shard.model_copy is not None:
                     param += shard.model_copy.numel() * shard.model_copy.element_size()
                     master += shard.numel() * 4
                 elif p_bytes != 4:
@@ -199,7 +238,7 @@ def memory_report_of(layers: list[ShardedLayer], rank: int, world_size: int,
                             opt += t.numel() * t.element_size()
             else:
                 frozen_numel += g.layout.numel
-                param += shard.numel() * shard.element_size()
+                param += g.memory_shard_bytes
     n = world_size
     k = 8 if p_bytes == 4 else 12  # Adam moments, plus an fp32 master when computing in 16 bit
     predicted = ((p_bytes + p_bytes + k) * trainable_numel
@@ -212,7 +251,9 @@ def memory_report_of(layers: list[ShardedLayer], rank: int, world_size: int,
                         gather, predicted, dev_alloc, dev_peak,
                         host_arena_bytes=arena.used if arena is not None else 0,
                         pinned_bytes=arena.pinned if arena is not None else 0,
-                        device_shard_bytes=on_device, secondary_bytes=secondary, hpz=hpz)
+                        device_shard_bytes=on_device, secondary_bytes=secondary, hpz=hpz,
+                        nvme_bytes=store.size if store is not None else 0,
+                        nvme_pool_bytes=store.pool_bytes if store is not None else 0)
 
 
 def prepare_device(device: torch.device | str | None, mesh: Mesh,
@@ -274,8 +315,12 @@ class Sharding:
         # The mesh first: ranks given other meshes would agree on the rest in other groups.
         agree_on_policies(dict(mesh=mesh.describe()), mesh.whole, device, self.front_door,
                           noun="meshes")
+        # Each rank may keep its NVMe scratch on a disk of its own (the path is its own
+        # business: it changes no collective), so the path alone is not agreed on.
+        agreed_offload = (dataclasses.replace(offload, path="(each rank's own)")
+                          if offload.path is not None else offload)
         agree_on_policies(dict(mixed_precision=mixed_precision, prefetch=prefetch,
-                               offload=offload, recompute=recompute,
+                               offload=agreed_offload, recompute=recompute,
                                frozen_weights=frozen_weights, comm=comm, compile=compile,
                                hybrid=hybrid),
                           mesh.whole, device, self.front_door)
@@ -347,6 +392,12 @@ class Sharding:
         ``recomputable``: as ``Schedule.of`` takes it."""
         self.schedule = Schedule.of(self.prefetch, self.recompute,
                                     [l.gathered_size for l in layers], recomputable)
+        if self.ctx.nvme_params:
+            # The gathers read their shards through the pool: slots of the largest (the same
+            # on every rank: the shards are equal, so is the pool: refused alike, if it is).
+            self.ctx.store.use_slots(max((g.disk_region.span for l in layers
+                                          for g in l.groups if g.disk_region is not None),
+                                         default=0))
         for layer in layers:
             layer.recompute = layer.index in self.schedule.recomputed
             if layer.frozen is not None:
@@ -388,6 +439,12 @@ class Sharding:
         """This rank's trainable shards, one per layer with trainable parameters: what the
         optimizer steps (the frozen shards have no gradient; optimizers skip them)."""
         return [l.trainable_shard for l in self.layers if l.trainable_shard is not None]
+
+    def trainable_finite(self) -> bool:
+        """Whether every trainable master weight this rank holds is finite (not NaN, not
+        infinite): what a run checks before it saves. Reads NVMe-offloaded masters from the
+        scratch, one shard at a time."""
+        return all(bool(torch.isfinite(master_values(s)).all()) for s in self.trainable_shards())
 
     def shards(self) -> Iterator[nn.Parameter]:
         """Every shard this rank holds, trainable then frozen, layer by layer."""
@@ -460,7 +517,7 @@ class Sharding:
         the optimizer to count its state."""
         return memory_report_of(list(self.layers), self.rank, self.world_size, self.device,
                                 self.mixed_precision, self.frozen_weights, optimizer,
-                                self.ctx.arena, hpz=self.mesh.hpz)
+                                self.ctx.arena, hpz=self.mesh.hpz, store=self.ctx.store)
 
     def expected_traffic(self, forward_only: bool = False) -> tuple[int, int]:
         """(bytes all-gathered, bytes reduce-scattered) one step should move (within the shard

@@ -25,8 +25,10 @@ GATHERED, GRAD_BUFFERS, ACTIVATIONS = ("gathered layers", "gradient buffers", "a
 WINDOWS = "parameter windows"
 # hpZ: each layer's secondary shard (1/N_shard of it), kept from its forward to its backward.
 SECONDARY = "secondary shards"
-CATEGORIES = (TRAINABLE, FROZEN, MASTERS, OPTIMIZER, GRADIENTS, MIRRORS, WINDOWS, GATHERED,
-              SECONDARY, GRAD_BUFFERS, ACTIVATIONS)
+# NVMe offload: the host buffers the scratch is read and written through (Offload.pool_bytes).
+NVME_POOL = "NVMe pool"
+CATEGORIES = (TRAINABLE, FROZEN, MASTERS, OPTIMIZER, GRADIENTS, MIRRORS, WINDOWS, NVME_POOL,
+              GATHERED, SECONDARY, GRAD_BUFFERS, ACTIVATIONS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,11 +46,16 @@ class ModelState:
     gradients: int                  # fp32 gradient shards, from backward to zero_grad
     mirrors: int                    # device mirrors of offloaded model copies
     on_host: frozenset[str]         # categories that live in host memory (CPU offload, GPUs)
+    # NVMe offload: bytes of one rank's scratch file (what it needs free on its disk: the fp32
+    # masters and moments, each array in whole 4 KiB blocks), and the host pool they move
+    # through; 0 without.
+    nvme: int = 0
+    pool: int = 0
 
     def bytes_of(self) -> dict[str, int]:
         return {TRAINABLE: self.trainable_params, FROZEN: self.frozen_params,
                 MASTERS: self.masters, OPTIMIZER: self.optimizer, GRADIENTS: self.gradients,
-                MIRRORS: self.mirrors}
+                MIRRORS: self.mirrors, NVME_POOL: self.pool}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +128,10 @@ class MemoryPlan:
             (f"optimizer state (Adam){host if OPTIMIZER in s.on_host else ''}", s.optimizer),
             ("offload mirrors", s.mirrors),
             ("parameter windows at the peak", self.peak.get(WINDOWS, 0)),
+        ]
+        if s.nvme:
+            rows.append((f"NVMe pool{host if NVME_POOL in s.on_host else ''}", s.pool))
+        rows += [
             ("gathered layers at the peak", self.peak[GATHERED]),
             ("secondary shards at the peak (hpZ)", self.peak.get(SECONDARY, 0)),
             ("gradient buffers at the peak", self.peak[GRAD_BUFFERS]),
@@ -147,6 +158,9 @@ class MemoryPlan:
         if self.host_peak:
             lines.append(f"  {'host memory (offloaded state)':<42}"
                          f"{self.host_peak / GiB:10.2f} GiB")
+        if s.nvme:
+            lines.append(f"  {'on NVMe (masters, moments; scratch)':<42}"
+                         f"{s.nvme / GiB:10.2f} GiB")
         lines.append(f"  peak: {self.peak_phase}")
         lines.append(f"  per step: all-gathered {self.all_gather_bytes / GiB:.2f} GiB, "
                      f"reduce-scattered {self.reduce_scatter_bytes / GiB:.2f} GiB")

@@ -23,14 +23,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zerocore.comm import transport
 from zerocore.engine.rehearsal import Rehearsal
+from zerocore.engine.sharded_param import is_nvme
 from zerocore.engine.sharding import Sharding
 from zerocore.optim import AdamW
 from zerocore.planning.live_bytes import LiveBytes
 from zerocore.planning.memory_plan import (ACTIVATIONS, CATEGORIES, CUDA_FIXED_HEADROOM,
                                            CUDA_HEADROOM_FRACTION, FROZEN, GATHERED,
                                            GRAD_BUFFERS, GRADIENTS, MASTERS, MIRRORS,
-                                           OPTIMIZER, SECONDARY, TRAINABLE, WINDOWS,
-                                           MemoryPlan, ModelState)
+                                           NVME_POOL, OPTIMIZER, SECONDARY, TRAINABLE,
+                                           WINDOWS, MemoryPlan, ModelState)
 from zerocore.policies import Comm, Offload
 
 
@@ -198,7 +199,8 @@ def _by_category(sharding: Sharding, optimizer: AdamW, kept: torch.Tensor) -> di
             copy = getattr(shard, "model_copy", None)
             if copy is not None:
                 add(TRAINABLE, copy)
-                add(MASTERS, shard)
+                if not is_nvme(shard):  # (an NVMe shard's master is in its scratch)
+                    add(MASTERS, shard)
             else:  # in 16 bit, Offload(params=True) alone: a master, no copy kept
                 add(MASTERS if sixteen else TRAINABLE, shard)
             parts[MIRRORS] += g.mirror_bytes
@@ -211,6 +213,8 @@ def _by_category(sharding: Sharding, optimizer: AdamW, kept: torch.Tensor) -> di
     for t in sharding.runtime.coordinator.held_tensors():
         add(GRAD_BUFFERS, t)
     add(GRAD_BUFFERS, kept)
+    if sharding.ctx.store is not None:
+        add(NVME_POOL, sharding.ctx.store.pool)
     return parts
 
 
@@ -219,8 +223,11 @@ def model_state(sharding: Sharding, on_host: frozenset[str]) -> ModelState:
     p_bytes = sharding.mixed_precision.param_dtype.itemsize
     sixteen = p_bytes != 4
     offload = sharding.offload
-    # Parameter offload with the optimizer on the device keeps no 16-bit copy.
+    # Parameter offload with the optimizer on the device keeps no 16-bit copy; NVMe offload
+    # keeps one in fp32 too (the master being in the scratch), in memory unless params="nvme".
     copies = not offload.params or offload.optimizer
+    nvme = offload.optimizer == "nvme"
+    store = sharding.ctx.store
     t_numel = f_numel = t_shard = f_shard = 0
     for layer in sharding.layers:
         for g in layer.groups:
@@ -230,13 +237,17 @@ def model_state(sharding: Sharding, on_host: frozenset[str]) -> ModelState:
             else:
                 f_numel += g.layout.numel
                 f_shard += g.layout.shard_numel
+    on_disk = offload.params == "nvme"   # the frozen shards, and the copies with the optimizer
+    trainable = t_shard * (p_bytes if copies else 0) if sixteen else t_shard * 4
     return ModelState(
         trainable_numel=t_numel, frozen_numel=f_numel,
-        trainable_params=t_shard * (p_bytes if copies else 0) if sixteen else t_shard * 4,
-        frozen_params=sharding.frozen_weights.frozen_nbytes(f_shard, p_bytes),
-        masters=t_shard * 4 if sixteen else 0, optimizer=t_shard * 8, gradients=t_shard * 4,
+        trainable_params=0 if on_disk and nvme else trainable,
+        frozen_params=0 if on_disk else sharding.frozen_weights.frozen_nbytes(f_shard, p_bytes),
+        masters=t_shard * 4 if sixteen and not nvme else 0,
+        optimizer=0 if nvme else t_shard * 8, gradients=t_shard * 4,
         mirrors=t_shard * p_bytes if offload.optimizer and not offload.params else 0,
-        on_host=on_host)
+        on_host=on_host, nvme=store.size if store is not None else 0,
+        pool=store.pool_bytes if store is not None else 0)
 
 
 def _plan(step: Step, sharding: Sharding, peak: _Peak, traffic: _Traffic) -> MemoryPlan:
@@ -245,7 +256,8 @@ def _plan(step: Step, sharding: Sharding, peak: _Peak, traffic: _Traffic) -> Mem
     # offloaded too). Parameter offload: the frozen shards go to the host, the device holds
     # the windows in flight. (On the CPU host and device are one memory.)
     on_host = frozenset(({TRAINABLE, MASTERS, OPTIMIZER, GRADIENTS} if step.offload.optimizer
-                         else set()) | ({FROZEN} if step.offload.params else set()))
+                         else set()) | ({FROZEN} if step.offload.params else set())
+                        | ({NVME_POOL} if step.offload.nvme else set()))
     state = model_state(sharding, on_host)
     cuda = step.device == "cuda"
     device_tensors = sum(v for k, v in peak.parts.items() if not cuda or k not in on_host)

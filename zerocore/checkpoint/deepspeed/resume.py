@@ -11,6 +11,7 @@ import torch
 from zerocore.checkpoint.agreed import agreed, sharded_of
 from zerocore.checkpoint.deepspeed.reader import DeepSpeedCheckpoint
 from zerocore.checkpoint.errors import DeepSpeedCheckpointError
+from zerocore.engine.sharded_param import is_nvme, set_master
 
 __all__ = ["load_deepspeed_checkpoint"]
 
@@ -110,9 +111,12 @@ def load_deepspeed_checkpoint(path: str | Path, model: Any, optimizer: torch.opt
                     shard = layer.trainable.shard
                     values = {what: _shard_of(ckpt, layout, rank, layer.index, ds_name, what)
                               for what in ("fp32", "exp_avg", "exp_avg_sq")}
-                    shard.copy_(values["fp32"])
+                    set_master(shard, values["fp32"])
                     state = optimizer.state.setdefault(shard, {})
                     for key in ("exp_avg", "exp_avg_sq"):
+                        if is_nvme(shard):  # into the scratch (Offload(optimizer="nvme"))
+                            shard.nvme.write(key, values[key])
+                            continue
                         v = values[key].to(shard.device)
                         if key in state:
                             state[key].copy_(v)

@@ -1,0 +1,567 @@
+"""``NvmeStore``: one sharding's model state on NVMe (``Offload(optimizer="nvme")``,
+ZeRO-Infinity): where each array lives in the rank's scratch file (engine/scratch_file.py), and
+the pipeline that moves it through a bounded pool of host buffers.
+
+Layout. Arrays are laid end to end in the scratch file, each starting on a 4 KiB block, in the
+order the layers are built: for each trainable shard its fp32 master, then its two Adam moments,
+then with ``Offload(params="nvme")`` its model copy in the param dtype (an ``AdamRecord``); for
+each frozen shard with ``params="nvme"`` its values (int8 ones as their bytes), each contiguous.
+A shard is stepped in chunks of ``chunk_numel`` elements (a whole number of blocks of fp32),
+chunk k of a shard being elements ``[k·C, (k+1)·C)`` of each of its arrays.
+
+The pool: host memory carved from the host arena (pinned with it on a GPU machine; page-aligned,
+what direct I/O needs), used one way at a time:
+- by the optimizer's step, as ``BUFFERS`` chunk buffers, each holding one chunk of a record's
+  arrays. ``stream`` runs a pass over chunks: the reader thread fills buffers ahead, the caller
+  steps chunk k on the calling thread while chunk k+1 (and k+2) is read and chunk k-1 written by
+  the writer thread; a buffer is read into again only once its write is done. One reader and
+  one writer, each issuing one transfer per array of a chunk (megabytes each: the disk sees long
+  sequential requests, and the two directions overlap).
+- by the gathers of forward and backward (``params="nvme"``), as slots of the largest shard a
+  gather reads: ``window_source`` reads a shard into a slot, from which the gather's window is
+  copied (on a GPU, uploaded). Each read also starts, on the reader thread, the reads of the
+  shards that followed it the last time (the gathers run in the same order every step: the
+  forward's, then the backward's), as many as there are other slots, so a layer's shards are
+  on their way while the layers before it compute: the read-ahead rides the prefetch schedule,
+  a layer or two ahead of its gathers.
+The host memory the offloaded state takes is the pool, whatever the model's size.
+
+A failed read or write (a disk that fills, an I/O error) ends the pass once every transfer in
+flight is done, raising ``NvmeIOError`` saying what failed and what to do: after a failed write
+the state on the disk is part-stepped, so the run cannot go on; its checkpoints are ordinary
+files elsewhere, untouched.
+
+In a plan's rehearsal (engine/rehearsal.py) the store has no file: the pool is a fake tensor
+and the transfers do nothing, so the planned step runs the same passes and holds the same host
+memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+import warnings
+import weakref
+from typing import Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from zerocore.comm.agree import run_agreed
+from zerocore.comm.fake import is_fake
+from zerocore.engine.scratch_file import BLOCK, ScratchFile, round_up
+
+log = logging.getLogger(__name__)
+
+# Chunk buffers in the pool: one being read ahead, one stepped, one being written, and one more,
+# so that a read of the chunk after next can start while a write is still in flight.
+BUFFERS = 4
+_FP32 = torch.float32
+# The slots the gathers' reads need at least: one being copied into a window, one being read
+# ahead.
+MIN_SLOTS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """An array in the scratch file."""
+
+    offset: int            # bytes from the file's start; a whole number of blocks
+    numel: int
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def span(self) -> int:
+        """Bytes it occupies in the file: whole blocks."""
+        return round_up(self.nbytes)
+
+
+# An AdamRecord's arrays, by the names checkpoints and optimizers give them.
+ADAM_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AdamRecord:
+    """One trainable shard's fp32 master and Adam moments in its store's scratch file (what an
+    NVMe shard's ``.nvme`` is), and with ``params="nvme"`` its model copy (the gathers' input,
+    which the step writes)."""
+
+    master: Region
+    exp_avg: Region
+    exp_avg_sq: Region
+    store: "NvmeStore"
+    copy: Region | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.master.numel
+
+    def regions(self) -> tuple[Region, Region, Region]:
+        """The arrays a step reads."""
+        return self.master, self.exp_avg, self.exp_avg_sq
+
+    def read(self, key: str) -> torch.Tensor:
+        """The values of ``key`` (one of ``ADAM_KEYS``), in a new tensor."""
+        return self.store.read_values(getattr(self, key))
+
+    def write(self, key: str, values: torch.Tensor) -> None:
+        self.store.write_values(getattr(self, key), values)
+        if key != "master":
+            self.store.moments_written.add(id(self))
+
+    def mapped(self, key: str) -> torch.Tensor:
+        """``key``'s values on a read-only mapping of the file (``NvmeStore.mapped``)."""
+        return self.store.mapped(getattr(self, key))
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """Elements ``[lo, hi)`` of a record's three arrays."""
+
+    record: AdamRecord
+    lo: int
+    hi: int
+
+
+@dataclasses.dataclass
+class PassTimes:
+    """Where a pass's time went, and what it moved."""
+
+    total_s: float = 0.0
+    step_s: float = 0.0          # in the caller's step (the CPU Adam)
+    read_wait_s: float = 0.0     # waiting for a chunk's read
+    write_wait_s: float = 0.0    # waiting for a write to free a buffer, or for the last ones
+    read_bytes: int = 0
+    written_bytes: int = 0
+
+
+class NvmeIOError(OSError):
+    """A read or write of the scratch failed (see the module's docstring). Its text is the
+    message alone (``errno`` is kept as an attribute)."""
+
+    def __init__(self, code: int | None, message: str):
+        super().__init__(message)
+        self.errno = code
+
+    def __reduce__(self):
+        return type(self), (self.errno, str(self))
+
+
+class NvmeStore:
+    """Where one sharding's NVMe-offloaded arrays live, and the pool they move through. Owned by
+    the sharding (its group context); its file and threads go with it."""
+
+    def __init__(self, file: ScratchFile | None, pool: torch.Tensor, *,
+                 group: dist.ProcessGroup, device: torch.device, copies: bool = False):
+        """file: the rank's scratch (None in a plan's rehearsal: nothing is moved). pool: 1-D
+        uint8 host memory, page-aligned, split into ``BUFFERS`` chunk buffers. group, device:
+        where a pass's failure is agreed (every rank of the sharding steps together). copies:
+        the records hold model copies too (``params="nvme"``): a fourth array per chunk."""
+        self.file = file
+        self.path = file.directory if file is not None else None
+        self.pool = pool
+        per_buffer = pool.numel() // BUFFERS // BLOCK * BLOCK
+        self._arrays_per_chunk = 4 if copies else 3
+        # Elements of each of a chunk's arrays (spans of fp32: a whole number of blocks each).
+        self.chunk_numel = (per_buffer // self._arrays_per_chunk // BLOCK * BLOCK
+                            // _FP32.itemsize)
+        assert self.chunk_numel > 0, "the pool is smaller than Offload's minimum"
+        self._buffers = [pool[i * per_buffer:(i + 1) * per_buffer] for i in range(BUFFERS)]
+        # The gathers' reads (``params="nvme"``): slots of ``slot_bytes`` each (``use_slots``),
+        # what each region read was followed by the last time, and the reads ahead in flight.
+        self.slot_bytes = 0
+        self._slots: list[torch.Tensor] = []
+        self._slot_busy: list[object | None] = []   # a slot's last upload (a CUDA event)
+        # What the gathers read after each two reads the last time (by the regions' offsets:
+        # two, as a layer read in forward and again in backward is followed by different
+        # ones), and the last two reads.
+        self._next: dict[tuple[int, int], Region] = {}
+        self._last: tuple[int, int] = (-1, -1)
+        # offset -> (slot, its read), in the order they were started
+        self._ahead: dict[int, tuple[int, concurrent.futures.Future]] = {}
+        # The gathers' reads so far: found read ahead, or read when asked for.
+        self.reads_ahead = self.reads_waited = 0
+        # The last pass: its seconds in all, stepping (the caller's ``step``), and waiting for
+        # reads and for writes; and the bytes it read and wrote (for benchmarks).
+        self.last_pass = PassTimes()
+        self.size = 0          # bytes of the file's arrays (the planned size in a rehearsal)
+        # The records (by id) whose moments were written (stepped, or loaded): no longer the
+        # zeros a new optimizer starts from (``fresh_moments``).
+        self.moments_written: set[int] = set()
+        self.group, self.device = group, device
+        self._reader: concurrent.futures.ThreadPoolExecutor | None = None
+        self._writer: concurrent.futures.ThreadPoolExecutor | None = None
+        if file is not None:
+            self._reader = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="zerocore-nvme-read")
+            self._writer = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="zerocore-nvme-write")
+            # The threads and the file go with the store (the file's blocks with it).
+            weakref.finalize(self, _close, self._reader, self._writer, file)
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.pool.numel()
+
+    # -- the file's layout --------------------------------------------------------------------
+
+    def add_region(self, numel: int, dtype: torch.dtype, what: str) -> Region:
+        """A new array's place at the end of the file, reserved on the disk (a full disk is
+        ``ScratchSpaceError`` here, naming ``what``)."""
+        span = round_up(numel * dtype.itemsize)
+        if self.file is not None:
+            offset = self.file.reserve(span, what)
+        else:
+            offset = self.size
+        self.size = offset + span
+        return Region(offset, numel, dtype)
+
+    def add_adam(self, numel: int, what: str,
+                 copy_dtype: torch.dtype | None = None) -> AdamRecord:
+        """A trainable shard's master and moments (the moments read as zeros: reserved blocks
+        never written are zeros), and its model copy in ``copy_dtype`` if given."""
+        arrays = [self.add_region(numel, _FP32, what) for _ in range(3)]
+        copy = self.add_region(numel, copy_dtype, what) if copy_dtype is not None else None
+        return AdamRecord(*arrays, store=self, copy=copy)
+
+    # -- whole arrays, outside a step ----------------------------------------------------------
+
+    def write_values(self, region: Region, values: torch.Tensor) -> None:
+        """``region`` <- ``values`` (its numel, any float dtype: converted), through the first
+        buffer of the pool, one buffer's bytes at a time."""
+        assert values.numel() == region.numel
+        if self.file is None:
+            return
+        self._drop_reads_ahead()  # (they use the pool, and may be of this region)
+        buffer = self._buffers[0]
+        step = buffer.numel() // region.dtype.itemsize
+        flat = values.reshape(-1)
+        for lo in range(0, region.numel, step):
+            hi = min(lo + step, region.numel)
+            part = buffer[:round_up((hi - lo) * region.dtype.itemsize)]
+            part.view(region.dtype)[:hi - lo].copy_(flat[lo:hi])
+            self._io("writing", self.file.write, region.offset + lo * region.dtype.itemsize,
+                     part)
+
+    def read_values(self, region: Region, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``region``'s values, into ``out`` (its numel, any dtype) or a new tensor."""
+        if out is None:
+            out = torch.empty(region.numel, dtype=region.dtype)
+        if self.file is None:
+            return out
+        self._drop_reads_ahead()
+        buffer = self._buffers[0]
+        step = buffer.numel() // region.dtype.itemsize
+        for lo in range(0, region.numel, step):
+            hi = min(lo + step, region.numel)
+            part = buffer[:round_up((hi - lo) * region.dtype.itemsize)]
+            self._io("reading", self.file.read, region.offset + lo * region.dtype.itemsize, part)
+            out[lo:hi].copy_(part.view(region.dtype)[:hi - lo])
+        return out
+
+    def mapped(self, region: Region) -> torch.Tensor:
+        """``region`` as a tensor on a read-only mapping of the file: for a checkpoint, which
+        writes it out without the process holding it (the pages are the page cache's)."""
+        assert self.file is not None
+        if region.numel == 0:
+            return torch.empty(0, dtype=region.dtype)
+        mapping = self.file.mapped(region.offset, region.span)
+        # frombuffer keeps the mapping alive; it is read-only, which torch warns of once.
+        with _quiet_read_only():
+            return torch.frombuffer(mapping, dtype=region.dtype, count=region.numel)
+
+    def zero(self, region: Region) -> None:
+        """``region`` <- zeros."""
+        if self.file is None:
+            return
+        self._drop_reads_ahead()
+        buffer = self._buffers[0]
+        buffer.zero_()
+        for lo in range(0, region.span, buffer.numel()):
+            part = buffer[:min(buffer.numel(), region.span - lo)]
+            self._io("writing", self.file.write, region.offset + lo, part)
+
+    def fresh_moments(self, record: AdamRecord) -> None:
+        """Makes ``record``'s moments zeros, as an optimizer built on its shard starts from
+        (they are, unless an earlier optimizer stepped them or a checkpoint was loaded)."""
+        if id(record) in self.moments_written:
+            self.zero(record.exp_avg)
+            self.zero(record.exp_avg_sq)
+            self.moments_written.discard(id(record))
+
+    # -- a pass over chunks --------------------------------------------------------------------
+
+    def chunks(self, record: AdamRecord) -> list[Chunk]:
+        n, c = record.numel, self.chunk_numel
+        return [Chunk(record, lo, min(lo + c, n)) for lo in range(0, n, c)]
+
+    def stream(self, chunks: Iterable[Chunk],
+               step: Callable[[Chunk, torch.Tensor, torch.Tensor, torch.Tensor,
+                               torch.Tensor | None], None]) -> None:
+        """``step(chunk, master, exp_avg, exp_avg_sq, copy)`` for each chunk in order, on this
+        thread, each array a 1-D view of the chunk's values in a pool buffer (fp32; ``copy``,
+        the model copy's chunk in the param dtype, unread, for ``step`` to write, or None when
+        the record has none), which ``step`` updates in place; each chunk is written back after
+        its step. Reads run ahead on the reader thread and writes behind on the writer thread
+        (the module's docstring). NvmeIOError when a transfer fails, once none is in flight."""
+        chunks = list(chunks)
+        self.moments_written.update(id(c.record) for c in chunks)
+        self._drop_reads_ahead()  # (the pool is the chunks' now; copies are rewritten)
+        times = self.last_pass = PassTimes()
+        began = time.perf_counter()
+        for c in chunks:
+            parts = self._parts(c, 0)
+            times.read_bytes += sum(p.numel() for _, p in parts[:3])
+            times.written_bytes += sum(p.numel() for _, p in parts)
+        free = list(range(BUFFERS))
+        reads: collections.deque = collections.deque()    # (chunk, buffer, future), in order
+        writes: collections.deque = collections.deque()   # (buffer, future), in order
+        ahead = iter(chunks)
+        failure: BaseException | None = None
+
+        def read_next() -> None:
+            chunk = next(ahead, None)
+            if chunk is None:
+                return
+            if not free:  # every buffer is stepped or being written: the oldest write frees one
+                buffer, done = writes.popleft()
+                t0 = time.perf_counter()
+                done.result()
+                times.write_wait_s += time.perf_counter() - t0
+                free.append(buffer)
+            buffer = free.pop(0)
+            reads.append((chunk, buffer, self._submit(self._reader, self._read, chunk, buffer)))
+
+        try:
+            for _ in range(BUFFERS - 1):   # one buffer left for the first write
+                read_next()
+            while reads:
+                chunk, buffer, done = reads.popleft()
+                t0 = time.perf_counter()
+                done.result()
+                t1 = time.perf_counter()
+                step(chunk, *self._arrays(chunk, buffer))
+                times.read_wait_s += t1 - t0
+                times.step_s += time.perf_counter() - t1
+                writes.append((buffer, self._submit(self._writer, self._write, chunk, buffer)))
+                read_next()
+            t0 = time.perf_counter()
+            while writes:
+                buffer, done = writes.popleft()
+                done.result()
+            times.write_wait_s += time.perf_counter() - t0
+            times.total_s = time.perf_counter() - began
+            self._new_step()
+        except BaseException as e:
+            failure = e
+        finally:
+            # No transfer may touch a buffer after the pass: every one in flight ends first.
+            for _, _, done in reads:
+                _settle(done)
+            for _, done in writes:
+                _settle(done)
+        if failure is not None:
+            raise failure
+
+    # -- the gathers' reads (params="nvme") ----------------------------------------------------
+
+    def use_slots(self, largest: int) -> None:
+        """Splits the pool into slots of ``largest`` bytes (the largest shard a gather reads,
+        whole blocks), for ``window_source``. ValueError, saying how large the pool must be,
+        when fewer than ``MIN_SLOTS`` fit."""
+        if largest == 0:
+            return  # nothing read by the gathers (no frozen shard, nothing trainable here)
+        slot = round_up(largest)
+        count = self.pool.numel() // slot
+        if count < MIN_SLOTS:
+            raise ValueError(
+                f"Offload(pool_bytes={self.pool.numel()}): with params='nvme' the pool holds "
+                f"at least {MIN_SLOTS} of the largest shard a gather reads ({slot:,} bytes "
+                f"each here: one copied for its gather while the next is read); give "
+                f"pool_bytes >= {MIN_SLOTS * slot}")
+        self.slot_bytes = slot
+        self._slots = [self.pool[i * slot:(i + 1) * slot] for i in range(count)]
+        self._slot_busy = [None] * count
+
+    def window_source(self, region: Region) -> tuple[torch.Tensor, int]:
+        """``region``'s values (a view of a pool slot) for a gather's window, and the slot.
+        Read ahead already when it followed the last two reads the same way before (then only
+        waited for), else read now; either way the regions that followed it (and the read
+        before it) last time are then started, into the other slots. Call ``window_copied``
+        once the window is made."""
+        if self._last[1] >= 0:
+            self._next[self._last] = region
+        self._last = (self._last[1], region.offset)
+        ahead = self._ahead.pop(region.offset, None)
+        if ahead is None:
+            slot = self._free_slot()
+            self._fill(region, slot)
+            self.reads_waited += 1
+        else:
+            slot, done = ahead
+            done.result()
+            self.reads_ahead += 1
+        self._read_ahead(slot)
+        return self._slot_view(region, slot), slot
+
+    def window_copied(self, slot: int, upload: object | None) -> None:
+        """The window was made from ``slot`` (on a GPU: by an upload still running, whose event
+        ``upload`` is; the slot is read into again only once it has completed)."""
+        self._slot_busy[slot] = upload
+
+    def _slot_view(self, region: Region, slot: int) -> torch.Tensor:
+        return self._slots[slot][:region.nbytes].view(region.dtype)
+
+    def _free_slot(self, taken: set[int] = frozenset()) -> int:
+        """A slot no read ahead holds (and not in ``taken``); dropping the oldest read ahead
+        when all do."""
+        held = {s for s, _ in self._ahead.values()} | set(taken)
+        free = [s for s in range(len(self._slots)) if s not in held]
+        if free:
+            return free[0]
+        oldest = next(iter(self._ahead))
+        slot, done = self._ahead.pop(oldest)
+        _settle(done)
+        return slot
+
+    def _fill(self, region: Region, slot: int) -> None:
+        """Reads ``region`` into ``slot`` on this thread."""
+        self._wait_upload(slot)
+        if self.file is not None:
+            self._io("reading", self.file.read, region.offset,
+                     self._slots[slot][:region.span])
+
+    def _read_ahead(self, current: int | None) -> None:
+        """Starts the reads of the regions that followed the last two reads last time (and
+        those after them, each once), in that order, into the slots other than ``current``
+        (None: any), as many as there are."""
+        last, seen = self._last, set()
+        taken = set() if current is None else {current}
+        nxt = self._next.get(last)
+        while nxt is not None and nxt.offset not in seen and len(taken) < len(self._slots):
+            seen.add(nxt.offset)
+            if nxt.offset not in self._ahead:
+                slot = self._free_slot(taken)
+                self._ahead[nxt.offset] = (slot, self._submit(self._reader, self._fill, nxt,
+                                                              slot))
+            taken.add(self._ahead[nxt.offset][0])
+            last = (last[1], nxt.offset)
+            nxt = self._next.get(last)
+
+    def _new_step(self) -> None:
+        """The optimizer's pass is over: the next step's first reads are started at once
+        (after it: the copies they read are the pass's)."""
+        if self._slots:
+            self._read_ahead(None)
+
+    def _wait_upload(self, slot: int) -> None:
+        busy, self._slot_busy[slot] = self._slot_busy[slot], None
+        if busy is not None:
+            busy.synchronize()
+
+    def _drop_reads_ahead(self) -> None:
+        """Waits for the reads ahead in flight and forgets them: the pool is about to be used
+        another way, or the regions written."""
+        ahead, self._ahead = self._ahead, {}
+        for _, done in ahead.values():
+            _settle(done)
+        for slot in range(len(self._slots)):
+            self._wait_upload(slot)
+
+    def agreed(self, fn: Callable[[], None]) -> None:
+        """``fn()`` (a pass), its failure raised on every rank of the sharding: the lowest rank
+        with it raises it, the others ``PeerError`` (comm/agree.py). Ranks step together, so
+        one rank's full disk stops them all at once instead of leaving them to wait for it in
+        the next gather."""
+        if self.file is None or is_fake(self.group):
+            fn()
+            return
+        run_agreed(fn, group=self.group, device=self.device)
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _parts(self, chunk: Chunk, buffer: int) -> list[tuple[Region, torch.Tensor]]:
+        """Each of the chunk's arrays (the model copy last, if any) and its bytes in pool
+        buffer ``buffer`` (whole blocks: what is transferred)."""
+        n = chunk.hi - chunk.lo
+        span = round_up(n * _FP32.itemsize)
+        base = self._buffers[buffer]
+        regions = list(chunk.record.regions())
+        if chunk.record.copy is not None:
+            regions.append(chunk.record.copy)
+        return [(region, base[i * span:i * span + round_up(n * region.dtype.itemsize)])
+                for i, region in enumerate(regions)]
+
+    def _arrays(self, chunk: Chunk, buffer: int) -> tuple[torch.Tensor | None, ...]:
+        """The chunk's master, moments and model copy (None: none) in pool buffer ``buffer``."""
+        n = chunk.hi - chunk.lo
+        views = [part[:n * region.dtype.itemsize].view(region.dtype)
+                 for region, part in self._parts(chunk, buffer)]
+        return (*views, None) if len(views) == 3 else tuple(views)
+
+    def _read(self, chunk: Chunk, buffer: int) -> None:
+        for region, part in self._parts(chunk, buffer)[:3]:  # (a copy is written, not read)
+            self._io("reading", self.file.read,
+                     region.offset + chunk.lo * region.dtype.itemsize, part)
+
+    def _write(self, chunk: Chunk, buffer: int) -> None:
+        for region, part in self._parts(chunk, buffer):
+            self._io("writing", self.file.write,
+                     region.offset + chunk.lo * region.dtype.itemsize, part)
+
+    def _submit(self, pool, fn, *args) -> concurrent.futures.Future:
+        if pool is None:  # a rehearsal: nothing moves
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(None)
+            return done
+        return pool.submit(fn, *args)
+
+    def _io(self, doing: str, fn: Callable[[int, torch.Tensor], None], offset: int,
+            part: torch.Tensor) -> None:
+        """``fn(offset, part)``, a transfer; its OSError as NvmeIOError saying what to do."""
+        try:
+            fn(offset, part)
+        except OSError as e:
+            after = ("the state there is now part-stepped, so this run cannot go on: resume "
+                     "from its last checkpoint" if doing == "writing" else
+                     "nothing was changed by this transfer; the run cannot go on without it")
+            raise NvmeIOError(e.errno, f"zerocore: NVMe offload: {doing} the scratch in "
+                                       f"Offload(path={self.path!r}) failed: {e.strerror or e}; "
+                                       f"{after} (free space there, or give another path)"
+                              ) from None
+
+
+def _settle(done: concurrent.futures.Future) -> None:
+    """Waits for a transfer, whatever its outcome (a pass that failed is being unwound)."""
+    try:
+        done.result()
+    except BaseException:  # noqa: BLE001  (the pass's first failure is the one raised)
+        pass
+
+
+def _close(reader: concurrent.futures.ThreadPoolExecutor,
+           writer: concurrent.futures.ThreadPoolExecutor, file: ScratchFile) -> None:
+    """The store's end: its threads, then its file. Every write was waited for by its pass; a
+    read ahead still running is waited for too, unless the store ends on one of its own
+    threads (a collection of the garbage may run there), which cannot wait for itself."""
+    own = threading.current_thread() in set(reader._threads) | set(writer._threads)
+    for pool in (reader, writer):
+        pool.shutdown(wait=not own, cancel_futures=True)
+    file.close()
+
+
+@contextlib.contextmanager
+def _quiet_read_only() -> Iterator[None]:
+    """Silences torch's warning that a buffer is not writable (a checkpoint only reads it)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        yield
