@@ -122,7 +122,8 @@ def test_gpu_check_lists_every_step_with_its_budget():
                          capture_output=True, timeout=60, check=True).stdout
     plan = _plan(out)
     assert list(plan) == ["environment", "build", "selftest", "two ranks, one GPU",
-                          "bf16: GPU against gloo CPU", "CUDA tests", "CUDA benchmarks",
+                          "bf16: GPU against gloo CPU", "mesh and qgZ", "CUDA tests",
+                          "CUDA benchmarks",
                           "Trainer example", "layer cost", "param offload"], out
     total = sum(budget for budget, _ in plan.values())
     assert total <= 480, total  # the whole check within 8 minutes of device time
@@ -147,3 +148,4 @@ def test_gpu_check_dry_run_passes_and_lists_every_step(tmp_path):
         check=True).stdout))
     assert "losses differ by 0 relative at most (bound 0: bit for bit" in summary
     assert "within the selftest's tolerances; every group ends with a real value" in summary
+    assert "1x1 mesh against flat, 1 rank on cpu, fp32: bit for bit PASS" in summary
