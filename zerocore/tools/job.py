@@ -313,8 +313,8 @@ def _report(job: Job, out: dict) -> None:
           flush=True)
 
 
-def _run(job: Job, with_reference: bool, json_path: str | None) -> int:
-    out = run_job(job)
+def _failed(job: Job, out: dict) -> int | None:
+    """The exit status of a run that did not train (said on stdout), or None."""
     if "refused" in out:
         print(f"zerocore.tools.job: c10d cannot run {job.nproc} ranks on {job.device} over "
               f"{job.backend} here: {out['refused']}")
@@ -322,6 +322,14 @@ def _run(job: Job, with_reference: bool, json_path: str | None) -> int:
     if "error" in out:
         print(f"zerocore.tools.job: {out['error']}")
         return 1
+    return None
+
+
+def _run(job: Job, with_reference: bool, json_path: str | None) -> int:
+    out = run_job(job)
+    failed = _failed(job, out)
+    if failed is not None:
+        return failed
     _report(job, out)
     if json_path:
         with open(json_path, "w") as f:
@@ -377,25 +385,19 @@ def _mesh(device: str, dtype: str) -> int:
     replica of one shard is flat sharding); (2) two ranks as two replicas of one shard, the
     job with qgZ (the replicas' all-reduce in int8: its quantization kernels, all-to-all and
     all-gather on the device) against the exact all-reduce, losses within QGZ_LOSS_RTOL."""
-    flat, one = (run_job(Job(device, 1, dtype, layout=layout)) for layout in ("flat", "hsdp"))
-    for out in (flat, one):
-        if "refused" in out or "error" in out:
-            print(f"zerocore.tools.job: {out.get('refused') or out['error']}")
-            return 1
+    jobs = [Job(device, n, dtype, layout=layout)
+            for n, layout in ((1, "flat"), (1, "hsdp"), (2, "hsdp"), (2, "qgz"))]
+    outs = []
+    for job in jobs:
+        outs.append(run_job(job))
+        failed = _failed(job, outs[-1])
+        if failed is not None:
+            return failed
+    flat, one, exact, quantized = outs
     same = flat["losses"] == one["losses"] and all(
         torch.equal(flat["params"][n], one["params"][n]) for n in flat["params"])
     print(f"1x1 mesh against flat, 1 rank on {device}, {dtype}: "
           f"{'bit for bit' if same else 'DIFFERENT'} {'PASS' if same else 'FAIL'}")
-    exact, quantized = (run_job(Job(device, 2, dtype, layout=layout))
-                        for layout in ("hsdp", "qgz"))
-    for out in (exact, quantized):
-        if "refused" in out:
-            print(f"zerocore.tools.job: c10d cannot run 2 ranks on {device} here: "
-                  f"{out['refused']}")
-            return EXIT_REFUSED
-        if "error" in out:
-            print(f"zerocore.tools.job: {out['error']}")
-            return 1
     diff = loss_difference(quantized["losses"], exact["losses"])
     ok = diff <= QGZ_LOSS_RTOL
     print(f"qgZ int8 against exact, 2x1 mesh on {device}, {dtype}: losses differ by {diff:.3g} "
