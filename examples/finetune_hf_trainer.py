@@ -196,7 +196,7 @@ def check(args: argparse.Namespace, torchrun: bool) -> str | None:
     return None
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=str(REPO / "tests" / "data" / "shakespeare_excerpt.txt"),
@@ -215,7 +215,7 @@ def main() -> int:
                         "for backward (default: none, flat over every rank)")
     p.add_argument("--quantize-gradients", choices=("none", "int8"), default="none",
                    help="with --hybrid: the gradients' all-reduce across nodes in int8 (qgZ)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.hybrid = None if args.hybrid == "none" else args.hybrid
     args.quantize_gradients = None if args.quantize_gradients == "none" else \
         args.quantize_gradients

@@ -1,5 +1,6 @@
 """The README's library example runs as shown and learns."""
 
+import importlib.util
 import os
 import re
 import signal
@@ -125,7 +126,17 @@ def _example_env(**more: str) -> dict[str, str]:
             **more}
 
 
-@pytest.mark.parametrize("args, phrase", [
+@pytest.fixture(scope="module")
+def trainer_example():
+    """examples/finetune_hf_trainer.py imported as a module, as its rank processes import it."""
+    spec = importlib.util.spec_from_file_location(
+        "finetune_hf_trainer", ROOT / "examples" / "finetune_hf_trainer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+REFUSALS = [
     (["--nproc", "0"], "--nproc 0: give 1 or more processes"),
     (["--data", "no/such/file.txt"], "--data no/such/file.txt: no such file"),
     (["--seq-len", "0"], "--seq-len 0: the model has 256 positions"),
@@ -137,19 +148,44 @@ def _example_env(**more: str) -> dict[str, str]:
                                        "all-reduce across nodes, which only --hybrid has"),
     (["--hybrid", "hpz"], "--hybrid hpz lays the ranks out in nodes: "
                           "run under torchrun --nnodes N (N >= 2)"),
-], ids=["nproc-0", "no-data", "seq-len-0", "seq-len-huge", "batch-0", "lr-nan", "unwritable-out",
-        "qgz-flat", "hybrid-one-machine"])
-def test_the_trainer_example_refuses_bad_arguments_in_one_line(tmp_path, args, phrase):
+]
+REFUSAL_IDS = ["nproc-0", "no-data", "seq-len-0", "seq-len-huge", "batch-0", "lr-nan",
+               "unwritable-out", "qgz-flat", "hybrid-one-machine"]
+
+
+def _refusal_args(tmp_path: Path, args: list[str]) -> list[str]:
     (tmp_path / "file").write_text("x")
-    args = [str(tmp_path / "file" / "out") if a == "OUT_UNDER_A_FILE" else a for a in args]
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "finetune_hf_trainer.py"),
-                           *args], capture_output=True, text=True, timeout=300,
-                          env=_example_env(), cwd=tmp_path)
-    assert proc.returncode == 2, (proc.stdout, proc.stderr)
-    lines = proc.stderr.strip().splitlines()
+    return [str(tmp_path / "file" / "out") if a == "OUT_UNDER_A_FILE" else a for a in args]
+
+
+def _assert_refused(rc: int, out: str, err: str, phrase: str, tmp_path: Path) -> None:
+    assert rc == 2, (out, err)
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and phrase in lines[0], lines
-    assert proc.stdout == ""
+    assert out == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing written
+
+
+@pytest.mark.parametrize("args, phrase", REFUSALS, ids=REFUSAL_IDS)
+def test_the_trainer_example_refuses_bad_arguments_in_one_line(trainer_example, tmp_path,
+                                                               monkeypatch, capsys, args, phrase):
+    """The example's own main(), in this process: each of its checks refuses in one line before
+    any process starts or anything is written. (Importing transformers and peft costs about
+    10 s a process, so one case runs as a user runs it, below.)"""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RANK", raising=False)  # not under torchrun
+    rc = trainer_example.main(_refusal_args(tmp_path, args))
+    captured = capsys.readouterr()
+    _assert_refused(rc, captured.out, captured.err, phrase, tmp_path)
+
+
+def test_the_trainer_example_refuses_in_one_line_as_a_command(tmp_path):
+    """One refusal through the script itself: exit 2, one line on stderr, nothing written."""
+    args, phrase = REFUSALS[-1]
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "finetune_hf_trainer.py"),
+                           *_refusal_args(tmp_path, args)], capture_output=True, text=True,
+                          timeout=300, env=_example_env(), cwd=tmp_path)
+    _assert_refused(proc.returncode, proc.stdout, proc.stderr, phrase, tmp_path)
 
 
 # Seconds the example's processes may outlive it (neox.finetune's bound, tests/neox).
