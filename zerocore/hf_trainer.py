@@ -61,11 +61,11 @@ from transformers.utils import logging
 import zerocore
 from zerocore.loss_scale import global_grad_stats
 from zerocore.engine.sharded_model import ShardedModel
+from zerocore.policies import HYBRID_LAYOUTS
 
 CHECKPOINT_DIR = "zerocore"  # inside each checkpoint-N/ of Trainer
-# ``hybrid=``'s layouts: each takes the mesh of torchrun's nodes (another of zerocore's layouts
-# is one more word here, and its policy in the options given to shard_model).
-HYBRIDS = ("hsdp", "hpz")
+# ``hybrid=``'s layouts, zerocore.Hybrid's: each takes the mesh of torchrun's nodes.
+HYBRIDS = HYBRID_LAYOUTS
 logger = logging.get_logger(__name__)
 
 

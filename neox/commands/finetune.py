@@ -27,7 +27,8 @@ from neox.commands.flags import (HelpFormatter, Parser, add_recipe_flags, explic
 from neox.config import NeoXConfig, preset_config
 from neox.finetune_modes import GROUP as MODE, auto_mode
 from neox.run import from_deepspeed as nds
-from neox.run.launch import LaunchConfig, RunRequest, launch, run_under_torchrun
+from neox.run.launch import (LaunchConfig, RunRequest, launch, local_world_size,
+                             run_under_torchrun)
 from neox.run.layout import check_layout
 from neox.run.progress import say
 from neox.run.recipe import (DATA, LOOP, MODEL, OPTIM, OUTPUT, STEP, FROM_SCRATCH, Recipe,
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         # The layout of the recipe (a resumed run's included) against the nodes.
         nodes = zerocore.nodes_of(os.environ) if torchrun else (args.nodes or 1)
         world = (int(os.environ["WORLD_SIZE"]) if torchrun else
-                 min(args.nproc, torch.cuda.device_count()) if use_cuda else args.nproc)
+                 local_world_size(args.nproc, use_cuda))
         check_layout(recipe.loop, world_size=world, nodes=nodes, torchrun=torchrun,
                      nodes_given=args.nodes is not None)
     except (UsageError, OutputDirError) as e:

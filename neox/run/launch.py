@@ -157,10 +157,15 @@ def _take_output_dir(request: RunRequest, log: Any) -> tuple[OutputDirLock, str]
 
 # -- the launcher ---------------------------------------------------------------------------------
 
+def local_world_size(nproc: int, use_cuda: bool) -> int:
+    """The processes the launcher starts: one per GPU up to ``nproc``, else ``nproc``."""
+    return min(nproc, torch.cuda.device_count()) if use_cuda else nproc
+
+
 def launch(request: RunRequest, config: LaunchConfig) -> int:
     """Runs the recipe on this machine: one process per GPU (NCCL), else ``config.nproc``
     CPU processes (gloo). Returns the exit code."""
-    world_size = min(config.nproc, torch.cuda.device_count()) if config.use_cuda else config.nproc
+    world_size = local_world_size(config.nproc, config.use_cuda)
     describe_environment(config.use_cuda, say)
     if config.use_cuda:  # read by each rank's CUDA allocator when it starts
         os.environ.update(cuda_environment(dict(os.environ)))

@@ -29,13 +29,11 @@ class Agents:
         return "\n".join(self.outputs)
 
 
-def torchrun_command(port: int, program: Sequence[str], *, nproc: int = 2,
-                     nnodes: int = 2, node_rank: int | None = None) -> list[str]:
-    """``python -m torch.distributed.run`` of one agent; ``program``: ``["-m", module, ...]``
-    or a script and its arguments. ``node_rank``: fixed, else assigned by the rendezvous."""
-    rank = [] if node_rank is None else ["--node-rank", str(node_rank)]
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
-            "--nproc-per-node", str(nproc), *rank, "--rdzv-backend", "c10d",
+def torchrun_command(port: int, program: Sequence[str], *, nproc: int = 2) -> list[str]:
+    """``python -m torch.distributed.run`` of one agent of two; ``program``: ``["-m", module,
+    ...]`` or a script and its arguments. The rendezvous numbers the nodes."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+            "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"two-nodes-{port}",
             *map(str, program)]
 
