@@ -41,7 +41,6 @@ class Mesh:
     replicate: dist.ProcessGroup | None
     whole: dist.ProcessGroup              # every rank of the mesh: where the ranks agree
     shape: tuple[int, int]                # (replicas, shards); flat: (1, ranks)
-    hybrid: bool                          # given as a 2-D mesh (a replicate dim of 1 included)
     # The nodes the job spans, by torchrun's environment (``nodes_of``), for the start-up
     # line; None when not launched so, or on one node.
     nodes: int | None = None
@@ -50,6 +49,11 @@ class Mesh:
     # The device type of the DeviceMesh given (``init_device_mesh``'s), None for a group.
     device_type: str | None = None
     layout: str = "flat"                  # "flat", "hsdp" or "hpz"
+
+    @property
+    def hybrid(self) -> bool:
+        """Given as a 2-D mesh (a replicate dim of 1 included): HSDP or hpZ."""
+        return self.layout != "flat"
 
     @property
     def replicas(self) -> int:
@@ -150,7 +154,7 @@ def flat(group: dist.ProcessGroup, nodes: int | None = None,
          device_type: str | None = None) -> Mesh:
     """The flat layout over ``group`` (of a 1-D mesh made for ``device_type``)."""
     n = group.size()
-    return Mesh(group, None, group, (1, n), hybrid=False, nodes=nodes,
+    return Mesh(group, None, group, (1, n), nodes=nodes,
                 ranks=(tuple(dist.get_process_group_ranks(group)),), device_type=device_type)
 
 
@@ -166,10 +170,10 @@ def planned(shape: tuple[int, int] | None, world_size: int,
     which this process is rank 0."""
     if shape is None:
         group = fake_group(world_size)
-        return Mesh(group, None, group, (1, world_size), hybrid=False)
+        return Mesh(group, None, group, (1, world_size))
     replicas, shards = shape
     return Mesh(fake_group(shards), fake_group(replicas) if replicas > 1 else None,
-                fake_group(world_size), (replicas, shards), hybrid=True,
+                fake_group(world_size), (replicas, shards),
                 layout=layout_of(hybrid, replicas))
 
 
@@ -253,7 +257,7 @@ def resolve(group: dist.ProcessGroup | None, mesh: DeviceMesh | None, what: str,
     else:  # made by the mesh's ranks alone (the world's others take no part)
         whole = dist.new_group(everyone, use_local_synchronization=True)
     return Mesh(mesh.get_group(1), mesh.get_group(0) if replicas > 1 else None, whole,
-                (replicas, shards), hybrid=True, nodes=nodes, ranks=ranks,
+                (replicas, shards), nodes=nodes, ranks=ranks,
                 layout=layout_of(hybrid, replicas), device_type=mesh.device_type)
 
 
