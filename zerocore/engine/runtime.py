@@ -58,16 +58,43 @@ class Unit:
     call: "UnitCall | None" = None  # the call in progress (between the two forward hooks)
 
 
-@dataclasses.dataclass(eq=False)
 class UnitCall:
-    """One forward call of a unit that built a graph, until its backward is done."""
+    """One forward call of a unit that built a graph, until its backward is done.
 
-    unit: Unit
-    previous: Unit | None     # the unit that built a graph before it in this forward
-    # Parts of the backward still to come before the unit may be freed: its parameters' node
-    # and its inputs' gradient; None for the root (freed when the whole backward ends).
-    waiting: int | None = 0
-    started: bool = False
+    Autograd holds it (the parameters' node, gradient hooks), and autograd's nodes are objects
+    Python's collector cannot see into: a path from one back to the model would keep the model
+    alive for good (the unit's module holds its installed views, whose node is this call's),
+    so the call holds its units only weakly; the runtime holds them."""
+
+    def __init__(self, unit: Unit, previous: Unit | None, waiting: int | None):
+        self._unit = weakref.ref(unit)
+        # the unit that built a graph before it in this forward
+        self._previous = None if previous is None else weakref.ref(previous)
+        # Parts of the backward still to come before the unit may be freed: its parameters'
+        # node and its inputs' gradient; None for the root (freed when the whole backward ends).
+        self.waiting = waiting
+        self.started = False
+
+    @property
+    def unit(self) -> Unit:
+        return self._unit()
+
+    @property
+    def previous(self) -> Unit | None:
+        return None if self._previous is None else self._previous()
+
+
+def _weakly(method: Callable[..., None], *args: Any) -> Callable[..., None]:
+    """``method(*args, *more)`` when called with ``more``, while its object lives; nothing once
+    it is gone: what autograd keeps (a gradient hook, a node's context) must not keep the
+    runtime, hence the model, alive (see ``UnitCall``)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*more: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args, *more)
+    return call
 
 
 class UnitParams(torch.autograd.Function):
@@ -78,13 +105,14 @@ class UnitParams(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, runtime: "Runtime", call: UnitCall, shard: torch.Tensor):
-        ctx.runtime, ctx.call = runtime, call
+        # Weakly (see UnitCall): a graph kept after its model was dropped holds no engine.
+        ctx.params_done = _weakly(runtime.params_done, call)
         ctx.set_materialize_grads(False)
         return tuple(call.unit.layer.trainable.views(requires_grad=False))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
-        ctx.runtime.params_done(ctx.call, list(grads))
+        ctx.params_done(list(grads))
         return None, None, None
 
 
@@ -262,13 +290,13 @@ class Runtime:
             self._last_graph = unit
             if inputs:
                 call.waiting += 1
-                self._gradients.on(inputs, lambda: self.part_done(call), mode="all")
+                self._gradients.on(inputs, _weakly(self.part_done, call), mode="all")
 
     def _after_unit(self, unit: Unit, output: Any) -> None:
         call, unit.call = unit.call, None
         outputs = _requiring_grad(output) if call is not None else []
         if outputs:
-            self._gradients.on(outputs, lambda: self._backward_begins(call), mode="any")
+            self._gradients.on(outputs, _weakly(self._backward_begins, call), mode="any")
             last = self._order_before[-1] if self._order_before else None
             if self.schedule.keeps_for_backward(unit.layer.index, last=unit is last):
                 # Kept gathered for its backward (then freed; resident frozen groups stay):
@@ -371,7 +399,7 @@ class Runtime:
         if outputs:
             # Backward needs the root from its first operation (the head) to its last (the
             # embedding): gathered throughout, freed when it ends (the coordinator's finish).
-            self._gradients.on(outputs, self._root_backward_begins, mode="any")
+            self._gradients.on(outputs, _weakly(self._root_backward_begins), mode="any")
         else:
             self._free_unless_held(self.root)
 
