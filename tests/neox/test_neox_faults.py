@@ -38,6 +38,7 @@ from neox.run.run_dir import CHECKPOINTS, METRICS, RUN_FILE
 from tests.support.processes import RUN_MARK, left_after, marked
 from tests.support.neox_testing import (EXCERPT, REPO, assert_clean_error, call_main, cli_env,
                                         run_module, start_module)
+from tests.support.two_nodes import start_two_nodes
 
 # A small run: the tiny preset (4 blocks, 64 wide) on the excerpt, 2 sequences of 16 tokens per
 # rank per step: about 1,100 steps per epoch, a few hundred steps a second on 2 ranks.
@@ -340,6 +341,53 @@ def test_a_rank_is_tied_to_its_launcher_before_its_imports(tmp_path, when):
     assert not left, f"the rank (pid {rank}) outlived its launcher by {ORPHAN_DEADLINE_S} s"
     if when == "importing":  # it was in its first import when the launcher died
         assert flag.exists()
+
+
+# Seconds after the ranks appear at which both torchrun agents are SIGKILLed, 0.5 s apart:
+# the ranks are then in the interpreter's start-up or importing torch (seconds here: training
+# starts tens of seconds later on this 2-core machine), as the rank the issue found orphaned
+# 6 s into start-up was.
+AGENT_KILL_MOMENTS = [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0]
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("moment", AGENT_KILL_MOMENTS, ids=lambda m: f"{m}s")
+def test_no_rank_outlives_torchrun_agents_killed_during_start_up(cache, tmp_path, moment):
+    """Two torchrun agents (one rank each) killed as their ranks start: no rank is left
+    ORPHAN_DEADLINE_S later (each is tied to its agent before its first heavy import)."""
+    mark = uuid.uuid4().hex
+    agents = start_two_nodes(["-m", "neox.finetune", *args(cache, tmp_path / "out", "--epochs",
+                                                           50)],
+                             nproc=1, env=dict(cli_env(), **{RUN_MARK: mark}))
+    pids = {agent.pid for agent in agents}
+    try:
+        deadline = time.monotonic() + 120
+        while len([p for p in marked(mark) if _parent(p) in pids]) < 2:
+            assert all(a.poll() is None for a in agents), [a.communicate() for a in agents]
+            assert time.monotonic() < deadline, "the agents started no ranks"
+            time.sleep(0.01)
+        time.sleep(moment)
+        for agent in agents:
+            agent.kill()
+        died = time.monotonic()
+        for agent in agents:
+            agent.wait()
+        left = _gone_within_orphan_deadline(mark, died)
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+            agent.stdout.close()
+        for pid in marked(mark):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"{len(left)} ranks left {ORPHAN_DEADLINE_S} s after their agents died"
 
 
 # The stopped-rank runs wait STOP_TIMEOUT_S (--timeout). The issue's bound on the time from the

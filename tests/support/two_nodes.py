@@ -38,17 +38,23 @@ def torchrun_command(port: int, program: Sequence[str], *, nproc: int = 2) -> li
             *map(str, program)]
 
 
-def run_two_nodes(program: Sequence[str], *, timeout: float, nproc: int = 2,
-                  env: dict[str, str] | None = None) -> Agents:
-    """Both agents run ``program`` (the rendezvous numbers the nodes); waits for both (killed past
-    ``timeout`` seconds)."""
+def start_two_nodes(program: Sequence[str], *, nproc: int = 2,
+                    env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """Both agents started on ``program`` (the rendezvous numbers the nodes), each's stdout
+    and stderr together in a pipe."""
     port = free_port()
     environ = {k: v for k, v in (env or os.environ).items() if k not in LAUNCHER_VARIABLES}
     environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(REPO), environ.get("PYTHONPATH")) if p)
-    agents = [subprocess.Popen(torchrun_command(port, program, nproc=nproc),
-                               cwd=REPO, env=environ, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    return [subprocess.Popen(torchrun_command(port, program, nproc=nproc),
+                             cwd=REPO, env=environ, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+
+
+def run_two_nodes(program: Sequence[str], *, timeout: float, nproc: int = 2,
+                  env: dict[str, str] | None = None) -> Agents:
+    """Both agents run ``program``; waits for both (killed past ``timeout`` seconds)."""
+    agents = start_two_nodes(program, nproc=nproc, env=env)
     outputs = []
     try:
         for agent in agents:
