@@ -17,8 +17,9 @@ this machine):
         --rdzv-endpoint HOST:29500 examples/finetune_hf_trainer.py --hybrid hsdp
 
 Started by this script, the processes cannot outlive it (zerocore.tools.rank_processes, as
-neox.finetune's ranks): killed, it takes them with it; Ctrl-C stops them. Bad arguments are
-refused in one line before any process starts.
+neox.finetune's ranks): killed, it takes them with it; Ctrl-C stops them. A process that loses
+another (killed, failed) says so in one line and exits 3, as neox's ranks do. Bad arguments
+are refused in one line before any process starts.
 
 On GPUs each process takes one (NCCL) and computes in bf16 where the GPU supports it; on the CPU
 the processes are gloo ones in fp32. The model is a small GPT-NeoX from a config (there are no
@@ -49,6 +50,8 @@ PROMPT = "ROMEO:\n"
 # Greedy, so the sharded model and PEFT's reload must give the same bytes; no byte pair may
 # repeat, so that the line shows letters rather than the newline a tiny byte model repeats.
 GENERATE = dict(max_new_tokens=40, do_sample=False, no_repeat_ngram_size=2, pad_token_id=0)
+# A process's exit code when it lost contact with another (neox.finetune's).
+EXIT_LOST_PEER = 3
 
 
 def base_model() -> GPTNeoXForCausalLM:
@@ -141,6 +144,18 @@ def rank_main(rank: int, fd: int, launcher: int) -> None:
 def main_process(args: argparse.Namespace) -> None:
     try:
         run(args)
+    except Exception as e:
+        if not zerocore.is_peer_loss(e):
+            raise
+        # Another process failed or was killed, and says so (or its launcher does): this one
+        # says it lost it, in one line, not with a traceback of whichever collective it was in,
+        # and leaves at once: the group it would tear down is broken (as neox's ranks do).
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error (rank {os.environ.get('RANK', 0)}): lost contact with another process "
+              f"({first[:200]}); it failed or was killed (see above)", file=sys.stderr,
+              flush=True)
+        sys.stdout.flush()
+        os._exit(EXIT_LOST_PEER)
     finally:
         # Free the model (which holds the group) before the group: see finetune_hf_lora.py.
         gc.collect()

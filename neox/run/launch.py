@@ -393,20 +393,6 @@ def _rank_process(rank: int, fd: int, launcher_pid: int) -> NoReturn:
     os._exit(code)
 
 
-# How gloo and NCCL say that another process of the group is gone or silent past the timeout
-# (gloo raises a plain RuntimeError from its transport; "Application timeout caused pair
-# closure": an operation waiting on a pair that another one's timeout closed).
-_PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-              "gloo/transport", "NCCL communicator was aborted", "Timed out",
-              "Application timeout caused pair closure")
-
-
-def _is_lost_peer(e: BaseException) -> bool:
-    if isinstance(e, (dist.DistBackendError, zerocore.PeerLost)):
-        return True
-    return isinstance(e, RuntimeError) and any(p in str(e) for p in _PEER_LOSS)
-
-
 def run_under_torchrun(request: RunRequest, config: LaunchConfig) -> NoReturn:
     """This process is rank RANK of torchrun's WORLD_SIZE processes; exits with the rank's code."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -483,7 +469,7 @@ def _run_rank(rank: int, task: RankTask,
         print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
         return EXIT_REPORTED
     except Exception as e:
-        if not _is_lost_peer(e):
+        if not zerocore.is_peer_loss(e):
             traceback.print_exc()
             return EXIT_CRASH
         if stop_heard is not None and stop_heard(STOP_HEARD_WAIT_S):

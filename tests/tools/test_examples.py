@@ -216,3 +216,46 @@ def test_the_trainer_examples_processes_go_with_it(tmp_path):
         for pid in marked(mark):
             os.kill(pid, signal.SIGKILL)
     assert left == [], f"{len(left)} processes outlived the example by {ORPHAN_DEADLINE_S} s"
+
+
+def _rank_pid(marker: str, mark: str, rank: int) -> int | None:
+    """The pid of rank ``rank`` started by ``zerocore.tools.rank_processes`` with ``marker``
+    (its command line: python -c BOOTSTRAP marker launcher fd rank ...), if running."""
+    for pid in marked(mark):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[3:4] == [marker.encode()] and argv[6:7] == [str(rank).encode()]:
+            return pid
+    return None
+
+
+def test_a_killed_process_of_the_trainer_example_is_one_line_on_the_other(tmp_path):
+    """SIGKILL of process 1 once the example trains: process 0 says in one line that it lost
+    it, with no traceback (the launcher names the killed one), and the example exits non-zero."""
+    mark = uuid.uuid4().hex
+    main = subprocess.Popen([sys.executable, str(ROOT / "examples" / "finetune_hf_trainer.py"),
+                             "--steps", "1000", "--log-every", "1", "--out",
+                             str(tmp_path / "out")],
+                            env=_example_env(**{RUN_MARK: mark}), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        # Trainer prints each step's logged loss (disable_tqdm): the processes train.
+        while "'loss'" not in main.stdout.readline():
+            assert main.poll() is None, main.communicate()
+        victim = _rank_pid("hf-trainer-rank", mark, 1)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        _, err = main.communicate(timeout=300)
+    finally:
+        if main.poll() is None:
+            main.kill()
+        for pid in marked(mark):
+            os.kill(pid, signal.SIGKILL)
+    assert main.returncode != 0, err
+    assert "Traceback" not in err, err
+    lost = [line for line in err.splitlines() if "lost contact" in line]
+    assert len(lost) == 1 and lost[0].startswith("error (rank 0): lost contact with another "
+                                                 "process ("), err
+    assert f"error: rank 1 (pid {victim}) was killed by SIGKILL" in err, err
