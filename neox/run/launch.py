@@ -398,7 +398,10 @@ def run_under_torchrun(request: RunRequest, config: LaunchConfig) -> NoReturn:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if rank == 0:
         describe_environment(config.use_cuda, say)
-    set_parent_death_signal(signal.SIGTERM)  # torchrun's agent is the parent
+    # torchrun's agent is the parent. ``python -m neox.finetune`` tied this process to it
+    # before its imports (neox.commands.entry); again here for a caller of this function that
+    # did not come through it (the tie is a no-op when made twice).
+    set_parent_death_signal(signal.SIGTERM)
     if config.use_cuda:  # before this process allocates anything on the GPU
         os.environ.update(cuda_environment(dict(os.environ)))
     task = RankTask(request, None, world, "env://", config.use_cuda, config.timeout,
