@@ -38,17 +38,21 @@ def torchrun_command(port: int, program: Sequence[str], *, nproc: int = 2) -> li
             *map(str, program)]
 
 
-def run_two_nodes(program: Sequence[str], *, timeout: float, nproc: int = 2,
-                  env: dict[str, str] | None = None) -> Agents:
-    """Both agents run ``program`` (the rendezvous numbers the nodes); waits for both (killed past
-    ``timeout`` seconds)."""
+def run_two_nodes(program: Sequence[str], *, timeout: float, nproc: int | Sequence[int] = 2,
+                  env: dict[str, str] | None = None,
+                  extra: Sequence[Sequence[str]] = ((), ())) -> Agents:
+    """Both agents run ``program`` (the rendezvous numbers the nodes), the first with
+    ``extra[0]`` after it, the second with ``extra[1]`` (two nodes started with other flags),
+    ``nproc`` ranks each (or ``nproc[i]`` on agent i); waits for both (killed past ``timeout``
+    seconds)."""
     port = free_port()
     environ = {k: v for k, v in (env or os.environ).items() if k not in LAUNCHER_VARIABLES}
     environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(REPO), environ.get("PYTHONPATH")) if p)
-    agents = [subprocess.Popen(torchrun_command(port, program, nproc=nproc),
+    nprocs = [nproc, nproc] if isinstance(nproc, int) else list(nproc)
+    agents = [subprocess.Popen(torchrun_command(port, [*program, *extra[i]], nproc=nprocs[i]),
                                cwd=REPO, env=environ, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+                               stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outputs = []
     try:
         for agent in agents:

@@ -4,17 +4,15 @@ Every rank of a job parses its own command line and builds its own objects; two 
 with other flags train with other learning rates, or run other collectives, while each believes
 it runs the job. The ranks compare what they were given before building anything:
 
-- each rank hashes each value's ``repr`` (8 bytes a value) and the ranks all-gather the hashes,
-  with each rank's node (one small tensor all-gather; the same on every rank);
+- each rank hashes its names and values' texts (``repr``) into 8 bytes, and the ranks all-gather
+  them with each rank's node (one all-gather of 16 bytes a rank, whatever the values);
 - all equal: nothing more is exchanged, every rank returns;
-- some differ: the ranks all-gather the texts of only the values that differ (a second,
-  object all-gather), and every rank raises the same ``ValuesDiffer``, one line naming each
-  value that differs and what each node (or rank) has, e.g. "--lr differs across ranks: node 0
-  (ranks 0-1): 0.001; node 1 (ranks 2-3): 0.002".
+- some differ: the ranks all-gather their texts (a second, object all-gather, on this path
+  only), and every rank raises the same ``ValuesDiffer``, one line naming each value that
+  differs (a name one rank lacks included) and what each node (or rank) has, e.g. "--lr differs
+  across ranks: node 0 (ranks 0-1): 0.001; node 1 (ranks 2-3): 0.002".
 
-A collective: every rank calls it with the same names in the same order (the names are hashed
-with the values, so that a rank given other names is seen to differ, not paired with another
-value).
+A collective: every rank calls it, in the same order as its other collectives.
 """
 
 from __future__ import annotations
@@ -44,11 +42,6 @@ class ValuesDiffer(ValueError):
 
     def __reduce__(self):
         return ValuesDiffer, (str(self), self.names)
-
-
-def _hash(name: str, text: str) -> int:
-    # 63 bits: the tensor is int64, and a non-negative value keeps the comparison plain.
-    return int.from_bytes(hashlib.sha1(f"{name}={text}".encode()).digest()[:8], "little") >> 1
 
 
 def _span(ranks: Sequence[int]) -> str:
@@ -82,30 +75,30 @@ def agree_values(values: Mapping[str, Any], *, what: str, advice: str,
                  node: int | None = None, text: Callable[[Any], str] = repr) -> None:
     """Collective: raises ``ValuesDiffer`` on every rank of ``group`` (default: the world) when
     the ranks' ``values`` (name -> value) differ, naming only those that do, with each node's
-    (or rank's) ``text(value)``; see the module docstring. ``what`` begins the message
-    ("neox.finetune"), ``advice`` ends it (what to do). ``node``: this rank's node (torchrun's
-    GROUP_RANK), for the message; None on every rank when there are none. ``device``: where the
-    bytes travel on a group without a CPU backend (as ``run_agreed``)."""
+    (or rank's) ``text(value)`` ("(not given)" where a rank lacks the name); see the module
+    docstring. ``what`` begins the message ("neox.finetune"), ``advice`` ends it (what to do).
+    ``node``: this rank's node (torchrun's GROUP_RANK), for the message; None on every rank
+    when there are none. ``device``: where the bytes travel on a group without a CPU backend
+    (as ``run_agreed``)."""
     group = group if group is not None else dist.group.WORLD
     channel = comm_device(group, torch.device("cpu"), device)
     world = dist.get_world_size(group)
     texts = {name: text(value) for name, value in values.items()}
-    # Column 0: the node (-1: none); then one hash a value, and one of the names themselves.
-    row = [-1 if node is None else node, _hash("", ",".join(texts))]
-    row += [_hash(name, t) for name, t in texts.items()]
-    mine = torch.tensor(row, dtype=torch.int64, device=channel)
-    every = torch.empty(world * len(row), dtype=torch.int64, device=channel)
+    # (node (-1: none), a hash of every name and value): a fixed size whatever the values.
+    digest = hashlib.sha1("\0".join(f"{n}={t}" for n, t in texts.items()).encode()).digest()
+    mine = torch.tensor([-1 if node is None else node,
+                         int.from_bytes(digest[:8], "little") >> 1], dtype=torch.int64,
+                        device=channel)
+    every = torch.empty(2 * world, dtype=torch.int64, device=channel)
     all_gather_sync(every, mine, group)
-    rows = every.view(world, len(row)).cpu()
-    if bool((rows[:, 1:] == rows[0, 1:]).all()):
+    rows = every.view(world, 2).cpu()
+    if bool((rows[:, 1] == rows[0, 1]).all()):
         return
-    if bool((rows[:, 1] != rows[0, 1]).any()):  # other names: compare them as one value
-        texts = {"the settings' names": ", ".join(texts)}
-        differing = list(texts)
-    else:
-        differing = [name for i, name in enumerate(texts)
-                     if bool((rows[:, 2 + i] != rows[0, 2 + i]).any())]
-    theirs = all_gather_objects({name: texts[name] for name in differing}, group, channel)
+    # They differ: each rank's texts (only now, and only these few strings) name what.
+    theirs = all_gather_objects(texts, group, channel)
+    names = list(dict.fromkeys(name for t in theirs for name in t))
+    per_rank = {name: [t.get(name, "(not given)") for t in theirs] for name in names}
+    differing = {name: seen for name, seen in per_rank.items() if len(set(seen)) > 1}
     nodes = [None if n < 0 else n for n in rows[:, 0].tolist()]
-    per_rank = {name: [t[name] for t in theirs] for name in differing}
-    raise ValuesDiffer(f"{what}: {describe_differences(per_rank, nodes)}; {advice}", differing)
+    raise ValuesDiffer(f"{what}: {describe_differences(differing, nodes)}; {advice}",
+                       list(differing))
