@@ -74,6 +74,9 @@ class Setting:
     since: int = 1
     # A value written by an older neox -> this one's (frozen weights: "compute" -> None)
     upgrade: Callable[[Any], Any] | None = None
+    # The value may differ from node to node (a directory on each node's own disk): the ranks
+    # of a run across nodes do not agree it (neox.run.same_recipe); every other field they do.
+    per_node: bool = False
 
 
 def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,

@@ -25,6 +25,7 @@ from zerocore.comm.agree import PeerError, run_agreed
 from zerocore.comm.peer_loss import is_peer_loss
 from zerocore.comm.peer_memory import PeerLost
 from zerocore.comm.device import Platform
+from zerocore.comm.same_values import ValuesDiffer, agree_values
 from zerocore.comm.mesh import from_environment as mesh_from_environment, node_mesh, nodes_of
 from zerocore.engine.meta_layer import MetaLayer
 from zerocore.engine.peak_memory import PeakMemory, peak_rss, reset_peak_rss
@@ -46,7 +47,7 @@ __all__ = ["BUILD", "ops", "optim", "reference", "shard", "ShardedSequential", "
            "Compile", "Hybrid",
            "LossScaling", "LossScaler", "StepResult",
            "MemoryReport", "CommReport", "run_agreed", "PeerError", "PeerLost",
-           "is_peer_loss",
+           "is_peer_loss", "agree_values", "ValuesDiffer",
            "BuildError", "save_checkpoint",
            "load_checkpoint", "latest_checkpoint", "list_checkpoints", "checkpoint_runs",
            "incomplete_checkpoints", "IncompleteCheckpoint", "open_checkpoint", "read_manifest",

@@ -47,11 +47,13 @@ Mixed precision is zerocore's (``shard_options["mixed_precision"]``, else from `
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from accelerate.optimizer import AcceleratedOptimizer
 from transformers import Trainer
@@ -135,6 +137,39 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
+# ``TrainingArguments``' fields each rank may hold its own: torchrun's numbering, where and how
+# a rank logs or reports (never a collective), its data loader's worker processes, its own
+# waits, and secrets (never sent, never named). Every other field (a subclass's too: TRL's
+# SFTConfig) changes the run and is agreed across the ranks.
+RANKS_OWN_ARGUMENTS = frozenset({
+    "local_rank", "log_level", "log_level_replica", "log_on_each_node", "disable_tqdm",
+    "report_to", "run_name", "project", "trackio_space_id", "trackio_bucket_id",
+    "trackio_static_space_id", "logging_dir", "hub_token", "dataloader_num_workers",
+    "dataloader_pin_memory", "dataloader_persistent_workers", "dataloader_prefetch_factor",
+    "dataloader_multiprocessing_context", "skip_memory_metrics", "ddp_timeout"})
+# ``shard_options`` each rank gives its own: its device; the mesh is agreed by zerocore.shard
+# (its layout, in the engine's words).
+RANKS_OWN_OPTIONS = frozenset({"device", "mesh"})
+
+
+def agreed_arguments(args: Any, shard_options: dict[str, Any],
+                     hybrid: str | None) -> dict[str, Any]:
+    """What every rank of a ``ShardedTrainer`` must be given alike, by name: the
+    ``TrainingArguments`` fields but ``RANKS_OWN_ARGUMENTS``, ``shard_options`` but
+    ``RANKS_OWN_OPTIONS`` (an NVMe ``Offload``'s path is each rank's own disk), and ``hybrid``."""
+    agreed: dict[str, Any] = {f"TrainingArguments.{f.name}": getattr(args, f.name)
+                              for f in dataclasses.fields(args)
+                              if f.name not in RANKS_OWN_ARGUMENTS}
+    for key, value in sorted(shard_options.items()):
+        if key in RANKS_OWN_OPTIONS:
+            continue
+        if isinstance(value, zerocore.Offload) and value.path is not None:
+            value = dataclasses.replace(value, path="(each rank's own)")
+        agreed[f"shard_options[{key!r}]"] = value
+    agreed["hybrid"] = hybrid
+    return agreed
+
+
 class ShardedTrainer(Trainer):
     """``transformers.Trainer`` on a model that it shards with ``zerocore.shard_model``.
 
@@ -159,6 +194,15 @@ class ShardedTrainer(Trainer):
                              "(ShardedTrainer shards it: units=..., shard_options=...)")
         if args is None:
             raise ValueError("ShardedTrainer: pass args=TrainingArguments(...)")
+        device = args.device  # joins the process group (accelerate's PartialState) first
+        # Each rank built its own arguments: the ranks agree them before anything is checked
+        # on one rank alone or built.
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            zerocore.agree_values(
+                agreed_arguments(args, shard_options or {}, hybrid), what="ShardedTrainer",
+                advice="every rank must be given the same TrainingArguments, shard_options and "
+                       "hybrid", device=device,
+                node=int(os.environ["GROUP_RANK"]) if "GROUP_RANK" in os.environ else None)
         _refuse_unsupported(model, args, kwargs)
         if hybrid is not None and hybrid not in HYBRIDS:
             raise ValueError(f"ShardedTrainer: hybrid must be None (flat) or one of {HYBRIDS}, "
@@ -177,7 +221,6 @@ class ShardedTrainer(Trainer):
         # Trainer's parameter groups, decided on the unsharded model (it reads the parameters
         # that each module owns, which sharding takes away).
         self._decayed = set(self.get_decay_parameter_names(model))
-        device = args.device  # joins the process group (accelerate's PartialState) first
         if "device" not in options and device.type != "cpu":
             options["device"] = device
         if hybrid is not None and "mesh" not in options:

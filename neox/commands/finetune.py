@@ -7,7 +7,8 @@ process group, which is how it runs across machines.
 
 This module is the edge: it parses the flags into a ``neox.run.recipe.Recipe``, checks everything
 that can be checked before a process starts (flag ranges, files, the model's block count, the
-output directory), and hands the run to ``neox.run.launch``.
+output directory), and hands the run to ``neox.run.launch``. Under torchrun the ranks first agree
+the flags every node parsed for itself (``neox.run.same_recipe``), then run those checks together.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from neox.run.progress import say
 from neox.run.recipe import (DATA, LOOP, MODEL, OPTIM, OUTPUT, STEP, FROM_SCRATCH, Recipe,
                              recipe_from_flags)
 from neox.run.resume import deepspeed_recipe, resume_recipe
+from neox.run.same_recipe import given_flags
 from neox.run.run_dir import CHECKPOINTS, OutputDirError, find_resume_checkpoint, warn_incomplete
 from neox.setting import UsageError
 from neox.weights import WeightsError, open_weights
@@ -162,6 +164,47 @@ def recipe_of(args: argparse.Namespace) -> Recipe:
                                           "activation_checkpointing": recomputed})
 
 
+def run_request(args: argparse.Namespace, use_cuda: bool, log: Any, *, torchrun: bool,
+                nodes: int | None) -> RunRequest:
+    """The run the flags ask for, checked as far as the flags, the file system and the nodes
+    allow (``nodes``: torchrun's, or --nodes). Raises ``UsageError`` or ``OutputDirError``."""
+    check_flags(args, use_cuda)
+    resolve_auto_mode(args, log)
+    recipe = recipe_of(args)
+    resume = deepspeed = None
+    for flag in ("allow_unverified", "data_changed"):
+        if getattr(args, flag) and args.resume is None:
+            raise UsageError(f"--{flag.replace('_', '-')} applies to --resume only")
+    if args.resume is not None and nds.is_deepspeed_checkpoint(args.resume):
+        for flag in ("allow_unverified", "data_changed"):
+            if getattr(args, flag):
+                raise UsageError(f"--{flag.replace('_', '-')} applies to a neox checkpoint; "
+                                 f"a DeepSpeed checkpoint is checked whole, and records no "
+                                 f"data order (the run's sampler starts at the beginning)")
+        deepspeed = args.resume.resolve()
+        recipe = deepspeed_recipe(recipe, args.explicit, args.resume, model_config(args), log)
+    elif args.resume is not None:
+        resume = find_resume_checkpoint(args.resume, Path(recipe.output.output_dir)
+                                        if "output_dir" in args.explicit else None)
+        recipe = resume_recipe(recipe, args.explicit, resume,
+                               allow_unverified=args.allow_unverified, log=log)
+        # (The output directory's own checkpoints are reported when it is taken.)
+        own = (Path(recipe.output.output_dir) / CHECKPOINTS).resolve()
+        if resume != args.resume and args.resume.resolve() != own:
+            warn_incomplete(args.resume, log)
+    problem = recipe.loop.offload_problem(for_a_run=True)  # (a resume's flags merged)
+    if problem is not None:
+        raise UsageError(problem)
+    # The layout of the recipe (a resumed run's included) against the nodes.
+    world = (int(os.environ["WORLD_SIZE"]) if torchrun else
+             local_world_size(args.nproc, use_cuda))
+    check_layout(recipe.loop, world_size=world, nodes=nodes, torchrun=torchrun,
+                 nodes_given=args.nodes is not None)
+    return RunRequest(recipe=recipe, resume=resume, overwrite=args.overwrite,
+                      allow_unverified=args.allow_unverified, data_changed=args.data_changed,
+                      deepspeed=deepspeed)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -169,48 +212,19 @@ def main(argv: list[str] | None = None) -> int:
     use_cuda = torch.cuda.is_available() and not args.cpu
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     log = say if int(os.environ.get("RANK", "0")) == 0 else (lambda *a, **k: None)
+    nodes = zerocore.nodes_of(os.environ) if torchrun else (args.nodes or 1)
+    launch_config = LaunchConfig(nproc=args.nproc, port=args.port, timeout=args.timeout,
+                                 use_cuda=use_cuda, nodes=nodes or 1)
+    if torchrun:
+        # Possibly many machines, each of which parsed its own flags: this process is one rank
+        # of torchrun's group, and the ranks agree the flags, then check them, together.
+        flags = given_flags(vars(args))
+        return run_under_torchrun(
+            lambda: run_request(args, use_cuda, log, torchrun=True, nodes=nodes), flags,
+            launch_config)
     try:
-        check_flags(args, use_cuda)
-        resolve_auto_mode(args, log)
-        recipe = recipe_of(args)
-        resume = deepspeed = None
-        for flag in ("allow_unverified", "data_changed"):
-            if getattr(args, flag) and args.resume is None:
-                raise UsageError(f"--{flag.replace('_', '-')} applies to --resume only")
-        if args.resume is not None and nds.is_deepspeed_checkpoint(args.resume):
-            for flag in ("allow_unverified", "data_changed"):
-                if getattr(args, flag):
-                    raise UsageError(f"--{flag.replace('_', '-')} applies to a neox checkpoint; "
-                                     f"a DeepSpeed checkpoint is checked whole, and records no "
-                                     f"data order (the run's sampler starts at the beginning)")
-            deepspeed = args.resume.resolve()
-            recipe = deepspeed_recipe(recipe, args.explicit, args.resume, model_config(args), log)
-        elif args.resume is not None:
-            resume = find_resume_checkpoint(args.resume, Path(recipe.output.output_dir)
-                                            if "output_dir" in args.explicit else None)
-            recipe = resume_recipe(recipe, args.explicit, resume,
-                                   allow_unverified=args.allow_unverified, log=log)
-            # (The output directory's own checkpoints are reported when it is taken.)
-            own = (Path(recipe.output.output_dir) / CHECKPOINTS).resolve()
-            if resume != args.resume and args.resume.resolve() != own:
-                warn_incomplete(args.resume, log)
-        problem = recipe.loop.offload_problem(for_a_run=True)  # (a resume's flags merged)
-        if problem is not None:
-            raise UsageError(problem)
-        # The layout of the recipe (a resumed run's included) against the nodes.
-        nodes = zerocore.nodes_of(os.environ) if torchrun else (args.nodes or 1)
-        world = (int(os.environ["WORLD_SIZE"]) if torchrun else
-                 local_world_size(args.nproc, use_cuda))
-        check_layout(recipe.loop, world_size=world, nodes=nodes, torchrun=torchrun,
-                     nodes_given=args.nodes is not None)
+        request = run_request(args, use_cuda, log, torchrun=False, nodes=nodes)
     except (UsageError, OutputDirError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    launch_config = LaunchConfig(nproc=args.nproc, port=args.port, timeout=args.timeout,
-                                 use_cuda=use_cuda, nodes=nodes or 1)
-    request = RunRequest(recipe=recipe, resume=resume, overwrite=args.overwrite,
-                         allow_unverified=args.allow_unverified, data_changed=args.data_changed,
-                         deepspeed=deepspeed)
-    if torchrun:  # possibly many machines: this process is one rank of torchrun's group
-        return run_under_torchrun(request, launch_config)
     return launch(request, launch_config)

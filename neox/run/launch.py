@@ -13,7 +13,9 @@ hung) is named by the rank that waited for it past ``--timeout`` (through the so
 a stopped process once another rank gave up, killed at once, and named in the launcher's error.
 
 ``run_under_torchrun``: the process is one rank of torchrun's group (possibly many machines);
-torchrun watches the processes, and global rank 0 takes the output directory.
+torchrun watches the processes. Each node parsed its own command line: once the group exists the
+ranks agree the recipe (``neox.run.same_recipe``) before anything is read or written, then
+global rank 0 takes the output directory.
 
 Exit codes: 0 done; 2 a problem reported in one line (bad input, a corrupt checkpoint, a full
 disk, a diverged run); 1 a crash (traceback shown); 3 a rank lost contact with another;
@@ -34,7 +36,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, Mapping, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -45,6 +47,7 @@ from neox.run.run_dir import (OutputDirError, OutputDirLock, check_writable, che
                               claim_output_dir)
 from neox.run.failed import RunFailed
 from neox.run.progress import say
+from neox.run.same_recipe import agree_request
 from neox.run.training import run_training
 from zerocore.tools.rank_processes import (LEFT, STOP_GRACE_S, STOP_HEARD_WAIT_S,
                                            exit_description, receive, run_ranks,
@@ -99,7 +102,7 @@ class RunRequest:
 class RankTask:
     """What each rank process is given."""
 
-    request: RunRequest
+    request: RunRequest | None   # None under torchrun: the ranks agree it once the group exists
     run_id: str | None         # None under torchrun: rank 0 decides it after the group exists
     world_size: int
     init_method: str
@@ -393,9 +396,15 @@ def _rank_process(rank: int, fd: int, launcher_pid: int) -> NoReturn:
     os._exit(code)
 
 
-def run_under_torchrun(request: RunRequest, config: LaunchConfig) -> NoReturn:
-    """This process is rank RANK of torchrun's WORLD_SIZE processes; exits with the rank's code."""
+def run_under_torchrun(prepare: Callable[[], RunRequest], flags: Mapping[str, str],
+                       config: LaunchConfig) -> NoReturn:
+    """This process is rank RANK of torchrun's WORLD_SIZE processes; exits with the rank's code.
+    prepare: this rank's checks and request, run once the ranks agree ``flags`` (this node's
+    command line, ``same_recipe.given_flags``): see ``same_recipe.agree_request``."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # The node and its ranks, as torchrun's agent says them (None: not said, no agent).
+    node, per_node = (int(os.environ[v]) if v in os.environ else None
+                      for v in ("GROUP_RANK", "LOCAL_WORLD_SIZE"))
     if rank == 0:
         describe_environment(config.use_cuda, say)
     # torchrun's agent is the parent. ``python -m neox.finetune`` tied this process to it
@@ -404,9 +413,9 @@ def run_under_torchrun(request: RunRequest, config: LaunchConfig) -> NoReturn:
     set_parent_death_signal(signal.SIGTERM)
     if config.use_cuda:  # before this process allocates anything on the GPU
         os.environ.update(cuda_environment(dict(os.environ)))
-    task = RankTask(request, None, world, "env://", config.use_cuda, config.timeout,
-                    config.nodes)
-    code = _run_rank(rank, task)
+    task = RankTask(None, None, world, "env://", config.use_cuda, config.timeout, config.nodes)
+    code = _run_rank(rank, task, prepare=lambda: agree_request(flags, prepare, node=node,
+                                                               ranks_per_node=per_node))
     sys.stdout.flush()
     sys.stderr.flush()
     # As _rank_process, and after a success too: objects of the run (the engine's gloo pairs and
@@ -417,12 +426,14 @@ def run_under_torchrun(request: RunRequest, config: LaunchConfig) -> NoReturn:
 
 def _run_rank(rank: int, task: RankTask,
               report_lost: Callable[[int], None] | None = None,
-              stop_heard: Callable[[float], bool] | None = None) -> int:
+              stop_heard: Callable[[float], bool] | None = None,
+              prepare: Callable[[], RunRequest] | None = None) -> int:
     """Sets up the device and the process group, runs the training, and turns what can go
     wrong into an exit code with one message. report_lost: told the rank this one lost contact
     with when zerocore's transport found it silent (the launcher kills that rank). stop_heard
     (watch_launcher's): asked before a lost contact is reported, as the rank that left may
-    have left for the launcher's stop, which reaches this rank a moment later."""
+    have left for the launcher's stop, which reaches this rank a moment later. prepare
+    (torchrun): the request, agreed by the ranks (a collective) once the group exists."""
     lock = None
     try:
         if task.use_cuda:
@@ -439,10 +450,11 @@ def _run_rank(rank: int, task: RankTask,
         if rank == 0:
             print(f"Distributed: backend {backend}, world size {task.world_size}, init "
                   f"{task.init_method}", flush=True)
+        request = task.request if prepare is None else prepare()
         run_id = task.run_id
         if run_id is None:  # torchrun: global rank 0 takes the directory, the others wait
             taken = zerocore.run_agreed(
-                lambda: _take_output_dir(task.request, say) if rank == 0 else None)
+                lambda: _take_output_dir(request, say) if rank == 0 else None)
             if taken is not None:
                 lock, run_id = taken
             ids = [run_id]
@@ -451,10 +463,10 @@ def _run_rank(rank: int, task: RankTask,
         device = (torch.device("cuda", torch.cuda.current_device()) if task.use_cuda
                   else torch.device("cpu"))
         # The transport's waits end when the process group's do (--timeout).
-        run_training(task.request.recipe, resume=task.request.resume, run_id=run_id, rank=rank,
+        run_training(request.recipe, resume=request.resume, run_id=run_id, rank=rank,
                      world_size=task.world_size, device=device,
-                     allow_unverified=task.request.allow_unverified,
-                     data_changed=task.request.data_changed, deepspeed=task.request.deepspeed,
+                     allow_unverified=request.allow_unverified,
+                     data_changed=request.data_changed, deepspeed=request.deepspeed,
                      comm=zerocore.Comm(timeout=task.timeout), nodes=task.nodes)
     except RunFailed as e:  # reported in one line, agreed by every rank
         if e.message:

@@ -164,7 +164,7 @@ class DataConfig:
         None, check=_path_or_none, problem=_MUST_BE_PATH,
         flag=Flag(DATA, "local copies of the default corpus and tokenizer (default: "
                         "shared/data beside the repository)", parse=Path, store=absolute_path,
-                  env="NEOX_DATA_DIR", resumable=True))
+                  env="NEOX_DATA_DIR", resumable=True), per_node=True)
     tokenizer: str | None = setting(
         None, check=_path_or_none, problem=_MUST_BE_PATH,
         flag=Flag(DATA, "tokenizer.json (default: the checkpoint's, else a byte-level BPE "
@@ -173,7 +173,7 @@ class DataConfig:
         None, check=_path_or_none, problem=_MUST_BE_PATH,
         flag=Flag(DATA, "downloaded corpus, trained tokenizers and tokenised data are kept here",
                   parse=Path, store=absolute_path, default=nd.default_cache_dir,
-                  has_default=True, resumable=True))
+                  has_default=True, resumable=True), per_node=True)
     seq_len: int = setting(
         128, check=_at_least(1), problem="{name} must be >= 1, got {value!r}",
         flag=Flag(STEP, "tokens per sequence", parse=int))
@@ -286,7 +286,8 @@ class LoopConfig:
         flag=Flag(STEP, "the directory --offload-device nvme keeps its scratch in (a local "
                         "disk with room for 12 bytes per trained parameter per node; the files "
                         "have no name and go when the ranks end, however they end)",
-                  parse=Path, store=absolute_path, metavar="DIR", resumable=True), since=7)
+                  parse=Path, store=absolute_path, metavar="DIR", resumable=True), since=7,
+        per_node=True)
     offload_pool: int = setting(
         DEFAULT_POOL_BYTES, check=_at_least(MIN_POOL_BYTES),
         problem=f"{{name}} must be a size of at least {MIN_POOL_BYTES} bytes, got {{value!r}}",

@@ -108,9 +108,9 @@ def test_a_mesh_zerocore_cannot_take_is_refused_on_every_rank(world, door, how):
 def test_meshes_differing_between_ranks_are_refused_on_every_rank(worlds, door):
     messages = worlds(4).run(refusal, door, "differ")
     for m in messages:
-        assert m == (f"ValueError: zerocore.{door}: ranks were given different meshes (ranks "
-                     f"[1, 2, 3] differ from rank 0 in mesh); every rank must pass the same "
-                     f"ones"), m
+        assert m == (f"ValuesDiffer: zerocore.{door}: mesh differs across ranks: rank 0: "
+                     f"'hsdp (1, 4) ((0, 1, 2, 3),) cpu'; ranks 1-3: 'hsdp (2, 2) ((0, 1), "
+                     f"(2, 3)) cpu'; every rank must pass the same meshes"), m
 
 
 def _unordered(rank: int, world_size: int, door: str, hybrid: str | None) -> str:

@@ -377,6 +377,44 @@ def test_hybrid_on_one_node_is_refused_on_every_rank(worlds, tmp_path):
                      "shard flat"), m
 
 
+def differing_setup(rank: int, world_size: int, out: str, what: str) -> str:
+    """Rank 1 alone given another learning rate, or another prefetch in shard_options."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    from zerocore.hf_trainer import ShardedTrainer
+    args, options = _args(out, world_size, Spec()), {}
+    if rank == 1 and what == "learning_rate":
+        args.learning_rate = 2 * LR
+    if rank == 1 and what == "shard_options":
+        options = dict(prefetch=zerocore.Prefetch(keep_gathered="all"))
+    try:
+        ShardedTrainer(model=_model("full"), args=args, train_dataset=_data(),
+                       shard_options=options)
+    except ValueError as e:
+        return f"{type(e).__name__}: {e}"
+    return "built"
+
+
+DIFFERING = {
+    "learning_rate": ("TrainingArguments.learning_rate", str(LR), str(2 * LR)),
+    "shard_options": ("shard_options['prefetch']", "(not given)",
+                      repr(zerocore.Prefetch(keep_gathered="all"))),
+}
+
+
+@pytest.mark.parametrize("what", sorted(DIFFERING))
+def test_arguments_differing_between_ranks_are_refused_on_every_rank(worlds, tmp_path, what):
+    """Each rank builds its own arguments: one rank's that differ are refused on every rank
+    before anything is sharded, naming that field alone, with each rank's value."""
+    name, mine, theirs = DIFFERING[what]
+    for n in (2, 3):
+        others = "rank 0" if n == 2 else "ranks 0, 2"
+        assert worlds(n).run(differing_setup, str(tmp_path), what) == [
+            f"ValuesDiffer: ShardedTrainer: {name} differs across ranks: {others}: {mine}; "
+            f"rank 1: {theirs}; every rank must be given the same TrainingArguments, "
+            f"shard_options and hybrid"] * n
+
+
 REFUSED = {  # TrainingArguments / Trainer arguments ShardedTrainer refuses, and the message's key
     "optimizers": ({}, {"optimizers": "sgd"}, "optimizers="),
     "scheduler only": ({}, {"optimizers": "scheduler"}, "create_scheduler"),

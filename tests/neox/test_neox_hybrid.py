@@ -2,8 +2,8 @@
 nodes) and ``--quantize-gradients int8`` (qgZ).
 
 - Bad combinations: one line and exit 2 from the command itself, before any process starts or
-  anything is allocated; under torchrun every rank runs the same checks on the same flags and
-  environment, so each rank says the same line.
+  anything is allocated; under torchrun every rank runs the same checks on the same flags (the
+  ranks agreed them: test_neox_same_recipe.py) and environment, so each rank finds the same line.
 - ``neox.plan`` on several nodes: the layouts compared (memory per GPU, bytes within and
   across the nodes per step), against the plans they must agree with.
 - End to end (marked e2e): the run under two torchrun agents on this machine (``--nnodes 2
@@ -15,14 +15,19 @@ nodes) and ``--quantize-gradients int8`` (qgZ).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
+import zerocore
+from neox.commands.finetune import build_parser, run_request
+from neox.commands.flags import explicit_flags
 from neox.finetune import main as finetune_main
 from neox.plan import main as plan_main
+from neox.setting import UsageError
 from tests.support.neox_testing import EXCERPT, call_main, run_module
 from tests.support.two_nodes import LAUNCHER_VARIABLES, run_two_nodes
 
@@ -89,14 +94,20 @@ TORCHRUN_REFUSALS = {
 
 @pytest.mark.parametrize("rank", ["0", "1"])
 @pytest.mark.parametrize("name", sorted(TORCHRUN_REFUSALS))
-def test_under_torchrun_each_rank_refuses_alike(no_torchrun, monkeypatch, capsys, tmp_path,
-                                                name, rank):
+def test_under_torchrun_each_rank_refuses_alike(no_torchrun, monkeypatch, tmp_path, name, rank):
+    # Under torchrun the ranks run these checks once the group exists and they agree the flags
+    # (run_agreed: the lowest rank says the line); the checks themselves, each rank's, here.
     environ, flags, line = TORCHRUN_REFUSALS[name]
     for var, value in dict(environ, RANK=rank).items():
         monkeypatch.setenv(var, value)
-    proc = refused(capsys, tmp_path, *flags)
-    assert proc.returncode == 2
-    assert proc.stderr == line + "\n", proc.stderr
+    argv = ["--cpu", "--data", str(EXCERPT), "--output-dir", str(tmp_path / "out"),
+            "--cache-dir", str(tmp_path / "cache"), *flags]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.explicit = explicit_flags(parser, argv)
+    with pytest.raises(UsageError) as refusal:
+        run_request(args, False, print, torchrun=True, nodes=zerocore.nodes_of(os.environ))
+    assert f"error: {refusal.value}" == line
     assert not (tmp_path / "out").exists()
 
 

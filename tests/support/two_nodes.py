@@ -38,23 +38,29 @@ def torchrun_command(port: int, program: Sequence[str], *, nproc: int = 2) -> li
             *map(str, program)]
 
 
-def start_two_nodes(program: Sequence[str], *, nproc: int = 2,
-                    env: dict[str, str] | None = None) -> list[subprocess.Popen]:
-    """Both agents started on ``program`` (the rendezvous numbers the nodes), each's stdout
-    and stderr together in a pipe."""
+def start_two_nodes(program: Sequence[str], *, nproc: int | Sequence[int] = 2,
+                    env: dict[str, str] | None = None,
+                    extra: Sequence[Sequence[str]] = ((), ())) -> list[subprocess.Popen]:
+    """Both agents started on ``program`` (the rendezvous numbers the nodes), the first with
+    ``extra[0]`` after it, the second with ``extra[1]`` (two nodes started with other flags),
+    ``nproc`` ranks each (or ``nproc[i]`` on agent i); each's stdout and stderr together in a
+    pipe."""
     port = free_port()
     environ = {k: v for k, v in (env or os.environ).items() if k not in LAUNCHER_VARIABLES}
     environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(REPO), environ.get("PYTHONPATH")) if p)
-    return [subprocess.Popen(torchrun_command(port, program, nproc=nproc),
+    nprocs = [nproc, nproc] if isinstance(nproc, int) else list(nproc)
+    return [subprocess.Popen(torchrun_command(port, [*program, *extra[i]], nproc=nprocs[i]),
                              cwd=REPO, env=environ, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+                             stderr=subprocess.STDOUT, text=True) for i in range(2)]
 
 
-def run_two_nodes(program: Sequence[str], *, timeout: float, nproc: int = 2,
-                  env: dict[str, str] | None = None) -> Agents:
-    """Both agents run ``program``; waits for both (killed past ``timeout`` seconds)."""
-    agents = start_two_nodes(program, nproc=nproc, env=env)
+def run_two_nodes(program: Sequence[str], *, timeout: float, nproc: int | Sequence[int] = 2,
+                  env: dict[str, str] | None = None,
+                  extra: Sequence[Sequence[str]] = ((), ())) -> Agents:
+    """Both agents run ``program`` (see ``start_two_nodes``); waits for both (killed past
+    ``timeout`` seconds)."""
+    agents = start_two_nodes(program, nproc=nproc, env=env, extra=extra)
     outputs = []
     try:
         for agent in agents:

@@ -32,6 +32,7 @@ from zerocore.comm.device import Platform, agree_on_devices, comm_device, resolv
 from zerocore.comm.fake import is_fake
 from zerocore.comm.mesh import Mesh, device_refusal
 from zerocore.comm.objects import all_gather_objects
+from zerocore.comm.same_values import agree_values
 from zerocore.engine.compiled import compile_forward
 from zerocore.engine.flat_group import GroupContext
 from zerocore.engine.host_arena import HostArena
@@ -112,23 +113,22 @@ def agree_on_structure(index: int, print_: int | None, group: dist.ProcessGroup,
 
 def agree_on_policies(policies: dict[str, object], group: dist.ProcessGroup,
                       device: torch.device, what: str, noun: str = "policies") -> None:
-    """Checks that every rank was given the same policies (one tiny all-gather of a hash of
-    their values): a rank that chose another transport, budget or precision would otherwise
-    refuse, or issue other collectives, while the others wait for it until the timeout.
-    ``noun``: what the values are, for the message (``"meshes"``)."""
+    """Checks that every rank was given the same policies (``agree_values``: one tiny
+    all-gather of a hash of each policy's fields): a rank that chose another transport, budget
+    or precision would otherwise refuse, or issue other collectives, while the others wait for
+    it until the timeout. The refusal names only the fields that differ ("comm.gather").
+    ``noun``: what the values are, for the advice (``"meshes"``)."""
     if is_fake(group):
         return  # a planned world is this rank N times: it agrees
-    world = group.size()
-    text = ";".join(f"{name}={value!r}" for name, value in sorted(policies.items()))
-    mine = torch.tensor([int.from_bytes(hashlib.sha1(text.encode()).digest()[:8], "little") >> 1],
-                        dtype=torch.int64, device=device)
-    every = torch.empty(world, dtype=torch.int64, device=device)
-    collectives.all_gather_sync(every, mine, group)
-    if every.min() != every.max():
-        odd = [r for r in range(world) if every[r] != every[0]]
-        raise ValueError(f"{what}: ranks were given different {noun} (ranks {odd} differ from "
-                         f"rank 0 in {', '.join(sorted(policies))}); every rank must pass the "
-                         f"same ones")
+    fields: dict[str, object] = {}
+    for name, policy in sorted(policies.items()):
+        if dataclasses.is_dataclass(policy) and not isinstance(policy, type):
+            for field in dataclasses.fields(policy):
+                fields[f"{name}.{field.name}"] = getattr(policy, field.name)
+        else:
+            fields[name] = policy
+    agree_values(fields, what=what, advice=f"every rank must pass the same {noun}",
+                 group=group, device=device)
 
 
 def build_context(mesh: Mesh, device: torch.device,
