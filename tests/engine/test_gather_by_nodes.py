@@ -104,7 +104,11 @@ def test_each_shard_crosses_into_each_other_node_once(worlds, nodes, per_node):
     assert max(across.values()) <= (world_size - 1) * shard_bytes
 
 
-def refused(rank: int, world_size: int, env: dict[str, str]) -> str:
+def refused(rank: int, world_size: int, env: dict[str, str], only_rank: int | None = None
+            ) -> str:
+    """The message of sharding flat asking for the gather by nodes (``only_rank``: the
+    environment set on that rank alone, the others without torchrun's)."""
+    env = env if only_rank in (None, rank) else {}
     with environment(env, also=TORCHRUN):
         for k in set(TORCHRUN) - set(env):
             os.environ.pop(k, None)
@@ -121,3 +125,14 @@ def test_gathering_by_nodes_on_one_node_is_refused_on_every_rank(worlds):
         for message in worlds(2).run(refused, env):
             assert "Comm(gather='nodes') needs a flat layout of gloo ranks on the CPU over two " \
                    "or more torchrun nodes" in message, message
+
+
+def test_ranks_told_other_nodes_are_refused_on_every_rank(worlds):
+    # The way is chosen from the nodes, so the ranks agree on them with the mesh first: a rank
+    # whose environment says other nodes would otherwise gather by other messages and wait
+    # for ones never sent until the timeout.
+    two_nodes = dict(WORLD_SIZE="2", LOCAL_WORLD_SIZE="1")
+    for rank, message in enumerate(worlds(2).run(refused, {**two_nodes, "GROUP_RANK": "0"}, 0)):
+        assert message == ("zerocore.shard: ranks were given different meshes (ranks [1] "
+                           "differ from rank 0 in mesh); every rank must pass the same ones"), \
+            (rank, message)
