@@ -339,9 +339,8 @@ class Comm:
         ``"collective"``, ``"read"`` or ``"nodes"`` (gloo ranks of a flat layout over torchrun
         nodes: across them, then within each, the fewest bytes across); reduce
         ``"collective"``, ``"exchange"`` (two gloo ranks) or ``"read"`` (two gloo ranks of one
-        host). Every way gives the same bits; the
-        named ones are for comparing them (tests, benchmarks), and one that does not apply is
-        refused when the model is sharded.
+        host). Every way gives the same bits; the named ones are for comparing them (tests,
+        benchmarks), and one that does not apply is refused when the model is sharded.
     quantize_gradients: None (default), or ``"int8"``: the gradients' reduction across the
         nodes (HSDP's all-reduce of the gradient shards across the replicas; hpZ's
         reduce-scatter of the secondary gradient slices) travels in int8 with an fp32 scale per
