@@ -318,7 +318,7 @@ class FrozenWeights:
 # run with a shorter one should pass it here too.
 DEFAULT_TIMEOUT_S = 1800.0
 PEER_READ_CHOICES = ("auto", "off")
-GATHER_CHOICES = ("auto", "collective", "read")
+GATHER_CHOICES = ("auto", "collective", "read", "nodes")
 REDUCE_CHOICES = ("auto", "collective", "exchange", "read")
 
 
@@ -336,10 +336,11 @@ class Comm:
         ``"off"``: gloo's collectives only. The values are the same bits either way.
     gather, reduce: how parameters are all-gathered and gradients reduced (comm/transport.py
         describes each way): ``"auto"`` (default) takes the fastest that applies; gather
-        ``"collective"`` or ``"read"``; reduce ``"collective"``, ``"exchange"`` (two gloo
-        ranks) or ``"read"`` (two gloo ranks of one host). Every way gives the same bits; the
-        named ones are for comparing them (tests, benchmarks), and one that does not apply is
-        refused when the model is sharded.
+        ``"collective"``, ``"read"`` or ``"nodes"`` (gloo ranks of a flat layout over torchrun
+        nodes: across them, then within each, the fewest bytes across); reduce
+        ``"collective"``, ``"exchange"`` (two gloo ranks) or ``"read"`` (two gloo ranks of one
+        host). Every way gives the same bits; the named ones are for comparing them (tests,
+        benchmarks), and one that does not apply is refused when the model is sharded.
     quantize_gradients: None (default), or ``"int8"``: the gradients' reduction across the
         nodes (HSDP's all-reduce of the gradient shards across the replicas; hpZ's
         reduce-scatter of the secondary gradient slices) travels in int8 with an fp32 scale per

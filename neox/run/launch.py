@@ -228,6 +228,34 @@ def _read_reports(links: list[socket.socket], open_links: set[int],
                 watching.add(rank)
 
 
+def _end_stopped_siblings(rank: int) -> None:
+    """Under torchrun, once this rank lost contact with another (past --timeout): SIGKILL the
+    workers of this rank's agent (its parent's children) that are stopped processes, and say
+    which. torchrun's agent ends its remaining workers with SIGTERM, which a stopped process
+    does not act on, and SIGKILLs them 30 s later: without this the job ended at --timeout +
+    30 s, where neox's own launcher (``_watch``) ends it at --timeout. A stopped rank with no
+    running sibling (one rank per node) is still the agent's to end, 30 s later."""
+    parent = os.getppid()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        pid = int(entry.name)
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue  # gone, or not ours to read
+        if ppid != parent or not _is_stopped(pid):
+            continue
+        other = next((v[5:].decode() for v in environ if v.startswith(b"RANK=")), "?")
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            continue
+        print(f"error (rank {rank}): rank {other} (pid {pid}) of this node is a stopped "
+              f"process (it stopped answering); killed it", file=sys.stderr, flush=True)
+
+
 def _is_stopped(pid: int) -> bool:
     """Whether the process is stopped (SIGSTOP, ^Z, a debugger): it can answer no one."""
     try:
@@ -416,6 +444,8 @@ def run_under_torchrun(prepare: Callable[[], RunRequest], flags: Mapping[str, st
     task = RankTask(None, None, world, "env://", config.use_cuda, config.timeout, config.nodes)
     code = _run_rank(rank, task, prepare=lambda: agree_request(flags, prepare, node=node,
                                                                ranks_per_node=per_node))
+    if code == EXIT_LOST_PEER:
+        _end_stopped_siblings(rank)
     sys.stdout.flush()
     sys.stderr.flush()
     # As _rank_process, and after a success too: objects of the run (the engine's gloo pairs and

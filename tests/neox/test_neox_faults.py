@@ -5,7 +5,8 @@ reproduces one way a run could be lost, corrupted or left running, and checks th
 - the launcher killed (SIGKILL, SIGTERM), in training and at several moments of start-up, with
   2 and 16 ranks: no process of the run is left 2 s after the signal; a rank is tied to its
   launcher before its first import; a killed rank is named with its signal; a stopped rank
-  (SIGSTOP; 2 and 4 ranks) ends the run within --timeout + 5 s, named, and is killed;
+  (SIGSTOP; 2 and 4 ranks) ends the run within --timeout + 5 s, named, and is killed, under
+  neox's launcher and under two torchrun agents (2 x 2) alike;
 - Ctrl-C while a command still imports torch: one line, ``stopped by SIGINT``, exit 130;
 - impossible settings are refused before any process starts;
 - a diverging run stops with a message and never saves non-finite weights; metrics stay JSON;
@@ -36,6 +37,8 @@ from neox.finetune import main as finetune_main
 from neox.run.launch import RANK_MARKER
 from neox.run.run_dir import CHECKPOINTS, METRICS, RUN_FILE
 from tests.support.processes import RUN_MARK, left_after, marked
+from tests.support.dist_utils import free_port
+from tests.support.two_nodes import LAUNCHER_VARIABLES, torchrun_command
 from tests.support.neox_testing import (EXCERPT, REPO, assert_clean_error, call_main, cli_env,
                                         run_module, start_module)
 from tests.support.two_nodes import start_two_nodes
@@ -439,6 +442,46 @@ def test_a_stopped_rank_ends_the_run_named_and_killed(cache, tmp_path, nproc):
     assert f" {STOP_TIMEOUT_S:g} s (--timeout)" in errors[0], stderr
     assert "; the launcher killed it" in errors[0], stderr
     assert "Traceback" not in stderr, stderr
+
+
+def _environ(pid: int) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
+@pytest.mark.e2e
+def test_a_stopped_rank_under_torchrun_ends_the_job_as_fast(cache, tmp_path):
+    # torchrun's agent ends a failed job's other workers with SIGTERM, which a stopped process
+    # does not act on, and SIGKILLs them 30 s later (the job ended at --timeout + 31 s): the
+    # stopped rank's sibling, itself out of contact after --timeout, kills it.
+    out = tmp_path / "out"
+    mark = uuid.uuid4().hex
+    env = {k: v for k, v in cli_env().items() if k not in LAUNCHER_VARIABLES}
+    env[RUN_MARK] = mark
+    command = torchrun_command(free_port(), ["-m", "neox.finetune", *args(
+        cache, out, "--epochs", 50, "--timeout", STOP_TIMEOUT_S)])
+    agents = [subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    try:
+        wait_for_steps(out, 2, agents[0], timeout=400)
+        rank1 = next(p for a in agents for p in children(a.pid) if b"RANK=1" in _environ(p))
+        os.kill(rank1, signal.SIGSTOP)
+        stopped = time.monotonic()
+        printed = "".join(a.communicate(timeout=STOP_BOUND_S + 120)[0] for a in agents)
+        took = time.monotonic() - stopped
+        left = left_after(mark, max(0.0, stopped + STOP_BOUND_S - time.monotonic()))
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+        for pid in marked(mark):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, "the stopped rank (or another process of the job) is still there"
+    assert took < STOP_BOUND_S, (took, printed[-6000:])
+    assert f"rank 1 (pid {rank1}) of this node is a stopped process (it stopped answering); " \
+           f"killed it" in printed, printed[-6000:]
 
 
 # -- impossible settings -------------------------------------------------------------------------

@@ -56,6 +56,11 @@ class CommCounter:
     replicate_all_gather_calls: int = 0
     replicate_reduce_scatter_bytes: int = 0
     replicate_reduce_scatter_calls: int = 0
+    # Bytes this rank sent to each other rank (global ranks: (from, to)), for the ways built of
+    # point-to-point messages, whose every byte is known where it is sent (``send``; a flat
+    # layout's gather across nodes: transport.GatherByNodes); the backend's collectives choose
+    # their own links and are not in it.
+    link_bytes: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
     # Seconds the calling thread spent (time.perf_counter) issuing gathers (allocating the
     # gathered buffer, copying its own shard, enqueueing), blocked waiting for them, packing
     # and issuing gradient reductions, and blocked waiting for those (then averaging): where
@@ -68,7 +73,8 @@ class CommCounter:
 
     def reset(self) -> None:
         for f in dataclasses.fields(self):
-            setattr(self, f.name, type(getattr(self, f.name))(0))
+            value = getattr(self, f.name)
+            setattr(self, f.name, {} if isinstance(value, dict) else type(value)(0))
 
 
 now = time.perf_counter  # the clock of CommCounter's seconds
@@ -130,6 +136,20 @@ def _broadcast_each(output: torch.Tensor, shard: torch.Tensor, group: dist.Proce
     if slices[rank].data_ptr() != shard.data_ptr():  # (hpZ gathers in place)
         slices[rank].copy_(shard)  # while the other ranks' slices arrive
     return handles
+
+def send(t: torch.Tensor, to: int, group: dist.ProcessGroup, counter: CommCounter, me: int,
+         tag: int) -> dist.Work:
+    """Starts sending ``t`` to global rank ``to``, counted on the link (``me``, ``to``). gloo
+    matches a message to a receive by its sender and tag, in the order each side posts them:
+    every way that sends to a peer while another may also be in flight uses a tag of its own."""
+    counter.link_bytes[me, to] = counter.link_bytes.get((me, to), 0) + nbytes(t)
+    return dist.isend(t, dst=to, group=group, tag=tag)
+
+
+def receive(t: torch.Tensor, source: int, group: dist.ProcessGroup, tag: int) -> dist.Work:
+    """Starts receiving ``t`` from global rank ``source`` (counted by its sender)."""
+    return dist.irecv(t, src=source, group=group, tag=tag)
+
 
 def all_reduce_sum_in_place(full: torch.Tensor, group: dist.ProcessGroup,
                             counter: CommCounter) -> dist.Work | None:

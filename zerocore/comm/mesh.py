@@ -110,9 +110,10 @@ class Mesh:
         return out
 
     def describe(self) -> str:
-        """What every rank must have been given alike (compared by ``Sharding``)."""
+        """What every rank must have been given alike (compared by ``Sharding``); the nodes
+        too, from which a flat layout chooses its gather (``transport.choose``)."""
         return (f"{self.layout} {self.shape} {self.ranks} "
-                f"{self.device_type or 'group'}")
+                f"{self.device_type or 'group'} nodes {self.nodes}")
 
     def line(self) -> str:
         """The layout, for the start-up line (``Ways.line``)."""

@@ -7,7 +7,11 @@ Gathers (each writes every rank's shard into the group's gathered buffer):
   copies less than gloo's own all-gather);
 - ``"read"``: gloo ranks of one host read each other's shard out of their gathered buffers
   (``peer_memory.PeerMemory``: one kernel copy instead of TCP over loopback); a buffer may be
-  freed only once the other ranks are done reading it.
+  freed only once the other ranks are done reading it;
+- ``"nodes"``: a flat group of gloo ranks over several nodes (torchrun's, ``Mesh.nodes``), in
+  two steps of point-to-point messages, across the nodes then within each
+  (``GatherByNodes``): every shard crosses into each other node once, the least any gather
+  can send across them.
 
 Reductions (each leaves this rank's slice of the mean of every rank's packed gradient, computed
 as ``mean_factors`` says on every backend: divide by ``pre``, SUM, divide by ``post``):
@@ -126,6 +130,87 @@ class Gather:
 
     def before_free(self) -> None:
         """Waits until the gathered buffer may be given back (nothing to wait for here)."""
+
+
+class GatherByNodes(Gather):
+    """A flat group over R nodes of S ranks each (gloo), gathered in two steps: each rank sends
+    its shard to the ranks of its column (the same place in the other nodes), then each sends
+    the R shards of its column to the other ranks of its node. Each rank receives every shard
+    once, so the bytes are an all-gather's (counted as one), and the R-1 shards from other
+    nodes each cross a node boundary once: (R-1)·B in all per gather of B bytes, (R-1)/N·B
+    sent across by each rank, the least possible (every node must receive the (R-1)/R·B it
+    does not hold). A ring all-gather over the nodes in order (FSDP2's on gloo) sends
+    (N-1)/N·B over each of R node boundaries, R·(N-1)/N·B in all; gloo's broadcasts (binomial
+    trees, ``Gather``) more (2x2: 2.5·B). Every value is copied, never summed: the same bits
+    as any other gather. The second step depends on the first, so ``start`` sends across
+    the nodes and posts every receive, and ``wait`` sends within the node."""
+
+    name = "nodes"
+    TAG = 1  # its messages' tag: apart from the exchange's (reduce_scatter_by_exchange: 0)
+
+    def __init__(self, route: Route, ranks_per_node: int):
+        super().__init__(route)
+        rows = node_rows(route.global_ranks, ranks_per_node)
+        assert rows is not None, "GatherByNodes needs a group over nodes of equal rank counts"
+        node, place = next((n, row.index(route.rank)) for n, row in enumerate(rows)
+                           if route.rank in row)
+        self._rows = rows    # group ranks, node by node
+        self._node = node    # this rank's node (a row) and its place in it (a column)
+        self._place = place
+        self._first: list[dist.Work] = []  # the step across the nodes
+
+    def _column(self, place: int) -> list[int]:
+        """The group ranks at ``place`` in every node, in node order."""
+        return [row[place] for row in self._rows]
+
+    def _others(self) -> list[tuple[int, int]]:
+        """(place, group rank) of the other ranks of this node."""
+        return [(i, q) for i, q in enumerate(self._rows[self._node]) if i != self._place]
+
+    def start(self, out: torch.Tensor, source: torch.Tensor) -> None:
+        r = self.route
+        r.counter.all_gather_bytes += collectives.nbytes(out)
+        r.counter.all_gather_calls += 1
+        chunks = out.chunk(r.world_size)
+        if chunks[r.rank].data_ptr() != source.data_ptr():
+            chunks[r.rank].copy_(source)
+        me = r.global_ranks[r.rank]
+        across = [g for g in self._column(self._place) if g != r.rank]
+        self._first = [collectives.send(chunks[r.rank], r.global_ranks[g], r.process_group,
+                                        r.counter, me, self.TAG) for g in across]
+        self._first += [collectives.receive(chunks[g], r.global_ranks[g], r.process_group,
+                                            self.TAG) for g in across]
+        # From each other rank of this node, the shards of its column, in node order (the
+        # order it sends them in: ``wait``).
+        self._handles = [collectives.receive(chunks[c], r.global_ranks[q], r.process_group,
+                                             self.TAG)
+                         for i, q in self._others() for c in self._column(i)]
+
+    def wait(self, out: torch.Tensor) -> None:
+        r = self.route
+        for handle in self._first:
+            handle.wait()  # this column's shards are in
+        self._first = []
+        chunks = out.chunk(r.world_size)
+        me = r.global_ranks[r.rank]
+        self._handles += [collectives.send(chunks[c], r.global_ranks[q], r.process_group,
+                                           r.counter, me, self.TAG)
+                          for _, q in self._others() for c in self._column(self._place)]
+        super().wait(out)
+
+
+def node_rows(global_ranks: tuple[int, ...], ranks_per_node: int
+              ) -> tuple[tuple[int, ...], ...] | None:
+    """A group's ranks (its own numbers) node by node, the nodes numbered as torchrun numbers
+    ranks (global rank g on node g // ranks_per_node), or None unless they span two or more
+    nodes with as many of the group's ranks on each (``GatherByNodes``'s columns)."""
+    nodes: dict[int, list[int]] = {}
+    for i, g in enumerate(global_ranks):
+        nodes.setdefault(g // ranks_per_node, []).append(i)
+    rows = tuple(tuple(row) for _, row in sorted(nodes.items()))
+    if len(rows) < 2 or len({len(row) for row in rows}) != 1:
+        return None
+    return rows
 
 
 class GatherByReading(Gather):
@@ -514,18 +599,29 @@ class ReduceAcrossNodes(Reduce):
         return Reduction(finish, held=reduction.held)
 
 
-GATHERS: dict[str, type[Gather]] = {"collective": Gather, "read": GatherByReading}
+GATHERS: dict[str, type[Gather]] = {"collective": Gather, "read": GatherByReading,
+                                    "nodes": GatherByNodes}
 REDUCES: dict[str, type[Reduce]] = {"collective": Reduce, "exchange": ReduceByExchange,
                                     "read": ReduceByReading}
 
 
-def resolve(comm: Comm, *, gloo: bool, world_size: int, can_read: bool) -> tuple[str, str]:
+def resolve(comm: Comm, *, gloo: bool, world_size: int, can_read: bool,
+            over_nodes: bool = False) -> tuple[str, str]:
     """The names of the gather and reduce ways ``comm`` asks for, here. ``"auto"`` takes the
-    fastest that applies: reading on one host, else for two gloo ranks the exchange, else the
-    collectives. A way asked for by name that does not apply is refused (the same on every
-    rank: every rank knows the same facts)."""
+    fastest that applies: reading on one host, else for gloo ranks over several nodes
+    (``over_nodes``: ``node_rows`` applies) the gather by nodes, for two gloo ranks the
+    exchange, else the collectives. A way asked for by name that does not apply is refused
+    (the same on every rank: every rank knows the same facts)."""
     two = gloo and world_size == 2
-    gather = comm.gather if comm.gather != "auto" else ("read" if can_read else "collective")
+    by_nodes = gloo and over_nodes
+    gather = comm.gather if comm.gather != "auto" else (
+        "read" if can_read else "nodes" if by_nodes else "collective")
+    if gather == "nodes" and not by_nodes:
+        raise ValueError(f"zerocore.Comm(gather='nodes') needs a flat layout of gloo ranks on "
+                         f"the CPU over two or more torchrun nodes, as many on each (this "
+                         f"group: {'gloo' if gloo else 'not gloo on the CPU'}, "
+                         f"{'over such nodes' if over_nodes else 'not over such nodes'}); "
+                         f"use 'auto' or 'collective'")
     if comm.reduce != "auto":
         reduce = comm.reduce
     else:
@@ -559,6 +655,8 @@ class Ways:
     planned: bool = False
     # How the ranks share the model (``Mesh.line``: flat, or HSDP's shards and replicas).
     layout: str = ""
+    # Torchrun's ranks per node, for the gather by nodes (``GatherByNodes``); else None.
+    ranks_per_node: int | None = None
 
     def line(self) -> str:
         ways = f"gather: {self.gather}; reduce: {self.reduce} ({self.why})"
@@ -566,16 +664,23 @@ class Ways:
 
 
 def choose(group: dist.ProcessGroup, device: torch.device, comm: Comm,
-           peers: PeerMemory | None, layout: str = "") -> Ways:
+           peers: PeerMemory | None, layout: str = "", nodes: int | None = None) -> Ways:
     """Collective (every rank of ``group``, at the same point): the ways ``comm`` asks for on
     ``device``. Whether gloo ranks may read each other's memory is probed here, once, by all of
     them; every rank learns the same facts, so every rank chooses alike. With HSDP ``group``
     is the shard group: ranks read only the memory of their own group's ranks, and only when
-    the probe finds them on one host. ``layout``: ``Mesh.line()``, for the start-up line."""
+    the probe finds them on one host. ``layout``: ``Mesh.line()``, for the start-up line.
+    ``nodes``: the torchrun nodes a flat layout spans (``Mesh.nodes``, agreed with the mesh),
+    the world's ranks numbered node by node, as torchrun numbers them."""
     gloo = device.type == "cpu"
     world_size = group.size()
     can_read = gloo and peers is not None and peers.probe(group)
-    gather, reduce = resolve(comm, gloo=gloo, world_size=world_size, can_read=can_read)
+    per_node = (dist.get_world_size() // nodes
+                if nodes is not None and nodes > 1 and dist.get_world_size() % nodes == 0
+                else None)
+    over_nodes = per_node is not None and node_rows(group_ranks(group), per_node) is not None
+    gather, reduce = resolve(comm, gloo=gloo, world_size=world_size, can_read=can_read,
+                             over_nodes=over_nodes)
     if world_size == 1:
         why = "one rank: nothing to exchange"
     elif not gloo:
@@ -587,18 +692,25 @@ def choose(group: dist.ProcessGroup, device: torch.device, comm: Comm,
     else:
         because = peers.unavailable_because or "the ranks may not read each other's memory"
         why = f"gloo's collectives: {because}"
+    if gather == "nodes":
+        why += f"; gathered across the {nodes} nodes, then within each"
     if (comm.gather, comm.reduce) != ("auto", "auto"):
         why += f"; asked for gather={comm.gather!r}, reduce={comm.reduce!r}"
-    return Ways(gather, reduce, gloo, why, layout=layout)
+    return Ways(gather, reduce, gloo, why, layout=layout,
+                ranks_per_node=per_node if gather == "nodes" else None)
 
 
-def planned(comm: Comm, *, device_kind: str, world_size: int) -> Ways:
+def planned(comm: Comm, *, device_kind: str, world_size: int, nodes: int = 1) -> Ways:
     """The ways a real run on ``device_kind`` would choose for ``comm`` (on the CPU: ranks of
-    one Linux host that may read each other's memory, unless reading is off), as a plan runs
-    them: moving nothing, holding what they hold."""
+    one Linux host that may read each other's memory, unless reading is off, or of ``nodes``
+    nodes, a flat layout's), as a plan runs them: moving nothing, holding what they hold
+    (every gather way holds the gathered buffer alone)."""
     gloo = device_kind == "cpu"
+    over_nodes = nodes > 1 and world_size % nodes == 0
     gather, reduce = resolve(comm, gloo=gloo, world_size=world_size,
-                             can_read=gloo and world_size > 1 and comm.peer_read == "auto")
+                             can_read=(gloo and world_size > 1 and comm.peer_read == "auto"
+                                       and not over_nodes),
+                             over_nodes=over_nodes)
     return Ways(gather, reduce, gloo, "planned", planned=True)
 
 
@@ -609,6 +721,8 @@ def strategies(ways: Ways, route: Route) -> tuple[Gather, Reduce]:
     if ways.planned:
         gather, reduce = PlannedGather(route, ways.gather), PlannedReduce(route,
                                                                           REDUCES[ways.reduce])
+    elif ways.gather == "nodes":
+        gather, reduce = GatherByNodes(route, ways.ranks_per_node), REDUCES[ways.reduce](route)
     else:
         gather, reduce = GATHERS[ways.gather](route), REDUCES[ways.reduce](route)
     if route.replicas is not None:

@@ -155,7 +155,8 @@ def build_context(mesh: Mesh, device: torch.device,
         peers = PeerMemory(comm.timeout_s) if comm.peer_read == "auto" else None
         # Reading each other's memory is probed within the shard group alone: HSDP's replicas
         # talk through the backend, and a shard group reads only if its ranks share a host.
-        ways = transport.choose(group, device, comm, peers, layout=mesh.line())
+        ways = transport.choose(group, device, comm, peers, layout=mesh.line(),
+                                nodes=None if mesh.hybrid else mesh.nodes)
         kind, watch = device.type, None
         if not peers or not peers.available:
             peers = None

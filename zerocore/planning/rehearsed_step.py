@@ -72,7 +72,8 @@ def rehearse(step: Step, fake: FakeTensorMode, exclude: list[torch.Tensor]) -> M
     """Builds the sharding, runs a first step and the planned one on fake tensors (``fake``:
     the mode the layers' buffers and the inputs were made in); the peak of the planned step,
     per rank. ``exclude``: the step's inputs, which the caller holds (not counted)."""
-    ways = transport.planned(step.comm, device_kind=step.device, world_size=step.shards)
+    ways = transport.planned(step.comm, device_kind=step.device, world_size=step.shards,
+                             nodes=step.nodes if step.mesh is None else 1)
     peak = _Peak()
     held: dict[str, Any] = {}          # the sharding, optimizer and label, once they exist
 
