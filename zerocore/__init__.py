@@ -22,6 +22,7 @@ from zerocore.checkpoint import (CheckpointError, CheckpointWriteError, Incomple
                                  load_checkpoint, open_checkpoint, read_manifest,
                                  save_checkpoint, verify_files)
 from zerocore.comm.agree import PeerError, run_agreed
+from zerocore.comm.lockstep import Diverged
 from zerocore.comm.peer_memory import PeerLost
 from zerocore.comm.device import Platform
 from zerocore.comm.mesh import from_environment as mesh_from_environment, node_mesh, nodes_of
@@ -44,7 +45,7 @@ __all__ = ["BUILD", "ops", "optim", "reference", "shard", "ShardedSequential", "
            "MixedPrecision", "Prefetch", "Offload", "Recompute", "FrozenWeights", "Comm",
            "Compile", "Hybrid",
            "LossScaling", "LossScaler", "StepResult",
-           "MemoryReport", "CommReport", "run_agreed", "PeerError", "PeerLost",
+           "MemoryReport", "CommReport", "run_agreed", "PeerError", "PeerLost", "Diverged",
            "BuildError", "save_checkpoint",
            "load_checkpoint", "latest_checkpoint", "list_checkpoints", "checkpoint_runs",
            "incomplete_checkpoints", "IncompleteCheckpoint", "open_checkpoint", "read_manifest",

@@ -34,11 +34,14 @@ from zerocore.comm.fake import is_fake
 from zerocore.comm.peer_memory import GATHER_READY, PeerMemory
 
 # Kinds of step.
-GATHER, REDUCE, STATS, STEP, FULL_STATE, SAVE, LOAD = range(1, 8)
+GATHER, REDUCE, STATS, STEP, FULL_STATE, SAVE, LOAD, WAIT = range(1, 9)
 # Phases: a forward that builds a graph, one that does not (no_grad, inference), a backward
 # (a recomputed forward is part of its backward: it gathers nothing of its own); a reduction
 # whose HSDP sum waits for a later micro-batch (``set_requires_all_reduce(False)``).
 FORWARD, FORWARD_NO_GRAD, BACKWARD, BACKWARD_KEPT = range(4)
+# Kinds of message of the lockstep's peer-memory channel besides identities (``GATHER_READY``):
+# what a long-waiting rank waits for and where it is, and that the ranks diverged.
+_AWAITS, _ABORT, _AT = 1, 2, 3
 
 # Bits of an identity (63 in all: it travels as a signed int64): kind 3, phase 2, unit 18,
 # micro-batch 16, step 24; counts wrap (two ranks that differ by a multiple of 2**16
@@ -99,11 +102,26 @@ class Lockstep:
     a policy: with it off, diverged ranks are back to wrong values or a timeout."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device,
-                 peers: PeerMemory | None = None):
+                 peers: PeerMemory | None = None,
+                 peer_group: dist.ProcessGroup | None = None):
         self.group = group
         self.enabled = group.size() > 1 and not is_fake(group)  # a plan's world agrees
         self._peers = peers
+        # The ranks the peer memory reaches (HSDP's and hpZ's shard group: one node), whose
+        # exchange goes through its pipes first; the whole group's all-gather follows when it
+        # is wider (every rank of it then sees what any differs in).
+        self._peer_group = peer_group if peers is not None else None
+        self._wider = peers is None or peer_group.size() < group.size()
         self._channel = peers.new_channel() if peers is not None else 0
+        if peers is not None:
+            peers.watch(self._heard, self._blocked)
+        # What this rank said last (packed), and what the others said of their waits: the
+        # identity each said it was at (``_AT``) and the message it waits for (``_AWAITS``),
+        # by rank in the peer group, until it sends anything else.
+        self._last = 0
+        self._at: dict[int, int] = {}
+        self._awaits: dict[int, int] = {}
+        self._aborted = False
         self._seq = 0  # exchanges so far: every rank counts alike (the pipes' key)
         self._device = comm_device(group, torch.device("cpu"), device)
         # One int64 out, one per rank in: made once (an exchange runs several times per unit).
@@ -172,27 +190,119 @@ class Lockstep:
         if not self.enabled:
             return
         mine = identity.packed()
+        self._last = mine
         self._seq += 1
-        peers = self._peers
+        peers, group = self._peers, self._peer_group
         if peers is not None:
             peers.tell(peers.others(), self._channel, GATHER_READY, self._seq, mine)
-            me = self.group.rank()
+            me = group.rank()
             every = [mine if q == me else peers.hear(q, self._channel, GATHER_READY, self._seq)
-                     for q in range(self.group.size())]
-        else:
-            self._mine.fill_(mine)
-            all_gather_sync(self._every, self._mine, self.group)
-            every = self._every.tolist()
+                     for q in range(group.size())]
+        if self._wider:  # (after a difference within the node too: the other nodes learn it)
+            every, group = self._all_gather(mine), self.group
         if any(v != mine for v in every):
-            raise self.diverged(every)
+            raise self.diverged(every, group)
+
+    def _all_gather(self, mine: int) -> list[int]:
+        self._mine.fill_(mine)
+        all_gather_sync(self._every, self._mine, self.group)
+        return self._every.tolist()
+
+    # -- ranks that wait for each other (peer memory) ------------------------------------------
+    #
+    # A gather or reduction by reading ends with each rank waiting for the others' messages
+    # (a buffer ready, a buffer read). Ranks that diverged can each wait for the other there,
+    # neither at an exchange: one freeing a unit the other gathered but skipped. A wait that
+    # lasts tells the rank waited for what it waits for (``_blocked``); a rank that hears this
+    # while it waits itself, for a message the other never sent, knows that neither will send
+    # again: both raise (``_abort``), and tell every other rank (``_ABORT``).
+
+    def _heard(self, rank: int, key: int, value: int, awaited: int) -> bool:
+        """Peer memory's watch (see above); True for a message of its own, consumed."""
+        if _channel_of(key) != self._channel:
+            self._awaits.pop(rank, None)  # that rank went on since it said it waits
+            return False
+        kind = (key >> 32) % 4
+        if kind == GATHER_READY:  # an identity
+            self._awaits.pop(rank, None)
+            if _channel_of(awaited) != self._channel:
+                self._overtaken(rank, key, value)
+            return False
+        if kind == _AT:
+            self._at[rank] = value
+        elif kind == _AWAITS:
+            self._awaits[rank] = value
+            if _channel_of(awaited) != self._channel and not self._peers.was_sent(rank, value):
+                self._abort(rank)
+        elif kind == _ABORT:
+            raise self._told(rank, value)
+        return True
+
+    def _blocked(self, rank: int, awaited: int) -> None:
+        """Peer memory: this rank has waited a while for ``awaited`` from ``rank``."""
+        if _channel_of(awaited) == self._channel:
+            return  # an exchange: the other, when it waits, hears this rank's identity
+        peers = self._peers
+        peers.tell([rank], self._channel, _AT, 0, self._last)
+        peers.tell([rank], self._channel, _AWAITS, 0, awaited)
+        theirs = self._awaits.get(rank)
+        if theirs is not None and not peers.was_sent(rank, theirs):
+            self._abort(rank)
+
+    def _abort(self, rank: int) -> None:
+        names = _global_ranks(self._peer_group)
+        me = names[self._peer_group.rank()]
+        theirs = self._at.get(rank)
+        other = (f"; rank {names[rank]}'s last: {self.describe(Identity.unpacked(theirs))}"
+                 if theirs is not None else "")
+        error = Diverged(f"zerocore: the ranks diverged: ranks {me} and {names[rank]} wait for "
+                         f"each other, each to finish a gather or reduction that the other "
+                         f"started and did not finish (rank {me}'s last step: "
+                         f"{self.describe(Identity.unpacked(self._last))}{other}): {_ADVICE}")
+        self._tell_abort()
+        raise error
+
+    def _told(self, rank: int, value: int) -> Diverged:
+        names = _global_ranks(self._peer_group)
+        self._tell_abort()
+        return Diverged(f"zerocore: the ranks diverged: rank {names[rank]} found ranks waiting "
+                        f"for each other (its last step: "
+                        f"{self.describe(Identity.unpacked(value))}; rank "
+                        f"{names[self._peer_group.rank()]}'s: "
+                        f"{self.describe(Identity.unpacked(self._last))}): {_ADVICE}")
+
+    def _tell_abort(self) -> None:
+        if not self._aborted:  # once: every rank that hears it passes it on
+            self._aborted = True
+            self._peers.tell(self._peers.others(), self._channel, _ABORT, 0, self._last)
+
+    def _overtaken(self, rank: int, key: int, value: int) -> None:
+        """Peer memory's watch: ``rank`` said where it is (``key`` of this channel) while this
+        rank waits for something else from it (``awaited``: a buffer ready, or read). A rank
+        at an exchange sends nothing more until it hears this rank's, so what this rank waits
+        for will never come: it is at a step the other did not reach (a gather the other
+        started but never finished, having skipped its unit). Both raise: this rank here,
+        the other once it hears this rank's identity, ``WAIT``."""
+        if (key & 0xFFFFFFFF) != (self._seq + 1) & 0xFFFFFFFF:
+            return  # (not the next exchange: cannot happen while every rank counts alike)
+        self._seq += 1
+        mine = Identity(WAIT, 0, 0, 0, self.step).packed()
+        self._peers.tell(self._peers.others(), self._channel, GATHER_READY, self._seq, mine)
+        if self._wider:  # the other nodes are in (or will come to) the whole group's exchange
+            raise self.diverged(self._all_gather(mine), self.group)
+        group = self._peer_group
+        every: list[int | None] = [None] * group.size()  # (the others: not heard)
+        every[group.rank()], every[rank] = mine, value
+        raise self.diverged(every, group)
 
     # -- the message -------------------------------------------------------------------------
 
-    def diverged(self, every: list[int]) -> Diverged:
-        """What each rank was doing (by group rank: the mesh's whole is the world, or names its
-        ranks by their global ones), ranks doing the same thing together."""
-        ranks = _global_ranks(self.group)
-        doing = {ranks[q]: self.describe(Identity.unpacked(v)) for q, v in enumerate(every)}
+    def diverged(self, every: list[int | None], group: dist.ProcessGroup) -> Diverged:
+        """What each rank was doing (``every``: identities by rank in the group, None where not
+        known; named by their global ranks), ranks doing the same thing together."""
+        ranks = _global_ranks(group)
+        doing = {ranks[q]: self.describe(Identity.unpacked(v))
+                 for q, v in enumerate(every) if v is not None}
         together: dict[str, list[int]] = {}
         for rank, what in doing.items():
             together.setdefault(what, []).append(rank)
@@ -219,7 +329,9 @@ class Lockstep:
         if i.kind == STATS:
             return (f"takes the gradients' norm and overflow check before optimizer.step(), "
                     f"after {passes} (step {i.step})")
-        return {FULL_STATE: "gathers the full state (full_state_dict, an export)",
+        return {WAIT: "waits for another rank to finish a gather or reduction they started "
+                      "together (it reads this rank's memory), which it did not",
+                FULL_STATE: "gathers the full state (full_state_dict, an export)",
                 SAVE: "is in zerocore.save_checkpoint()",
                 LOAD: "is in zerocore.load_checkpoint()"}.get(i.kind, f"(step kind {i.kind})")
 
@@ -227,6 +339,11 @@ class Lockstep:
         if 0 <= index < len(self.names):
             return self.names[index]
         return f"unit {index}"
+
+
+def _channel_of(key: int) -> int:
+    """The channel of a peer-memory message's key (``peer_memory._key``)."""
+    return (key >> 32) // 4
 
 
 def _global_ranks(group: dist.ProcessGroup) -> list[int]:

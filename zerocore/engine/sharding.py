@@ -170,9 +170,8 @@ def build_context(mesh: Mesh, device: torch.device,
     elif mesh.replicate is not None:
         replicas = transport.Replicas(mesh.replicate, counter, block)
     # Where each rank is, exchanged over every rank of the mesh: through the pipes of peer
-    # memory when they reach all of them (a flat mesh), else by the backend.
-    flat = mesh.whole.size() == group.size()
-    lockstep = Lockstep(mesh.whole, device, peers if flat else None)
+    # memory within the shard group when it reads, and by the backend when the mesh is wider.
+    lockstep = Lockstep(mesh.whole, device, peers, group)
     return GroupContext(group, mesh.state_rank, device, mixed_precision.param_dtype,
                         mixed_precision.grad_reduce_dtype, offload.optimizer, counter,
                         streams, offload_params=offload.params,
