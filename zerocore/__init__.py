@@ -22,6 +22,7 @@ from zerocore.checkpoint import (CheckpointError, CheckpointWriteError, Incomple
                                  load_checkpoint, open_checkpoint, read_manifest,
                                  save_checkpoint, verify_files)
 from zerocore.comm.agree import PeerError, run_agreed
+from zerocore.comm.lockstep import Diverged
 from zerocore.comm.peer_loss import is_peer_loss
 from zerocore.comm.peer_memory import PeerLost
 from zerocore.comm.device import Platform
@@ -46,7 +47,7 @@ __all__ = ["BUILD", "ops", "optim", "reference", "shard", "ShardedSequential", "
            "MixedPrecision", "Prefetch", "Offload", "Recompute", "FrozenWeights", "Comm",
            "Compile", "Hybrid",
            "LossScaling", "LossScaler", "StepResult",
-           "MemoryReport", "CommReport", "run_agreed", "PeerError", "PeerLost",
+           "MemoryReport", "CommReport", "run_agreed", "PeerError", "PeerLost", "Diverged",
            "is_peer_loss", "agree_values", "ValuesDiffer",
            "BuildError", "save_checkpoint",
            "load_checkpoint", "latest_checkpoint", "list_checkpoints", "checkpoint_runs",

@@ -61,6 +61,7 @@ from transformers.trainer import SCHEDULER_NAME
 from transformers.utils import logging
 
 import zerocore
+from zerocore.comm.lockstep import STATS
 from zerocore.loss_scale import global_grad_stats
 from zerocore.engine.sharded_model import ShardedModel
 from zerocore.policies import HYBRID_LAYOUTS
@@ -307,6 +308,7 @@ class ShardedTrainer(Trainer):
         """Collective: the norm of the unscaled gradients over every rank's shards (nan when one
         is inf or nan), the same on every rank; kept for this step's ``_optimizer_step``."""
         grads = [s.grad for s in self.sharding.trainable_shards() if s.grad is not None]
+        self.sharding.lockstep.before_step(STATS)  # the ranks agree on where they are first
         self._grad_stats = global_grad_stats(grads, self.sharding.group, self.sharding.counter,
                                              self.sharding.device)
         return torch.tensor(self.loss_scaler.grad_norm(*self._grad_stats))

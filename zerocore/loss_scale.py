@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from zerocore.comm import collectives
 from zerocore.comm.device import comm_device
+from zerocore.comm.lockstep import STATS, lockstep_of
 from zerocore.kernels import ops
 from zerocore.optim import Adam
 from zerocore.policies import LossScaling
@@ -65,6 +66,8 @@ class LossScaler:
         """Steps ``optimizer`` unless some gradient anywhere is inf/nan; clips to ``max_norm``
         (global L2 norm over all ranks' shards, like ``torch.nn.utils.clip_grad_norm_`` on the
         unsharded model) if given."""
+        for lockstep in lockstep_of(p for g in optimizer.param_groups for p in g["params"]):
+            lockstep.before_step(STATS)  # the ranks agree on where they are first
         sum_sq, nonfinite = global_grad_stats(_grads(optimizer), self.group, self.counter,
                                               self.device)
         return self.step_with_stats(optimizer, sum_sq, nonfinite, max_norm=max_norm)

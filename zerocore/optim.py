@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from zerocore.comm.lockstep import STEP, lockstep_of
 from zerocore.engine.nvme_store import AdamRecord, Chunk, NvmeStore
 from zerocore.engine.sharded_param import (ShardParameter, is_nvme, is_offloaded, is_shard,
                                            mark_model_copy_synced, wait_for_device)
@@ -413,6 +414,10 @@ class Adam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Every rank of each sharded model steps after as many micro-batches as the others,
+        # or every rank is told which did not, before any steps (comm/lockstep.py).
+        for lockstep in lockstep_of(p for g in self.param_groups for p in g["params"]):
+            lockstep.before_step(STEP)
         for group, buckets in zip(self.param_groups, self._buckets):
             hyper = self._hyper(group, inv_grad_scale)
             launches: dict[tuple, _Launch | _NvmeLaunch] = {}

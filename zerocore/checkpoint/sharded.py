@@ -89,6 +89,7 @@ from zerocore.loss_scale import LossScaler
 from zerocore.optim import overrides_mismatch
 from zerocore.engine.nvme_store import ADAM_KEYS
 from zerocore.engine.sharded_param import ShardParameter, is_nvme, set_master
+from zerocore.comm.lockstep import LOAD, SAVE
 from zerocore.engine.sharding import Sharding
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
@@ -278,6 +279,7 @@ def save_checkpoint(root: str | Path, step: int, model: Any,
     anything cannot be written; nothing is then committed and earlier checkpoints are intact.
     """
     model = sharded_of(model)
+    model.lockstep.collective(SAVE)  # every rank saves here, or every rank says where it is
     if include_frozen and model.frozen_weights.int8_block is not None:
         # The same answer on every rank (the policy is the model's), so no rank waits.
         raise ValueError("save_checkpoint: include_frozen=True with FrozenWeights('int8'): the "
@@ -483,6 +485,7 @@ def load_checkpoint(path: str | Path, model: Any,
     if is_deepspeed_checkpoint(path):
         return load_deepspeed_checkpoint(path, model, optimizer, scaler=scaler)
     model = sharded_of(model)
+    model.lockstep.collective(LOAD)  # every rank loads here, or every rank says where it is
 
     def verify() -> ShardReader:
         # open_checkpoint's checks, with the model match before the files': a manifest of

@@ -295,6 +295,17 @@ class PeerMemory:
             self._received = torch.empty(nbytes, dtype=torch.uint8)
         return self._received[:nbytes].view(dtype)
 
+    def watch(self, heard, blocked) -> None:
+        """Calls ``heard(rank, key, value, awaited)`` for each message that arrives from
+        ``rank`` while this rank waits for another (``awaited``), which returns whether it
+        consumed it, and ``blocked(rank, awaited)`` once a wait lasted ``_GRACE_S``; either may
+        raise (the lockstep's: comm/lockstep.py)."""
+        self._pipes.watch, self._pipes.blocked = heard, blocked
+
+    def was_sent(self, rank: int, key: int) -> bool:
+        """Whether this rank sent ``rank`` the message of ``key``."""
+        return self._pipes.sent.get((rank, key >> 32), -1) >= key & 0xFFFFFFFF
+
     def others(self) -> list[int]:
         assert self.pids is not None
         return [q for q in range(len(self.pids)) if q != self._rank]
@@ -353,6 +364,12 @@ def _probe_reason(code: int, err: int) -> str:
             f"ptrace_scope or a seccomp profile")
 
 
+# A wait that lasts this long tells the lockstep (``_Pipes.blocked``): it says so to the rank
+# waited for, which finds whether the two wait for each other. Not a timeout: a rank slower
+# than this only costs two more messages.
+_GRACE_S = 0.5
+
+
 def _key(channel: int, kind: int, seq: int) -> int:
     return ((channel * 4 + kind) << 32) | (seq & 0xFFFFFFFF)
 
@@ -372,6 +389,15 @@ class _Pipes:
         # Group ranks found gone or silent past the timeout: never waited for again.
         self.lost: set[int] = set()
         self.names: dict[int, int] = {}  # group rank -> global rank, for messages
+        # The lockstep's (comm/lockstep.py; None: nobody): ``watch(rank, key, value, awaited)``
+        # is told of each message that arrives while another is awaited, and returns whether
+        # it consumed it (not kept as early); ``blocked(rank, awaited)`` is called once a wait
+        # has lasted ``_GRACE_S``. Either raises when the ranks wait for each other: diverged.
+        self.watch = None
+        self.blocked = None
+        # (rank, channel * 4 + kind) -> the last sequence number sent to it: whether a message
+        # another rank waits for was sent.
+        self.sent: dict[tuple[int, int], int] = {}
 
     def _lose(self, rank: int, what: str, silent: bool = False) -> PeerLost:
         self.lost.add(rank)
@@ -395,6 +421,7 @@ class _Pipes:
             while True:
                 try:
                     os.write(fd, message)  # 16 bytes < PIPE_BUF: whole or not at all, in order
+                    self.sent[(q, key >> 32)] = key & 0xFFFFFFFF
                     break
                 except BlockingIOError:
                     # The pipe is full: rank q has not read for thousands of messages.
@@ -425,9 +452,15 @@ class _Pipes:
         if deadline is None:
             deadline = time.monotonic() + self.timeout_s
         data = b""
+        told = self.blocked is None  # whether the lockstep was told of a long wait
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not _ready(fd, select.POLLIN, left):
+            wait = left if told else min(left, _GRACE_S)
+            if left <= 0 or not _ready(fd, select.POLLIN, wait):
+                if not told and left > 0:
+                    told = True
+                    self.blocked(rank, key)
+                    continue
                 raise self._silent(rank, "answer")
             try:
                 chunk = os.read(fd, _MESSAGE.size - len(data))
@@ -443,7 +476,8 @@ class _Pipes:
             data = b""
             if got == key:
                 return value
-            early[got] = value
+            if self.watch is None or not self.watch(rank, got, value, key):
+                early[got] = value
 
     def drain_and_close(self) -> None:
         """Waits for the others to finish reading lent buffers, all of them within one
@@ -457,6 +491,7 @@ class _Pipes:
         one, and this one for it). Once a rank is lost the group can complete no collective
         again, so what the others may still read of these buffers feeds no result: waiting
         would only keep this rank from exiting."""
+        self.watch = self.blocked = None  # nothing more is said to the others
         _close_all(self.outbound)
         deadline = time.monotonic() + self.timeout_s
         failed = bool(self.lost)  # (a rank found done here is not a failure of the group)

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from zerocore.comm import collectives, peer_memory, transport
+from zerocore.comm.lockstep import Lockstep
 from zerocore.comm.mesh import Mesh
 from zerocore.kernels import ops
 from zerocore.engine.flat_layout import FlatLayout
@@ -124,6 +125,9 @@ class GroupContext:
     # ... and the shards the gathers read (``Offload(params="nvme")``): frozen shards, and
     # with the optimizer there too the model copies.
     nvme_params: bool = False
+    # Every gather and reduction says first where this rank is (comm/lockstep.py); None: no
+    # exchange (a group built outside a sharding).
+    lockstep: Lockstep | None = None
 
 
 class FlatGroup:
@@ -161,6 +165,8 @@ class FlatGroup:
                 self.shard = new_shard(master, copy, offloaded=ctx.offload)
             if ctx.offload:
                 self.shard.host_threads = ctx.host_threads
+            # The optimizer's step says where this rank is too (``lockstep_of``).
+            self.shard.lockstep = ctx.lockstep
             set_layout(self.shard, [(sl.name, sl.offset, sl.numel) for sl in layout.slots], lo)
             # With optimizer offload alone the gather input is a device mirror of the CPU copy.
             self._mirror = (torch.empty(layout.shard_numel, dtype=dt, device=dev)
@@ -621,6 +627,10 @@ class FlatGroup:
     def _start_reduce(self, grads: list[torch.Tensor | None],
                       scratch: torch.Tensor | None) -> PendingGrad:
         numel, dtype, dev = self.layout.padded_numel, self.ctx.reduce_dtype, self.ctx.device
+        if self.ctx.lockstep is not None:
+            replicas = self.ctx.replicas
+            self.ctx.lockstep.reduce(self.shard.layer_index, kept=replicas is not None
+                                     and not replicas.requires_all_reduce)
         self.reduce.before_pack()
         if scratch is not None:
             assert scratch.numel() >= numel and scratch.dtype == dtype and scratch.device == dev

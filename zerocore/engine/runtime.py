@@ -35,6 +35,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils import _pytree as pytree
 
+from zerocore.comm.lockstep import Lockstep
 from zerocore.engine.backward import BackwardCoordinator
 from zerocore.engine.flat_group import GroupState
 from zerocore.engine.recompute import recomputing
@@ -66,7 +67,8 @@ class UnitCall:
     alive for good (the unit's module holds its installed views, whose node is this call's),
     so the call holds its units only weakly; the runtime holds them."""
 
-    def __init__(self, unit: Unit, previous: Unit | None, waiting: int | None):
+    def __init__(self, unit: Unit, previous: Unit | None, waiting: int | None,
+                 micro_batch: int = 0):
         self._unit = weakref.ref(unit)
         # the unit that built a graph before it in this forward
         self._previous = None if previous is None else weakref.ref(previous)
@@ -74,6 +76,7 @@ class UnitCall:
         # node and its inputs' gradient; None for the root (freed when the whole backward ends).
         self.waiting = waiting
         self.started = False
+        self.micro_batch = micro_batch  # of the forward that made it (its backward's)
 
     @property
     def unit(self) -> Unit:
@@ -167,13 +170,17 @@ class Runtime:
     module; a unit without groups when no parameter is the root's). mirrors: the trainable
     groups keep device mirrors of host model copies (``Offload(optimizer=True)`` alone)."""
 
-    def __init__(self, model: nn.Module, units: list[Unit], schedule: Schedule, *,
+    def __init__(self, model: nn.Module, units: list[Unit], schedule: Schedule,
+                 lockstep: Lockstep, *,
                  mirrors: bool, root_owners: list[nn.Module],
                  staging: list[torch.Tensor] | None = None):
         self.model = model
         self.units = units
         self.root = units[-1]
         self.schedule = schedule
+        # Told where the step is (a forward, with or without autograd; a backward, of which
+        # micro-batch), which every gather and reduction then says to the other ranks.
+        self.lockstep = lockstep
         # Optimizer offload keeps device mirrors of the host's model copies, all uploaded when
         # a forward starts (parameter offload uploads each gather's own window instead).
         self.mirrors = mirrors
@@ -247,7 +254,8 @@ class Runtime:
             return None
         is_root = unit is self.root
         call = UnitCall(unit, None if is_root else self._last_graph,
-                        waiting=None if is_root else 0)
+                        waiting=None if is_root else 0,
+                        micro_batch=self.lockstep.micro_batch)
         views = None
         if layer.trainable is not None:
             views = UnitParams.apply(self, call, layer.trainable_shard)
@@ -315,6 +323,7 @@ class Runtime:
         call.started = True
         call.unit.active += 1
         self.where = ("backward", call.unit.layer.index)
+        self.lockstep.backward_begins(call.micro_batch)
         previous = call.previous.layer if call.previous is not None else None
         self.coordinator.before_layer_backward(call.unit.layer, previous)
 
@@ -351,6 +360,7 @@ class Runtime:
         # their end (a partial torch.autograd.grad) count no longer.
         for unit in self.units:
             unit.active = 0
+        self.lockstep.backward_ended()
 
     def _new_forward(self) -> None:
         if self._order_now:
@@ -358,6 +368,7 @@ class Runtime:
         self._order_now = []
         self._last_graph = None
         self._gradients.new_forward()
+        self.lockstep.forward_begins(grad=torch.is_grad_enabled())
         for unit in self._kept:
             # Kept by the previous forward: already freed if its backward ran; if not (and it
             # may never run), freed now and gathered afresh when next used (the trainable
@@ -399,12 +410,15 @@ class Runtime:
         if outputs:
             # Backward needs the root from its first operation (the head) to its last (the
             # embedding): gathered throughout, freed when it ends (the coordinator's finish).
-            self._gradients.on(outputs, _weakly(self._root_backward_begins), mode="any")
+            micro_batch = self.lockstep.micro_batch
+            self._gradients.on(outputs, _weakly(self._root_backward_begins, micro_batch),
+                               mode="any")
         else:
             self._free_unless_held(self.root)
 
-    def _root_backward_begins(self) -> None:
+    def _root_backward_begins(self, micro_batch: int) -> None:
         self.where = ("backward", self.root.layer.index)
+        self.lockstep.backward_begins(micro_batch)
         self.coordinator.before_layer_backward(self.root.layer, None)
 
     def _root_owner_pre(self, module: nn.Module, args: tuple) -> None:

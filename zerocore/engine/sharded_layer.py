@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from zerocore.engine.compiled import plain_name
-from zerocore.engine.flat_group import FlatGroup, GroupContext
+from zerocore.engine.flat_group import FlatGroup, GroupContext, GroupState
 from zerocore.engine.flat_layout import FlatLayout
 from zerocore.engine.meta_layer import RangeReader
 from zerocore.engine.tracing import traced
@@ -123,6 +123,7 @@ class ShardedLayer(nn.Module):
             for mod, attr in owners:
                 del mod._parameters[attr]
         self.module = module.to(ctx.device)  # buffers (e.g. rotary tables) only, now
+        self.lockstep = ctx.lockstep  # says where this rank is before each gather
         self.device = ctx.device               # where the layer computes
         self.trainable: FlatGroup | None = groups[True]
         self.frozen: FlatGroup | None = groups[False]
@@ -145,11 +146,17 @@ class ShardedLayer(nn.Module):
         return [g for g in (self.trainable, self.frozen) if g is not None]
 
     def start_gather(self) -> None:
+        groups = self.groups
+        if not any(g.state is GroupState.SHARDED for g in groups):
+            return  # gathered, or in flight: no collective
+        if self.lockstep is not None:
+            self.lockstep.gather(self.index)  # once for all its groups
         with traced("gather", self.index):
-            for g in self.groups:
+            for g in groups:
                 g.start_gather()
 
     def wait_gather(self) -> None:
+        self.start_gather()  # (a gather not started yet starts here, said where first)
         with traced("gather_wait", self.index):
             for g in self.groups:
                 g.wait_gather()

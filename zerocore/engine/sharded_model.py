@@ -151,6 +151,11 @@ class ShardedModel(Sharding):
         owners = {id(m): m for _, _, os in root_params for m, _ in os if m is not model}
         self.start(model, self.units, root_owners=list(owners.values()))
 
+    @staticmethod
+    def unit_label(name: str) -> str:
+        return (f"`{name}`" if name else
+                "the root unit (embeddings, head: what no single unit owns)")
+
     @contextlib.contextmanager
     def gathered(self, max_bytes: int | None = None) -> Iterator[None]:
         """Within the block, a unit gathered for a forward stays gathered until the block ends,

@@ -28,6 +28,7 @@ from zerocore.comm import mesh as meshes
 from zerocore.comm.collectives import CommCounter
 from zerocore.comm.peer_memory import PeerMemory
 from zerocore.comm.agree import run_agreed
+from zerocore.comm.lockstep import FULL_STATE, Lockstep
 from zerocore.comm.device import Platform, agree_on_devices, comm_device, resolve_device
 from zerocore.comm.fake import is_fake
 from zerocore.comm.mesh import Mesh, device_refusal
@@ -169,6 +170,9 @@ def build_context(mesh: Mesh, device: torch.device,
                                        quantize_block=block)
     elif mesh.replicate is not None:
         replicas = transport.Replicas(mesh.replicate, counter, block)
+    # Where each rank is, exchanged over every rank of the mesh: through the pipes of peer
+    # memory within the shard group when it reads, and by the backend when the mesh is wider.
+    lockstep = Lockstep(mesh.whole, device, peers, group)
     return GroupContext(group, mesh.state_rank, device, mixed_precision.param_dtype,
                         mixed_precision.grad_reduce_dtype, offload.optimizer, counter,
                         streams, offload_params=offload.params,
@@ -176,7 +180,7 @@ def build_context(mesh: Mesh, device: torch.device,
                         host_threads=host_threads, ways=ways, device_kind=kind, watch=watch,
                         arena=arena, replicas=replicas, across=across, mesh=mesh, store=store,
                         nvme_optimizer=offload.optimizer == "nvme",
-                        nvme_params=offload.params == "nvme")
+                        nvme_params=offload.params == "nvme", lockstep=lockstep)
 
 
 def open_store(offload: Offload, arena: HostArena, mesh: Mesh,
@@ -338,6 +342,7 @@ class Sharding:
                                  host_threads, rehearsal)
         self.counter = self.ctx.counter
         self.ways = self.ctx.ways
+        self.lockstep = self.ctx.lockstep
         if mesh.whole.rank() == 0 and rehearsal is None:
             ranks = mesh.world_size
             log.info("%s: %d rank%s on %s; %s", self.front_door, ranks,
@@ -407,7 +412,8 @@ class Sharding:
     def start(self, model: nn.Module, units: list[Unit], root_owners: list[nn.Module]) -> None:
         """Puts the runtime's hooks on the model (zerocore/engine/runtime.py): ``units`` in
         their index order, then the root (``model`` itself)."""
-        self.runtime = Runtime(model, units, self.schedule,
+        self.lockstep.names = [self.unit_label(u.name) for u in units]
+        self.runtime = Runtime(model, units, self.schedule, self.lockstep,
                                mirrors=self.offload.optimizer and not self.offload.params,
                                root_owners=root_owners, staging=self._staging())
         if self.ctx.arena is not None:
@@ -424,6 +430,11 @@ class Sharding:
         if arena is None or largest == 0:
             return []
         return [arena.take(largest, self.ctx.reduce_dtype) for _ in range(2)]
+
+    @staticmethod
+    def unit_label(name: str) -> str:
+        """How messages name the unit of this name (``Unit.name``; "" for the root)."""
+        return f"layer {name}" if name else "the weights tied across layers"
 
     @property
     def kept_layers(self) -> frozenset[int]:
@@ -472,6 +483,7 @@ class Sharding:
                                     or not 0 <= to_rank < self.world_size):
             raise ValueError(f"iter_full_states: to_rank must be a rank of the group "
                              f"(0 .. {self.world_size - 1}) or None, got {to_rank!r}")
+        self.lockstep.collective(FULL_STATE)
         return ((layer.index, layer.full_state(trainable_only, to_rank=to_rank))
                 for layer in self.layers)
 

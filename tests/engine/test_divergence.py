@@ -1,0 +1,195 @@
+"""Ranks that stop running the same program (comm/lockstep.py): a unit skipped on one rank, a
+forward on one rank alone, unequal micro-batches before ``optimizer.step()``, an extra
+``full_state_dict`` or checkpoint on one rank, HSDP's ``set_requires_all_reduce`` at odds
+across the ranks. Each is refused on every rank with ``zerocore.Diverged``, naming what each
+rank was doing, at the first collective where they differ, through both front doors, on the
+peer-reading and the collective transports, flat and across HSDP's replicas and hpZ's nodes;
+``zerocore.Comm``'s timeout stays at its default (30 minutes), so a refusal within the test's
+bound (``RUN_TIMEOUT_S``) cannot be the timeout's.
+
+Every case first trains one agreed step, so that the divergence meets a model in its usual state
+(gathered once, stepped once). Each rank returns the exception it got as text (or "no error"):
+the world stays up for the next case, since every rank left the same exchange.
+"""
+
+from __future__ import annotations
+
+import gc
+import tempfile
+
+import pytest
+import torch
+from torch import nn
+
+import zerocore
+from tests.support.hybrid_runs import mesh_of
+from tests.support.toy_stack import LR, Spec, global_batch, loss_fn, make_layers
+
+WORLD_SIZES = [2, 3]
+SPEC = Spec(model="transformer")
+DOORS = ["shard", "shard_model"]
+# "read": gloo ranks of one host reading each other's memory (the default here); "collective":
+# gloo's collectives (peer reading off).
+TRANSPORTS = ["read", "collective"]
+CASES = ["skip", "lone_forward", "micro_batches", "full_state", "checkpoint"]
+# Far below Comm's timeout (1800 s), far above what a refusal takes on a loaded machine (a
+# few seconds: building the model and one step).
+RUN_TIMEOUT_S = 240.0
+ADVICE = "every rank must run the same forwards and backwards"
+
+
+class Stack(nn.Module):
+    """The toy transformer as a model whose forward may skip layers (``skip``: their indices),
+    as ``if cond(x): x = block(x)`` does."""
+
+    def __init__(self, layers: list[nn.Module]):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.skip: set[int] = set()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if i not in self.skip:
+                x = layer(x)
+        return x
+
+
+def _build(door: str, transport: str, layout: str):
+    """(forward(x, skip), the sharding, how messages name layer 1) through a front door."""
+    policies: dict = dict(comm=zerocore.Comm() if transport == "read"
+                          else zerocore.Comm(peer_read="off"))
+    if layout != "flat":
+        policies["mesh"] = mesh_of((2, 2))
+        if layout == "hpz":
+            policies["hybrid"] = zerocore.Hybrid("hpz")
+    layers = make_layers(SPEC)
+    if door == "shard":
+        model = zerocore.shard(layers, **policies)
+        units = [layer.module for layer in model.layers[:model.num_units]]
+
+        def forward(x: torch.Tensor, skip: set[int]) -> torch.Tensor:
+            if not skip:
+                return model(x)
+            for i, unit in enumerate(units):  # the layers called one by one, one left out
+                if i not in skip:
+                    x = unit(x)
+            return x
+        return forward, model, "layer 1"
+    stack = Stack(layers)
+    sharding = zerocore.shard_model(stack, [stack.layers[1], stack.layers[2]], **policies)
+
+    def forward(x: torch.Tensor, skip: set[int]) -> torch.Tensor:
+        stack.skip = skip
+        return stack(x)
+    return forward, sharding, "`layers.1`"
+
+
+def diverge(rank: int, world_size: int, door: str, transport: str, case: str,
+            layout: str = "flat") -> str:
+    """One agreed step, then ``case`` on one rank; what each rank raised, as text."""
+    outcome = _attempt(rank, world_size, door, transport, case, layout)
+    gc.collect()  # the model is gone: peer memory's pipes close on every rank together
+    return outcome
+
+
+def _attempt(rank: int, world_size: int, door: str, transport: str, case: str,
+             layout: str) -> str:
+    forward, sharding, _ = _build(door, transport, layout)
+    opt = zerocore.optim.AdamW(sharding.trainable_shards(), lr=LR)
+    last = world_size - 1
+
+    def micro(step: int, m: int, skip: set[int] = set()) -> None:
+        x, y = global_batch(SPEC, step, m, world_size)
+        out = forward(x.chunk(world_size)[rank], skip)
+        loss_fn(SPEC, out, y.chunk(world_size)[rank]).backward()
+
+    micro(0, 0)
+    opt.step()
+    opt.zero_grad()
+    outcome = "no error"
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            if case == "skip":  # layer 1 (a block) left out on the last rank
+                micro(1, 0, {1} if rank == last else set())
+            elif case == "lone_forward":  # a sample for the log, on rank 0 alone
+                if rank == 0:
+                    with torch.no_grad():
+                        forward(global_batch(SPEC, 1, 0, 1)[0], set())
+                micro(1, 0)
+            elif case == "micro_batches":  # 2 micro-batches on rank 0, 3 on the others
+                for m in range(2 if rank == 0 else 3):
+                    micro(1, m)
+            elif case == "full_state":  # an export on rank 0 alone
+                if rank == 0:
+                    dict(sharding.iter_full_states(to_rank=0))
+                micro(1, 0)
+            elif case == "checkpoint":  # a save on rank 0 alone (each rank its own directory)
+                if rank == 0:
+                    zerocore.save_checkpoint(tmp, 1, sharding, opt)
+                micro(1, 0)
+            elif case == "hsdp_kept_on_one":  # rank 0 alone defers the replicas' all-reduce
+                sharding.set_requires_all_reduce(rank != 0)
+                micro(1, 0)
+            elif case == "hsdp_kept_on_all":  # every rank steps before its all-reduce
+                sharding.set_requires_all_reduce(False)
+                micro(1, 0)
+            opt.step()
+    except Exception as e:  # noqa: BLE001  (what each rank got is the result)
+        outcome = f"{type(e).__name__}: {e}"
+    return outcome
+
+
+def _assert_refused(got: list[str], *words: str) -> None:
+    for rank, outcome in enumerate(got):
+        assert outcome.startswith("Diverged: zerocore: the ranks diverged"), (rank, outcome)
+        assert ADVICE in outcome, (rank, outcome)
+        assert "raise the timeout" not in outcome, (rank, outcome)
+        for word in words:
+            assert word in outcome, (rank, word, outcome)
+
+
+# What each case's message names, on every rank (``{unit}``: how the door names layer 1).
+NAMED = {
+    # Peer reading: the ranks wait for each other (one frees the unit the other skipped);
+    # collectives: their backward gathers differ.
+    "skip": ("rank 0", "of micro-batch 0 (step 1)"),
+    "lone_forward": ("rank 0 gathers", "a forward without autograd",
+                     "for forward of micro-batch 0"),
+    "micro_batches": ("rank 0 is in optimizer.step() after 2 backward passes",
+                      "for forward of micro-batch 2"),
+    "full_state": ("rank 0 gathers the full state", "for forward of micro-batch 0"),
+    "checkpoint": ("rank 0 is in zerocore.save_checkpoint()", "for forward of micro-batch 0"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("door", DOORS)
+def test_diverged_ranks_are_refused_on_every_rank(world, door, transport, case):
+    got = world.run(diverge, door, transport, case, timeout=RUN_TIMEOUT_S)
+    _assert_refused(got, *NAMED[case])
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "hpz"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("case", ["skip", "micro_batches"])
+def test_diverged_ranks_are_refused_across_nodes(worlds, layout, transport, case):
+    # 2 x 2: two "nodes" of two ranks; rank 3 (skip) or ranks 1-3 (micro-batches) differ.
+    got = worlds(4).run(diverge, "shard", transport, case, layout, timeout=RUN_TIMEOUT_S)
+    _assert_refused(got, *NAMED[case])
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_set_requires_all_reduce_at_odds_across_ranks_is_refused(worlds, transport):
+    got = worlds(4).run(diverge, "shard", transport, "hsdp_kept_on_one", "hsdp",
+                        timeout=RUN_TIMEOUT_S)
+    _assert_refused(got, "keeping the sum for a later micro-batch")
+
+
+def test_stepping_before_the_replicas_all_reduce_is_refused(worlds):
+    got = worlds(4).run(diverge, "shard", "read", "hsdp_kept_on_all", "hsdp",
+                        timeout=RUN_TIMEOUT_S)
+    for rank, outcome in enumerate(got):
+        assert outcome.startswith("RuntimeError: zerocore: optimizer.step() after a backward "
+                                  "whose gradients were kept"), (rank, outcome)
+        assert "set_requires_all_reduce(True)" in outcome, (rank, outcome)

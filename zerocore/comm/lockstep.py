@@ -1,0 +1,364 @@
+"""``Lockstep``: every collective step a sharded model runs says first where each rank is, so
+that ranks which stopped running the same program (a unit skipped on one, a forward on one
+alone, unequal micro-batches before ``optimizer.step()``, an extra ``full_state_dict`` on one)
+are caught at the first step where they differ, on every rank, with what each was doing, instead
+of pairing one rank's gather with another's (wrong values, a size mismatch that aborts gloo) or
+waiting out a timeout that blames a stopped rank (docs/decisions.md, "Ranks in lockstep").
+
+Each step (a unit's gather, a gradient reduction, the optimizer's step and its statistics, full
+states, checkpoints) is named by one int64, its identity: what kind of step, the unit, the phase
+(forward with or without autograd, backward), the micro-batch (forwards since the last
+``optimizer.step()``) and the step. Before the step's own collectives the ranks exchange their
+identities: through the pipes of peer memory (16-byte messages, keyed by a sequence number that
+every rank counts alike) when every rank of the model reads the others' memory, else one
+all-gather of one int64 per rank over the model's whole mesh. Every rank then holds every rank's
+identity, so every rank sees the same difference and raises ``Diverged`` at once; each decodes
+the identities itself (the unit names are the same on every rank: the structure is agreed), so
+no further exchange is needed. A rank that never comes keeps the transport's own error: the
+peer memory's timeout (a stopped or hung rank), or the backend's.
+
+State of its own: where the runtime is (``forward_begins``, ``backward_begins``), set by the
+hooks that run the units, and the counts the optimizer's step resets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from zerocore.comm.collectives import all_gather_sync
+from zerocore.comm.device import comm_device
+from zerocore.comm.fake import is_fake
+from zerocore.comm.peer_memory import GATHER_READY, PeerMemory
+
+# Kinds of step.
+GATHER, REDUCE, STATS, STEP, FULL_STATE, SAVE, LOAD, WAIT = range(1, 9)
+# Phases: a forward that builds a graph, one that does not (no_grad, inference), a backward
+# (a recomputed forward is part of its backward: it gathers nothing of its own); a reduction
+# whose HSDP sum waits for a later micro-batch (``set_requires_all_reduce(False)``).
+FORWARD, FORWARD_NO_GRAD, BACKWARD, BACKWARD_KEPT = range(4)
+# Kinds of message of the lockstep's peer-memory channel besides identities (``GATHER_READY``):
+# what a long-waiting rank waits for and where it is, and that the ranks diverged.
+_AWAITS, _ABORT, _AT = 1, 2, 3
+
+# Bits of an identity (63 in all: it travels as a signed int64): kind 3, phase 2, unit 18,
+# micro-batch 16, step 24; counts wrap (two ranks that differ by a multiple of 2**16
+# micro-batches would pass: a program that far apart has differed earlier).
+_FIELDS = (("kind", 3), ("phase", 2), ("unit", 18), ("count", 16), ("step", 24))
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    kind: int
+    phase: int = 0
+    unit: int = 0
+    count: int = 0   # the micro-batch, or for STATS and STEP the backward passes since a step
+    step: int = 0
+
+    def packed(self) -> int:
+        value, shift = 0, 0
+        for name, bits in _FIELDS:
+            value |= (getattr(self, name) & ((1 << bits) - 1)) << shift
+            shift += bits
+        return value
+
+    @staticmethod
+    def unpacked(value: int) -> "Identity":
+        fields, shift = {}, 0
+        for name, bits in _FIELDS:
+            fields[name] = (value >> shift) & ((1 << bits) - 1)
+            shift += bits
+        return Identity(**fields)
+
+
+class Diverged(RuntimeError):
+    """The ranks stopped running the same collectives: raised on every rank at the first one
+    where they differ. ``doing``: {rank: what that rank was doing}, in words."""
+
+    def __init__(self, message: str, doing: dict[int, str] | None = None):
+        super().__init__(message)
+        self.doing = dict(doing or {})
+
+    def __reduce__(self):
+        return Diverged, (str(self), self.doing)
+
+
+_ADVICE = ("every rank must run the same forwards and backwards of the sharded model, in the "
+           "same order (a unit that runs on some ranks runs on all: compute it and discard the "
+           "result), the same number of micro-batches before each optimizer.step(), and the "
+           "same full_state_dict/checkpoint calls. A forward on one rank alone (logging, a "
+           "sample) cannot gather the others' shards: run it on every rank and use the result "
+           "on one, or run it on an unsharded copy (full_state_dict(to_rank=0) loaded into the "
+           "model's own class)")
+
+
+class Lockstep:
+    """One sharded model's identity exchange (see the module docstring). ``group``: every rank
+    of the model (the mesh's whole); ``peers``: the peer memory when it reaches every one of
+    them (a flat mesh of one host), else None (the all-gather). ``enabled``: an internal
+    switch for measuring the check's cost (bench/) and for seeing a test fail without it; not
+    a policy: with it off, diverged ranks are back to wrong values or a timeout."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device,
+                 peers: PeerMemory | None = None,
+                 peer_group: dist.ProcessGroup | None = None):
+        self.group = group
+        self.enabled = group.size() > 1 and not is_fake(group)  # a plan's world agrees
+        self._peers = peers
+        # The ranks the peer memory reaches (HSDP's and hpZ's shard group: one node), whose
+        # exchange goes through its pipes first; the whole group's all-gather follows when it
+        # is wider (every rank of it then sees what any differs in).
+        self._peer_group = peer_group if peers is not None else None
+        self._wider = peers is None or peer_group.size() < group.size()
+        self._channel = peers.new_channel() if peers is not None else 0
+        if peers is not None:
+            peers.watch(self._heard, self._blocked)
+        # What this rank said last (packed), and what the others said of their waits: the
+        # identity each said it was at (``_AT``) and the message it waits for (``_AWAITS``),
+        # by rank in the peer group, until it sends anything else.
+        self._last = 0
+        self._at: dict[int, int] = {}
+        self._awaits: dict[int, int] = {}
+        self._aborted = False
+        self._seq = 0  # exchanges so far: every rank counts alike (the pipes' key)
+        self._device = comm_device(group, torch.device("cpu"), device)
+        # One int64 out, one per rank in: made once (an exchange runs several times per unit).
+        self._mine = torch.zeros(1, dtype=torch.int64, device=self._device)
+        self._every = torch.zeros(group.size(), dtype=torch.int64, device=self._device)
+        # Unit index -> how messages name it (set by the front door: the model's own names).
+        self.names: list[str] = []
+        # Where the runtime is: the phase of the gathers it starts, and the micro-batch.
+        self.phase = FORWARD
+        self.micro_batch = 0
+        self.forwards = 0    # forwards begun since the last optimizer step
+        self.backwards = 0   # backward passes ended since the last optimizer step
+        self.step = 0        # optimizer steps taken
+        # The last reduction kept HSDP's sum for a later micro-batch: stepping now would step
+        # without it (set_requires_all_reduce(False) on the last micro-batch).
+        self._kept = False
+
+    # -- where the runtime is ----------------------------------------------------------------
+
+    def forward_begins(self, grad: bool) -> None:
+        self.phase = FORWARD if grad else FORWARD_NO_GRAD
+        self.micro_batch = self.forwards
+        self.forwards += 1
+
+    def backward_begins(self, micro_batch: int) -> None:
+        self.phase = BACKWARD
+        self.micro_batch = micro_batch
+
+    def backward_ended(self) -> None:
+        self.backwards += 1
+
+    # -- the steps ---------------------------------------------------------------------------
+
+    def gather(self, unit: int) -> None:
+        self.check(Identity(GATHER, self.phase, unit, self.micro_batch, self.step))
+
+    def reduce(self, unit: int, kept: bool) -> None:
+        """``kept``: HSDP keeps this sum for a later micro-batch (no all-reduce across the
+        replicas now): ranks that disagree on it would pair unlike all-reduces."""
+        phase = BACKWARD_KEPT if kept else BACKWARD
+        self._kept = kept
+        self.check(Identity(REDUCE, phase, unit, self.micro_batch, self.step))
+
+    def before_step(self, kind: int = STEP) -> None:
+        """The optimizer's step (``STEP``: its counts then start again) or the statistics taken
+        before it (``STATS``: the gradient norm, the overflow check): unequal numbers of
+        micro-batches are refused here, before any rank steps with them."""
+        self.check(Identity(kind, 0, 0, self.backwards, self.step))
+        if self._kept:  # the same on every rank: their reductions agreed on it
+            raise RuntimeError(
+                "zerocore: optimizer.step() after a backward whose gradients were kept for a "
+                "later micro-batch (set_requires_all_reduce(False)): the gradient shards do not "
+                "hold those micro-batches yet; call model.set_requires_all_reduce(True) before "
+                "the last micro-batch's backward, then step")
+        if kind == STEP:
+            self.step += 1
+            self.forwards = self.backwards = 0
+
+    def collective(self, kind: int) -> None:
+        """A step outside the training loop (``FULL_STATE``, ``SAVE``, ``LOAD``)."""
+        self.check(Identity(kind, 0, 0, 0, self.step))
+
+    def check(self, identity: Identity) -> None:
+        """Collective: exchanges ``identity`` with every rank; raises ``Diverged`` on every rank
+        when they differ."""
+        if not self.enabled:
+            return
+        mine = identity.packed()
+        self._last = mine
+        self._seq += 1
+        peers, group = self._peers, self._peer_group
+        if peers is not None:
+            peers.tell(peers.others(), self._channel, GATHER_READY, self._seq, mine)
+            me = group.rank()
+            every = [mine if q == me else peers.hear(q, self._channel, GATHER_READY, self._seq)
+                     for q in range(group.size())]
+        if self._wider:  # (after a difference within the node too: the other nodes learn it)
+            every, group = self._all_gather(mine), self.group
+        if any(v != mine for v in every):
+            raise self.diverged(every, group)
+
+    def _all_gather(self, mine: int) -> list[int]:
+        self._mine.fill_(mine)
+        all_gather_sync(self._every, self._mine, self.group)
+        return self._every.tolist()
+
+    # -- ranks that wait for each other (peer memory) ------------------------------------------
+    #
+    # A gather or reduction by reading ends with each rank waiting for the others' messages
+    # (a buffer ready, a buffer read). Ranks that diverged can each wait for the other there,
+    # neither at an exchange: one freeing a unit the other gathered but skipped. A wait that
+    # lasts tells the rank waited for what it waits for (``_blocked``); a rank that hears this
+    # while it waits itself, for a message the other never sent, knows that neither will send
+    # again: both raise (``_abort``), and tell every other rank (``_ABORT``).
+
+    def _heard(self, rank: int, key: int, value: int, awaited: int) -> bool:
+        """Peer memory's watch (see above); True for a message of its own, consumed."""
+        if _channel_of(key) != self._channel:
+            self._awaits.pop(rank, None)  # that rank went on since it said it waits
+            return False
+        kind = (key >> 32) % 4
+        if kind == GATHER_READY:  # an identity
+            self._awaits.pop(rank, None)
+            if _channel_of(awaited) != self._channel:
+                self._overtaken(rank, key, value)
+            return False
+        if kind == _AT:
+            self._at[rank] = value
+        elif kind == _AWAITS:
+            self._awaits[rank] = value
+            if _channel_of(awaited) != self._channel and not self._peers.was_sent(rank, value):
+                self._abort(rank)
+        elif kind == _ABORT:
+            raise self._told(rank, value)
+        return True
+
+    def _blocked(self, rank: int, awaited: int) -> None:
+        """Peer memory: this rank has waited a while for ``awaited`` from ``rank``."""
+        if _channel_of(awaited) == self._channel:
+            return  # an exchange: the other, when it waits, hears this rank's identity
+        peers = self._peers
+        peers.tell([rank], self._channel, _AT, 0, self._last)
+        peers.tell([rank], self._channel, _AWAITS, 0, awaited)
+        theirs = self._awaits.get(rank)
+        if theirs is not None and not peers.was_sent(rank, theirs):
+            self._abort(rank)
+
+    def _abort(self, rank: int) -> None:
+        names = _global_ranks(self._peer_group)
+        me = names[self._peer_group.rank()]
+        theirs = self._at.get(rank)
+        other = (f"; rank {names[rank]}'s last: {self.describe(Identity.unpacked(theirs))}"
+                 if theirs is not None else "")
+        error = Diverged(f"zerocore: the ranks diverged: ranks {me} and {names[rank]} wait for "
+                         f"each other, each to finish a gather or reduction that the other "
+                         f"started and did not finish (rank {me}'s last step: "
+                         f"{self.describe(Identity.unpacked(self._last))}{other}): {_ADVICE}")
+        self._tell_abort()
+        raise error
+
+    def _told(self, rank: int, value: int) -> Diverged:
+        names = _global_ranks(self._peer_group)
+        self._tell_abort()
+        return Diverged(f"zerocore: the ranks diverged: rank {names[rank]} found ranks waiting "
+                        f"for each other (its last step: "
+                        f"{self.describe(Identity.unpacked(value))}; rank "
+                        f"{names[self._peer_group.rank()]}'s: "
+                        f"{self.describe(Identity.unpacked(self._last))}): {_ADVICE}")
+
+    def _tell_abort(self) -> None:
+        if not self._aborted:  # once: every rank that hears it passes it on
+            self._aborted = True
+            self._peers.tell(self._peers.others(), self._channel, _ABORT, 0, self._last)
+
+    def _overtaken(self, rank: int, key: int, value: int) -> None:
+        """Peer memory's watch: ``rank`` said where it is (``key`` of this channel) while this
+        rank waits for something else from it (``awaited``: a buffer ready, or read). A rank
+        at an exchange sends nothing more until it hears this rank's, so what this rank waits
+        for will never come: it is at a step the other did not reach (a gather the other
+        started but never finished, having skipped its unit). Both raise: this rank here,
+        the other once it hears this rank's identity, ``WAIT``."""
+        if (key & 0xFFFFFFFF) != (self._seq + 1) & 0xFFFFFFFF:
+            return  # (not the next exchange: cannot happen while every rank counts alike)
+        self._seq += 1
+        mine = Identity(WAIT, 0, 0, 0, self.step).packed()
+        self._peers.tell(self._peers.others(), self._channel, GATHER_READY, self._seq, mine)
+        if self._wider:  # the other nodes are in (or will come to) the whole group's exchange
+            raise self.diverged(self._all_gather(mine), self.group)
+        group = self._peer_group
+        every: list[int | None] = [None] * group.size()  # (the others: not heard)
+        every[group.rank()], every[rank] = mine, value
+        raise self.diverged(every, group)
+
+    # -- the message -------------------------------------------------------------------------
+
+    def diverged(self, every: list[int | None], group: dist.ProcessGroup) -> Diverged:
+        """What each rank was doing (``every``: identities by rank in the group, None where not
+        known; named by their global ranks), ranks doing the same thing together."""
+        ranks = _global_ranks(group)
+        doing = {ranks[q]: self.describe(Identity.unpacked(v))
+                 for q, v in enumerate(every) if v is not None}
+        together: dict[str, list[int]] = {}
+        for rank, what in doing.items():
+            together.setdefault(what, []).append(rank)
+        parts = [f"{'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs))} {what}"
+                 for what, rs in together.items()]
+        return Diverged(f"zerocore: the ranks diverged: {'; '.join(parts)}: {_ADVICE}", doing)
+
+    def describe(self, identity: Identity) -> str:
+        i = identity
+        if i.kind == GATHER:
+            for_ = {FORWARD: f"forward of micro-batch {i.count}",
+                    FORWARD_NO_GRAD: f"a forward without autograd (forward {i.count} since the "
+                                     f"last optimizer.step())",
+                    BACKWARD: f"backward of micro-batch {i.count}"}.get(i.phase, "?")
+            return f"gathers {self._unit(i.unit)} for {for_} (step {i.step})"
+        if i.kind == REDUCE:
+            kept = (", keeping the sum for a later micro-batch (set_requires_all_reduce(False))"
+                    if i.phase == BACKWARD_KEPT else "")
+            return (f"reduces the gradients of {self._unit(i.unit)} in backward of micro-batch "
+                    f"{i.count}{kept} (step {i.step})")
+        passes = f"{i.count} backward pass{'es' if i.count != 1 else ''}"
+        if i.kind == STEP:
+            return f"is in optimizer.step() after {passes} (step {i.step})"
+        if i.kind == STATS:
+            return (f"takes the gradients' norm and overflow check before optimizer.step(), "
+                    f"after {passes} (step {i.step})")
+        return {WAIT: "waits for another rank to finish a gather or reduction they started "
+                      "together (it reads this rank's memory), which it did not",
+                FULL_STATE: "gathers the full state (full_state_dict, an export)",
+                SAVE: "is in zerocore.save_checkpoint()",
+                LOAD: "is in zerocore.load_checkpoint()"}.get(i.kind, f"(step kind {i.kind})")
+
+    def _unit(self, index: int) -> str:
+        if 0 <= index < len(self.names):
+            return self.names[index]
+        return f"unit {index}"
+
+
+def _channel_of(key: int) -> int:
+    """The channel of a peer-memory message's key (``peer_memory._key``)."""
+    return (key >> 32) // 4
+
+
+def _global_ranks(group: dist.ProcessGroup) -> list[int]:
+    try:
+        return list(dist.get_process_group_ranks(group))
+    except (RuntimeError, ValueError):
+        return list(range(group.size()))
+
+
+def lockstep_of(params) -> list[Lockstep]:
+    """The lockstep of every sharded model whose shards are among ``params`` (an optimizer's
+    parameters), each once, in the order met."""
+    out: dict[int, Lockstep] = {}
+    for p in params:
+        lockstep = getattr(p, "lockstep", None)
+        if lockstep is not None:
+            out.setdefault(id(lockstep), lockstep)
+    return list(out.values())
