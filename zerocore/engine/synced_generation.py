@@ -20,17 +20,16 @@ SYNCED_GENERATION_ATTR = "_is_fsdp_managed_module"
 
 
 def mark_synced_generation(model: nn.Module, mesh: Mesh) -> list[nn.Module]:
-    """Marks ``model`` and each module inside it whose class has ``generate`` (a PEFT model's
-    inner causal LM, which runs PEFT's ``generate``), returning those marked. Only where the
-    mesh is the whole default group and has more than one rank: transformers agrees the ranks'
-    state over the default group (``dist.all_reduce`` with no group) and only when its size is
-    above 1; a model sharded over fewer ranks than the world is left unmarked
+    """Marks each module of ``model`` whose class has ``generate`` (the causal LM; with PEFT
+    also its inner causal LM, where PEFT's ``generate`` runs), returning those marked. Only
+    where the mesh is the whole default group and has more than one rank: transformers agrees
+    the ranks' state over the default group (``dist.all_reduce`` with no group), and only when
+    its size is above 1; a model sharded over fewer ranks than the world is left unmarked
     (``synced_gpus=True`` would wait for ranks outside the model)."""
     if mesh.world_size < 2 or not dist.is_initialized() or \
             dist.get_world_size() != mesh.world_size:
         return []
-    marked = [m for m in model.modules()
-              if m is model or callable(getattr(type(m), "generate", None))]
+    marked = [m for m in model.modules() if callable(getattr(type(m), "generate", None))]
     for module in marked:
         setattr(module, SYNCED_GENERATION_ATTR, True)
     return marked
