@@ -63,7 +63,7 @@ def finish(state: TrainState, recipe: Recipe, data: RunData, done: StepsDone,
     if recipe.output.export_hf:
         log(f"saved: Hugging Face export {export_hf(state, recipe, data, ckpt, rank=rank)}")
     if recipe.output.sample_tokens:
-        log(sample_text(state, recipe, data, rank=rank))
+        log(sample_text(state, recipe, data))
 
 
 def export_hf(state: TrainState, recipe: Recipe, data: RunData, checkpoint: Path, *,
@@ -103,17 +103,16 @@ def export_hf(state: TrainState, recipe: Recipe, data: RunData, checkpoint: Path
 SAMPLE_PROMPT_TOKENS, SAMPLE_TOP_K = 8, 40
 
 
-def sample_text(state: TrainState, recipe: Recipe, data: RunData, *, rank: int) -> str:
+def sample_text(state: TrainState, recipe: Recipe, data: RunData) -> str:
     """A sample of ``recipe.output.sample_tokens`` tokens from the sharded model, as the lines
     to print. Collective."""
     prompt = data.dataset.val.windows[0][:SAMPLE_PROMPT_TOKENS].long()[None]   # (1, T)
     generator = torch.Generator().manual_seed(recipe.loop.seed)
-    # Rank 0 chooses each token for the world (with HSDP another replica's shard group does not
-    # hold rank 0).
+    # Every rank samples the same text (the same prompt, seed and logits); rank 0 prints it.
     ids = sample_sharded(state.model, prompt.to(state.model.device),
                          new_tokens=recipe.output.sample_tokens,
                          temperature=recipe.output.sample_temperature, top_k=SAMPLE_TOP_K,
-                         generator=generator, rank=rank)[0].tolist()
+                         generator=generator, group=state.model.group)[0].tolist()
     start = data.tokenizer.decode(ids[:SAMPLE_PROMPT_TOKENS])
     text = data.tokenizer.decode(ids).lstrip(" ")
     body = "\n".join("  " + line for line in text.splitlines())

@@ -37,20 +37,29 @@ def choose_token(logits: torch.Tensor, *, temperature: float, top_k: int,
 @torch.no_grad()
 def sample_sharded(model: nn.Module, prompt: torch.Tensor, *, new_tokens: int,
                    temperature: float, top_k: int, generator: torch.Generator | None,
-                   rank: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """prompt (1, T) int64 -> (1, T + new_tokens), from a model whose forward is collective (a
-    ``zerocore.shard`` stack): every rank runs every forward, rank 0 chooses each token and
-    broadcasts it, so all ranks hold the same text. Without a key/value cache each token costs
-    a forward over the whole sequence: for a short sample at the end of a run."""
+                   group: dist.ProcessGroup) -> torch.Tensor:
+    """prompt (1, T) int64 -> (1, T + new_tokens), from a model whose forward is collective over
+    ``group`` (a ``zerocore.shard`` stack: ``model.group``). Each rank continues its own prompt
+    for its own ``new_tokens``, choosing its tokens from its own logits (ranks given the same
+    prompt and seed choose the same tokens: the same forward on the same gathered values).
+    Before each token the ranks agree whether any is still generating (one all-reduce of a
+    flag); a rank that is done runs the forward on a dummy token and drops its output, so that
+    the others' gathers have every rank. Without a key/value cache each token costs a forward
+    over the whole sequence: for a short sample at the end of a run."""
     ids = prompt
-    for _ in range(new_tokens):
+    dummy = prompt[:, :1]                                              # (1, 1)
+    while True:
+        done = ids.shape[1] - prompt.shape[1] >= new_tokens
+        anyone = torch.tensor([int(not done)], device=ids.device)
+        dist.all_reduce(anyone, op=dist.ReduceOp.MAX, group=group)
+        if not anyone.item():
+            return ids
+        if done:
+            model(dummy)                    # its output dropped: the others' gathers need it
+            continue
         logits = model(ids)[:, -1]                                   # (1, vocab)
-        token = (choose_token(logits, temperature=temperature, top_k=top_k,
-                              generator=generator) if rank == 0
-                 else torch.zeros(1, 1, dtype=torch.long, device=ids.device))
-        dist.broadcast(token, src=0, group=group)
+        token = choose_token(logits, temperature=temperature, top_k=top_k, generator=generator)
         ids = torch.cat((ids, token), dim=1)
-    return ids
 
 
 @torch.no_grad()

@@ -32,6 +32,8 @@ from zerocore.engine.rehearsal import Rehearsal
 from zerocore.engine.runtime import Unit
 from zerocore.engine.sharded_layer import Params, ShardedLayer
 from zerocore.engine.sharding import Sharding, fingerprint, groups_of, prepare_device
+from zerocore.engine.synced_generation import (mark_synced_generation,
+                                               unmark_synced_generation)
 from zerocore.policies import (Comm, Compile, FrozenWeights, Hybrid, MixedPrecision, Offload,
                                Prefetch, Recompute)
 
@@ -150,6 +152,9 @@ class ShardedModel(Sharding):
         self.seal(self.layers, recomputable=len(units))
         owners = {id(m): m for _, _, os in root_params for m, _ in os if m is not model}
         self.start(model, self.units, root_owners=list(owners.values()))
+        # transformers' generate then keeps a finished rank serving the others' gathers
+        # (synced_generation.py): ranks may stop at different lengths.
+        self.synced_generation = mark_synced_generation(model, mesh)
 
     @staticmethod
     def unit_label(name: str) -> str:
@@ -204,6 +209,7 @@ class ShardedModel(Sharding):
         """Removes the hooks and the forwards Recompute and Compile gave the units (the model
         can no longer run: its parameters stay sharded)."""
         self.runtime.remove()
+        unmark_synced_generation(self.synced_generation)
         if self.compile is not None:
             for unit in self.units[:-1]:
                 if "forward" in vars(unit.module):
@@ -336,6 +342,10 @@ def shard_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module = (), *
     if isinstance(getattr(model, SHARDING_ATTR, None), ShardedModel):
         raise ValueError("zerocore.shard_model: this model is sharded already")
     _refuse_parametrized(model)
+    if getattr(model, "is_distributed_loading_by_transformers", False):
+        raise ValueError("zerocore.shard_model: this model was sharded by transformers as it "
+                         "loaded (from_pretrained(distributed_config=...)); load it without "
+                         "distributed_config to shard it with zerocore")
     if read is not None and not callable(read):
         raise TypeError("zerocore.shard_model: read must be a function read(name, start, stop)")
     meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
