@@ -1,7 +1,8 @@
 """A sharded model the user drops is freed, whole (issue 40, item 1): after ``del`` and
 ``gc.collect()`` no engine object of it (the model, its sharding, runtime and optimizer, an NVMe
 store), no thread of it and no scratch file of it remain, through both front doors, with every
-offload home, after training (forward, backward, optimizer step) and after HF ``generate``.
+offload home, after training (forward, backward, optimizer step) and after HF ``generate``; and
+``ShardedTrainer`` after training.
 
 The trap it guards against: autograd's nodes are objects Python's collector cannot see into. A
 unit's module keeps its installed views between steps, each view its autograd node, and a node
@@ -22,6 +23,7 @@ import weakref
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import zerocore
@@ -66,7 +68,7 @@ def _open_under(path: str) -> list[str]:
     return out
 
 
-def _shard_door(offload: zerocore.Offload, after: str) -> dict[str, object]:
+def _shard_door(offload: zerocore.Offload, after: str, workdir: str) -> dict[str, object]:
     """after: "training"; "forward", a forward that built a graph no backward used (an
     evaluation without no_grad); "kept-loss", training with the loss tensor, and so its graph,
     still held when the model is dropped (a notebook's variable)."""
@@ -82,7 +84,8 @@ def _shard_door(offload: zerocore.Offload, after: str) -> dict[str, object]:
                 store=model.ctx.store, kept=loss if after == "kept-loss" else None)
 
 
-def _shard_model_door(offload: zerocore.Offload, after: str) -> dict[str, object]:
+def _shard_model_door(offload: zerocore.Offload, after: str,
+                      workdir: str) -> dict[str, object]:
     model = build("neox", seed=0)
     sharded = zerocore.shard_model(model, decoder_layers(model), offload=offload)
     opt = zerocore.optim.AdamW(sharded.parameters(), lr=1e-3)
@@ -98,7 +101,32 @@ def _shard_model_door(offload: zerocore.Offload, after: str) -> dict[str, object
                 store=sharded.ctx.store, kept=None)
 
 
-DOORS = {"shard": _shard_door, "shard_model": _shard_model_door}
+def _trainer_door(offload: zerocore.Offload, after: str, workdir: str) -> dict[str, object]:
+    """``ShardedTrainer`` (shard_model's door under transformers' Trainer): two steps, its
+    output directory in ``workdir``."""
+    import transformers  # (as tests/hf do: the ranks import it only here)
+
+    from zerocore.hf_trainer import ShardedTrainer
+    # What torchrun sets, for accelerate (the process group exists already: the World's).
+    os.environ.update(RANK=str(dist.get_rank()), WORLD_SIZE=str(dist.get_world_size()),
+                      LOCAL_RANK=str(dist.get_rank()),
+                      LOCAL_WORLD_SIZE=str(dist.get_world_size()))
+    model = build("neox", seed=0)
+    args = transformers.TrainingArguments(
+        output_dir=os.path.join(workdir, "trainer"), per_device_train_batch_size=2,
+        max_steps=2, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
+        dataloader_num_workers=0)
+    rows = [{"input_ids": r, "labels": r} for r in batch(0, 8)]
+    trainer = ShardedTrainer(model=model, args=args, train_dataset=rows,
+                             data_collator=transformers.default_data_collator,
+                             shard_options=dict(offload=offload))
+    trainer.train()
+    return dict(model=model, sharding=trainer.sharding, runtime=trainer.sharding.runtime,
+                optimizer=trainer.optimizer, store=trainer.sharding.ctx.store, trainer=trainer,
+                kept=None)
+
+
+DOORS = {"shard": _shard_door, "shard_model": _shard_model_door, "trainer": _trainer_door}
 
 
 def dropped_run(rank: int, world_size: int, door: str, home: str, after: str,
@@ -107,7 +135,7 @@ def dropped_run(rank: int, world_size: int, door: str, home: str, after: str,
     scratch = os.path.join(path, f"rank{rank}")
     os.makedirs(scratch, exist_ok=True)
     before = _engine_threads()
-    objects = DOORS[door](_offload(home, scratch), after)
+    objects = DOORS[door](_offload(home, scratch), after, os.path.join(path, f"work{rank}"))
     kept = objects.pop("kept")  # (held until the end)
     refs = {name: weakref.ref(obj) for name, obj in objects.items() if obj is not None}
     during = _engine_threads() - before
@@ -145,6 +173,13 @@ def test_a_dropped_model_is_freed(worlds, tmp_path, door, after, home):
     _check(result, home, after)
 
 
+@pytest.mark.parametrize("home", ["none", "nvme-optimizer"])
+def test_a_dropped_sharded_trainer_is_freed(worlds, tmp_path, home):
+    """Trainer-based loops (a sweep, an evaluation) create and drop models in one process."""
+    (result,) = worlds(1).run(dropped_run, "trainer", home, "training", str(tmp_path))
+    _check(result, home, "training")
+
+
 @pytest.mark.parametrize("after", ["forward", "kept-loss"])
 def test_a_model_whose_graph_outlives_it_is_freed(worlds, tmp_path, after):
     (result,) = worlds(1).run(dropped_run, "shard", "none", after, str(tmp_path))
@@ -152,7 +187,7 @@ def test_a_model_whose_graph_outlives_it_is_freed(worlds, tmp_path, after):
     _check(result, "none", after)
 
 
-@pytest.mark.parametrize("door", list(DOORS))
+@pytest.mark.parametrize("door", ["shard", "shard_model"])
 def test_a_dropped_model_is_freed_with_peers(worlds, tmp_path, door):
     for result in worlds(2).run(dropped_run, door, "nvme-optimizer", "training",
                                 str(tmp_path)):
