@@ -90,10 +90,9 @@ def agree_request(flags: Mapping[str, str], prepare: Callable[[], Any], *, node:
     (``given_flags``) and ``ranks_per_node`` (this node's), runs ``prepare()`` (the checks and
     the ``RunRequest``, which reads files) agreed, and agrees the recipe and checkpoint it
     gives. ``node``, ``ranks_per_node``: torchrun's GROUP_RANK and LOCAL_WORLD_SIZE (None
-    where not set). Returns ``prepare()``'s
-    request; raises ``zerocore.ValuesDiffer`` (a ValueError, alike on every rank) when the
-    ranks differ, ``prepare``'s own error (the lowest rank that failed) or
-    ``zerocore.PeerError`` when it failed."""
+    where not set). Returns ``prepare()``'s request; raises ``zerocore.ValuesDiffer`` (a
+    ValueError, alike on every rank) when the ranks differ, ``prepare``'s own error (the lowest
+    rank that failed) or ``zerocore.PeerError`` when it failed."""
     zerocore.agree_values({RANKS_PER_NODE: _text(ranks_per_node), **flags}, what=_WHAT, node=node,
                           text=str, advice="start every torchrun agent with the same flags "
                                            "and the same --nproc-per-node")
