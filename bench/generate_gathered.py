@@ -1,10 +1,11 @@
 """Generation under ZeRO-3: tokens/s of ``generate`` on a ``shard_model`` model, gathering per
-token vs inside ``ShardedModel.gathered()``, beside the unsharded model in the same ranks.
+token (with and without transformers' per-token agreement, ``synced_gpus``) vs inside
+``ShardedModel.gathered()``, beside the unsharded model in the same ranks.
 
     python bench/generate_gathered.py [--nproc 2] [--layers 6] [--hidden 256] [--tokens 32]
 
 The GPT-NeoX of bench/bench_hf.py (from a config, fp32), greedy decoding of ``--tokens`` new
-tokens from a 16-token prompt, 2 sequences per rank, KV cache on. Every rank runs the three
+tokens from a 16-token prompt, 2 sequences per rank, KV cache on. Every rank runs the four
 ways in a seeded random order per round (the machine's load affects them alike); reported: the
 median over the rounds of new tokens per second per rank, the all-gathers one generate issued,
 and whether the tokens agree (they must: the same gathered values).
@@ -40,8 +41,14 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
         with sharded.gathered():
             return model.generate(input_ids=prompt, **kwargs)
 
+    # The same tokens without transformers' per-token agreement (synced_gpus, on by itself for
+    # a shard_model model): what that one-element all-reduce per token costs.
+    def unsynced():
+        return model.generate(input_ids=prompt, synced_gpus=False, **kwargs)
+
     ways = {"unsharded": lambda: plain.generate(input_ids=prompt, **kwargs),
-            "per token": per_token, "gathered()": gathered}
+            "per token": per_token, "per token, synced_gpus=False": unsynced,
+            "gathered()": gathered}
     def before(_name: str) -> None:
         dist.barrier()
         sharded.counter.reset()
@@ -69,7 +76,7 @@ def main() -> None:
                          f"tokens per rank; {args.nproc} gloo ranks; {args.rounds} rounds"))
     base = min(r["tok_s"]["unsharded"] for r in per_rank)
     rows = []
-    for name in ("unsharded", "per token", "gathered()"):
+    for name in ("unsharded", "per token", "per token, synced_gpus=False", "gathered()"):
         rate = min(r["tok_s"][name] for r in per_rank)
         rows.append((name, f"{rate:.1f}", per_rank[0]["gathers"][name], f"{rate / base:.2f}"))
     print(harness.table(("per rank (slowest rank)", "new tokens/s", "all-gathers per generate",

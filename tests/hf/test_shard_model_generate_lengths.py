@@ -73,3 +73,29 @@ def test_generate_with_ranks_stopping_at_different_lengths(world, arch, mode, tr
         for (block, case), out in res["got"].items():
             want = res["want"][case]
             assert torch.equal(out, want), (r, block, case, out, want)
+
+
+def marks_run(rank: int, world_size: int) -> dict:
+    model = prepare(build("llama", seed=5), "lora")
+    sharded = zerocore.shard_model(model, decoder_layers(model))
+    marked = sorted(name for name, m in model.named_modules()
+                    if vars(m).get("_is_fsdp_managed_module"))
+    sharded.remove()
+    after = [name for name, m in model.named_modules() if "_is_fsdp_managed_module" in vars(m)]
+    loaded = build("neox", seed=5)
+    loaded._is_distributed_loading_by_transformers = True
+    try:
+        zerocore.shard_model(loaded, decoder_layers(loaded))
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return {"marked": marked, "after": after, "refused": refused}
+
+
+def test_what_is_marked_for_synced_generation(world):
+    for res in world.run(marks_run):
+        # The PEFT model and the causal LM inside it, whose generate runs: nothing else (the
+        # attribute also changes how torch.compile traces a module: docs/decisions.md).
+        assert res["marked"] == ["", "base_model.model"], res["marked"]
+        assert res["after"] == []
+        assert res["refused"] is not None and "distributed_config" in res["refused"]
