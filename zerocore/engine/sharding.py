@@ -14,6 +14,7 @@ runs over the whole mesh.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -348,11 +349,18 @@ class Sharding:
 
     # -- building, a step every rank agrees on ------------------------------------------------
 
-    def attempt(self, index: int, make: Callable[[], T]) -> T | None:
+    def attempt(self, index: int, make: Callable[[], T], *, even_after_failure: bool = False
+                ) -> T | None:
         """``make()`` (getting layer ``index`` or building it); None when it fails, or when an
         earlier step of this rank's failed: the failure waits for the next ``agree`` (or
-        ``settle``), where every rank learns of it and raises, instead of this rank alone."""
+        ``settle``), where every rank learns of it and raises, instead of this rank alone.
+        ``even_after_failure``: ``make()`` runs on a rank that failed too, its result and its
+        failure ignored (drawing the next layer from the caller's iterator, which may itself
+        run collectives: a rank that skipped it would meet the others in another one)."""
         if self._failed is not None:
+            if even_after_failure:
+                with contextlib.suppress(Exception):
+                    make()
             return None
         try:
             return make()
