@@ -465,3 +465,24 @@ def test_a_pool_too_small_for_two_shards_is_refused_saying_how_large(worlds, tmp
     assert "with params='nvme' the pool holds at least 2 of the largest shard" in got[0][1]
     needed = int(got[0][1].rsplit(">= ", 1)[1])
     assert worlds(2).run(build_with_a_pool, str(tmp_path), needed) == [("", ""), ("", "")]
+
+
+def build_with_a_pool_beyond_the_machine(rank: int, world_size: int, path: str) -> tuple:
+    """The stack with a pool of 1 PiB, more than any machine here: what was raised."""
+    try:
+        zerocore.shard(layer_stack(), offload=zerocore.Offload(optimizer="nvme", path=path,
+                                                               pool_bytes=2**50))
+    except Exception as e:  # noqa: BLE001  (what every rank raised is the result)
+        return type(e).__name__, str(e)
+    return "", ""
+
+
+def test_a_pool_beyond_the_machines_memory_is_one_line_on_every_rank(worlds, tmp_path):
+    """Issue 40, item 5 (``--offload-pool 1e30``, ``1TiB``): refused before any of it is
+    taken, on every rank, saying what to give (it was a MemoryError traceback on each)."""
+    got = worlds(2).run(build_with_a_pool_beyond_the_machine, str(tmp_path))
+    assert got[0][0] == "ValueError" and got[1][0] == "PeerError", got
+    for _, message in got:
+        assert "is more than this machine's" in message and "give a pool of" in message, got
+        assert "\n" not in message
+    assert os.listdir(tmp_path) == []
