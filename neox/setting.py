@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 
 __all__ = ["UsageError", "BadValue", "Flag", "Setting", "setting", "setting_of", "problem",
            "first_problem", "flag_name", "flag_dest", "is_int", "is_finite", "finite_float",
-           "byte_budget", "comma_list", "absolute_path"]
+           "byte_budget", "comma_list", "path_text", "absolute_path"]
 
 
 class UsageError(ValueError):
@@ -162,6 +162,14 @@ def byte_budget(text: str) -> int | str:
 def comma_list(text: str) -> tuple[str, ...]:
     """``"a, b"`` -> ``("a", "b")``."""
     return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+def path_text(text: str) -> Path:
+    """A path given on the command line: never empty (``Path("")`` is the working directory,
+    which an empty value never meant: an unset variable in a script, usually)."""
+    if not text.strip():
+        raise BadValue(f"must be a path, got {text!r}")
+    return Path(text)
 
 
 def absolute_path(path: Path | str | None) -> str | None:

@@ -37,7 +37,8 @@ from neox.config import PRESETS, NeoXConfig
 from neox.dtypes import DTYPES
 from neox.finetune_modes import FinetuneMode, auto_mode
 from neox.setting import (Flag, UsageError, absolute_path, byte_budget, finite_float, flag_dest,
-                          flag_name, is_finite, is_int, problem, setting, setting_of)
+                          flag_name, is_finite, is_int, path_text, problem, setting,
+                          setting_of)
 from zerocore.policies import DEFAULT_POOL_BYTES, MIN_POOL_BYTES, OFFLOAD_DEVICES
 
 __all__ = ["RECIPE_VERSION", "Recipe", "ModelRecipe", "DataConfig", "OptimConfig", "LoopConfig",
@@ -60,7 +61,7 @@ def _bool(x: Any) -> bool:
 
 
 def _path_or_none(x: Any) -> bool:
-    return x is None or isinstance(x, str)
+    return x is None or (isinstance(x, str) and x.strip() != "")
 
 
 def _blocks(x: Any) -> bool:
@@ -286,8 +287,8 @@ class LoopConfig:
         flag=Flag(STEP, "the directory --offload-device nvme keeps its scratch in (a local "
                         "disk with room for 12 bytes per trained parameter per node; the files "
                         "have no name and go when the ranks end, however they end)",
-                  parse=Path, store=absolute_path, metavar="DIR", resumable=True), since=7,
-        per_node=True)
+                  parse=path_text, store=absolute_path, metavar="DIR", resumable=True),
+        since=7, per_node=True)
     offload_pool: int = setting(
         DEFAULT_POOL_BYTES, check=_at_least(MIN_POOL_BYTES),
         problem=f"{{name}} must be a size of at least {MIN_POOL_BYTES} bytes, got {{value!r}}",

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import resource
-import signal
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,7 @@ from zerocore.engine.scratch_file import ScratchSpaceError
 from zerocore.policies import MIN_POOL_BYTES
 from zerocore.plan import MASTERS, NVME_POOL, OPTIMIZER
 from tests.support.scratch_disk import read_only_dir
+from tests.support.small_disk import file_size_limit
 from tests.support.stand_in_streams import StreamLog, stand_in_cuda, use_stand_in_streams
 from tests.support.offload_stack import (BATCH, DOORS, SEQ, layer_stack, measured_peaks,
                                          stack_loss)
@@ -282,15 +281,8 @@ def test_a_bad_path_is_one_line_on_every_rank(worlds, tmp_path):
 def build_with_file_size_limit(rank: int, world_size: int, path: str, limit: int) -> tuple:
     """Shards with writes past ``limit`` bytes of any file refused on rank 1 (a disk too small
     for its scratch: tests/support/small_disk.py's stand-in)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    if rank == 1:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
-    try:
+    with file_size_limit(limit if rank == 1 else None):
         return build_at(rank, world_size, [path] * world_size)
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, previous)
 
 
 def test_a_disk_too_small_is_found_while_building(worlds, tmp_path):
@@ -302,6 +294,41 @@ def test_a_disk_too_small_is_found_while_building(worlds, tmp_path):
         assert kind == "BuildError" and "rank 1" in message, got
         assert "no room for the scratch" in message and "give a path on a larger" in message
         assert "\n" not in message
+
+
+# A layer of the stack below: 64 x 64 + 64 elements, 2,080 a rank at two ranks, each of its three
+# fp32 arrays (master, two moments) three 4 KiB blocks of the scratch.
+AGREED_LAYER_SCRATCH = 3 * 3 * 4096
+
+
+def build_drawing_agreed_layers(rank: int, world_size: int, path: str) -> tuple[str, str]:
+    """Shards layers drawn from a generator that agrees on each with every rank (a collective
+    per layer, as neox's ``stream_layers`` reads each), rank 1's disk having room for the first
+    layer's scratch (and the block the direct-I/O probe writes) and not the second's."""
+    def layers():
+        for _ in range(3):
+            yield zerocore.run_agreed(lambda: torch.nn.Linear(64, 64))
+
+    with file_size_limit(AGREED_LAYER_SCRATCH + 4096 if rank == 1 else None):
+        try:
+            zerocore.shard(layers(), offload=zerocore.Offload(
+                optimizer="nvme", path=path, pool_bytes=MIN_POOL_BYTES))
+        except Exception as e:  # noqa: BLE001  (what every rank raised is the result)
+            return type(e).__name__, str(e)
+    return "", ""
+
+
+def test_a_disk_too_small_by_one_layer_is_one_line_when_the_layers_agree(worlds, tmp_path):
+    """Issue 40, item 3: rank 1 fails to reserve the second layer's scratch while rank 0 goes
+    on to draw the third layer, whose drawing is itself a collective. The rank that failed
+    draws it too (else the ranks met in different collectives and gloo aborted the process):
+    one line on every rank, naming rank 1 and its layer."""
+    got = worlds(2).run(build_drawing_agreed_layers, str(tmp_path))
+    for kind, message in got:
+        assert kind == "BuildError", got
+        assert "rank 1 could not build layer 1" in message, got
+        assert "no room for the scratch" in message and "\n" not in message
+    assert os.listdir(tmp_path) == []
 
 
 # -- a disk that fills mid-step -----------------------------------------------------------------
@@ -319,18 +346,13 @@ def fill_mid_step(rank: int, world_size: int, path: str, ckpt: str) -> dict:
         opt.zero_grad()
     saved = zerocore.save_checkpoint(ckpt, 2, model, opt)
     accumulate_step(model, spec, 2, rank, world_size)
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    if rank == 1:  # the scratch's first array stays writable: the pass fails part-way
-        resource.setrlimit(resource.RLIMIT_FSIZE, (model.ctx.store.size // 2, hard))
-    try:
-        opt.step()
-        raised = ("", "")
-    except Exception as e:  # noqa: BLE001  (what every rank raised is the result)
-        raised = (type(e).__name__, str(e))
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, previous)
+    # On rank 1 the scratch's first array stays writable: the pass fails part-way.
+    with file_size_limit(model.ctx.store.size // 2 if rank == 1 else None):
+        try:
+            opt.step()
+            raised = ("", "")
+        except Exception as e:  # noqa: BLE001  (what every rank raised is the result)
+            raised = (type(e).__name__, str(e))
     return dict(raised=raised, saved=str(saved))
 
 
@@ -443,3 +465,24 @@ def test_a_pool_too_small_for_two_shards_is_refused_saying_how_large(worlds, tmp
     assert "with params='nvme' the pool holds at least 2 of the largest shard" in got[0][1]
     needed = int(got[0][1].rsplit(">= ", 1)[1])
     assert worlds(2).run(build_with_a_pool, str(tmp_path), needed) == [("", ""), ("", "")]
+
+
+def build_with_a_pool_beyond_the_machine(rank: int, world_size: int, path: str) -> tuple:
+    """The stack with a pool of 1 PiB, more than any machine here: what was raised."""
+    try:
+        zerocore.shard(layer_stack(), offload=zerocore.Offload(optimizer="nvme", path=path,
+                                                               pool_bytes=2**50))
+    except Exception as e:  # noqa: BLE001  (what every rank raised is the result)
+        return type(e).__name__, str(e)
+    return "", ""
+
+
+def test_a_pool_beyond_the_machines_memory_is_one_line_on_every_rank(worlds, tmp_path):
+    """Issue 40, item 5 (``--offload-pool 1e30``, ``1TiB``): refused before any of it is
+    taken, on every rank, saying what to give (it was a MemoryError traceback on each)."""
+    got = worlds(2).run(build_with_a_pool_beyond_the_machine, str(tmp_path))
+    assert got[0][0] == "ValueError" and got[1][0] == "PeerError", got
+    for _, message in got:
+        assert "is more than this machine's" in message and "give a pool of" in message, got
+        assert "\n" not in message
+    assert os.listdir(tmp_path) == []

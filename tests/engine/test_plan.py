@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import zerocore
 from neox.config import NeoXConfig
@@ -26,6 +27,9 @@ from neox.run.recipe import LoopConfig
 from neox.run.step import micro_batch_loss, recompute_policy
 from neox.weights import RandomInit, materialize
 from tests.support.neox_testing import call_main
+from zerocore.comm import collectives, quantized_reduce
+from zerocore.comm.collectives import CommCounter
+from zerocore.comm.fake import fake_group
 
 # Big enough that the step's tensors (~10-60 MiB) dwarf anything the plan does not count
 # (Python objects are not tensors; the profiler sees only torch's allocator).
@@ -206,13 +210,15 @@ def _train_plain(name: str, peak: zerocore.PeakMemory) -> None:
     train_stack(zerocore.shard(layers, **plain_policies(name, layers)), peak, steps=1)
 
 
-def train_stack(model: nn.Module, peak: zerocore.PeakMemory, steps: int) -> None:
+def train_stack(model: nn.Module, peak: zerocore.PeakMemory, steps: int,
+                micro_batches: int = 1) -> None:
     """A first step (nothing is created lazily after it), the peak's mark, then ``steps``
-    more steps of the stack's loss with zerocore's AdamW."""
+    more steps of the stack's loss with zerocore's AdamW, each of ``micro_batches``."""
     opt = zerocore.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step() -> None:
-        plain_loss(model(torch.zeros(BATCH, SEQ, dtype=torch.long))).backward()
+        for _ in range(micro_batches):
+            plain_loss(model(torch.zeros(BATCH, SEQ, dtype=torch.long))).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -256,6 +262,7 @@ MIXED = {"bf16": (torch.bfloat16, False, zerocore.Comm(), {}),
          "bf16-exchange": (torch.bfloat16, False, zerocore.Comm(peer_read="off"), {}),
          "bf16-recompute": (torch.bfloat16, False, zerocore.Comm(),
                             {"recompute": zerocore.Recompute()}),
+
          "bf16-keep-gathered": (torch.bfloat16, False, zerocore.Comm(),
                                 {"prefetch": zerocore.Prefetch(keep_gathered="all")})}
 
@@ -269,13 +276,18 @@ def mixed_stack(device: str | None = None) -> list[nn.Module]:
             nn.Linear(D, VOCAB, device=device)]
 
 
+# Recomputation in fp32 too, for the accumulated step below.
+MORE_MIXED = {"fp32-recompute": (torch.float32, False, zerocore.Comm(),
+                                 {"recompute": zerocore.Recompute()})}
+
+
 def mixed_policies(name: str) -> dict:
-    dtype, offload, comm, others = MIXED[name]
+    dtype, offload, comm, others = (MIXED | MORE_MIXED)[name]
     return dict(mixed_precision=zerocore.MixedPrecision(dtype, torch.float32),
                 offload=zerocore.Offload(optimizer=offload), comm=comm, **others)
 
 
-def measure_mixed(rank: int, world_size: int, name: str) -> list[int]:
+def measure_mixed(rank: int, world_size: int, name: str, micro_batches: int = 1) -> list[int]:
     """The peaks of three runs. The CPU's count can only over-count: a buffer gloo's worker
     thread lets go of last (it may still hold a finished collective's tensors when the engine
     drops them) is freed on that thread, which torch's profiler does not follow, so its bytes
@@ -286,7 +298,7 @@ def measure_mixed(rank: int, world_size: int, name: str) -> list[int]:
     for _ in range(3):
         with zerocore.PeakMemory("cpu") as peak:
             model = zerocore.shard(mixed_stack(), **mixed_policies(name))
-            train_stack(model, peak, steps=2)
+            train_stack(model, peak, steps=2, micro_batches=micro_batches)
         peaks.append(peak.peak_bytes + arena_bytes(model))
     return peaks
 
@@ -307,6 +319,33 @@ def test_plan_of_a_large_layer_among_small_ones(worlds, name, world_size):
     runs = worlds(world_size).run(measure_mixed, name)
     ratio = plan.device_peak / peak_of(runs)
     assert abs(ratio - 1) < tolerance, (ratio, runs, plan.table())
+
+
+# Issue 40, item 2: where recomputation, an accumulation of 3 micro-batches and a layer far larger
+# than the others (uneven splits at 3 ranks) meet, a rank measured 0.685 of the plan. Measured
+# again (2026-12-06, a fresh set of ranks per run, fp32 and bf16, the large layer first, in the
+# middle or last): 0.96-0.99 on every rank whose measurement was sound, and the outliers
+# (0.82-0.92, a rank at a time, never the same one twice) each ended their run holding exactly
+# one packed-gradient buffer more than the other ranks: a buffer freed on gloo's worker thread,
+# which the profiler does not see (PeakMemory's docstring, measure_mixed's). Each micro-batch's
+# backward is one more chance for that, hence more outliers with accumulation. The plan rehearses
+# two micro-batches (a third holds nothing the second does not). 5%, the issue's bound: kernel
+# workspaces with recomputation take up to 3% (MIXED_RECOMPUTE_TOL), a layer's activations
+# left out would be 8% or more.
+ACCUMULATED_TOL = 0.05
+
+
+@pytest.mark.parametrize("name", ["fp32-recompute", "bf16-recompute"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_plan_of_a_large_layer_with_recomputation_and_accumulation(worlds, name, world_size):
+    layers = mixed_stack("meta")
+    policies = mixed_policies(name)
+    plan = zerocore.plan.plan(layers, torch.empty(BATCH, SEQ, dtype=torch.long, device="meta"),
+                              world_size=world_size, loss=plain_loss, device="cpu",
+                              micro_batches=3, **policies)
+    runs = worlds(world_size).run(measure_mixed, name, 3)
+    ratio = plan.device_peak / peak_of(runs)
+    assert abs(ratio - 1) < ACCUMULATED_TOL, (ratio, runs, plan.table())
 
 
 class MixedModel(nn.Module):
@@ -501,3 +540,41 @@ def test_help(capsys):
     for flag in ("--gpus", "--nodes", "--gpu-memory", "--activation-checkpointing",
                  "--offload-optimizer", "--finetune", "--filter-layers", "--seq-len"):
         assert flag in proc.stdout
+
+
+# -- a plan of many nodes (issue 40, item 5) -----------------------------------------------------
+
+class OutputCount(TorchDispatchMode):
+    """Counts the tensors the operations run under it return."""
+
+    def __init__(self):
+        super().__init__()
+        self.tensors = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.tensors += sum(isinstance(t, torch.Tensor)
+                            for t in (out if isinstance(out, (tuple, list)) else (out,)))
+        return out
+
+
+def cross_node_outputs(replicas: int) -> list[int]:
+    """The tensors each cross-node reduction makes over a planned group of ``replicas`` nodes
+    (a slice of 4 blocks per node)."""
+    block = 128
+    counts = []
+    for reduce in (lambda t, g, c: quantized_reduce.reduce_scatter_int8(t, g, c, block),
+                   lambda t, g, c: quantized_reduce.all_reduce_int8(t, g, c, block),
+                   lambda t, g, c: collectives.reduce_scatter_across_nodes(t, g, c, True)):
+        with OutputCount() as count:
+            reduce(torch.ones(replicas * 4 * block), fake_group(replicas), CommCounter())
+        counts.append(count.tensors)
+    return counts
+
+
+def test_a_cross_node_reduction_makes_as_many_tensors_at_any_number_of_nodes():
+    """``neox.plan --nodes 100000 --gpus 8`` ran for minutes with growing memory: the plan
+    rehearses every layout, and the cross-node reductions made a tensor (or several) per node
+    (qgZ's messages packed row by row, hpZ's slice taken by ``chunk``), each one followed by
+    the plan's count. Now the same few operations at any number of nodes."""
+    assert cross_node_outputs(4) == cross_node_outputs(512)

@@ -40,6 +40,7 @@ from torch import nn
 import neox
 import zerocore
 from tests.support.dist_utils import free_port, global_mean
+from tests.support.scratch_disk import private_disk
 from tests.support.neox_testing import (CLI_TIMEOUT_S, EXCERPT, assert_clean_error, call_main,
                                         run_module)
 from neox.run.loop import _plus  # the loop's sum of the steps' traffic
@@ -670,6 +671,31 @@ def test_nvme_offload_from_the_flags_to_a_run_resumed_in_memory(cli_dirs, tmp_pa
     missing = run_cli(*same, *common_args(cli_dirs, tmp_path / "refused"), "--offload",
                       "optimizer", "--offload-device", "nvme")
     assert missing.returncode == 2 and "needs --offload-path DIR" in missing.stderr
+
+
+@pytest.mark.e2e
+def test_a_scratch_disk_too_small_by_a_layer_is_one_line_and_keeps_the_checkpoint(cli_dirs,
+                                                                                  tmp_path):
+    # Issue 40, item 3: a run resumed with its optimizer on NVMe, on a 2 MiB disk both ranks
+    # share: the embedding's scratch fits and a block's does not on one rank, while the other
+    # goes on to read the next layer (a collective). It aborted with gloo's EnforceNotMet
+    # (exit 134); now one line, exit 2, the checkpoint as it was, and no scratch left.
+    with private_disk(tmp_path / "scratch", size="2m") as disk:
+        if not disk.exact:
+            pytest.skip("needs a tmpfs of its own (mount -t tmpfs): two ranks sharing a disk "
+                        "that fills between them")
+        out = tmp_path / "run"
+        _check_ok(run_cli("--nproc", 2, *common_args(cli_dirs, out), "--finetune", "full",
+                          "--max-steps", 1, "--sample-tokens", 0))
+        saved = zerocore.latest_checkpoint(out / "checkpoints")
+        proc = run_cli("--resume", out / "checkpoints", "--output-dir", out, "--max-steps", 2,
+                       "--offload", "optimizer", "--offload-device", "nvme", "--offload-path",
+                       disk.path, "--offload-pool", "1MiB")
+        assert proc.returncode == 2, (proc.returncode, proc.stderr)
+        assert_clean_error(proc, "no room for the scratch")
+        assert zerocore.latest_checkpoint(out / "checkpoints") == saved
+        zerocore.verify_files(saved, zerocore.read_manifest(saved))
+        assert os.listdir(disk.path) == [] and disk.used() == 0
 
 
 @pytest.mark.e2e

@@ -229,6 +229,22 @@ def test_the_layout_is_one_declaration_too():
         (None, None)
 
 
+@pytest.mark.parametrize("path", ["", " "])
+def test_an_empty_offload_path_is_refused_in_one_line(capsys, path):
+    # Issue 40, item 5: Path("") is the working directory, which an empty --offload-path (an
+    # unset variable in a script) never meant; the scratch went there.
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["--offload", "optimizer", "--offload-device", "nvme",
+                                   "--offload-path", path])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --offload-path: must be a path, got {path!r}" in err, err
+    assert "Traceback" not in err
+    # A stored recipe holding one is refused too.
+    with pytest.raises(RecipeError, match="offload_path must be a directory"):
+        LoopConfig(offload_path=path)
+
+
 def test_the_offload_device_path_and_pool_are_declarations_too():
     # --offload-device, --offload-path, --offload-pool (LoopConfig, version 7): parsed, checked
     # together, stored, mapped onto zerocore.Offload; recipes of version 6 load offloading to

@@ -36,14 +36,26 @@ class SmallDisk:
         if self.mounted:
             yield
             return
-        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-        previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (SIZE, hard))
-        try:
+        with file_size_limit(SIZE):
             yield
-        finally:
-            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-            signal.signal(signal.SIGXFSZ, previous)
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int | None) -> Iterator[None]:
+    """While the block runs, this process's writes past ``limit`` bytes of any file fail with
+    EFBIG (SIGXFSZ ignored, so the write returns the error instead of killing the process);
+    None: no limit (what the ranks that keep their room run)."""
+    if limit is None:
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
 
 
 @pytest.fixture

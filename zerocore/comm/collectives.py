@@ -242,7 +242,8 @@ def reduce_scatter_across_nodes(full: torch.Tensor, group: dist.ProcessGroup,
     own."""
     counter.replicate_reduce_scatter_bytes += nbytes(full)
     world = group.size()
-    mine = full.chunk(world)[group.rank()]
+    per = full.numel() // world
+    mine = full[group.rank() * per:(group.rank() + 1) * per]  # (not chunk: one view, not R)
     if world == 1:
         return mine
     counter.replicate_reduce_scatter_calls += 1

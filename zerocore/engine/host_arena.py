@@ -27,7 +27,8 @@ _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 _ALIGN = 64   # bytes: every buffer starts on a cache line (and any dtype's alignment)
 
 
-def _host_memory_bytes() -> int:
+def host_memory_bytes() -> int:
+    """The host's physical memory, in bytes."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
@@ -37,7 +38,7 @@ class HostArena:
 
     def __init__(self, pin: bool, reserve: int | None = None):
         self._pin = pin
-        self._size = reserve if reserve is not None else _host_memory_bytes()
+        self._size = reserve if reserve is not None else host_memory_bytes()
         self._map = mmap.mmap(-1, self._size,
                               flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)   # holds the mapping

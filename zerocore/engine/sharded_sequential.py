@@ -90,7 +90,7 @@ class ShardedSequential(nn.Module, Sharding):
         # fails on one rank (its values, their quantization, memory) is raised on every rank
         # at the next agreement, naming the rank and the layer.
         while True:
-            layer = self.attempt(index, lambda: next(iterator, None))
+            layer = self.attempt(index, lambda: next(iterator, None), even_after_failure=True)
             read = None
             if isinstance(layer, MetaLayer):
                 layer, read = layer.module, layer.read

@@ -14,6 +14,7 @@ runs over the whole mesh.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -36,7 +37,7 @@ from zerocore.comm.objects import all_gather_objects
 from zerocore.comm.same_values import agree_values
 from zerocore.engine.compiled import compile_forward
 from zerocore.engine.flat_group import GroupContext
-from zerocore.engine.host_arena import HostArena
+from zerocore.engine.host_arena import HostArena, host_memory_bytes
 from zerocore.engine.nvme_store import NvmeStore
 from zerocore.engine.offload import OffloadStreams, cpu_threads
 from zerocore.engine.rehearsal import Rehearsal
@@ -44,11 +45,11 @@ from zerocore.engine.report import CommReport, MemoryReport
 from zerocore.engine.schedule import Schedule
 from zerocore.engine.runtime import Runtime, Unit
 from zerocore.engine.sharded_layer import ShardedLayer
-from zerocore.engine.scratch_file import BLOCK, ScratchFile
+from zerocore.engine.scratch_file import BLOCK, ScratchFile, size_text
 from zerocore.engine.sharded_param import ShardParameter, is_nvme, is_shard, master_values
 from zerocore.kernels.ops import BUILD
-from zerocore.policies import (Comm, Compile, FrozenWeights, Hybrid, MixedPrecision, Offload,
-                               Prefetch, Recompute)
+from zerocore.policies import (DEFAULT_POOL_BYTES, Comm, Compile, FrozenWeights, Hybrid,
+                               MixedPrecision, Offload, Prefetch, Recompute)
 
 log = logging.getLogger(__name__)
 _CPU = torch.device("cpu")
@@ -189,7 +190,7 @@ def open_store(offload: Offload, arena: HostArena, mesh: Mesh,
     through (from the host arena: pinned with it), opened by every rank of the mesh together:
     a path that is missing, not a directory or not writable on any rank is raised on every
     rank (``run_agreed``). Rank 0 says where the scratch is and how it is read."""
-    scratch = run_agreed(lambda: ScratchFile(offload.path), group=mesh.whole, device=device)
+    scratch = run_agreed(lambda: _open_scratch(offload), group=mesh.whole, device=device)
     channel = comm_device(mesh.whole, _CPU, device)
     direct = (all_gather_objects(scratch.direct, mesh.whole, channel)
               if mesh.whole.size() > 1 else [scratch.direct])
@@ -205,6 +206,19 @@ def open_store(offload: Offload, arena: HostArena, mesh: Mesh,
                  "rank ends), moved through a pool of %.1f MiB in chunks of %d elements, %s",
                  offload.path, offload.pool_bytes / 2**20, store.chunk_numel, how)
     return store
+
+
+def _open_scratch(offload: Offload) -> ScratchFile:
+    """This rank's scratch file, once the pool is known to fit this host's memory: a pool
+    larger than the machine is refused in one line before any of it is taken (the arena would
+    raise MemoryError partway through the build)."""
+    memory = host_memory_bytes()
+    if offload.pool_bytes > memory:
+        raise ValueError(f"Offload(pool_bytes={offload.pool_bytes}): a pool of "
+                         f"{size_text(offload.pool_bytes)} is more than this machine's "
+                         f"{size_text(memory)} of memory; give a pool of a few hundred MiB "
+                         f"(the default is {size_text(DEFAULT_POOL_BYTES)})")
+    return ScratchFile(offload.path)
 
 
 def memory_report_of(layers: list[ShardedLayer], rank: int, world_size: int,
@@ -354,11 +368,18 @@ class Sharding:
 
     # -- building, a step every rank agrees on ------------------------------------------------
 
-    def attempt(self, index: int, make: Callable[[], T]) -> T | None:
+    def attempt(self, index: int, make: Callable[[], T], *, even_after_failure: bool = False
+                ) -> T | None:
         """``make()`` (getting layer ``index`` or building it); None when it fails, or when an
         earlier step of this rank's failed: the failure waits for the next ``agree`` (or
-        ``settle``), where every rank learns of it and raises, instead of this rank alone."""
+        ``settle``), where every rank learns of it and raises, instead of this rank alone.
+        ``even_after_failure``: ``make()`` runs on a rank that failed too, its result and its
+        failure ignored (drawing the next layer from the caller's iterator, which may itself
+        run collectives: a rank that skipped it would meet the others in another one)."""
         if self._failed is not None:
+            if even_after_failure:
+                with contextlib.suppress(Exception):
+                    make()
             return None
         try:
             return make()
