@@ -260,16 +260,28 @@ class Lockstep:
                          f"started and did not finish (rank {me}'s last step: "
                          f"{self.describe(Identity.unpacked(self._last))}{other}): {_ADVICE}")
         self._tell_abort()
-        raise error
+        raise self._beyond_the_node() or error
 
     def _told(self, rank: int, value: int) -> Diverged:
         names = _global_ranks(self._peer_group)
         self._tell_abort()
+        beyond = self._beyond_the_node()
+        if beyond is not None:
+            return beyond
         return Diverged(f"zerocore: the ranks diverged: rank {names[rank]} found ranks waiting "
                         f"for each other (its last step: "
                         f"{self.describe(Identity.unpacked(value))}; rank "
                         f"{names[self._peer_group.rank()]}'s: "
                         f"{self.describe(Identity.unpacked(self._last))}): {_ADVICE}")
+
+    def _beyond_the_node(self) -> Diverged | None:
+        """HSDP, hpZ: the ranks of the other nodes are in (or will come to) the whole group's
+        exchange; this rank's, saying it waits, lets every rank see the divergence. None when
+        the peer group is the whole."""
+        if not self._wider:
+            return None
+        return self.diverged(self._all_gather(Identity(WAIT, 0, 0, 0, self.step).packed()),
+                             self.group)
 
     def _tell_abort(self) -> None:
         if not self._aborted:  # once: every rank that hears it passes it on
@@ -306,7 +318,8 @@ class Lockstep:
         together: dict[str, list[int]] = {}
         for rank, what in doing.items():
             together.setdefault(what, []).append(rank)
-        parts = [f"{'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs))} {what}"
+        parts = [f"rank {rs[0]} {what}" if len(rs) == 1 else
+                 f"ranks {', '.join(map(str, rs))} {_plural(what)}"
                  for what, rs in together.items()]
         return Diverged(f"zerocore: the ranks diverged: {'; '.join(parts)}: {_ADVICE}", doing)
 
@@ -339,6 +352,12 @@ class Lockstep:
         if 0 <= index < len(self.names):
             return self.names[index]
         return f"unit {index}"
+
+
+def _plural(doing: str) -> str:
+    """``doing`` ("gathers ...", "is in ...") said of several ranks."""
+    verb, _, rest = doing.partition(" ")
+    return f"{'are' if verb == 'is' else verb[:-1]} {rest}"
 
 
 def _channel_of(key: int) -> int:
