@@ -123,7 +123,9 @@ class Lockstep:
         self._awaits: dict[int, int] = {}
         self._aborted = False
         self._seq = 0  # exchanges so far: every rank counts alike (the pipes' key)
-        self._device = comm_device(group, torch.device("cpu"), device)
+        # (A planned world's group names no backend: comm/fake.py.)
+        self._device = (comm_device(group, torch.device("cpu"), device) if self.enabled
+                        else torch.device("cpu"))
         # One int64 out, one per rank in: made once (an exchange runs several times per unit).
         self._mine = torch.zeros(1, dtype=torch.int64, device=self._device)
         self._every = torch.zeros(group.size(), dtype=torch.int64, device=self._device)
