@@ -34,7 +34,7 @@ from zerocore.comm.fake import is_fake
 from zerocore.comm.peer_memory import GATHER_READY, PeerMemory
 
 # Kinds of step.
-GATHER, REDUCE, STATS, STEP, FULL_STATE, SAVE, LOAD, WAIT = range(1, 9)
+GATHER, REDUCE, STATS, STEP, FULL_STATE, SAVE, LOAD, WAIT, GATHER_IN_NODE = range(1, 10)
 # Phases: a forward that builds a graph, one that does not (no_grad, inference), a backward
 # (a recomputed forward is part of its backward: it gathers nothing of its own); a reduction
 # whose HSDP sum waits for a later micro-batch (``set_requires_all_reduce(False)``).
@@ -43,10 +43,10 @@ FORWARD, FORWARD_NO_GRAD, BACKWARD, BACKWARD_KEPT = range(4)
 # what a long-waiting rank waits for and where it is, and that the ranks diverged.
 _AWAITS, _ABORT, _AT = 1, 2, 3
 
-# Bits of an identity (63 in all: it travels as a signed int64): kind 3, phase 2, unit 18,
-# micro-batch 16, step 24; counts wrap (two ranks that differ by a multiple of 2**16
+# Bits of an identity (63 in all: it travels as a signed int64): kind 4, phase 2, unit 18,
+# micro-batch 16, step 23; counts wrap (two ranks that differ by a multiple of 2**16
 # micro-batches would pass: a program that far apart has differed earlier).
-_FIELDS = (("kind", 3), ("phase", 2), ("unit", 18), ("count", 16), ("step", 24))
+_FIELDS = (("kind", 4), ("phase", 2), ("unit", 18), ("count", 16), ("step", 23))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,8 +157,12 @@ class Lockstep:
 
     # -- the steps ---------------------------------------------------------------------------
 
-    def gather(self, unit: int) -> None:
-        self.check(Identity(GATHER, self.phase, unit, self.micro_batch, self.step))
+    def gather(self, unit: int, in_node: bool = False) -> None:
+        """``in_node``: hpZ's second step, the gather within the node from the secondary
+        shards, issued when the gather is waited for (a rank that skipped the unit never
+        issues it)."""
+        kind = GATHER_IN_NODE if in_node else GATHER
+        self.check(Identity(kind, self.phase, unit, self.micro_batch, self.step))
 
     def reduce(self, unit: int, kept: bool) -> None:
         """``kept``: HSDP keeps this sum for a later micro-batch (no all-reduce across the
@@ -327,12 +331,13 @@ class Lockstep:
 
     def describe(self, identity: Identity) -> str:
         i = identity
-        if i.kind == GATHER:
+        if i.kind in (GATHER, GATHER_IN_NODE):
             for_ = {FORWARD: f"forward of micro-batch {i.count}",
                     FORWARD_NO_GRAD: f"a forward without autograd (forward {i.count} since the "
                                      f"last optimizer.step())",
                     BACKWARD: f"backward of micro-batch {i.count}"}.get(i.phase, "?")
-            return f"gathers {self._unit(i.unit)} for {for_} (step {i.step})"
+            within = " within the node (hpZ)" if i.kind == GATHER_IN_NODE else ""
+            return f"gathers {self._unit(i.unit)}{within} for {for_} (step {i.step})"
         if i.kind == REDUCE:
             kept = (", keeping the sum for a later micro-batch (set_requires_all_reduce(False))"
                     if i.phase == BACKWARD_KEPT else "")
