@@ -152,7 +152,7 @@ def _assert_refused(got: list[str], *words: str) -> None:
 NAMED = {
     # Peer reading: the ranks wait for each other (one frees the unit the other skipped);
     # collectives: their backward gathers differ.
-    "skip": ("rank 0", "of micro-batch 0 (step 1)"),
+    "skip": ("of micro-batch 0 (step 1)",),
     "lone_forward": ("rank 0 gathers", "a forward without autograd",
                      "for forward of micro-batch 0"),
     "micro_batches": ("rank 0 is in optimizer.step() after 2 backward passes",

@@ -34,7 +34,7 @@ from zerocore.comm.fake import is_fake
 from zerocore.comm.peer_memory import GATHER_READY, PeerMemory
 
 # Kinds of step.
-GATHER, REDUCE, STATS, STEP, FULL_STATE, SAVE, LOAD, WAIT = range(1, 9)
+GATHER, REDUCE, STATS, STEP, FULL_STATE, SAVE, LOAD, WAIT, GATHER_IN_NODE = range(1, 10)
 # Phases: a forward that builds a graph, one that does not (no_grad, inference), a backward
 # (a recomputed forward is part of its backward: it gathers nothing of its own); a reduction
 # whose HSDP sum waits for a later micro-batch (``set_requires_all_reduce(False)``).
@@ -43,10 +43,10 @@ FORWARD, FORWARD_NO_GRAD, BACKWARD, BACKWARD_KEPT = range(4)
 # what a long-waiting rank waits for and where it is, and that the ranks diverged.
 _AWAITS, _ABORT, _AT = 1, 2, 3
 
-# Bits of an identity (63 in all: it travels as a signed int64): kind 3, phase 2, unit 18,
-# micro-batch 16, step 24; counts wrap (two ranks that differ by a multiple of 2**16
+# Bits of an identity (63 in all: it travels as a signed int64): kind 4, phase 2, unit 18,
+# micro-batch 16, step 23; counts wrap (two ranks that differ by a multiple of 2**16
 # micro-batches would pass: a program that far apart has differed earlier).
-_FIELDS = (("kind", 3), ("phase", 2), ("unit", 18), ("count", 16), ("step", 24))
+_FIELDS = (("kind", 4), ("phase", 2), ("unit", 18), ("count", 16), ("step", 23))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +123,9 @@ class Lockstep:
         self._awaits: dict[int, int] = {}
         self._aborted = False
         self._seq = 0  # exchanges so far: every rank counts alike (the pipes' key)
-        self._device = comm_device(group, torch.device("cpu"), device)
+        # (A planned world's group names no backend: comm/fake.py.)
+        self._device = (comm_device(group, torch.device("cpu"), device) if self.enabled
+                        else torch.device("cpu"))
         # One int64 out, one per rank in: made once (an exchange runs several times per unit).
         self._mine = torch.zeros(1, dtype=torch.int64, device=self._device)
         self._every = torch.zeros(group.size(), dtype=torch.int64, device=self._device)
@@ -155,8 +157,12 @@ class Lockstep:
 
     # -- the steps ---------------------------------------------------------------------------
 
-    def gather(self, unit: int) -> None:
-        self.check(Identity(GATHER, self.phase, unit, self.micro_batch, self.step))
+    def gather(self, unit: int, in_node: bool = False) -> None:
+        """``in_node``: hpZ's second step, the gather within the node from the secondary
+        shards, issued when the gather is waited for (a rank that skipped the unit never
+        issues it)."""
+        kind = GATHER_IN_NODE if in_node else GATHER
+        self.check(Identity(kind, self.phase, unit, self.micro_batch, self.step))
 
     def reduce(self, unit: int, kept: bool) -> None:
         """``kept``: HSDP keeps this sum for a later micro-batch (no all-reduce across the
@@ -260,16 +266,28 @@ class Lockstep:
                          f"started and did not finish (rank {me}'s last step: "
                          f"{self.describe(Identity.unpacked(self._last))}{other}): {_ADVICE}")
         self._tell_abort()
-        raise error
+        raise self._beyond_the_node() or error
 
     def _told(self, rank: int, value: int) -> Diverged:
         names = _global_ranks(self._peer_group)
         self._tell_abort()
+        beyond = self._beyond_the_node()
+        if beyond is not None:
+            return beyond
         return Diverged(f"zerocore: the ranks diverged: rank {names[rank]} found ranks waiting "
                         f"for each other (its last step: "
                         f"{self.describe(Identity.unpacked(value))}; rank "
                         f"{names[self._peer_group.rank()]}'s: "
                         f"{self.describe(Identity.unpacked(self._last))}): {_ADVICE}")
+
+    def _beyond_the_node(self) -> Diverged | None:
+        """HSDP, hpZ: the ranks of the other nodes are in (or will come to) the whole group's
+        exchange; this rank's, saying it waits, lets every rank see the divergence. None when
+        the peer group is the whole."""
+        if not self._wider:
+            return None
+        return self.diverged(self._all_gather(Identity(WAIT, 0, 0, 0, self.step).packed()),
+                             self.group)
 
     def _tell_abort(self) -> None:
         if not self._aborted:  # once: every rank that hears it passes it on
@@ -306,18 +324,20 @@ class Lockstep:
         together: dict[str, list[int]] = {}
         for rank, what in doing.items():
             together.setdefault(what, []).append(rank)
-        parts = [f"{'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs))} {what}"
+        parts = [f"rank {rs[0]} {what}" if len(rs) == 1 else
+                 f"ranks {', '.join(map(str, rs))} {_plural(what)}"
                  for what, rs in together.items()]
         return Diverged(f"zerocore: the ranks diverged: {'; '.join(parts)}: {_ADVICE}", doing)
 
     def describe(self, identity: Identity) -> str:
         i = identity
-        if i.kind == GATHER:
+        if i.kind in (GATHER, GATHER_IN_NODE):
             for_ = {FORWARD: f"forward of micro-batch {i.count}",
                     FORWARD_NO_GRAD: f"a forward without autograd (forward {i.count} since the "
                                      f"last optimizer.step())",
                     BACKWARD: f"backward of micro-batch {i.count}"}.get(i.phase, "?")
-            return f"gathers {self._unit(i.unit)} for {for_} (step {i.step})"
+            within = " within the node (hpZ)" if i.kind == GATHER_IN_NODE else ""
+            return f"gathers {self._unit(i.unit)}{within} for {for_} (step {i.step})"
         if i.kind == REDUCE:
             kept = (", keeping the sum for a later micro-batch (set_requires_all_reduce(False))"
                     if i.phase == BACKWARD_KEPT else "")
@@ -339,6 +359,12 @@ class Lockstep:
         if 0 <= index < len(self.names):
             return self.names[index]
         return f"unit {index}"
+
+
+def _plural(doing: str) -> str:
+    """``doing`` ("gathers ...", "is in ...") said of several ranks."""
+    verb, _, rest = doing.partition(" ")
+    return f"{'are' if verb == 'is' else verb[:-1]} {rest}"
 
 
 def _channel_of(key: int) -> int:

@@ -240,6 +240,8 @@ class FlatGroup:
         self._across_handles: list[dist.Work | None] | None = None
         self._secondary: torch.Tensor | None = None
         self._secondary_version: tuple[int, int] | None = None
+        # The unit it belongs to (its layer's index, set by it), for the lockstep's messages.
+        self.unit_index = -1
         # A frozen group chosen by Prefetch.keep_gathered: once gathered it stays so (``free``
         # leaves it) until ``free(release=True)``; its values never change.
         self.resident = False
@@ -414,6 +416,8 @@ class FlatGroup:
                 # secondary shards within the node. (Not overlapped yet: issued here.)
                 transport.AcrossNodes.wait_gather(self._across_handles)
                 self._across_handles = None
+                if self.ctx.lockstep is not None:
+                    self.ctx.lockstep.gather(self.unit_index, in_node=True)
                 self.gather.start(self._comm, self._secondary_region())
             self.gather.wait(self._comm)
             self.ctx.counter.gather_wait_s += collectives.now() - t0

@@ -127,6 +127,8 @@ class ShardedLayer(nn.Module):
         self.device = ctx.device               # where the layer computes
         self.trainable: FlatGroup | None = groups[True]
         self.frozen: FlatGroup | None = groups[False]
+        for g in self.groups:
+            g.unit_index = index
         self.trainable_shard = self.trainable.shard if self.trainable else None
         if self.trainable_shard is not None:
             self.trainable_shard.layer_index = index  # the optimizer's trace label
