@@ -12,12 +12,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.distributed as dist
 
 import zerocore
 from tests.support.dist_utils import World
-from tests.support.hybrid_runs import MICRO, mesh_of
-from tests.support.toy_stack import WEIGHT_DECAY, Spec, global_batch, loss_fn, make_layers
+from tests.support.hybrid_runs import MICRO, mean_losses, mesh_of
+from tests.support.toy_stack import WEIGHT_DECAY, Spec, make_layers
 
 
 def losses(rank: int, world_size: int, way: str, lr: float, steps: int,
@@ -30,20 +29,7 @@ def losses(rank: int, world_size: int, way: str, lr: float, steps: int,
     model = zerocore.shard(make_layers(spec), comm=comm,
                            mixed_precision=zerocore.MixedPrecision(dtype), **where)
     opt = zerocore.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY)
-    out = []
-    for step in range(steps):
-        total = torch.zeros(1, dtype=torch.float64)
-        for m in range(MICRO):
-            model.set_requires_all_reduce(m == MICRO - 1)
-            x, y = global_batch(spec, step, m, world_size)
-            loss = loss_fn(spec, model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank])
-            (loss / MICRO).backward()
-            total += loss.item() / MICRO
-        opt.step()
-        opt.zero_grad()
-        dist.all_reduce(total)
-        out.append(total.item() / world_size)
-    return out
+    return mean_losses(model, opt, spec, rank, world_size)
 
 
 def main() -> None:

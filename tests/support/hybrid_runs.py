@@ -230,19 +230,7 @@ def train_qgz(rank: int, world_size: int, quantize: bool, dtype: torch.dtype,
                            hybrid=zerocore.Hybrid(layout))
     opt = zerocore.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     model.comm_report(reset=True)
-    losses = []
-    for step in range(QGZ_STEPS):
-        total = torch.zeros(1, dtype=torch.float64)
-        for m in range(MICRO):
-            model.set_requires_all_reduce(m == MICRO - 1)
-            x, y = global_batch(spec, step, m, world_size)
-            loss = loss_fn(spec, model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank])
-            (loss / MICRO).backward()
-            total += loss.item() / MICRO
-        opt.step()
-        opt.zero_grad()
-        dist.all_reduce(total)
-        losses.append(total.item() / world_size)
+    losses = mean_losses(model, opt, spec, rank, world_size)
     report = model.comm_report()
     layouts = [l.trainable.layout for l in model.layers if l.trainable is not None]
     return dict(losses=losses, shards=[s.detach().clone() for s in model.trainable_shards()],
@@ -288,3 +276,22 @@ def quantized_collective(rank: int, world_size: int, kind: str, numel: int,
         y = reduce_scatter_int8(x, dist.group.WORLD, counter, QUANTIZE_BLOCK)
         counted = counter.replicate_reduce_scatter_bytes, counter.replicate_reduce_scatter_calls
     return dict(x=x, y=y, nbytes=counted[0], calls=counted[1])
+
+
+def mean_losses(model, opt, spec: Spec, rank: int, world_size: int) -> list[float]:
+    """Trains ``spec.steps`` steps of ``MICRO`` micro-batches (the replicas' all-reduce on the
+    last one only); the loss at each step, averaged over the micro-batches and the ranks."""
+    losses = []
+    for step in range(spec.steps):
+        total = torch.zeros(1, dtype=torch.float64)
+        for m in range(MICRO):
+            model.set_requires_all_reduce(m == MICRO - 1)
+            x, y = global_batch(spec, step, m, world_size)
+            loss = loss_fn(spec, model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank])
+            (loss / MICRO).backward()
+            total += loss.item() / MICRO
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(total)
+        losses.append(total.item() / world_size)
+    return losses
