@@ -133,6 +133,6 @@ def test_ranks_told_other_nodes_are_refused_on_every_rank(worlds):
     # for ones never sent until the timeout.
     two_nodes = dict(WORLD_SIZE="2", LOCAL_WORLD_SIZE="1")
     for rank, message in enumerate(worlds(2).run(refused, {**two_nodes, "GROUP_RANK": "0"}, 0)):
-        assert message == ("zerocore.shard: ranks were given different meshes (ranks [1] "
-                           "differ from rank 0 in mesh); every rank must pass the same ones"), \
-            (rank, message)
+        assert message == ("zerocore.shard: mesh differs across ranks: rank 0: 'flat (1, 2) "
+                           "((0, 1),) group over 2 nodes'; rank 1: 'flat (1, 2) ((0, 1),) "
+                           "group'; every rank must pass the same meshes"), (rank, message)

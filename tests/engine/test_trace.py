@@ -34,7 +34,9 @@ def traced_step(rank: int, world_size: int, door: str) -> dict:
     counts = collections.Counter(e.name for e in prof.events() if e.name.startswith("zerocore::"))
     counts["ops"] = sum(e.name == "zerocore::fused_adam_multi" for e in prof.events())
     trainable = [l.index for l in sharding.layers if l.trainable is not None]
-    return dict(counts=dict(counts), layers=[l.index for l in sharding.layers],
+    # A unit with no parameters of its own (shard_model's root here) gathers nothing: it has
+    # no gather to label, only its wait.
+    return dict(counts=dict(counts), layers=[l.index for l in sharding.layers if l.groups],
                 trainable=trainable)
 
 

@@ -112,8 +112,8 @@ class Mesh:
     def describe(self) -> str:
         """What every rank must have been given alike (compared by ``Sharding``); the nodes
         too, from which a flat layout chooses its gather (``transport.choose``)."""
-        return (f"{self.layout} {self.shape} {self.ranks} "
-                f"{self.device_type or 'group'} nodes {self.nodes}")
+        nodes = "" if self.nodes is None else f" over {self.nodes} nodes"
+        return f"{self.layout} {self.shape} {self.ranks} {self.device_type or 'group'}{nodes}"
 
     def line(self) -> str:
         """The layout, for the start-up line (``Ways.line``)."""
