@@ -18,6 +18,7 @@ Two runs' smaller peak is the program's own.
 from __future__ import annotations
 
 import dataclasses
+import gc
 from pathlib import Path
 
 import torch
@@ -43,6 +44,10 @@ class PeakMemory:
         self._marked = False
 
     def __enter__(self) -> "PeakMemory":
+        # Garbage of earlier work (a dropped model is freed by the cycle collector: autograd
+        # and its hooks make cycles) goes now, not at some collection inside the window,
+        # where its frees would read as this work's and lower the peak it measures.
+        gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
