@@ -32,6 +32,7 @@ from zerocore.comm.collectives import all_gather_sync
 from zerocore.comm.device import comm_device
 from zerocore.comm.fake import is_fake
 from zerocore.comm.peer_memory import GATHER_READY, PeerMemory
+from zerocore.comm.transport import group_ranks
 
 # Kinds of step.
 GATHER, REDUCE, STATS, STEP, FULL_STATE, SAVE, LOAD, WAIT, GATHER_IN_NODE = range(1, 10)
@@ -256,7 +257,7 @@ class Lockstep:
             self._abort(rank)
 
     def _abort(self, rank: int) -> None:
-        names = _global_ranks(self._peer_group)
+        names = group_ranks(self._peer_group)
         me = names[self._peer_group.rank()]
         theirs = self._at.get(rank)
         other = (f"; rank {names[rank]}'s last: {self.describe(Identity.unpacked(theirs))}"
@@ -269,7 +270,7 @@ class Lockstep:
         raise self._beyond_the_node() or error
 
     def _told(self, rank: int, value: int) -> Diverged:
-        names = _global_ranks(self._peer_group)
+        names = group_ranks(self._peer_group)
         self._tell_abort()
         beyond = self._beyond_the_node()
         if beyond is not None:
@@ -318,7 +319,7 @@ class Lockstep:
     def diverged(self, every: list[int | None], group: dist.ProcessGroup) -> Diverged:
         """What each rank was doing (``every``: identities by rank in the group, None where not
         known; named by their global ranks), ranks doing the same thing together."""
-        ranks = _global_ranks(group)
+        ranks = group_ranks(group)
         doing = {ranks[q]: self.describe(Identity.unpacked(v))
                  for q, v in enumerate(every) if v is not None}
         together: dict[str, list[int]] = {}
@@ -370,13 +371,6 @@ def _plural(doing: str) -> str:
 def _channel_of(key: int) -> int:
     """The channel of a peer-memory message's key (``peer_memory._key``)."""
     return (key >> 32) // 4
-
-
-def _global_ranks(group: dist.ProcessGroup) -> list[int]:
-    try:
-        return list(dist.get_process_group_ranks(group))
-    except (RuntimeError, ValueError):
-        return list(range(group.size()))
 
 
 def lockstep_of(params) -> list[Lockstep]:
