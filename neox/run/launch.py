@@ -267,108 +267,162 @@ def _is_stopped(pid: int) -> bool:
 
 def _watch(procs: list[subprocess.Popen], links: list[socket.socket], stop_signal: list[int],
            timeout: float) -> int:
-    """Waits for every rank. A signal to the launcher: ranks still starting (no watcher yet)
-    are killed at once, the others get ``STOP_GRACE_S`` to leave, then are killed. A rank that
-    lost contact with another: any rank that is a stopped process stopped answering and is
-    killed at once (gloo's timeouts do not say whom they waited for), as is one stopped for
-    ``timeout`` seconds whether or not another rank said so yet; one named by the rank
-    that lost contact with it is killed ``REPORTED_GRACE_S`` later if still running; if none
-    is found so, any rank still running ``LOST_GRACE_S`` later is killed and named. Another
-    failure: the others get ``SHUTDOWN_GRACE_S`` to stop by themselves, then are terminated.
-    Names the failure that explains the others and returns the run's exit code."""
-    open_links = set(range(len(links)))
-    lost: dict[int, int] = {}                 # reporter -> the rank it lost contact with
-    reported: dict[int, float] = {}           # rank named by a reporter -> when first seen
-    stopped_since: dict[int, float] = {}      # rank seen a stopped process -> since when
-    watching: set[int] = set()                # ranks whose watcher runs (they said "up")
-    silent: dict[int, tuple[int | None, bool]] = {}  # rank killed for not answering -> (who
-                                              # saw it, if one did; whether it was stopped)
-    lingering: list[int] = []                 # ranks still running well after a rank gave up
-    killed: set[int] = set()                  # ranks this launcher ended
-    deadline: float | None = None             # when the ranks still alive are ended
-    first_lost: float | None = None           # when a rank first lost contact with another
+    """Waits for every rank, ends the others when one fails or the launcher is told to stop,
+    names the failure that explains the others and returns the run's exit code (``_Watch``)."""
+    return _Watch(procs, links, stop_signal, timeout).run()
 
-    def end(rank: int, how: str) -> None:
-        if procs[rank].poll() is None:
-            killed.add(rank)
-            procs[rank].kill() if how == "kill" else procs[rank].terminate()
 
-    while any(p.poll() is None for p in procs):
-        if open_links:
-            _read_reports(links, open_links, lost, watching, 0.1)
-        else:
-            time.sleep(0.1)
-        now = time.monotonic()
-        codes = [p.poll() for p in procs]
-        if stop_signal:
-            deadline = min(deadline or math.inf, now + STOP_GRACE_S)
-            for rank, code in enumerate(codes):
-                if code is None and rank not in watching:
-                    end(rank, "kill")  # still importing: nothing to lose, nothing to tell it
-        if first_lost is None and EXIT_LOST_PEER in codes:
-            first_lost = now
-            deadline = min(deadline or math.inf, now + LOST_GRACE_S)
-        if (lost or first_lost is not None) and not stop_signal:
+class _Watch:
+    """What the launcher knows of its ranks while it waits for them, and what it does about it,
+    one step per method, each looked at every 0.1 s:
+
+    - ``_on_stop_signal``: told to stop, ranks still starting (no watcher yet) are killed at
+      once, the others get ``STOP_GRACE_S`` to leave, then are killed;
+    - ``_on_lost_contact``: once a rank lost contact with another, any rank that is a stopped
+      process stopped answering and is killed at once (gloo's timeouts do not say whom they
+      waited for); any rank still running ``LOST_GRACE_S`` later is killed and named;
+    - ``_on_long_stopped``: a rank stopped for ``timeout`` seconds is killed, whether or not
+      another rank said so yet;
+    - ``_on_reported``: a rank named by the one that lost contact with it is killed
+      ``REPORTED_GRACE_S`` later if still running;
+    - ``_on_failure``: after another failure, the others get ``SHUTDOWN_GRACE_S`` to stop by
+      themselves, then are terminated (``_end_the_rest``);
+    - ``_exit_code``: once all have ended, the failure that explains the others, named."""
+
+    def __init__(self, procs: list[subprocess.Popen], links: list[socket.socket],
+                 stop_signal: list[int], timeout: float):
+        self.procs, self.links, self.stop_signal, self.timeout = procs, links, stop_signal, timeout
+        self.open_links = set(range(len(links)))
+        self.lost: dict[int, int] = {}            # reporter -> the rank it lost contact with
+        self.reported: dict[int, float] = {}      # rank named by a reporter -> when first seen
+        self.stopped_since: dict[int, float] = {}  # rank seen a stopped process -> since when
+        self.watching: set[int] = set()           # ranks whose watcher runs (they said "up")
+        # Rank killed for not answering -> (who saw it, if one did; whether it was stopped).
+        self.silent: dict[int, tuple[int | None, bool]] = {}
+        self.lingering: list[int] = []            # ranks still running well after one gave up
+        self.killed: set[int] = set()             # ranks this launcher ended
+        self.deadline: float | None = None        # when the ranks still alive are ended
+        self.first_lost: float | None = None      # when a rank first lost contact with another
+
+    def run(self) -> int:
+        while any(p.poll() is None for p in self.procs):
+            if self.open_links:
+                _read_reports(self.links, self.open_links, self.lost, self.watching, 0.1)
+            else:
+                time.sleep(0.1)
+            now = time.monotonic()
+            codes = [p.poll() for p in self.procs]
+            self._on_stop_signal(codes, now)
+            self._on_lost_contact(codes, now)
+            if not self.stop_signal:
+                self._on_long_stopped(codes, now)
+            self._on_reported(codes, now)
+            if self.deadline is None and _cause(codes, self.killed) is not None:
+                self.deadline = now + SHUTDOWN_GRACE_S  # _on_failure
+            if self.deadline is not None and now > self.deadline:
+                self._end_the_rest(codes)
+                break
+        return self._exit_code()
+
+    def _end(self, rank: int, how: str) -> None:
+        if self.procs[rank].poll() is None:
+            self.killed.add(rank)
+            self.procs[rank].kill() if how == "kill" else self.procs[rank].terminate()
+
+    def _on_stop_signal(self, codes: list[int | None], now: float) -> None:
+        if not self.stop_signal:
+            return
+        self.deadline = min(self.deadline or math.inf, now + STOP_GRACE_S)
+        for rank, code in enumerate(codes):
+            if code is None and rank not in self.watching:
+                self._end(rank, "kill")  # still importing: nothing to lose, nothing to tell it
+
+    def _on_lost_contact(self, codes: list[int | None], now: float) -> None:
+        if self.first_lost is None and EXIT_LOST_PEER in codes:
+            self.first_lost = now
+            self.deadline = min(self.deadline or math.inf, now + LOST_GRACE_S)
+        if (self.lost or self.first_lost is not None) and not self.stop_signal:
             # SIGKILL: a stopped process ignores the rest.
-            reporter = min(lost) if lost else codes.index(EXIT_LOST_PEER)
+            reporter = min(self.lost) if self.lost else codes.index(EXIT_LOST_PEER)
             for rank, code in enumerate(codes):
-                if code is None and _is_stopped(procs[rank].pid):
-                    silent.setdefault(rank, (reporter, True))
-                    end(rank, "kill")
-        for rank, code in enumerate(codes if not stop_signal else ()):
+                if code is None and _is_stopped(self.procs[rank].pid):
+                    self.silent.setdefault(rank, (reporter, True))
+                    self._end(rank, "kill")
+
+    def _on_long_stopped(self, codes: list[int | None], now: float) -> None:
+        for rank, code in enumerate(codes):
             # Stopped as long as --timeout: the others' waits for it end now, or already have
             # (perhaps unseen: a wait queued behind another in gloo starts its own timeout).
-            if code is None and _is_stopped(procs[rank].pid):
-                if now - stopped_since.setdefault(rank, now) >= timeout:
-                    silent.setdefault(rank, (None, True))
-                    end(rank, "kill")
+            if code is None and _is_stopped(self.procs[rank].pid):
+                if now - self.stopped_since.setdefault(rank, now) >= self.timeout:
+                    self.silent.setdefault(rank, (None, True))
+                    self._end(rank, "kill")
             else:
-                stopped_since.pop(rank, None)
-        for reporter, rank in lost.items():
-            if rank != reporter and 0 <= rank < len(procs) and codes[rank] is None:
+                self.stopped_since.pop(rank, None)
+
+    def _on_reported(self, codes: list[int | None], now: float) -> None:
+        for reporter, rank in self.lost.items():
+            if rank != reporter and 0 <= rank < len(self.procs) and codes[rank] is None:
                 # Alive, yet another rank gave up on it: silent, unless it was itself waiting
                 # for the silent one and is about to exit (its own timeout, as long).
-                if now - reported.setdefault(rank, now) >= REPORTED_GRACE_S:
-                    silent.setdefault(rank, (reporter, False))
-                    end(rank, "kill")
-        if deadline is None and _cause(codes, killed) is not None:
-            deadline = now + SHUTDOWN_GRACE_S
-        if deadline is not None and now > deadline:
-            if stop_signal or first_lost is not None:
-                for rank, code in enumerate(codes):
-                    if code is None:
-                        if first_lost is not None and not stop_signal:
-                            # Still running well after another rank gave up waiting: it is
-                            # the one that stopped answering, or waits for it.
-                            lingering.append(rank)
-                        end(rank, "kill")
-            else:
-                for rank, code in enumerate(codes):
-                    if code is None:
-                        end(rank, "terminate")
-                end_by = time.monotonic() + SHUTDOWN_GRACE_S
-                while any(p.poll() is None for p in procs) and time.monotonic() < end_by:
-                    time.sleep(0.1)
-                for rank, p in enumerate(procs):
-                    end(rank, "kill")
-            for p in procs:
-                p.wait()
-            break
-    if stop_signal:
-        if sys.stdout.isatty():  # rank 0's progress line, redrawn in place, is ended first
-            print(flush=True)
-        print(f"stopped by {signal.Signals(stop_signal[0]).name}", file=sys.stderr, flush=True)
-        return 128 + stop_signal[0]
-    codes = [p.returncode for p in procs]
-    # Read after every rank has ended (or been stopped): ranks often end between two looks, and
-    # the first to be seen is not always the one that failed first.
-    cause = _cause(codes, killed)
-    if cause is None:
-        return 0
-    rank, code = cause
-    if code == EXIT_LOST_PEER and (silent or lingering):  # no failure of its own explains it
-        if silent:  # (those found stopped first: the others may have waited for them)
-            rank, (reporter, found_stopped) = min(silent.items(),
+                if now - self.reported.setdefault(rank, now) >= REPORTED_GRACE_S:
+                    self.silent.setdefault(rank, (reporter, False))
+                    self._end(rank, "kill")
+
+    def _end_the_rest(self, codes: list[int | None]) -> None:
+        """Past the deadline: after a stop or a lost contact the ranks still running are
+        killed; after another failure they are terminated, and killed ``SHUTDOWN_GRACE_S``
+        later if still there."""
+        if self.stop_signal or self.first_lost is not None:
+            for rank, code in enumerate(codes):
+                if code is None:
+                    if self.first_lost is not None and not self.stop_signal:
+                        # Still running well after another rank gave up waiting: it is the
+                        # one that stopped answering, or waits for it.
+                        self.lingering.append(rank)
+                    self._end(rank, "kill")
+        else:
+            for rank, code in enumerate(codes):
+                if code is None:
+                    self._end(rank, "terminate")
+            end_by = time.monotonic() + SHUTDOWN_GRACE_S
+            while any(p.poll() is None for p in self.procs) and time.monotonic() < end_by:
+                time.sleep(0.1)
+            for rank in range(len(self.procs)):
+                self._end(rank, "kill")
+        for p in self.procs:
+            p.wait()
+
+    def _exit_code(self) -> int:
+        procs = self.procs
+        if self.stop_signal:
+            if sys.stdout.isatty():  # rank 0's progress line, redrawn in place, is ended first
+                print(flush=True)
+            print(f"stopped by {signal.Signals(self.stop_signal[0]).name}", file=sys.stderr,
+                  flush=True)
+            return 128 + self.stop_signal[0]
+        codes = [p.returncode for p in procs]
+        # Read after every rank has ended (or been stopped): ranks often end between two
+        # looks, and the first to be seen is not always the one that failed first.
+        cause = _cause(codes, self.killed)
+        if cause is None:
+            return 0
+        rank, code = cause
+        if code == EXIT_LOST_PEER and (self.silent or self.lingering):
+            self._name_the_silent(rank)  # no failure of its own explains it
+            return EXIT_LOST_PEER
+        if code != EXIT_REPORTED:  # 2: the rank said why, in one line
+            print(f"error: rank {rank} (pid {procs[rank].pid}) {exit_description(code)}"
+                  + ("" if len(procs) == 1 else "; the other ranks were stopped"),
+                  file=sys.stderr, flush=True)
+        return code if code > 0 else 128 - code
+
+    def _name_the_silent(self, rank: int) -> None:
+        """The run failed because a rank stopped answering: names it (those found stopped
+        first: the others may have waited for them), or the ranks that lingered."""
+        procs, timeout = self.procs, self.timeout
+        if self.silent:
+            rank, (reporter, found_stopped) = min(self.silent.items(),
                                                   key=lambda item: (not item[1][1], item[0]))
             seen = (f" (a stopped process): stopped for {timeout:g} s (--timeout)"
                     if reporter is None else
@@ -382,17 +436,11 @@ def _watch(procs: list[subprocess.Popen], links: list[socket.socket], stop_signa
                                               "slow, raise --timeout)"),
                   file=sys.stderr, flush=True)
         else:
-            named = ", ".join(f"{r} (pid {procs[r].pid})" for r in lingering)
+            named = ", ".join(f"{r} (pid {procs[r].pid})" for r in self.lingering)
             print(f"error: rank {rank} lost contact with another rank after {timeout:g} s "
                   f"(--timeout); rank(s) {named} still ran {LOST_GRACE_S:g} s later: stopped "
                   f"or hung, or waiting for one that is; the launcher killed them",
                   file=sys.stderr, flush=True)
-        return EXIT_LOST_PEER
-    if code != EXIT_REPORTED:  # 2: the rank said why, in one line
-        print(f"error: rank {rank} (pid {procs[rank].pid}) {exit_description(code)}"
-              + ("" if len(procs) == 1 else "; the other ranks were stopped"),
-              file=sys.stderr, flush=True)
-    return code if code > 0 else 128 - code
 
 
 # -- a rank ---------------------------------------------------------------------------------------
