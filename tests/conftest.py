@@ -52,6 +52,26 @@ def pytest_collection_modifyitems(items) -> None:
             item.add_marker(pytest.mark.distributed)
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--count-tier", action="append", default=[], metavar="EXPR",
+                     help="print how many of the collected tests the -m expression EXPR selects "
+                          "(a line 'tier count: N: EXPR'; repeatable): with --collect-only, "
+                          ".ci/run checks in one collection that its tiers are the whole suite")
+
+
+def pytest_collection_finish(session) -> None:
+    # pytest's own -m matching (the expression language it evaluates against each test's
+    # markers), so that the counts are those of the tiers' runs.
+    from _pytest.mark.expression import Expression
+    for expr in session.config.getoption("count_tier"):
+        compiled = Expression.compile(expr)
+        n = 0
+        for item in session.items:
+            names = {mark.name for mark in item.iter_markers()}
+            n += compiled.evaluate(lambda name, /, **_: name in names)
+        print(f"\ntier count: {n}: {expr}")
+
+
 @pytest.fixture(scope="session")
 def worlds():
     """``worlds(n)``: an n-rank gloo World (tests/support/dist_utils.py), started on first use
