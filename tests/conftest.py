@@ -46,14 +46,18 @@ def pytest_generate_tests(metafunc) -> None:
                              ids=lambda n: f"ws{n}")
 
 
-# The modules whose tests take minutes, longest first (CI's e2e tier, --durations, 2026-12-06:
-# the README's built-in run and the commands after it about 420 s, the GPU check's dry run 210 s,
-# the three offload plans 215 s, the examples and the finetune CLI runs 200-300 s each). They
-# come first in the collection, so that CI's xdist workers (``--no-loadscope-reorder``: files in
-# this order) start them first instead of ending the tier with one of them running alone.
-LONGEST_FIRST = ["tests/tools/test_readme_commands.py", "tests/neox/test_neox_finetune.py",
-                 "tests/tools/test_examples.py", "tests/neox/test_neox_plan_offload.py",
-                 "tests/tools/test_job.py"]
+# The modules whose tests take minutes, longest first (the sums of their tests' durations in
+# CI's e2e tier, 2026-12-06, loaded: the neox fault runs 645 s, the README's built-in run and
+# the commands after it 491 s, the offload plans 297 s, the GPU check's dry run 281 s, the
+# examples 267 s, the finetune CLI 203 s, HSDP under torchrun 163 s, DeepSpeed's outputs 156 s,
+# the identity attacks 127 s). They come first in the collection, so that CI's xdist workers
+# (``--no-loadscope-reorder``: files in this order) start them first instead of ending the tier
+# with one of them running alone.
+LONGEST_FIRST = ["tests/neox/test_neox_faults.py", "tests/tools/test_readme_commands.py",
+                 "tests/neox/test_neox_plan_offload.py", "tests/tools/test_job.py",
+                 "tests/tools/test_examples.py", "tests/neox/test_neox_finetune.py",
+                 "tests/neox/test_neox_hybrid.py", "tests/neox/test_neox_from_deepspeed.py",
+                 "tests/neox/test_neox_identity.py"]
 
 
 def pytest_collection_modifyitems(items) -> None:
