@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from transformers import AutoConfig
+from transformers.utils import logging
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, rename_source_key
 
@@ -47,6 +48,9 @@ import zerocore
 from zerocore.checkpoint.safetensors_ranges import SafetensorsError, SafetensorsFiles
 from zerocore.hf_trainer import default_units
 
+# transformers' logger for this module: its report of missing and unexpected keys is a warning
+# there too.
+logger = logging.get_logger(__name__)
 # Checkpoint dtypes a parameter may be stored in (converted to the model's dtype as it is read).
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The parts of a PEFT model's parameter names that are not in the base model's checkpoint:
@@ -94,13 +98,23 @@ def checkpoint_name(name: str) -> str:
     return _PEFT_PARTS.sub("", name)
 
 
-def _build_meta(model_class: Any, config: Any, dtype: torch.dtype | None,
+def default_dtype(config: Any, files: SafetensorsFiles) -> torch.dtype:
+    """``from_pretrained``'s dtype when none is asked for ("auto" since transformers 5): the
+    config's ``dtype``, else the first floating-point tensor's stored dtype, else float32."""
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    stored = [e.dtype for e in files.entries.values() if e.dtype.is_floating_point]
+    return stored[0] if stored else torch.float32
+
+
+def _build_meta(model_class: Any, config: Any, dtype: torch.dtype,
                 model_kwargs: dict[str, Any]) -> nn.Module:
-    """The model from its config on the meta device, in ``dtype`` (the class's default when
-    None, as ``from_pretrained``), its weights tied as its config says."""
-    kwargs = dict(model_kwargs)
-    if dtype is not None:
-        kwargs["dtype"] = dtype
+    """The model from its config on the meta device, in ``dtype``, its weights tied as its
+    config says."""
+    kwargs = dict(model_kwargs, dtype=dtype)
     build = getattr(model_class, "from_config", None) or model_class._from_config
     with torch.device("meta"):
         return build(config, **kwargs)
@@ -249,7 +263,8 @@ def pretrained_on_meta(model_class: Any, path: str | os.PathLike, *,
     is raised on every rank before any weight is allocated.
 
     model_class: ``AutoModelForCausalLM`` or a model class (``LlamaForCausalLM``).
-    dtype: the parameters' dtype (stored values are converted); None: ``from_pretrained``'s.
+    dtype: the parameters' dtype (stored values are converted); None: ``from_pretrained``'s
+        ("auto": the config's, else the stored one).
     peft_config: a PEFT config (``LoraConfig``) applied to the model before it is sharded.
     seed: the random draws of what is not read (adapters, missing parameters).
     allow_outside: follow index entries and symbolic links that leave ``path``.
@@ -261,7 +276,8 @@ def pretrained_on_meta(model_class: Any, path: str | os.PathLike, *,
             raise PretrainedError(f"{files.path}: no config.json; save the model with "
                                   f"save_pretrained, which writes it")
         config = AutoConfig.from_pretrained(str(files.path))
-        model = _build_meta(model_class, config, dtype, model_kwargs)
+        model = _build_meta(model_class, config, dtype or default_dtype(config, files),
+                            model_kwargs)
         matched, missing, unexpected = _check(model, files)
         return model, files, matched, missing, unexpected
 
@@ -274,13 +290,13 @@ def pretrained_on_meta(model_class: Any, path: str | os.PathLike, *,
         raise PretrainedError(str(e)) from None
     if missing:
         # from_pretrained's report: what it initialised rather than loaded.
-        print(f"zerocore.from_pretrained: {type(model).__name__}: {len(missing)} weight(s) not "
-              f"in the checkpoint, newly initialised: {', '.join(missing[:8])}"
-              f"{' ...' if len(missing) > 8 else ''}", flush=True)
+        logger.warning(f"zerocore.from_pretrained: {type(model).__name__}: {len(missing)} "
+                       f"weight(s) not in the checkpoint, newly initialised: "
+                       f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
     if unexpected:
-        print(f"zerocore.from_pretrained: {type(model).__name__}: {len(unexpected)} checkpoint "
-              f"key(s) not used: {', '.join(unexpected[:8])}"
-              f"{' ...' if len(unexpected) > 8 else ''}", flush=True)
+        logger.warning(f"zerocore.from_pretrained: {type(model).__name__}: {len(unexpected)} "
+                       f"checkpoint key(s) not used: {', '.join(unexpected[:8])}"
+                       f"{' ...' if len(unexpected) > 8 else ''}")
     _read_buffers(model, matched, files)
     _initialise_unread(model, matched, missing, seed)
     model.eval()  # as from_pretrained returns it (dropout off until training starts)
