@@ -150,8 +150,8 @@ RANKS_OWN_ARGUMENTS = frozenset({
     "dataloader_multiprocessing_context", "skip_memory_metrics", "ddp_timeout"})
 # ``shard_options`` each rank gives its own: its device; the mesh is agreed by zerocore.shard
 # (its layout, in the engine's words); the reader of a model built on the meta device
-# (``zerocore.hf_pretrained``: each rank's reads its own files; what it reads is agreed as
-# the model is built).
+# (``zerocore.hf_pretrained``: each rank reads its own part of the files; the files and the
+# model are agreed as it is built).
 RANKS_OWN_OPTIONS = frozenset({"device", "mesh", "read"})
 
 
