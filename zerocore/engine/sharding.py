@@ -48,8 +48,9 @@ from zerocore.engine.sharded_layer import ShardedLayer
 from zerocore.engine.scratch_file import BLOCK, ScratchFile, size_text
 from zerocore.engine.sharded_param import ShardParameter, is_nvme, is_shard, master_values
 from zerocore.kernels.ops import BUILD
-from zerocore.policies import (DEFAULT_POOL_BYTES, Comm, Compile, FrozenWeights, Hybrid,
-                               MixedPrecision, Offload, Prefetch, Recompute)
+from zerocore.policies import (DEFAULT_POOL_BYTES, DEFAULT_TIMEOUT_S, Comm, Compile,
+                               FrozenWeights, Hybrid, MixedPrecision, Offload, Prefetch,
+                               Recompute)
 
 log = logging.getLogger(__name__)
 _CPU = torch.device("cpu")
@@ -114,12 +115,14 @@ def agree_on_structure(index: int, print_: int | None, group: dist.ProcessGroup,
 
 
 def agree_on_policies(policies: dict[str, object], group: dist.ProcessGroup,
-                      device: torch.device, what: str, noun: str = "policies") -> None:
+                      device: torch.device, what: str, noun: str = "policies",
+                      timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Checks that every rank was given the same policies (``agree_values``: one tiny
     all-gather of a hash of each policy's fields): a rank that chose another transport, budget
     or precision would otherwise refuse, or issue other collectives, while the others wait for
     it until the timeout. The refusal names only the fields that differ ("comm.gather").
-    ``noun``: what the values are, for the advice (``"meshes"``)."""
+    ``noun``: what the values are, for the advice (``"meshes"``); ``timeout_s``: how long
+    to wait for a rank that does not come (the Comm's timeout)."""
     if is_fake(group):
         return  # a planned world is this rank N times: it agrees
     fields: dict[str, object] = {}
@@ -130,7 +133,7 @@ def agree_on_policies(policies: dict[str, object], group: dist.ProcessGroup,
         else:
             fields[name] = policy
     agree_values(fields, what=what, advice=f"every rank must pass the same {noun}",
-                 group=group, device=device)
+                 group=group, device=device, timeout_s=timeout_s)
 
 
 def build_context(mesh: Mesh, device: torch.device,
@@ -173,7 +176,7 @@ def build_context(mesh: Mesh, device: torch.device,
         replicas = transport.Replicas(mesh.replicate, counter, block)
     # Where each rank is, exchanged over every rank of the mesh: through the pipes of peer
     # memory within the shard group when it reads, and by the backend when the mesh is wider.
-    lockstep = Lockstep(mesh.whole, device, peers, group)
+    lockstep = Lockstep(mesh.whole, peers, group)
     return GroupContext(group, mesh.state_rank, device, mixed_precision.param_dtype,
                         mixed_precision.grad_reduce_dtype, offload.optimizer, counter,
                         streams, offload_params=offload.params,
@@ -333,7 +336,7 @@ class Sharding:
         self.compile = compile
         # The mesh first: ranks given other meshes would agree on the rest in other groups.
         agree_on_policies(dict(mesh=mesh.describe()), mesh.whole, device, self.front_door,
-                          noun="meshes")
+                          noun="meshes", timeout_s=comm.timeout_s)
         # Each rank may keep its NVMe scratch on a disk of its own (the path is its own
         # business: it changes no collective), so the path alone is not agreed on.
         agreed_offload = (dataclasses.replace(offload, path="(each rank's own)")
@@ -342,7 +345,7 @@ class Sharding:
                                offload=agreed_offload, recompute=recompute,
                                frozen_weights=frozen_weights, comm=comm, compile=compile,
                                hybrid=hybrid),
-                          mesh.whole, device, self.front_door)
+                          mesh.whole, device, self.front_door, timeout_s=comm.timeout_s)
         # The same answers on every rank: the mesh and the policies are agreed.
         meshes.refuse_hybrid(mesh, hybrid, self.front_door)
         if comm.quantize_gradients is not None and mesh.replicate is None:
