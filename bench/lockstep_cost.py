@@ -3,11 +3,15 @@ first where each rank is, comm/lockstep.py): the step of the same sharded stack 
 exchange on and off, on both gloo transports, interleaved with an A/A control.
 
     python bench/lockstep_cost.py [--layers 96] [--width 64] [--rounds 10] [--nproc 2]
+    python bench/lockstep_cost.py --neox [--layers 3] [--width 1024] [--rows 2]
+    python bench/lockstep_cost.py --exchange [--rounds 20] [--nproc 2 3]
 
 The stack is bench/layer_cost.py's (``Linear(width, width)`` + GELU per layer, fp32, 8 x 16
 rows per rank): at width 64 the step is almost all host overhead, so the figure is the host
 cost per layer; at a larger width (``--layers 6 --width 512``) it is an end-to-end step whose
-arithmetic dominates. Models in the same ranks, stepped alternately in a seeded random order
+arithmetic dominates. ``--neox``: GPT-NeoX blocks (neox/model.py's ``Block``: attention and
+MLP, ``--width`` the hidden size, 16 heads, 4x MLP), the shape of a real unit, whose gathers
+are megabytes. Models in the same ranks, stepped alternately in a seeded random order
 per round:
 - ``read, on`` / ``read, on A/A``: peer reading (the default on one host), the exchange through
   its pipes; two identical models, whose ratio is the noise band of the run;
@@ -15,6 +19,9 @@ per round:
   switch for this measurement; no policy turns it off);
 - ``collective, on`` / ``collective, off``: gloo's collectives (``Comm(peer_read="off")``), the
   exchange one all-gather of an int64 per rank.
+``--exchange`` times one exchange alone, the way each is made (``Lockstep._all_gather``),
+interleaved: an all-gather of one int64 per rank (the first lockstep's) against an all-reduce
+(MAX) of two int64 (this one's, when every rank agrees), 200 exchanges per call.
 Reported: the median step time over the rounds per layer (microseconds, the slowest rank), and
 each "on" against its "off".
 """
@@ -30,18 +37,24 @@ from torch import nn
 
 import harness
 import zerocore
+from neox.config import NeoXConfig
+from neox.model import Block
 
-ROWS, SEQ = 8, 16
+SEQ = 16
 VARIANTS = ("read, on", "read, on A/A", "read, off", "collective, on", "collective, off")
 
 
-def stack(layers: int, width: int) -> list[nn.Module]:
+def stack(layers: int, width: int, neox: bool) -> list[nn.Module]:
     torch.manual_seed(0)
+    if neox:
+        config = NeoXConfig(vocab_size=64, hidden_size=width, num_hidden_layers=layers,
+                            num_attention_heads=16, intermediate_size=4 * width)
+        return [Block(config) for _ in range(layers)]
     return [nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(layers)]
 
 
 def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
-    base = stack(args.layers, args.width)
+    base = stack(args.layers, args.width, args.neox)
     engines = {}
     for name in VARIANTS:
         transport, state = name.split(", ")[0], name.split(", ")[1]
@@ -49,7 +62,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
         model = zerocore.shard(copy.deepcopy(base), comm=comm)
         model.lockstep.enabled = state != "off"
         engines[name] = (model, zerocore.optim.AdamW(model.parameters(), lr=1e-4))
-    x = torch.randn(ROWS, SEQ, args.width, generator=torch.Generator().manual_seed(rank))
+    x = torch.randn(args.rows, SEQ, args.width, generator=torch.Generator().manual_seed(rank))
 
     def step(name: str):
         model, opt = engines[name]
@@ -65,16 +78,63 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
     return {name: rounds.median_s(name) / args.layers * 1e6 for name in engines}
 
 
+EXCHANGES = 200  # per timed call: a call of one exchange would time the barrier's wake-up
+
+
+def exchange_main(rank: int, world: int, args: argparse.Namespace) -> dict:
+    mine = torch.full((1,), 12345, dtype=torch.int64)
+    every = torch.zeros(world, dtype=torch.int64)
+    extremes = torch.zeros(2, dtype=torch.int64)
+
+    def all_gather(_round: int) -> None:
+        for _ in range(EXCHANGES):
+            dist.all_gather_into_tensor(every, mine)
+            every.tolist()
+
+    def all_reduce(_round: int) -> None:
+        for _ in range(EXCHANGES):
+            extremes[0], extremes[1] = 12345, -12345
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+            extremes[0].item(), extremes[1].item()
+
+    variants = {"all-gather of 1 int64": all_gather, "all-reduce (MAX) of 2 int64": all_reduce}
+    rounds = harness.Interleaved(variants, warmup=2,
+                                 before=lambda name: dist.barrier()).run(args.rounds)
+    return {name: rounds.median_s(name) / EXCHANGES * 1e6 for name in variants}
+
+
+def exchange(args: argparse.Namespace) -> None:
+    print(harness.header(f"one exchange of the lockstep over gloo, {EXCHANGES} per call; "
+                         f"{args.rounds} rounds", packages=("torch",)))
+    rows = []
+    for nproc in args.nproc:
+        per_rank = harness.run_ranks(exchange_main, nproc, args)
+        worst = {name: max(r[name] for r in per_rank) for name in per_rank[0]}
+        first = next(iter(worst.values()))
+        rows += [(nproc, name, f"{us:.0f}", f"{us / first:.3f}") for name, us in worst.items()]
+    print(harness.table(("world size", "exchange", "µs each", "vs all-gather"), rows, "rlrr"))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=96)
-    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--neox", action="store_true", help="GPT-NeoX blocks, not Linear + GELU")
+    p.add_argument("--layers", type=int, default=None, help="default 96, --neox 3")
+    p.add_argument("--width", type=int, default=None, help="default 64, --neox 1024")
+    p.add_argument("--rows", type=int, default=None, help="rows per rank; default 8, --neox 2")
     p.add_argument("--rounds", type=int, default=10, help="timed rounds (default 10)")
     p.add_argument("--nproc", type=int, nargs="+", default=[2])
+    p.add_argument("--exchange", action="store_true", help="time one exchange alone")
     args = p.parse_args()
-    print(harness.header(f"{args.layers} layers of Linear({args.width}, {args.width}) + GELU, "
-                         f"fp32, {ROWS} x {SEQ} rows per rank; {args.rounds} rounds",
-                         packages=("torch",)))
+    if args.exchange:
+        exchange(args)
+        return
+    for name, plain, neox in (("layers", 96, 3), ("width", 64, 1024), ("rows", 8, 2)):
+        if getattr(args, name) is None:
+            setattr(args, name, neox if args.neox else plain)
+    layer = (f"GPT-NeoX blocks (hidden {args.width}, 16 heads, MLP {4 * args.width})"
+             if args.neox else f"layers of Linear({args.width}, {args.width}) + GELU")
+    print(harness.header(f"{args.layers} {layer}, fp32, {args.rows} x {SEQ} rows per rank; "
+                         f"{args.rounds} rounds", packages=("torch",)))
     rows = []
     for nproc in args.nproc:
         per_rank = harness.run_ranks(rank_main, nproc, args)

@@ -24,13 +24,17 @@ are refused in one line before any process starts.
 On GPUs each process takes one (NCCL) and computes in bf16 where the GPU supports it; on the CPU
 the processes are gloo ones in fp32. The model is a small GPT-NeoX from a config (there are no
 pretrained weights to fetch here: the base is a random initialisation saved to OUT/base first);
-with a pretrained model, load it with from_pretrained instead. Tokens are bytes.
+``--model DIR`` takes a Hugging Face directory instead (safetensors, a vocabulary of at least 256:
+tokens are bytes), loaded by zerocore.hf_pretrained with each process reading only its shards'
+bytes, LoRA on all its linear layers. At the end the first process prints every process's peak
+memory (``peak RSS per rank: ...``).
 """
 
 import argparse
 import gc
 import math
 import os
+import resource
 import socket
 import sys
 from pathlib import Path
@@ -38,10 +42,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import (AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM,
+from transformers import (AutoConfig, AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM,
                           TrainingArguments, default_data_collator)
 
 import zerocore
+from zerocore.hf_pretrained import pretrained_on_meta
 from zerocore.hf_trainer import ShardedTrainer
 from zerocore.tools import rank_processes
 
@@ -82,18 +87,29 @@ def run(args: argparse.Namespace) -> None:
         activation_checkpointing=True, bf16=gpu and torch.cuda.is_bf16_supported(),
         use_cpu=not gpu, logging_steps=args.log_every, save_steps=max(1, args.steps // 2),
         save_total_limit=1, report_to=[], disable_tqdm=True, seed=0)
-    base = base_model()
-    if training_args.process_index == 0:
-        base.save_pretrained(out / "base")  # the weights the adapter is for
-    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
-                                            target_modules=["query_key_value", "dense",
-                                                            "dense_h_to_4h", "dense_4h_to_h"]))
+    shard_options = dict(offload=zerocore.Offload(optimizer=True),
+                         comm=zerocore.Comm(quantize_gradients=args.quantize_gradients))
+    if args.model is None:
+        base_dir = out / "base"  # the weights the adapter is for
+        base = base_model()
+        if training_args.process_index == 0:
+            base.save_pretrained(base_dir)
+        model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                                target_modules=["query_key_value", "dense",
+                                                                "dense_h_to_4h",
+                                                                "dense_4h_to_h"]))
+    else:
+        # Built on the meta device; each process reads its shards' bytes as Trainer shards it.
+        base_dir = Path(args.model)
+        pretrained = pretrained_on_meta(
+            AutoModelForCausalLM, base_dir, dtype=torch.float32,
+            peft_config=LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                   target_modules="all-linear"))
+        model = pretrained.model
+        shard_options["read"] = pretrained.read
     trainer = ShardedTrainer(
         model=model, args=training_args, train_dataset=byte_windows(args.data, args.seq_len, 512),
-        data_collator=default_data_collator,
-        shard_options=dict(offload=zerocore.Offload(optimizer=True),
-                           comm=zerocore.Comm(quantize_gradients=args.quantize_gradients)),
-        hybrid=args.hybrid)
+        data_collator=default_data_collator, shard_options=shard_options, hybrid=args.hybrid)
     if training_args.process_index == 0:
         print(trainer.sharding.ways.line(), flush=True)  # how the ranks share the model
     trainer.train()
@@ -113,12 +129,18 @@ def run(args: argparse.Namespace) -> None:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         print(f"losses every {args.log_every} steps: {' '.join(f'{x:.4f}' for x in losses)}",
               flush=True)
-        reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out / "base"),
+        reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir),
                                              out / "adapter").eval()
         with torch.no_grad():
             line = reloaded.generate(input_ids=prompt.cpu(), **GENERATE)
         print("reloaded by peft:", repr(bytes(line[0].tolist()).decode(errors="replace")))
         print("same as the sharded model's:", torch.equal(line, sharded_line), flush=True)
+    # Every process's peak resident memory (Linux counts ru_maxrss in KiB), gathered: what
+    # loading and training cost each rank (the reload above counts on the first).
+    peaks = [None] * training_args.world_size
+    dist.all_gather_object(peaks, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+    if training_args.process_index == 0:
+        print(f"peak RSS per rank: {', '.join(f'{p} MiB' for p in peaks)}", flush=True)
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
@@ -166,7 +188,21 @@ def main_process(args: argparse.Namespace) -> None:
 def check(args: argparse.Namespace, torchrun: bool) -> str | None:
     """What is wrong with the arguments, in one line (None: nothing), found before any process
     starts or any weight is built."""
-    positions = base_model().config.max_position_embeddings
+    if args.model is not None:
+        model = Path(args.model)
+        if not (model / "config.json").is_file():
+            return (f"--model {model}: not a Hugging Face model directory (no config.json); "
+                    f"give the directory save_pretrained wrote")
+        try:
+            config = AutoConfig.from_pretrained(model)
+        except (OSError, ValueError) as e:
+            return f"--model {model}: its config.json cannot be read ({' '.join(str(e).split())})"
+        if getattr(config, "vocab_size", 0) < 256:
+            return (f"--model {model}: a vocabulary of {config.vocab_size}; tokens here are "
+                    f"bytes, so it needs at least 256")
+    else:
+        config = base_model().config
+    positions = getattr(config, "max_position_embeddings", None) or config.n_positions
     data = Path(args.data)
     if not torchrun and args.nproc < 1:
         return f"--nproc {args.nproc}: give 1 or more processes"
@@ -222,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=64, help="bytes per sequence (default 64)")
     p.add_argument("--batch", type=int, default=4, help="sequences per process per micro-batch")
     p.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (default 1e-2)")
+    p.add_argument("--model", default=None,
+                   help="a Hugging Face model directory (safetensors) to fine-tune, each process "
+                        "reading only its shards (default: a small GPT-NeoX from a config)")
     p.add_argument("--out", default="runs/hf-trainer", help="output directory (runs/hf-trainer)")
     p.add_argument("--log-every", type=int, default=5, help="steps between logged losses")
     p.add_argument("--hybrid", choices=("none", "hsdp", "hpz"), default="none",

@@ -46,10 +46,46 @@ def pytest_generate_tests(metafunc) -> None:
                              ids=lambda n: f"ws{n}")
 
 
+# The modules whose tests take minutes, longest first (the sums of their tests' durations in
+# CI's e2e tier, 2026-12-06, loaded: the neox fault runs 645 s, the README's built-in run and
+# the commands after it 491 s, the offload plans 297 s, the GPU check's dry run 281 s, the
+# examples 267 s, the finetune CLI 203 s, HSDP under torchrun 163 s, DeepSpeed's outputs 156 s,
+# the identity attacks 127 s). They come first in the collection, so that CI's xdist workers
+# (``--no-loadscope-reorder``: files in this order) start them first instead of ending the tier
+# with one of them running alone.
+LONGEST_FIRST = ["tests/neox/test_neox_faults.py", "tests/tools/test_readme_commands.py",
+                 "tests/neox/test_neox_plan_offload.py", "tests/tools/test_job.py",
+                 "tests/tools/test_examples.py", "tests/neox/test_neox_finetune.py",
+                 "tests/neox/test_neox_hybrid.py", "tests/neox/test_neox_from_deepspeed.py",
+                 "tests/neox/test_neox_identity.py"]
+
+
 def pytest_collection_modifyitems(items) -> None:
     for item in items:
         if RANK_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.distributed)
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--count-tier", action="append", default=[], metavar="EXPR",
+                     help="print how many of the collected tests the -m expression EXPR selects "
+                          "(a line 'tier count: N: EXPR'; repeatable): with --collect-only, "
+                          ".ci/run checks in one collection that its tiers are the whole suite")
+
+
+def pytest_collection_finish(session) -> None:
+    # pytest's own -m matching (the expression language it evaluates against each test's
+    # markers), so that the counts are those of the tiers' runs.
+    from _pytest.mark.expression import Expression
+    for expr in session.config.getoption("count_tier"):
+        compiled = Expression.compile(expr)
+        n = 0
+        for item in session.items:
+            names = {mark.name for mark in item.iter_markers()}
+            n += compiled.evaluate(lambda name, /, **_: name in names)
+        print(f"\ntier count: {n}: {expr}")
 
 
 @pytest.fixture(scope="session")

@@ -149,8 +149,10 @@ RANKS_OWN_ARGUMENTS = frozenset({
     "dataloader_pin_memory", "dataloader_persistent_workers", "dataloader_prefetch_factor",
     "dataloader_multiprocessing_context", "skip_memory_metrics", "ddp_timeout"})
 # ``shard_options`` each rank gives its own: its device; the mesh is agreed by zerocore.shard
-# (its layout, in the engine's words).
-RANKS_OWN_OPTIONS = frozenset({"device", "mesh"})
+# (its layout, in the engine's words); the reader of a model built on the meta device
+# (``zerocore.hf_pretrained``: each rank reads its own part of the files; the files and the
+# model are agreed as it is built).
+RANKS_OWN_OPTIONS = frozenset({"device", "mesh", "read"})
 
 
 def agreed_arguments(args: Any, shard_options: dict[str, Any],

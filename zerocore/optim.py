@@ -33,7 +33,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from zerocore.comm.lockstep import STEP, lockstep_of
-from zerocore.engine.nvme_store import AdamRecord, Chunk, NvmeStore
+from zerocore.engine.homes.nvme_step import NvmeLaunch, Run
+from zerocore.engine.nvme_store import AdamRecord
 from zerocore.engine.sharded_param import (ShardParameter, is_nvme, is_offloaded, is_shard,
                                            mark_model_copy_synced, wait_for_device)
 from zerocore.engine.tracing import traced
@@ -63,7 +64,7 @@ class _Bucket:
     # The layer of a shard's bucket, for its label in a profiler trace; -1 for other buckets.
     layer_index: int = -1
     # NVMe offload: where the shard's master and moments live (its ``.nvme``); the bucket is
-    # stepped chunk by chunk through its store's pool (``_NvmeLaunch``). None: in memory.
+    # stepped chunk by chunk through its store's pool (homes/nvme_step.py). None: in memory.
     nvme: AdamRecord | None = None
 
     @property
@@ -83,17 +84,15 @@ class _Launch:
         self._lrs: list[float] = []
         self._wds: list[float] = []
 
-    def add(self, b: _Bucket, grad_flat: torch.Tensor, hyper: dict[str, Any]) -> None:
+    def add(self, b: _Bucket, grad_flat: torch.Tensor, runs: list[Run]) -> None:
         self.buckets.append(b)
-        runs = b.runs or [(0, b.numel, None, 1.0)]
-        for lo, hi, wd, scale in runs:
+        for lo, hi, lr, wd in runs:
             arrays = (b.master, grad_flat, b.exp_avg, b.exp_avg_sq, b.model_copy)
             for out, a in zip(self._lists, arrays):
                 if a is not None:
                     out.append(a if (lo, hi) == (0, a.numel()) else a[lo:hi])
-            settings = _with(hyper, wd, scale)
-            self._lrs.append(settings["lr"])
-            self._wds.append(settings["weight_decay"])
+            self._lrs.append(lr)
+            self._wds.append(wd)
 
     def run(self, hyper: dict[str, Any]) -> None:
         masters, grads, exp_avgs, exp_avg_sqs, copies = self._lists
@@ -101,59 +100,6 @@ class _Launch:
                              lrs=self._lrs, weight_decays=self._wds, beta1=hyper["beta1"],
                              beta2=hyper["beta2"], eps=hyper["eps"], step=self.step,
                              inv_grad_scale=hyper["inv_grad_scale"], adamw=hyper["adamw"])
-
-
-class _NvmeLaunch:
-    """NVMe buckets of one store stepped in one pass over their chunks (``NvmeStore.stream``):
-    each chunk's runs of settings in one ``fused_adam_multi`` call on the chunk's master and
-    moments in a pool buffer, the gradient and the model copy sliced alike. Adam is elementwise
-    and every kernel variant gives each element the same bits whatever its neighbours, so the
-    chunks step exactly as the whole shards would."""
-
-    def __init__(self, store: NvmeStore, step: int, host_threads: int | None):
-        self.store, self.step, self.host_threads = store, step, host_threads
-        self.buckets: list[_Bucket] = []
-        # Each record's bucket, gradient and runs (start, end, lr, weight decay).
-        self._work: dict[int, tuple[_Bucket, torch.Tensor, list[tuple[int, int, float, float]]]]
-        self._work = {}
-
-    def add(self, b: _Bucket, grad_flat: torch.Tensor, hyper: dict[str, Any]) -> None:
-        self.buckets.append(b)
-        runs = []
-        for lo, hi, wd, scale in b.runs or [(0, b.numel, None, 1.0)]:
-            settings = _with(hyper, wd, scale)
-            runs.append((lo, hi, settings["lr"], settings["weight_decay"]))
-        self._work[id(b.nvme)] = (b, grad_flat, runs)
-
-    def run(self, hyper: dict[str, Any]) -> None:
-        def step_chunk(chunk: Chunk, master: torch.Tensor, exp_avg: torch.Tensor,
-                       exp_avg_sq: torch.Tensor, disk_copy: torch.Tensor | None) -> None:
-            b, grad, runs = self._work[id(chunk.record)]
-            lists: tuple[list[torch.Tensor], ...] = ([], [], [], [], [])
-            lrs, wds = [], []
-            for lo, hi, lr, wd in runs:
-                a, z = max(lo, chunk.lo), min(hi, chunk.hi)
-                if a >= z:
-                    continue
-                i, j = a - chunk.lo, z - chunk.lo
-                # The model copy: in host memory, or on NVMe (this chunk's, in the pool).
-                copy = (b.model_copy[a:z] if b.model_copy is not None
-                        else None if disk_copy is None else disk_copy[i:j])
-                parts = (master[i:j], grad[a:z], exp_avg[i:j], exp_avg_sq[i:j], copy)
-                for out, part in zip(lists, parts):
-                    if part is not None:
-                        out.append(part)
-                lrs.append(lr)
-                wds.append(wd)
-            masters, grads, exp_avgs, exp_avg_sqs, copies = lists
-            ops.fused_adam_multi(masters, grads, exp_avgs, exp_avg_sqs, copies or None,
-                                 lrs=lrs, weight_decays=wds, beta1=hyper["beta1"],
-                                 beta2=hyper["beta2"], eps=hyper["eps"], step=self.step,
-                                 inv_grad_scale=hyper["inv_grad_scale"], adamw=hyper["adamw"])
-
-        store = self.store
-        chunks = [c for b in self.buckets for c in store.chunks(b.nvme)]
-        store.agreed(lambda: store.stream(chunks, step_chunk))
 
 
 # param_overrides: a parameter's name (the model's own; "<layer index>.<name>" for
@@ -179,6 +125,16 @@ def _host_threads(n: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def _settled(b: _Bucket, hyper: dict[str, Any]) -> list[Run]:
+    """The bucket's runs of settings (the whole bucket: one), each with its lr and weight
+    decay resolved."""
+    out = []
+    for lo, hi, wd, scale in b.runs or [(0, b.numel, None, 1.0)]:
+        settings = _with(hyper, wd, scale)
+        out.append((lo, hi, settings["lr"], settings["weight_decay"]))
+    return out
 
 
 def _with(hyper: dict[str, Any], weight_decay: float | None, lr_scale: float) -> dict[str, Any]:
@@ -420,7 +376,7 @@ class Adam(torch.optim.Optimizer):
             lockstep.before_step(STEP)
         for group, buckets in zip(self.param_groups, self._buckets):
             hyper = self._hyper(group, inv_grad_scale)
-            launches: dict[tuple, _Launch | _NvmeLaunch] = {}
+            launches: dict[tuple, _Launch | NvmeLaunch] = {}
             for b in buckets:
                 for p in b.params:
                     if is_offloaded(p):
@@ -437,12 +393,12 @@ class Adam(torch.optim.Optimizer):
                 copy_dtype = None if b.model_copy is None else b.model_copy.dtype
                 if b.nvme is not None:
                     key = (id(b.nvme.store), grad_flat.dtype, copy_dtype, step, b.host_threads)
-                    launch = launches.setdefault(key, _NvmeLaunch(b.nvme.store, step,
-                                                                  b.host_threads))
-                    launch.add(b, grad_flat, hyper)
-                    continue
-                key = (b.master.device, grad_flat.dtype, copy_dtype, step, b.host_threads)
-                launches.setdefault(key, _Launch(step, b.host_threads)).add(b, grad_flat, hyper)
+                    launch = launches.setdefault(key, NvmeLaunch(b.nvme.store, step,
+                                                                 b.host_threads))
+                else:
+                    key = (b.master.device, grad_flat.dtype, copy_dtype, step, b.host_threads)
+                    launch = launches.setdefault(key, _Launch(step, b.host_threads))
+                launch.add(b, grad_flat, _settled(b, hyper))
             for launch in launches.values():
                 with _host_threads(launch.host_threads), traced("adam", -1):
                     launch.run(hyper)

@@ -20,6 +20,10 @@ import zerocore
 from zerocore.comm import device as zdevice
 from zerocore.engine.sharding import BuildError
 
+# Its tests bound in seconds how soon every rank has the failure: CI runs them alone, not beside
+# other tests.
+pytestmark = pytest.mark.deadline
+
 # Without the agreement the other ranks would wait for the failed one until the group's
 # timeout (tests/support/dist_utils.py, minutes); with it every rank is done within a tiny
 # collective or two of the failure. 10 s is the bound, loose for a loaded 2-core machine.

@@ -19,11 +19,16 @@ import tempfile
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import zerocore
+from tests.support.dist_utils import World
 from tests.support.hybrid_runs import mesh_of
 from tests.support.toy_stack import LR, Spec, global_batch, loss_fn, make_layers
+from zerocore.comm.device import uses_side_channel
+from zerocore.comm.lockstep import STEP, Diverged, Lockstep
+from zerocore.comm.peer_memory import PeerLost
 
 WORLD_SIZES = [2, 3]
 SPEC = Spec(model="transformer")
@@ -193,3 +198,76 @@ def test_stepping_before_the_replicas_all_reduce_is_refused(worlds):
         assert outcome.startswith("RuntimeError: zerocore: optimizer.step() after a backward "
                                   "whose gradients were kept"), (rank, outcome)
         assert "set_requires_all_reduce(True)" in outcome, (rank, outcome)
+
+
+# -- the exchange's own group ------------------------------------------------------------------
+
+def exchange_over(rank: int, world_size: int, side_channel: bool | None) -> tuple[bool, str]:
+    """A lockstep on the world, the last rank at the optimizer's step, the others at a gather:
+    (whether the exchange ran over the world itself, what this rank raised)."""
+    lockstep = Lockstep(dist.group.WORLD, side_channel=side_channel)
+    lockstep.names = ["`layers.0`"]
+    try:
+        if rank == world_size - 1:
+            lockstep.before_step(STEP)
+        else:
+            lockstep.gather(0)
+        outcome = "no error"
+    except Diverged as e:
+        outcome = f"Diverged: {e}"
+    return exchange_group_is_world(lockstep), outcome
+
+
+def exchange_group_is_world(lockstep: Lockstep) -> bool:
+    return lockstep._group is dist.group.WORLD  # (the choice under test: no public name)
+
+
+@pytest.mark.parametrize("side_channel", [None, True])
+def test_the_exchange_runs_over_a_gloo_side_group_when_the_group_has_no_cpu_backend(
+        world, side_channel):
+    # An NCCL-only group (None chooses by the backend: gloo here, so the group itself) would
+    # cost a host synchronisation per unit: the exchange goes over a gloo side group of the same
+    # ranks, forced here over gloo (CPU cannot run NCCL), and catches the divergence the same.
+    got = world.run(exchange_over, side_channel)
+    last = world.world_size - 1
+    for over_world, outcome in got:
+        assert over_world is (side_channel is None)
+        assert outcome.startswith("Diverged: zerocore: the ranks diverged"), outcome
+        assert f"rank {last} is in optimizer.step() after 0 backward passes" in outcome, outcome
+        assert "`layers.0` for forward of micro-batch 0" in outcome, outcome
+
+
+def test_only_a_group_without_a_cpu_backend_takes_the_side_group():
+    assert uses_side_channel({"cuda": "nccl"})
+    assert not uses_side_channel({"cpu": "gloo", "cuda": "nccl"})
+    assert not uses_side_channel({"cpu": "gloo", "cuda": "gloo"})
+
+
+# -- a rank that never comes to agree_values ---------------------------------------------------
+
+# How long the ranks that came wait for one that does not: far below the group's own timeout
+# (GLOO_TIMEOUT_S, 600 s) and the run's bound, so an answer within the bound is this wait's.
+ABSENT_WAIT_S = 5.0
+
+
+def agree_without_the_last(rank: int, world_size: int) -> str:
+    if rank == world_size - 1:
+        return "never came"
+    try:
+        zerocore.agree_values({"lr": 0.001}, what="a run", advice="give every rank the same",
+                              timeout_s=ABSENT_WAIT_S)
+    except PeerLost as e:
+        return f"PeerLost: {e}"
+    return "agreed"
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_agree_values_with_a_rank_that_never_comes_raises_within_its_timeout(world_size):
+    # A world of its own: the ranks that came leave an unfinished all-gather in the group.
+    with World(world_size) as lonely:
+        got = lonely.run(agree_without_the_last, timeout=RUN_TIMEOUT_S)
+    assert got[-1] == "never came"
+    for outcome in got[:-1]:
+        assert outcome.startswith(f"PeerLost: a run: not every rank came to agree on the "
+                                  f"settings within {ABSENT_WAIT_S:g} s"), outcome
+        assert "a rank stopped, exited, or runs other code" in outcome, outcome

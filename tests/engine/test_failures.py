@@ -18,8 +18,10 @@ from torch import nn
 
 from tests.support.dist_utils import free_port
 
-# Every test here starts its own rank processes.
-pytestmark = pytest.mark.distributed
+# Every test here starts its own rank processes, and bounds in seconds how soon the survivors of a
+# stopped or killed rank give up: CI runs them alone, not beside other tests (under doubled load
+# two of them missed their bounds).
+pytestmark = [pytest.mark.distributed, pytest.mark.deadline]
 
 # The survivors must give up within this many seconds (the process group's timeout is 10 s; the
 # rest is slack for a loaded 2-core machine).

@@ -113,11 +113,11 @@ def pipeline_state(rank: int, world_size: int, door: str) -> dict:
            "grads": all(s.grad is not None for s in sharding.trainable_shards())}
     opt.step()
     groups = [l.trainable for l in sharding.layers if l.trainable is not None]
-    stale = [g._mirror_generation != g.shard.copy_generation for g in groups]
+    stale = [g.home._mirror_generation != g.shard.copy_generation for g in groups]
     fresh: list[bool] = []
     first = sharding.runtime.units[0].module
     first.register_forward_pre_hook(lambda m, a: fresh.extend(
-        g._mirror_generation == g.shard.copy_generation for g in groups))
+        g.home._mirror_generation == g.shard.copy_generation for g in groups))
     model(xr)
     out.update(stale_after_step=all(stale), uploaded_after_forward=all(fresh) and bool(fresh))
     return out
@@ -147,7 +147,8 @@ def digest_with_stand_in_streams(rank: int, world_size: int, spec: Spec,
     coordinator = model.runtime.coordinator
     buffers: list[torch.Tensor] = []
     if staging:
-        model.ctx = dataclasses.replace(model.ctx, streams=StandInStreams(log))
+        model.ctx = dataclasses.replace(  # (the streams are the homes': engine/homes/)
+            model.ctx, homes=dataclasses.replace(model.ctx.homes, streams=StandInStreams(log)))
         buffers = model._staging()
         coordinator._staging, coordinator._staging_read = buffers, [None] * len(buffers)
     adders: list[int] = []   # the threads that added gradients into the masters

@@ -233,6 +233,10 @@ def run_cli(*args, **kwargs) -> subprocess.CompletedProcess:
     return run_module("neox.finetune", *args, **kwargs)
 
 
+# The LoRA run in bf16 without a sample that the offload tests train, offloaded or not.
+LORA_BF16 = ("--finetune", "lora", "--dtype", "bf16", "--sample-tokens", 0)
+
+
 def common_args(dirs: dict, out: Path) -> list:
     # --cpu: these are the gloo runs, also on a machine with GPUs.
     return ["--cpu", "--data", dirs["data"], "--cache-dir", dirs["cache"], "--output-dir", out,
@@ -261,6 +265,16 @@ def run_lora(cli_dirs):
     proc = run_cli("--nproc", 2, "--finetune", "lora", "--lora-rank", 4, "--filter-layers",
                    "1,3", "--epochs", 1, "--export-hf", "--lr", 1e-2,
                    *common_args(cli_dirs, out))
+    _check_ok(proc)
+    return proc, out
+
+
+@pytest.fixture(scope="module")
+def run_lora_bf16(cli_dirs):
+    """2 ranks, LoRA in bf16, 2 steps, no sample, no offload: the run the offload tests
+    compare theirs with."""
+    out = cli_dirs["root"] / "lora-bf16"
+    proc = run_cli("--nproc", 2, *common_args(cli_dirs, out), *LORA_BF16, "--max-steps", 2)
     _check_ok(proc)
     return proc, out
 
@@ -621,16 +635,19 @@ def test_compile_trains_as_eager(cli_dirs, tmp_path):
 
 
 @pytest.mark.e2e
-def test_offload_trains_bitwise_as_without(cli_dirs, tmp_path):
+def test_offload_trains_bitwise_as_without(cli_dirs, run_lora_bf16, tmp_path):
     # --offload params|optimizer|all (zerocore.Offload) and the older --offload-optimizer: a
     # LoRA run in bf16 on 2 ranks (frozen base weights and bf16 copies: every kind of shard
     # the parameter offload moves) gives the same losses, bit for bit, as without offload.
     losses, lines = {}, {}
     for flag in ((), ("--offload", "params"), ("--offload", "all"), ("--offload-optimizer",)):
-        out = tmp_path / ("-".join(flag).strip("-") or "none")
-        proc = run_cli("--nproc", 2, *common_args(cli_dirs, out), "--finetune", "lora",
-                       "--dtype", "bf16", "--max-steps", 2, "--sample-tokens", 0, *flag)
-        _check_ok(proc)
+        if flag:
+            out = tmp_path / "-".join(flag).strip("-")
+            proc = run_cli("--nproc", 2, *common_args(cli_dirs, out), *LORA_BF16,
+                           "--max-steps", 2, *flag)
+            _check_ok(proc)
+        else:
+            proc, out = run_lora_bf16
         losses[flag] = [r["loss"] for r in read_metrics(out)[0]]
         lines[flag] = next(line for line in proc.stdout.splitlines() if "fine-tuning" in line)
     assert len(losses[()]) == 2
@@ -644,16 +661,16 @@ def test_offload_trains_bitwise_as_without(cli_dirs, tmp_path):
 
 
 @pytest.mark.e2e
-def test_nvme_offload_from_the_flags_to_a_run_resumed_in_memory(cli_dirs, tmp_path):
+def test_nvme_offload_from_the_flags_to_a_run_resumed_in_memory(cli_dirs, run_lora_bf16,
+                                                               tmp_path):
     # --offload optimizer --offload-device nvme --offload-path DIR: the LoRA bf16 run above on
     # 2 ranks, its first step with the masters and moments on NVMe, saved, then resumed in host
     # memory (--offload-device cpu, given on --resume): the same losses, bit for bit, as the
     # run without offload; nothing left in the scratch directory.
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    same = ("--nproc", 2, "--finetune", "lora", "--dtype", "bf16", "--sample-tokens", 0)
-    plain = tmp_path / "plain"
-    _check_ok(run_cli(*same, *common_args(cli_dirs, plain), "--max-steps", 2))
+    same = ("--nproc", 2, *LORA_BF16)
+    _, plain = run_lora_bf16
     out = tmp_path / "nvme"
     proc = run_cli(*same, *common_args(cli_dirs, out), "--max-steps", 1, "--offload",
                    "optimizer", "--offload-device", "nvme", "--offload-path", scratch,

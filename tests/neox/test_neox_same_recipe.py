@@ -12,8 +12,11 @@ value.
 - End to end (e2e): two torchrun agents on this machine (``--nnodes 2``, c10d rendezvous) started
   with other flags: every rank refuses with the same line, exit 2, nothing written, no rank
   left 2 s after the agents. Each such run starts 4 processes importing torch (about a minute
-  and a half on this machine), so the end-to-end cases are --lr, --hybrid and unequal
-  --nproc-per-node; the agreement of every other flag is the distributed test's.
+  and a half on this machine), so the cases share runs: --lr, --hybrid and unequal
+  --nproc-per-node each have a run of their own (their lines differ in form), and one more run
+  starts the agents with every other flag the issue names (--seed, --seq-len, --batch-size,
+  --clip, --max-steps, --data) different at once, whose one line must name each of them with
+  each node's value; the agreement of each flag alone is the distributed test's.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shutil
 import uuid
 
 import pytest
@@ -168,29 +172,65 @@ E2E = {
 }
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("case", sorted(E2E))
-def test_two_nodes_started_with_other_flags_refuse_on_every_rank(case, tmp_path):
-    spec = E2E[case]
+def _refusals(tmp_path, nproc: tuple[int, int], extra) -> list[str]:
+    """Both agents run neox.finetune with ``extra`` (each agent's own flags); checks what every
+    refusal shares (every rank exited 2 with one line, no rank left, nothing written) and
+    returns each rank's line, by rank, without its "error (rank r): neox.finetune: "."""
     mark = f"same-recipe-{uuid.uuid4().hex}"
     out, cache = tmp_path / "out", tmp_path / "cache"
     agents = run_two_nodes(
         ["-m", "neox.finetune", "--cpu", "--data", EXCERPT, "--output-dir", out, "--cache-dir",
          cache, "--max-steps", 1, "--sample-tokens", 0],
-        timeout=TIMEOUT_S, nproc=spec.nproc, extra=spec.extra,
-        env={**os.environ, RUN_MARK: mark})
+        timeout=TIMEOUT_S, nproc=nproc, extra=extra, env={**os.environ, RUN_MARK: mark})
     assert left_after(mark, LEFT_AFTER_S) == []
     printed = agents.output
     assert agents.codes[0] != 0 and agents.codes[1] != 0, printed[-4000:]
     # Every rank exited 2 (torchrun's report of each failed worker), having said why in one line.
     assert set(re.findall(r"exitcode\s*: (-?\d+)", printed)) == {"2"}, printed[-4000:]
-    world = sum(spec.nproc)
     refusals = [line for line in printed.splitlines() if line.startswith("error")]
-    assert len(refusals) == world, printed[-4000:]
-    for rank in range(world):
-        [line] = [r for r in refusals if r.startswith(f"error (rank {rank}): ")]
-        assert re.fullmatch(rf"error \(rank {rank}\): neox\.finetune: {spec.differs}; "
-                            rf"{re.escape(ADVICE)}", line), line
-        values = re.fullmatch(r".*?: node 0 \(.*?\): (\S+); node 1 \(.*?\): (\S+);.*", line)
-        assert values is not None and values[1] != values[2], line
+    assert len(refusals) == sum(nproc), printed[-4000:]
     assert not out.exists() and not cache.exists()  # nothing read, built or written
+    lines = []
+    for rank in range(sum(nproc)):
+        [line] = [r for r in refusals if r.startswith(f"error (rank {rank}): ")]
+        head = f"error (rank {rank}): neox.finetune: "
+        assert line.startswith(head) and line.endswith(f"; {ADVICE}"), line
+        lines.append(line[len(head):-len(f"; {ADVICE}")])
+    return lines
+
+
+def _node_values(part: str) -> tuple[str, str]:
+    """The two nodes' values in "X differs across ranks: node 0 (...): a; node 1 (...): b"."""
+    values = re.fullmatch(r".*? differs across ranks: node 0 \(.*?\): (.+?); node 1 \(.*?\): "
+                          r"(.+)", part)
+    assert values is not None, part
+    return values[1], values[2]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("case", sorted(E2E))
+def test_two_nodes_started_with_other_flags_refuse_on_every_rank(case, tmp_path):
+    spec = E2E[case]
+    for line in _refusals(tmp_path, spec.nproc, spec.extra):
+        assert re.fullmatch(spec.differs, line), line
+        first, second = _node_values(line)
+        assert first != second, line
+
+
+# Each agent's value of every other flag the issue names: one run refuses them all in one line.
+OTHER_FLAGS = {"--seed": ("1", "2"), "--seq-len": ("32", "64"), "--batch-size": ("4", "8"),
+               "--clip": ("1", "0.5"), "--max-steps": ("1", "2"), "--data": (None, "other")}
+
+
+@pytest.mark.e2e
+def test_two_nodes_started_with_every_other_flag_different_name_each(tmp_path):
+    other = tmp_path / "other.txt"  # the same text under another path: --data differs
+    shutil.copyfile(EXCERPT, other)
+    extra = tuple(tuple(token for flag, values in OTHER_FLAGS.items() if values[i] is not None
+                        for token in (flag, str(other) if flag == "--data" else values[i]))
+                  for i in range(2))
+    for line in _refusals(tmp_path, (2, 2), extra):
+        parts = line.split(". ")
+        assert sorted(p.split(" ")[0] for p in parts) == sorted(OTHER_FLAGS), line
+        for part in parts:
+            assert len(set(_node_values(part))) == 2, part  # each node's own value

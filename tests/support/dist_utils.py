@@ -45,6 +45,8 @@ GLOO_TIMEOUT_S = 600.0
 # After one rank fails, how long to wait for the others' answers (often their own errors) before
 # stopping them: a rank blocked in a collective with the failed one would never answer.
 GRACE_S = 5.0
+# How long idle ranks asked to stop may take to leave the group and exit before they are signalled.
+STOP_PATIENCE_S = 10.0
 
 
 class RankFailure(AssertionError):
@@ -113,16 +115,22 @@ class World:
         answers = self._collect(self._task_id, timeout, what=fn.__name__)
         return [pickle.loads(answers[r][1]) for r in range(self.world_size)]
 
-    def close(self, patience: float = 10.0) -> None:
+    def close(self, patience: float = STOP_PATIENCE_S) -> None:
         """Stops the ranks: politely if they are idle (they leave the group and exit within
         ``patience`` seconds), else by signal (they are our children)."""
-        procs, self._procs = self._procs, []
+        self._ask_to_stop()
+        self._reap(time.monotonic() + patience)
+
+    def _ask_to_stop(self) -> None:
         for q in self._tasks:
             try:
                 q.put(None)
             except (OSError, ValueError):
                 pass
-        deadline = time.monotonic() + patience
+
+    def _reap(self, deadline: float) -> None:
+        """Waits until ``deadline`` for the ranks asked to stop to exit, then signals them."""
+        procs, self._procs = self._procs, []
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
         for p in procs:
@@ -202,8 +210,14 @@ def worlds_by_size() -> Iterator[Callable[[int], World]]:
     try:
         yield get
     finally:
+        # Every world is asked first, then all are awaited together: a rank takes seconds to
+        # exit (its interpreter's teardown), and the worlds one after another took 37 s at the
+        # end of CI's distributed tier.
         for w in opened.values():
-            w.close()
+            w._ask_to_stop()
+        deadline = time.monotonic() + STOP_PATIENCE_S
+        for w in opened.values():
+            w._reap(deadline)
 
 
 # -- helpers for test functions running on a rank -------------------------------------------------

@@ -1,5 +1,6 @@
-"""Tiny ``transformers`` causal LMs for the shard_model tests and benchmark: GPT-NeoX and Llama
-(with ``tie_word_embeddings``) from small configs, and what each training mode trains.
+"""Tiny ``transformers`` causal LMs for the shard_model tests and benchmark: GPT-NeoX, Llama and
+GPT-2 (with ``tie_word_embeddings``), Qwen2 and two mixtures of experts from small configs, and
+what each training mode trains.
 
 Dropout is 0 so that the sharded and the reference runs compute the same function; attention is
 the eager implementation (no backend choosing kernels by shape).
@@ -10,9 +11,9 @@ from __future__ import annotations
 import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
-from transformers import (GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM,
-                          MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig,
-                          Qwen2MoeForCausalLM)
+from transformers import (GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM,
+                          LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM)
 
 VOCAB = 96
 SEQ = 12
@@ -40,6 +41,17 @@ def build(arch: str, seed: int = 0) -> nn.Module:
                              max_position_embeddings=64, tie_word_embeddings=True,
                              attn_implementation="eager")
         return LlamaForCausalLM(config)
+    if arch == "qwen2":  # attention biases on q, k, v; untied head
+        config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                             max_position_embeddings=64, tie_word_embeddings=False,
+                             attn_implementation="eager")
+        return Qwen2ForCausalLM(config)
+    if arch == "gpt2":  # Conv1D layers, learned positions, the head tied to the embedding
+        config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                            tie_word_embeddings=True, attn_implementation="eager")
+        return GPT2LMHeadModel(config)
     # Mixture-of-experts models, whose experts are 3-D parameters (experts x out x in) of one
     # module: what LoraConfig(target_parameters=...) adapts.
     if arch == "mixtral":
@@ -63,6 +75,8 @@ def build(arch: str, seed: int = 0) -> nn.Module:
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of a model from ``build``, PEFT-wrapped or not."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if hasattr(inner, "transformer"):  # GPT-2
+        return inner.transformer.h
     return inner.gpt_neox.layers if hasattr(inner, "gpt_neox") else inner.model.layers
 
 

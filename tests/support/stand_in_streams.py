@@ -113,7 +113,11 @@ def use_stand_in_streams(sharding, log: "StreamLog") -> int:
     trainable = 0
     for layer in sharding.layers:
         for g in layer.groups:
-            g.ctx = dataclasses.replace(g.ctx, streams=StandInStreams(log))
+            # The streams belong to the homes (zerocore/engine/homes/), which the group and
+            # its home share.
+            where = dataclasses.replace(g.ctx.homes, streams=StandInStreams(log))
+            g.ctx = dataclasses.replace(g.ctx, homes=where)
+            g.home.where = where
             route = dataclasses.replace(g.gather.route, gloo=False)
             g.gather, g.reduce = transport.Gather(route), transport.Reduce(route)
             trainable += g.trainable

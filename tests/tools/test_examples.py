@@ -33,7 +33,7 @@ def test_train_mlp_example_runs_and_loss_falls():
     assert "measured / predicted" in proc.stdout
 
 
-def run_hf_example(name: str, out: Path) -> str:
+def run_hf_example(name: str, out: Path, *extra: str) -> str:
     """Runs a Hugging Face example for 12 steps into ``out`` and checks what both promise: it
     exits 0, PEFT's reload of the adapter it exported generates the sharded model's line, and
     that line shows something (not only the newlines a greedy byte model first falls into).
@@ -42,7 +42,7 @@ def run_hf_example(name: str, out: Path) -> str:
            # this checkout's zerocore, as `pip install -e .` would give it
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / name),
-                           "--steps", "12", "--out", str(out)],
+                           "--steps", "12", "--out", str(out), *extra],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "same as the sharded model's: True" in proc.stdout, proc.stdout
@@ -73,6 +73,22 @@ def test_finetune_hf_trainer_example(tmp_path):
     # checkpoint inside, committed.
     assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-12"]
     assert (tmp_path / "out" / "checkpoint-12" / "zerocore" / "step-00000012" / "COMMIT").is_file()
+    assert re.search(r"^peak RSS per rank: \d+ MiB, \d+ MiB$", stdout, re.M), stdout
+
+
+def test_finetune_hf_trainer_example_from_a_model_directory(tmp_path):
+    """--model DIR: a Hugging Face directory (here the example's own base, saved in several
+    files) loaded by zerocore.hf_pretrained as ShardedTrainer shards it; it trains and PEFT's
+    reload of the adapter onto that directory generates what the sharded model generated."""
+    spec = importlib.util.spec_from_file_location(
+        "finetune_hf_trainer", ROOT / "examples" / "finetune_hf_trainer.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.base_model().save_pretrained(tmp_path / "model", max_shard_size="200KB")
+    assert (tmp_path / "model" / "model.safetensors.index.json").is_file()
+    stdout = run_hf_example("finetune_hf_trainer.py", tmp_path / "out", "--model",
+                            str(tmp_path / "model"))
+    assert re.search(r"^peak RSS per rank: \d+ MiB, \d+ MiB$", stdout, re.M), stdout
 
 
 # qgZ's stated bound on real training (QGZ_LOSS_RTOL, zerocore/tools/job.py; docs/decisions.md,

@@ -97,19 +97,34 @@ def test_usage_errors():
     assert job.main(["compare", "--devices", "cpu"]) == 2
 
 
-@pytest.mark.distributed
-def test_the_mesh_job_runs_a_1x1_mesh_bitwise_and_qgz_within_its_bound(capfd):
-    """``job mesh`` on the CPU, as the GPU check's dry run runs it: a 1x1 mesh trains bit for
-    bit as flat sharding, and qgZ over two replicas within its bound of the exact run (not
-    equal to it: the quantization is there)."""
-    assert job.main(["mesh", "--device", "cpu"]) == 0
-    out = capfd.readouterr().out
+# -- the GPU check's dry run ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, str]:
+    """bench/gpu_check.sh without a GPU (a dry run), run once for the tests below: the process
+    and its summary (empty if it wrote none)."""
+    out = tmp_path_factory.mktemp("gpu_check")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OUT": str(out), "TMPDIR": str(out),
+           "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=REPO, text=True,
+                          capture_output=True, timeout=1500, env=env)
+    summary = out / "gpu_check_summary.md"
+    return proc, summary.read_text() if summary.exists() else ""
+
+
+@pytest.mark.e2e
+def test_the_mesh_job_runs_a_1x1_mesh_bitwise_and_qgz_within_its_bound(dry_run):
+    """``job mesh`` on the CPU, as the GPU check's dry run runs it (its step's output, from the
+    run the dry-run test checks too): a 1x1 mesh trains bit for bit as flat sharding, and qgZ
+    over two replicas within its bound of the exact run (not equal to it: the quantization is
+    there)."""
+    proc, out = dry_run
+    assert re.search(r"^\| mesh and qgZ \| ok \|", out, re.M), proc.stdout[-4000:] + out
     assert "1x1 mesh against flat, 1 rank on cpu, fp32: bit for bit PASS" in out, out
-    diff = float(re.search(r"losses differ by (\S+) relative", out).group(1))
+    diff = float(re.search(r"^qgZ int8 against exact, .*: losses differ by (\S+) relative", out,
+                           re.M).group(1))
     assert 0 < diff <= job.QGZ_LOSS_RTOL, out
 
-
-# -- the GPU check's dry run ----------------------------------------------------------------------
 
 def _plan(text: str) -> dict[str, tuple[int, str]]:
     """{step: (budget s, estimate)} from the plan table the check prints."""
@@ -132,16 +147,12 @@ def test_gpu_check_lists_every_step_with_its_budget():
 
 
 @pytest.mark.e2e
-def test_gpu_check_dry_run_passes_and_lists_every_step(tmp_path):
+def test_gpu_check_dry_run_passes_and_lists_every_step(dry_run):
     """Without a GPU the check is a dry run: every step in its CPU form (the two-rank job on the
     CPU against the unsharded model, the bf16 comparison between two CPU runs, bit for bit),
     passing, and the summary lists every step with its budget."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OUT": str(tmp_path), "TMPDIR": str(tmp_path),
-           "PYTHON": sys.executable}
-    proc = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=REPO, text=True,
-                          capture_output=True, timeout=1500, env=env)
+    proc, summary = dry_run
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    summary = (tmp_path / "gpu_check_summary.md").read_text()
     assert "DRY RUN" in summary and "All steps passed." in summary
     assert set(_plan(summary)) == set(_plan(subprocess.run(
         ["bash", "bench/gpu_check.sh", "--list"], cwd=REPO, text=True, capture_output=True,

@@ -135,8 +135,9 @@ ZEROCORE_FLOORS = (
     ("zerocore.loss_scale",),
     ("zerocore.checkpoint",),
     ("zerocore",),                             # the face: __init__ names what users call
-    ("zerocore.tools", "zerocore.hf_trainer", "zerocore.selftest", "zerocore.consolidate",
-     "zerocore.from_deepspeed", "zerocore.__main__"),  # commands and integrations, above it
+    # commands and integrations, above it
+    ("zerocore.tools", "zerocore.hf_trainer", "zerocore.hf_pretrained", "zerocore.selftest",
+     "zerocore.consolidate", "zerocore.from_deepspeed", "zerocore.__main__"),
 )
 
 

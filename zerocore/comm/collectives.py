@@ -207,6 +207,13 @@ def all_gather_sync(output: torch.Tensor, t: torch.Tensor, group: dist.ProcessGr
     _all_gather_single(output, t, group=group)
 
 
+def all_gather_async(output: torch.Tensor, t: torch.Tensor, group: dist.ProcessGroup
+                     ) -> dist.Work:
+    """All-gather, not counted, returning its handle: small metadata that its caller waits for
+    with a timeout of its own (comm/same_values.py)."""
+    return _all_gather_single(output, t, group=group, async_op=True)
+
+
 def gather_to(shard: torch.Tensor, to_rank: int, group: dist.ProcessGroup
               ) -> torch.Tensor | None:
     """Blocking gather of every rank's 1D ``shard`` (same size everywhere) to rank ``to_rank``

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from zerocore.comm.collectives import all_gather_sync
-from zerocore.comm.device import comm_device
+from zerocore.comm.device import backend_map, uses_side_channel
 from zerocore.comm.fake import is_fake
 from zerocore.comm.peer_memory import GATHER_READY, PeerMemory
 from zerocore.comm.transport import group_ranks
@@ -102,9 +102,9 @@ class Lockstep:
     switch for measuring the check's cost (bench/) and for seeing a test fail without it; not
     a policy: with it off, diverged ranks are back to wrong values or a timeout."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device,
-                 peers: PeerMemory | None = None,
-                 peer_group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup, peers: PeerMemory | None = None,
+                 peer_group: dist.ProcessGroup | None = None,
+                 side_channel: bool | None = None):
         self.group = group
         self.enabled = group.size() > 1 and not is_fake(group)  # a plan's world agrees
         self._peers = peers
@@ -124,12 +124,15 @@ class Lockstep:
         self._awaits: dict[int, int] = {}
         self._aborted = False
         self._seq = 0  # exchanges so far: every rank counts alike (the pipes' key)
-        # (A planned world's group names no backend: comm/fake.py.)
-        self._device = (comm_device(group, torch.device("cpu"), device) if self.enabled
-                        else torch.device("cpu"))
-        # One int64 out, one per rank in: made once (an exchange runs several times per unit).
-        self._mine = torch.zeros(1, dtype=torch.int64, device=self._device)
-        self._every = torch.zeros(group.size(), dtype=torch.int64, device=self._device)
+        # The exchange over the backend runs on the CPU: over the group itself when it has a
+        # CPU backend (gloo), else over a gloo side group of the same ranks (an NCCL-only
+        # group would cost a host synchronisation per unit; ``exchange_group``).
+        self._group = exchange_group(group, side_channel) if self.enabled else group
+        # Made once (an exchange runs several times per unit): (mine, -mine), reduced by
+        # MAX to (the highest, -the lowest); every rank's only when they differ.
+        self._extremes = torch.zeros(2, dtype=torch.int64)
+        self._mine = torch.zeros(1, dtype=torch.int64)
+        self._every = torch.zeros(group.size(), dtype=torch.int64)
         # Unit index -> how messages name it (set by the front door: the model's own names).
         self.names: list[str] = []
         # Where the runtime is: the phase of the gathers it starts, and the micro-batch.
@@ -211,8 +214,19 @@ class Lockstep:
             raise self.diverged(every, group)
 
     def _all_gather(self, mine: int) -> list[int]:
+        """Every rank's identity, by rank of the whole group. One all-reduce (MAX) of
+        (mine, -mine) says whether they all agree: gloo's all-reduce of two int64 is a round
+        trip cheaper than its all-gather (bench/records/2026-12-06-engines-lockstep-cheaper.md).
+        Every rank then holds the same extremes, so every rank takes the same branch: only
+        when they differ (a divergence: once) does the all-gather follow, to name them."""
+        extremes = self._extremes
+        extremes[0], extremes[1] = mine, -mine
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self._group)
+        highest, lowest = extremes[0].item(), -extremes[1].item()
+        if highest == lowest:
+            return [mine] * self.group.size()
         self._mine.fill_(mine)
-        all_gather_sync(self._every, self._mine, self.group)
+        all_gather_sync(self._every, self._mine, self._group)
         return self._every.tolist()
 
     # -- ranks that wait for each other (peer memory) ------------------------------------------
@@ -371,6 +385,24 @@ def _plural(doing: str) -> str:
 def _channel_of(key: int) -> int:
     """The channel of a peer-memory message's key (``peer_memory._key``)."""
     return (key >> 32) // 4
+
+
+def exchange_group(group: dist.ProcessGroup,
+                   side_channel: bool | None = None) -> dist.ProcessGroup:
+    """The group the exchange runs over, with CPU tensors: ``group`` itself when it has a CPU
+    backend (gloo, "cpu:gloo,cuda:nccl"), else (NCCL alone) a gloo group of the same ranks,
+    created by them alone and kept for the model's life. NCCL would run each exchange on the
+    GPU and read the answer back: a host synchronisation per unit, which also ends the overlap
+    of a prefetched gather. ``side_channel`` forces the choice (default: by the backend);
+    tests use it to run the side group over gloo."""
+    if side_channel is None:
+        side_channel = uses_side_channel(backend_map(group))
+    if not side_channel:
+        return group
+    # (use_local_synchronization: a subgroup's ranks need not wait for the world's others.
+    # Not destroyed: see comm/device.py's agree_on_devices, why a side group is kept.)
+    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                          use_local_synchronization=True)
 
 
 def lockstep_of(params) -> list[Lockstep]:

@@ -12,20 +12,28 @@ it runs the job. The ranks compare what they were given before building anything
   differs (a name one rank lacks included) and what each node (or rank) has, e.g. "--lr differs
   across ranks: node 0 (ranks 0-1): 0.001; node 1 (ranks 2-3): 0.002".
 
-A collective: every rank calls it, in the same order as its other collectives.
+A collective: every rank calls it, in the same order as its other collectives. A rank that never
+comes (stopped, exited, or running other code: a torchrun node that failed before it) leaves the
+others waiting in the first all-gather; they wait at most ``timeout_s`` (``Comm``'s default
+timeout unless given), then raise ``PeerLost`` saying that not every rank came, instead of
+waiting for whatever the process group's own timeout is. After that the group holds an
+unfinished collective: the process is expected to end (the error is final).
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-from zerocore.comm.collectives import all_gather_sync
+from zerocore.comm.collectives import all_gather_async
 from zerocore.comm.device import comm_device
 from zerocore.comm.objects import all_gather_objects
+from zerocore.comm.peer_memory import PeerLost
+from zerocore.policies import DEFAULT_TIMEOUT_S
 
 __all__ = ["ValuesDiffer", "agree_values", "describe_differences"]
 
@@ -72,14 +80,16 @@ def describe_differences(texts: Mapping[str, Sequence[str]],
 
 def agree_values(values: Mapping[str, Any], *, what: str, advice: str,
                  group: dist.ProcessGroup | None = None, device: torch.device | None = None,
-                 node: int | None = None, text: Callable[[Any], str] = repr) -> None:
+                 node: int | None = None, text: Callable[[Any], str] = repr,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Collective: raises ``ValuesDiffer`` on every rank of ``group`` (default: the world) when
     the ranks' ``values`` (name -> value) differ, naming only those that do, with each node's
     (or rank's) ``text(value)`` ("(not given)" where a rank lacks the name); see the module
     docstring. ``what`` begins the message ("neox.finetune"), ``advice`` ends it (what to do).
     ``node``: this rank's node (torchrun's GROUP_RANK), for the message; None on every rank
     when there are none. ``device``: where the bytes travel on a group without a CPU backend
-    (as ``run_agreed``)."""
+    (as ``run_agreed``). ``timeout_s``: how long to wait for every rank to come (then
+    ``PeerLost``; see the module docstring)."""
     group = group if group is not None else dist.group.WORLD
     channel = comm_device(group, torch.device("cpu"), device)
     world = dist.get_world_size(group)
@@ -90,7 +100,13 @@ def agree_values(values: Mapping[str, Any], *, what: str, advice: str,
                          int.from_bytes(digest[:8], "little") >> 1], dtype=torch.int64,
                         device=channel)
     every = torch.empty(2 * world, dtype=torch.int64, device=channel)
-    all_gather_sync(every, mine, group)
+    try:
+        all_gather_async(every, mine, group).wait(datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:  # (the wait's timeout, or the backend's: a rank gone)
+        raise PeerLost(f"{what}: not every rank came to agree on the settings within "
+                       f"{timeout_s:g} s ({e}): a rank stopped, exited, or runs other code "
+                       f"(every rank must reach this point: look for the first error of the "
+                       f"others)", silent="timed out" in str(e).lower()) from e
     rows = every.view(world, 2).cpu()
     if bool((rows[:, 1] == rows[0, 1]).all()):
         return

@@ -94,7 +94,7 @@ class BackwardCoordinator:
         owned = pending.owned  # else a view of the reusable packed buffer
         if grad is None:
             pass  # HSDP kept it for a later micro-batch's all-reduce: nothing to add yet
-        elif group.ctx.offload and group.ctx.streams is not None:
+        elif group.home.steps_on_host and group.ctx.streams is not None:
             # On a GPU: copied to the host on the download stream, then added into the master's
             # gradient by the host's worker (HostAdder) while this thread goes on with backward.
             slot = None

@@ -5,12 +5,11 @@ Tensor roles (docs/glossary.md):
 - shard: this rank's ``[shard_numel]`` slice. Trainable: a ``ShardParameter`` (fp32 master, with
   ``model_copy`` in param_dtype unless param_dtype is fp32). Frozen: a plain Parameter in
   param_dtype with requires_grad=False.
-- gather input: the param_dtype shard that is all-gathered (model_copy, the master itself in fp32,
-  the frozen shard, or with CPU offload a device-side mirror of the CPU model_copy, uploaded
-  asynchronously: zerocore/engine/offload.py). With parameter offload (``Offload(params=True)``)
-  the shard lives on the host and the gather input is its window: a device copy made for one
-  gather (uploaded when the gather starts, dropped once the gather has consumed it; with the
-  optimizer on the device, the master's values rounded to param_dtype on the device).
+- gather input: what this rank contributes to the all-gather, which the group's home produces
+  (zerocore/engine/homes/): the param_dtype shard itself (model_copy, the master itself in fp32,
+  the frozen shard) on the device, a device mirror of a host model copy (the optimizer
+  offloaded), or a window: a device copy of a host or NVMe shard made for one gather
+  (parameters offloaded).
 - gathered buffer: ``[padded_numel]`` in param_dtype, every rank's shard. Its storage is allocated
   (``resize_``) only while the group is gathered and released right after use, so between forward
   and backward the layer costs no parameter memory; autograd keeps views of the storage and sees
@@ -39,14 +38,13 @@ from zerocore.comm.lockstep import Lockstep
 from zerocore.comm.mesh import Mesh
 from zerocore.kernels import ops
 from zerocore.engine.flat_layout import FlatLayout
+from zerocore.engine.homes import Homes
 from zerocore.engine.host_arena import HostArena
 from zerocore.engine.nvme_store import NvmeStore, Region
 from zerocore.engine.offload import OffloadStreams
 from zerocore.engine.rehearsal import StorageWatch
 from zerocore.policies import Comm
-from zerocore.engine.sharded_param import (gather_source, is_offloaded, is_shard, master_values,
-                                           new_shard, placeholder, refresh_model_copy,
-                                           set_layout, shard_stamp, wait_for_device)
+from zerocore.engine.sharded_param import set_layout, shard_stamp
 
 
 class GroupState(enum.Enum):
@@ -79,12 +77,10 @@ class GroupContext:
     device: torch.device           # where layers compute and collectives run
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
-    offload: bool                  # optimizer state (trainable shards) on the CPU
     counter: collectives.CommCounter
-    streams: OffloadStreams | None = None  # offload's side streams on CUDA; None otherwise
-    # Offload(params=True): the shards gathered from live on the host (frozen shards; trainable
-    # model copies with optimizer offload), each gather reading a window of its own.
-    offload_params: bool = False
+    # Where the groups' shards live (zerocore/engine/homes/), chosen once for the sharding
+    # (``homes.choose``), with what the homes share (offload's streams, host arena, NVMe store).
+    homes: Homes
     # Frozen groups stored and gathered as int8 with an fp32 scale per block of this many
     # elements (FrozenWeights(dtype="int8")); None: in param_dtype.
     int8_block: int | None = None
@@ -93,9 +89,6 @@ class GroupContext:
     # tried (Comm(peer_read="off")) or not possible.
     peers: peer_memory.PeerMemory | None = None
     comm: Comm = Comm()  # how gathers and reductions travel (zerocore/comm/transport.py)
-    # CPU threads the optimizer steps offloaded shards with (a GPU rank's share of its host);
-    # None: torch's own count (zerocore.optim).
-    host_threads: int | None = None
     # The ways every group gathers and reduces, chosen once for the sharding
     # (``transport.choose``).
     ways: transport.Ways | None = None
@@ -105,9 +98,6 @@ class GroupContext:
     device_kind: str = "cpu"
     # Told of every resize of a gathered storage (a plan's memory count); None when training.
     watch: StorageWatch | None = None
-    # Where offloaded shards live on the host (engine/host_arena.py); None without offload
-    # (and in a plan's rehearsal, whose shards are fake).
-    arena: HostArena | None = None
     # HSDP: the replicas gradient shards are all-reduced across (``process_group`` being the
     # shard group); None: flat.
     replicas: transport.Replicas | None = None
@@ -118,16 +108,24 @@ class GroupContext:
     # The ranks the model spans (comm/mesh.py): the group and order full states are gathered
     # in (``gather_full``); None: ``process_group`` in its rank order.
     mesh: Mesh | None = None
-    # NVMe offload: the sharding's scratch and its pool (engine/nvme_store.py), and what lives
-    # there: the trainable masters and moments (``Offload(optimizer="nvme")``).
-    store: NvmeStore | None = None
-    nvme_optimizer: bool = False
-    # ... and the shards the gathers read (``Offload(params="nvme")``): frozen shards, and
-    # with the optimizer there too the model copies.
-    nvme_params: bool = False
     # Every gather and reduction says first where this rank is (comm/lockstep.py); None: no
     # exchange (a group built outside a sharding).
     lockstep: Lockstep | None = None
+
+    @property
+    def streams(self) -> OffloadStreams | None:
+        """Offload's side streams on CUDA; None otherwise (the homes')."""
+        return self.homes.streams
+
+    @property
+    def arena(self) -> HostArena | None:
+        """Where offloaded shards live on the host (the homes')."""
+        return self.homes.arena
+
+    @property
+    def store(self) -> NvmeStore | None:
+        """NVMe offload's scratch and pool (the homes')."""
+        return self.homes.store
 
 
 class FlatGroup:
@@ -141,40 +139,8 @@ class FlatGroup:
         lo, hi = layout.shard_range(ctx.rank)
         dev, dt = ctx.device, ctx.param_dtype
         self.int8_block: int | None = None
-        # A frozen shard on NVMe (``Offload(params="nvme")``): where its values are in the
-        # sharding's scratch (the trainable group's model copy on NVMe is its ``.nvme.copy``).
-        self._disk: Region | None = None
         if trainable:
-            def new(dtype: torch.dtype) -> torch.Tensor:
-                if ctx.offload:
-                    return _host_buffer(ctx, layout.shard_numel, dtype)
-                return torch.empty(layout.shard_numel, dtype=dtype, device=dev)
-            if ctx.nvme_optimizer:
-                self.shard: torch.nn.Parameter = _nvme_shard(
-                    ctx, full[lo:hi], None if ctx.nvme_params else new(dt), dt)
-            else:
-                master = new(torch.float32)
-                master.copy_(full[lo:hi])
-                copy = None
-                # Parameter offload with the optimizer on the device keeps no 16-bit copy:
-                # each window is rounded from the master there, as the optimizer would have
-                # written it.
-                if dt != torch.float32 and (ctx.offload or not ctx.offload_params):
-                    copy = new(dt)
-                    copy.copy_(master)
-                self.shard = new_shard(master, copy, offloaded=ctx.offload)
-            if ctx.offload:
-                self.shard.host_threads = ctx.host_threads
-            # The optimizer's step says where this rank is too (``lockstep_of``).
-            self.shard.lockstep = ctx.lockstep
-            set_layout(self.shard, [(sl.name, sl.offset, sl.numel) for sl in layout.slots], lo)
-            # With optimizer offload alone the gather input is a device mirror of the CPU copy.
-            self._mirror = (torch.empty(layout.shard_numel, dtype=dt, device=dev)
-                            if ctx.offload and not ctx.offload_params else None)
-            self._mirror_generation = -1
-            # Parameter offload: every gather through a window, unless the gather input is
-            # the optimizer's own fp32 master on the device.
-            self._windowed = ctx.offload_params and (ctx.offload or dt != torch.float32)
+            values = full[lo:hi]
         else:
             # int8 frozen weights (FrozenWeights): the shard is this rank's int8 values and
             # their fp32 scales, one byte buffer (``q | scales``), so one collective gathers
@@ -182,31 +148,15 @@ class FlatGroup:
             # every rank's part is quantized exactly as the whole tensor would be.
             self.int8_block = ctx.int8_block
             values = full[lo:hi].to(device=dev, copy=True)
-            data = self._quantized(values) if self.int8_block is not None else values.to(dt)
-            del values
-            if ctx.nvme_params:  # on NVMe: the tensor holds no values (``_disk`` has them)
-                self._disk = ctx.store.add_region(data.numel(), data.dtype,
-                                                  "a layer's frozen parameter shard")
-                ctx.store.write_values(self._disk, data)
-                data = placeholder(data.numel(), data.dtype)
-            elif ctx.offload_params:  # on the host (quantized on the device, as without it)
-                data = _host_buffer(ctx, data.numel(), data.dtype).copy_(data)
-            self.shard = torch.nn.Parameter(data, requires_grad=False)
-            del data
-            self._mirror = None
-            self._windowed = ctx.offload_params
-        # Offload on CUDA: recorded on the compute stream once it has waited for an all-gather
-        # that read the mirror; the next upload into the mirror waits for it.
-        self._mirror_read: torch.cuda.Event | None = None
-        # Parameter offload: the gather input's device copy while its gather is in flight
-        # (1D, the shard's dtype and numel; None otherwise), and on CUDA the event of its
-        # upload, which the gather stream waits for.
-        self._window: torch.Tensor | None = None
-        self._window_ready: torch.cuda.Event | None = None
-        # A frozen shard on the host, on CUDA: the event of the last upload that read it (the
-        # host waits for it before writing the shard: ``load_frozen``). Trainable shards keep
-        # theirs as ``shard.upload_done``, which the optimizer waits for.
-        self._host_read: torch.cuda.Event | None = None
+            values = self._quantized(values) if self.int8_block is not None else values.to(dt)
+        # Where the shard lives, and how the gathers' input is made from it.
+        self.home = ctx.homes.place(values, trainable)
+        del values
+        self.shard: torch.nn.Parameter = self.home.shard
+        if trainable:
+            # The optimizer's step says where this rank is too (``lockstep_of``).
+            self.shard.lockstep = ctx.lockstep
+            set_layout(self.shard, [(sl.name, sl.offset, sl.numel) for sl in layout.slots], lo)
         storage = torch.empty(layout.padded_numel, dtype=dt, device=dev).untyped_storage()
         self._storage_nbytes = storage.nbytes()
         self._comm = torch.empty(0, dtype=dt, device=dev).set_(storage, 0, (layout.padded_numel,))
@@ -248,113 +198,21 @@ class FlatGroup:
 
     # -- all-gather ------------------------------------------------------------------------------
 
-    def _gather_input(self) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """The tensor the all-gather reads, and on CUDA the event the gather stream waits for
-        before reading it (None: nothing to wait for)."""
-        shard = self.shard
-        if self._windowed:
-            self._window = self._upload_window()
-            return self._window, self._window_ready
-        if not is_shard(shard):
-            return shard.data, None
-        if self._mirror is None:
-            refresh_model_copy(shard)
-            return gather_source(shard), None
-        self.upload()
-        return self._mirror, shard.upload_done
+    @property
+    def full(self) -> torch.Tensor:
+        """The gathered buffer the views are cut from (1D, param_dtype, padded_numel)."""
+        return self._compute
 
-    def _upload_window(self) -> torch.Tensor:
-        """Parameter offload: the device copy of this group's shard that one all-gather reads.
-        A host shard is copied up: on CUDA on the upload stream, recording the event the gather
-        stream waits for and the host waits for before it writes the shard; on the CPU into a
-        buffer of its own (the stand-in for device memory). A trainable group whose optimizer
-        (and master) is on the device rounds the master to param_dtype instead, on the gather
-        stream once it has waited for the compute stream (where the optimizer wrote the
-        master): the rounding the fused optimizer gives a model copy, so the same bits."""
-        shard, streams, dev = self.shard, self.ctx.streams, self.ctx.device
-        self._window_ready = None
-        if self.disk_region is not None:
-            return self._window_from_disk(self.disk_region)
-        if is_shard(shard) and not is_offloaded(shard):
-            if streams is None:
-                return shard.detach().to(self.ctx.param_dtype)
-            with torch.cuda.stream(streams.gather):
-                return shard.detach().to(self.ctx.param_dtype)
-        if is_shard(shard):
-            refresh_model_copy(shard)  # waits for the last upload first if it writes the copy
-            source = gather_source(shard)
-        else:
-            source = shard.data
-        if streams is None:
-            return torch.empty(source.numel(), dtype=source.dtype, device=dev).copy_(source)
-        with torch.cuda.stream(streams.upload):
-            window = torch.empty(source.numel(), dtype=source.dtype, device=dev)
-            window.copy_(source, non_blocking=True)
-            self._window_ready = streams.upload.record_event()
-        if is_shard(shard):
-            shard.upload_done = self._window_ready
-        else:
-            self._host_read = self._window_ready
-        return window
+    def upload(self) -> None:
+        """Brings the device copy of the shard up to date, if its home keeps one between steps
+        (``Home.uploads_before_forward``: a mirror of a host model copy). Called for those
+        layers at the start of forward, so the uploads overlap the first layers' work."""
+        self.home.upload()
 
     @property
     def disk_region(self) -> Region | None:
         """Where the shard the gathers read lives on NVMe (``params="nvme"``); None: not there."""
-        if self._disk is not None:
-            return self._disk
-        nvme = getattr(self.shard, "nvme", None)
-        return nvme.copy if nvme is not None else None
-
-    def _window_from_disk(self, region: Region) -> torch.Tensor:
-        """Parameter offload to NVMe: the window made from the shard's values read into a pool
-        slot (read ahead, as a rule, while the layers before computed: ``NvmeStore``); on CUDA
-        uploaded from the (pinned) slot on the upload stream, the slot read into again once
-        that upload is done."""
-        store, streams, dev = self.ctx.store, self.ctx.streams, self.ctx.device
-        source, slot = store.window_source(region)
-        if streams is None:
-            window = torch.empty(source.numel(), dtype=source.dtype, device=dev).copy_(source)
-            store.window_copied(slot, None)
-            return window
-        with torch.cuda.stream(streams.upload):
-            window = torch.empty(source.numel(), dtype=source.dtype, device=dev)
-            window.copy_(source, non_blocking=True)
-            self._window_ready = streams.upload.record_event()
-        store.window_copied(slot, self._window_ready)
-        return window
-
-    def _close_window(self) -> None:
-        """The gather has consumed the window (the compute stream waited for it): dropped. On
-        CUDA its memory is first recorded on the compute stream, so that the caching allocator
-        hands it out again only once the compute stream is past this point, after the
-        collective that read it."""
-        window, self._window = self._window, None
-        self._window_ready = None
-        if window is not None and self.ctx.streams is not None:
-            window.record_stream(torch.cuda.current_stream(self.ctx.device))
-
-    def upload(self) -> None:
-        """CPU offload: brings the device mirror up to date with the CPU gather source, if it
-        changed since the last upload (the optimizer stepped, or the master was written). On
-        CUDA the copy runs on the upload stream, after the last all-gather that read the mirror,
-        and records the event that the next all-gather (``start_gather``) and the host's next
-        write of the source wait for; on the CPU it is a plain copy. Called for every offloaded
-        layer at the start of forward, so the uploads overlap the first layers' work."""
-        shard = self.shard
-        assert self._mirror is not None and is_offloaded(shard)
-        refresh_model_copy(shard)  # waits for the last upload first if it writes the copy
-        if self._mirror_generation == shard.copy_generation:
-            return
-        streams = self.ctx.streams
-        if streams is None:
-            self._mirror.copy_(gather_source(shard))
-        else:
-            if self._mirror_read is not None:
-                streams.upload.wait_event(self._mirror_read)
-            with torch.cuda.stream(streams.upload):
-                self._mirror.copy_(gather_source(shard), non_blocking=True)
-                shard.upload_done = streams.upload.record_event()
-        self._mirror_generation = shard.copy_generation
+        return self.home.disk_region
 
     def start_gather(self) -> None:
         if self.state is not GroupState.SHARDED:
@@ -367,31 +225,17 @@ class FlatGroup:
             self._resized(self._q8_storage)
         if self._secondary is not None and self._secondary_version != shard_stamp(self.shard):
             self.drop_secondary()  # stale: the shard changed since the forward that kept it
-        streams = self.ctx.streams
         if self._secondary is not None:
             # hpZ's backward: within the node alone, from the secondary shards (no upload:
             # the secondary shard is on the device, written on the compute stream).
             self.gather.start(self._comm, self._secondary)
-        elif streams is not None and (self._mirror is not None or self._windowed):
-            # Issued from the gather stream, which c10d makes NCCL wait for: it waits for the
-            # compute stream's work so far (the gathered buffer may reuse memory that work
-            # still reads; a window rounded from the master reads what the optimizer wrote)
-            # and for the upload. The compute stream itself waits only for the all-gather
-            # (wait_gather), never for an upload.
-            streams.gather.wait_stream(torch.cuda.current_stream(self.ctx.device))
-            source, upload = self._gather_input()
-            if upload is not None:
-                streams.gather.wait_event(upload)
-            with torch.cuda.stream(streams.gather):
-                self._start_from_shard(source)
         else:
-            source, _ = self._gather_input()
-            self._start_from_shard(source)
+            self.home.start(self)  # the home makes the gather input and calls gather_from
         self.state = GroupState.GATHERING
         self.ctx.counter.group_gathers += 1
         self.ctx.counter.gather_issue_s += collectives.now() - t0
 
-    def _start_from_shard(self, source: torch.Tensor) -> None:
+    def gather_from(self, source: torch.Tensor) -> None:
         """Starts gathering from this rank's shard: over the shard group; with hpZ over the
         replicate group first, into this rank's secondary shard of the gathered buffer (the
         shard group's gather from it is issued by ``wait_gather``)."""
@@ -427,9 +271,7 @@ class FlatGroup:
             if self.int8_block is not None:
                 self._dequantize(self._comm, self._compute)
             self.state = GroupState.GATHERED
-            if self._mirror is not None and self.ctx.streams is not None:
-                self._mirror_read = torch.cuda.current_stream(self.ctx.device).record_event()
-            self._close_window()
+            self.home.finish()
 
     def free(self, release: bool = False, keep_secondary: bool = False) -> None:
         """Gives the gathered buffer back, unless the group is resident (``release`` frees
@@ -441,7 +283,7 @@ class FlatGroup:
         if self.state is GroupState.GATHERING:
             self.wait_gather()
         if release:
-            self._wait_host_reads()
+            self.home.wait_host_reads()
         if (keep_secondary and self.ctx.across is not None and not self.resident
                 and self.state is GroupState.GATHERED and self._secondary is None):
             self._secondary = self._secondary_region().clone()
@@ -462,15 +304,6 @@ class FlatGroup:
         """Gives back the secondary shard kept for backward (hpZ), if any."""
         self._secondary = None
         self._secondary_version = None
-
-    def _wait_host_reads(self) -> None:
-        """Blocks the host until the last upload that read this group's host shard (or the
-        model copy a mirror is uploaded from) has completed; nothing else on the device."""
-        if is_offloaded(self.shard):
-            wait_for_device(self.shard)
-        elif self._host_read is not None:
-            self._host_read.synchronize()
-            self._host_read = None
 
     def _resized(self, storage: torch.UntypedStorage) -> None:
         if self._watch is not None:
@@ -532,24 +365,17 @@ class FlatGroup:
                 data = self._quantized(values.to(self.ctx.device))
             else:
                 data = values
-            if self._disk is not None:
-                self.ctx.store.write_values(self._disk, data.to(self._disk.dtype))
-            else:
-                self.shard.copy_(data)
+            self.home.write(data)
 
     def values(self) -> torch.Tensor:
         """The shard's values, wherever they live: a trainable group's fp32 master, a frozen
         group's shard (int8 bytes as they are); read from NVMe into a new tensor when there."""
-        if self._disk is not None:
-            return self.ctx.store.read_values(self._disk)
-        return master_values(self.shard)
+        return self.home.values()
 
     def saved_values(self) -> torch.Tensor:
         """A frozen group's shard for a checkpoint: the tensor, or on NVMe its region mapped
         (what torch.save then reads from the disk as it writes)."""
-        if self._disk is not None:
-            return self.ctx.store.mapped(self._disk)
-        return self.shard.detach()
+        return self.home.saved_values()
 
     @property
     def gather_bytes(self) -> int:
@@ -560,36 +386,28 @@ class FlatGroup:
 
     @property
     def mirror_bytes(self) -> int:
-        """Bytes of the device mirror of a CPU-offloaded model copy (the gather input with
+        """Bytes of the device mirror of a host model copy (the gather input with
         ``Offload(optimizer=True)`` alone); 0 otherwise."""
-        return _nbytes(self._mirror)
+        return self.home.mirror_bytes
 
     @property
     def window_bytes(self) -> int:
         """Bytes of the window in flight (``Offload(params=True)``: the device copy of the
         shard one gather reads, from its start to its wait); 0 otherwise."""
-        return _nbytes(self._window)
+        return self.home.window_bytes
 
     @property
     def memory_shard_bytes(self) -> int:
         """Bytes of the shard the gathers read, held in memory (host or device): none when it
         is on NVMe."""
-        if self.disk_region is not None:
-            return 0
-        source = gather_source(self.shard) if is_shard(self.shard) else self.shard
-        return _nbytes(source)
+        return self.home.memory_shard_bytes
 
     @property
     def device_shard_bytes(self) -> int:
         """Bytes of this group's parameter shard on the compute device now, what its gathers
         read there: the shard itself when it is kept there (a model copy, an fp32 master
         computed with, a frozen shard), the mirror, or the window in flight."""
-        shard = self.shard
-        if self._windowed or self._mirror is not None:
-            return self.window_bytes + self.mirror_bytes
-        if is_shard(shard):
-            return _nbytes(gather_source(shard))
-        return _nbytes(shard)
+        return self.home.device_shard_bytes
 
     @property
     def secondary_bytes(self) -> int:
@@ -658,32 +476,6 @@ class FlatGroup:
         out = pending.reduction.finish()
         pending.group.ctx.counter.reduce_wait_s += collectives.now() - t0
         return out
-
-
-def _nvme_shard(ctx: GroupContext, values: torch.Tensor, copy: torch.Tensor | None,
-                dtype: torch.dtype) -> torch.nn.Parameter:
-    """NVMe offload: a trainable shard whose fp32 master (``values``, written now) and Adam
-    moments (zeros) live in the sharding's scratch, and whose model copy (in the param dtype,
-    fp32 included: it is what the layers compute with) is ``copy``, in host memory, or (None:
-    ``params="nvme"``) in the scratch too. Either is written now, rounded from the master."""
-    record = ctx.store.add_adam(values.numel(), "a layer's fp32 master and Adam moments",
-                                copy_dtype=dtype if copy is None else None)
-    ctx.store.write_values(record.master, values)
-    if copy is None:
-        ctx.store.write_values(record.copy, values.to(dtype))
-    else:
-        copy.copy_(values)
-    shard = new_shard(placeholder(values.numel()), copy, offloaded=True)
-    shard.nvme = record
-    return shard
-
-
-def _host_buffer(ctx: GroupContext, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A 1-D host buffer of offloaded state: from the sharding's host arena (pinned once the
-    layers are built), or in a plan's rehearsal, which has none, a fake CPU tensor."""
-    if ctx.arena is not None:
-        return ctx.arena.take(numel, dtype)
-    return torch.empty(numel, dtype=dtype, device="cpu")
 
 
 def _nbytes(t: torch.Tensor | None) -> int:

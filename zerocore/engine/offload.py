@@ -21,7 +21,7 @@ bitwise the values of the synchronous offload it replaced.
 Parameter offload (``Offload(params=True)``) uses the same streams: each gather's window is
 uploaded on ``upload`` (or rounded from a device master on ``gather``) and gathered from
 ``gather``; no mirror is kept (docs/decisions.md, "Parameter offload (issue 31, item 1)";
-zerocore/engine/flat_group.py, ``_upload_window``).
+zerocore/engine/homes/host_window.py).
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from zerocore.comm.mesh import Mesh, device_refusal
 from zerocore.comm.objects import all_gather_objects
 from zerocore.comm.same_values import agree_values
 from zerocore.engine.compiled import compile_forward
+from zerocore.engine import homes
 from zerocore.engine.flat_group import GroupContext
 from zerocore.engine.host_arena import HostArena, host_memory_bytes
 from zerocore.engine.nvme_store import NvmeStore
@@ -46,10 +47,11 @@ from zerocore.engine.schedule import Schedule
 from zerocore.engine.runtime import Runtime, Unit
 from zerocore.engine.sharded_layer import ShardedLayer
 from zerocore.engine.scratch_file import BLOCK, ScratchFile, size_text
-from zerocore.engine.sharded_param import ShardParameter, is_nvme, is_shard, master_values
+from zerocore.engine.sharded_param import ShardParameter, master_values
 from zerocore.kernels.ops import BUILD
-from zerocore.policies import (DEFAULT_POOL_BYTES, Comm, Compile, FrozenWeights, Hybrid,
-                               MixedPrecision, Offload, Prefetch, Recompute)
+from zerocore.policies import (DEFAULT_POOL_BYTES, DEFAULT_TIMEOUT_S, Comm, Compile,
+                               FrozenWeights, Hybrid, MixedPrecision, Offload, Prefetch,
+                               Recompute)
 
 log = logging.getLogger(__name__)
 _CPU = torch.device("cpu")
@@ -114,12 +116,14 @@ def agree_on_structure(index: int, print_: int | None, group: dist.ProcessGroup,
 
 
 def agree_on_policies(policies: dict[str, object], group: dist.ProcessGroup,
-                      device: torch.device, what: str, noun: str = "policies") -> None:
+                      device: torch.device, what: str, noun: str = "policies",
+                      timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Checks that every rank was given the same policies (``agree_values``: one tiny
     all-gather of a hash of each policy's fields): a rank that chose another transport, budget
     or precision would otherwise refuse, or issue other collectives, while the others wait for
     it until the timeout. The refusal names only the fields that differ ("comm.gather").
-    ``noun``: what the values are, for the advice (``"meshes"``)."""
+    ``noun``: what the values are, for the advice (``"meshes"``); ``timeout_s``: how long
+    to wait for a rank that does not come (the Comm's timeout)."""
     if is_fake(group):
         return  # a planned world is this rank N times: it agrees
     fields: dict[str, object] = {}
@@ -130,7 +134,7 @@ def agree_on_policies(policies: dict[str, object], group: dist.ProcessGroup,
         else:
             fields[name] = policy
     agree_values(fields, what=what, advice=f"every rank must pass the same {noun}",
-                 group=group, device=device)
+                 group=group, device=device, timeout_s=timeout_s)
 
 
 def build_context(mesh: Mesh, device: torch.device,
@@ -173,15 +177,15 @@ def build_context(mesh: Mesh, device: torch.device,
         replicas = transport.Replicas(mesh.replicate, counter, block)
     # Where each rank is, exchanged over every rank of the mesh: through the pipes of peer
     # memory within the shard group when it reads, and by the backend when the mesh is wider.
-    lockstep = Lockstep(mesh.whole, device, peers, group)
+    lockstep = Lockstep(mesh.whole, peers, group)
+    # Where the shards live, chosen once for the sharding (zerocore/engine/homes/).
+    where = homes.choose(offload, device=device, param_dtype=mixed_precision.param_dtype,
+                         streams=streams, arena=arena, store=store, host_threads=host_threads)
     return GroupContext(group, mesh.state_rank, device, mixed_precision.param_dtype,
-                        mixed_precision.grad_reduce_dtype, offload.optimizer, counter,
-                        streams, offload_params=offload.params,
+                        mixed_precision.grad_reduce_dtype, counter, where,
                         int8_block=frozen_weights.int8_block, peers=peers, comm=comm,
-                        host_threads=host_threads, ways=ways, device_kind=kind, watch=watch,
-                        arena=arena, replicas=replicas, across=across, mesh=mesh, store=store,
-                        nvme_optimizer=offload.optimizer == "nvme",
-                        nvme_params=offload.params == "nvme", lockstep=lockstep)
+                        ways=ways, device_kind=kind, watch=watch, replicas=replicas,
+                        across=across, mesh=mesh, lockstep=lockstep)
 
 
 def open_store(offload: Offload, arena: HostArena, mesh: Mesh,
@@ -239,16 +243,9 @@ def memory_report_of(layers: list[ShardedLayer], rank: int, world_size: int,
             shard = g.shard
             if g.trainable:
                 trainable_numel += g.layout.numel
-                if is_nvme(shard):  # the master on NVMe (``nvme_bytes``), the copy there too?
-                    param += g.memory_shard_bytes
-                elif is_shard(shard) and shard.model_copy is not None:
-                    param += shard.model_copy.numel() * shard.model_copy.element_size()
-                    master += shard.numel() * 4
-                elif p_bytes != 4:
-                    master += shard.numel() * 4  # Offload(params) alone: no 16-bit copy kept
-                else:
-                    param += shard.numel() * 4
-                param += g.mirror_bytes
+                params, masters = g.home.state_bytes()  # in memory: its home's count
+                param += params
+                master += masters
                 if shard.grad is not None:
                     grad += shard.grad.numel() * shard.grad.element_size()
                 if optimizer is not None:
@@ -333,7 +330,7 @@ class Sharding:
         self.compile = compile
         # The mesh first: ranks given other meshes would agree on the rest in other groups.
         agree_on_policies(dict(mesh=mesh.describe()), mesh.whole, device, self.front_door,
-                          noun="meshes")
+                          noun="meshes", timeout_s=comm.timeout_s)
         # Each rank may keep its NVMe scratch on a disk of its own (the path is its own
         # business: it changes no collective), so the path alone is not agreed on.
         agreed_offload = (dataclasses.replace(offload, path="(each rank's own)")
@@ -342,7 +339,7 @@ class Sharding:
                                offload=agreed_offload, recompute=recompute,
                                frozen_weights=frozen_weights, comm=comm, compile=compile,
                                hybrid=hybrid),
-                          mesh.whole, device, self.front_door)
+                          mesh.whole, device, self.front_door, timeout_s=comm.timeout_s)
         # The same answers on every rank: the mesh and the policies are agreed.
         meshes.refuse_hybrid(mesh, hybrid, self.front_door)
         if comm.quantize_gradients is not None and mesh.replicate is None:
@@ -419,12 +416,12 @@ class Sharding:
         ``recomputable``: as ``Schedule.of`` takes it."""
         self.schedule = Schedule.of(self.prefetch, self.recompute,
                                     [l.gathered_size for l in layers], recomputable)
-        if self.ctx.nvme_params:
+        on_disk = [g.disk_region.span for l in layers for g in l.groups
+                   if g.disk_region is not None]
+        if on_disk:
             # The gathers read their shards through the pool: slots of the largest (the same
             # on every rank: the shards are equal, so is the pool: refused alike, if it is).
-            self.ctx.store.use_slots(max((g.disk_region.span for l in layers
-                                          for g in l.groups if g.disk_region is not None),
-                                         default=0))
+            self.ctx.store.use_slots(max(on_disk))
         for layer in layers:
             layer.recompute = layer.index in self.schedule.recomputed
             if layer.frozen is not None:
@@ -435,7 +432,7 @@ class Sharding:
         their index order, then the root (``model`` itself)."""
         self.lockstep.names = [self.unit_label(u.name) for u in units]
         self.runtime = Runtime(model, units, self.schedule, self.lockstep,
-                               mirrors=self.offload.optimizer and not self.offload.params,
+                               mirrors=self.ctx.homes.trainable.uploads_before_forward,
                                root_owners=root_owners, staging=self._staging())
         if self.ctx.arena is not None:
             self.ctx.arena.pin()   # every offloaded buffer is taken: pinned, exactly those
@@ -445,7 +442,8 @@ class Sharding:
         the device, in turn, each as large as the largest shard (from the arena, so pinned with
         it). None on the CPU, where the gradients are already on the host, and when the
         optimizer is on the device."""
-        arena = self.ctx.arena if self.ctx.streams is not None and self.ctx.offload else None
+        arena = (self.ctx.arena if self.ctx.streams is not None
+                 and self.ctx.homes.trainable.steps_on_host else None)
         largest = max((l.trainable.layout.shard_numel for l in self.layers
                        if l.trainable is not None), default=0)
         if arena is None or largest == 0:

@@ -222,13 +222,8 @@ def _by_category(sharding: Sharding, optimizer: AdamW, kept: torch.Tensor) -> di
 def model_state(sharding: Sharding, on_host: frozenset[str]) -> ModelState:
     """The bytes of model state of one rank, from the layouts the engine built."""
     p_bytes = sharding.mixed_precision.param_dtype.itemsize
-    sixteen = p_bytes != 4
-    offload = sharding.offload
-    # Parameter offload with the optimizer on the device keeps no 16-bit copy; NVMe offload
-    # keeps one in fp32 too (the master being in the scratch), in memory unless params="nvme".
-    copies = not offload.params or offload.optimizer
-    nvme = offload.optimizer == "nvme"
-    store = sharding.ctx.store
+    homes = sharding.ctx.homes   # each counts what it holds (zerocore/engine/homes/)
+    store = homes.store
     t_numel = f_numel = t_shard = f_shard = 0
     for layer in sharding.layers:
         for g in layer.groups:
@@ -238,16 +233,14 @@ def model_state(sharding: Sharding, on_host: frozenset[str]) -> ModelState:
             else:
                 f_numel += g.layout.numel
                 f_shard += g.layout.shard_numel
-    on_disk = offload.params == "nvme"   # the frozen shards, and the copies with the optimizer
-    trainable = t_shard * (p_bytes if copies else 0) if sixteen else t_shard * 4
+    trainable = homes.trainable.planned(t_shard, p_bytes)
     return ModelState(
-        trainable_numel=t_numel, frozen_numel=f_numel,
-        trainable_params=0 if on_disk and nvme else trainable,
-        frozen_params=0 if on_disk else sharding.frozen_weights.frozen_nbytes(f_shard, p_bytes),
-        masters=t_shard * 4 if sixteen and not nvme else 0,
-        optimizer=0 if nvme else t_shard * 8, gradients=t_shard * 4,
-        mirrors=t_shard * p_bytes if offload.optimizer and not offload.params else 0,
-        on_host=on_host, nvme=store.size if store is not None else 0,
+        trainable_numel=t_numel, frozen_numel=f_numel, trainable_params=trainable.params,
+        frozen_params=(sharding.frozen_weights.frozen_nbytes(f_shard, p_bytes)
+                       if homes.frozen.frozen_in_memory else 0),
+        masters=trainable.masters, optimizer=trainable.optimizer, gradients=t_shard * 4,
+        mirrors=trainable.mirrors, on_host=on_host,
+        nvme=store.size if store is not None else 0,
         pool=store.pool_bytes if store is not None else 0)
 
 

@@ -1,0 +1,7 @@
+"""Where a flat group's shard lives: one home per concept (home.py: the interface; device.py,
+host_mirror.py, host_window.py, nvme.py: the homes; choice.py: the choice, once per sharding)."""
+
+from zerocore.engine.homes.choice import Homes, choose
+from zerocore.engine.homes.home import GatherTarget, Home
+
+__all__ = ["GatherTarget", "Home", "Homes", "choose"]

@@ -1,0 +1,72 @@
+"""How the optimizer step reaches masters and moments on NVMe (homes/nvme.py's homes):
+``NvmeLaunch`` steps the shards of one store in one pass over their chunks
+(``NvmeStore.stream``), for ``zerocore.optim``.
+
+Each chunk's runs of settings go to one ``fused_adam_multi`` call on the chunk's master and
+moments in a pool buffer, the gradient and the model copy sliced alike. Adam is elementwise and
+every kernel variant gives each element the same bits whatever its neighbours, so the chunks step
+exactly as the whole shards would.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from zerocore.engine.nvme_store import AdamRecord, Chunk, NvmeStore
+from zerocore.kernels import ops
+
+# A run of a shard's elements with one setting: (start, end, lr, weight decay).
+Run = tuple[int, int, float, float]
+
+
+class Stepped(Protocol):
+    """What the launch needs of the optimizer's bucket of one NVMe shard."""
+
+    nvme: AdamRecord                  # where its master and moments live
+    model_copy: torch.Tensor | None   # 1D, param dtype, in host memory; None: on NVMe
+
+
+class NvmeLaunch:
+    """NVMe buckets of one store, stepped in one pass (the module's docstring)."""
+
+    def __init__(self, store: NvmeStore, step: int, host_threads: int | None):
+        self.store, self.step, self.host_threads = store, step, host_threads
+        self.buckets: list[Stepped] = []
+        # Each record's bucket, gradient and runs.
+        self._work: dict[int, tuple[Stepped, torch.Tensor, list[Run]]] = {}
+
+    def add(self, b: Stepped, grad_flat: torch.Tensor, runs: list[Run]) -> None:
+        self.buckets.append(b)
+        self._work[id(b.nvme)] = (b, grad_flat, runs)
+
+    def run(self, hyper: dict[str, Any]) -> None:
+        def step_chunk(chunk: Chunk, master: torch.Tensor, exp_avg: torch.Tensor,
+                       exp_avg_sq: torch.Tensor, disk_copy: torch.Tensor | None) -> None:
+            b, grad, runs = self._work[id(chunk.record)]
+            lists: tuple[list[torch.Tensor], ...] = ([], [], [], [], [])
+            lrs, wds = [], []
+            for lo, hi, lr, wd in runs:
+                a, z = max(lo, chunk.lo), min(hi, chunk.hi)
+                if a >= z:
+                    continue
+                i, j = a - chunk.lo, z - chunk.lo
+                # The model copy: in host memory, or on NVMe (this chunk's, in the pool).
+                copy = (b.model_copy[a:z] if b.model_copy is not None
+                        else None if disk_copy is None else disk_copy[i:j])
+                parts = (master[i:j], grad[a:z], exp_avg[i:j], exp_avg_sq[i:j], copy)
+                for out, part in zip(lists, parts):
+                    if part is not None:
+                        out.append(part)
+                lrs.append(lr)
+                wds.append(wd)
+            masters, grads, exp_avgs, exp_avg_sqs, copies = lists
+            ops.fused_adam_multi(masters, grads, exp_avgs, exp_avg_sqs, copies or None,
+                                 lrs=lrs, weight_decays=wds, beta1=hyper["beta1"],
+                                 beta2=hyper["beta2"], eps=hyper["eps"], step=self.step,
+                                 inv_grad_scale=hyper["inv_grad_scale"], adamw=hyper["adamw"])
+
+        store = self.store
+        chunks = [c for b in self.buckets for c in store.chunks(b.nvme)]
+        store.agreed(lambda: store.stream(chunks, step_chunk))
