@@ -408,7 +408,7 @@ def test_dequantize_rejects(device, case):
         _dequantize_(fmt, *args)
 
 
-def test_dequantize_rejects_other_device():
+def test_dequantize_rejects_cuda_out_with_cpu_codes():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device beside the CPU")
     out = torch.empty(64, device="cuda")
