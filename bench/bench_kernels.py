@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import zerocore
-from conftest import RMW_VARIANT, ZEROCORE_VARIANT
+from conftest import OUTPUT_COPY_VARIANT, RMW_VARIANT, ZEROCORE_VARIANT
 from zerocore.kernels import formats, ops
 
 # The shard size of the targets.
@@ -548,7 +548,8 @@ def _lowbit_variants(fmt: str, dtype, device: str) -> dict:
     variants[ZEROCORE_VARIANT] = lambda: dequantize_(flat, q, scales, block)
     for isa in isas[:-1]:  # the widest is the default, "zerocore" itself
         def forced(isa=isa):
-            old = ops._cpu_lowbit_isa(isa)
+            old = ops._cpu_lowbit_isa()
+            ops._cpu_lowbit_isa(isa)
             dequantize_(flat, q, scales, block)
             ops._cpu_lowbit_isa(old)
         variants[f"zerocore ({isa})"] = forced
@@ -565,7 +566,7 @@ def _lowbit_variants(fmt: str, dtype, device: str) -> dict:
     variants["torch (table / fp8 cast, broadcast)"] = plain
     variants["copy (ceiling)"] = _copy_ceiling(_lowbit_bytes(fmt, dtype), device)
     src = torch.ones_like(flat)
-    variants["copy of the output"] = lambda: flat.copy_(src)
+    variants[OUTPUT_COPY_VARIANT] = lambda: flat.copy_(src)
     return variants
 
 
@@ -578,4 +579,4 @@ def test_dequant_lowbit(interleaved_bench, device, fmt, dtype):
     interleaved_bench(variants, group=f"dequantize {fmt} -> {dtype}, block {LOWBIT_FORMATS[fmt]}, "
                                       f"2^24 elements", nbytes=_lowbit_bytes(fmt, out_dtype),
                       device=device,
-                      variant_bytes={"copy of the output": 2 * N * out_dtype.itemsize})
+                      variant_bytes={OUTPUT_COPY_VARIANT: 2 * N * out_dtype.itemsize})
