@@ -444,3 +444,29 @@ def test_opcheck(device, fmt):
           else torch.ops.zerocore.dequantize_fp8_).default
     out = torch.empty(300, dtype=torch.bfloat16, device=device)
     torch.library.opcheck(op, (out, q, scales, 64))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cuda_equals_cpu_past_one_grid(fmt, layout):
+    """The CUDA kernel (8 elements per thread, a grid-stride loop) against the CPU's default
+    kernel, bit for bit, on more groups than three full grids of the device hold, ending inside
+    a block; the quantizer too (the same PyTorch on either device)."""
+    props = torch.cuda.get_device_properties(0)
+    threads = props.multi_processor_count * getattr(props, "max_threads_per_multi_processor", 2048)
+    n = 3 * threads * 8 + 45
+    block = 64
+    out_offset, q_offset = LAYOUTS[layout]
+    x = _values(n, block, _seed("grid", fmt), torch.bfloat16, "cpu")
+    results = {}
+    for device in ("cpu", "cuda"):
+        q, scales = _quantize(fmt, x.to(device), block)
+        q_buf = torch.zeros(q_offset + q.numel(), dtype=torch.uint8, device=device)
+        q_buf[q_offset:].copy_(q)
+        buf = torch.full((out_offset + n,), math.nan, dtype=torch.bfloat16, device=device)
+        _dequantize_(fmt, buf[out_offset:], q_buf[q_offset:], scales, block)
+        results[device] = (q, scales, buf)
+    for name, a, b in zip(["codes", "scales", "dequantized buffer"], results["cpu"],
+                          results["cuda"]):
+        _assert_bits_equal(b.cpu(), a, f"{fmt} {name}: CUDA against CPU")
