@@ -9,9 +9,9 @@ names the first such block), as int8's ``quantize_blockwise`` does.
 
 **NF4** (4-bit NormalFloat, QLoRA: Dettmers et al. 2023, section 3). The 16 values of
 ``NF4_CODE`` are quantiles of the standard normal distribution scaled to [-1, 1], with an exact
-zero: 8 non-negative quantiles ``ndtri(p)`` for ``p`` evenly spaced from ``NF4_OFFSET`` down to
-0.5 (the last, 0.5, dropped), 7 negative ones ``-ndtri(p)`` for ``p`` from ``NF4_OFFSET`` down to
-0.5 in 7 steps (0.5 dropped), zero, all divided by the largest. ``NF4_OFFSET`` = 0.9677083 is
+zero: 8 positive quantiles ``ndtri(p)`` for ``p`` the first 8 of 9 evenly spaced points from
+``NF4_OFFSET`` down to 0.5, 7 negative ones ``-ndtri(p)`` for ``p`` the first 7 of 8 such points,
+and zero, all divided by the largest. ``NF4_OFFSET`` = 0.9677083 is
 the mean of 1 - 1/(2*15) and 1 - 1/(2*16), QLoRA's choice for the outermost quantile. The table
 holds the float32 values QLoRA's implementation publishes, so weights quantized here read the
 same as theirs; ``nf4_code_derived()`` recomputes them from the definition, and the tests hold
