@@ -126,10 +126,13 @@ BROKEN = {
 }
 
 
-def _dequantize_one_ulp(out, q, scales, block):
-    ops.dequantize_blockwise_(out, q, scales, block)
-    out.view(torch.int16 if out.element_size() == 2 else torch.int32)[-1] += 1
-    return out
+def _one_ulp_off(dequantize_):
+    """``dequantize_`` with its last output one unit in the last place off."""
+    def wrong(out, q, scales, block):
+        dequantize_(out, q, scales, block)
+        out.view(torch.int16 if out.element_size() == 2 else torch.int32)[-1] += 1
+        return out
+    return wrong
 
 
 def _quantize_rounding_down(x, block):
@@ -137,7 +140,7 @@ def _quantize_rounding_down(x, block):
     return q.clamp(max=126), scales
 
 
-@pytest.mark.parametrize("kwargs", [{"dequantize": _dequantize_one_ulp},
+@pytest.mark.parametrize("kwargs", [{"dequantize": _one_ulp_off(ops.dequantize_blockwise_)},
                                     {"quantize": _quantize_rounding_down}],
                          ids=["dequantize-one-ulp", "quantize-clamped"])
 def test_wrong_int8_op_fails(kwargs):
@@ -149,14 +152,8 @@ def _dequantize_nf4_swapping_nibbles(out, packed, scales, block):
     return ops.dequantize_nf4_(out, (packed >> 4) | (packed << 4), scales, block)
 
 
-def _dequantize_fp8_one_ulp(out, codes, scales, block):
-    ops.dequantize_fp8_(out, codes, scales, block)
-    out.view(torch.int16 if out.element_size() == 2 else torch.int32)[-1] += 1
-    return out
-
-
 @pytest.mark.parametrize("kwargs", [{"dequantize_nf4": _dequantize_nf4_swapping_nibbles},
-                                    {"dequantize_fp8": _dequantize_fp8_one_ulp}],
+                                    {"dequantize_fp8": _one_ulp_off(ops.dequantize_fp8_)}],
                          ids=["nf4-nibbles-swapped", "fp8-one-ulp"])
 def test_wrong_lowbit_op_fails(kwargs):
     result = selftest.check_lowbit(CPU, SIZES, **kwargs)
