@@ -52,23 +52,33 @@ struct Avx2Ops {
     return _mm256_blendv_ps(value, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), is_nan);
   }
 
-  template <Out O>
+  static void fence() { _mm_sfence(); }
+
+  // bf16 as float_to_bf16: to nearest even in integer arithmetic, NaN -> 0x7fc0; every lane
+  // is <= 0xffff, so the unsigned-saturating pack is exact.
+  static __m128i to_bf16(V x) {
+    const __m256i b = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb);
+    r = _mm256_srli_epi32(r, 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  }
+
+  template <Out O, bool kStream>
   static void store(typename OutType<O>::T* dst, V x) {
     if constexpr (O == kF32) {
-      _mm256_storeu_ps(dst, x);
-    } else if constexpr (O == kF16) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
-                       _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    } else {  // bf16, as float_to_bf16: to nearest even in integer arithmetic, NaN -> 0x7fc0
-      const __m256i b = _mm256_castps_si256(x);
-      const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-      __m256i r = _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb);
-      r = _mm256_srli_epi32(r, 16);
-      const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-      r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-      // Every lane is <= 0xffff, so the unsigned-saturating pack is exact.
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
-                       _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+      if constexpr (kStream) {
+        _mm256_stream_ps(dst, x);
+      } else {
+        _mm256_storeu_ps(dst, x);
+      }
+    } else {  // fp16 / bf16, never streamed
+      const __m128i h = O == kF16
+                            ? _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                            : to_bf16(x);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), h);
     }
   }
 };

@@ -48,22 +48,33 @@ struct Avx512Ops {
     return _mm512_mask_blend_ps(is_nan, value, _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
   }
 
-  template <Out O>
+  static void fence() { _mm_sfence(); }
+
+  // bf16 as float_to_bf16: to nearest even in integer arithmetic, NaN -> 0x7fc0; every lane
+  // is <= 0xffff, so the truncating narrow keeps it whole.
+  static __m256i to_bf16(V x) {
+    const __m512i b = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb);
+    r = _mm512_srli_epi32(r, 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                              _mm512_set1_epi32(0x7fc0));
+    return _mm512_cvtepi32_epi16(r);
+  }
+
+  template <Out O, bool kStream>
   static void store(typename OutType<O>::T* dst, V x) {
     if constexpr (O == kF32) {
-      _mm512_storeu_ps(dst, x);
-    } else if constexpr (O == kF16) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
-                          _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    } else {  // bf16, as float_to_bf16: to nearest even in integer arithmetic, NaN -> 0x7fc0
-      const __m512i b = _mm512_castps_si512(x);
-      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-      __m512i r = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb);
-      r = _mm512_srli_epi32(r, 16);
-      r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
-                                _mm512_set1_epi32(0x7fc0));
-      // Every lane is <= 0xffff: the truncating narrow keeps it whole.
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
+      if constexpr (kStream) {
+        _mm512_stream_ps(dst, x);
+      } else {
+        _mm512_storeu_ps(dst, x);
+      }
+    } else {  // fp16 / bf16, never streamed
+      const __m256i h = O == kF16
+                            ? _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                            : to_bf16(x);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), h);
     }
   }
 };

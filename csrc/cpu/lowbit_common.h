@@ -61,29 +61,44 @@ inline void dequantize_scalar(typename OutType<O>::T* out, const uint8_t* q, con
 }
 
 // The vector loop over whole steps of kStep elements, each within one block, then the scalar
-// tail. Ops: V, kLanes, set1, mul, nf4(bytes of kLanes codes), fp8(bytes of kLanes codes) and
-// store<O>(dst, V) to the output dtype rounding to nearest even as store_scalar does.
+// tail. Ops: V, kLanes, set1, mul, nf4(bytes of kLanes codes), fp8(bytes of kLanes codes),
+// store<O, kStream>(dst, V) to the output dtype rounding to nearest even as store_scalar does
+// (kStream, fp32 only: a non-temporal store, dst aligned to its width) and fence().
 template <class Ops, Format F, Out O>
 struct VecRange {
-  static void run(void* out_raw, const uint8_t* q, const float* scales, int64_t block,
-                  int64_t begin, int64_t end) {
-    auto* out = static_cast<typename OutType<O>::T*>(out_raw);
-    int64_t i = begin;
-    for (; i + kStep <= end; i += kStep) {
+  template <bool kStream>
+  static void steps(typename OutType<O>::T* out, const uint8_t* q, const float* scales,
+                    int64_t block, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; i += kStep) {
       const typename Ops::V s = Ops::set1(scales[i / block]);
       for (int64_t j = i; j < i + kStep; j += Ops::kLanes) {
         const typename Ops::V v = F == kNf4 ? Ops::nf4(q + j / 2) : Ops::fp8(q + j);
-        Ops::template store<O>(out + j, Ops::mul(v, s));
+        Ops::template store<O, kStream>(out + j, Ops::mul(v, s));
       }
     }
-    dequantize_scalar<F, O>(out, q, scales, block, i, end);
+  }
+
+  static void run(void* out_raw, const uint8_t* q, const float* scales, int64_t block,
+                  int64_t begin, int64_t end, bool stream) {
+    auto* out = static_cast<typename OutType<O>::T*>(out_raw);
+    const int64_t vec_end = begin + (end - begin) / kStep * kStep;
+    bool streamed = false;
+    if constexpr (O == kF32) {  // the only output streamed (lowbit_cpu.cpp says why)
+      if (stream) {
+        steps<true>(out, q, scales, block, begin, vec_end);
+        Ops::fence();
+        streamed = true;
+      }
+    }
+    if (!streamed) steps<false>(out, q, scales, block, begin, vec_end);
+    dequantize_scalar<F, O>(out, q, scales, block, vec_end, end);
   }
 };
 
 template <Format F, Out O>
 struct ScalarRange {
   static void run(void* out, const uint8_t* q, const float* scales, int64_t block,
-                  int64_t begin, int64_t end) {
+                  int64_t begin, int64_t end, bool /*stream*/) {
     dequantize_scalar<F, O>(static_cast<typename OutType<O>::T*>(out), q, scales, block, begin,
                             end);
   }

@@ -51,8 +51,18 @@ void dequantize_lowbit_cpu(at::Tensor& out, const at::Tensor& q, const at::Tenso
   // Threads take whole steps (kStep elements, whole bytes of NF4 codes), about kGrain elements
   // each, so every range but the last starts and ends on a step.
   const int64_t steps = (n + lowbit::kStep - 1) / lowbit::kStep;
+  // Streaming stores (vec_io.h says when they pay), for fp32 outputs only: measured on a loaded
+  // machine, they took fp32 outputs from 71-82% of the copy bandwidth to about 100-130%, and
+  // gave 16-bit ones no clear gain (bench/records/2026-12-06-kernels-lowbit-dequant.md). They
+  // need each vector's address aligned to its width, at most 64 bytes: every vector store
+  // starts a multiple of its lanes from out, so an out aligned to 64 bytes gives all of them.
+  const bool stream =
+      out.scalar_type() == at::kFloat && reinterpret_cast<uintptr_t>(out_ptr) % 64 == 0 &&
+      use_streaming_stores(n * static_cast<int64_t>(out.element_size()) + q.numel() +
+                           scales.numel() * 4);
   at::parallel_for(0, steps, kGrain / lowbit::kStep, [&](int64_t s0, int64_t s1) {
-    fn(out_ptr, q_ptr, s_ptr, block, s0 * lowbit::kStep, std::min(n, s1 * lowbit::kStep));
+    fn(out_ptr, q_ptr, s_ptr, block, s0 * lowbit::kStep, std::min(n, s1 * lowbit::kStep),
+       stream);
   });
 }
 

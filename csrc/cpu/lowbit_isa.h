@@ -30,9 +30,11 @@ constexpr float kNf4Code[16] = {
 // Dequantizes elements [begin, end) of out (float, or fp16 / bf16 bits as uint16_t): out[i] =
 // value(code i) * scales[i / block], the fp32 product rounded once to out's dtype, to nearest
 // even. q: the packed codes of the whole tensor (NF4: element i in byte i / 2, low nibble for an
-// even i; fp8: byte i). begin is a multiple of kStep, block a multiple of kStep.
+// even i; fp8: byte i). begin is a multiple of kStep, block a multiple of kStep. With stream
+// (an fp32 out, 64-byte aligned), the vector steps write with non-temporal stores, fenced
+// before the function returns; the scalar kernels ignore the flag.
 using RangeFn = void (*)(void* out, const uint8_t* q, const float* scales, int64_t block,
-                         int64_t begin, int64_t end);
+                         int64_t begin, int64_t end, bool stream);
 
 struct Kernels {
   const char* name;  // "scalar", "avx2", "avx512"

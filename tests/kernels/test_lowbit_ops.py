@@ -317,6 +317,34 @@ def test_dequantize_matches_reference(device, fmt, out_dtype, size, layout):
             assert torch.isnan(outside).all(), f"the {isa} kernel wrote outside out"
 
 
+# The CPU kernels write fp32 outputs with streaming stores once a call touches more than 32 MiB
+# (kStreamingMinBytes in csrc/cpu/vec_io.h) and out is 64-byte aligned: these go past it, with
+# out aligned (streaming, ending in a scalar tail) and at an odd offset (normal stores), and
+# bf16 outputs as large (never streamed).
+@pytest.mark.parametrize("out_offset", [0, 3])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_large(device, fmt, out_dtype, out_offset):
+    n = 14_000_037  # 28 MB of bf16 output plus 7 MB (NF4) or 14 MB (fp8) of codes
+    block = 64
+    g = torch.Generator().manual_seed(_seed("large", fmt, out_dtype, out_offset))
+    q = torch.randint(0, 256, ((n + 1) // 2 if fmt == "nf4" else n,), generator=g,
+                      dtype=torch.uint8)
+    if fmt == "fp8":
+        q[(q & 0x7F) == 0x7F] = 0  # no NaN codes: compared bit for bit below
+    scales = torch.rand(formats.n_blocks(n, block), generator=g) * 1e-2
+    q, scales = q.to(device), scales.to(device)
+    want = _reference(fmt, q, scales, n, block, out_dtype)
+    for isa in _isas(device):
+        with _using(isa) if isa else contextlib.nullcontext():
+            # 64-byte aligned from offset 0: a fresh allocation is (torch aligns to 64).
+            buf = torch.full((out_offset + n + SLACK,), math.nan, dtype=out_dtype, device=device)
+            out = buf[out_offset:out_offset + n]
+            _dequantize_(fmt, out, q, scales, block)
+            _assert_bits_equal(out, want, f"{fmt} -> {DTYPE_IDS[out_dtype]}, isa {isa}")
+            assert torch.isnan(buf[out_offset + n:]).all() and torch.isnan(buf[:out_offset]).all()
+
+
 def _half_ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Half the spacing of dtype's numbers at each of ``values`` (in float64; the spacing above a
     power of two, the looser one), the subnormal spacing for zeros and subnormals."""
