@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import zerocore  # noqa: F401  (registers torch.ops.zerocore)
+from tests.support.bits import assert_bits_equal
 from zerocore.kernels import formats, ops, reference
 
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -41,18 +42,9 @@ def _seed(*key) -> int:
     return zlib.crc32(repr(key).encode())
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.cpu().view({4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()])
-
-
-def _assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    # No tolerance: the kernels and the references compute an exact code value, one correctly
-    # rounded float32 product and one conversion to nearest even, so any difference is a bug.
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
-    diff = (_bits(actual) != _bits(expected)).nonzero()
-    assert diff.numel() == 0, (f"{what}: {diff.numel()} elements differ, the first at "
-                               f"{diff[0].item()}: {actual.flatten()[diff[0]].item()} instead of "
-                               f"{expected.flatten()[diff[0]].item()}")
+# assert_bits_equal has no tolerance: the kernels and the references compute an exact code
+# value, one correctly rounded float32 product and one conversion to nearest even, so any
+# difference is a bug.
 
 
 @contextlib.contextmanager
@@ -270,7 +262,7 @@ def test_every_code_dequantizes_to_its_value(device, out_dtype):
             with _using(isa) if isa else contextlib.nullcontext():
                 s = torch.full((1,), scale, device=device)
                 out = ops.dequantize_nf4(packed, s, 64, out_dtype, block=64)
-                _assert_bits_equal(out, reference.dequantize_nf4(packed, s, 64, 64, out_dtype),
+                assert_bits_equal(out, reference.dequantize_nf4(packed, s, 64, 64, out_dtype),
                                    f"nf4 codes, scale {scale}, {isa}")
                 if scale == 1.0:
                     assert out.float().cpu().tolist() == formats.NF4_CODE.repeat(4).to(
@@ -280,7 +272,7 @@ def test_every_code_dequantizes_to_its_value(device, out_dtype):
                 want = reference.dequantize_fp8(fp8_codes, s, 256, out_dtype)
                 nan = torch.isnan(want)
                 assert torch.equal(torch.isnan(out), nan) and nan.sum().item() == 2
-                _assert_bits_equal(out[~nan], want[~nan], f"fp8 codes, scale {scale}, {isa}")
+                assert_bits_equal(out[~nan], want[~nan], f"fp8 codes, scale {scale}, {isa}")
 
 
 # n and block: a few elements (less than one vector step), one whole block, a count ending
@@ -312,7 +304,7 @@ def test_dequantize_matches_reference(device, fmt, out_dtype, size, layout):
             buf = torch.full((out_offset + n + SLACK,), math.nan, dtype=out_dtype, device=device)
             out = buf[out_offset:out_offset + n]
             assert _dequantize_(fmt, out, q, scales, block) is out
-            _assert_bits_equal(out, want, f"{fmt} -> {DTYPE_IDS[out_dtype]}, isa {isa}")
+            assert_bits_equal(out, want, f"{fmt} -> {DTYPE_IDS[out_dtype]}, isa {isa}")
             outside = torch.cat([buf[:out_offset], buf[out_offset + n:]])
             assert torch.isnan(outside).all(), f"the {isa} kernel wrote outside out"
 
@@ -341,7 +333,7 @@ def test_dequantize_large(device, fmt, out_dtype, out_offset):
             buf = torch.full((out_offset + n + SLACK,), math.nan, dtype=out_dtype, device=device)
             out = buf[out_offset:out_offset + n]
             _dequantize_(fmt, out, q, scales, block)
-            _assert_bits_equal(out, want, f"{fmt} -> {DTYPE_IDS[out_dtype]}, isa {isa}")
+            assert_bits_equal(out, want, f"{fmt} -> {DTYPE_IDS[out_dtype]}, isa {isa}")
             assert torch.isnan(buf[out_offset + n:]).all() and torch.isnan(buf[:out_offset]).all()
 
 
@@ -420,7 +412,7 @@ def test_fp8_subnormal_codes_and_max_magnitude(device):
         for isa in _isas(device):
             with _using(isa) if isa else contextlib.nullcontext():
                 out = ops.dequantize_fp8(codes, scales, out_dtype, block=32)
-                _assert_bits_equal(out, reference.dequantize_fp8(codes, scales, 32, out_dtype),
+                assert_bits_equal(out, reference.dequantize_fp8(codes, scales, 32, out_dtype),
                                    f"fp8 specials -> {DTYPE_IDS[out_dtype]}, {isa}")
 
 
@@ -498,4 +490,4 @@ def test_cuda_equals_cpu_past_one_grid(fmt, layout):
         results[device] = (q, scales, buf)
     for name, a, b in zip(["codes", "scales", "dequantized buffer"], results["cpu"],
                           results["cuda"]):
-        _assert_bits_equal(b.cpu(), a, f"{fmt} {name}: CUDA against CPU")
+        assert_bits_equal(b.cpu(), a, f"{fmt} {name}: CUDA against CPU")
