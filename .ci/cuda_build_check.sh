@@ -75,7 +75,7 @@ import torch
 torch.ops.load_library(sys.argv[1])
 missing = [f"zerocore::{op} for {key}"
            for op in ("fused_adam", "fused_adam_multi", "grad_stats", "pack", "unpack", "quantize_blockwise",
-                      "dequantize_blockwise_")
+                      "dequantize_blockwise_", "dequantize_nf4_", "dequantize_fp8_")
            for key in ("CPU", "CUDA")
            if not torch._C._dispatch_has_kernel_for_dispatch_key(f"zerocore::{op}", key)]
 if missing:

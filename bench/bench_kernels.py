@@ -6,7 +6,8 @@ Run (not part of the default test run):
 
 Every operation is one test that times zerocore, the torch baselines a user would pick (the
 fused and foreach optimizers, torch.cat, copy loops, ``torch._foreach_copy_``, int8
-dequantization by repeat_interleave or broadcasting, and the same operation written by hand and
+dequantization by repeat_interleave or broadcasting, NF4 and fp8 dequantization by a table
+lookup or torch's fp8 conversion and a broadcast, and the same operation written by hand and
 compiled with ``torch.compile``) and a plain copy of the same number of bytes (the bandwidth
 ceiling), interleaved: every round calls each variant once, in a shuffled order
 (bench/conftest.py). The end-of-run tables give zerocore against the fastest
@@ -23,8 +24,8 @@ import pytest
 import torch
 
 import zerocore
-from conftest import RMW_VARIANT, ZEROCORE_VARIANT
-from zerocore.kernels import ops
+from conftest import OUTPUT_COPY_VARIANT, RMW_VARIANT, ZEROCORE_VARIANT
+from zerocore.kernels import formats, ops
 
 # The shard size of the issue's targets.
 N = 1 << 24
@@ -514,3 +515,68 @@ def test_dequant(interleaved_bench, device, dtype):
                 for v in DEQUANT_VARIANTS}
     interleaved_bench(variants, group=f"dequantize int8 -> {dtype}, block {QUANT_BLOCK}, "
                                       f"2^24 elements", nbytes=nbytes, device=device)
+
+
+# --- NF4 and fp8 dequantization -----------------------------------------------------------------
+
+# Frozen weights held in a low-bit format (zerocore.kernels.formats) and widened into the compute
+# dtype before use, at each format's own block size.
+LOWBIT_FORMATS = {"nf4": formats.NF4_BLOCK, "fp8": formats.FP8_BLOCK}
+LOWBIT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _lowbit_bytes(fmt: str, dtype) -> int:
+    """Read the codes (half a byte an element for NF4, a byte for fp8) and the scales, write the
+    output once."""
+    code_bytes = N // 2 if fmt == "nf4" else N
+    return code_bytes + (N // LOWBIT_FORMATS[fmt]) * 4 + N * dtype.itemsize
+
+
+def _lowbit_variants(fmt: str, dtype, device: str) -> dict:
+    """zerocore's kernel (on the CPU each instruction set, forced per call: the choice is a
+    pointer swap), the plain PyTorch a user would write (a table lookup or torch's own fp8
+    conversion, then the scales broadcast per block), and copies for the bandwidth ratio."""
+    block = LOWBIT_FORMATS[fmt]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, generator=g)
+    q, scales = (formats.quantize_nf4 if fmt == "nf4" else formats.quantize_fp8)(x, block)
+    q, scales = q.to(device), scales.to(device)
+    flat = torch.full((N,), float("nan"), dtype=dtype, device=device)  # first touch
+    dequantize_ = ops.dequantize_nf4_ if fmt == "nf4" else ops.dequantize_fp8_
+    variants = {}
+    isas = ops._cpu_lowbit_isas() if device == "cpu" else []
+    variants[ZEROCORE_VARIANT] = lambda: dequantize_(flat, q, scales, block)
+    for isa in isas[:-1]:  # the widest is the default, "zerocore" itself
+        def forced(isa=isa):
+            old = ops._cpu_lowbit_isa()
+            ops._cpu_lowbit_isa(isa)
+            dequantize_(flat, q, scales, block)
+            ops._cpu_lowbit_isa(old)
+        variants[f"zerocore ({isa})"] = forced
+    rows = flat.view(-1, block)
+    if fmt == "nf4":
+        table = formats.NF4_CODE.to(device)
+
+        def plain():
+            codes = torch.stack([q & 0xF, q >> 4], dim=1).view(-1).long()
+            rows.copy_(table[codes].view(-1, block) * scales[:, None])
+    else:
+        def plain():
+            rows.copy_(q.view(torch.float8_e4m3fn).float().view(-1, block) * scales[:, None])
+    variants["torch (table / fp8 cast, broadcast)"] = plain
+    variants["copy (ceiling)"] = _copy_ceiling(_lowbit_bytes(fmt, dtype), device)
+    src = torch.ones_like(flat)
+    variants[OUTPUT_COPY_VARIANT] = lambda: flat.copy_(src)
+    return variants
+
+
+@pytest.mark.parametrize("dtype", list(LOWBIT_DTYPES))
+@pytest.mark.parametrize("fmt", list(LOWBIT_FORMATS))
+@pytest.mark.parametrize("device", DEVICES)
+def test_dequant_lowbit(interleaved_bench, device, fmt, dtype):
+    out_dtype = LOWBIT_DTYPES[dtype]
+    variants = _lowbit_variants(fmt, out_dtype, device)
+    interleaved_bench(variants, group=f"dequantize {fmt} -> {dtype}, block {LOWBIT_FORMATS[fmt]}, "
+                                      f"2^24 elements", nbytes=_lowbit_bytes(fmt, out_dtype),
+                      device=device,
+                      variant_bytes={OUTPUT_COPY_VARIANT: 2 * N * out_dtype.itemsize})

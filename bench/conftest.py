@@ -36,7 +36,11 @@ COPY_VARIANT = "copy (ceiling)"
 # shard's size reads two arrays and writes one back in place, the access pattern of the Adam
 # step's state arrays (a plain copy writes to lines it never read).
 RMW_VARIANT = "RMW b.add_(a) (ceiling)"
-CEILING_VARIANTS = (COPY_VARIANT, RMW_VARIANT)
+# The low-bit dequantizations' second ceiling (bench_kernels.py, test_dequant_lowbit): a copy of
+# a tensor of the output's size and dtype, what the weights would cost to move were they held in
+# the compute dtype.
+OUTPUT_COPY_VARIANT = "copy of the output (ceiling)"
+CEILING_VARIANTS = (COPY_VARIANT, RMW_VARIANT, OUTPUT_COPY_VARIANT)
 ZEROCORE_VARIANT = "zerocore"
 
 

@@ -25,8 +25,12 @@
 #                   two ranks on the GPU against the exact all-reduce, within qgZ's loss bound
 #                   (issue 30); its budget came out of build's (120 -> 105 s), the two-rank
 #                   and bf16 steps' (45 -> 40, 60 -> 50 s) and layer cost's (25 -> 20 s)
-#   6. CUDA tests   pytest tests -k cuda
-#   7. benchmarks   bench/bench_kernels.py, CUDA variants only
+#   6. CUDA tests   pytest tests -k cuda (the low-bit kernels' tests left to 7b)
+#   7. benchmarks   bench/bench_kernels.py, CUDA variants only (the low-bit ones left to 7b)
+#   7b. low-bit     the NF4 and fp8 dequantization kernels: their tests on CUDA (against the
+#                   references, hence the CPU kernels, bit for bit) and their benchmark against
+#                   the copy bandwidth (issue 41); its budget came out of the CUDA tests' (60 ->
+#                   50 s) and the CUDA benchmarks' (30 -> 15 s), which no longer run them
 #   8. example      examples/finetune_hf_trainer.py under torchrun on one GPU (Trainer, LoRA,
 #                   offload, gradient checkpointing, bf16): PEFT's reload must generate the
 #                   sharded model's line
@@ -71,8 +75,9 @@ PLAN=(
   "two ranks, one GPU|40|25|two CPU ranks"
   "bf16: GPU against gloo CPU|50|35|two CPU runs, bit for bit"
   "mesh and qgZ|35|25|the same jobs on CPU ranks"
-  "CUDA tests|60|45|collected only"
-  "CUDA benchmarks|30|20|collected only"
+  "CUDA tests|50|40|collected only"
+  "CUDA benchmarks|15|10|collected only"
+  "low-bit kernels|25|15|collected only"
   "Trainer example|40|30|--help only"
   "layer cost|20|15|--help only"
   "param offload|30|20|--help only"
@@ -278,6 +283,12 @@ write_summary() {
       echo
       cat "$RES/gpu_kernel_table.md"
     fi
+    if [[ -s "$RES/gpu_lowbit_table.md" ]]; then
+      echo
+      echo "## Low-bit dequantization benchmarks"
+      echo
+      cat "$RES/gpu_lowbit_table.md"
+    fi
     echo
     if ((${#failed[@]})); then
       echo "FAILED: ${failed[*]}"
@@ -359,10 +370,11 @@ step "mesh and qgZ" "$RES/gpu_mesh.log" mesh_jobs
 # CUDA cases are skipped when torch sees no GPU, and that is not a pass of the GPU check.
 if ((DRY_RUN)); then
   step "CUDA tests" "$RES/gpu_tests.log" \
-    "$PY" -m pytest tests -k cuda --collect-only -q -p no:cacheprovider
+    "$PY" -m pytest tests -k "cuda and not lowbit" --collect-only -q -p no:cacheprovider
 else
   step "CUDA tests" "$RES/gpu_tests.log" \
-    "$PY" -m pytest tests -k cuda -q -rfEs -p no:cacheprovider --junitxml="$RES/gpu_tests.xml"
+    "$PY" -m pytest tests -k "cuda and not lowbit" -q -rfEs -p no:cacheprovider \
+    --junitxml="$RES/gpu_tests.xml"
   if [[ "$(tail -n 1 "$RES/gpu_tests.log")" != *passed* ]]; then
     failed+=("CUDA tests (none passed)")
   fi
@@ -371,14 +383,38 @@ fi
 # 5. The CUDA kernel benchmarks (the CPU variants are left out: not what this machine is for).
 if ((DRY_RUN)); then
   step "CUDA benchmarks" "$RES/gpu_bench.log" \
-    "$PY" -m pytest bench/bench_kernels.py -k cuda --collect-only -q -p no:cacheprovider
+    "$PY" -m pytest bench/bench_kernels.py -k "cuda and not lowbit" --collect-only -q \
+    -p no:cacheprovider
 else
   step "CUDA benchmarks" "$RES/gpu_bench.log" \
-    "$PY" -m pytest bench/bench_kernels.py --benchmark-only -k cuda -q -p no:cacheprovider \
-    --benchmark-json="$RES/gpu_bench.json" --kernel-table="$RES/gpu_kernel_table.md"
+    "$PY" -m pytest bench/bench_kernels.py --benchmark-only -k "cuda and not lowbit" -q \
+    -p no:cacheprovider --benchmark-json="$RES/gpu_bench.json" \
+    --kernel-table="$RES/gpu_kernel_table.md"
   if [[ "$(tail -n 1 "$RES/gpu_bench.log")" != *passed* ]]; then
     failed+=("CUDA benchmarks (none ran)")
   fi
+fi
+
+# 7b. The NF4 and fp8 dequantization kernels on CUDA: their tests, then their benchmark against
+# the copy bandwidth. Both must pass something: skipped CUDA cases are not a pass.
+lowbit_kernels() {
+  local collect=()
+  ((DRY_RUN)) && collect=(--collect-only)
+  "$PY" -m pytest tests/kernels/test_lowbit_ops.py -k cuda -q -rfEs -p no:cacheprovider \
+    "${collect[@]}" --junitxml="$RES/gpu_lowbit_tests.xml" || return 1
+  if ((DRY_RUN)); then
+    "$PY" -m pytest bench/bench_kernels.py -k "lowbit and cuda" -q -p no:cacheprovider \
+      --collect-only
+  else
+    "$PY" -m pytest bench/bench_kernels.py --benchmark-only -k "lowbit and cuda" -q \
+      -p no:cacheprovider --benchmark-json="$RES/gpu_lowbit_bench.json" \
+      --kernel-table="$RES/gpu_lowbit_table.md"
+  fi
+}
+export -f lowbit_kernels
+step "low-bit kernels" "$RES/gpu_lowbit.log" lowbit_kernels
+if ((!DRY_RUN)) && [[ "$(tail -n 1 "$RES/gpu_lowbit.log")" != *passed* ]]; then
+  failed+=("low-bit kernels (none passed)")
 fi
 
 # 6. The Trainer example on one GPU (NCCL, bf16 where the GPU has it). In a dry run, its --help

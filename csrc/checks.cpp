@@ -220,4 +220,35 @@ void check_dequantize_blockwise(const at::Tensor& out, const at::Tensor& q,
               "; move all arguments to one device");
 }
 
+void check_dequantize_lowbit(const at::Tensor& out, const at::Tensor& q, const at::Tensor& scales,
+                             int64_t block, const char* op, int64_t bits) {
+  TORCH_CHECK(is_supported_float(out.scalar_type()), "zerocore.", op,
+              ": out must be float32, float16 or bfloat16, got ", out.scalar_type());
+  TORCH_CHECK(out.is_contiguous(), "zerocore.", op, ": out must be contiguous (a slice of a flat "
+              "buffer, say), got strides ", out.strides());
+  TORCH_CHECK(q.scalar_type() == at::kByte, "zerocore.", op, ": the codes must be uint8, got ",
+              q.scalar_type());
+  TORCH_CHECK(q.dim() == 1 && q.is_contiguous(), "zerocore.", op,
+              ": the codes must be a contiguous 1-D tensor, got shape ", q.sizes());
+  TORCH_CHECK(scales.scalar_type() == at::kFloat, "zerocore.", op,
+              ": scales must be float32, got ", scales.scalar_type());
+  TORCH_CHECK(scales.dim() == 1 && scales.is_contiguous(), "zerocore.", op,
+              ": scales must be a contiguous 1-D tensor, got shape ", scales.sizes());
+  TORCH_CHECK(block >= 32 && block % 32 == 0, "zerocore.", op,
+              ": block must be a positive multiple of 32, got ", block);
+  const int64_t n = out.numel();
+  const int64_t want_bytes = (n * bits + 7) / 8;
+  TORCH_CHECK(q.numel() == want_bytes, "zerocore.", op, ": out has ", n, " elements, which take ",
+              want_bytes, " bytes of ", bits, "-bit codes, but the codes have ", q.numel());
+  const int64_t want_scales = (n + block - 1) / block;
+  TORCH_CHECK(scales.numel() == want_scales, "zerocore.", op, ": out has ", n, " elements in ",
+              want_scales, " blocks of ", block, " but scales has ", scales.numel(),
+              "; pass one scale per block");
+  TORCH_CHECK(q.device() == out.device(), "zerocore.", op, ": the codes are on ", q.device(),
+              " but out is on ", out.device(), "; move all arguments to one device");
+  TORCH_CHECK(scales.device() == out.device(), "zerocore.", op, ": scales is on ",
+              scales.device(), " but out is on ", out.device(),
+              "; move all arguments to one device");
+}
+
 }  // namespace zerocore

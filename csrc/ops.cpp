@@ -39,4 +39,12 @@ TORCH_LIBRARY(zerocore, m) {
   // out[i] = q[i] * scales[i // block], multiplied in fp32 and rounded once to out's dtype. out
   // may be a slice of a larger buffer at any offset.
   m.def("dequantize_blockwise_(Tensor(a!) out, Tensor q, Tensor scales, int block) -> ()");
+  // The low-bit formats of zerocore/kernels/formats.py, n = out.numel() elements of any count,
+  // scales[b] (fp32) for elements [b * block, (b + 1) * block), block a multiple of 32:
+  // out[i] = value(code i) * scales[i // block], multiplied in fp32 and rounded once to out's
+  // dtype. NF4: code i is the low nibble of packed[i // 2] for an even i, the high one for an odd
+  // i, and its value QLoRA's NormalFloat4 table entry. fp8: code i is codes[i], the bits of an
+  // e4m3fn number (its NaN codes give NaN).
+  m.def("dequantize_nf4_(Tensor(a!) out, Tensor packed, Tensor scales, int block) -> ()");
+  m.def("dequantize_fp8_(Tensor(a!) out, Tensor codes, Tensor scales, int block) -> ()");
 }

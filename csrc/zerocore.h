@@ -73,6 +73,13 @@ void check_quantized_finite(const at::Tensor& scales, int64_t block);
 void check_dequantize_blockwise(const at::Tensor& out, const at::Tensor& q,
                                 const at::Tensor& scales, int64_t block);
 
+// Validates the arguments of zerocore::dequantize_nf4_ / dequantize_fp8_ (op names which):
+// out contiguous, float32, float16 or bfloat16, of n elements; q contiguous 1-D uint8 holding the
+// n codes of `bits` bits each (ceil(n * bits / 8) bytes); scales contiguous 1-D float32 with one
+// per block of `block` elements (ceil(n / block)), block a positive multiple of 32; one device.
+void check_dequantize_lowbit(const at::Tensor& out, const at::Tensor& q, const at::Tensor& scales,
+                             int64_t block, const char* op, int64_t bits);
+
 inline bool is_supported_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
 }

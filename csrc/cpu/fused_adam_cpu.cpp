@@ -12,113 +12,31 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
-#include <cstdlib>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "../zerocore.h"
 #include "fused_adam_isa.h"
+#include "isa_choice.h"
 #include "vec_io.h"
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define ZEROCORE_X86_DISPATCH 1
-#include <cpuid.h>
-#endif
 
 namespace zerocore::cpu {
 namespace {
 
-#if defined(ZEROCORE_X86_DISPATCH)
-// XCR0 bits of the register state the OS saves and restores on a context switch: SSE and the
-// upper halves of the ymm registers for AVX; with AVX-512 also the opmask registers, the upper
-// halves of zmm0-15 and zmm16-31. A CPU can report AVX-512 in cpuid while the OS (or a
-// hypervisor) does not save that state; its instructions then fault, or their registers are lost.
-constexpr uint64_t kXcr0Avx = 0x6;
-constexpr uint64_t kXcr0Avx512 = 0xe6;
-
-// Whether the OS has enabled XSAVE (cpuid.1:ECX.OSXSAVE) and saves every state in `mask`.
-// Checked here as well as by __builtin_cpu_supports (whose runtime does check XCR0 in current
-// GCC and clang) so the rule does not depend on the compiler's runtime library.
-bool os_saves(uint64_t mask) {
-  unsigned int eax = 0, ebx = 0, ecx = 0, edx = 0;
-  if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0 || (ecx & bit_OSXSAVE) == 0) return false;
-  uint32_t lo = 0, hi = 0;
-  // xgetbv written out: its intrinsic needs the xsave target, and this file is built without it.
-  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-  const uint64_t xcr0 = (static_cast<uint64_t>(hi) << 32) | lo;
-  return (xcr0 & mask) == mask;
-}
-#endif
-
-// The ISAs this build has kernels for and this CPU and OS can run, narrowest first.
-std::vector<const adam::Kernels*> runnable_isas() {
-  std::vector<const adam::Kernels*> out{adam::scalar_kernels()};
-#if defined(ZEROCORE_X86_DISPATCH)
-  if (adam::avx2_kernels() != nullptr && __builtin_cpu_supports("avx2") &&
-      __builtin_cpu_supports("f16c") && os_saves(kXcr0Avx)) {
-    out.push_back(adam::avx2_kernels());
-    // The extensions fused_adam_avx512.cpp is compiled for, every one of them.
-    if (adam::avx512_kernels() != nullptr && __builtin_cpu_supports("avx512f") &&
-        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-        __builtin_cpu_supports("avx512dq") && os_saves(kXcr0Avx512)) {
-      out.push_back(adam::avx512_kernels());
-    }
-  }
-#endif
-  return out;
+// Constructed at the first call (a function-local static: thread-safe, and no CPU query at load).
+IsaChoice<adam::Kernels>& isa_choice() {
+  static IsaChoice<adam::Kernels> choice("adam", adam::scalar_kernels(), adam::avx2_kernels(),
+                                         adam::avx512_kernels());
+  return choice;
 }
 
-const adam::Kernels* find_isa(const std::string& name) {
-  for (const adam::Kernels* k : runnable_isas()) {
-    if (name == k->name) return k;
-  }
-  return nullptr;
-}
+const adam::Kernels* active_isa() { return isa_choice().active(); }
 
-std::string isa_names() {
-  std::string names;
-  for (const adam::Kernels* k : runnable_isas()) names += std::string(names.empty() ? "" : ", ") + k->name;
-  return names;
-}
-
-std::atomic<const adam::Kernels*> g_isa{nullptr};
-std::once_flag g_isa_once;
-
-const adam::Kernels* active_isa() {
-  std::call_once(g_isa_once, [] {
-    const adam::Kernels* chosen = runnable_isas().back();
-    const char* env = std::getenv("ZEROCORE_CPU_ISA");
-    if (env != nullptr && *env != '\0' && std::string(env) != "auto") {
-      chosen = find_isa(env);
-      TORCH_CHECK(chosen != nullptr, "zerocore: ZEROCORE_CPU_ISA=", env, " is not one this CPU "
-                  "and build can run (", isa_names(), ", or auto)");
-    }
-    const adam::Kernels* expected = nullptr;  // set only if _cpu_adam_isa did not run first
-    g_isa.compare_exchange_strong(expected, chosen);
-  });
-  return g_isa.load(std::memory_order_relaxed);
-}
-
-// The test hook: with a name, makes that ISA's kernels the ones used from now on (in this
-// process); returns the name of the ISA in use.
 std::string cpu_adam_isa(const c10::optional<std::string>& name) {
-  active_isa();
-  if (name.has_value()) {
-    const adam::Kernels* k = find_isa(*name);
-    TORCH_CHECK(k != nullptr, "zerocore._cpu_adam_isa: '", *name, "' is not one this CPU and "
-                "build can run (", isa_names(), ")");
-    g_isa.store(k);
-  }
-  return active_isa()->name;
+  return isa_choice().hook(name);
 }
 
-std::vector<std::string> cpu_adam_isas() {
-  std::vector<std::string> out;
-  for (const adam::Kernels* k : runnable_isas()) out.emplace_back(k->name);
-  return out;
-}
+std::vector<std::string> cpu_adam_isas() { return isa_choice().runnable(); }
 
 adam::Dtype dtype_of(at::ScalarType t) {
   switch (t) {

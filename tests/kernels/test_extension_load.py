@@ -3,7 +3,9 @@ after a ``git pull``) is noticed, instead of loading a library that lacks the ne
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import subprocess
 import sys
 
@@ -138,3 +140,99 @@ def test_build_messages_reach_stderr_when_nothing_configured_logging():
                           cwd=_sources.repo_root(), check=True)
     assert proc.stdout == ("zerocore.kernels._extension WARNING zerocore: 1 of 3 files "
                            "compiled (7 s)\n") and proc.stderr == ""
+
+
+# -- a killed compile does not block later imports -----------------------------------------------
+
+@contextlib.contextmanager
+def _capture_warnings(on_record=None):
+    """The messages of zerocore's kernel loader while the block runs (on_record(record) is
+    called as each comes)."""
+    said = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+            if on_record is not None:
+                on_record(record)
+
+    handler = Collect()
+    _extension.logger.addHandler(handler)
+    try:
+        yield said
+    finally:
+        _extension.logger.removeHandler(handler)
+
+
+# A builder as zerocore runs one: it takes zerocore's lock, then torch's baton (the `lock` file
+# cpp_extension.load creates), and is killed mid-compile.
+_KILLED_BUILDER = """
+import os, signal, sys
+from torch.utils.file_baton import FileBaton
+from zerocore.kernels import _extension
+
+def build():
+    assert FileBaton(os.path.join(sys.argv[1], "lock")).try_acquire()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+_extension._build_locked(sys.argv[1], build)
+"""
+
+
+def test_a_killed_compile_leaves_no_lock_that_blocks_the_next(tmp_path):
+    """The next build takes torch's baton at once (without the fix, torch's loader finds the dead
+    builder's `lock` and polls for it forever: here try_acquire is False), says what it removed,
+    and a build that finds no stale lock says nothing."""
+    from torch.utils.file_baton import FileBaton
+
+    done = subprocess.run([sys.executable, "-c", _KILLED_BUILDER, str(tmp_path)],
+                          capture_output=True, text=True)
+    assert done.returncode == -9, done.stderr
+    assert (tmp_path / "lock").exists(), "the simulated builder must leave torch's lock behind"
+
+    def build():
+        baton = FileBaton(str(tmp_path / "lock"))
+        acquired = baton.try_acquire()
+        if acquired:
+            baton.release()
+        return acquired
+
+    with _capture_warnings() as said:
+        assert _extension._build_locked(str(tmp_path), build) is True
+    assert said == [f"zerocore: removing {tmp_path / 'lock'}, left by a compile that was killed"]
+    with _capture_warnings() as said:
+        assert _extension._build_locked(str(tmp_path), build) is True
+    assert said == []
+
+
+def test_a_live_builders_lock_is_waited_for_not_removed(tmp_path):
+    """While another process holds zerocore's lock (building), its `lock` is not touched: the
+    second builder waits, saying so, and runs once the first has finished."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys\n"
+         "f = open(os.path.join(sys.argv[1], 'zerocore.flock'), 'a')\n"
+         "fcntl.flock(f, fcntl.LOCK_EX)\n"
+         "open(os.path.join(sys.argv[1], 'lock'), 'w').close()\n"
+         "print('holding', flush=True)\n"
+         "sys.stdin.readline()\n"
+         "os.remove(os.path.join(sys.argv[1], 'lock'))\n", str(tmp_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "holding\n"
+    seen = []
+
+    def build():
+        seen.append((tmp_path / "lock").exists())
+        return "built"
+
+    def say_and_release(record):
+        # The waiting line comes before the wait: only then let the holder finish.
+        if "waiting for it" in record.getMessage():
+            holder.stdin.write("\n")
+            holder.stdin.flush()
+
+    with _capture_warnings(on_record=say_and_release) as said:
+        assert _extension._build_locked(str(tmp_path), build) == "built"
+    assert holder.wait() == 0
+    assert said == [f"zerocore: another process is compiling the kernels into {tmp_path}; "
+                    f"waiting for it"]
+    assert seen == [False], "the live builder's lock was removed by the waiting one"

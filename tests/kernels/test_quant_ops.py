@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import zerocore  # noqa: F401  (registers torch.ops.zerocore)
+from tests.support.bits import assert_bits_equal, bits
 from zerocore.kernels import ops, reference
 
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -71,19 +72,9 @@ def _placed(n: int, dtype: torch.dtype, offset: int, device: str, fill=math.nan)
     return buf, buf[offset:offset + n]
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bits, so that equality also means the same sign of zero and the same NaNs."""
-    return t.cpu().view({4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()])
-
-
-def _assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    # No tolerance: the kernels and the references perform the same correctly rounded IEEE
-    # operations (divisions, products, conversions to nearest even), so any difference is a bug.
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
-    diff = (_bits(actual) != _bits(expected)).nonzero()
-    assert diff.numel() == 0, (f"{what}: {diff.numel()} elements differ, the first at "
-                               f"{diff[0].item()}: {actual.flatten()[diff[0]].item()} instead of "
-                               f"{expected.flatten()[diff[0]].item()}")
+# assert_bits_equal has no tolerance: the kernels and the references perform the same correctly
+# rounded IEEE operations (divisions, products, conversions to nearest even), so any difference
+# is a bug.
 
 
 def _cases():
@@ -103,8 +94,8 @@ def test_quantize_matches_reference(device, block, n_blocks, dtype):
     q, scales = ops.quantize_blockwise(x, block)
     want_q, want_scales = reference.quantize_blockwise(x, block)
     assert q.device == x.device and scales.device == x.device
-    _assert_bits_equal(scales, want_scales, "scales")
-    _assert_bits_equal(q, want_q, "q")
+    assert_bits_equal(scales, want_scales, "scales")
+    assert_bits_equal(q, want_q, "q")
     if n_blocks > 2:  # block 2 is all zeros (see _values)
         assert scales[2].item() == 0.0 and not q[2 * block:3 * block].any()
 
@@ -128,12 +119,12 @@ def test_dequantize_matches_reference(device, block, n_blocks, out_dtype, layout
     q.copy_(q_values)
     buf, out = _placed(n, out_dtype, out_offset, device)
     assert ops.dequantize_blockwise_(out, q, scales, block) is out
-    _assert_bits_equal(out, reference.dequantize_blockwise(q, scales, block, out_dtype),
+    assert_bits_equal(out, reference.dequantize_blockwise(q, scales, block, out_dtype),
                        "dequantized")
     assert torch.isnan(buf[:out_offset]).all() and torch.isnan(buf[out_offset + n:]).all(), \
         "the kernel wrote outside out"
     functional = ops.dequantize_blockwise(q, scales, block, out_dtype)
-    _assert_bits_equal(functional, out, "functional form")
+    assert_bits_equal(functional, out, "functional form")
 
 
 # The CPU kernels use streaming stores with a scalar head up to the first 32-byte boundary once
@@ -148,7 +139,7 @@ def test_dequantize_large(device, out_dtype, out_offset):
     scales = (torch.rand(n // block, generator=g) * 1e-2).to(device)
     buf, out = _placed(n, out_dtype, out_offset, device)
     ops.dequantize_blockwise_(out, q, scales, block)
-    _assert_bits_equal(out, reference.dequantize_blockwise(q, scales, block, out_dtype),
+    assert_bits_equal(out, reference.dequantize_blockwise(q, scales, block, out_dtype),
                        "dequantized")
     assert torch.isnan(buf[:out_offset]).all() and torch.isnan(buf[out_offset + n:]).all()
 
@@ -237,13 +228,13 @@ def test_all_zero_and_tiny_blocks(device):
     x = torch.tensor(sum(blocks, []), dtype=torch.float32, device=device)
     q, scales = ops.quantize_blockwise(x, 16)
     want_q, want_scales = reference.quantize_blockwise(x, 16)
-    _assert_bits_equal(scales, want_scales, "scales")
-    _assert_bits_equal(q, want_q, "q")
+    assert_bits_equal(scales, want_scales, "scales")
+    assert_bits_equal(q, want_q, "q")
     assert scales[:3].tolist() == [0.0, 0.0, 0.0] and not q[:48].any()
     assert 0 < scales[3].item() < tiny and 0 < scales[4].item() < tiny
     for dtype in FLOAT_DTYPES:
         out = ops.dequantize_blockwise(q, scales, 16, dtype)
-        _assert_bits_equal(out, reference.dequantize_blockwise(q, scales, 16, dtype),
+        assert_bits_equal(out, reference.dequantize_blockwise(q, scales, 16, dtype),
                            f"dequantized to {DTYPE_IDS[dtype]}")
         assert not torch.signbit(out[:48]).any(), "zero blocks dequantize to +0.0"
 
@@ -435,7 +426,7 @@ def test_torch_compile_fullgraph(device):
     got = torch.compile(_gather_and_widen, fullgraph=True)(x, flats[1], 5, 64)
     for a, b in zip(want, got):
         assert torch.equal(a, b)
-    assert torch.equal(_bits(flats[0]), _bits(flats[1]))
+    assert torch.equal(bits(flats[0]), bits(flats[1]))
 
 
 def _widen_then_read(x, flat):
@@ -456,7 +447,7 @@ def test_torch_compile_orders_reads_after_writes(device):
     want = _widen_then_read(x, flats[0])
     got = torch.compile(_widen_then_read, backend="aot_eager", fullgraph=True)(x, flats[1])
     for a, b in zip(list(want) + flats[:1], list(got) + flats[1:]):
-        assert torch.equal(_bits(a), _bits(b))
+        assert torch.equal(bits(a), bits(b))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -490,4 +481,4 @@ def test_cuda_equals_cpu_past_one_grid(block, layout):
         ops.dequantize_blockwise_(out, q_buf[q_offset:], scales, block)
         results[device] = (q, scales, buf)
     for name, a, b in zip(["q", "scales", "dequantized buffer"], results["cpu"], results["cuda"]):
-        _assert_bits_equal(b.cpu(), a, f"{name}: CUDA against CPU")
+        assert_bits_equal(b.cpu(), a, f"{name}: CUDA against CPU")

@@ -33,10 +33,11 @@ def test_quick_run_passes_and_prints_the_table(capsys):
                  "grad_stats vs reference", "pack vs reference",
                  "unpack vs reference", "engine ws1 losses vs torch AdamW",
                  "engine ws1 params vs torch AdamW", "engine ws1 unpadded groups vs torch AdamW",
-                 "offload vs no offload (bf16)", "copy bandwidth", "fused_adam bandwidth"):
+                 "offload vs no offload (bf16)", "copy bandwidth", "fused_adam bandwidth",
+                 "nf4/fp8 dequantize vs reference"):
         assert name in out, name
     assert "FAIL" not in out
-    assert "10 passed, 0 failed, 3 measured" in out
+    assert "11 passed, 0 failed, 3 measured" in out
 
 
 @pytest.mark.e2e
@@ -125,10 +126,13 @@ BROKEN = {
 }
 
 
-def _dequantize_one_ulp(out, q, scales, block):
-    ops.dequantize_blockwise_(out, q, scales, block)
-    out.view(torch.int16 if out.element_size() == 2 else torch.int32)[-1] += 1
-    return out
+def _one_ulp_off(dequantize_):
+    """``dequantize_`` with its last output one unit in the last place off."""
+    def wrong(out, q, scales, block):
+        dequantize_(out, q, scales, block)
+        out.view(torch.int16 if out.element_size() == 2 else torch.int32)[-1] += 1
+        return out
+    return wrong
 
 
 def _quantize_rounding_down(x, block):
@@ -136,11 +140,23 @@ def _quantize_rounding_down(x, block):
     return q.clamp(max=126), scales
 
 
-@pytest.mark.parametrize("kwargs", [{"dequantize": _dequantize_one_ulp},
+@pytest.mark.parametrize("kwargs", [{"dequantize": _one_ulp_off(ops.dequantize_blockwise_)},
                                     {"quantize": _quantize_rounding_down}],
                          ids=["dequantize-one-ulp", "quantize-clamped"])
 def test_wrong_int8_op_fails(kwargs):
     result = selftest.check_int8(CPU, SIZES, **kwargs)
+    assert result.status == "FAIL", result
+
+
+def _dequantize_nf4_swapping_nibbles(out, packed, scales, block):
+    return ops.dequantize_nf4_(out, (packed >> 4) | (packed << 4), scales, block)
+
+
+@pytest.mark.parametrize("kwargs", [{"dequantize_nf4": _dequantize_nf4_swapping_nibbles},
+                                    {"dequantize_fp8": _one_ulp_off(ops.dequantize_fp8_)}],
+                         ids=["nf4-nibbles-swapped", "fp8-one-ulp"])
+def test_wrong_lowbit_op_fails(kwargs):
+    result = selftest.check_lowbit(CPU, SIZES, **kwargs)
     assert result.status == "FAIL", result
 
 
@@ -155,7 +171,7 @@ def test_wrong_op_fails(case):
 @pytest.mark.parametrize("check", [selftest.check_fused_adam, selftest.check_fused_adam_multi,
                                    selftest.check_grad_stats,
                                    selftest.check_pack, selftest.check_unpack,
-                                   selftest.check_int8],
+                                   selftest.check_int8, selftest.check_lowbit],
                          ids=lambda f: f.__name__)
 def test_right_op_passes(check):
     result = check(CPU, SIZES)

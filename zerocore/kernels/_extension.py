@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import importlib
 import json
 import logging
@@ -20,6 +21,7 @@ import os
 import platform
 import re
 import time
+from typing import Callable, TypeVar
 
 import torch
 
@@ -91,6 +93,37 @@ def _say(message: str) -> None:
     logger.warning(message)
 
 
+T = TypeVar("T")
+
+# torch's cpp_extension.load marks a build in progress with a file named ``lock`` in the build
+# directory (torch.utils.file_baton.FileBaton) and every other loader polls until it is gone. A
+# builder that is killed (Ctrl-C during the minutes of a compile, the OOM killer, a job's time
+# limit) leaves it behind, and every later import would wait forever.
+TORCH_BATON = "lock"
+
+
+def _build_locked(build_dir: str, build: Callable[[], T]) -> T:
+    """``build()`` while this process holds an exclusive ``flock`` on ``build_dir/
+    zerocore.flock``, which the OS releases when the process ends however it ends.
+
+    Every zerocore builder takes this lock before torch's, so while it is held no other live
+    zerocore process is building here: a ``lock`` file found then was left by a builder that
+    died, and is removed (with a line saying so) instead of being waited on forever. Another
+    live builder is waited for, with a line saying so."""
+    with open(os.path.join(build_dir, "zerocore.flock"), "a") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _say(f"zerocore: another process is compiling the kernels into {build_dir}; "
+                 f"waiting for it")
+            fcntl.flock(held, fcntl.LOCK_EX)
+        baton = os.path.join(build_dir, TORCH_BATON)
+        if os.path.exists(baton):
+            _say(f"zerocore: removing {baton}, left by a compile that was killed")
+            os.remove(baton)
+        return build()  # closing the file releases the lock
+
+
 def _compile_now() -> BuildInfo:
     from torch.utils import cpp_extension
 
@@ -119,11 +152,11 @@ def _compile_now() -> BuildInfo:
         _say, len(srcs), lambda: _sources.objects_written_since(build_dir, since))
         if compiling else contextlib.nullcontext())
     with progress:
-        cpp_extension.load(
+        _build_locked(build_dir, lambda: cpp_extension.load(
             name=name, sources=srcs, is_python_module=False, verbose=False,
             build_directory=build_dir,
             extra_cflags=_sources.cxx_flags() + (["-DZEROCORE_WITH_CUDA"] if with_cuda else []),
-            extra_cuda_cflags=_sources.nvcc_flags(), extra_ldflags=["-fopenmp"])
+            extra_cuda_cflags=_sources.nvcc_flags(), extra_ldflags=["-fopenmp"]))
     return BuildInfo(torch.__version__, torch.version.cuda if with_cuda else None,
                      os.environ.get("TORCH_CUDA_ARCH_LIST") if with_cuda else None,
                      "compiled on first import")

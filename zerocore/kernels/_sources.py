@@ -37,15 +37,19 @@ def repo_root() -> str:
 def cpu_sources(root: str) -> list[str]:
     # fused_adam_{scalar,avx2,avx512}.cpp: one file per instruction set, each compiled for its
     # own target by pragmas inside it, chosen at run time (see cpu/fused_adam_cpu.cpp).
-    names = ["checks.cpp", "ops.cpp", "cpu/fused_adam_cpu.cpp", "cpu/fused_adam_scalar.cpp",
-             "cpu/fused_adam_avx2.cpp", "cpu/fused_adam_avx512.cpp", "cpu/grad_stats_cpu.cpp",
-             "cpu/pack_cpu.cpp", "cpu/quant_cpu.cpp"]
+    # The same for lowbit_*.cpp (lowbit_cpu.cpp chooses); cpu_features.cpp asks the CPU which
+    # of them it runs.
+    names = ["checks.cpp", "ops.cpp", "cpu/cpu_features.cpp", "cpu/fused_adam_cpu.cpp",
+             "cpu/fused_adam_scalar.cpp", "cpu/fused_adam_avx2.cpp", "cpu/fused_adam_avx512.cpp",
+             "cpu/grad_stats_cpu.cpp", "cpu/pack_cpu.cpp", "cpu/quant_cpu.cpp",
+             "cpu/lowbit_cpu.cpp", "cpu/lowbit_scalar.cpp", "cpu/lowbit_avx2.cpp",
+             "cpu/lowbit_avx512.cpp"]
     return [os.path.join(root, "csrc", n) for n in names]
 
 
 def cuda_sources(root: str) -> list[str]:
     names = ["cuda/fused_adam_cuda.cu", "cuda/grad_stats_cuda.cu", "cuda/pack_cuda.cu",
-             "cuda/quant_cuda.cu"]
+             "cuda/quant_cuda.cu", "cuda/lowbit_cuda.cu"]
     return [os.path.join(root, "csrc", n) for n in names]
 
 

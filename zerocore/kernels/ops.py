@@ -14,6 +14,11 @@ from typing import Sequence
 import torch
 
 from zerocore.kernels import _extension
+from zerocore.kernels.formats import FP8_BLOCK, NF4_BLOCK
+# Re-exported beside the int8 quantizer: plain PyTorch, run once at load (the dequantizations
+# below run after every gather, and are compiled).
+from zerocore.kernels.formats import quantize_fp8 as quantize_fp8
+from zerocore.kernels.formats import quantize_nf4 as quantize_nf4
 
 # The compiled library registers torch.ops.zerocore.*; loading it here, where the ops are used,
 # makes this module work whoever imports it first.
@@ -130,6 +135,52 @@ def dequantize_blockwise(q: torch.Tensor, scales: torch.Tensor, block: int,
     return out
 
 
+def dequantize_nf4_(out: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                    block: int = NF4_BLOCK) -> torch.Tensor:
+    """NF4 codes (``formats.quantize_nf4``'s ``packed``, uint8, two per byte, low nibble first)
+    into ``out`` (contiguous fp32/fp16/bf16 of any number n of elements, at any offset of a larger
+    buffer): ``out[i] = NF4_CODE[code i] * scales[i // block]``, the product in fp32 rounded once
+    to out's dtype (nearest even). Returns out. Exactly ``zerocore.reference.dequantize_nf4``."""
+    _ops.dequantize_nf4_(out, packed, scales, block)
+    return out
+
+
+def dequantize_nf4(packed: torch.Tensor, scales: torch.Tensor, n: int, dtype: torch.dtype,
+                   block: int = NF4_BLOCK) -> torch.Tensor:
+    """``dequantize_nf4_`` into a new 1-D tensor of n elements of ``dtype``."""
+    out = torch.empty(n, dtype=dtype, device=packed.device)
+    return dequantize_nf4_(out, packed, scales, block)
+
+
+def dequantize_fp8_(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                    block: int = FP8_BLOCK) -> torch.Tensor:
+    """fp8 e4m3fn codes (``formats.quantize_fp8``'s, their bits as uint8, one per element) into
+    ``out`` (as ``dequantize_nf4_``): ``out[i] = e4m3fn value of codes[i] * scales[i // block]``.
+    Returns out. Exactly ``zerocore.reference.dequantize_fp8`` (the NaN codes, never produced by
+    the quantizer, give NaN)."""
+    _ops.dequantize_fp8_(out, codes, scales, block)
+    return out
+
+
+def dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                   block: int = FP8_BLOCK) -> torch.Tensor:
+    """``dequantize_fp8_`` into a new 1-D tensor of ``dtype``, one element per code."""
+    out = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
+    return dequantize_fp8_(out, codes, scales, block)
+
+
+def _cpu_lowbit_isa(isa: str | None = None) -> str:
+    """Which CPU kernels ``dequantize_nf4_`` and ``dequantize_fp8_`` run on, as
+    ``_cpu_adam_isa`` for Adam: "scalar", "avx2" or "avx512". With ``isa``, switches this process
+    to those. Every choice computes the same bits. Returns the name now in use."""
+    return _ops._cpu_lowbit_isa(isa)
+
+
+def _cpu_lowbit_isas() -> list[str]:
+    """The CPU kernel sets ``_cpu_lowbit_isa`` accepts on this CPU and build, narrowest first."""
+    return list(_ops._cpu_lowbit_isas())
+
+
 # Fake implementations: shapes and dtypes only, for torch.compile and FakeTensor tracing. Every op
 # but quantize_blockwise returns nothing and mutates its (a!) arguments, so there is nothing to
 # compute here.
@@ -177,4 +228,14 @@ def _quantize_blockwise_fake(x, block):
 
 @torch.library.register_fake("zerocore::dequantize_blockwise_")
 def _dequantize_blockwise_fake(out, q, scales, block) -> None:
+    return None
+
+
+@torch.library.register_fake("zerocore::dequantize_nf4_")
+def _dequantize_nf4_fake(out, packed, scales, block) -> None:
+    return None
+
+
+@torch.library.register_fake("zerocore::dequantize_fp8_")
+def _dequantize_fp8_fake(out, codes, scales, block) -> None:
     return None

@@ -12,6 +12,8 @@ from typing import Sequence
 
 import torch
 
+from zerocore.kernels.formats import NF4_CODE
+
 
 def fused_adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                exp_avg_sq: torch.Tensor, model_copy: torch.Tensor | None = None, *, lr: float,
@@ -105,3 +107,28 @@ def dequantize_blockwise(q: torch.Tensor, scales: torch.Tensor, block: int,
     ``dtype`` by ``.to``, round to nearest even."""
     prod = (q.double().view(-1, block) * scales.double()[:, None]).float()
     return prod.to(dtype).view(-1)
+
+
+def _scaled(values: torch.Tensor, scales: torch.Tensor, block: int,
+            dtype: torch.dtype) -> torch.Tensor:
+    """values[i] * scales[i // block]: the product of two float32 numbers is exact in float64
+    (48 <= 53 bits), so rounding it to float32 gives the correctly rounded fp32 product the
+    kernels compute; then rounded once more, to nearest even, to ``dtype``."""
+    per_element = scales.double().repeat_interleave(block)[:values.numel()]
+    return (values.double() * per_element).float().to(dtype)
+
+
+def dequantize_nf4(packed: torch.Tensor, scales: torch.Tensor, n: int, block: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Reference for ``zerocore.ops.dequantize_nf4_``: element 2i is the low nibble of byte i,
+    element 2i + 1 the high one; each code's value from ``formats.NF4_CODE``, times its block's
+    scale."""
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=1).reshape(-1)[:n].long()
+    return _scaled(NF4_CODE.to(packed.device)[codes], scales, block, dtype)
+
+
+def dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor, block: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Reference for ``zerocore.ops.dequantize_fp8_``: torch's own e4m3fn -> float32 conversion
+    of each code (exact), times its block's scale."""
+    return _scaled(codes.view(torch.float8_e4m3fn).float(), scales, block, dtype)

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerocore
-from zerocore.kernels import ops, reference
+from zerocore.kernels import formats, ops, reference
 from zerocore.kernels._extension import BuildInfo
 
 F32_EPS = torch.finfo(torch.float32).eps  # 2^-23, one ulp of 1.0 in float32
@@ -132,6 +132,8 @@ class Kernels:
     unpack: Callable[..., None] = ops.unpack
     quantize_blockwise: Callable[..., tuple[torch.Tensor, torch.Tensor]] = ops.quantize_blockwise
     dequantize_blockwise_: Callable[..., torch.Tensor] = ops.dequantize_blockwise_
+    dequantize_nf4_: Callable[..., torch.Tensor] = ops.dequantize_nf4_
+    dequantize_fp8_: Callable[..., torch.Tensor] = ops.dequantize_fp8_
 
 
 def _sync(device: torch.device) -> None:
@@ -453,6 +455,38 @@ def check_int8(device: torch.device, sizes: Sequence[int], *,
     _sync(device)
     return _judged("int8 quantize/dequantize vs reference", device.type, worst, 0,
                    "elements differ", time.perf_counter() - t0, where)
+
+
+def check_lowbit(device: torch.device, sizes: Sequence[int], *,
+                 dequantize_nf4: Callable[..., torch.Tensor] = ops.dequantize_nf4_,
+                 dequantize_fp8: Callable[..., torch.Tensor] = ops.dequantize_fp8_) -> Result:
+    """The NF4 and fp8 dequantizations (zerocore.kernels.formats, quantized at their own block
+    sizes) against ``reference``, bit for bit: values over seven orders of magnitude, an
+    all-zero block, lengths as they come (not whole blocks), into each float dtype at an odd
+    offset of a larger buffer (the rest of which must stay untouched)."""
+    t0 = time.perf_counter()
+    worst, where = 0, ""
+    for fmt, block, dequantize in (("nf4", formats.NF4_BLOCK, dequantize_nf4),
+                                   ("fp8", formats.FP8_BLOCK, dequantize_fp8)):
+        for i, dtype in enumerate(FLOAT_DTYPES):
+            for n in sizes:
+                x = (torch.randn(n, generator=_gen(5200 + i)) * 10.0 ** torch.randint(
+                    -4, 3, (n,), generator=_gen(5300 + i))).to(dtype)
+                x[block:2 * block] = 0  # an all-zero block (scale 0), where n reaches it
+                x = x.to(device)
+                quantize = ops.quantize_nf4 if fmt == "nf4" else ops.quantize_fp8
+                q, scales = quantize(x, block)
+                got = torch.full((n + 6,), math.nan, dtype=dtype, device=device)
+                dequantize(got[3:3 + n], q, scales, block)
+                want = (reference.dequantize_nf4(q, scales, n, block, dtype) if fmt == "nf4"
+                        else reference.dequantize_fp8(q, scales, block, dtype))
+                bad = _bit_mismatches(got[3:3 + n], want)
+                bad += int((~torch.isnan(got[:3])).sum() + (~torch.isnan(got[3 + n:])).sum())
+                if bad > worst:
+                    worst, where = bad, f"{fmt} -> {DTYPE_NAMES[dtype]}, {n} elements"
+    _sync(device)
+    return _judged("nf4/fp8 dequantize vs reference", device.type, worst, 0, "elements differ",
+                   time.perf_counter() - t0, where)
 
 
 def check_cuda_matches_cpu(device: torch.device, sizes: Sequence[int], *,
@@ -799,6 +833,10 @@ def plan(devices: Sequence[torch.device], sizes: Sizes, kernels: Kernels = Kerne
                     lambda d=dev, s=op_sizes: [check_int8(
                         d, s, quantize=kernels.quantize_blockwise,
                         dequantize=kernels.dequantize_blockwise_)]),
+            Planned("nf4/fp8 dequantize vs reference", dev,
+                    lambda d=dev, s=op_sizes: [check_lowbit(
+                        d, s, dequantize_nf4=kernels.dequantize_nf4_,
+                        dequantize_fp8=kernels.dequantize_fp8_)]),
         ]
         if dev.type == "cuda":
             steps.append(Planned("cuda kernels = cpu kernels", dev,
