@@ -1,7 +1,8 @@
-"""Where a flat group's shard lives: one home per concept (home.py: the interface; device.py,
-host_mirror.py, host_window.py, nvme.py: the homes; choice.py: the choice, once per sharding)."""
+"""Where a flat group's shard lives: one home per concept (home.py: the interface, and
+``Homes``, what one sharding's homes share; device.py, host_mirror.py, host_window.py, nvme.py:
+the homes; choice.py: the choice, once per sharding)."""
 
-from zerocore.engine.homes.choice import Homes, choose
-from zerocore.engine.homes.home import GatherTarget, Home
+from zerocore.engine.homes.choice import choose
+from zerocore.engine.homes.home import GatherTarget, Home, Homes
 
 __all__ = ["GatherTarget", "Home", "Homes", "choose"]

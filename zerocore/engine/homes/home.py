@@ -24,16 +24,15 @@ host, uploaded for each gather; or rounded on the device from a device master), 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
+from zerocore.engine.host_arena import HostArena
+from zerocore.engine.nvme_store import NvmeStore, Region
+from zerocore.engine.offload import OffloadStreams
 from zerocore.engine.sharded_param import (gather_source, is_offloaded, is_shard, master_values,
                                            new_shard, wait_for_device)
-
-if TYPE_CHECKING:  # (types only: the choice imports every home)
-    from zerocore.engine.homes.choice import Homes
-    from zerocore.engine.nvme_store import Region
 
 
 class GatherTarget(Protocol):
@@ -192,6 +191,29 @@ class OffDevice(Home):
             streams.gather.wait_event(upload)
         with torch.cuda.stream(streams.gather):
             target.gather_from(source)
+
+
+@dataclasses.dataclass(frozen=True)
+class Homes:
+    """The homes of one sharding's groups, and what they share."""
+
+    trainable: type[Home]
+    frozen: type[Home]
+    device: torch.device               # where layers compute
+    param_dtype: torch.dtype
+    streams: OffloadStreams | None     # offload's side streams on CUDA; None otherwise
+    # Where host homes' shards live (engine/host_arena.py); None without offload (and in a
+    # plan's rehearsal, whose shards are fake).
+    arena: HostArena | None = None
+    # The NVMe homes' scratch and pool (engine/nvme_store.py); None without NVMe offload.
+    store: NvmeStore | None = None
+    # CPU threads the optimizer steps host shards with (a GPU rank's share of its host);
+    # None: torch's own count (zerocore.optim).
+    host_threads: int | None = None
+
+    def place(self, values: torch.Tensor, trainable: bool) -> Home:
+        """A flat group's home, holding its shard made from ``values`` (``Home``'s)."""
+        return (self.trainable if trainable else self.frozen)(self, values, trainable)
 
 
 def host_buffer(where: Homes, numel: int, dtype: torch.dtype) -> torch.Tensor:
