@@ -559,7 +559,10 @@ def _run_rank(rank: int, task: RankTask,
             print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
         return EXIT_REPORTED
     except (ValueError, FileNotFoundError, OSError) as e:  # user errors: one line
-        print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
+        # One write, newline included: the ranks of a node share its stderr, and an unbuffered
+        # print writes the text and the newline apart, so two ranks' lines ran into each other.
+        sys.stderr.write(f"error (rank {rank}): {e}\n")
+        sys.stderr.flush()
         return EXIT_REPORTED
     except Exception as e:
         if not zerocore.is_peer_loss(e):
