@@ -192,13 +192,13 @@ def run_request(args: argparse.Namespace, use_cuda: bool, log: Any, *, torchrun:
         own = (Path(recipe.output.output_dir) / CHECKPOINTS).resolve()
         if resume != args.resume and args.resume.resolve() != own:
             warn_incomplete(args.resume, log)
-    problem = recipe.loop.offload_problem(for_a_run=True)  # (a resume's flags merged)
+    problem = recipe.offload.problem(for_a_run=True)  # (a resume's flags merged)
     if problem is not None:
         raise UsageError(problem)
     # The layout of the recipe (a resumed run's included) against the nodes.
     world = (int(os.environ["WORLD_SIZE"]) if torchrun else
              local_world_size(args.nproc, use_cuda))
-    check_layout(recipe.loop, world_size=world, nodes=nodes, torchrun=torchrun,
+    check_layout(recipe.layout, world_size=world, nodes=nodes, torchrun=torchrun,
                  nodes_given=args.nodes is not None)
     return RunRequest(recipe=recipe, resume=resume, overwrite=args.overwrite,
                       allow_unverified=args.allow_unverified, data_changed=args.data_changed,
