@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from neox.run.inference import ModelSource
+from neox.run.invocation import ALLOW_UNVERIFIED
 from neox.run.recipe import recipe_fields
 from neox.setting import BadValue, finite_float, flag_name, setting_of
 
@@ -158,9 +159,7 @@ def add_loading_arguments(p: argparse.ArgumentParser) -> None:
                    help="local data (default: shared/data beside the repository)")
     p.add_argument("--device", default=None,
                    help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
-    p.add_argument("--allow-unverified", action="store_true",
-                   help="read a run's checkpoint of an older format (1 or 2), whose rank files "
-                        "do not record which save, rank and step they are of")
+    recipe_argument(p, ALLOW_UNVERIFIED)
 
 
 def loading_source(args: argparse.Namespace) -> ModelSource:
