@@ -34,7 +34,7 @@ from neox.run.launch import (LaunchConfig, RunRequest, launch, local_world_size,
                              run_under_torchrun)
 from neox.run.layout import check_layout
 from neox.run.progress import say
-from neox.run.recipe import (DATA, LOOP, MODEL, OPTIM, OUTPUT, STEP, FROM_SCRATCH, Recipe,
+from neox.run.recipe import (DATA, LOOP, MODEL, OPTIM, OUTPUT, STEP, FROM_SCRATCH,
                              recipe_from_flags)
 from neox.run.resume import deepspeed_recipe, resume_recipe
 from neox.run.same_recipe import given_flags
@@ -139,22 +139,17 @@ def model_config(args: argparse.Namespace) -> NeoXConfig:
         raise UsageError(f"--checkpoint: {e}") from None
 
 
-def recipe_of(args: argparse.Namespace) -> Recipe:
-    """The recipe the flags describe (their block lists checked against the model's block
-    count)."""
-    kept, recomputed = chosen_blocks(args.filter_layers, args.activation_checkpointing,
-                                     model_config(args).num_hidden_layers)
-    return recipe_from_flags(vars(args), {"filter_layers": kept,
-                                          "activation_checkpointing": recomputed})
-
-
 def run_request(args: argparse.Namespace, use_cuda: bool, log: Any, *, torchrun: bool,
                 nodes: int | None) -> RunRequest:
     """The run the flags ask for, checked as far as the flags, the file system and the nodes
     allow (``nodes``: torchrun's, or --nodes). Raises ``UsageError`` or ``OutputDirError``."""
     check_flags(args, use_cuda)
     resolve_auto_mode(args, log)
-    recipe = recipe_of(args)
+    # The recipe the flags describe, their block lists checked against the model's block count.
+    kept, recomputed = chosen_blocks(args.filter_layers, args.activation_checkpointing,
+                                     model_config(args).num_hidden_layers)
+    recipe = recipe_from_flags(vars(args), {"filter_layers": kept,
+                                            "activation_checkpointing": recomputed})
     resume = deepspeed = None
     for flag in ("allow_unverified", "data_changed"):
         if getattr(args, flag) and args.resume is None:
