@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from neox.commands.flags import HelpFormatter, Parser, recipe_argument
+from neox.commands.flags import HelpFormatter, Parser, recipe_argument, recipe_field
 from neox.run.export import export, export_trainable
 from neox.run.invocation import ALLOW_UNVERIFIED
 from neox.run.recipe import RecipeError
@@ -42,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true",
                    help="replace OUT if it exists (it is replaced only once the export is "
                         "complete)")
-    p.add_argument("--tokenizer", type=Path, default=None,
-                   help="tokenizer.json to put in the export (default: the run's own, found "
-                        "by its checksum beside the checkpoints or where the run took it)")
+    recipe_argument(p, recipe_field("data", "tokenizer"),
+                    help="tokenizer.json to put in the export (default: the run's own, found "
+                         "by its checksum beside the checkpoints or where the run took it)")
     p.add_argument("--trainable-only", action="store_true",
                    help="write only the trained tensors (biases, LoRA adapters, ...) under the "
                         "model's own names to OUT/trainable.safetensors; no base weights read")
