@@ -25,7 +25,8 @@ def recipe_from_flags(values: Mapping[str, Any], late: Mapping[str, Any] = {}) -
     check refuses is a ``UsageError`` naming the flag."""
     given: dict[tuple[str, ...], dict[str, Any]] = {}   # a part's path -> its fields given
     for path, field in recipe_fields():
-        s, dest = setting_of(field), flag_dest(field) if setting_of(field).flag else None
+        s = setting_of(field)
+        dest = flag_dest(field) if s.flag is not None else None
         if s.flag is not None and dest in late:
             value = late[dest]
         elif s.flag is not None and dest in values and not s.flag.late:
