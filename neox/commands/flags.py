@@ -85,8 +85,9 @@ def nonnegative_float(text: str) -> float:
 
 
 def recipe_argument(group: Any, field: dataclasses.Field, **override: Any) -> None:
-    """The argument a recipe field declares (``override``: argparse keywords that a command
-    that is not a run gives the same flag, e.g. its own help)."""
+    """The argument a setting's field declares: the recipe's, or the invocation's
+    (``neox.run.invocation``). ``override``: argparse keywords that a command that is not a run
+    gives the same flag, e.g. its own help."""
     flag = setting_of(field).flag
     assert flag is not None, field.name
     if flag.has_default:
