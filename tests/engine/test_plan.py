@@ -23,8 +23,8 @@ from neox.finetune_modes import FinetuneMode, prepare_layer
 from neox.model import layer_specs
 from neox.run.planning import PlanRequest, plan_run
 from neox.plan import main as plan_main
-from neox.run.recipe import LoopConfig
-from neox.run.step import micro_batch_loss, recompute_policy
+from neox.run.recipe import ShardingConfig
+from neox.run.step import micro_batch_loss
 from neox.weights import RandomInit, materialize
 from tests.support.neox_testing import call_main
 from zerocore.comm import collectives, quantized_reduce
@@ -92,13 +92,13 @@ def _measure(case: Case, rank: int, peak: zerocore.PeakMemory) -> dict:
     reader = RandomInit(CONFIG, seed=1)
     specs = layer_specs(CONFIG)
     mode = FinetuneMode(case.mode, lora_rank=4)
-    loop = LoopConfig(activation_checkpointing=case.recompute,
+    sharding = ShardingConfig(activation_checkpointing=case.recompute,
                       activation_checkpointing_every=case.every)
     model = zerocore.shard((prepare_layer(materialize(reader, s), i, mode)
                             for i, s in enumerate(specs)),
                            mixed_precision=zerocore.MixedPrecision(case.dtype, torch.float32),
                            offload=zerocore.Offload(optimizer=case.offload),
-                           recompute=recompute_policy(specs, loop))
+                           recompute=sharding.recompute(specs))
     opt = zerocore.optim.AdamW(model.trainable_shards(), lr=1e-3)
     scaler = zerocore.LossScaler(model.group, dynamic=False, counter=model.counter)
     g = torch.Generator().manual_seed(rank)
