@@ -2,7 +2,7 @@
 
 ``launch`` (one machine): takes the output directory (lock, ownership, a write test), starts one
 process per rank, and watches them. Ranks never outlive it, from their first instruction
-(``zerocore.tools.rank_processes``: tied to the launcher by the kernel before their first
+(``zerocore.tools.run_ranks``: tied to the launcher by the kernel before their first
 import, and by a socket only the launcher holds the other end of). Told to stop (SIGTERM,
 Ctrl-C), the launcher stops the ranks through their sockets (they leave silently; the launcher
 says so, once, on a line of its own), kills at once the ranks still starting (their watcher
@@ -49,9 +49,8 @@ from neox.run.failed import RunFailed
 from neox.run.progress import say
 from neox.run.same_recipe import agree_request
 from neox.run.training import run_training
-from zerocore.tools.rank_processes import (LEFT, STOP_GRACE_S, STOP_HEARD_WAIT_S,
-                                           exit_description, receive, run_ranks,
-                                           set_parent_death_signal, watch_launcher)
+from zerocore.tools import (LEFT, STOP_GRACE_S, STOP_HEARD_WAIT_S, exit_description, receive,
+                            run_ranks, set_parent_death_signal, watch_launcher)
 
 __all__ = ["LaunchConfig", "RunRequest", "launch", "run_under_torchrun"]
 

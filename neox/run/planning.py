@@ -16,7 +16,7 @@ from neox.dtypes import DTYPES
 from neox.finetune_modes import FinetuneMode, prepare_layer
 from neox.model import build_layer, layer_specs
 from neox.run.recipe import HYBRIDS, Recipe, ShardingConfig
-from zerocore.policies import DEFAULT_POOL_BYTES
+from zerocore import DEFAULT_POOL_BYTES
 from neox.run.step import micro_batch_loss
 
 __all__ = ["PlanRequest", "plan_run", "request_from_recipe", "GiB", "DEFAULT_BPE_TOKENS",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 import zerocore
-from zerocore.checkpoint.deepspeed import load_deepspeed_checkpoint
+from zerocore.checkpoint import load_deepspeed_checkpoint
 from neox.model import layer_specs
 from neox.run import from_deepspeed as nds
 from neox.run.recipe import OptimConfig, Recipe

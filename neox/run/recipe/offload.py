@@ -9,7 +9,7 @@ from typing import Any
 import zerocore
 from neox.run.recipe.declaring import STEP, at_least, check_fields, is_bool, path_or_none
 from neox.setting import Flag, absolute_path, byte_budget, path_text, setting
-from zerocore.policies import DEFAULT_POOL_BYTES, MIN_POOL_BYTES, OFFLOAD_DEVICES
+from zerocore import DEFAULT_POOL_BYTES, MIN_POOL_BYTES, OFFLOAD_DEVICES
 
 __all__ = ["OffloadConfig", "OFFLOADS", "offload_words"]
 
