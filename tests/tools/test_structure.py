@@ -210,8 +210,9 @@ def _api_page() -> dict[str, list[str]]:
 
 def test_the_api_page_lists_the_public_surface():
     page = _api_page()
-    assert list(page) == list(_public_modules()), \
-        "docs/api.md's modules (## headings) differ from zerocore.PUBLIC_MODULES"
+    public = list(_public_modules())
+    assert list(page) == public, ("docs/api.md's modules (## headings), in order, differ from "
+                                  f"zerocore.PUBLIC_MODULES: {list(page)} != {public}")
     differ = {}
     for name, listed in page.items():
         declared = importlib.import_module(name).__all__
