@@ -7,11 +7,12 @@ C++/CUDA kernels.
 ``zerocore.BUILD`` says which kernels were compiled (CPU only or CPU+CUDA) and for which torch;
 ``python -m zerocore`` prints it.
 
-This module is the package's face: it names what users call and defines nothing. The wings
-beneath it, each importing only those below it (tests/tools/test_structure.py checks it):
-``kernels`` (the compiled ops and their plain-PyTorch definitions), ``comm`` (devices,
-collectives, transports, agreement), ``engine`` (flat groups, sharded layers, the two front
-doors), ``checkpoint`` (sharded checkpoints, consolidation, DeepSpeed's), ``tools`` (selftest).
+This module is the package's face: it names what users call and defines nothing but
+``PUBLIC_MODULES``. The wings beneath it, each importing only those below it
+(tests/tools/test_structure.py checks it): ``kernels`` (the compiled ops and their plain-PyTorch
+definitions), ``comm`` (devices, collectives, transports, agreement), ``engine`` (flat groups,
+sharded layers, the two front doors), ``checkpoint`` (sharded checkpoints, consolidation,
+DeepSpeed's), ``tools`` (selftest, a launcher's rank processes).
 ``policies`` (leaf data every wing reads), ``optim``, ``loss_scale`` and ``plan`` sit beside it.
 
 The public surface is the modules ``PUBLIC_MODULES`` names, and in each only the names of its
