@@ -271,3 +271,55 @@ def test_agree_values_with_a_rank_that_never_comes_raises_within_its_timeout(wor
         assert outcome.startswith(f"PeerLost: a run: not every rank came to agree on the "
                                   f"settings within {ABSENT_WAIT_S:g} s"), outcome
         assert "a rank stopped, exited, or runs other code" in outcome, outcome
+
+
+# -- a forward on one rank while the others wait in a collective of their own ---------------------
+
+# What the other ranks wait in, as a user's loop would: a barrier after the loop, or a metric.
+OWN_COLLECTIVES = {"barrier": lambda: dist.barrier(),
+                   "all_reduce": lambda: dist.all_reduce(torch.ones(1))}
+
+
+def alone_while_others_wait(rank: int, world_size: int, door: str, collective: str) -> str:
+    """One agreed step, then a forward without autograd on rank 0 alone while the others wait
+    in ``collective`` (their own, outside the model). Rank 0 then joins that collective itself,
+    which releases the others (in a user's program its error ends its process instead, and the
+    others' collective fails at once): what each rank got, as text."""
+    forward, sharding, _ = _build(door, "read", "flat")
+    opt = zerocore.optim.AdamW(sharding.trainable_shards(), lr=LR)
+    x, y = global_batch(SPEC, 0, 0, world_size)
+    loss_fn(SPEC, forward(x.chunk(world_size)[rank], set()), y.chunk(world_size)[rank]).backward()
+    opt.step()
+    outcome = "no error"
+    try:
+        if rank == 0:
+            with torch.no_grad():
+                forward(global_batch(SPEC, 1, 0, 1)[0], set())
+        else:
+            OWN_COLLECTIVES[collective]()
+            outcome = "released"
+    except Exception as e:  # noqa: BLE001  (what each rank got is the result)
+        outcome = f"{type(e).__name__}: {e}"
+    if rank == 0:
+        OWN_COLLECTIVES[collective]()  # (the others are still in theirs)
+    del forward, sharding, opt
+    gc.collect()
+    return outcome
+
+
+@pytest.mark.parametrize("collective", sorted(OWN_COLLECTIVES))
+@pytest.mark.parametrize("door", DOORS)
+def test_a_forward_alone_while_the_others_wait_in_their_own_collective_is_refused(
+        world, door, collective):
+    # Peer reading (the one-host default): rank 0 asks the ranks it waits for where they are;
+    # rank 1 answers from its own thread that it waits in the test's own collective. Comm's
+    # timeout is at its default (30 minutes): a refusal within RUN_TIMEOUT_S is not its.
+    got = world.run(alone_while_others_wait, door, collective, timeout=RUN_TIMEOUT_S)
+    assert got[1:] == ["released"] * (world.world_size - 1), got
+    refusal = got[0]
+    assert refusal.startswith("Diverged: zerocore: the ranks diverged: rank 1 waits in "
+                              f"torch.distributed.{collective}() at "), refusal
+    assert "test_divergence.py:" in refusal, refusal  # the line of the user's own call
+    assert "a forward without autograd" in refusal, refusal
+    assert "run it on every rank and use the result on one" in refusal, refusal
+    assert "raise the timeout" not in refusal, refusal

@@ -43,6 +43,9 @@ FORWARD, FORWARD_NO_GRAD, BACKWARD, BACKWARD_KEPT = range(4)
 # Kinds of message of the lockstep's peer-memory channel besides identities (``GATHER_READY``):
 # what a long-waiting rank waits for and where it is, and that the ranks diverged.
 _AWAITS, _ABORT, _AT = 1, 2, 3
+# The sequence number of an ``_AT`` message that answers ``PeerMemory.ask``: whether the rank
+# waits in a collective of its own (comm/whereabouts.py).
+_ELSEWHERE = 1
 
 # Bits of an identity (63 in all: it travels as a signed int64): kind 4, phase 2, unit 18,
 # micro-batch 16, step 23; counts wrap (two ranks that differ by a multiple of 2**16
@@ -249,7 +252,11 @@ class Lockstep:
             if _channel_of(awaited) != self._channel:
                 self._overtaken(rank, key, value)
             return False
-        if kind == _AT:
+        if kind == _AT and key & 0xFFFFFFFF == _ELSEWHERE:
+            where = self._peers.answer_text(rank, value)
+            if where:
+                raise self._elsewhere(rank, where)
+        elif kind == _AT:
             self._at[rank] = value
         elif kind == _AWAITS:
             self._awaits[rank] = value
@@ -260,7 +267,11 @@ class Lockstep:
         return True
 
     def _blocked(self, rank: int, awaited: int) -> None:
-        """Peer memory: this rank has waited a while for ``awaited`` from ``rank``."""
+        """Peer memory: this rank has waited a while for ``awaited`` from ``rank`` (told again
+        each while it waits)."""
+        # Whether ``rank`` waits in a collective of its own, which would leave both waiting
+        # (answered from a thread of its own; ``_heard`` reads the answer).
+        self._peers.ask(rank, self._channel, _AT, _ELSEWHERE)
         if _channel_of(awaited) == self._channel:
             return  # an exchange: the other, when it waits, hears this rank's identity
         peers = self._peers
@@ -282,6 +293,18 @@ class Lockstep:
                          f"{self.describe(Identity.unpacked(self._last))}{other}): {_ADVICE}")
         self._tell_abort()
         raise self._beyond_the_node() or error
+
+    def _elsewhere(self, rank: int, where: str) -> Diverged:
+        """``rank`` answered that it waits in a collective of its own (``where``) that this
+        rank belongs to, while this rank waits for it at a step of the model: neither can go
+        on. Raised on this rank alone: the other's collective fails once this process ends."""
+        names = group_ranks(self._peer_group)
+        me = names[self._peer_group.rank()]
+        return Diverged(
+            f"zerocore: the ranks diverged: rank {names[rank]} {where}, a collective of its own "
+            f"(not the sharded model's) that rank {me} takes part in, while rank {me} "
+            f"{self.describe(Identity.unpacked(self._last))}: neither can go on. {_ADVICE}",
+            {names[rank]: where, me: self.describe(Identity.unpacked(self._last))})
 
     def _told(self, rank: int, value: int) -> Diverged:
         names = group_ranks(self._peer_group)
