@@ -28,7 +28,7 @@ from tests.support.hybrid_runs import mesh_of
 from tests.support.toy_stack import LR, Spec, global_batch, loss_fn, make_layers
 from zerocore.comm.device import uses_side_channel
 from zerocore.comm.lockstep import STEP, Diverged, Lockstep
-from zerocore.comm.peer_memory import PeerLost
+from zerocore.comm.peer_memory import GATHER_READ, PeerLost, PeerMemory
 
 WORLD_SIZES = [2, 3]
 SPEC = Spec(model="transformer")
@@ -273,7 +273,7 @@ def test_agree_values_with_a_rank_that_never_comes_raises_within_its_timeout(wor
         assert "a rank stopped, exited, or runs other code" in outcome, outcome
 
 
-# -- a forward on one rank while the others wait in a collective of their own ---------------------
+# -- a forward on one rank while the others wait in a collective of their own -------------------
 
 # What the other ranks wait in, as a user's loop would: a barrier after the loop, or a metric.
 OWN_COLLECTIVES = {"barrier": lambda: dist.barrier(),
@@ -323,3 +323,37 @@ def test_a_forward_alone_while_the_others_wait_in_their_own_collective_is_refuse
     assert "a forward without autograd" in refusal, refusal
     assert "run it on every rank and use the result on one" in refusal, refusal
     assert "raise the timeout" not in refusal, refusal
+
+
+# -- ranks that wait for each other in a cycle (peer reading) ------------------------------------
+
+def wait_for_the_next(rank: int, world_size: int) -> str:
+    """Each rank waits for a message from the next rank (the last for rank 0) that it never
+    sends, outside any exchange: one cycle of waits through every rank, as ranks that diverged
+    between two exchanges leave (each freeing a unit the next one skipped). What each got."""
+    peers = PeerMemory(zerocore.Comm().timeout_s)
+    assert peers.probe(dist.group.WORLD)
+    lockstep = Lockstep(dist.group.WORLD, peers, dist.group.WORLD)
+    lockstep.names = ["`layers.0`"]
+    channel = peers.new_channel()  # a transport's, as a FlatGroup's
+    try:
+        peers.hear((rank + 1) % world_size, channel, GATHER_READ, 1)
+        outcome = "no error"
+    except Exception as e:  # noqa: BLE001  (what each rank got is the result)
+        outcome = f"{type(e).__name__}: {e}"
+    del lockstep, peers
+    gc.collect()  # the pipes close on every rank together
+    return outcome
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ranks_waiting_for_each_other_in_a_cycle_are_refused_on_every_rank(worlds, world_size):
+    # Two ranks that wait for each other were found before; a cycle of three or more is found
+    # by a probe that each waiting rank passes back to the ranks that wait for it. Comm's
+    # timeout is at its default: a refusal within RUN_TIMEOUT_S is not its.
+    got = worlds(world_size).run(wait_for_the_next, timeout=RUN_TIMEOUT_S)
+    for rank, outcome in enumerate(got):
+        assert outcome.startswith("Diverged: zerocore: the ranks diverged"), (rank, outcome)
+        assert ADVICE in outcome, (rank, outcome)
+        assert "raise the timeout" not in outcome, (rank, outcome)
+    assert any("wait for each other" in outcome for outcome in got), got

@@ -43,6 +43,10 @@ FORWARD, FORWARD_NO_GRAD, BACKWARD, BACKWARD_KEPT = range(4)
 # Kinds of message of the lockstep's peer-memory channel besides identities (``GATHER_READY``):
 # what a long-waiting rank waits for and where it is, and that the ranks diverged.
 _AWAITS, _ABORT, _AT = 1, 2, 3
+# An ``_AWAITS`` message whose sequence number is not 0 is a probe for a cycle of waits
+# (``_probe``): it names the rank that began it and the rank that one waits for, in the bits
+# below (each plus one).
+_PROBE_SHIFT = 16
 # The sequence number of an ``_AT`` message that answers ``PeerMemory.ask``: whether the rank
 # waits in a collective of its own (comm/whereabouts.py).
 _ELSEWHERE = 1
@@ -258,6 +262,8 @@ class Lockstep:
                 raise self._elsewhere(rank, where)
         elif kind == _AT:
             self._at[rank] = value
+        elif kind == _AWAITS and key & 0xFFFFFFFF:
+            self._probe(rank, key & 0xFFFFFFFF, value)
         elif kind == _AWAITS:
             self._awaits[rank] = value
             if _channel_of(awaited) != self._channel and not self._peers.was_sent(rank, value):
@@ -272,6 +278,11 @@ class Lockstep:
         # Whether ``rank`` waits in a collective of its own, which would leave both waiting
         # (answered from a thread of its own; ``_heard`` reads the answer).
         self._peers.ask(rank, self._channel, _AT, _ELSEWHERE)
+        me = self._peer_group.rank()
+        # Every rank that waits for this one reads what it sends: the probe goes back along
+        # the waits, and comes to ``rank`` when they close a cycle (``_probe``).
+        self._peers.tell(self._peers.others(), self._channel, _AWAITS,
+                         ((me + 1) << _PROBE_SHIFT) | (rank + 1), awaited)
         if _channel_of(awaited) == self._channel:
             return  # an exchange: the other, when it waits, hears this rank's identity
         peers = self._peers
@@ -281,15 +292,34 @@ class Lockstep:
         if theirs is not None and not peers.was_sent(rank, theirs):
             self._abort(rank)
 
-    def _abort(self, rank: int) -> None:
+    def _probe(self, rank: int, seq: int, awaited: int) -> None:
+        """``rank``, which this rank waits for, passed on a probe: rank ``began`` waits for rank
+        ``waits_for`` (``awaited``), and every rank between, from ``began``'s waiters on to
+        ``rank``, waited for the one before it when it passed it on. Each was still waiting
+        then: what it waited for comes before the probe in its pipe, and was not there. When
+        this rank is ``waits_for`` and has not sent ``awaited``, the waits close a cycle:
+        ``began`` waits for this rank, which waits for ``rank``, ..., which waits for
+        ``began``; none of them will send again (Chandy, Misra and Haas's edge chasing, over
+        pipes that keep their order). Otherwise this rank, waiting too, passes it on."""
+        began, waits_for = (seq >> _PROBE_SHIFT) - 1, (seq & ((1 << _PROBE_SHIFT) - 1)) - 1
+        me = self._peer_group.rank()
+        if waits_for == me:
+            if not self._peers.was_sent(began, awaited):
+                self._abort(began, cycle=True)
+            return  # (what it waited for was sent since: a probe from before)
+        if began != me:
+            self._peers.tell(self._peers.others(), self._channel, _AWAITS, seq, awaited)
+
+    def _abort(self, rank: int, cycle: bool = False) -> None:
         names = group_ranks(self._peer_group)
         me = names[self._peer_group.rank()]
         theirs = self._at.get(rank)
         other = (f"; rank {names[rank]}'s last: {self.describe(Identity.unpacked(theirs))}"
                  if theirs is not None else "")
+        through = (", through ranks that each wait for the next (a cycle)" if cycle else "")
         error = Diverged(f"zerocore: the ranks diverged: ranks {me} and {names[rank]} wait for "
-                         f"each other, each to finish a gather or reduction that the other "
-                         f"started and did not finish (rank {me}'s last step: "
+                         f"each other{through}, each to finish a gather or reduction that the "
+                         f"other started and did not finish (rank {me}'s last step: "
                          f"{self.describe(Identity.unpacked(self._last))}{other}): {_ADVICE}")
         self._tell_abort()
         raise self._beyond_the_node() or error
@@ -303,7 +333,7 @@ class Lockstep:
         return Diverged(
             f"zerocore: the ranks diverged: rank {names[rank]} {where}, a collective of its own "
             f"(not the sharded model's) that rank {me} takes part in, while rank {me} "
-            f"{self.describe(Identity.unpacked(self._last))}: neither can go on. {_ADVICE}",
+            f"{self.describe(Identity.unpacked(self._last))}: neither can go on; {_ADVICE}",
             {names[rank]: where, me: self.describe(Identity.unpacked(self._last))})
 
     def _told(self, rank: int, value: int) -> Diverged:
