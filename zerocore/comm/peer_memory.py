@@ -509,7 +509,11 @@ class _Pipes:
             key, asker = _MESSAGE.unpack(data)
             if asker < 0:
                 return  # stop_answering
-            text = waits_elsewhere(main, self.names.get(asker, asker)).encode()[:_TEXT_MAX]
+            try:
+                where = waits_elsewhere(main, self.names.get(asker, asker))
+            except Exception:  # noqa: BLE001  (a question must never end the answers)
+                where = ""
+            text = where.encode()[:_TEXT_MAX]
             value = 0
             if text:
                 texts[asker] = ctypes.create_string_buffer(text, len(text))
