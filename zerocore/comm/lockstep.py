@@ -47,6 +47,9 @@ _AWAITS, _ABORT, _AT = 1, 2, 3
 # (``_probe``): it names the rank that began it and the rank that one waits for, in the bits
 # below (each plus one).
 _PROBE_SHIFT = 16
+# How many probes a rank remembers having passed on (each is passed on once: two ranks that
+# read each other's pipes would otherwise pass one back and forth for ever).
+_PASSED_KEPT = 1024
 # The sequence number of an ``_AT`` message that answers ``PeerMemory.ask``: whether the rank
 # waits in a collective of its own (comm/whereabouts.py).
 _ELSEWHERE = 1
@@ -130,6 +133,7 @@ class Lockstep:
         self._at: dict[int, int] = {}
         self._awaits: dict[int, int] = {}
         self._aborted = False
+        self._passed: dict[tuple[int, int], None] = {}  # probes passed on (``_probe``), in order
         self._seq = 0  # exchanges so far: every rank counts alike (the pipes' key)
         # The exchange over the backend runs on the CPU: over the group itself when it has a
         # CPU backend (gloo), else over a gloo side group of the same ranks (an NCCL-only
@@ -300,15 +304,21 @@ class Lockstep:
         this rank is ``waits_for`` and has not sent ``awaited``, the waits close a cycle:
         ``began`` waits for this rank, which waits for ``rank``, ..., which waits for
         ``began``; none of them will send again (Chandy, Misra and Haas's edge chasing, over
-        pipes that keep their order). Otherwise this rank, waiting too, passes it on."""
+        pipes that keep their order). Otherwise this rank, waiting too, passes it on, once: it
+        waits for ``rank`` until ``began`` is released, and the probe stays in its pipe until the
+        rank that waits for it reads it."""
         began, waits_for = (seq >> _PROBE_SHIFT) - 1, (seq & ((1 << _PROBE_SHIFT) - 1)) - 1
         me = self._peer_group.rank()
         if waits_for == me:
             if not self._peers.was_sent(began, awaited):
                 self._abort(began, cycle=True)
             return  # (what it waited for was sent since: a probe from before)
-        if began != me:
-            self._peers.tell(self._peers.others(), self._channel, _AWAITS, seq, awaited)
+        if began == me or (seq, awaited) in self._passed:
+            return  # (its own, back; or one passed on already: the first was enough)
+        self._passed[(seq, awaited)] = None
+        if len(self._passed) > _PASSED_KEPT:
+            del self._passed[next(iter(self._passed))]
+        self._peers.tell(self._peers.others(), self._channel, _AWAITS, seq, awaited)
 
     def _abort(self, rank: int, cycle: bool = False) -> None:
         names = group_ranks(self._peer_group)
