@@ -25,7 +25,7 @@ import zerocore
 from tests.support.dist_utils import all_gather_flat
 from tests.support.quantized_base import FORMATS, dequantized
 from tests.support.toy_stack import (LR, WEIGHT_DECAY, Spec, assert_trains_as, global_batch,
-                                     loss_fn, make_layers)
+                                     loss_fn, make_layers, train_digest)
 
 WORLD_SIZES = [1, 2, 3]
 STEPS = 3
@@ -192,6 +192,36 @@ def test_policy_checks():
     nf4 = zerocore.FrozenWeights("nf4")
     assert nf4.frozen_nbytes(640, 4) == 320 + 4 * 10   # half a byte each, a scale per 64
     assert dataclasses.replace(nf4, placement="replicated").replicated
+
+
+# -- bf16 compute ---------------------------------------------------------------------------------
+
+BF16 = Spec(model="transformer", steps=3, micro=2, train="biases", param_dtype=torch.bfloat16)
+
+
+def bf16_digest(rank: int, world_size: int, placement: str | None) -> dict:
+    """The bf16 run with an NF4 base in ``placement``, or (None) unquantized with the
+    dequantized weights as its frozen weights: a digest of every loss, gradient shard and the
+    final weights as computed with (every rank's frozen groups gathered, dequantized)."""
+    layers = make_layers(BF16)
+    if placement is None:
+        layers = list(dequantized(nn.Sequential(*layers), "nf4", FORMATS["nf4"]))
+        policy = zerocore.FrozenWeights()
+    else:
+        policy = _policy("nf4", placement)
+    model = zerocore.shard(layers, mixed_precision=zerocore.MixedPrecision(torch.bfloat16),
+                           frozen_weights=policy)
+    return train_digest(model, BF16, rank, world_size, final=lambda m: {
+        f"{i}.{n}": t for i, state in m.iter_full_states() for n, t in state.items()})
+
+
+def test_bf16_trains_bitwise_as_the_dequantized_base(world):
+    # The kernels round each fp32 product once to bf16, as the reference's fp32 values are
+    # rounded once when the unquantized engine takes them in bf16: the same bits.
+    want = world.run(bf16_digest, None)
+    for placement in ("sharded", "replicated"):
+        for w, g in zip(want, world.run(bf16_digest, placement)):
+            assert g["digest"] == w["digest"], placement
 
 
 # -- checkpoints ---------------------------------------------------------------------------------
