@@ -177,6 +177,25 @@ def test_a_replicated_base_larger_than_memory_is_refused(world):
         assert "placement='sharded'" in r and "\n" not in r
 
 
+def test_the_plan_says_a_replicated_base_is_whole_and_never_gathered():
+    # zerocore.plan rehearses the engine: the replicated base is all of it on each rank, the
+    # gathers are the trainable groups' alone (what the comm report of a run counts:
+    # test_hpz's replicated case checks the plan against a run, byte for byte).
+    with torch.device("meta"):
+        layers = make_layers(SPEC)
+    x = torch.zeros(4, 9, dtype=torch.int64, device="meta")
+    plans = {placement: zerocore.plan.plan(layers, x, world_size=4, device="cpu",
+                                           frozen_weights=_policy("nf4", placement))
+             for placement in ("sharded", "replicated")}
+    sharded, replicated = plans["sharded"], plans["replicated"]
+    assert replicated.state.frozen_params == 4 * sharded.state.frozen_params  # every part
+    assert replicated.all_gather_bytes < sharded.all_gather_bytes
+    table = replicated.table()
+    assert "frozen base, whole (nf4, replicated)" in table
+    assert "none of it all-gathered" in table
+    assert "parameter shards, frozen (nf4, sharded)" in sharded.table()
+
+
 def test_policy_checks():
     with pytest.raises(ValueError, match=r"placement='replicated'\) holds the whole frozen base"):
         zerocore.FrozenWeights(placement="replicated")
