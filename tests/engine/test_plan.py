@@ -181,22 +181,25 @@ def plain_loss(out: torch.Tensor) -> torch.Tensor:
 
 
 # Stacks beyond neox's: (recompute every layer, Prefetch.keep_gathered, embedding frozen,
-# FrozenWeights dtype).
+# FrozenWeights dtype, and its placement when not sharded).
 PLAIN = {"kept": (False, 0, False, None), "recomputed": (True, 0, False, None),
          "keep-gathered-all-frozen-embedding": (False, "all", True, None),
          "keep-gathered-budget": (False, 2 * 4 * 13 * D * D, False, None),  # 3 of 4 layers
          "int8-frozen-embedding": (False, 0, True, "int8"),
-         "int8-keep-gathered-all": (False, "all", True, "int8")}
+         "int8-keep-gathered-all": (False, "all", True, "int8"),
+         "fp8-frozen-embedding": (False, 0, True, "fp8"),
+         "nf4-replicated-frozen-embedding": (False, 0, True, "nf4", "replicated")}
 
 
 def plain_policies(name: str, layers: list[nn.Module]) -> dict:
     """shard()'s policies for a PLAIN configuration (and freezes what it freezes)."""
-    recompute, keep, frozen_embedding, frozen_dtype = PLAIN[name]
+    recompute, keep, frozen_embedding, frozen_dtype, *placement = PLAIN[name]
     if frozen_embedding:
         layers[0].requires_grad_(False)
     return dict(recompute=zerocore.Recompute() if recompute else None,
                 prefetch=zerocore.Prefetch(keep_gathered=keep),
-                frozen_weights=zerocore.FrozenWeights(frozen_dtype))
+                frozen_weights=zerocore.FrozenWeights(frozen_dtype, placement=(placement or
+                                                                               ["sharded"])[0]))
 
 
 def measure_plain(rank: int, world_size: int, name: str) -> int:
