@@ -102,14 +102,15 @@ def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, worl
 
     def build(rehearsal: Rehearsal) -> ShardedSequential:
         held["model"] = ShardedSequential(
-            [MetaLayer(m, _read_nothing) for m in stack],
+            [MetaLayer(m, _loading_read(m)) for m in stack],
             mesh=meshes.planned(shape, world_size, hybrid),
             device=_CPU, mixed_precision=mixed_precision, prefetch=prefetch, offload=offload,
             recompute=recompute, frozen_weights=frozen_weights, comm=comm, rehearsal=rehearsal,
             hybrid=hybrid)
         return held["model"]
 
-    return rehearse(Step(build, lambda: loss(held["model"](x)), world_size=world_size,
+    return rehearse(Step(build, lambda: loss(held["model"](x)), buffers=_buffer_bytes(*stack),
+                         world_size=world_size,
                          device=device, comm=comm, offload=offload,
                          micro_batches=micro_batches, mesh=shape, nodes=nodes), fake,
                     exclude=[x])
@@ -161,10 +162,12 @@ def plan_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module, example
                             mesh=meshes.planned(shape, world_size, hybrid), device=_CPU,
                             mixed_precision=mixed_precision, prefetch=prefetch,
                             offload=offload, frozen_weights=frozen_weights, comm=comm,
-                            recompute=recompute, read=_read_nothing, rehearsal=rehearsal,
+                            recompute=recompute, read=_loading_read(copied),
+                            rehearsal=rehearsal,
                             hybrid=hybrid)
 
-    return rehearse(Step(build, lambda: loss(copied(*args, **kwargs)), world_size=world_size,
+    return rehearse(Step(build, lambda: loss(copied(*args, **kwargs)),
+                         buffers=_buffer_bytes(copied), world_size=world_size,
                          device=device, comm=comm, offload=offload,
                          micro_batches=micro_batches, mesh=shape, nodes=nodes), fake,
                     exclude=inputs)
@@ -183,10 +186,27 @@ def _planned(module: nn.Module, fake: FakeTensorMode) -> nn.Module:
     return module
 
 
-def _read_nothing(name: str, start: int, stop: int) -> torch.Tensor:
-    """The engine's rank-local read of a meta parameter, in a plan: a fake tensor of the size
-    asked for (run under the plan's fake mode)."""
-    return torch.empty(stop - start)
+def _loading_read(module: nn.Module) -> Callable[[str, int, int], torch.Tensor]:
+    """The engine's rank-local read of ``module``'s meta parameters, in a plan (run under its
+    fake mode): what ``zerocore.hf_pretrained``'s read holds at most, so that the plan's
+    loading (``MemoryPlan.loading``) is that reader's. It reads the piece's bytes as stored,
+    fp32 at most (the widest dtype a checkpoint stores parameters in), then converts them to
+    the parameter's dtype: at its moment both are held, 4 bytes per element and the
+    parameter's own (the conversion is a copy here even in fp32, which bounds a bf16
+    checkpoint read into fp32 too: 2 + 4)."""
+    dtypes = {name: p.dtype for name, p in module.named_parameters(remove_duplicate=False)}
+
+    def read(name: str, start: int, stop: int) -> torch.Tensor:
+        stored = torch.empty(stop - start, dtype=torch.float32)
+        converted = torch.empty(stop - start, dtype=dtypes.get(name, torch.float32))
+        del stored  # (held until here: the conversion is made from it)
+        return converted
+    return read
+
+
+def _buffer_bytes(*modules: nn.Module) -> int:
+    """The modules' buffers' bytes: every rank holds them whole, from the loading on."""
+    return sum(b.numel() * b.element_size() for m in modules for b in m.buffers())
 
 
 def _default_loss(output: Any) -> torch.Tensor:

@@ -172,22 +172,22 @@ class SafetensorsFiles:
             raise IndexError(f"{key}: range [{start}, {stop}) outside its {entry.numel} "
                              f"elements")
         size = entry.dtype.itemsize
-        buf = bytearray((stop - start) * size)
+        # A torch tensor, not a bytearray: what the read holds is a tensor allocation, which
+        # zerocore.PeakMemory sees (and the plan counts: ``MemoryPlan.loading``).
+        buf = torch.empty((stop - start) * size, dtype=torch.uint8)
         fd = self._fds.get(entry.file)
         if fd is None:
             fd = self._fds[entry.file] = os.open(entry.file, os.O_RDONLY)
-        view, offset, done = memoryview(buf), entry.begin + start * size, 0
-        while done < len(buf):  # a read may return fewer bytes than asked (2 GiB at most)
+        view, offset, done = memoryview(buf.numpy()), entry.begin + start * size, 0
+        while done < len(view):  # a read may return fewer bytes than asked (2 GiB at most)
             got = os.preadv(fd, [view[done:]], offset + done)
             if got == 0:
                 raise SafetensorsError(f"{entry.file}: ends before tensor {key!r} does (the "
                                        f"file shrank since it was opened)")
             done += got
-        self.bytes_read += len(buf)
+        self.bytes_read += len(view)
         self.calls += 1
-        if not buf:
-            return torch.empty(0, dtype=entry.dtype)
-        return torch.frombuffer(buf, dtype=entry.dtype)
+        return buf.view(entry.dtype)
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -129,25 +129,27 @@ class GroupContext:
 
 
 class FlatGroup:
-    def __init__(self, layout: FlatLayout, full: torch.Tensor, trainable: bool,
+    def __init__(self, layout: FlatLayout, values: torch.Tensor, trainable: bool,
                  ctx: GroupContext):
-        """full: the unsharded padded flat values (1D, padded_numel, any float dtype, any device);
-        only this rank's slice of it is kept."""
+        """values: this rank's part of the padded flat values (1D, ``layout.shard_numel``, any
+        float dtype, any device), the caller's to give: the shard is made from it (taken as
+        it is where its device and dtype are the shard's)."""
         self.layout = layout
         self.trainable = trainable
         self.ctx = ctx
         lo, hi = layout.shard_range(ctx.rank)
+        if values.shape != (hi - lo,):
+            raise ValueError(f"FlatGroup: values of shape {tuple(values.shape)}; this rank's "
+                             f"part is {hi - lo} elements")
         dev, dt = ctx.device, ctx.param_dtype
         self.int8_block: int | None = None
-        if trainable:
-            values = full[lo:hi]
-        else:
+        if not trainable:
             # int8 frozen weights (FrozenWeights): the shard is this rank's int8 values and
             # their fp32 scales, one byte buffer (``q | scales``), so one collective gathers
             # both; blocks never straddle shards (the layout pads to whole blocks per rank), so
             # every rank's part is quantized exactly as the whole tensor would be.
             self.int8_block = ctx.int8_block
-            values = full[lo:hi].to(device=dev, copy=True)
+            values = values.to(device=dev)
             values = self._quantized(values) if self.int8_block is not None else values.to(dt)
         # Where the shard lives, and how the gathers' input is made from it.
         self.home = ctx.homes.place(values, trainable)

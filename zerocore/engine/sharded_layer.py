@@ -12,7 +12,7 @@ from torch import nn
 from zerocore.engine.compiled import plain_name
 from zerocore.engine.flat_group import FlatGroup, GroupContext, GroupState
 from zerocore.engine.flat_layout import FlatLayout
-from zerocore.engine.meta_layer import RangeReader
+from zerocore.engine.meta_layer import READ_PIECE_NUMEL, RangeReader
 from zerocore.engine.tracing import traced
 from zerocore.kernels import ops
 
@@ -38,32 +38,38 @@ def collect_params(module: nn.Module) -> Params:
 
 def _rank_slice(chosen: list[tuple[str, nn.Parameter]], layout: FlatLayout, rank: int,
                 dtype: torch.dtype, read: RangeReader | None) -> torch.Tensor:
-    """The group's unsharded flat buffer (1D, ``dtype``, padded_numel) with only this rank's
-    range ``[lo, hi)`` written (padding zero): what ``FlatGroup`` keeps. The rest is allocated
-    but never touched, so on the CPU it takes address space, not memory (pages are backed when
-    first written). A meta parameter's elements come from ``read``, only those in the range,
-    one parameter at a time (each piece is packed and dropped before the next is read)."""
+    """This rank's part ``[lo, hi)`` of the group's flat values (1D, ``dtype``, shard_numel;
+    padding zero): what ``FlatGroup`` keeps, and nothing of the other ranks' parts. A meta
+    parameter's elements come from ``read``, only those in the range, in pieces of at most
+    ``READ_PIECE_NUMEL`` elements (each piece is packed and dropped before the next is read):
+    the loading's transient beyond the slice is one piece, however large the parameter."""
     lo, hi = layout.shard_range(rank)
     device = next((p.device for _, p in chosen if not p.is_meta), torch.device("cpu"))
-    full = torch.empty(layout.padded_numel, dtype=dtype, device=device)
-    full[lo:hi].zero_()  # padding, and any gap between parameters
+    values = torch.zeros(hi - lo, dtype=dtype, device=device)  # padding, and any gap
     for (name, p), slot in zip(chosen, layout.slots):
         start, stop = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-        if start >= stop:
-            continue
-        a, b = start - slot.offset, stop - slot.offset
-        if p.is_meta:
-            piece = read(name, a, b)
-            if piece.shape != (b - a,) or not piece.is_floating_point():
-                raise ValueError(f"MetaLayer.read({name!r}, {a}, {b}) returned "
-                                 f"{piece.dtype} {tuple(piece.shape)}; expected {b - a} "
-                                 f"floating-point elements")
-        else:
-            piece = p.detach().reshape(-1)[a:b]
-        with torch.no_grad():
-            ops.pack([piece.to(device)], [0], full[start:stop])  # pack's dtype conversion
-        del piece
-    return full
+        step = READ_PIECE_NUMEL if p.is_meta else max(stop - start, 1)  # a view: in one piece
+        for a in range(start, stop, step):
+            b = min(stop, a + step)
+            piece = _piece(name, p, a - slot.offset, b - slot.offset, read)
+            with torch.no_grad():  # pack's dtype conversion
+                ops.pack([piece.to(device)], [0], values[a - lo:b - lo])
+            del piece
+    return values
+
+
+def _piece(name: str, p: nn.Parameter, a: int, b: int, read: RangeReader | None
+           ) -> torch.Tensor:
+    """Elements ``[a, b)`` of parameter ``p`` (flattened): read when it is on the meta
+    device, a view of it otherwise."""
+    if not p.is_meta:
+        return p.detach().reshape(-1)[a:b]
+    piece = read(name, a, b)
+    if piece.shape != (b - a,) or not piece.is_floating_point():
+        raise ValueError(f"MetaLayer.read({name!r}, {a}, {b}) returned "
+                         f"{piece.dtype} {tuple(piece.shape)}; expected {b - a} "
+                         f"floating-point elements")
+    return piece
 
 
 def _own_tensor(view: torch.Tensor) -> torch.Tensor:
@@ -112,11 +118,11 @@ class ShardedLayer(nn.Module):
                                       block=ctx.int8_block if int8 else 1)
             # Trainable masters, and frozen values about to be quantized, from fp32.
             full_dtype = torch.float32 if trainable or int8 else ctx.param_dtype
-            # Only this rank's part is written: FlatGroup keeps only that slice.
-            full = _rank_slice([(n, p) for n, p, _ in chosen], layout, ctx.rank, full_dtype,
-                               read)
-            groups[trainable] = FlatGroup(layout, full, trainable, ctx)
-            del full
+            # Only this rank's part is made: FlatGroup keeps it.
+            values = _rank_slice([(n, p) for n, p, _ in chosen], layout, ctx.rank, full_dtype,
+                                 read)
+            groups[trainable] = FlatGroup(layout, values, trainable, ctx)
+            del values
         # The module no longer owns its parameters: their values live in the groups, and
         # unsharded views are installed as plain attributes while the layer runs.
         for _, _, owners in params:
