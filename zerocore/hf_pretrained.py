@@ -8,8 +8,9 @@ rank.
 ``transformers``' ``from_pretrained`` builds the whole model in every rank's memory; sharding
 afterwards keeps 1/N of it, but the peak was N copies per node. Here the model is built on the
 meta device from its config, and ``zerocore.shard_model(read=...)`` asks for each rank's
-elements of each parameter, read by offset from the safetensors files (``SafetensorsFiles``):
-each rank's peak is its share of the model plus the largest single read.
+elements of each parameter, read by offset from the safetensors files (``SafetensorsFiles``)
+in pieces of at most ``READ_PIECE_NUMEL`` elements into one buffer: each rank's peak is its
+share of the model plus that buffer (``zerocore.plan`` states it: ``MemoryPlan.loading``).
 
 What ``transformers.PreTrainedModel.from_pretrained`` does besides reading, done the same way:
 the requested ``dtype`` (stored values converted, as it converts them); parameters tied to
