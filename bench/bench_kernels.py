@@ -25,7 +25,7 @@ import torch
 
 import zerocore
 from conftest import OUTPUT_COPY_VARIANT, RMW_VARIANT, ZEROCORE_VARIANT
-from zerocore.kernels import formats, ops
+from zerocore import ops
 
 # The shard size of the targets.
 N = 1 << 24
@@ -521,7 +521,7 @@ def test_dequant(interleaved_bench, device, dtype):
 
 # Frozen weights held in a low-bit format (zerocore.kernels.formats) and widened into the compute
 # dtype before use, at each format's own block size.
-LOWBIT_FORMATS = {"nf4": formats.NF4_BLOCK, "fp8": formats.FP8_BLOCK}
+LOWBIT_FORMATS = {"nf4": ops.NF4_BLOCK, "fp8": ops.FP8_BLOCK}
 LOWBIT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -539,7 +539,7 @@ def _lowbit_variants(fmt: str, dtype, device: str) -> dict:
     block = LOWBIT_FORMATS[fmt]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(N, generator=g)
-    q, scales = (formats.quantize_nf4 if fmt == "nf4" else formats.quantize_fp8)(x, block)
+    q, scales = (ops.quantize_nf4 if fmt == "nf4" else ops.quantize_fp8)(x, block)
     q, scales = q.to(device), scales.to(device)
     flat = torch.full((N,), float("nan"), dtype=dtype, device=device)  # first touch
     dequantize_ = ops.dequantize_nf4_ if fmt == "nf4" else ops.dequantize_fp8_
@@ -555,7 +555,7 @@ def _lowbit_variants(fmt: str, dtype, device: str) -> dict:
         variants[f"zerocore ({isa})"] = forced
     rows = flat.view(-1, block)
     if fmt == "nf4":
-        table = formats.NF4_CODE.to(device)
+        table = zerocore.reference.NF4_CODE.to(device)
 
         def plain():
             codes = torch.stack([q & 0xF, q >> 4], dim=1).view(-1).long()

@@ -17,6 +17,12 @@ resident frozen groups, to be added to that peak) and the losses of the first st
 
     python bench/peft_gather.py                       # the tables of bench/RESULTS.md
     python bench/peft_gather.py --modes lora --model pythia-70m
+    python bench/peft_gather.py --configs "zerocore,zerocore int8,zerocore nf4,zerocore fp8,\
+zerocore nf4 replicated"
+
+The quantized configurations beside int8 (issue 41): ``"zerocore nf4"`` / ``"zerocore fp8"``
+(``FrozenWeights("nf4")`` / ``("fp8")``, sharded: each gather moves the quantized bytes) and
+``"zerocore nf4 replicated"`` (the whole NF4 base on each rank: nothing frozen gathered).
 """
 
 from __future__ import annotations
@@ -36,13 +42,16 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 CONFIGS = ("fsdp2", "zerocore", "zerocore budget", "zerocore int8", "zerocore budget+int8")
+QUANTIZED = ("int8", "nf4", "fp8")
 
 
 def _zerocore_model(layers: list[nn.Module], name: str):
     import zerocore
+    dtype = next((q for q in QUANTIZED if q in name), None)
     return zerocore.shard(
         layers, prefetch=zerocore.Prefetch(keep_gathered="all" if "budget" in name else 0),
-        frozen_weights=zerocore.FrozenWeights("int8" if "int8" in name else None))
+        frozen_weights=zerocore.FrozenWeights(
+            dtype, placement="replicated" if "replicated" in name else "sharded"))
 
 
 def _fsdp2_model(layers: list[nn.Module]) -> nn.Module:
@@ -73,7 +82,7 @@ def rank_main(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     batches = [torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len + 1),
                              generator=g) for _ in range(args.warmup + args.rounds + 1)]
     models, steps, results = {}, {}, {}
-    for name in CONFIGS:
+    for name in args.configs:
         if name == "fsdp2":
             model = _fsdp2_model(layers())
             trainable = [p for p in model.parameters() if p.requires_grad]
@@ -92,18 +101,19 @@ def rank_main(rank: int, world_size: int, args: argparse.Namespace) -> dict:
         models[name], steps[name] = model, step
         results[name] = {"losses": losses}
     for i in range(args.warmup):
-        for name in CONFIGS:
+        for name in args.configs:
             steps[name](batches[i])
-    for name in CONFIGS:
+    for name in args.configs:
         if name != "fsdp2":
             models[name].comm_report(reset=True)
     # Seeded: the same order on every rank (steps are collective).
     rounds = harness.Interleaved(
-        {name: (lambda r, step=steps[name]: step(batches[args.warmup + r])) for name in CONFIGS},
+        {name: (lambda r, step=steps[name]: step(batches[args.warmup + r]))
+         for name in args.configs},
         warmup=0, before=lambda _: dist.barrier()).run(args.rounds)
-    for name in CONFIGS:
+    for name in args.configs:
         results[name]["times"] = rounds.times_s[name]
-    for name in CONFIGS:
+    for name in args.configs:
         if name == "fsdp2":
             # Its default: every layer gathered in forward and again in backward (the root's
             # parameters, none here, would be kept).
@@ -131,7 +141,11 @@ def main() -> int:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help="comma-separated configurations (default: the tables'); the first is "
+                        "the baseline of the time ratio")
     args = p.parse_args()
+    args.configs = args.configs.split(",")
     mib = 2**20
     print(harness.header(f"{args.model} (vocabulary {args.vocab}), 2 gloo ranks, fp32, batch "
                          f"{args.batch_size} x {args.seq_len} tokens per rank; {args.warmup} "
@@ -142,12 +156,12 @@ def main() -> int:
 
         def step_s(name: str) -> float:
             return statistics.median(harness.slowest([r0[name]["times"], r1[name]["times"]]))
-        base = step_s("fsdp2")
+        base = step_s(args.configs[0])
         plain_gather = r0["zerocore"]["gathered"]
         print(f"\n### --finetune {mode} (load average {harness.load_average():.2f} at the "
               f"end)\n")
         rows = []
-        for name in CONFIGS:
+        for name in args.configs:
             t = step_s(name)
             gathered = r0[name]["gathered"]
             losses = ", ".join(f"{x:.5f}" for x in r0[name]["losses"][:3])
@@ -155,16 +169,22 @@ def main() -> int:
                          f"{gathered / plain_gather:.3f}",
                          f"{r0[name]['peak'] / mib:.1f} / {r1[name]['peak'] / mib:.1f}",
                          f"{r0[name]['held'] / mib:.1f}", losses))
-        print(harness.table(("configuration", "step ms (median, slower rank)", "/ FSDP2",
+        print(harness.table(("configuration", "step ms (median, slower rank)",
+                             f"/ {args.configs[0]}",
                              "all-gathered MiB per step", "/ zerocore plain",
                              "peak MiB allocated in a step (rank 0 / 1)",
                              "MiB held gathered between steps", "losses, first 3 steps (rank 0)"),
                             rows, "lrrrrlrl"))
-        drift = max(abs(a - b) for a, b in zip(r0["zerocore int8"]["losses"],
-                                                r0["zerocore"]["losses"]))
-        same = r0["zerocore budget"]["losses"] == r0["zerocore"]["losses"]
-        print(f"\nlosses over all {len(r0['zerocore']['losses'])} steps: budget == plain "
-              f"bitwise: {same}; largest |int8 - plain|: {drift:.2e}")
+        plain = r0["zerocore"]["losses"]
+        notes = []
+        if "zerocore budget" in r0:
+            notes.append(f"budget == plain bitwise: {r0['zerocore budget']['losses'] == plain}")
+        for name in args.configs:
+            if any(q in name for q in QUANTIZED):
+                drift = max(abs(a - b) for a, b in zip(r0[name]["losses"], plain))
+                notes.append(f"largest |{name.removeprefix('zerocore ')} - plain|: "
+                             f"{drift:.2e}")
+        print(f"\nlosses over all {len(plain)} steps: {'; '.join(notes)}")
     return 0
 
 

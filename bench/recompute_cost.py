@@ -33,8 +33,8 @@ def rank_main(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     from neox.finetune_modes import FinetuneMode, prepare_layer
     from neox.model import layer_specs
     from neox.run.planning import PlanRequest, plan_run
-    from neox.run.recipe import LoopConfig
-    from neox.run.step import micro_batch_loss, recompute_policy
+    from neox.run.recipe import ShardingConfig
+    from neox.run.step import micro_batch_loss
     from neox.weights import RandomInit, materialize
     config = NeoXConfig(vocab_size=8192, hidden_size=512, num_hidden_layers=8,
                         num_attention_heads=8, intermediate_size=2048)
@@ -45,12 +45,12 @@ def rank_main(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     results = {}
     runs = {}
     for name, blocks in CONFIGS.items():
-        loop = LoopConfig(activation_checkpointing=blocks,
-                          activation_checkpointing_every=EVERY[name])
+        sharding = ShardingConfig(activation_checkpointing=blocks,
+                                  activation_checkpointing_every=EVERY[name])
         with zerocore.PeakMemory("cpu") as peak:
             model = zerocore.shard((prepare_layer(materialize(RandomInit(config), s), i, mode)
                                     for i, s in enumerate(specs)),
-                                   recompute=recompute_policy(specs, loop))
+                                   recompute=sharding.recompute(specs))
             opt = zerocore.optim.AdamW(model.parameters(), lr=1e-4)
 
             def step(model=model, opt=opt) -> None:

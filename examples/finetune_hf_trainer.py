@@ -16,7 +16,7 @@ this machine):
     torchrun --nnodes 2 --nproc-per-node 2 --node-rank 0|1 --rdzv-backend c10d \
         --rdzv-endpoint HOST:29500 examples/finetune_hf_trainer.py --hybrid hsdp
 
-Started by this script, the processes cannot outlive it (zerocore.tools.rank_processes, as
+Started by this script, the processes cannot outlive it (zerocore.tools.run_ranks, as
 neox.finetune's ranks): killed, it takes them with it; Ctrl-C stops them. A process that loses
 another (killed, failed) says so in one line and exits 3, as neox's ranks do. Bad arguments
 are refused in one line before any process starts.
@@ -48,7 +48,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, GPTNeoXConfig, GPTNe
 import zerocore
 from zerocore.hf_pretrained import pretrained_on_meta
 from zerocore.hf_trainer import ShardedTrainer
-from zerocore.tools import rank_processes
+from zerocore.tools import receive, run_ranks, watch_launcher
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = "ROMEO:\n"
@@ -155,11 +155,11 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
 
 
 def rank_main(rank: int, fd: int, launcher: int) -> None:
-    """A process started by ``main``, tied to it (zerocore.tools.rank_processes: it cannot
+    """A process started by ``main``, tied to it (zerocore.tools.run_ranks: it cannot
     outlive the main process, however that ends): its task, then its share of the run."""
     link = socket.socket(fileno=fd)
-    world, port, args = rank_processes.receive(link)
-    rank_processes.watch_launcher(rank, link, launcher)
+    world, port, args = receive(link)
+    watch_launcher(rank, link, launcher)
     worker(rank, world, port, args)
 
 
@@ -285,8 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # The processes are this script's own module, imported by name (its folder is on the path).
-    return rank_processes.run_ranks(f"{Path(__file__).stem}:rank_main", args.nproc,
-                                    (args.nproc, port, args), marker="hf-trainer-rank")
+    return run_ranks(f"{Path(__file__).stem}:rank_main", args.nproc, (args.nproc, port, args),
+                     marker="hf-trainer-rank")
 
 
 if __name__ == "__main__":

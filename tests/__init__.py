@@ -1,1 +1,1 @@
-"""The test suite: folders by subject over tests/support (see README.md, Layout)."""
+"""The test suite: folders by subject over tests/support (see docs/layout.md)."""

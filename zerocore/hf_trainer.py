@@ -66,6 +66,8 @@ from zerocore.loss_scale import global_grad_stats
 from zerocore.engine.sharded_model import ShardedModel
 from zerocore.policies import HYBRID_LAYOUTS
 
+__all__ = ["ShardedTrainer", "default_units"]
+
 CHECKPOINT_DIR = "zerocore"  # inside each checkpoint-N/ of Trainer
 # ``hybrid=``'s layouts, zerocore.Hybrid's: each takes the mesh of torchrun's nodes.
 HYBRIDS = HYBRID_LAYOUTS

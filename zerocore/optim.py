@@ -40,6 +40,8 @@ from zerocore.engine.sharded_param import (ShardParameter, is_nvme, is_offloaded
 from zerocore.engine.tracing import traced
 from zerocore.kernels import ops
 
+__all__ = ["Adam", "AdamW", "no_decay_on_biases_and_norms"]
+
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 

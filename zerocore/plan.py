@@ -47,6 +47,11 @@ from zerocore.planning.rehearsed_step import Step, rehearse
 from zerocore.policies import (Comm, FrozenWeights, Hybrid, MixedPrecision, Offload, Prefetch,
                                Recompute)
 
+__all__ = ["plan", "plan_model", "MemoryPlan", "ModelState", "CATEGORIES", "ACTIVATIONS",
+           "FROZEN", "GATHERED", "GRAD_BUFFERS", "GRADIENTS", "MASTERS", "MIRRORS", "NVME_POOL",
+           "OPTIMIZER", "SECONDARY", "TRAINABLE", "WINDOWS", "CUDA_FIXED_HEADROOM",
+           "CUDA_HEADROOM_FRACTION", "GiB"]
+
 _CPU = torch.device("cpu")
 
 

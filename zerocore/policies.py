@@ -277,39 +277,91 @@ class LossScaling:
                              f"hysteresis >= 1")
 
 
+# The formats frozen weights can be held in (``FrozenWeights.dtype``), each with its default
+# block: int8's 128 (docs/decisions.md, "int8 frozen weights"), QLoRA's 64 for NF4, and 128 for
+# fp8 (zerocore/kernels/formats.py says why).
+FROZEN_FORMATS = {"int8": 128, "nf4": 64, "fp8": 128}
+# Where frozen weights live: sharded like the trainable ones and all-gathered, or replicated.
+FROZEN_PLACEMENTS = ("sharded", "replicated")
+
+
 @dataclasses.dataclass(frozen=True)
 class FrozenWeights:
     """How frozen parameters are kept and gathered. ``dtype=None`` (default): in the compute
-    dtype, as the trainable ones. ``dtype="int8"``: each frozen flat group is quantized once,
-    at ``shard()``, from its fp32 values, symmetrically by blocks of ``block`` consecutive
-    elements (int8 values, an fp32 scale = block absmax / 127 per block); shards are stored and
-    all-gathered so (1 + 4 / block bytes per parameter: about half of bf16, a quarter of fp32)
-    and dequantized into the compute dtype right after each gather, in one fused pass per rank's
-    part (``zerocore.ops.dequantize_blockwise_``). Each element is off by at most half its
-    block's scale. Trainable parameters, master weights and optimizer state are never
-    quantized. (docs/decisions.md: why fp32 scales and blocks of 128.)"""
+    dtype, as the trainable ones. A quantized ``dtype``: each frozen flat group is quantized
+    once, at ``shard()`` (and at a load), from its fp32 values, by blocks of ``block``
+    consecutive elements with an fp32 scale per block, and dequantized into the compute dtype
+    right before the layer uses it, in one fused pass per rank's part:
+
+    - ``"int8"``: symmetric int8, scale = block absmax / 127 (``zerocore.ops.
+      dequantize_blockwise_``); 1 + 4 / block bytes per parameter, about half of bf16, a
+      quarter of fp32; each element off by at most half its block's scale;
+    - ``"nf4"``: QLoRA's 4-bit NormalFloat, scale = block absmax, two codes a byte
+      (``dequantize_nf4_``); 1/2 + 4 / block bytes per parameter (block 64: 0.5625);
+    - ``"fp8"``: e4m3fn, scale = block absmax / 448 (``dequantize_fp8_``); as int8's bytes.
+
+    zerocore/kernels/formats.py states NF4's and fp8's rounding and error bounds.
+
+    block: elements per scale; None: the format's default (``FROZEN_FORMATS``: 128 for int8
+        and fp8, 64 for NF4). int8 takes [16, 4096], NF4 and fp8 multiples of 32 there (their
+        kernels' vector step).
+    placement: ``"sharded"`` (default): each rank holds its shard of the quantized values, and
+        each use all-gathers the quantized bytes (or, unquantized, the compute dtype's) and
+        dequantizes every rank's part. ``"replicated"``: every rank holds the whole quantized
+        frozen base (quantized per rank's part exactly as when sharded, so the same bits) and
+        dequantizes a unit into a transient buffer just before it runs, in forward and in
+        backward, freed after it as a gathered buffer is: nothing frozen is gathered. Needs a
+        quantized dtype. Trainable parameters stay sharded either way.
+
+    Trainable parameters, master weights and optimizer state are never quantized; checkpoints
+    never hold the quantized values (docs/decisions.md: "int8 frozen weights", "Quantized frozen
+    weights, sharded or replicated")."""
 
     dtype: str | None = None
-    block: int = 128
+    block: int | None = None
+    placement: str = "sharded"
 
     def __post_init__(self) -> None:
-        if self.dtype not in (None, "int8"):
-            raise ValueError(f"FrozenWeights.dtype must be None or 'int8', got {self.dtype!r}")
-        if type(self.block) is not int or not 16 <= self.block <= 4096:
-            raise ValueError(f"FrozenWeights.block must be an int in [16, 4096], got "
-                             f"{self.block!r}")
+        if self.dtype is not None and self.dtype not in FROZEN_FORMATS:
+            raise ValueError(f"FrozenWeights.dtype must be None or one of "
+                             f"{tuple(FROZEN_FORMATS)}, got {self.dtype!r}")
+        if self.block is None:  # frozen: normalised once, here
+            object.__setattr__(self, "block", FROZEN_FORMATS.get(self.dtype, 128))
+        step = 32 if self.dtype in ("nf4", "fp8") else 1
+        if type(self.block) is not int or not 16 <= self.block <= 4096 or self.block % step:
+            what = "an int in [16, 4096]" if step == 1 else f"a multiple of {step} in [32, 4096]"
+            raise ValueError(f"FrozenWeights.block must be {what}"
+                             f"{f' for {self.dtype}' if step != 1 else ''}, got {self.block!r}")
+        if self.placement not in FROZEN_PLACEMENTS:
+            raise ValueError(f"FrozenWeights.placement must be one of {FROZEN_PLACEMENTS}, got "
+                             f"{self.placement!r}")
+        if self.placement == "replicated" and self.dtype is None:
+            raise ValueError("FrozenWeights(placement='replicated') holds the whole frozen base "
+                             "quantized on every rank; give dtype='nf4', 'fp8' or 'int8' too "
+                             "(or leave placement 'sharded')")
+
+    @property
+    def quantized(self) -> bool:
+        """Whether frozen groups are held quantized (any ``dtype`` but None)."""
+        return self.dtype is not None
+
+    @property
+    def replicated(self) -> bool:
+        """Whether every rank holds the whole frozen base (``placement="replicated"``)."""
+        return self.placement == "replicated"
 
     @property
     def int8_block(self) -> int | None:
         return self.block if self.dtype == "int8" else None
 
     def frozen_nbytes(self, numel: int, param_bytes: int) -> int:
-        """Bytes that ``numel`` frozen elements take (and one gather of them moves): a byte each
-        and an fp32 scale per block in int8 (``numel`` a whole number of blocks, as shards
-        are), else ``param_bytes`` each."""
-        if self.dtype == "int8":
-            return numel + 4 * numel // self.block
-        return numel * param_bytes
+        """Bytes that ``numel`` frozen elements take (and one gather of them moves): per
+        element a byte (int8, fp8) or half (NF4) and an fp32 scale per block (``numel`` a
+        whole number of blocks, as shards are), else ``param_bytes`` each."""
+        if self.dtype is None:
+            return numel * param_bytes
+        codes = numel // 2 if self.dtype == "nf4" else numel
+        return codes + 4 * numel // self.block
 
 
 # What the ranks' own transport waits when no timeout is given: gloo's default process-group

@@ -17,8 +17,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from neox.commands.flags import HelpFormatter, Parser
+from neox.commands.flags import HelpFormatter, Parser, recipe_argument, recipe_field
 from neox.run.export import export, export_trainable
+from neox.run.invocation import ALLOW_UNVERIFIED
 from neox.run.recipe import RecipeError
 from neox.run.run_dir import OutputDirError
 from neox.run.trained import run_checkpoint
@@ -41,15 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true",
                    help="replace OUT if it exists (it is replaced only once the export is "
                         "complete)")
-    p.add_argument("--tokenizer", type=Path, default=None,
-                   help="tokenizer.json to put in the export (default: the run's own, found "
-                        "by its checksum beside the checkpoints or where the run took it)")
+    recipe_argument(p, recipe_field("data", "tokenizer"),
+                    help="tokenizer.json to put in the export (default: the run's own, found "
+                         "by its checksum beside the checkpoints or where the run took it)")
     p.add_argument("--trainable-only", action="store_true",
                    help="write only the trained tensors (biases, LoRA adapters, ...) under the "
                         "model's own names to OUT/trainable.safetensors; no base weights read")
-    p.add_argument("--allow-unverified", action="store_true",
-                   help="read a checkpoint of an older format (1 or 2), whose rank files do not "
-                        "record which save, rank and step they are of")
+    recipe_argument(p, ALLOW_UNVERIFIED)
     args = p.parse_args(argv)
     if args.tokenizer is not None and not args.tokenizer.is_file():
         print(f"error: --tokenizer {args.tokenizer}: no such file", file=sys.stderr)

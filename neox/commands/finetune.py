@@ -14,6 +14,7 @@ the flags every node parsed for itself (``neox.run.same_recipe``), then run thos
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -24,15 +25,16 @@ import torch
 import zerocore
 from neox.blocks import chosen_blocks
 from neox.commands.flags import (HelpFormatter, Parser, add_recipe_flags, explicit_flags, finite,
-                                 nonnegative_int, positive_int)
+                                 nonnegative_int, positive_int, recipe_argument)
 from neox.config import NeoXConfig, preset_config
 from neox.finetune_modes import GROUP as MODE, auto_mode
 from neox.run import from_deepspeed as nds
+from neox.run.invocation import Invocation
 from neox.run.launch import (LaunchConfig, RunRequest, launch, local_world_size,
                              run_under_torchrun)
 from neox.run.layout import check_layout
 from neox.run.progress import say
-from neox.run.recipe import (DATA, LOOP, MODEL, OPTIM, OUTPUT, STEP, FROM_SCRATCH, Recipe,
+from neox.run.recipe import (DATA, LOOP, MODEL, OPTIM, OUTPUT, STEP, FROM_SCRATCH,
                              recipe_from_flags)
 from neox.run.resume import deepspeed_recipe, resume_recipe
 from neox.run.same_recipe import given_flags
@@ -48,26 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m neox.finetune", description=__doc__.split("\n\n")[0],
         formatter_class=HelpFormatter)
     groups = add_recipe_flags(p, (MODEL, MODE, STEP, DATA, OPTIM, LOOP, OUTPUT))
-    c = groups[OUTPUT]
-    c.add_argument("--resume", type=Path, default=None,
-                   help="continue a run from a checkpoint (a step-XXXXXXXX directory, or a folder "
-                        "of them: the newest of its run); flags not given are the checkpoint's; "
-                        "any number of ranks. Or continue a DeepSpeed ZeRO-3 run of a GPT-NeoX "
-                        "model (its directory holding 'latest', or a global_stepN directory) as "
-                        "a new run of the flags given (the same model and --finetune mode): its "
-                        "weights, Adam state and step are loaded, the optimizer flags not given "
-                        "are its; its data order is not saved, so the sampler starts at the "
-                        "beginning")
-    c.add_argument("--allow-unverified", action="store_true",
-                   help="with --resume: accept a checkpoint of an older format (1 or 2), whose "
-                        "rank files do not record which save, rank and step they are of")
-    c.add_argument("--data-changed", action="store_true",
-                   help="with --resume: the training text differs from the one the run trained "
-                        "on, and that is intended; the weights and optimizer continue, the data "
-                        "order restarts at the beginning of the current epoch")
-    c.add_argument("--overwrite", action="store_true",
-                   help="start a new run in an output directory that holds another run, deleting "
-                        "its checkpoints, metrics and exports first")
+    for field in dataclasses.fields(Invocation):
+        recipe_argument(groups[OUTPUT], field)
     r = p.add_argument_group("processes")
     r.add_argument("--nproc", type=positive_int, default=2,
                    help="CPU processes (gloo) when there is no GPU; with GPUs: one per GPU, at "
@@ -155,22 +139,17 @@ def model_config(args: argparse.Namespace) -> NeoXConfig:
         raise UsageError(f"--checkpoint: {e}") from None
 
 
-def recipe_of(args: argparse.Namespace) -> Recipe:
-    """The recipe the flags describe (their block lists checked against the model's block
-    count)."""
-    kept, recomputed = chosen_blocks(args.filter_layers, args.activation_checkpointing,
-                                     model_config(args).num_hidden_layers)
-    return recipe_from_flags(vars(args), {"filter_layers": kept,
-                                          "activation_checkpointing": recomputed})
-
-
 def run_request(args: argparse.Namespace, use_cuda: bool, log: Any, *, torchrun: bool,
                 nodes: int | None) -> RunRequest:
     """The run the flags ask for, checked as far as the flags, the file system and the nodes
     allow (``nodes``: torchrun's, or --nodes). Raises ``UsageError`` or ``OutputDirError``."""
     check_flags(args, use_cuda)
     resolve_auto_mode(args, log)
-    recipe = recipe_of(args)
+    # The recipe the flags describe, their block lists checked against the model's block count.
+    kept, recomputed = chosen_blocks(args.filter_layers, args.activation_checkpointing,
+                                     model_config(args).num_hidden_layers)
+    recipe = recipe_from_flags(vars(args), {"filter_layers": kept,
+                                            "activation_checkpointing": recomputed})
     resume = deepspeed = None
     for flag in ("allow_unverified", "data_changed"):
         if getattr(args, flag) and args.resume is None:
@@ -192,13 +171,13 @@ def run_request(args: argparse.Namespace, use_cuda: bool, log: Any, *, torchrun:
         own = (Path(recipe.output.output_dir) / CHECKPOINTS).resolve()
         if resume != args.resume and args.resume.resolve() != own:
             warn_incomplete(args.resume, log)
-    problem = recipe.loop.offload_problem(for_a_run=True)  # (a resume's flags merged)
+    problem = recipe.offload.problem(for_a_run=True)  # (a resume's flags merged)
     if problem is not None:
         raise UsageError(problem)
     # The layout of the recipe (a resumed run's included) against the nodes.
     world = (int(os.environ["WORLD_SIZE"]) if torchrun else
              local_world_size(args.nproc, use_cuda))
-    check_layout(recipe.loop, world_size=world, nodes=nodes, torchrun=torchrun,
+    check_layout(recipe.layout, world_size=world, nodes=nodes, torchrun=torchrun,
                  nodes_given=args.nodes is not None)
     return RunRequest(recipe=recipe, resume=resume, overwrite=args.overwrite,
                       allow_unverified=args.allow_unverified, data_changed=args.data_changed,

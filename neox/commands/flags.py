@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from neox.run.inference import ModelSource
+from neox.run.invocation import ALLOW_UNVERIFIED
 from neox.run.recipe import recipe_fields
 from neox.setting import BadValue, finite_float, flag_name, setting_of
 
 __all__ = ["Parser", "HelpFormatter", "positive_int", "nonnegative_int", "nonnegative_float",
-           "argparse_type", "finite", "recipe_argument", "add_recipe_flags", "add_model_arguments",
-           "add_loading_arguments", "loading_source", "explicit_flags"]
+           "argparse_type", "finite", "recipe_argument", "recipe_field", "add_recipe_flags",
+           "add_model_arguments", "add_loading_arguments", "loading_source", "explicit_flags"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -84,8 +85,9 @@ def nonnegative_float(text: str) -> float:
 
 
 def recipe_argument(group: Any, field: dataclasses.Field, **override: Any) -> None:
-    """The argument a recipe field declares (``override``: argparse keywords that a command
-    that is not a run gives the same flag, e.g. its own help)."""
+    """The argument a setting's field declares: the recipe's, or the invocation's
+    (``neox.run.invocation``). ``override``: argparse keywords that a command that is not a run
+    gives the same flag, e.g. its own help."""
     flag = setting_of(field).flag
     assert flag is not None, field.name
     if flag.has_default:
@@ -108,6 +110,12 @@ def recipe_argument(group: Any, field: dataclasses.Field, **override: Any) -> No
                 kw[name] = getattr(flag, name)
     kw.update(override)
     group.add_argument(flag_name(field), **kw)
+
+
+def recipe_field(*path: str) -> dataclasses.Field:
+    """The recipe's field at ``path`` (``"data", "tokenizer"``), whose flag a command that is
+    not a run takes too."""
+    return next(field for at, field in recipe_fields() if at == path)
 
 
 def add_recipe_flags(p: argparse.ArgumentParser, groups: Sequence[str]
@@ -150,17 +158,14 @@ def add_loading_arguments(p: argparse.ArgumentParser) -> None:
     """The model flags (a run's, meaning a model to load), the tokenizer and the device: the
     flags of ``neox.run.inference.ModelSource``."""
     add_model_arguments(p)
-    p.add_argument("--tokenizer", type=Path, default=None,
-                   help="tokenizer.json (default: the run's or the checkpoint's; for a preset: "
-                        "the GPT-NeoX tokenizer in --data-dir)")
-    env = os.environ.get("NEOX_DATA_DIR")  # read at the edge, as the run's --data-dir
-    p.add_argument("--data-dir", type=Path, default=Path(env) if env else None,
-                   help="local data (default: shared/data beside the repository)")
+    recipe_argument(p, recipe_field("data", "tokenizer"),
+                    help="tokenizer.json (default: the run's or the checkpoint's; for a preset: "
+                         "the GPT-NeoX tokenizer in --data-dir)")
+    recipe_argument(p, recipe_field("data", "data_dir"),
+                    help="local data (default: shared/data beside the repository)")
     p.add_argument("--device", default=None,
                    help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
-    p.add_argument("--allow-unverified", action="store_true",
-                   help="read a run's checkpoint of an older format (1 or 2), whose rank files "
-                        "do not record which save, rank and step they are of")
+    recipe_argument(p, ALLOW_UNVERIFIED)
 
 
 def loading_source(args: argparse.Namespace) -> ModelSource:

@@ -29,7 +29,6 @@ from neox.commands.flags import HelpFormatter, Parser, add_recipe_flags, finite,
 from neox.config import preset_config
 from neox.dtypes import DTYPES
 from neox.finetune_modes import GROUP as MODE, auto_mode
-from neox.run.layout import quantize_problem
 from neox.run.planning import (DEFAULT_BPE_TOKENS, GiB, Layout, PlanRequest, compare_layouts,
                                layouts_table, plan_run, request_from_recipe)
 from neox.run.recipe import MODEL, STEP, offload_words, recipe_from_flags
@@ -83,15 +82,15 @@ def request_of(args: argparse.Namespace) -> PlanRequest:
                                         "activation_checkpointing": recomputed})
     if args.gpu_memory <= 0:
         raise UsageError(f"--gpu-memory {args.gpu_memory:g}: must be a number of GiB above 0")
-    problem = quantize_problem(recipe.loop)
+    problem = recipe.layout.problem()
     if problem is not None:
         raise UsageError(problem)
-    if recipe.loop.hybrid is not None and args.nodes < 2:
-        raise UsageError(f"--hybrid {recipe.loop.hybrid} replicates across nodes: plan it with "
+    if recipe.layout.hybrid is not None and args.nodes < 2:
+        raise UsageError(f"--hybrid {recipe.layout.hybrid} replicates across nodes: plan it with "
                          f"--nodes 2 or more")
     if args.host_memory is not None and args.host_memory <= 0:
         raise UsageError(f"--host-memory {args.host_memory:g}: must be a number of GiB above 0")
-    problem = recipe.loop.offload_problem(for_a_run=False)
+    problem = recipe.offload.problem(for_a_run=False)
     if problem is not None:
         raise UsageError(problem)
     default_dtype = "bf16" if args.device == "cuda" else "fp32"  # neox.finetune's defaults

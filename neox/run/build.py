@@ -15,15 +15,14 @@ from torch import nn
 import zerocore
 from neox import data as nd
 from neox.config import NeoXConfig, filtered_config, preset_config
-from neox.dtypes import DTYPES, resolve_dtype
+from neox.dtypes import resolve_dtype
 from neox.finetune_modes import FinetuneMode, prepare_layer
 from neox.model import LayerSpec, layer_specs
 from neox.weights import RandomInit, WeightsReader, materialize, meta_layer, open_weights
-from neox.run.layout import layout_line, layout_words, shard_options
-from neox.run.recipe import ModelRecipe, Recipe, offload_words
+from neox.run.layout import layout_line
+from neox.run.recipe import ModelRecipe, Recipe
 from neox.run.progress import Log
 from neox.run.run_data import RunData
-from neox.run.step import recompute_policy
 
 
 def weights_source(model: ModelRecipe, tokenizer: Any) -> tuple[NeoXConfig, WeightsReader]:
@@ -97,46 +96,29 @@ def build(recipe: Recipe, data: RunData, *, device: torch.device, rank: int, wor
     config, reader = zerocore.run_agreed(lambda: weights_source(recipe.model, data.tokenizer))
     dtype = resolve_dtype(recipe.model.dtype, device)
     mode = recipe.model.finetune
-    kept = filtered_config(config, recipe.model.filter_layers).num_hidden_layers
-    recompute = recompute_policy(layer_specs(config, recipe.model.filter_layers), recipe.loop)
+    specs = layer_specs(config, recipe.model.filter_layers)
+    sharding = recipe.sharding.policies(dtype=dtype, specs=specs)
+    recompute, kept = sharding["recompute"], filtered_config(config, recipe.model.filter_layers)
     recomputed = ("" if recompute is None else
-                  f"; activations of {sum(map(recompute.selects, range(kept + 3)))} block(s) "
+                  f"; activations of {sum(map(recompute.selects, range(len(specs))))} block(s) "
                   f"recomputed in backward")
-    int8 = ("; frozen weights held and gathered in int8"
-            if recipe.model.frozen_weights == "int8" else "")
-    int8 += "; each layer's forward compiled (torch.compile)" if recipe.loop.compile else ""
-    offloaded = offload_words(recipe.loop.offloaded_params, recipe.loop.offloaded_optimizer)
-    if offloaded:
-        where = ("on NVMe (fp32 masters and Adam moments in scratch files in "
-                 f"{recipe.loop.offload_path})" if recipe.loop.offload_device == "nvme"
-                 else "in CPU memory")
-        int8 += f"; {offloaded} {where}"
-    int8 += layout_words(recipe.loop)
     log(f"model: {recipe.model.checkpoint or recipe.model.preset}, {config.num_hidden_layers} "
-        f"blocks in the checkpoint, keeping {kept}; fine-tuning {mode.mode}; compute dtype "
-        f"{str(dtype).removeprefix('torch.')}, gradients summed in {recipe.model.reduce_dtype}"
-        f"{recomputed}{int8}; building layer by layer:")
+        f"blocks in the checkpoint, keeping {kept.num_hidden_layers}; fine-tuning {mode.mode}; "
+        f"compute dtype {str(dtype).removeprefix('torch.')}, gradients summed in "
+        f"{recipe.sharding.reduce_dtype}{recomputed}{recipe.sharding.words()}"
+        f"{recipe.offload.words()}{recipe.layout.words()}; building layer by layer:")
     start = time.perf_counter()
-    layout = shard_options(recipe.loop, nodes=nodes, device_type=device.type, comm=comm)
     with reader:
         model = zerocore.shard(stream_layers(reader, config, recipe.model, log=log),
-                               device=device,
-                               mixed_precision=zerocore.MixedPrecision(
-                                   param_dtype=dtype,
-                                   reduce_dtype=DTYPES[recipe.model.reduce_dtype]),
-                               offload=zerocore.Offload(**recipe.loop.offload_policy()),
-                               prefetch=zerocore.Prefetch(
-                                   keep_gathered=recipe.loop.keep_gathered),
-                               frozen_weights=zerocore.FrozenWeights(recipe.model.frozen_weights),
-                               recompute=recompute,
-                               compile=zerocore.Compile() if recipe.loop.compile else None,
-                               **layout)
+                               device=device, **sharding, **recipe.offload.policies(),
+                               **recipe.layout.policies(nodes=nodes, device_type=device.type,
+                                                        comm=comm))
     log(f"built in {time.perf_counter() - start:.1f} s")
-    if recipe.loop.hybrid is not None or nodes > 1:
-        log(layout_line(recipe.loop, model.ways.line(), nodes=nodes, world_size=world_size))
+    if recipe.layout.hybrid is not None or nodes > 1:
+        log(layout_line(recipe.layout, model.ways.line(), nodes=nodes, world_size=world_size))
     if model.kept_layers:
         held = sum(model.layers[i].gathered_size for i in model.kept_layers)
-        log(f"--keep-gathered {recipe.loop.keep_gathered}: {len(model.kept_layers)} of "
+        log(f"--keep-gathered {recipe.sharding.keep_gathered}: {len(model.kept_layers)} of "
             f"{len(model.layers)} layers stay gathered ({held / 2**20:,.1f} MiB per rank; their "
             f"frozen weights are gathered once, their backward all-gathers skipped)")
     shards = model.trainable_shards()
@@ -152,8 +134,8 @@ def build(recipe: Recipe, data: RunData, *, device: torch.device, rank: int, wor
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_factor(optim.warmup))
     scaler = zerocore.LossScaler(model.group, dynamic=dtype == torch.float16,
                                  counter=model.counter)
-    loop = recipe.loop
+    training = recipe.training
     sampler = zerocore.run_agreed(lambda: nd.WindowSampler(
-        len(data.dataset.train), rank=rank, world_size=world_size, batch_size=loop.batch_size,
-        seed=loop.seed))
+        len(data.dataset.train), rank=rank, world_size=world_size, batch_size=training.batch_size,
+        seed=training.seed))
     return TrainState(model, optimizer, scheduler, scaler, sampler, config, dtype, nodes=nodes)

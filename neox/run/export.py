@@ -27,7 +27,7 @@ from neox.run.run_dir import TOKENIZER, TRAINABLE, OutputDirError
 from neox.run.trained import RunCheckpoint, checkpoint_tokenizer, open_run, trained_layers
 from neox.weights import save_hf
 from neox.weights.hf import hf_key
-from zerocore.checkpoint.durable_io import make_dir, write_atomically
+from zerocore.checkpoint import make_dir, write_atomically
 
 __all__ = ["export", "export_trainable", "refuse_output_over_inputs"]
 

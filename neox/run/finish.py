@@ -34,7 +34,7 @@ def finish(state: TrainState, recipe: Recipe, data: RunData, done: StepsDone,
     the run trained no step), the reports, the final checkpoint and the results."""
     val_loss, val_acc = done.validation or evaluate(
         state.model, data.dataset.val, rank=rank, world_size=world_size,
-        batch_size=recipe.loop.batch_size, device=device)
+        batch_size=recipe.training.batch_size, device=device)
     log(f"validation: loss {val_loss:.4f}, perplexity {math.exp(min(val_loss, 50)):.2f}, "
         f"accuracy {val_acc:.3f}")
     zerocore.run_agreed(lambda: metrics.close() if metrics is not None else None)
@@ -45,11 +45,11 @@ def finish(state: TrainState, recipe: Recipe, data: RunData, done: StepsDone,
         for t in tables:
             log(t)
         log("communication this run:\n" + done.comm.table(steps=state.step - done.first_step,
-                                                          micro_batches=recipe.loop.grad_accum))
+                                                          micro_batches=recipe.training.grad_accum))
     if recipe.output.measure_memory:
         report_measured(state, recipe, done.measured, device=device, world_size=world_size,
                         log=log)
-    if recipe.loop.hybrid == "hsdp":
+    if recipe.layout.hybrid == "hsdp":
         # What the checkpoint (replica 0's shards) stands for: every replica's, to the bit.
         # (hpZ has no replicas: every rank holds its own slice.)
         agree = state.model.replicas_agree()
@@ -77,7 +77,7 @@ def export_hf(state: TrainState, recipe: Recipe, data: RunData, checkpoint: Path
     built = filtered_config(state.config, model.filter_layers)
     out = Path(recipe.output.output_dir) / HF_EXPORT
     scaling = model.finetune.lora_scaling
-    if model.frozen_weights == "int8":
+    if recipe.sharding.frozen_weights == "int8":
         states = (((s.kind, s.index, merge_lora(full, scaling))
                    for s, full in trained_layers(checkpoint, log=lambda *_: None))
                   if rank == 0 else iter(()))
@@ -107,7 +107,7 @@ def sample_text(state: TrainState, recipe: Recipe, data: RunData) -> str:
     """A sample of ``recipe.output.sample_tokens`` tokens from the sharded model, as the lines
     to print. Collective."""
     prompt = data.dataset.val.windows[0][:SAMPLE_PROMPT_TOKENS].long()[None]   # (1, T)
-    generator = torch.Generator().manual_seed(recipe.loop.seed)
+    generator = torch.Generator().manual_seed(recipe.training.seed)
     # Every rank samples the same text (the same prompt, seed and logits); rank 0 prints it.
     ids = sample_sharded(state.model, prompt.to(state.model.device),
                          new_tokens=recipe.output.sample_tokens,

@@ -29,8 +29,8 @@ from neox.config import NeoXConfig
 from neox.finetune_modes import FinetuneMode, prepare_layer
 from neox.model import LayerSpec, build_layer, layer_specs
 from neox.run.recipe import ModelRecipe
-from zerocore.checkpoint.deepspeed import (ADAPTER_CONFIG, DeepSpeedCheckpoint, adapter_names,
-                                           is_deepspeed_checkpoint)
+from zerocore.checkpoint import (ADAPTER_CONFIG, DeepSpeedCheckpoint, adapter_names,
+                                 is_deepspeed_checkpoint)
 
 __all__ = ["DeepSpeedCheckpoint", "is_deepspeed_checkpoint", "deepspeed_name", "namer",
            "check_resume", "optimizer_settings", "describe", "PEFT_PREFIX"]

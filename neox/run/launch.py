@@ -2,7 +2,7 @@
 
 ``launch`` (one machine): takes the output directory (lock, ownership, a write test), starts one
 process per rank, and watches them. Ranks never outlive it, from their first instruction
-(``zerocore.tools.rank_processes``: tied to the launcher by the kernel before their first
+(``zerocore.tools.run_ranks``: tied to the launcher by the kernel before their first
 import, and by a socket only the launcher holds the other end of). Told to stop (SIGTERM,
 Ctrl-C), the launcher stops the ranks through their sockets (they leave silently; the launcher
 says so, once, on a line of its own), kills at once the ranks still starting (their watcher
@@ -15,7 +15,9 @@ a stopped process once another rank gave up, killed at once, and named in the la
 ``run_under_torchrun``: the process is one rank of torchrun's group (possibly many machines);
 torchrun watches the processes. Each node parsed its own command line: once the group exists the
 ranks agree the recipe (``neox.run.same_recipe``) before anything is read or written, then
-global rank 0 takes the output directory.
+global rank 0 takes the output directory. After a failure every rank knows at once (a refused
+recipe), the ranks leave together (``_leave_together``): torchrun's agent terminates a node's
+other ranks as soon as one exits.
 
 Exit codes: 0 done; 2 a problem reported in one line (bad input, a corrupt checkpoint, a full
 disk, a diverged run); 1 a crash (traceback shown); 3 a rank lost contact with another;
@@ -49,9 +51,8 @@ from neox.run.failed import RunFailed
 from neox.run.progress import say
 from neox.run.same_recipe import agree_request
 from neox.run.training import run_training
-from zerocore.tools.rank_processes import (LEFT, STOP_GRACE_S, STOP_HEARD_WAIT_S,
-                                           exit_description, receive, run_ranks,
-                                           set_parent_death_signal, watch_launcher)
+from zerocore.tools import (LEFT, STOP_GRACE_S, STOP_HEARD_WAIT_S, exit_description, receive,
+                            run_ranks, set_parent_death_signal, watch_launcher)
 
 __all__ = ["LaunchConfig", "RunRequest", "launch", "run_under_torchrun"]
 
@@ -65,6 +66,10 @@ LOST_GRACE_S = 3.0
 # before it is killed as the silent one: blocked waiting for the silent rank, it looks silent
 # too, and its own wait ends about when the reporter's did.
 REPORTED_GRACE_S = 1.0
+# Seconds the ranks wait for each other before they leave together after a failure every rank
+# knows (torchrun, ``_leave_together``): they all come within moments, having agreed on it; the
+# bound only ends the wait when one crashed instead.
+LEAVE_TOGETHER_S = 5.0
 # Exit codes (see the module docstring).
 EXIT_REPORTED = 2
 EXIT_CRASH = 1
@@ -443,6 +448,13 @@ class _Watch:
                   file=sys.stderr, flush=True)
 
 
+def _reported(leave_together: Callable[[], None] | None) -> int:
+    """EXIT_REPORTED, once the ranks have left together where they do (``_run_rank``)."""
+    if leave_together is not None:
+        leave_together()
+    return EXIT_REPORTED
+
+
 # -- a rank ---------------------------------------------------------------------------------------
 
 # Marks a rank's command line (``ps``, tests), after ``-c`` and the bootstrap.
@@ -491,7 +503,8 @@ def run_under_torchrun(prepare: Callable[[], RunRequest], flags: Mapping[str, st
         os.environ.update(cuda_environment(dict(os.environ)))
     task = RankTask(None, None, world, "env://", config.use_cuda, config.timeout, config.nodes)
     code = _run_rank(rank, task, prepare=lambda: agree_request(flags, prepare, node=node,
-                                                               ranks_per_node=per_node))
+                                                               ranks_per_node=per_node),
+                     leave_together=_leave_together)
     if code == EXIT_LOST_PEER:
         _end_stopped_siblings(rank)
     sys.stdout.flush()
@@ -502,17 +515,40 @@ def run_under_torchrun(prepare: Callable[[], RunRequest], flags: Mapping[str, st
     os._exit(code)
 
 
+def _leave_together() -> None:
+    """Under torchrun, after a failure that every rank knows at once (agreed: a refused recipe,
+    a diverged run) and once this rank has said why: waits (at most ``LEAVE_TOGETHER_S``) until
+    every rank has said it too, then lets it leave. torchrun's agent terminates (SIGTERM) the
+    other workers of its node the moment one exits non-zero, and the other agents end theirs
+    once it has gone: a rank that left at once cut off the ranks still in the agreement's last
+    all-gather (they lost contact: exit 3) or not yet past their line (killed by SIGTERM,
+    silently). From here on a SIGTERM changes nothing: the rank has reported (exit 2) and
+    leaves within the bound anyway, so it is ignored."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        # An agreement on no values: it returns once every rank has come, or raises PeerLost
+        # when one has not within the bound.
+        zerocore.agree_values({}, what="neox.finetune", advice="leaving",
+                              timeout_s=LEAVE_TOGETHER_S)
+    except RuntimeError:  # PeerLost, or the backend's error
+        pass  # a rank crashed instead (it said so) or has already left: leave too
+
+
 def _run_rank(rank: int, task: RankTask,
               report_lost: Callable[[int], None] | None = None,
               stop_heard: Callable[[float], bool] | None = None,
-              prepare: Callable[[], RunRequest] | None = None) -> int:
+              prepare: Callable[[], RunRequest] | None = None,
+              leave_together: Callable[[], None] | None = None) -> int:
     """Sets up the device and the process group, runs the training, and turns what can go
     wrong into an exit code with one message. report_lost: told the rank this one lost contact
     with when zerocore's transport found it silent (the launcher kills that rank). stop_heard
     (watch_launcher's): asked before a lost contact is reported, as the rank that left may
     have left for the launcher's stop, which reaches this rank a moment later. prepare
-    (torchrun): the request, agreed by the ranks (a collective) once the group exists."""
+    (torchrun): the request, agreed by the ranks (a collective) once the group exists.
+    leave_together (torchrun): called after the line of a failure that every rank reports
+    alike (its own, or ``prepare``'s: agreed), before this rank returns."""
     lock = None
+    agreeing = False  # in ``prepare``: every failure of it is every rank's
     try:
         if task.use_cuda:
             local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -528,7 +564,9 @@ def _run_rank(rank: int, task: RankTask,
         if rank == 0:
             print(f"Distributed: backend {backend}, world size {task.world_size}, init "
                   f"{task.init_method}", flush=True)
+        agreeing = prepare is not None
         request = task.request if prepare is None else prepare()
+        agreeing = False
         run_id = task.run_id
         if run_id is None:  # torchrun: global rank 0 takes the directory, the others wait
             taken = zerocore.run_agreed(
@@ -549,21 +587,22 @@ def _run_rank(rank: int, task: RankTask,
     except RunFailed as e:  # reported in one line, agreed by every rank
         if e.message:
             print(f"error: {e.message}", file=sys.stderr, flush=True)
-        return EXIT_REPORTED
+        return _reported(leave_together)
     except zerocore.PeerError:
-        return EXIT_REPORTED  # another rank reported the problem
+        return _reported(leave_together)  # another rank reported the problem
     except zerocore.BuildError as e:
         # Raised on every rank alike, naming the first that failed: that one says it (two
         # ranks that both failed on a layer printed it twice, each before being stopped).
         if e.rank == rank:
             print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
-        return EXIT_REPORTED
+        return _reported(leave_together)
     except (ValueError, FileNotFoundError, OSError) as e:  # user errors: one line
         # One write, newline included: the ranks of a node share its stderr, and an unbuffered
         # print writes the text and the newline apart, so two ranks' lines ran into each other.
         sys.stderr.write(f"error (rank {rank}): {e}\n")
         sys.stderr.flush()
-        return EXIT_REPORTED
+        agreed = agreeing or isinstance(e, zerocore.ValuesDiffer)
+        return _reported(leave_together if agreed else None)
     except Exception as e:
         if not zerocore.is_peer_loss(e):
             traceback.print_exc()

@@ -14,7 +14,7 @@ from torch import nn
 
 import zerocore
 from neox import data as nd
-from neox.run.recipe import LoopConfig, Recipe
+from neox.run.recipe import Recipe, TrainingConfig
 from neox.run.run_dir import MetricsFile, OutputDirError
 from neox.run.progress import Log, Progress
 from neox.run.step import micro_batch_loss
@@ -51,7 +51,7 @@ def evaluate(model: nn.Module, split: nd.WindowSplit, *, rank: int, world_size: 
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()
 
 
-def total_steps(state: TrainState, loop: LoopConfig) -> int:
+def total_steps(state: TrainState, loop: TrainingConfig) -> int:
     total = state.sampler.steps_until(loop.epochs) // loop.grad_accum + state.step
     return min(total, loop.max_steps) if loop.max_steps is not None else total
 
@@ -71,7 +71,7 @@ def train(state: TrainState, recipe: Recipe, data: RunData, metrics: MetricsFile
           run_id: str, *, device: torch.device, rank: int, world_size: int,
           log: Log, probe: MemoryProbe | None = None) -> StepsDone:
     """The optimizer steps, until the epochs or ``max_steps`` are done."""
-    loop, total = recipe.loop, total_steps(state, recipe.loop)
+    loop, total = recipe.training, total_steps(state, recipe.training)
     ds, model = data.dataset, state.model
     log(f"training {total - state.step} steps: {world_size} rank{'s' if world_size > 1 else ''} "
         f"x {loop.batch_size} sequences x {loop.grad_accum} micro-batch"

@@ -15,9 +15,9 @@ from neox.config import NeoXConfig
 from neox.dtypes import DTYPES
 from neox.finetune_modes import FinetuneMode, prepare_layer
 from neox.model import build_layer, layer_specs
-from neox.run.recipe import HYBRIDS, LoopConfig, Recipe
-from zerocore.policies import DEFAULT_POOL_BYTES
-from neox.run.step import micro_batch_loss, recompute_policy
+from neox.run.recipe import HYBRIDS, Recipe, ShardingConfig
+from zerocore import DEFAULT_POOL_BYTES
+from neox.run.step import micro_batch_loss
 
 __all__ = ["PlanRequest", "plan_run", "request_from_recipe", "GiB", "DEFAULT_BPE_TOKENS",
            "Layout", "LAYOUTS", "on_layout", "LayoutRow", "compare_layouts", "layouts_table"]
@@ -92,18 +92,19 @@ def request_from_recipe(recipe: Recipe, config: NeoXConfig, *, world_size: int,
                         device: str, dtype: torch.dtype, nodes: int = 1) -> PlanRequest:
     """The plan of a run of ``recipe`` on ``world_size`` ranks computing in ``dtype``, on
     ``nodes`` nodes laid out as the recipe says (--hybrid, --quantize-gradients)."""
-    loop = recipe.loop
+    training, sharding, offload = recipe.training, recipe.sharding, recipe.offload
     request = PlanRequest(
         config=config, filter_layers=recipe.model.filter_layers, mode=recipe.model.finetune,
-        dtype=dtype, reduce_dtype=DTYPES[recipe.model.reduce_dtype],
-        batch_size=loop.batch_size, seq_len=recipe.data.seq_len, grad_accum=loop.grad_accum,
-        offload=loop.offloaded_optimizer, offload_params=loop.offloaded_params,
-        offload_device=loop.offload_device, offload_pool=loop.offload_pool,
-        recompute=loop.activation_checkpointing,
-        recompute_every=loop.activation_checkpointing_every, world_size=world_size,
-        device=device, keep_gathered=loop.keep_gathered,
-        frozen_weights=recipe.model.frozen_weights)
-    return on_layout(request, Layout(loop.hybrid, loop.quantize_gradients), nodes)
+        dtype=dtype, reduce_dtype=DTYPES[sharding.reduce_dtype],
+        batch_size=training.batch_size, seq_len=recipe.data.seq_len,
+        grad_accum=training.grad_accum, offload=offload.offloaded_optimizer,
+        offload_params=offload.offloaded_params, offload_device=offload.offload_device,
+        offload_pool=offload.offload_pool, recompute=sharding.activation_checkpointing,
+        recompute_every=sharding.activation_checkpointing_every, world_size=world_size,
+        device=device, keep_gathered=sharding.keep_gathered,
+        frozen_weights=sharding.frozen_weights)
+    return on_layout(request, Layout(recipe.layout.hybrid, recipe.layout.quantize_gradients),
+                     nodes)
 
 
 # Where a plan says NVMe offload's scratch would be: it writes nothing, so any path will do.
@@ -125,8 +126,9 @@ def plan_run(request: PlanRequest, *, recompute: tuple[int, ...] | None = None
     recomputed: ``recompute`` when given, else the request's)."""
     r = request
     specs = layer_specs(r.config, r.filter_layers)
-    loop = LoopConfig(activation_checkpointing=r.recompute if recompute is None else recompute,
-                      activation_checkpointing_every=r.recompute_every)
+    sharding = ShardingConfig(
+        activation_checkpointing=r.recompute if recompute is None else recompute,
+        activation_checkpointing_every=r.recompute_every)
     # The layers as the run gives them to the engine: on the meta device, prepared for the
     # mode (LoRA adapters are created for real: they are small).
     layers = [prepare_layer(build_layer(s.kind, r.config, device="meta"), i, r.mode)
@@ -144,7 +146,7 @@ def plan_run(request: PlanRequest, *, recompute: tuple[int, ...] | None = None
         offload=offload_of(r),
         prefetch=zerocore.Prefetch(keep_gathered=r.keep_gathered),
         frozen_weights=zerocore.FrozenWeights(r.frozen_weights),
-        recompute=recompute_policy(specs, loop), micro_batches=r.grad_accum, mesh=r.mesh,
+        recompute=sharding.recompute(specs), micro_batches=r.grad_accum, mesh=r.mesh,
         nodes=r.nodes, comm=zerocore.Comm(quantize_gradients=r.quantize_gradients),
         hybrid=zerocore.Hybrid(r.hybrid) if r.hybrid is not None else None)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 import zerocore
-from zerocore.checkpoint.deepspeed import load_deepspeed_checkpoint
+from zerocore.checkpoint import load_deepspeed_checkpoint
 from neox.model import layer_specs
 from neox.run import from_deepspeed as nds
 from neox.run.recipe import OptimConfig, Recipe
@@ -80,11 +80,11 @@ def restore_deepspeed(state: TrainState, checkpoint: Path, recipe: Recipe, *, ra
     state.step = int(run["global_steps"] or 0)
     state.scheduler.last_epoch = state.step
     apply_optim(state, recipe.optim)
-    if recipe.model.frozen_weights == "int8":
+    if recipe.sharding.frozen_weights == "int8":
         log("note: --frozen-weights int8: the frozen weights are held quantized, so they were "
             "not compared with the DeepSpeed run's; --checkpoint must be the base it trained on")
     log(f"resumed the DeepSpeed run of {checkpoint} at step {state.step} (DeepSpeed "
         f"{run['ds_version']}, {run['world_size']} ranks, {run['global_samples']} samples seen): "
         f"trained weights, Adam moments and step, loss scale; DeepSpeed saves no data order, so "
-        f"the sampler starts at the beginning of epoch 0 (--seed {recipe.loop.seed}'s order): "
+        f"the sampler starts at the beginning of epoch 0 (--seed {recipe.training.seed}'s order): "
         f"samples the DeepSpeed run trained on may come again before the others")

@@ -7,6 +7,8 @@ optimizer settings for the optimizer flags not given.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -23,20 +25,26 @@ __all__ = ["resume_recipe", "deepspeed_recipe", "DEEPSPEED_OPTIM_FLAGS"]
 DEEPSPEED_OPTIM_FLAGS = ("lr", "betas", "eps", "weight_decay")
 
 
-def _at(d: Mapping[str, Any], path: tuple[str, ...]) -> Any:
-    for name in path:
-        d = d[name]
-    return d
+def _at(recipe: Recipe, path: tuple[str, ...]) -> Any:
+    return functools.reduce(getattr, path, recipe)
 
 
-def _put(d: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
-    for name in path[:-1]:
-        d = d[name]
-    d[path[-1]] = value
+def _replaced(obj: Any, values: Mapping[tuple[str, ...], Any], path: tuple[str, ...] = ()
+              ) -> Any:
+    """``obj`` (a recipe, or a part of one at ``path``) with the fields at ``values``' paths
+    replaced."""
+    changes = {}
+    for field in dataclasses.fields(obj):
+        here = path + (field.name,)
+        if here in values:
+            changes[field.name] = values[here]
+        elif any(p[:len(here)] == here for p in values):
+            changes[field.name] = _replaced(getattr(obj, field.name), values, here)
+    return dataclasses.replace(obj, **changes)
 
 
 def _show(value: Any) -> str:
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         return ",".join(str(v) for v in value)
     return "(none)" if value is None else str(value)
 
@@ -55,13 +63,12 @@ def resume_recipe(flags: Recipe, explicit: set[str], checkpoint: Path, *,
     if unverified_reason(manifest):
         log(f"note: {checkpoint} cannot be verified ({unverified_reason(manifest)}); resuming "
             f"from it as --allow-unverified asks")
-    mine, theirs = flags.to_dict(), stored.to_dict()
     given = [(path, field, setting_of(field).flag) for path, field in recipe_fields()
              if setting_of(field).flag is not None and flag_dest(field) in explicit]
     for path, field, flag in given:
         if flag.resumable:
             continue
-        ours, saved = _at(mine, path), _at(theirs, path)
+        ours, saved = _at(flags, path), _at(stored, path)
         if flag.store is absolute_path and ours is not None and saved is not None:
             ours, saved = absolute_path(ours), absolute_path(saved)
         if ours != saved:
@@ -70,13 +77,14 @@ def resume_recipe(flags: Recipe, explicit: set[str], checkpoint: Path, *,
                 f"{flag_name(field)} {show(ours)} differs from the checkpoint's {show(saved)}; a "
                 f"resumed run continues the same model and data: drop the flag, or start a new "
                 f"run (without --resume)")
+    changed = {}
     for path, field, flag in given:
-        ours, saved = _at(mine, path), _at(theirs, path)
+        ours, saved = _at(flags, path), _at(stored, path)
         if flag.resumable and ours != saved:
-            _put(theirs, path, ours)
+            changed[path] = ours
             log(f"resume: {flag_name(field)} {_show(ours)} overrides the checkpoint's "
                 f"{_show(saved)}")
-    return Recipe.from_dict(theirs)
+    return _replaced(stored, changed)
 
 
 def deepspeed_recipe(flags: Recipe, explicit: set[str], checkpoint: Path, config: NeoXConfig,

@@ -22,18 +22,20 @@ node's own. Three steps, every rank together (``agree_request``):
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import zerocore
+from neox.run.invocation import Invocation
 from neox.run.recipe import Recipe, recipe_fields
 from neox.setting import flag_dest, flag_name, setting_of
 
 __all__ = ["RUN_FLAGS", "RANKS_PER_NODE", "given_flags", "recipe_values", "agree_request"]
 
 # The invocation's flags (not the recipe's) that change what the run does: what it continues
-# from and what it accepts on the way.
-RUN_FLAGS = ("resume", "allow_unverified", "data_changed", "overwrite")
+# from and what it accepts on the way (their dests).
+RUN_FLAGS = tuple(flag_dest(f) for f in dataclasses.fields(Invocation))
 # How the ranks on each node are named in a refusal (torchrun's LOCAL_WORLD_SIZE).
 RANKS_PER_NODE = "ranks per node (torchrun --nproc-per-node)"
 _WHAT = "neox.finetune"

@@ -1,6 +1,6 @@
 """One training step of neox as the engine sees it, shared by the run (``neox.run.training``) and
 the plan (``neox.plan``), so that what the plan traces is what the run executes: the loss of a
-micro-batch, and the engine policies a recipe asks for.
+micro-batch (the engine policies a recipe asks for are its parts' ``policies()``).
 """
 
 from __future__ import annotations
@@ -8,11 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import zerocore
-from neox.model import LayerSpec
-from neox.run.recipe import LoopConfig
 
-__all__ = ["micro_batch_loss", "recompute_policy"]
+__all__ = ["micro_batch_loss"]
 
 
 def micro_batch_loss(logits: torch.Tensor, targets: torch.Tensor
@@ -29,14 +26,3 @@ def micro_batch_loss(logits: torch.Tensor, targets: torch.Tensor
     with torch.no_grad():
         correct = (logits.argmax(-1) == targets).sum()
     return loss, correct
-
-
-def recompute_policy(specs: list[LayerSpec], loop: LoopConfig) -> zerocore.Recompute | None:
-    """The engine's ``Recompute`` for the blocks ``loop.activation_checkpointing`` names
-    (checkpoint indices), at their positions in the stack ``specs`` describes; None for none."""
-    chosen = set(loop.activation_checkpointing)
-    positions = tuple(i for i, spec in enumerate(specs)
-                      if spec.kind == "block" and spec.source in chosen)
-    if not positions:
-        return None
-    return zerocore.Recompute(layers=positions, every=loop.activation_checkpointing_every)

@@ -34,7 +34,7 @@ def run_training(recipe: Recipe, *, resume: Path | None, run_id: str, rank: int,
     DeepSpeed checkpoint ``deepspeed``. comm: as for ``build`` (give it the process group's
     timeout). nodes: the run's (torchrun's, or --nodes)."""
     log: Log = say if rank == 0 else (lambda *a, **k: None)
-    torch.manual_seed(recipe.loop.seed)
+    torch.manual_seed(recipe.training.seed)
     resumed = None if resume is None else zerocore.run_agreed(lambda: resumed_data(
         resume, recipe, allow_unverified=allow_unverified, accept_change=data_changed))
     data = prepare_data(recipe.data, recipe.model, rank=rank, log=log, resumed=resumed)

@@ -39,7 +39,7 @@ from neox.weights.base import (WeightsError, WeightsReader, contained, flat_rang
                                layer_label, load_state_file)
 from neox.config import NeoXConfig
 from neox.model import LayerKind, build_layer
-from zerocore.checkpoint.durable_io import writing
+from zerocore.checkpoint import writing
 
 __all__ = ["HFReader", "is_hf_directory", "save_hf", "hf_key", "WEIGHT_FILES"]
 

@@ -333,9 +333,10 @@ def test_a_swap_is_refused_naming_whose_file_it_is(tmp_path, capsys):
 
 
 def test_a_file_re_saved_under_its_new_name_is_not_detected(tmp_path):
-    """What README's "Coming from DeepSpeed" says cannot be detected: a swap made by loading
-    and saving each file under the other's name (the files record no rank, and torch's record
-    of the name is then the new one). The export is then wrong, as zero_to_fp32's would be."""
+    """What docs/checkpoints.md ("Coming from DeepSpeed") says cannot be detected: a swap made
+    by loading and saving each file under the other's name (the files record no rank, and
+    torch's record of the name is then the new one). The export is then wrong, as
+    zero_to_fp32's would be."""
     ckpt, tag = copy_ckpt(tmp_path, "full_fp32_ws2")
     files = [tag / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
     loaded = [load_plain(f) for f in files]

@@ -28,7 +28,7 @@ from tests.support.hybrid_runs import mesh_of
 from tests.support.toy_stack import LR, Spec, global_batch, loss_fn, make_layers
 from zerocore.comm.device import uses_side_channel
 from zerocore.comm.lockstep import STEP, Diverged, Lockstep
-from zerocore.comm.peer_memory import PeerLost
+from zerocore.comm.peer_memory import GATHER_READ, PeerLost, PeerMemory
 
 WORLD_SIZES = [2, 3]
 SPEC = Spec(model="transformer")
@@ -271,3 +271,89 @@ def test_agree_values_with_a_rank_that_never_comes_raises_within_its_timeout(wor
         assert outcome.startswith(f"PeerLost: a run: not every rank came to agree on the "
                                   f"settings within {ABSENT_WAIT_S:g} s"), outcome
         assert "a rank stopped, exited, or runs other code" in outcome, outcome
+
+
+# -- a forward on one rank while the others wait in a collective of their own -------------------
+
+# What the other ranks wait in, as a user's loop would: a barrier after the loop, or a metric.
+OWN_COLLECTIVES = {"barrier": lambda: dist.barrier(),
+                   "all_reduce": lambda: dist.all_reduce(torch.ones(1))}
+
+
+def alone_while_others_wait(rank: int, world_size: int, door: str, collective: str) -> str:
+    """One agreed step, then a forward without autograd on rank 0 alone while the others wait
+    in ``collective`` (their own, outside the model). Rank 0 then joins that collective itself,
+    which releases the others (in a user's program its error ends its process instead, and the
+    others' collective fails at once): what each rank got, as text."""
+    forward, sharding, _ = _build(door, "read", "flat")
+    opt = zerocore.optim.AdamW(sharding.trainable_shards(), lr=LR)
+    x, y = global_batch(SPEC, 0, 0, world_size)
+    loss_fn(SPEC, forward(x.chunk(world_size)[rank], set()), y.chunk(world_size)[rank]).backward()
+    opt.step()
+    outcome = "no error"
+    try:
+        if rank == 0:
+            with torch.no_grad():
+                forward(global_batch(SPEC, 1, 0, 1)[0], set())
+        else:
+            OWN_COLLECTIVES[collective]()
+            outcome = "released"
+    except Exception as e:  # noqa: BLE001  (what each rank got is the result)
+        outcome = f"{type(e).__name__}: {e}"
+    if rank == 0:
+        OWN_COLLECTIVES[collective]()  # (the others are still in theirs)
+    del forward, sharding, opt
+    gc.collect()
+    return outcome
+
+
+@pytest.mark.parametrize("collective", sorted(OWN_COLLECTIVES))
+@pytest.mark.parametrize("door", DOORS)
+def test_a_forward_alone_while_the_others_wait_in_their_own_collective_is_refused(
+        world, door, collective):
+    # Peer reading (the one-host default): rank 0 asks the ranks it waits for where they are;
+    # rank 1 answers from its own thread that it waits in the test's own collective. Comm's
+    # timeout is at its default (30 minutes): a refusal within RUN_TIMEOUT_S is not its.
+    got = world.run(alone_while_others_wait, door, collective, timeout=RUN_TIMEOUT_S)
+    assert got[1:] == ["released"] * (world.world_size - 1), got
+    refusal = got[0]
+    assert refusal.startswith("Diverged: zerocore: the ranks diverged: rank 1 waits in "
+                              f"torch.distributed.{collective}() at "), refusal
+    assert "test_divergence.py:" in refusal, refusal  # the line of the user's own call
+    assert "a forward without autograd" in refusal, refusal
+    assert "run it on every rank and use the result on one" in refusal, refusal
+    assert "raise the timeout" not in refusal, refusal
+
+
+# -- ranks that wait for each other in a cycle (peer reading) ------------------------------------
+
+def wait_for_the_next(rank: int, world_size: int) -> str:
+    """Each rank waits for a message from the next rank (the last for rank 0) that it never
+    sends, outside any exchange: one cycle of waits through every rank, as ranks that diverged
+    between two exchanges leave (each freeing a unit the next one skipped). What each got."""
+    peers = PeerMemory(zerocore.Comm().timeout_s)
+    assert peers.probe(dist.group.WORLD)
+    lockstep = Lockstep(dist.group.WORLD, peers, dist.group.WORLD)
+    lockstep.names = ["`layers.0`"]
+    channel = peers.new_channel()  # a transport's, as a FlatGroup's
+    try:
+        peers.hear((rank + 1) % world_size, channel, GATHER_READ, 1)
+        outcome = "no error"
+    except Exception as e:  # noqa: BLE001  (what each rank got is the result)
+        outcome = f"{type(e).__name__}: {e}"
+    del lockstep, peers
+    gc.collect()  # the pipes close on every rank together
+    return outcome
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ranks_waiting_for_each_other_in_a_cycle_are_refused_on_every_rank(worlds, world_size):
+    # Two ranks that wait for each other were found before; a cycle of three or more is found
+    # by a probe that each waiting rank passes back to the ranks that wait for it. Comm's
+    # timeout is at its default: a refusal within RUN_TIMEOUT_S is not its.
+    got = worlds(world_size).run(wait_for_the_next, timeout=RUN_TIMEOUT_S)
+    for rank, outcome in enumerate(got):
+        assert outcome.startswith("Diverged: zerocore: the ranks diverged"), (rank, outcome)
+        assert ADVICE in outcome, (rank, outcome)
+        assert "raise the timeout" not in outcome, (rank, outcome)
+    assert any("wait for each other" in outcome for outcome in got), got

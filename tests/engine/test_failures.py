@@ -4,6 +4,7 @@ and leave nothing of the transport behind on disk."""
 
 import datetime
 import errno
+import gc
 import os
 import queue
 import signal
@@ -265,6 +266,11 @@ def _fallback_rank(rank: int, port: int, refuse: int | None, stderr: str, result
         model(x).sum().backward()
     sys.stderr.flush()
     results.put((rank, model.layers[0].groups[0].gather.name == "read"))
+    # The model (which holds the group) released before the group is destroyed: a gloo group
+    # freed at interpreter exit after destroy_process_group can abort the process (torch's;
+    # docs/decisions.md, "A group destroyed under a live model").
+    del model
+    gc.collect()
     dist.destroy_process_group()
 
 

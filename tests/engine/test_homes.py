@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import zerocore
+from zerocore.engine.flat_layout import FlatLayout
 from zerocore.engine.homes import choose
 
 # (optimizer, params) -> trainable home in 16 bit, in fp32, frozen home: homes/choice.py's table.
@@ -56,3 +57,21 @@ def test_planned_state_is_what_each_home_holds_in_memory(where, dtype):
     assert planned.optimizer == (0 if on_nvme else n * 8)
     assert planned.mirrors == (n * p if optimizer and not params else 0)
     assert homes.frozen.frozen_in_memory == (params != "nvme")
+
+
+@pytest.mark.parametrize("optimizer", [False, "cpu"])
+def test_a_replicated_base_is_the_frozen_groups_home(optimizer):
+    # FrozenWeights(placement="replicated"): frozen groups hold every rank's part on the
+    # device and gather nothing; the trainable groups' home is Offload's, as without it.
+    replicated = zerocore.FrozenWeights("nf4", placement="replicated")
+    offload = zerocore.Offload(optimizer=optimizer)
+    homes = choose(offload, device=torch.device("cpu"), param_dtype=torch.bfloat16,
+                   streams=None, arena=None, store=None, host_threads=None,
+                   frozen_weights=replicated)
+    assert homes.frozen.__name__ == "Replicated" and not homes.frozen.gathers
+    assert homes.trainable is _homes(optimizer, False, torch.bfloat16).trainable
+    layout = FlatLayout.build([("w", (1000,))], 3, block=64)
+    assert homes.held_range(False, layout, 1) == (0, layout.padded_numel)
+    assert homes.held_range(True, layout, 1) == layout.shard_range(1)
+    assert _homes(optimizer, False, torch.bfloat16).held_range(False, layout, 1) == \
+        layout.shard_range(1)

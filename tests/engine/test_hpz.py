@@ -47,6 +47,11 @@ CASES = {
     # the front-door table's int8 bounds (5e-3 on the losses, 0.15 on the update).
     "2x2-int8-frozen": Case((2, 2), **HPZ, **FP32, train="biases", frozen_int8=True,
                             loss_rtol=5e-3, update_rtol=0.15, doors=("shard_model",)),
+    # A replicated NF4 base (the weights frozen, biases trained): its groups gather nothing,
+    # within the node or across, and keep no secondary shard; the reference is given the same
+    # dequantized weights, so fp32's bounds.
+    "2x2-nf4-replicated": Case((2, 2), **HPZ, **FP32, train="biases",
+                               frozen=("nf4", "replicated")),
     # fp16 compute with dynamic loss scaling (the scale a power of two: it cancels exactly);
     # 2^-12 relative rounding: the front-door table's fp16 bounds (2e-3, 0.05).
     "2x2-fp16": Case((2, 2), **HPZ, param_dtype=torch.float16, loss_scaling=True,

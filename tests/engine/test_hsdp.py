@@ -32,6 +32,9 @@ CASES = {
     "1x2-fp32": Case((1, 2), **FP32),
     "2x1-fp32": Case((2, 1), **FP32),
     "2x1-bf16": Case((2, 1), **BF16),
+    # A replicated NF4 base (the weights frozen, biases trained; the reference given the same
+    # dequantized weights, so fp32's bounds): only the biases are gathered and reduced.
+    "2x2-nf4-replicated": Case((2, 2), **FP32, train="biases", frozen=("nf4", "replicated")),
 }
 
 

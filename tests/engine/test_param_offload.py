@@ -59,6 +59,12 @@ CASES = {
     "transformer-int8-biases": Case(Spec(model="transformer", steps=3, train="biases",
                                          param_dtype=torch.bfloat16),
                                     {"frozen_weights": zerocore.FrozenWeights("int8")}),
+    # NF4 and fp8 frozen weights: windows of their codes and scales, as int8's.
+    "transformer-nf4-biases": Case(Spec(model="transformer", steps=3, train="biases",
+                                        param_dtype=torch.bfloat16),
+                                   {"frozen_weights": zerocore.FrozenWeights("nf4")}),
+    "transformer-fp8-biases": Case(Spec(model="transformer", steps=3, train="biases"),
+                                   {"frozen_weights": zerocore.FrozenWeights("fp8")}),
     # 40 kB keeps some layers and not others (the blocks are about 33 kB gathered in fp32, the
     # embedding and readout about 8 kB each: tests/engine/test_front_doors.py).
     "transformer-keep-gathered-budget": Case(Spec(model="transformer", steps=3, train="biases"),

@@ -23,8 +23,8 @@ from neox.finetune_modes import FinetuneMode, prepare_layer
 from neox.model import layer_specs
 from neox.run.planning import PlanRequest, plan_run
 from neox.plan import main as plan_main
-from neox.run.recipe import LoopConfig
-from neox.run.step import micro_batch_loss, recompute_policy
+from neox.run.recipe import ShardingConfig
+from neox.run.step import micro_batch_loss
 from neox.weights import RandomInit, materialize
 from tests.support.neox_testing import call_main
 from zerocore.comm import collectives, quantized_reduce
@@ -92,13 +92,13 @@ def _measure(case: Case, rank: int, peak: zerocore.PeakMemory) -> dict:
     reader = RandomInit(CONFIG, seed=1)
     specs = layer_specs(CONFIG)
     mode = FinetuneMode(case.mode, lora_rank=4)
-    loop = LoopConfig(activation_checkpointing=case.recompute,
+    sharding = ShardingConfig(activation_checkpointing=case.recompute,
                       activation_checkpointing_every=case.every)
     model = zerocore.shard((prepare_layer(materialize(reader, s), i, mode)
                             for i, s in enumerate(specs)),
                            mixed_precision=zerocore.MixedPrecision(case.dtype, torch.float32),
                            offload=zerocore.Offload(optimizer=case.offload),
-                           recompute=recompute_policy(specs, loop))
+                           recompute=sharding.recompute(specs))
     opt = zerocore.optim.AdamW(model.trainable_shards(), lr=1e-3)
     scaler = zerocore.LossScaler(model.group, dynamic=False, counter=model.counter)
     g = torch.Generator().manual_seed(rank)
@@ -181,22 +181,25 @@ def plain_loss(out: torch.Tensor) -> torch.Tensor:
 
 
 # Stacks beyond neox's: (recompute every layer, Prefetch.keep_gathered, embedding frozen,
-# FrozenWeights dtype).
+# FrozenWeights dtype, and its placement when not sharded).
 PLAIN = {"kept": (False, 0, False, None), "recomputed": (True, 0, False, None),
          "keep-gathered-all-frozen-embedding": (False, "all", True, None),
          "keep-gathered-budget": (False, 2 * 4 * 13 * D * D, False, None),  # 3 of 4 layers
          "int8-frozen-embedding": (False, 0, True, "int8"),
-         "int8-keep-gathered-all": (False, "all", True, "int8")}
+         "int8-keep-gathered-all": (False, "all", True, "int8"),
+         "fp8-frozen-embedding": (False, 0, True, "fp8"),
+         "nf4-replicated-frozen-embedding": (False, 0, True, "nf4", "replicated")}
 
 
 def plain_policies(name: str, layers: list[nn.Module]) -> dict:
     """shard()'s policies for a PLAIN configuration (and freezes what it freezes)."""
-    recompute, keep, frozen_embedding, frozen_dtype = PLAIN[name]
+    recompute, keep, frozen_embedding, frozen_dtype, *placement = PLAIN[name]
     if frozen_embedding:
         layers[0].requires_grad_(False)
     return dict(recompute=zerocore.Recompute() if recompute else None,
                 prefetch=zerocore.Prefetch(keep_gathered=keep),
-                frozen_weights=zerocore.FrozenWeights(frozen_dtype))
+                frozen_weights=zerocore.FrozenWeights(frozen_dtype, placement=(placement or
+                                                                               ["sharded"])[0]))
 
 
 def measure_plain(rank: int, world_size: int, name: str) -> int:

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import zerocore
 from tests.support.environ import environment
+from tests.support.quantized_base import FORMATS, dequantized
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -63,6 +64,9 @@ class Spec:
     hybrid: str = "hsdp"      # the layout of mesh="torchrun" (ShardedTrainer's hybrid=)
     rows: int = GLOBAL_ROWS   # rows per micro-batch over all ranks
     clip: float | None = None  # max_grad_norm; None: MAX_GRAD_NORM[mode]
+    # shard_options' FrozenWeights(dtype, placement=...) (quantized_base's block), the
+    # reference's frozen weights quantized and dequantized alike
+    frozen: tuple[str, str] | None = None
 
 
 def _model(mode: str) -> torch.nn.Module:
@@ -113,6 +117,8 @@ def _trained(named: dict[str, torch.Tensor], mode: str) -> dict[str, torch.Tenso
 def reference(out: str, spec: Spec) -> dict:
     """The plain Trainer, unsharded, in this process."""
     model = _model(spec.mode)
+    if spec.frozen is not None:
+        model = dequantized(model, spec.frozen[0], FORMATS[spec.frozen[0]])
     trainer = transformers.Trainer(model=model, args=_args(out, 1, spec), train_dataset=_data(),
                                    eval_dataset=_data()[:EVAL_ROWS],
                                    data_collator=transformers.default_data_collator)
@@ -161,6 +167,10 @@ def sharded_run(rank: int, world_size: int, out: str, spec: Spec) -> dict:
     if spec.mesh == "given":
         options = dict(mesh=init_device_mesh("cpu", (2, world_size // 2),
                                              mesh_dim_names=("replicate", "shard")))
+    if spec.frozen is not None:
+        dtype, placement = spec.frozen
+        options = dict(frozen_weights=zerocore.FrozenWeights(dtype, block=FORMATS[dtype],
+                                                             placement=placement))
     trainer = Overflowing(model=model, args=_args(out, world_size, spec),
                           train_dataset=_data(), eval_dataset=_data()[:EVAL_ROWS],
                           data_collator=transformers.default_data_collator,
@@ -223,10 +233,16 @@ def test_offload_through_shard_options_trains_bitwise_as_without(world, tmp_path
                 0 < got["on_device"] < plain["on_device"]), (offload, got["on_device"])
 
 
-@pytest.mark.parametrize("mode,checkpointing", [("full", False), ("lora", False), ("lora", True)],
-                         ids=["full", "lora", "lora-checkpointing"])
-def test_trainer_matches_unsharded_trainer(world, tmp_path, mode, checkpointing):
-    spec = Spec(mode=mode, checkpointing=checkpointing)
+@pytest.mark.parametrize("mode,checkpointing,frozen",
+                         [("full", False, None), ("lora", False, None), ("lora", True, None),
+                          ("lora", True, ("nf4", "replicated")),
+                          ("lora", False, ("fp8", "sharded"))],
+                         ids=["full", "lora", "lora-checkpointing",
+                              "lora-checkpointing-nf4-replicated", "lora-fp8-sharded"])
+def test_trainer_matches_unsharded_trainer(world, tmp_path, mode, checkpointing, frozen):
+    # With a quantized base (shard_options' frozen_weights), the unsharded Trainer's model is
+    # given the same dequantized frozen weights: the same tolerances, for the same reasons.
+    spec = Spec(mode=mode, checkpointing=checkpointing, frozen=frozen)
     ref = reference(str(tmp_path / "ref"), spec)
     results = world.run(sharded_run, str(tmp_path / "sharded"), spec, timeout=300)
     assert len(ref["losses"]) == spec.steps
@@ -244,7 +260,7 @@ def test_trainer_matches_unsharded_trainer(world, tmp_path, mode, checkpointing)
     # The export: what Trainer.save_model writes, loadable as users load it.
     export = tmp_path / "sharded" / "export"
     if mode == "lora":
-        base = _model("full")
+        base = _model("full")  # the export holds the adapters alone, never a quantized base
         loaded = peft.PeftModel.from_pretrained(base, export)
     else:
         loaded = transformers.AutoModelForCausalLM.from_pretrained(export)

@@ -79,9 +79,9 @@ def test_recipes_without_the_field_load_with_no_budget():
     with pytest.raises(ValueError, match=r"recipe.loop: missing fields \['keep_gathered'\]"):
         Recipe.from_dict(d)
     d["version"] = 1
-    assert Recipe.from_dict(d).loop.keep_gathered == 0
+    assert Recipe.from_dict(d).sharding.keep_gathered == 0
     d["loop"]["keep_gathered"] = "all"
-    assert Recipe.from_dict(d).loop.keep_gathered == "all"
+    assert Recipe.from_dict(d).sharding.keep_gathered == "all"
     d["loop"]["keep_gathered"] = -5
     with pytest.raises(ValueError, match="keep_gathered must be"):
         Recipe.from_dict(d)

@@ -19,9 +19,9 @@ from neox import export
 from neox.commands.finetune import build_parser
 from neox.commands.flags import explicit_flags
 from neox.finetune_modes import FinetuneMode
-from neox.run.recipe import (RECIPE_VERSION, DataConfig, LoopConfig, ModelRecipe, OptimConfig,
-                             OutputConfig, Recipe, RecipeError, recipe_from_checkpoint,
-                             recipe_from_flags)
+from neox.run.recipe import (RECIPE_VERSION, DataConfig, LayoutConfig, ModelRecipe, OffloadConfig,
+                             OptimConfig, OutputConfig, Recipe, RecipeError, TrainingConfig,
+                             recipe_from_checkpoint, recipe_from_flags)
 from neox.setting import UsageError
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "recipe_v0_lora"
@@ -37,8 +37,9 @@ def _recipe() -> Recipe:
         data=DataConfig(data="/text.txt", seq_len=64, val_fraction=0.2),
         optim=OptimConfig(lr=1e-3, warmup=10, weight_decay=0.1, clip=0.5, betas=(0.8, 0.95),
                           eps=1e-6),
-        loop=LoopConfig(batch_size=4, grad_accum=2, epochs=3, max_steps=100, eval_every=10,
-                        seed=3, offload_optimizer=True),
+        training=TrainingConfig(batch_size=4, grad_accum=2, epochs=3, max_steps=100,
+                                eval_every=10, seed=3),
+        offload=OffloadConfig(offload_optimizer=True),
         output=OutputConfig(output_dir="out", save_every=5, keep_last=2, export_hf=True))
 
 
@@ -76,9 +77,9 @@ def test_flags_become_the_recipe():
     recipe = recipe_from_flags(vars(args), {"filter_layers": (1,)})
     assert recipe.model.finetune == FinetuneMode("lora", lora_targets=("query_key_value",
                                                                        "dense_4h_to_h"), seed=7)
-    assert recipe.model.filter_layers == (1,) and recipe.loop.seed == 7
+    assert recipe.model.filter_layers == (1,) and recipe.training.seed == 7
     assert recipe.optim.lr == 0.01 and recipe.optim.betas == (0.8, 0.9)
-    assert recipe.loop.batch_size == 3
+    assert recipe.training.batch_size == 3
     assert explicit_flags(build_parser(), argv) == {"finetune", "lora_targets", "lr", "betas",
                                                     "seed", "batch_size"}
 
@@ -103,7 +104,7 @@ def test_old_checkpoints_read_as_a_recipe():
         checkpoint=None, preset="tiny", seed=5, filter_layers=(0, 2),
         finetune=FinetuneMode("lora", lora_rank=2, lora_alpha=16.0,
                               lora_targets=("query_key_value", "dense_4h_to_h"), seed=5))
-    assert recipe.loop.max_steps == 3 and recipe.data.seq_len == 32
+    assert recipe.training.max_steps == 3 and recipe.data.seq_len == 32
     assert config.vocab_size == 1664
     broken = dict(manifest["extra"], args=dict(manifest["extra"]["args"]))
     del broken["args"]["lora_targets"]
@@ -160,22 +161,22 @@ def test_a_flag_declared_once_reaches_the_recipe_and_its_checks():
 
 
 def test_compile_is_one_declaration_too():
-    # --compile (LoopConfig.compile): the flag, the recipe, version 4; older recipes run eager.
+    # --compile (ShardingConfig.compile): the flag, the recipe, version 4; older recipes run eager.
     args = build_parser().parse_args(["--finetune", "full", "--compile"])
-    assert recipe_from_flags(vars(args)).loop.compile is True
-    assert Recipe().loop.compile is False and RECIPE_VERSION >= 4
+    assert recipe_from_flags(vars(args)).sharding.compile is True
+    assert Recipe().sharding.compile is False and RECIPE_VERSION >= 4
     d = Recipe().to_dict()
     del d["loop"]["compile"]
     d["version"] = 3
-    assert Recipe.from_dict(d).loop.compile is False
+    assert Recipe.from_dict(d).sharding.compile is False
 
 
 def test_offload_is_one_declaration_too():
-    # --offload (LoopConfig.offload): the flag, the recipe, version 5; older recipes offload
+    # --offload (OffloadConfig.offload): the flag, the recipe, version 5; older recipes offload
     # what their --offload-optimizer said, which keeps its meaning beside it.
     def loop(*flags):
         return recipe_from_flags(vars(build_parser().parse_args(["--finetune", "full",
-                                                                 *flags]))).loop
+                                                                 *flags]))).offload
     assert (loop("--offload", "params").offloaded_params,
             loop("--offload", "params").offloaded_optimizer) == (True, False)
     assert (loop("--offload", "all").offloaded_params,
@@ -192,8 +193,8 @@ def test_offload_is_one_declaration_too():
         Recipe.from_dict(d)
     del d["loop"]["offload"]
     d["version"], d["loop"]["offload_optimizer"] = 4, True
-    assert Recipe.from_dict(d).loop.offloaded_optimizer is True
-    assert Recipe.from_dict(d).loop.offload is None
+    assert Recipe.from_dict(d).offload.offloaded_optimizer is True
+    assert Recipe.from_dict(d).offload.offload is None
 
 
 def test_recipe_parts_are_frozen():
@@ -202,11 +203,11 @@ def test_recipe_parts_are_frozen():
 
 
 def test_the_layout_is_one_declaration_too():
-    # --hybrid and --quantize-gradients (LoopConfig.hybrid, .quantize_gradients): the words,
+    # --hybrid and --quantize-gradients (LayoutConfig.hybrid, .quantize_gradients): the words,
     # the recipe, version 6; older recipes were flat, their gradients exact.
     def loop(*flags):
         return recipe_from_flags(vars(build_parser().parse_args(["--finetune", "full",
-                                                                 *flags]))).loop
+                                                                 *flags]))).layout
     assert (loop().hybrid, loop().quantize_gradients) == (None, None)
     assert (loop("--hybrid", "none").hybrid, loop("--hybrid", "hsdp").hybrid) == (None, "hsdp")
     assert loop("--quantize-gradients", "int8").quantize_gradients == "int8"
@@ -215,9 +216,9 @@ def test_the_layout_is_one_declaration_too():
     for flag in ("--hybrid", "--quantize-gradients"):
         with pytest.raises(SystemExit):
             build_parser().parse_args([flag, "int4"])
-    d = Recipe(loop=LoopConfig(hybrid="hsdp", quantize_gradients="int8")).to_dict()
-    assert Recipe.from_dict(json.loads(json.dumps(d))).loop == \
-        LoopConfig(hybrid="hsdp", quantize_gradients="int8")
+    d = Recipe(layout=LayoutConfig(hybrid="hsdp", quantize_gradients="int8")).to_dict()
+    assert Recipe.from_dict(json.loads(json.dumps(d))).layout == \
+        LayoutConfig(hybrid="hsdp", quantize_gradients="int8")
     d["loop"]["hybrid"] = "ring"
     with pytest.raises(RecipeError, match=r"recipe.loop: hybrid must be null \(flat\) or one of"):
         Recipe.from_dict(d)
@@ -225,7 +226,7 @@ def test_the_layout_is_one_declaration_too():
     with pytest.raises(RecipeError, match=r"missing fields \['hybrid', 'quantize_gradients'\]"):
         Recipe.from_dict(d)
     d["version"] = 5
-    assert (Recipe.from_dict(d).loop.hybrid, Recipe.from_dict(d).loop.quantize_gradients) == \
+    assert (Recipe.from_dict(d).layout.hybrid, Recipe.from_dict(d).layout.quantize_gradients) == \
         (None, None)
 
 
@@ -242,32 +243,32 @@ def test_an_empty_offload_path_is_refused_in_one_line(capsys, path):
     assert "Traceback" not in err
     # A stored recipe holding one is refused too.
     with pytest.raises(RecipeError, match="offload_path must be a directory"):
-        LoopConfig(offload_path=path)
+        OffloadConfig(offload_path=path)
 
 
 def test_the_offload_device_path_and_pool_are_declarations_too():
-    # --offload-device, --offload-path, --offload-pool (LoopConfig, version 7): parsed, checked
+    # --offload-device, --offload-path, --offload-pool (OffloadConfig, version 7): parsed, checked
     # together, stored, mapped onto zerocore.Offload; recipes of version 6 load offloading to
     # host memory, as their runs did.
     def loop(*flags):
         return recipe_from_flags(vars(build_parser().parse_args(["--finetune", "full",
-                                                                 *flags]))).loop
+                                                                 *flags]))).offload
     nvme = loop("--offload", "all", "--offload-device", "nvme", "--offload-path", "scratch",
                 "--offload-pool", "64MiB")
     assert nvme.offload_path == str(Path("scratch").resolve()) and nvme.offload_pool == 2**26
-    assert zerocore.Offload(**nvme.offload_policy()) == zerocore.Offload(
+    assert nvme.policies()["offload"] == zerocore.Offload(
         optimizer="nvme", params="nvme", path=str(Path("scratch").resolve()), pool_bytes=2**26)
-    assert nvme.offload_problem(for_a_run=True) is None
+    assert nvme.problem(for_a_run=True) is None
     cpu = loop("--offload", "optimizer")
     assert (cpu.offload_device, cpu.offload_pool) == ("cpu", zerocore.policies.DEFAULT_POOL_BYTES)
-    assert zerocore.Offload(**cpu.offload_policy()) == zerocore.Offload(optimizer=True)
+    assert cpu.policies()["offload"] == zerocore.Offload(optimizer=True)
     assert RECIPE_VERSION >= 7
-    assert loop("--offload-device", "nvme").offload_problem(for_a_run=False) == (
+    assert loop("--offload-device", "nvme").problem(for_a_run=False) == (
         "--offload-device nvme: nothing is offloaded; add --offload optimizer (the fp32 masters "
         "and Adam moments on NVMe), params or all")
     no_path = loop("--offload-optimizer", "--offload-device", "nvme")
-    assert no_path.offload_problem(for_a_run=False) is None  # a plan writes nothing
-    assert "needs --offload-path DIR" in no_path.offload_problem(for_a_run=True)
+    assert no_path.problem(for_a_run=False) is None  # a plan writes nothing
+    assert "needs --offload-path DIR" in no_path.problem(for_a_run=True)
     with pytest.raises(UsageError, match="--offload-pool must be a size of at least 49152"):
         loop("--offload-pool", "1KiB")
     with pytest.raises(SystemExit):
@@ -276,5 +277,5 @@ def test_the_offload_device_path_and_pool_are_declarations_too():
     for name in ("offload_device", "offload_path", "offload_pool"):
         del d["loop"][name]
     d["version"] = 6
-    old = Recipe.from_dict(d).loop
+    old = Recipe.from_dict(d).offload
     assert (old.offload_device, old.offload_path) == ("cpu", None)

@@ -17,7 +17,6 @@ from neox.finetune import main as finetune_main
 from neox.model import layer_specs
 from neox.run.run_dir import METRICS
 from neox.run.recipe import recipe_from_flags
-from neox.run.step import recompute_policy
 from neox.setting import UsageError
 from tests.support.neox_testing import BPE512, EXCERPT, assert_clean_error, call_main, run_module
 
@@ -63,8 +62,8 @@ def _recipe(*argv: str):
 ])
 def test_flags_to_recipe_to_engine(argv, blocks, positions):
     recipe = _recipe("--model", "tiny", *argv)
-    assert recipe.loop.activation_checkpointing == blocks
-    policy = recompute_policy(layer_specs(PRESETS["tiny"], None), recipe.loop)
+    assert recipe.sharding.activation_checkpointing == blocks
+    policy = recipe.sharding.recompute(layer_specs(PRESETS["tiny"], None))
     chosen = None if policy is None else tuple(i for i in range(7) if policy.selects(i))
     assert chosen == positions
     stored = type(recipe).from_dict(json.loads(json.dumps(recipe.to_dict())))
@@ -75,7 +74,7 @@ def test_filtered_blocks_map_to_their_positions():
     recipe = _recipe("--model", "tiny", "--filter-layers", "1,3", "--activation-checkpointing",
                      "3")
     specs = layer_specs(PRESETS["tiny"], (1, 3))
-    policy = recompute_policy(specs, recipe.loop)
+    policy = recipe.sharding.recompute(specs)
     assert [i for i in range(len(specs)) if policy.selects(i)] == [2]   # embed, 1, *3*, ...
 
 

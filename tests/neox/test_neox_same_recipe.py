@@ -11,12 +11,16 @@ value.
   ranks per node are named as such.
 - End to end (e2e): two torchrun agents on this machine (``--nnodes 2``, c10d rendezvous) started
   with other flags: every rank refuses with the same line, exit 2, nothing written, no rank
-  left 2 s after the agents. Each such run starts 4 processes importing torch (about a minute
-  and a half on this machine), so the cases share runs: --lr, --hybrid and unequal
-  --nproc-per-node each have a run of their own (their lines differ in form), and one more run
-  starts the agents with every other flag the issue names (--seed, --seq-len, --batch-size,
-  --clip, --max-steps, --data) different at once, whose one line must name each of them with
-  each node's value; the agreement of each flag alone is the distributed test's.
+  left 2 s after the agents. A rank slower than the others to leave still says its line and
+  exits 2 (torchrun's agent terminates a node's ranks once one has exited: the ranks leave
+  together, neox.run.launch._leave_together); shown by hand with a rank made to sleep 1 s
+  before its line, which without it ended by SIGTERM (-15) without a line. Each such run
+  starts 4 processes importing torch (about a minute and a half on this machine), so the
+  cases share runs: --lr, --hybrid and unequal --nproc-per-node each have a run of their own
+  (their lines differ in form), and one more run starts the agents with every other flag the
+  issue names (--seed, --seq-len, --batch-size, --clip, --max-steps, --data) different at
+  once, whose one line must name each of them with each node's value; the agreement of each
+  flag alone is the distributed test's.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import zerocore
 from zerocore.comm.collectives import CommCounter
 from zerocore.comm.quantized_reduce import all_reduce_int8, reduce_scatter_int8
+from tests.support.quantized_base import FORMATS, dequantized
 from tests.support.toy_stack import (LOCAL_BATCH, LR, SEQ, WEIGHT_DECAY, Spec, assert_trains_as,
                                      global_batch, loss_fn, make_layers)
 
@@ -42,6 +43,9 @@ class Case:
     offload_params: bool = False   # Offload(params=True): the shards gathered from on the host
     train: str = "all"             # toy_stack.Spec.train
     frozen_int8: bool = False      # FrozenWeights("int8")
+    # FrozenWeights(dtype, placement=...) with quantized_base's block, and the reference given
+    # the same dequantized frozen weights (so fp32's bounds hold); None: as frozen_int8 says.
+    frozen: tuple[str, str] | None = None
     loss_scaling: bool = False     # fp16: LossScaler(dynamic=True)
     recompute: bool = False        # Recompute(): every layer (shard) or block (shard_model)
     keep_gathered: int = 0         # Prefetch.keep_gathered, bytes
@@ -98,13 +102,20 @@ def policies_of(case: Case, mesh=None) -> dict:
     policies = dict(
         mesh=mesh, mixed_precision=zerocore.MixedPrecision(case.param_dtype),
         offload=zerocore.Offload(optimizer=case.offload, params=case.offload_params),
-        frozen_weights=zerocore.FrozenWeights("int8" if case.frozen_int8 else None),
+        frozen_weights=frozen_weights_of(case),
         recompute=zerocore.Recompute() if case.recompute else None,
         prefetch=zerocore.Prefetch(keep_gathered=case.keep_gathered),
         comm=zerocore.Comm(gather=case.ways[0], reduce=case.ways[1]))
     if case.layout != "hsdp":  # HSDP by default: a 2-D mesh alone
         policies["hybrid"] = zerocore.Hybrid(case.layout)
     return policies
+
+
+def frozen_weights_of(case: Case) -> zerocore.FrozenWeights:
+    if case.frozen is not None:
+        dtype, placement = case.frozen
+        return zerocore.FrozenWeights(dtype, block=FORMATS[dtype], placement=placement)
+    return zerocore.FrozenWeights("int8" if case.frozen_int8 else None)
 
 
 def train_hybrid(rank: int, world_size: int, door: str, case: Case) -> dict:
@@ -183,6 +194,8 @@ def train_unsharded(case: Case, world_size: int) -> dict:
     losses is its loss, and the averaged gradients its gradient)."""
     spec = dataclasses.replace(spec_of(case), param_dtype=torch.float32)
     model = nn.Sequential(*make_layers(spec))
+    if case.frozen is not None:
+        model = dequantized(model, case.frozen[0], FORMATS[case.frozen[0]])
     init = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
                             weight_decay=WEIGHT_DECAY)

@@ -7,6 +7,7 @@ out-of-memory killer does)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -46,4 +47,6 @@ def rank_main(rank: int, fd: int, launcher: int) -> None:
     if rank == last and end == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier()  # in the failing runs, the other rank waits here for the failed one
+    del model, opt  # before the group (docs/decisions.md, "A group destroyed under a live model")
+    gc.collect()
     dist.destroy_process_group()

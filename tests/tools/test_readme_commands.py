@@ -1,10 +1,12 @@
-"""The README says what a newcomer sees (issue 20, item 7).
+"""The documents say what a newcomer sees (issue 20, item 7): the README's first set-up command
+runs the built-in run, and docs/neox.md, which the README sends its reader to for it, shows its
+output and the commands to type after it (issue 42 moved them there from the README).
 
-- Its output block is the built-in run's own output: line for line where it shows lines, each
+- The output block is the built-in run's own output: line for line where it shows lines, each
   "..." standing for lines it leaves out, progress lines picked from those the run prints (a
   terminal redraws them in place), timings ignored, integers equal and decimals to rounding.
-- Every command it shows for working with the run's output, from the fine-tuning section to the
-  end of the checkpoint section, works when typed in order after the first command, in a fresh
+- Every command shown for working with the run's output, in docs/neox.md's fine-tuning section
+  and then in docs/checkpoints.md, works when typed in order after the first command, in a fresh
   directory (everything it writes lands under ``runs/``, which git ignores). Lines naming a
   placeholder (``path/to``, ``CKPT``, a DeepSpeed run's ``ds_run/``, ...) are templates, not
   commands, and are not run.
@@ -28,7 +30,8 @@ import pytest
 
 from tests.support.neox_testing import REPO, cli_env, tiny_shakespeare
 
-README = REPO / "README.md"
+NEOX_DOC = REPO / "docs" / "neox.md"
+CHECKPOINTS_DOC = REPO / "docs" / "checkpoints.md"
 FIRST_COMMAND = [sys.executable, "-m", "neox.finetune"]  # the first set-up command's run
 
 # What varies between runs of the same code on the same data: wall-clock figures and the port.
@@ -37,7 +40,7 @@ TIMINGS = [(re.compile(r"[\d,]+ tok/s"), "<rate> tok/s"),
            (re.compile(r"tcp://127\.0\.0\.1:\d+"), "tcp://127.0.0.1:<port>"),
            (re.compile(r"^built in [\d.]+ s$"), "built in <time>")]
 # Where the corpus and tokenizer came from depends on what the machine has cached or downloaded;
-# the README shows one case and the test compares only what follows from the run.
+# the document shows one case and the test compares only what follows from the run.
 WHERE_FROM = ("corpus: ", "tokenizer: ")
 NUMBER = re.compile(r"-?\d[\d,]*\.\d+(?:e[-+]\d+)?|-?\d[\d,]*")
 PROGRESS = re.compile(r"^\[[#.]+\] (\d+)/(\d+) ")
@@ -50,7 +53,7 @@ PLACEHOLDERS = ("path/to", "CKPT", "BASE_MODEL", "ds_run/", "...")
 
 
 def section(text: str, first: str, last: str) -> str:
-    """README text from the heading starting with ``first`` to the end of the one starting with
+    """Markdown text from the heading starting with ``first`` to the end of the one starting with
     ``last``."""
     start = text.index(f"\n## {first}")
     end = text.index(f"\n## {last}", start)
@@ -60,14 +63,15 @@ def section(text: str, first: str, last: str) -> str:
 
 def output_block() -> list[str]:
     """The fenced block of the fine-tuning section: what the built-in run printed."""
-    text = section(README.read_text(), "Fine-tuning GPT-NeoX", "Fine-tuning GPT-NeoX")
+    text = section(NEOX_DOC.read_text(), "Fine-tuning GPT-NeoX", "Fine-tuning GPT-NeoX")
     return text.split("\n```\n", 2)[1].splitlines()
 
 
 def readme_commands() -> list[str]:
-    """The commands shown (indented four spaces or more) from the fine-tuning section to the end
-    of the checkpoint section, in order; continuation lines joined, comments dropped."""
-    text = section(README.read_text(), "Fine-tuning GPT-NeoX", "Checkpoints")
+    """The commands shown (indented four spaces or more) in docs/neox.md's fine-tuning section,
+    then in docs/checkpoints.md, in order; continuation lines joined, comments dropped."""
+    text = (section(NEOX_DOC.read_text(), "Fine-tuning GPT-NeoX", "Fine-tuning GPT-NeoX")
+            + CHECKPOINTS_DOC.read_text())
     commands, pending = [], ""
     for line in text.splitlines():
         stripped = line.strip()
@@ -90,7 +94,7 @@ def _normal(line: str) -> str:
 
 
 def same_line(shown: str, printed: str) -> bool:
-    """``shown`` (README) and ``printed`` (run) say the same, timings aside."""
+    """``shown`` (the document) and ``printed`` (run) say the same, timings aside."""
     shown, printed = _normal(shown), _normal(printed)
     if shown.startswith(WHERE_FROM):
         return printed.startswith(shown[:shown.index(":")])
@@ -124,11 +128,13 @@ def mismatch(shown: list[str], printed: list[str]) -> str | None:
             if same_line(line, printed[i]):
                 break
             if not (skipping or (progress and PROGRESS.match(printed[i]))):
-                return (f"README line {line!r} does not match the run's line {printed[i]!r}\n"
+                return (f"docs/neox.md line {line!r} does not match the run's line "
+                        f"{printed[i]!r}\n"
                         f"(run output from there:\n" + "\n".join(printed[i:i + 5]) + ")")
             i += 1
         else:
-            return f"README line {line!r} is not in the run's output after the lines before it"
+            return (f"docs/neox.md line {line!r} is not in the run's output after the lines "
+                    f"before it")
         in_sample = line.startswith("sample (")
         i += 1
         skipping = False
@@ -136,7 +142,7 @@ def mismatch(shown: list[str], printed: list[str]) -> str | None:
     while in_sample and rest and rest[0].startswith("  "):
         rest = rest[1:]
     if rest and not skipping:
-        return f"the run printed more than the README shows: {rest[:3]}"
+        return f"the run printed more than docs/neox.md shows: {rest[:3]}"
     return None
 
 
@@ -178,16 +184,16 @@ def test_readme_commands_are_found():
 @pytest.mark.e2e
 def test_the_readme_output_block_is_what_the_built_in_run_prints(newcomer):
     work, env, stdout = newcomer
-    # The README writes the home directory as ~, as a newcomer reads it.
+    # The document writes the home directory as ~, as a newcomer reads it.
     printed = stdout.replace(env["HOME"], "~").splitlines()
     problem = mismatch(output_block(), printed)
     assert problem is None, problem
 
 
 def readme_metrics_keys() -> tuple[list[str], list[str]]:
-    """The keys the README says every line of metrics.jsonl holds, and those a validated step's
+    """The keys docs/neox.md says every line of metrics.jsonl holds, and those a validated step's
     line holds besides."""
-    text = section(README.read_text(), "Fine-tuning GPT-NeoX", "Fine-tuning GPT-NeoX")
+    text = section(NEOX_DOC.read_text(), "Fine-tuning GPT-NeoX", "Fine-tuning GPT-NeoX")
     said = " ".join(text[text.index("`metrics.jsonl` (one JSON line"):].split())
     every, validated = said.split("per step, each step once: ", 1)[1].split(";", 1)
     return re.findall(r"`(\w+)`", every), re.findall(r"`(\w+)`", validated.split(")", 1)[0])
@@ -195,7 +201,7 @@ def readme_metrics_keys() -> tuple[list[str], list[str]]:
 
 @pytest.mark.e2e
 def test_metrics_jsonl_holds_what_the_readme_says(newcomer):
-    """Each step once, each line with the keys the README names, the validation in the last
+    """Each step once, each line with the keys docs/neox.md names, the validation in the last
     step's line (not a line of its own repeating that step's number)."""
     work, _, stdout = newcomer
     every, validated = readme_metrics_keys()

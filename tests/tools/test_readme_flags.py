@@ -1,6 +1,7 @@
-"""Every list of a flag's values the README (and docs/neox.md, its companion for the commands)
-prints is the list the command accepts (issue 40, item 6: the README listed `--hybrid
-{none,hsdp}` for a command that had taken `hpz` for a round).
+"""Every list of a flag's values the README and the docs/ pages print is the list the command
+accepts (issue 40, item 6: the README listed `--hybrid {none,hsdp}` for a command that had taken
+`hpz` for a round). docs/decisions.md is left out: it records each decision with the flags of its
+time. Whether each flag named exists at all is tests/tools/test_readme.py's.
 
 Two forms are printed: `--flag {a,b,c}`, argparse's own, and `--flag a|b|c`; both name every
 value, unless the list holds "..." (`--model tiny|pythia-70m|...|gpt-neox-20b`), whose named
@@ -20,7 +21,8 @@ import pytest
 from neox.commands import finetune, plan
 from tests.support.neox_testing import REPO
 
-DOCUMENTS = ("README.md", "docs/neox.md")
+DOCUMENTS = ("README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md")
+                                  if p.name != "decisions.md"))
 BRACES = re.compile(r"(--[a-z][a-z0-9-]*) \{([^}]*)\}")
 BARS = re.compile(r"(--[a-z][a-z0-9-]*) ((?:[A-Za-z0-9_.-]+\|)+[A-Za-z0-9_.-]+)")
 

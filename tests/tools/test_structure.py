@@ -1,10 +1,12 @@
 """The shape of the code, checked from its imports: no import cycles inside neox/ or zerocore/,
-no import hidden inside a function to dodge one, and the application (neox) using only public
-zerocore names."""
+no import hidden inside a function to dodge one, and what lies outside the engine (neox, the
+examples, the benchmarks, the documentation's code) using only zerocore's public surface
+(``zerocore.PUBLIC_MODULES``, docs/api.md)."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import importlib
@@ -31,7 +33,10 @@ MODULES = _modules()
 
 def _imports(path: Path, *, top_level_only: bool) -> list[tuple[str, list[str], int]]:
     """(module imported, names taken from it, line) for each import of a file."""
-    tree = ast.parse(path.read_text())
+    return _imports_of(ast.parse(path.read_text()), top_level_only=top_level_only)
+
+
+def _imports_of(tree: ast.Module, *, top_level_only: bool) -> list[tuple[str, list[str], int]]:
     nodes = tree.body if top_level_only else list(ast.walk(tree))
     out = []
     for node in nodes:
@@ -89,22 +94,133 @@ def test_no_imports_inside_functions():
     assert not hidden, hidden
 
 
-def test_neox_uses_only_public_zerocore_names():
-    private = []
+# zerocore's public surface: the modules zerocore.PUBLIC_MODULES names, and in each the names of
+# its __all__ (docs/api.md); every other module is implementation. What lies outside the engine
+# (the application, the examples, the benchmarks, the documentation's code) uses only that.
+OUTSIDE = ("neox", "examples", "bench")
+DOCS = (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")))
+API_PAGE = REPO / "docs" / "api.md"
+
+
+def _public_modules() -> tuple[str, ...]:
+    return importlib.import_module("zerocore").PUBLIC_MODULES
+
+
+def _python_fences(path: Path) -> list[tuple[str, int]]:
+    """(code, line of its first line in the file) of each ```python block of a Markdown file."""
+    blocks, code, start = [], None, 0
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if code is None and line.strip().startswith("```python"):
+            code, start = [], number + 1
+        elif code is not None and line.strip().startswith("```"):
+            blocks.append(("\n".join(code), start))
+            code = None
+        elif code is not None:
+            code.append(line)
+    return blocks
+
+
+def _fence_imports(code: str, first: int) -> list[tuple[str, list[str], int]]:
+    """The imports of a code block, each statement parsed on its own: a block may be a sketch
+    (``...`` in an argument list, a prompt) that does not parse whole."""
+    found, lines, i = [], code.splitlines(), 0
+    while i < len(lines):
+        statement, line = lines[i].split("#")[0].strip(), first + i
+        if statement.startswith(("import ", "from ")):
+            while statement.count("(") > statement.count(")") or statement.endswith("\\"):
+                i += 1
+                statement = statement.rstrip("\\") + " " + lines[i].split("#")[0].strip()
+            found += [(m, names, line) for m, names, _ in
+                      _imports_of(ast.parse(statement), top_level_only=True)]
+        i += 1
+    return found
+
+
+def _surface_breaches(module: str, names: list[str], public: tuple[str, ...]) -> list[str]:
+    """What an import takes of zerocore beyond its public surface."""
+    if module != "zerocore" and not module.startswith("zerocore."):
+        return []
+    if module not in public:
+        return [f"{module} is not a public module (zerocore.PUBLIC_MODULES)"]
+    declared = importlib.import_module(module).__all__
+    return [f"{name} is not in {module}.__all__" for name in names if name not in declared]
+
+
+def test_outside_code_uses_only_zerocores_public_surface():
+    public = _public_modules()
+    found = []
+    for folder in OUTSIDE:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for module, names, line in _imports(path, top_level_only=False):
+                found += [f"{path.relative_to(REPO)}:{line}: {breach}"
+                          for breach in _surface_breaches(module, names, public)]
+    for path in DOCS:
+        for code, first in _python_fences(path):
+            for module, names, line in _fence_imports(code, first):
+                found += [f"{path.relative_to(REPO)}:{line}: {breach}"
+                          for breach in _surface_breaches(module, names, public)]
+    assert not found, found
+
+
+def test_neox_reaches_no_private_zerocore_attribute():
+    # Attributes are not imports: what neox reaches through a public object stays public too.
     for name, path in MODULES.items():
-        if not name.startswith("neox"):
+        if name.startswith("neox"):
+            text = path.read_text()
+            for token in ("._mirror", "zerocore._", "._ShardReader"):
+                assert token not in text, f"{path}: uses {token}"
+
+
+def test_each_public_module_declares_names_it_has():
+    public = _public_modules()
+    assert len(set(public)) == len(public), public
+    wrong = []
+    for name in public:
+        assert not any(part.startswith("_") for part in name.split(".")), name
+        module = importlib.import_module(name)
+        declared = getattr(module, "__all__", None)
+        if declared is None:
+            wrong.append(f"{name} has no __all__")
             continue
-        for module, names, line in _imports(path, top_level_only=False):
-            if not module.startswith("zerocore"):
-                continue
-            bad = [part for part in module.split(".") if part.startswith("_")]
-            bad += [n for n in names if n.startswith("_")]
-            if bad:
-                private.append(f"{path.relative_to(REPO)}:{line}: {module} {bad}")
-        text = path.read_text()
-        for token in ("._mirror", "zerocore._", "._ShardReader"):
-            assert token not in text, f"{path}: uses {token}"
-    assert not private, private
+        wrong += [f"{name}.__all__ names {n} twice" for n in set(declared)
+                  if declared.count(n) > 1]
+        wrong += [f"{name}.__all__ names {n}, which {name} does not have" for n in declared
+                  if not hasattr(module, n)]
+        # A module handed on as a name (zerocore.ops) is public itself, with its own __all__.
+        wrong += [f"{name}.{n} is the module {getattr(module, n).__name__}, not a public one"
+                  for n in declared if hasattr(module, n)
+                  and isinstance(getattr(module, n), type(module))
+                  and getattr(module, n).__name__ not in public]
+    assert not wrong, wrong
+
+
+def _api_page() -> dict[str, list[str]]:
+    """docs/api.md: each public module (a heading ``## `zerocore.x` ``) and the names its list
+    items give (``- `name`, `other`: what it is``), in the page's order."""
+    sections: dict[str, list[str]] = {}
+    for line in API_PAGE.read_text().splitlines():
+        heading = re.fullmatch(r"## `([\w.]+)`.*", line)
+        if heading:
+            sections[heading.group(1)] = []
+        item = re.match(r"- ((?:`\w+`(?:, )?)+):", line)
+        if item and sections:
+            sections[list(sections)[-1]] += re.findall(r"`(\w+)`", item.group(1))
+    return sections
+
+
+def test_the_api_page_lists_the_public_surface():
+    page = _api_page()
+    public = list(_public_modules())
+    assert list(page) == public, ("docs/api.md's modules (## headings), in order, differ from "
+                                  f"zerocore.PUBLIC_MODULES: {list(page)} != {public}")
+    differ = {}
+    for name, listed in page.items():
+        declared = importlib.import_module(name).__all__
+        if sorted(listed) != sorted(declared):
+            differ[name] = {"on the page only": sorted(set(listed) - set(declared)),
+                            "in __all__ only": sorted(set(declared) - set(listed)),
+                            "listed twice": sorted({n for n in listed if listed.count(n) > 1})}
+    assert not differ, differ
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))

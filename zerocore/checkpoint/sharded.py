@@ -280,12 +280,13 @@ def save_checkpoint(root: str | Path, step: int, model: Any,
     """
     model = sharded_of(model)
     model.lockstep.collective(SAVE)  # every rank saves here, or every rank says where it is
-    if include_frozen and model.frozen_weights.int8_block is not None:
+    frozen_dtype = model.frozen_weights.dtype
+    if include_frozen and frozen_dtype is not None:
         # The same answer on every rank (the policy is the model's), so no rank waits.
-        raise ValueError("save_checkpoint: include_frozen=True with FrozenWeights('int8'): the "
-                         "frozen shards are int8 copies of the base weights, not the weights; "
-                         "save without include_frozen and consolidate or export from the base "
-                         "checkpoint (neox.export does)")
+        raise ValueError(f"save_checkpoint: include_frozen=True with FrozenWeights("
+                         f"{frozen_dtype!r}): the frozen shards are {frozen_dtype} copies of the "
+                         f"base weights, not the weights; save without include_frozen and "
+                         f"consolidate or export from the base checkpoint (neox.export does)")
     root = Path(root)
     # ``group``, ``rank``, ``world``: the ranks the state is sharded over and this rank's slice.
     # With HSDP every replica holds the same shards, so replica 0's shard group alone writes
@@ -451,7 +452,7 @@ def _restore(reader: ShardReader, model: Sharding,
                 else:
                     state["step"] = torch.tensor(float(step))
             if manifest["include_frozen"] and layer.frozen is not None:
-                lo, hi = layer.frozen.layout.shard_range(rank)
+                lo, hi = layer.frozen.held_range  # a replicated base: every part
                 layer.frozen.load_frozen(reader.read_as(layer.index, "frozen",
                                                         layer.frozen.layout, lo, hi))
     for mine, saved in zip(optimizer.param_groups, manifest["optimizer"]["param_groups"]):

@@ -43,6 +43,16 @@ FORWARD, FORWARD_NO_GRAD, BACKWARD, BACKWARD_KEPT = range(4)
 # Kinds of message of the lockstep's peer-memory channel besides identities (``GATHER_READY``):
 # what a long-waiting rank waits for and where it is, and that the ranks diverged.
 _AWAITS, _ABORT, _AT = 1, 2, 3
+# An ``_AWAITS`` message whose sequence number is not 0 is a probe for a cycle of waits
+# (``_probe``): it names the rank that began it and the rank that one waits for, in the bits
+# below (each plus one).
+_PROBE_SHIFT = 16
+# How many probes a rank remembers having passed on (each is passed on once: two ranks that
+# read each other's pipes would otherwise pass one back and forth for ever).
+_PASSED_KEPT = 1024
+# The sequence number of an ``_AT`` message that answers ``PeerMemory.ask``: whether the rank
+# waits in a collective of its own (comm/whereabouts.py).
+_ELSEWHERE = 1
 
 # Bits of an identity (63 in all: it travels as a signed int64): kind 4, phase 2, unit 18,
 # micro-batch 16, step 23; counts wrap (two ranks that differ by a multiple of 2**16
@@ -123,6 +133,7 @@ class Lockstep:
         self._at: dict[int, int] = {}
         self._awaits: dict[int, int] = {}
         self._aborted = False
+        self._passed: dict[tuple[int, int], None] = {}  # probes passed on (``_probe``), in order
         self._seq = 0  # exchanges so far: every rank counts alike (the pipes' key)
         # The exchange over the backend runs on the CPU: over the group itself when it has a
         # CPU backend (gloo), else over a gloo side group of the same ranks (an NCCL-only
@@ -249,8 +260,14 @@ class Lockstep:
             if _channel_of(awaited) != self._channel:
                 self._overtaken(rank, key, value)
             return False
-        if kind == _AT:
+        if kind == _AT and key & 0xFFFFFFFF == _ELSEWHERE:
+            where = self._peers.answer_text(rank, value)
+            if where:
+                raise self._elsewhere(rank, where)
+        elif kind == _AT:
             self._at[rank] = value
+        elif kind == _AWAITS and key & 0xFFFFFFFF:
+            self._probe(rank, key & 0xFFFFFFFF, value)
         elif kind == _AWAITS:
             self._awaits[rank] = value
             if _channel_of(awaited) != self._channel and not self._peers.was_sent(rank, value):
@@ -260,7 +277,16 @@ class Lockstep:
         return True
 
     def _blocked(self, rank: int, awaited: int) -> None:
-        """Peer memory: this rank has waited a while for ``awaited`` from ``rank``."""
+        """Peer memory: this rank has waited a while for ``awaited`` from ``rank`` (told again
+        each while it waits)."""
+        # Whether ``rank`` waits in a collective of its own, which would leave both waiting
+        # (answered from a thread of its own; ``_heard`` reads the answer).
+        self._peers.ask(rank, self._channel, _AT, _ELSEWHERE)
+        me = self._peer_group.rank()
+        # Every rank that waits for this one reads what it sends: the probe goes back along
+        # the waits, and comes to ``rank`` when they close a cycle (``_probe``).
+        self._peers.tell(self._peers.others(), self._channel, _AWAITS,
+                         ((me + 1) << _PROBE_SHIFT) | (rank + 1), awaited)
         if _channel_of(awaited) == self._channel:
             return  # an exchange: the other, when it waits, hears this rank's identity
         peers = self._peers
@@ -270,18 +296,55 @@ class Lockstep:
         if theirs is not None and not peers.was_sent(rank, theirs):
             self._abort(rank)
 
-    def _abort(self, rank: int) -> None:
+    def _probe(self, rank: int, seq: int, awaited: int) -> None:
+        """``rank``, which this rank waits for, passed on a probe: rank ``began`` waits for rank
+        ``waits_for`` (``awaited``), and every rank between, from ``began``'s waiters on to
+        ``rank``, waited for the one before it when it passed it on. Each was still waiting
+        then: what it waited for comes before the probe in its pipe, and was not there. When
+        this rank is ``waits_for`` and has not sent ``awaited``, the waits close a cycle:
+        ``began`` waits for this rank, which waits for ``rank``, ..., which waits for
+        ``began``; none of them will send again (Chandy, Misra and Haas's edge chasing, over
+        pipes that keep their order). Otherwise this rank, waiting too, passes it on, once: it
+        waits for ``rank`` until ``began`` is released, and the probe stays in its pipe until the
+        rank that waits for it reads it."""
+        began, waits_for = (seq >> _PROBE_SHIFT) - 1, (seq & ((1 << _PROBE_SHIFT) - 1)) - 1
+        me = self._peer_group.rank()
+        if waits_for == me:
+            if not self._peers.was_sent(began, awaited):
+                self._abort(began, cycle=True)
+            return  # (what it waited for was sent since: a probe from before)
+        if began == me or (seq, awaited) in self._passed:
+            return  # (its own, back; or one passed on already: the first was enough)
+        self._passed[(seq, awaited)] = None
+        if len(self._passed) > _PASSED_KEPT:
+            del self._passed[next(iter(self._passed))]
+        self._peers.tell(self._peers.others(), self._channel, _AWAITS, seq, awaited)
+
+    def _abort(self, rank: int, cycle: bool = False) -> None:
         names = group_ranks(self._peer_group)
         me = names[self._peer_group.rank()]
         theirs = self._at.get(rank)
         other = (f"; rank {names[rank]}'s last: {self.describe(Identity.unpacked(theirs))}"
                  if theirs is not None else "")
+        through = (", through ranks that each wait for the next (a cycle)" if cycle else "")
         error = Diverged(f"zerocore: the ranks diverged: ranks {me} and {names[rank]} wait for "
-                         f"each other, each to finish a gather or reduction that the other "
-                         f"started and did not finish (rank {me}'s last step: "
+                         f"each other{through}, each to finish a gather or reduction that the "
+                         f"other started and did not finish (rank {me}'s last step: "
                          f"{self.describe(Identity.unpacked(self._last))}{other}): {_ADVICE}")
         self._tell_abort()
         raise self._beyond_the_node() or error
+
+    def _elsewhere(self, rank: int, where: str) -> Diverged:
+        """``rank`` answered that it waits in a collective of its own (``where``) that this
+        rank belongs to, while this rank waits for it at a step of the model: neither can go
+        on. Raised on this rank alone: the other's collective fails once this process ends."""
+        names = group_ranks(self._peer_group)
+        me = names[self._peer_group.rank()]
+        return Diverged(
+            f"zerocore: the ranks diverged: rank {names[rank]} {where}, a collective of its own "
+            f"(not the sharded model's) that rank {me} takes part in, while rank {me} "
+            f"{self.describe(Identity.unpacked(self._last))}: neither can go on; {_ADVICE}",
+            {names[rank]: where, me: self.describe(Identity.unpacked(self._last))})
 
     def _told(self, rank: int, value: int) -> Diverged:
         names = group_ranks(self._peer_group)

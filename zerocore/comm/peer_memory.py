@@ -16,6 +16,7 @@ import logging
 import os
 import select
 import struct
+import threading
 import time
 import weakref
 
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from zerocore.comm.collectives import CommCounter, all_gather_sync, nbytes
+from zerocore.comm.whereabouts import waits_elsewhere
 
 logger = logging.getLogger(__name__)
 
@@ -157,8 +159,10 @@ class PeerMemory:
         beacon = torch.full((4,), token, dtype=torch.int64)
         # Each rank makes the pipes towards it now and publishes their write ends' numbers (by
         # sending rank), which the others take with pidfd_getfd below.
+        # And one pipe of questions, from every other rank (``ask``).
         pipes = self._pipes
         writers = [-1] * world
+        questions = (-1, -1)
         try:
             for q in range(world):
                 if q != rank:
@@ -166,12 +170,13 @@ class PeerMemory:
                     os.set_blocking(r, False)
                     pipes.inbound[q] = r
                     writers[q] = w
+            questions = os.pipe()
         except OSError as e:
             boot = -1  # no pipes: no reading
             reason = reason if reason[0] else (_PROBE_NO_PIPES, e.errno or 0)
         try:
             mine = torch.tensor([os.getpid(), beacon.data_ptr(), token, boot, *namespaces,
-                                 *writers], dtype=torch.int64)
+                                 *writers, questions[1]], dtype=torch.int64)
             every = torch.empty(world * mine.numel(), dtype=torch.int64)
             all_gather_sync(every, mine, group)
             rows = every.view(world, -1).tolist()
@@ -192,7 +197,11 @@ class PeerMemory:
                         reason = (_PROBE_READ, 0)
                         break
             if not reason[0]:
-                reason = _take_write_ends(pipes, syscall, rank, [(r[0], r[6:]) for r in rows])
+                reason = _take_write_ends(pipes.outbound, syscall, rank,
+                                          [(r[0], r[6 + rank]) for r in rows])
+            if not reason[0]:
+                reason = _take_write_ends(pipes.asks, syscall, rank,
+                                          [(r[0], r[6 + world]) for r in rows])
             # Every rank holds its write ends (or none uses any): the published numbers may
             # close, so that a pipe's only writer is the rank it comes from (EOF when that rank
             # goes). Also keeps every beacon alive until every rank has read.
@@ -202,6 +211,7 @@ class PeerMemory:
                       enumerate(reasons.view(world, 2).tolist()) if code]
         except BaseException:
             pipes.drain_and_close()  # a rank failed during the probe: close what was opened
+            _close_all(dict(enumerate(questions)))
             raise
         finally:
             for w in writers:
@@ -211,11 +221,13 @@ class PeerMemory:
             self.pids = [row[0] for row in rows]
             self._rank = rank
             pipes.names = {q: dist.get_global_rank(group, q) for q in range(world)}
+            pipes.answer_questions(*questions, rank)
             # When the model goes, buffers the others may still be reading stay allocated
             # until they have (or have gone, or ``timeout_s`` passed), and then the pipes close.
             weakref.finalize(self, pipes.drain_and_close)
         else:
             pipes.drain_and_close()
+            _close_all(dict(enumerate(questions)))
             self._readv = None
             # One line for the run (rank 0 says what the first rank that could not found, a
             # call missing or refused before another host): the run is as correct through
@@ -260,6 +272,21 @@ class PeerMemory:
         """Sends (channel, kind, seq) -> value to each of ``ranks``."""
         self._pipes.tell(ranks, _key(channel, kind, seq), value,
                          required=kind in (GATHER_READY, REDUCE_READY))
+
+    def ask(self, rank: int, channel: int, kind: int, seq: int) -> None:
+        """Asks ``rank`` whether it waits in a collective of its own that this rank belongs to
+        (``whereabouts.waits_elsewhere``); a thread of its own answers, whatever its main
+        thread does, with the message (channel, kind, seq): 0 when it does not, else where its
+        text is, for ``answer_text``."""
+        self._pipes.ask(rank, _key(channel, kind, seq))
+
+    def answer_text(self, rank: int, value: int) -> str:
+        """The text of ``rank``'s answer ``value`` to ``ask`` ("" for 0)."""
+        if not value:
+            return ""
+        text = torch.empty(value & _TEXT_MAX, dtype=torch.uint8)
+        self.read(text, rank, value >> _TEXT_BITS)
+        return bytes(text.tolist()).decode(errors="replace")
 
     def hear(self, rank: int, channel: int, kind: int, seq: int) -> int:
         """The value ``rank`` sent for (channel, kind, seq); blocks until it has arrived (at
@@ -315,17 +342,17 @@ class PeerMemory:
 _SYS_PIDFD_GETFD = 438
 
 
-def _take_write_ends(pipes: "_Pipes", syscall, rank: int,
-                     published: list[tuple[int, list[int]]]) -> tuple[int, int]:
-    """This rank's copy of the write end of each pipe towards another rank, taken out of that
-    rank's process (``published``: by rank, its pid and the descriptor numbers of its write
-    ends, by sending rank). Non-blocking, so that a write never waits beyond the deadline.
+def _take_write_ends(taken: dict[int, int], syscall, rank: int,
+                     published: list[tuple[int, int]]) -> tuple[int, int]:
+    """This rank's copy of a write end of a pipe of each other rank, taken out of that rank's
+    process into ``taken`` (by rank; ``published``: by rank, its pid and the descriptor's
+    number there). Non-blocking, so that a write never waits beyond the deadline.
     Returns (0, 0), or why not: (_PROBE_PIDFD, errno): ENOSYS on a kernel before 5.6 (or 5.3
     for pidfd_open), EPERM where this process may not ptrace the other one (another user,
     Yama's ptrace_scope) or a seccomp profile refuses the call."""
     if syscall is None:
         return _PROBE_NO_CALLS, 0
-    for q, (pid, writers) in enumerate(published):
+    for q, (pid, number) in enumerate(published):
         if q == rank:
             continue
         try:
@@ -334,13 +361,13 @@ def _take_write_ends(pipes: "_Pipes", syscall, rank: int,
             return _PROBE_PIDFD, getattr(e, "errno", None) or errno.ENOSYS
         try:
             fd = syscall(ctypes.c_long(_SYS_PIDFD_GETFD), ctypes.c_long(pidfd),
-                         ctypes.c_long(writers[rank]), ctypes.c_long(0))
+                         ctypes.c_long(number), ctypes.c_long(0))
             err = ctypes.get_errno()
         finally:
             os.close(pidfd)
         if fd < 0:
             return _PROBE_PIDFD, err
-        pipes.outbound[q] = fd
+        taken[q] = fd
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
     return 0, 0
 
@@ -368,6 +395,13 @@ def _probe_reason(code: int, err: int) -> str:
 # waited for, which finds whether the two wait for each other. Not a timeout: a rank slower
 # than this only costs two more messages.
 _GRACE_S = 0.5
+_GRACE_MAX_S = 4.0
+
+
+# An answer to ``ask`` is the address of its text in the answering process, shifted, and its
+# length in the low bits.
+_TEXT_BITS = 10
+_TEXT_MAX = (1 << _TEXT_BITS) - 1
 
 
 def _key(channel: int, kind: int, seq: int) -> int:
@@ -398,6 +432,12 @@ class _Pipes:
         # (rank, channel * 4 + kind) -> the last sequence number sent to it: whether a message
         # another rank waits for was sent.
         self.sent: dict[tuple[int, int], int] = {}
+        # Questions (``ask``): rank -> write end of its pipe of questions; this rank's own
+        # pipe's ends and the thread that answers them (``answer_questions``).
+        self.asks: dict[int, int] = {}
+        self._questions: tuple[int, int] | None = None
+        self._me = -1  # this rank, in the group (as a question names its asker)
+        self._answerer: threading.Thread | None = None
 
     def _lose(self, rank: int, what: str, silent: bool = False) -> PeerLost:
         self.lost.add(rank)
@@ -440,6 +480,62 @@ class _Pipes:
                         raise error from None
                     break
 
+    def ask(self, rank: int, key: int) -> None:
+        try:
+            os.write(self.asks[rank], _MESSAGE.pack(key, self._me))
+        except (OSError, KeyError):
+            pass  # full (it has not answered thousands), or gone: nothing to learn
+
+    def answer_questions(self, read: int, write: int, me: int) -> None:
+        """Answers the others' questions (``ask``) from pipe ``read`` in a thread of its own,
+        about the thread calling this (the one that runs the model), until
+        ``stop_answering``; ``write``: the pipe's own write end, kept to stop it."""
+        self._me = me
+        self._questions = (read, write)
+        self._answerer = threading.Thread(
+            target=self._answer, args=(read, threading.get_ident()), daemon=True,
+            name="zerocore-whereabouts")
+        self._answerer.start()
+
+    def _answer(self, read: int, main: int) -> None:
+        texts: dict[int, ctypes.Array] = {}  # by asker: valid until it asks again
+        while True:
+            try:
+                data = os.read(read, _MESSAGE.size)  # (whole: 16 bytes < PIPE_BUF)
+            except OSError:
+                return
+            if len(data) < _MESSAGE.size:
+                return
+            key, asker = _MESSAGE.unpack(data)
+            if asker < 0:
+                return  # stop_answering
+            try:
+                where = waits_elsewhere(main, self.names.get(asker, asker))
+            except Exception:  # noqa: BLE001  (a question must never end the answers)
+                where = ""
+            text = where.encode()[:_TEXT_MAX]
+            value = 0
+            if text:
+                texts[asker] = ctypes.create_string_buffer(text, len(text))
+                value = (ctypes.addressof(texts[asker]) << _TEXT_BITS) | len(text)
+            try:
+                os.write(self.outbound[asker], _MESSAGE.pack(key, value))
+            except (OSError, KeyError):
+                pass  # its pipe is full or gone: it is not waiting for this rank
+
+    def stop_answering(self) -> None:
+        if self._questions is None:
+            return
+        read, write = self._questions
+        try:
+            os.write(write, _MESSAGE.pack(0, -1))
+        except OSError:
+            pass
+        if self._answerer is not threading.current_thread():
+            self._answerer.join(self.timeout_s)
+        _close_all({0: read, 1: write})
+        self._questions = None
+
     def hear(self, rank: int, key: int, deadline: float | None = None) -> int:
         """The value ``rank`` sent for ``key``; waits until ``deadline`` (time.monotonic;
         default: ``timeout_s`` from now)."""
@@ -452,13 +548,19 @@ class _Pipes:
         if deadline is None:
             deadline = time.monotonic() + self.timeout_s
         data = b""
-        told = self.blocked is None  # whether the lockstep was told of a long wait
+        # When the lockstep is told next that this wait lasts: after _GRACE_S, then after
+        # twice as long each time, up to _GRACE_MAX_S (what it sends then, to a rank that may
+        # not read for the whole timeout, stays far below a pipe's capacity).
+        grace = _GRACE_S
+        tell_at = time.monotonic() + grace
         while True:
-            left = deadline - time.monotonic()
-            wait = left if told else min(left, _GRACE_S)
+            now = time.monotonic()
+            left = deadline - now
+            wait = left if self.blocked is None else min(left, max(0.0, tell_at - now))
             if left <= 0 or not _ready(fd, select.POLLIN, wait):
-                if not told and left > 0:
-                    told = True
+                if self.blocked is not None and left > 0:
+                    grace = min(2 * grace, _GRACE_MAX_S)
+                    tell_at = time.monotonic() + grace
                     self.blocked(rank, key)
                     continue
                 raise self._silent(rank, "answer")
@@ -492,6 +594,8 @@ class _Pipes:
         again, so what the others may still read of these buffers feeds no result: waiting
         would only keep this rank from exiting."""
         self.watch = self.blocked = None  # nothing more is said to the others
+        self.stop_answering()  # (before the pipes it answers through close)
+        _close_all(self.asks)
         _close_all(self.outbound)
         deadline = time.monotonic() + self.timeout_s
         failed = bool(self.lost)  # (a rank found done here is not a failure of the group)

@@ -4,7 +4,9 @@ all-gathered into, the per-parameter views of that buffer, and its gradient redu
 Tensor roles (docs/glossary.md):
 - shard: this rank's ``[shard_numel]`` slice. Trainable: a ``ShardParameter`` (fp32 master, with
   ``model_copy`` in param_dtype unless param_dtype is fp32). Frozen: a plain Parameter in
-  param_dtype with requires_grad=False.
+  param_dtype with requires_grad=False, or quantized (``FrozenWeights(dtype=...)``) its packed
+  bytes (engine/quantized.py); a replicated base's home holds every rank's packed part
+  (``held_range``: the whole group) and gathers nothing (homes/replicated.py).
 - gather input: what this rank contributes to the all-gather, which the group's home produces
   (zerocore/engine/homes/): the param_dtype shard itself (model_copy, the master itself in fp32,
   the frozen shard) on the device, a device mirror of a host model copy (the optimizer
@@ -42,6 +44,7 @@ from zerocore.engine.homes import Homes
 from zerocore.engine.host_arena import HostArena
 from zerocore.engine.nvme_store import NvmeStore, Region
 from zerocore.engine.offload import OffloadStreams
+from zerocore.engine.quantized import Quantized
 from zerocore.engine.rehearsal import StorageWatch
 from zerocore.policies import Comm
 from zerocore.engine.sharded_param import set_layout, shard_stamp
@@ -81,9 +84,9 @@ class GroupContext:
     # Where the groups' shards live (zerocore/engine/homes/), chosen once for the sharding
     # (``homes.choose``), with what the homes share (offload's streams, host arena, NVMe store).
     homes: Homes
-    # Frozen groups stored and gathered as int8 with an fp32 scale per block of this many
-    # elements (FrozenWeights(dtype="int8")); None: in param_dtype.
-    int8_block: int | None = None
+    # How frozen groups are packed when quantized (FrozenWeights(dtype=...): codes and fp32
+    # scales per block, engine/quantized.py); None: held and gathered in param_dtype.
+    quantized: Quantized | None = None
     # Reading each other's memory (gloo ranks on one host, probed when the ways were chosen:
     # ``transport.choose``), with the waits bounded by zerocore.Comm's timeout; None: not
     # tried (Comm(peer_read="off")) or not possible.
@@ -131,26 +134,29 @@ class GroupContext:
 class FlatGroup:
     def __init__(self, layout: FlatLayout, values: torch.Tensor, trainable: bool,
                  ctx: GroupContext):
-        """values: this rank's part of the padded flat values (1D, ``layout.shard_numel``, any
-        float dtype, any device), the caller's to give: the shard is made from it (taken as
-        it is where its device and dtype are the shard's)."""
+        """values: the padded flat values of the elements this rank holds (``held_range``: its
+        shard, or a replicated base's every part; 1D, any float dtype, any device), the
+        caller's to give: the shard is made from it (taken as it is where its device and dtype
+        are the shard's)."""
         self.layout = layout
         self.trainable = trainable
         self.ctx = ctx
-        lo, hi = layout.shard_range(ctx.rank)
+        # The elements this rank holds: its shard, or (a replicated frozen base) all of them.
+        self.held_range = ctx.homes.held_range(trainable, layout, ctx.rank)
+        lo, hi = self.held_range
         if values.shape != (hi - lo,):
-            raise ValueError(f"FlatGroup: values of shape {tuple(values.shape)}; this rank's "
-                             f"part is {hi - lo} elements")
+            raise ValueError(f"FlatGroup: values of shape {tuple(values.shape)}; this rank "
+                             f"holds {hi - lo} elements")
         dev, dt = ctx.device, ctx.param_dtype
-        self.int8_block: int | None = None
+        self.quantized: Quantized | None = None
         if not trainable:
-            # int8 frozen weights (FrozenWeights): the shard is this rank's int8 values and
-            # their fp32 scales, one byte buffer (``q | scales``), so one collective gathers
-            # both; blocks never straddle shards (the layout pads to whole blocks per rank), so
-            # every rank's part is quantized exactly as the whole tensor would be.
-            self.int8_block = ctx.int8_block
+            # Quantized frozen weights (FrozenWeights): each rank's part is its codes and their
+            # fp32 scales, one byte buffer, so one collective gathers both; blocks never
+            # straddle shards (the layout pads to whole blocks per rank), so every rank's part
+            # is quantized exactly as the whole tensor would be.
+            self.quantized = ctx.quantized
             values = values.to(device=dev)
-            values = self._quantized(values) if self.int8_block is not None else values.to(dt)
+            values = self._packed(values) if self.quantized is not None else values.to(dt)
         # Where the shard lives, and how the gathers' input is made from it.
         self.home = ctx.homes.place(values, trainable)
         del values
@@ -168,11 +174,12 @@ class FlatGroup:
         self._storage = storage
         self._watch = ctx.watch
         self._resized(storage)
-        if not trainable and self.int8_block is not None:
-            # int8: every rank's ``q | scales`` arrive in a byte buffer of their own, which is
-            # dequantized into the gathered buffer; it lives while the group is gathered (other
-            # ranks may read it) and is given back by ``free`` (resident groups too).
-            self._comm_numel = layout.world_size * self.shard.numel()
+        if not trainable and self.quantized is not None:
+            # Quantized: every rank's codes and scales arrive in a byte buffer of their own,
+            # which is dequantized into the gathered buffer; it lives while the group is
+            # gathered (other ranks may read it) and is given back by ``free`` (resident groups
+            # too). A replicated base never gathers into it.
+            self._comm_numel = layout.world_size * self.quantized.part_nbytes(layout.shard_numel)
             q8 = torch.empty(self._comm_numel, dtype=torch.uint8, device=dev).untyped_storage()
             self._comm = torch.empty(0, dtype=torch.uint8, device=dev).set_(
                 q8, 0, (self._comm_numel,))
@@ -222,7 +229,7 @@ class FlatGroup:
         t0 = collectives.now()
         self._storage.resize_(self._storage_nbytes)  # allocated for the compute stream
         self._resized(self._storage)
-        if self.int8_block is not None:
+        if self.quantized is not None and self.home.gathers:
             self._q8_storage.resize_(self._comm_numel)
             self._resized(self._q8_storage)
         if self._secondary is not None and self._secondary_version != shard_stamp(self.shard):
@@ -232,7 +239,9 @@ class FlatGroup:
             # the secondary shard is on the device, written on the compute stream).
             self.gather.start(self._comm, self._secondary)
         else:
-            self.home.start(self)  # the home makes the gather input and calls gather_from
+            # The home makes the gather input and calls gather_from; a replicated base starts
+            # nothing (``complete`` dequantizes it, just before the unit runs).
+            self.home.start(self)
         self.state = GroupState.GATHERING
         self.ctx.counter.group_gathers += 1
         self.ctx.counter.gather_issue_s += collectives.now() - t0
@@ -257,23 +266,33 @@ class FlatGroup:
         self.start_gather()
         if self.state is GroupState.GATHERING:
             t0 = collectives.now()
-            if self._across_handles is not None:
-                # hpZ's forward: the secondary shard is in; the layer is gathered from the
-                # secondary shards within the node. (Not overlapped yet: issued here.)
-                transport.AcrossNodes.wait_gather(self._across_handles)
-                self._across_handles = None
-                if self.ctx.lockstep is not None:
-                    self.ctx.lockstep.gather(self.unit_index, in_node=True)
-                self.gather.start(self._comm, self._secondary_region())
-            self.gather.wait(self._comm)
+            self.home.complete(self)  # ``receive``, or a replicated base dequantized
             self.ctx.counter.gather_wait_s += collectives.now() - t0
-            # A gather from the secondary shard keeps it: a unit gathered again within the same
-            # backward (its forward recomputed by a checkpoint around it) gathers from it
-            # once more, inside the node; ``free`` gives it back once the backward is done.
-            if self.int8_block is not None:
-                self._dequantize(self._comm, self._compute)
             self.state = GroupState.GATHERED
             self.home.finish()
+
+    def receive(self) -> None:
+        """Waits for the group's gather (hpZ: issuing its second step first) and dequantizes
+        every rank's part of a quantized group into the gathered buffer."""
+        if self._across_handles is not None:
+            # hpZ's forward: the secondary shard is in; the layer is gathered from the
+            # secondary shards within the node. (Not overlapped yet: issued here.)
+            transport.AcrossNodes.wait_gather(self._across_handles)
+            self._across_handles = None
+            if self.ctx.lockstep is not None:
+                self.ctx.lockstep.gather(self.unit_index, in_node=True)
+            self.gather.start(self._comm, self._secondary_region())
+        self.gather.wait(self._comm)
+        # A gather from the secondary shard keeps it: a unit gathered again within the same
+        # backward (its forward recomputed by a checkpoint around it) gathers from it
+        # once more, inside the node; ``free`` gives it back once the backward is done.
+        if self.quantized is not None:
+            self.unpack(self._comm)
+
+    def unpack(self, packed: torch.Tensor) -> None:
+        """The gathered buffer <- every rank's packed part of a quantized group (``packed``:
+        as gathered, or as a replicated home holds them), dequantized part by part."""
+        self.quantized.unpack(packed, self._compute, self.layout.shard_numel)
 
     def free(self, release: bool = False, keep_secondary: bool = False) -> None:
         """Gives the gathered buffer back, unless the group is resident (``release`` frees
@@ -287,14 +306,15 @@ class FlatGroup:
         if release:
             self.home.wait_host_reads()
         if (keep_secondary and self.ctx.across is not None and not self.resident
-                and self.state is GroupState.GATHERED and self._secondary is None):
+                and self.home.gathers and self.state is GroupState.GATHERED
+                and self._secondary is None):
             self._secondary = self._secondary_region().clone()
             self._secondary_version = shard_stamp(self.shard)
         elif not keep_secondary:
             self.drop_secondary()
         self.gather.before_free()  # the other ranks may still be reading this buffer
-        if self.int8_block is not None:
-            self._q8_storage.resize_(0)  # the int8 bytes: dequantized already
+        if self.quantized is not None:
+            self._q8_storage.resize_(0)  # the packed bytes: dequantized already
             self._resized(self._q8_storage)
         if self.resident and not release:
             return
@@ -322,7 +342,11 @@ class FlatGroup:
         # The ranks the state is sharded over (hpZ: every rank of the mesh, whose rank order
         # is not the slices' order: ``Mesh.in_state_order``).
         group = self.ctx.process_group if mesh is None else mesh.state_group
-        if to_rank is None:
+        if not self.home.gathers:  # a replicated base: every part is here, in layout order
+            full = shard
+            if to_rank is not None and group.rank() != to_rank:
+                return {}
+        elif to_rank is None:
             full = torch.empty(self.layout.world_size * shard.numel(), dtype=shard.dtype,
                                device=shard.device)
             collectives.all_gather_sync(full, shard, group)
@@ -330,41 +354,34 @@ class FlatGroup:
             full = collectives.gather_to(shard, to_rank, group)
             if full is None:
                 return {}
-        if mesh is not None and mesh.hpz:
+        if mesh is not None and mesh.hpz and self.home.gathers:
             full = torch.cat(mesh.in_state_order(list(full.chunk(self.layout.world_size))))
-        if self.int8_block is not None:  # every rank's q | scales -> the dequantized values
+        if self.quantized is not None:  # every rank's codes and scales -> the values
             values = torch.empty(self.layout.padded_numel, dtype=self.ctx.param_dtype,
                                  device=full.device)
-            self._dequantize(full, values)
+            self.quantized.unpack(full, values, self.layout.shard_numel)
             full = values
         full = full.cpu()
         return {s.name: full[s.offset:s.offset + s.numel].view(s.shape).clone()
                 for s in self.layout.slots}
 
-    # -- int8 frozen weights (FrozenWeights) ------------------------------------------------------
+    # -- quantized frozen weights (FrozenWeights) -------------------------------------------------
 
-    def _quantized(self, values: torch.Tensor) -> torch.Tensor:
-        """This rank's shard values (any float dtype) as one byte buffer: the int8 values, then
-        their fp32 scales."""
-        q, scales = ops.quantize_blockwise(values.contiguous(), self.int8_block)
-        return torch.cat([q.view(torch.uint8), scales.view(torch.uint8)])
-
-    def _dequantize(self, packed: torch.Tensor, out: torch.Tensor) -> None:
-        """out ([padded_numel], param dtype) <- every rank's ``q | scales`` in ``packed``
-        (rank order, as gathered), one fused dequantization per rank's part."""
-        n = self.layout.shard_numel
-        for r, part in enumerate(packed.chunk(self.layout.world_size)):
-            ops.dequantize_blockwise_(out[r * n:(r + 1) * n], part[:n].view(torch.int8),
-                                      part[n:].view(torch.float32), self.int8_block)
+    def _packed(self, values: torch.Tensor) -> torch.Tensor:
+        """The held values (any float dtype, one or every rank's part) as packed bytes: each
+        part's codes, then their fp32 scales."""
+        return self.quantized.pack(values, self.layout.shard_numel)
 
     def load_frozen(self, values: torch.Tensor) -> None:
-        """Sets this frozen group's shard from its values (``[shard_numel]``, any float dtype):
-        quantized for int8 groups. Frees a gathered copy of the old values."""
+        """Sets this frozen group's held values (``held_range``'s elements, any float dtype):
+        quantized for quantized groups. Frees a gathered copy of the old values."""
         assert not self.trainable
+        lo, hi = self.held_range
+        assert values.numel() == hi - lo, "load_frozen takes the held range's values"
         self.free(release=True)
         with torch.no_grad():
-            if self.int8_block is not None:  # quantized on the device, as when sharded
-                data = self._quantized(values.to(self.ctx.device))
+            if self.quantized is not None:  # quantized on the device, as when sharded
+                data = self._packed(values.to(self.ctx.device))
             else:
                 data = values
             self.home.write(data)
@@ -382,7 +399,9 @@ class FlatGroup:
     @property
     def gather_bytes(self) -> int:
         """Bytes one all-gather of this group moves (the unsharded buffer, as counted)."""
-        if self.int8_block is not None:
+        if not self.home.gathers:
+            return 0   # a replicated base: every part is held
+        if self.quantized is not None:
             return self._comm_numel
         return self.layout.padded_numel * self.ctx.param_dtype.itemsize
 
@@ -419,8 +438,8 @@ class FlatGroup:
     @property
     def gathered_bytes(self) -> int:
         """Bytes the gathered buffers hold right now (0 when sharded): the values, and for an
-        int8 group while gathered its int8 parts too."""
-        extra = self._q8_storage.nbytes() if self.int8_block is not None else 0
+        quantized group while gathered its packed parts too."""
+        extra = self._q8_storage.nbytes() if self.quantized is not None else 0
         return self._storage.nbytes() + extra
 
     def views(self, requires_grad: bool) -> list[torch.Tensor]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from zerocore.comm.fake import is_fake
 from zerocore.engine.compiled import plain_name
 from zerocore.engine.flat_group import FlatGroup, GroupContext, GroupState
 from zerocore.engine.flat_layout import FlatLayout
@@ -36,14 +37,16 @@ def collect_params(module: nn.Module) -> Params:
     return list(by_id.values())
 
 
-def _rank_slice(chosen: list[tuple[str, nn.Parameter]], layout: FlatLayout, rank: int,
-                dtype: torch.dtype, read: RangeReader | None) -> torch.Tensor:
-    """This rank's part ``[lo, hi)`` of the group's flat values (1D, ``dtype``, shard_numel;
-    padding zero): what ``FlatGroup`` keeps, and nothing of the other ranks' parts. A meta
-    parameter's elements come from ``read``, only those in the range, in pieces of at most
-    ``READ_PIECE_NUMEL`` elements (each piece is packed and dropped before the next is read):
-    the loading's transient beyond the slice is one piece, however large the parameter."""
-    lo, hi = layout.shard_range(rank)
+def _held_values(chosen: list[tuple[str, nn.Parameter]], layout: FlatLayout,
+                 held: tuple[int, int], dtype: torch.dtype, read: RangeReader | None
+                 ) -> torch.Tensor:
+    """The group's flat values of the range ``held`` = ``[lo, hi)`` this rank holds (1D,
+    ``dtype``, hi - lo; padding zero): what ``FlatGroup`` keeps (its shard, or a replicated
+    base's every part), and nothing else. A meta parameter's elements come from ``read``, only
+    those in the range, in pieces of at most ``READ_PIECE_NUMEL`` elements (each piece is
+    packed and dropped before the next is read): the loading's transient beyond the values is
+    one piece, however large the parameter."""
+    lo, hi = held
     device = next((p.device for _, p in chosen if not p.is_meta), torch.device("cpu"))
     values = torch.zeros(hi - lo, dtype=dtype, device=device)  # padding, and any gap
     for (name, p), slot in zip(chosen, layout.slots):
@@ -113,14 +116,21 @@ class ShardedLayer(nn.Module):
             if not chosen:
                 groups[trainable] = None
                 continue
-            int8 = not trainable and ctx.int8_block is not None
+            quantized = not trainable and ctx.quantized is not None
             layout = FlatLayout.build([(n, tuple(p.shape)) for n, p, _ in chosen], world_size,
-                                      block=ctx.int8_block if int8 else 1)
+                                      block=ctx.quantized.block if quantized else 1)
             # Trainable masters, and frozen values about to be quantized, from fp32.
-            full_dtype = torch.float32 if trainable or int8 else ctx.param_dtype
-            # Only this rank's part is made: FlatGroup keeps it.
-            values = _rank_slice([(n, p) for n, p, _ in chosen], layout, ctx.rank, full_dtype,
-                                 read)
+            full_dtype = torch.float32 if trainable or quantized else ctx.param_dtype
+            # Only what this rank holds is made (its shard; a replicated base's every part):
+            # FlatGroup keeps it.
+            held = ctx.homes.held_range(trainable, layout, ctx.rank)
+            if quantized and not is_fake(ctx.process_group):  # (a plan allocates nothing)
+                nbytes = layout.world_size * ctx.quantized.part_nbytes(layout.shard_numel)
+                held_bytes = nbytes * (held[1] - held[0]) // layout.padded_numel
+                ctx.homes.home_of(trainable).check_room(
+                    ctx.device, held_bytes, 4 * (held[1] - held[0]), f"layer {index}")
+            values = _held_values([(n, p) for n, p, _ in chosen], layout, held, full_dtype,
+                                  read)
             groups[trainable] = FlatGroup(layout, values, trainable, ctx)
             del values
         # The module no longer owns its parameters: their values live in the groups, and

@@ -40,6 +40,7 @@ from zerocore.engine import homes
 from zerocore.engine.flat_group import GroupContext
 from zerocore.engine.host_arena import HostArena, host_memory_bytes
 from zerocore.engine.nvme_store import NvmeStore
+from zerocore.engine.quantized import Quantized
 from zerocore.engine.offload import OffloadStreams, cpu_threads
 from zerocore.engine.rehearsal import Rehearsal
 from zerocore.engine.report import CommReport, MemoryReport
@@ -180,10 +181,11 @@ def build_context(mesh: Mesh, device: torch.device,
     lockstep = Lockstep(mesh.whole, peers, group)
     # Where the shards live, chosen once for the sharding (zerocore/engine/homes/).
     where = homes.choose(offload, device=device, param_dtype=mixed_precision.param_dtype,
-                         streams=streams, arena=arena, store=store, host_threads=host_threads)
+                         streams=streams, arena=arena, store=store, host_threads=host_threads,
+                         frozen_weights=frozen_weights)
     return GroupContext(group, mesh.state_rank, device, mixed_precision.param_dtype,
                         mixed_precision.grad_reduce_dtype, counter, where,
-                        int8_block=frozen_weights.int8_block, peers=peers, comm=comm,
+                        quantized=Quantized.of(frozen_weights), peers=peers, comm=comm,
                         ways=ways, device_kind=kind, watch=watch, replicas=replicas,
                         across=across, mesh=mesh, lockstep=lockstep)
 
@@ -257,8 +259,9 @@ def memory_report_of(layers: list[ShardedLayer], rank: int, world_size: int,
                 param += g.memory_shard_bytes
     n = world_size
     k = 8 if p_bytes == 4 else 12  # Adam moments, plus an fp32 master when computing in 16 bit
+    frozen_copies = n if frozen_weights.replicated else 1   # a replicated base: all of it
     predicted = ((p_bytes + p_bytes + k) * trainable_numel
-                 + frozen_weights.frozen_nbytes(frozen_numel, p_bytes)) // n
+                 + frozen_copies * frozen_weights.frozen_nbytes(frozen_numel, p_bytes)) // n
     dev_alloc = dev_peak = None
     if device.type == "cuda":
         dev_alloc = torch.cuda.memory_allocated(device)
@@ -348,6 +351,11 @@ class Sharding:
                              f"across HSDP's replicas, and this model has none ({mesh.line()}); "
                              f"pass a 2-D mesh (replicate, shard) with more than one replica, "
                              f"or leave it out")
+        if frozen_weights.replicated and offload.params:
+            raise ValueError(f"{self.front_door}: FrozenWeights(placement='replicated') keeps "
+                             f"the whole quantized frozen base on each rank's device, and "
+                             f"Offload(params={offload.params!r}) moves the parameters off it; "
+                             f"give one or the other (Offload(optimizer=...) goes with either)")
         self.hybrid = hybrid
         self.ctx = build_context(mesh, device, mixed_precision, offload, frozen_weights, comm,
                                  host_threads, rehearsal)

@@ -20,6 +20,11 @@ from zerocore.kernels.formats import FP8_BLOCK, NF4_BLOCK
 from zerocore.kernels.formats import quantize_fp8 as quantize_fp8
 from zerocore.kernels.formats import quantize_nf4 as quantize_nf4
 
+__all__ = ["BUILD", "fused_adam", "fused_adam_multi", "grad_stats", "pack", "unpack",
+           "quantize_blockwise", "dequantize_blockwise_", "dequantize_blockwise",
+           "quantize_nf4", "dequantize_nf4_", "dequantize_nf4", "quantize_fp8", "dequantize_fp8_",
+           "dequantize_fp8", "NF4_BLOCK", "FP8_BLOCK"]
+
 # The compiled library registers torch.ops.zerocore.*; loading it here, where the ops are used,
 # makes this module work whoever imports it first.
 BUILD = _extension.load()

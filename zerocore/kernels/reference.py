@@ -14,6 +14,9 @@ import torch
 
 from zerocore.kernels.formats import NF4_CODE
 
+__all__ = ["fused_adam", "fused_adam_multi", "grad_stats", "pack", "unpack", "quantize_blockwise",
+           "dequantize_blockwise", "dequantize_nf4", "dequantize_fp8", "NF4_CODE"]
+
 
 def fused_adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                exp_avg_sq: torch.Tensor, model_copy: torch.Tensor | None = None, *, lr: float,

@@ -51,6 +51,10 @@ class ModelState:
     # through; 0 without.
     nvme: int = 0
     pool: int = 0
+    # How the frozen weights are held (FrozenWeights): "" in the compute dtype, sharded; else
+    # the format and the placement ("nf4, replicated": every rank holds the whole quantized
+    # base, ``frozen_params`` is all of it, and nothing frozen is gathered).
+    frozen_layout: str = ""
 
     def bytes_of(self) -> dict[str, int]:
         return {TRAINABLE: self.trainable_params, FROZEN: self.frozen_params,
@@ -148,7 +152,8 @@ class MemoryPlan:
         rows = [
             (f"parameter shards, trainable{host if TRAINABLE in s.on_host else ''}",
              s.trainable_params),
-            (f"parameter shards, frozen{host if FROZEN in s.on_host else ''}", s.frozen_params),
+            (f"{_frozen_row(s.frozen_layout)}{host if FROZEN in s.on_host else ''}",
+             s.frozen_params),
             (f"fp32 master shards{host if MASTERS in s.on_host else ''}", s.masters),
             (f"gradient shards (fp32){host if GRADIENTS in s.on_host else ''}", s.gradients),
             (f"optimizer state (Adam){host if OPTIMIZER in s.on_host else ''}", s.optimizer),
@@ -194,6 +199,10 @@ class MemoryPlan:
                          f"{self.loading.staging / GiB:.2f} GiB)")
         lines.append(f"  per step: all-gathered {self.all_gather_bytes / GiB:.2f} GiB, "
                      f"reduce-scattered {self.reduce_scatter_bytes / GiB:.2f} GiB")
+        if s.frozen_layout.endswith("replicated"):
+            lines.append(f"  frozen base {s.frozen_layout}: the whole quantized base on every "
+                         f"rank ({s.frozen_params / GiB:.2f} GiB), dequantized a layer at a "
+                         f"time; none of it all-gathered")
         if self.layout == "hpZ":
             lines.append(f"  per step across the nodes: secondary shards gathered "
                          f"{self.across_all_gather_bytes / GiB:.2f} GiB, gradient slices "
@@ -203,3 +212,10 @@ class MemoryPlan:
                          f"{self.intra_node_bytes / GiB:.2f} GiB, across nodes "
                          f"{self.inter_node_bytes / GiB:.2f} GiB")
         return "\n".join(lines)
+
+
+def _frozen_row(frozen_layout: str) -> str:
+    """The table's row name for the frozen weights held."""
+    if frozen_layout.endswith("replicated"):
+        return f"frozen base, whole ({frozen_layout})"
+    return f"parameter shards, frozen{f' ({frozen_layout})' if frozen_layout else ''}"

@@ -232,7 +232,7 @@ def model_state(sharding: Sharding, on_host: frozenset[str]) -> ModelState:
     p_bytes = sharding.mixed_precision.param_dtype.itemsize
     homes = sharding.ctx.homes   # each counts what it holds (zerocore/engine/homes/)
     store = homes.store
-    t_numel = f_numel = t_shard = f_shard = 0
+    t_numel = f_numel = t_shard = f_held = 0
     for layer in sharding.layers:
         for g in layer.groups:
             if g.trainable:
@@ -240,16 +240,19 @@ def model_state(sharding: Sharding, on_host: frozenset[str]) -> ModelState:
                 t_shard += g.layout.shard_numel
             else:
                 f_numel += g.layout.numel
-                f_shard += g.layout.shard_numel
+                lo, hi = g.held_range   # a replicated base holds every rank's part
+                f_held += hi - lo
     trainable = homes.trainable.planned(t_shard, p_bytes)
     return ModelState(
         trainable_numel=t_numel, frozen_numel=f_numel, trainable_params=trainable.params,
-        frozen_params=(sharding.frozen_weights.frozen_nbytes(f_shard, p_bytes)
+        frozen_params=(sharding.frozen_weights.frozen_nbytes(f_held, p_bytes)
                        if homes.frozen.frozen_in_memory else 0),
         masters=trainable.masters, optimizer=trainable.optimizer, gradients=t_shard * 4,
         mirrors=trainable.mirrors, on_host=on_host,
         nvme=store.size if store is not None else 0,
-        pool=store.pool_bytes if store is not None else 0)
+        pool=store.pool_bytes if store is not None else 0,
+        frozen_layout=(f"{fw.dtype}, {fw.placement}" if (fw := sharding.frozen_weights).dtype
+                       else ""))
 
 
 def _plan(step: Step, sharding: Sharding, peak: _Peak, traffic: _Traffic,

@@ -109,7 +109,8 @@ def load_deepspeed_checkpoint(path: str | Path, model: Any, optimizer: torch.opt
                 if layer.trainable is not None:
                     layout = layer.trainable.layout
                     shard = layer.trainable.shard
-                    values = {what: _shard_of(ckpt, layout, rank, layer.index, ds_name, what)
+                    values = {what: _shard_of(ckpt, layout, layout.shard_range(rank),
+                                              layer.index, ds_name, what)
                               for what in ("fp32", "exp_avg", "exp_avg_sq")}
                     set_master(shard, values["fp32"])
                     state = optimizer.state.setdefault(shard, {})
@@ -129,9 +130,12 @@ def load_deepspeed_checkpoint(path: str | Path, model: Any, optimizer: torch.opt
                 if frozen == "load" and layer.frozen is not None and all(
                         ds_name(layer.index, s.name) in ckpt.frozen
                         for s in layer.frozen.layout.slots):
-                    layout = layer.frozen.layout
-                    layer.frozen.load_frozen(_shard_of(ckpt, layout, rank, layer.index, ds_name,
-                                                       "fp32", dtype=layer.frozen.shard.dtype))
+                    group = layer.frozen
+                    # What the group holds (a replicated base: every part), in its dtype, or
+                    # in fp32 when it quantizes what it is given.
+                    dtype = torch.float32 if group.quantized else group.shard.dtype
+                    group.load_frozen(_shard_of(ckpt, group.layout, group.held_range,
+                                                layer.index, ds_name, "fp32", dtype=dtype))
         saved = ckpt.param_groups[0] if ckpt.param_groups else {}
         for group in optimizer.param_groups:
             for key in ("lr", "betas", "eps", "weight_decay"):
@@ -146,12 +150,13 @@ def load_deepspeed_checkpoint(path: str | Path, model: Any, optimizer: torch.opt
                           "ds_version": ckpt.ds_version, "world_size": ckpt.world_size}}
 
 
-def _shard_of(ckpt: DeepSpeedCheckpoint, layout: Any, rank: int, index: int,
+def _shard_of(ckpt: DeepSpeedCheckpoint, layout: Any, held: tuple[int, int], index: int,
               ds_name: Callable[[int, str], str], what: str,
               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """This rank's ``[shard_numel]`` slice of a flat group, filled from the checkpoint's
-    full tensors (one parameter at a time; padding zero)."""
-    lo, hi = layout.shard_range(rank)
+    """The elements ``held`` = ``[lo, hi)`` of a flat group this rank holds (its shard, or a
+    replicated base's every part), filled from the checkpoint's full tensors (one parameter at
+    a time; padding zero)."""
+    lo, hi = held
     out = torch.zeros(hi - lo, dtype=dtype)
     for slot in layout.slots:
         a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)

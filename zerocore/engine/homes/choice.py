@@ -10,6 +10,10 @@ frozen groups by where the parameters are):
     frozen                OnDevice      HostWindow       NvmeWindow
 
     * OnDevice in fp32: the master is what is gathered, and it stays on the device.
+
+A replicated frozen base (``FrozenWeights(placement="replicated")``) is held whole on every
+rank's device: frozen groups are ``Replicated``, whatever the trainable ones' home
+(``Offload(params=...)`` with it is refused when the model is sharded).
 """
 
 from __future__ import annotations
@@ -21,17 +25,18 @@ from zerocore.engine.homes.home import Homes
 from zerocore.engine.homes.host_mirror import HostMirror
 from zerocore.engine.homes.host_window import HostWindow, RoundedWindow
 from zerocore.engine.homes.nvme import NvmeHostWindow, NvmeMirror, NvmeWindow
+from zerocore.engine.homes.replicated import Replicated
 from zerocore.engine.host_arena import HostArena
 from zerocore.engine.nvme_store import NvmeStore
 from zerocore.engine.offload import OffloadStreams
-from zerocore.policies import Offload
+from zerocore.policies import FrozenWeights, Offload
 
 
 def choose(offload: Offload, *, device: torch.device, param_dtype: torch.dtype,
            streams: OffloadStreams | None, arena: HostArena | None, store: NvmeStore | None,
-           host_threads: int | None) -> Homes:
-    """The homes of trainable and frozen groups under ``offload`` (the module's table), with
-    what they share."""
+           host_threads: int | None, frozen_weights: FrozenWeights = FrozenWeights()) -> Homes:
+    """The homes of trainable and frozen groups under ``offload`` and ``frozen_weights``'
+    placement (the module's table), with what they share."""
     if offload.optimizer == "nvme":
         trainable = {False: NvmeMirror, "cpu": NvmeHostWindow, "nvme": NvmeWindow}[offload.params]
     elif offload.optimizer:
@@ -41,4 +46,7 @@ def choose(offload: Offload, *, device: torch.device, param_dtype: torch.dtype,
     else:
         trainable = OnDevice
     frozen = {False: OnDevice, "cpu": HostWindow, "nvme": NvmeWindow}[offload.params]
+    if frozen_weights.replicated:
+        assert not offload.params, "refused by the sharding: a replicated base lives on the device"
+        frozen = Replicated
     return Homes(trainable, frozen, device, param_dtype, streams, arena, store, host_threads)

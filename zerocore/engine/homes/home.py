@@ -8,9 +8,10 @@ its home, never the offload policy. Each home owns
 - how the unit's full weights are produced for a forward or a backward: ``start`` hands the
   group's gather the tensor this rank contributes (the shard itself, a device mirror of a host
   copy, a window uploaded or read for this one gather) and ``finish`` drops what was made for
-  it once the compute stream has the full weights. A home that holds the full weights itself
-  (a replicated frozen base) writes them into ``target.full`` in ``start`` instead, with no
-  collective: the interface is the same;
+  it once the compute stream has the full weights; ``complete`` waits for the gather just
+  before the unit runs. A home that holds the full weights itself (a replicated frozen base,
+  homes/replicated.py) starts nothing and dequantizes them into ``target.full`` in
+  ``complete`` instead, with no collective: the interface is the same;
 - reading and writing the values outside a step (a load, a checkpoint, an export);
 - its byte counts for the memory report and the plan;
 - its freeing: the host waits for the uploads that read a host shard before it writes it.
@@ -18,7 +19,8 @@ its home, never the offload policy. Each home owns
 The homes: homes/device.py (on the compute device), homes/host_mirror.py (the optimizer on the
 host, the device keeping a mirror of the model copy), homes/host_window.py (parameters on the
 host, uploaded for each gather; or rounded on the device from a device master), homes/nvme.py
-(masters and moments, and with ``params="nvme"`` the shards the gathers read, on NVMe).
+(masters and moments, and with ``params="nvme"`` the shards the gathers read, on NVMe),
+homes/replicated.py (the whole quantized frozen base on every rank, nothing gathered).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Protocol
 
 import torch
 
+from zerocore.engine.flat_layout import FlatLayout
 from zerocore.engine.host_arena import HostArena
 from zerocore.engine.nvme_store import NvmeStore, Region
 from zerocore.engine.offload import OffloadStreams
@@ -43,6 +46,13 @@ class GatherTarget(Protocol):
     def gather_from(self, source: torch.Tensor) -> None:
         """Starts the group's all-gather from this rank's shard ``source`` (1D, on the device),
         on the current stream."""
+
+    def receive(self) -> None:
+        """Waits for the group's gather and dequantizes a quantized group's parts into
+        ``full``."""
+
+    def unpack(self, packed: torch.Tensor) -> None:
+        """``full`` <- every rank's packed part of a quantized group (1D, uint8)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +78,9 @@ class Home:
     # Whether the runtime brings the device copy of the shard up to date at the start of each
     # forward, all groups at once (``upload``), so the uploads overlap the first units' work.
     uploads_before_forward = False
+    # Whether the group's full weights are gathered from every rank's shard (False: the home
+    # holds them all, and the group moves no bytes: ``gather_bytes`` is 0).
+    gathers = True
 
     def __init__(self, where: Homes, values: torch.Tensor, trainable: bool):
         self.where = where
@@ -87,6 +100,23 @@ class Home:
         """Starts producing the full weights: the group's gather from this rank's shard."""
         source, _ = self.gather_input()
         target.gather_from(source)
+
+    def complete(self, target: GatherTarget) -> None:
+        """Ends producing the full weights, on the compute stream, just before the unit uses
+        them: waits for the gather (``target.receive``)."""
+        target.receive()
+
+    @classmethod
+    def check_room(cls, device: torch.device, held: int, building: int, what: str) -> None:
+        """Refuses a group this home could not hold (``held`` bytes kept, ``building`` more
+        while it is made) before it is allocated; the shard homes hold 1/N of the state, as
+        the plan predicts, and check nothing here."""
+
+    @classmethod
+    def held_range(cls, layout: FlatLayout, rank: int) -> tuple[int, int]:
+        """The elements of a group of ``layout`` whose values this home holds on ``rank``:
+        its shard."""
+        return layout.shard_range(rank)
 
     def gather_input(self) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """The tensor the all-gather reads, and on CUDA the event the gather stream waits for
@@ -215,6 +245,15 @@ class Homes:
     def place(self, values: torch.Tensor, trainable: bool) -> Home:
         """A flat group's home, holding its shard made from ``values`` (``Home``'s)."""
         return (self.trainable if trainable else self.frozen)(self, values, trainable)
+
+    def home_of(self, trainable: bool) -> type[Home]:
+        """The home a trainable or frozen group gets."""
+        return self.trainable if trainable else self.frozen
+
+    def held_range(self, trainable: bool, layout: FlatLayout, rank: int) -> tuple[int, int]:
+        """The elements of a group of ``layout`` its home holds on ``rank``
+        (``Home.held_range``): what the group is built and loaded from."""
+        return (self.trainable if trainable else self.frozen).held_range(layout, rank)
 
 
 def host_buffer(where: Homes, numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,51 @@
+"""The stored recipe kept its form when the recipe was split by concern (issue 42, item 3): a
+checkpoint's recipe as the neox before the split wrote it (version 7, sections model, data,
+optim, loop, output) reads into the parts by concern, and this neox writes back exactly that
+form, so that a run written now resumes in the neox before the split too."""
+
+from __future__ import annotations
+
+import json
+
+from neox.run.recipe import LayoutConfig, OffloadConfig, Recipe, ShardingConfig, TrainingConfig
+
+# Recipe(...).to_dict() of the neox before the split (commit 908ad0b), every moved field given
+# a value other than its default.
+BEFORE_THE_SPLIT = json.loads("""
+{"version": 7,
+ "model": {"checkpoint": null, "preset": "tiny", "filter_layers": null,
+           "allow_outside_weights": false, "dtype": null, "seed": 3,
+           "finetune": {"mode": "biases", "lora_rank": 8, "lora_alpha": 16.0,
+                        "lora_targets": ["query_key_value", "attention.dense"], "seed": 0},
+           "reduce_dtype": "bf16", "frozen_weights": "int8"},
+ "data": {"data": null, "data_dir": null, "tokenizer": null, "cache_dir": null, "seq_len": 128,
+          "val_fraction": 0.1},
+ "optim": {"lr": 0.0003, "warmup": 0, "weight_decay": 0.0, "clip": 1.0, "betas": [0.9, 0.999],
+           "eps": 1e-08},
+ "loop": {"batch_size": 4, "grad_accum": 1, "epochs": 1, "max_steps": null, "eval_every": 0,
+          "seed": 0, "offload_optimizer": false, "offload": "params", "offload_device": "nvme",
+          "offload_path": "/nvme/scratch", "offload_pool": 268435456, "max_nonfinite_steps": 5,
+          "activation_checkpointing": [0, 2], "activation_checkpointing_every": 2,
+          "hybrid": "hsdp", "quantize_gradients": "int8", "compile": true,
+          "keep_gathered": "all"},
+ "output": {"output_dir": "runs/neox-finetune", "save_every": 0, "keep_last": 3,
+            "export_hf": false, "sample_tokens": 48, "sample_temperature": 0.8,
+            "measure_memory": false}}
+""")
+
+
+def test_a_recipe_stored_before_the_split_reads_into_its_concerns():
+    recipe = Recipe.from_dict(BEFORE_THE_SPLIT)
+    assert recipe.training == TrainingConfig(batch_size=4, max_nonfinite_steps=5)
+    assert recipe.sharding == ShardingConfig(
+        reduce_dtype="bf16", frozen_weights="int8", activation_checkpointing=(0, 2),
+        activation_checkpointing_every=2, compile=True, keep_gathered="all")
+    assert recipe.offload == OffloadConfig(offload="params", offload_device="nvme",
+                                           offload_path="/nvme/scratch")
+    assert recipe.layout == LayoutConfig(hybrid="hsdp", quantize_gradients="int8")
+    assert recipe.model.seed == 3
+
+
+def test_this_neox_stores_the_form_the_neox_before_the_split_reads():
+    stored = json.loads(json.dumps(Recipe.from_dict(BEFORE_THE_SPLIT).to_dict()))
+    assert stored == BEFORE_THE_SPLIT
