@@ -8,8 +8,9 @@ rank.
 ``transformers``' ``from_pretrained`` builds the whole model in every rank's memory; sharding
 afterwards keeps 1/N of it, but the peak was N copies per node. Here the model is built on the
 meta device from its config, and ``zerocore.shard_model(read=...)`` asks for each rank's
-elements of each parameter, read by offset from the safetensors files (``SafetensorsFiles``):
-each rank's peak is its share of the model plus the largest single read.
+elements of each parameter, read by offset from the safetensors files (``SafetensorsFiles``)
+in pieces of at most ``READ_PIECE_NUMEL`` elements into one buffer: each rank's peak is its
+share of the model plus that buffer (``zerocore.plan`` states it: ``MemoryPlan.loading``).
 
 What ``transformers.PreTrainedModel.from_pretrained`` does besides reading, done the same way:
 the requested ``dtype`` (stored values converted, as it converts them); parameters tied to
@@ -83,16 +84,30 @@ class Pretrained:
 
     def read(self, name: str, start: int, stop: int) -> torch.Tensor:
         """``shard_model``'s ``read``: elements ``[start, stop)`` of parameter ``name``, read
-        from the files by offset and converted to the parameter's dtype."""
-        piece = self.files.read(self.keys[name], start, stop)
+        from the files by offset and converted to the parameter's dtype.
+
+        The bytes are read into one buffer this reader keeps (as large as the largest piece
+        asked for: ``READ_PIECE_NUMEL`` elements at most, from the engine), so the piece is
+        valid until the next read, as the engine uses it (each piece packed before the next
+        is read); ``close`` lets the buffer go. A buffer per read, freed after it, costs more
+        than its size: once glibc's dynamic mmap threshold has risen, freed blocks of a few
+        MiB stay in its heap (up to 200 MiB per rank at 1 B parameters,
+        bench/records/2026-12-06-memory-hf-load-1b.md)."""
+        key = self.keys[name]
+        nbytes = (stop - start) * self.files.entries[key].dtype.itemsize
+        if self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+        piece = self.files.read(key, start, stop, out=self._buffer)
         return piece.to(self._dtypes[name])
 
     def __post_init__(self) -> None:
         self._dtypes = {n: p.dtype for n, p in self.model.named_parameters(
             remove_duplicate=False) if n in self.keys}
+        self._buffer = torch.empty(0, dtype=torch.uint8)
 
     def close(self) -> None:
         self.files.close()
+        self._buffer = torch.empty(0, dtype=torch.uint8)
 
 
 def checkpoint_name(name: str) -> str:

@@ -106,15 +106,18 @@ def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, worl
     held: dict[str, nn.Module] = {}
 
     def build(rehearsal: Rehearsal) -> ShardedSequential:
+        read = _LoadingRead(*stack)
         held["model"] = ShardedSequential(
-            [MetaLayer(m, _read_nothing) for m in stack],
+            [MetaLayer(m, read) for m in stack],
             mesh=meshes.planned(shape, world_size, hybrid),
             device=_CPU, mixed_precision=mixed_precision, prefetch=prefetch, offload=offload,
             recompute=recompute, frozen_weights=frozen_weights, comm=comm, rehearsal=rehearsal,
             hybrid=hybrid)
+        read.close()
         return held["model"]
 
-    return rehearse(Step(build, lambda: loss(held["model"](x)), world_size=world_size,
+    return rehearse(Step(build, lambda: loss(held["model"](x)), buffers=_buffer_bytes(*stack),
+                         world_size=world_size,
                          device=device, comm=comm, offload=offload,
                          micro_batches=micro_batches, mesh=shape, nodes=nodes), fake,
                     exclude=[x])
@@ -162,14 +165,18 @@ def plan_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module, example
     inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
 
     def build(rehearsal: Rehearsal) -> ShardedModel:
-        return ShardedModel(copied, copied_units,
-                            mesh=meshes.planned(shape, world_size, hybrid), device=_CPU,
-                            mixed_precision=mixed_precision, prefetch=prefetch,
-                            offload=offload, frozen_weights=frozen_weights, comm=comm,
-                            recompute=recompute, read=_read_nothing, rehearsal=rehearsal,
-                            hybrid=hybrid)
+        read = _LoadingRead(copied)
+        sharded = ShardedModel(copied, copied_units,
+                               mesh=meshes.planned(shape, world_size, hybrid), device=_CPU,
+                               mixed_precision=mixed_precision, prefetch=prefetch,
+                               offload=offload, frozen_weights=frozen_weights, comm=comm,
+                               recompute=recompute, read=read, rehearsal=rehearsal,
+                               hybrid=hybrid)
+        read.close()
+        return sharded
 
-    return rehearse(Step(build, lambda: loss(copied(*args, **kwargs)), world_size=world_size,
+    return rehearse(Step(build, lambda: loss(copied(*args, **kwargs)),
+                         buffers=_buffer_bytes(copied), world_size=world_size,
                          device=device, comm=comm, offload=offload,
                          micro_batches=micro_batches, mesh=shape, nodes=nodes), fake,
                     exclude=inputs)
@@ -188,10 +195,33 @@ def _planned(module: nn.Module, fake: FakeTensorMode) -> nn.Module:
     return module
 
 
-def _read_nothing(name: str, start: int, stop: int) -> torch.Tensor:
-    """The engine's rank-local read of a meta parameter, in a plan: a fake tensor of the size
-    asked for (run under the plan's fake mode)."""
-    return torch.empty(stop - start)
+class _LoadingRead:
+    """The engine's rank-local read of meta parameters, in a plan (run under its fake mode):
+    what ``zerocore.hf_pretrained``'s reader holds at most, so that the plan's loading
+    (``MemoryPlan.loading``) is that reader's. It keeps one buffer from read to read, as large
+    as the largest piece so far stored in fp32 (the widest dtype a checkpoint stores
+    parameters in), and converts each piece to the parameter's dtype: at a read both are
+    held, 4 bytes per element and the parameter's own (the conversion is a copy here even in
+    fp32, which bounds a bf16 checkpoint read into fp32 too: 2 + 4). ``close``, as the
+    reader is closed when the loading returns, lets the buffer go."""
+
+    def __init__(self, *modules: nn.Module):
+        self._dtypes = {name: p.dtype for m in modules
+                        for name, p in m.named_parameters(remove_duplicate=False)}
+        self._buffer = torch.empty(0)
+
+    def __call__(self, name: str, start: int, stop: int) -> torch.Tensor:
+        if self._buffer.numel() < stop - start:
+            self._buffer = torch.empty(stop - start, dtype=torch.float32)
+        return torch.empty(stop - start, dtype=self._dtypes.get(name, torch.float32))
+
+    def close(self) -> None:
+        self._buffer = torch.empty(0)
+
+
+def _buffer_bytes(*modules: nn.Module) -> int:
+    """The modules' buffers' bytes: every rank holds them whole, from the loading on."""
+    return sum(b.numel() * b.element_size() for m in modules for b in m.buffers())
 
 
 def _default_loss(output: Any) -> torch.Tensor:

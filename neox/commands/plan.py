@@ -110,7 +110,8 @@ def _as_dict(plan: zerocore.plan.MemoryPlan) -> dict[str, Any]:
             "nvme_bytes": s.nvme, "nvme_pool_bytes": s.pool,
             "all_gather_bytes": plan.all_gather_bytes,
             "reduce_scatter_bytes": plan.reduce_scatter_bytes,
-            "recomputed_layers": list(plan.recomputed_layers)}
+            "recomputed_layers": list(plan.recomputed_layers),
+            "loading_peak_bytes": plan.loading.peak, "loading_held_bytes": plan.loading.held}
 
 
 # The offloads a plan tries, from the least traffic to the most: (--offload, --offload-device).

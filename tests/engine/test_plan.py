@@ -483,7 +483,7 @@ def test_20b_plan_prints_every_part(capsys):
                    "optimizer state", "gathered layers at the peak", "activations at the peak",
                    "CUDA context and allocator headroom", "of 80 GiB: fits",
                    "all-gathered", "reduce-scattered", "without recomputation: activations",
-                   "4 of 4 blocks recomputed"):
+                   "4 of 4 blocks recomputed", "loading by range, peak"):
         assert phrase in proc.stdout, (phrase, proc.stdout)
 
 
@@ -521,6 +521,11 @@ def test_json_numbers_follow_the_formula(capsys):
     assert plan["peak"]["gradient shards"] <= state["gradient shards"]
     assert other["peak"]["activations"] < plan["peak"]["activations"]  # recomputed
     assert plan["peak_bytes"] == plan["device_peak"] + plan["headroom"]
+    # Loading by range: the shards (copies and masters, no moments yet) held after it, and
+    # more at its peak (tests/hf/test_loading_plan.py measures it).
+    held = state["parameter shards, trainable"] + state["fp32 master shards"]
+    assert held <= plan["loading_held_bytes"] < held + state["optimizer state"]
+    assert plan["loading_peak_bytes"] > plan["loading_held_bytes"]
 
 
 @pytest.mark.parametrize("args, phrase", [

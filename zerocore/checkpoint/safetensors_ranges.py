@@ -164,30 +164,40 @@ class SafetensorsFiles:
             inside(self.path, name, what=f"{INDEX} names", allow_outside=allow_outside)
         return files
 
-    def read(self, key: str, start: int, stop: int) -> torch.Tensor:
+    def read(self, key: str, start: int, stop: int,
+             out: torch.Tensor | None = None) -> torch.Tensor:
         """Elements ``[start, stop)`` of the flattened tensor ``key``, in its stored dtype: the
-        range's bytes alone, read from the file by offset."""
+        range's bytes alone, read from the file by offset. out: a 1-D uint8 tensor to read
+        into (its first bytes; the result is a view of it), for a caller that reuses one
+        buffer from read to read; None: a new one."""
         entry = self.entries[key]
         if not 0 <= start <= stop <= entry.numel:
             raise IndexError(f"{key}: range [{start}, {stop}) outside its {entry.numel} "
                              f"elements")
         size = entry.dtype.itemsize
-        buf = bytearray((stop - start) * size)
+        # A torch tensor, not a bytearray: what the read holds is a tensor allocation, which
+        # zerocore.PeakMemory sees (and the plan counts: ``MemoryPlan.loading``).
+        nbytes = (stop - start) * size
+        if out is None:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+        elif out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < nbytes:
+            raise ValueError(f"{key}: out must be a 1-D uint8 tensor of at least {nbytes} "
+                             f"bytes, got {out.dtype} {tuple(out.shape)}")
+        else:
+            buf = out[:nbytes]
         fd = self._fds.get(entry.file)
         if fd is None:
             fd = self._fds[entry.file] = os.open(entry.file, os.O_RDONLY)
-        view, offset, done = memoryview(buf), entry.begin + start * size, 0
-        while done < len(buf):  # a read may return fewer bytes than asked (2 GiB at most)
+        view, offset, done = memoryview(buf.numpy()), entry.begin + start * size, 0
+        while done < len(view):  # a read may return fewer bytes than asked (2 GiB at most)
             got = os.preadv(fd, [view[done:]], offset + done)
             if got == 0:
                 raise SafetensorsError(f"{entry.file}: ends before tensor {key!r} does (the "
                                        f"file shrank since it was opened)")
             done += got
-        self.bytes_read += len(buf)
+        self.bytes_read += len(view)
         self.calls += 1
-        if not buf:
-            return torch.empty(0, dtype=entry.dtype)
-        return torch.frombuffer(buf, dtype=entry.dtype)
+        return buf.view(entry.dtype)
 
     def close(self) -> None:
         for fd in self._fds.values():

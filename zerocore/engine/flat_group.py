@@ -132,27 +132,30 @@ class GroupContext:
 
 
 class FlatGroup:
-    def __init__(self, layout: FlatLayout, full: torch.Tensor, trainable: bool,
+    def __init__(self, layout: FlatLayout, values: torch.Tensor, trainable: bool,
                  ctx: GroupContext):
-        """full: the unsharded padded flat values (1D, padded_numel, any float dtype, any device);
-        only this rank's slice of it is kept."""
+        """values: the padded flat values of the elements this rank holds (``held_range``: its
+        shard, or a replicated base's every part; 1D, any float dtype, any device), the
+        caller's to give: the shard is made from it (taken as it is where its device and dtype
+        are the shard's)."""
         self.layout = layout
         self.trainable = trainable
         self.ctx = ctx
         # The elements this rank holds: its shard, or (a replicated frozen base) all of them.
         self.held_range = ctx.homes.held_range(trainable, layout, ctx.rank)
         lo, hi = self.held_range
+        if values.shape != (hi - lo,):
+            raise ValueError(f"FlatGroup: values of shape {tuple(values.shape)}; this rank "
+                             f"holds {hi - lo} elements")
         dev, dt = ctx.device, ctx.param_dtype
         self.quantized: Quantized | None = None
-        if trainable:
-            values = full[lo:hi]
-        else:
+        if not trainable:
             # Quantized frozen weights (FrozenWeights): each rank's part is its codes and their
             # fp32 scales, one byte buffer, so one collective gathers both; blocks never
             # straddle shards (the layout pads to whole blocks per rank), so every rank's part
             # is quantized exactly as the whole tensor would be.
             self.quantized = ctx.quantized
-            values = full[lo:hi].to(device=dev, copy=True)
+            values = values.to(device=dev)
             values = self._packed(values) if self.quantized is not None else values.to(dt)
         # Where the shard lives, and how the gathers' input is made from it.
         self.home = ctx.homes.place(values, trainable)

@@ -22,6 +22,11 @@ from torch import nn
 # (its name in the module, as named_parameters gives it), flattened row-major; any float
 # dtype, on the CPU or the compute device.
 RangeReader = Callable[[str, int, int], torch.Tensor]
+# The most elements the engine asks a reader for at once (a larger range is asked for in
+# pieces): what bounds the loading's transient, whatever the largest parameter. 4 Mi elements:
+# 16 MiB stored in fp32 (and its conversion), small beside a shard of a model worth sharding;
+# large enough that a read's fixed cost (a system call, a Python call) is negligible.
+READ_PIECE_NUMEL = 2**22
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +36,8 @@ class MetaLayer:
     module: the layer; parameters on the meta device are read through ``read``, the others are
         taken as they are. Buffers must hold values (they are small and every rank keeps them).
     read: ``read(name, start, stop)``: elements ``[start, stop)`` of the flattened parameter
-        ``name``. Called only for meta parameters, only for ranges inside them.
+        ``name``. Called only for meta parameters, only for ranges inside them, of at most
+        ``READ_PIECE_NUMEL`` elements.
     """
 
     module: nn.Module

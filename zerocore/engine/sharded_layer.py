@@ -13,7 +13,7 @@ from zerocore.comm.fake import is_fake
 from zerocore.engine.compiled import plain_name
 from zerocore.engine.flat_group import FlatGroup, GroupContext, GroupState
 from zerocore.engine.flat_layout import FlatLayout
-from zerocore.engine.meta_layer import RangeReader
+from zerocore.engine.meta_layer import READ_PIECE_NUMEL, RangeReader
 from zerocore.engine.tracing import traced
 from zerocore.kernels import ops
 
@@ -40,33 +40,39 @@ def collect_params(module: nn.Module) -> Params:
 def _held_values(chosen: list[tuple[str, nn.Parameter]], layout: FlatLayout,
                  held: tuple[int, int], dtype: torch.dtype, read: RangeReader | None
                  ) -> torch.Tensor:
-    """The group's unsharded flat buffer (1D, ``dtype``, padded_numel) with only the range
-    ``held`` = ``[lo, hi)`` this rank holds written (padding zero): what ``FlatGroup`` keeps
-    (its shard, or a replicated base's every part). The rest is allocated
-    but never touched, so on the CPU it takes address space, not memory (pages are backed when
-    first written). A meta parameter's elements come from ``read``, only those in the range,
-    one parameter at a time (each piece is packed and dropped before the next is read)."""
+    """The group's flat values of the range ``held`` = ``[lo, hi)`` this rank holds (1D,
+    ``dtype``, hi - lo; padding zero): what ``FlatGroup`` keeps (its shard, or a replicated
+    base's every part), and nothing else. A meta parameter's elements come from ``read``, only
+    those in the range, in pieces of at most ``READ_PIECE_NUMEL`` elements (each piece is
+    packed and dropped before the next is read): the loading's transient beyond the values is
+    one piece, however large the parameter."""
     lo, hi = held
     device = next((p.device for _, p in chosen if not p.is_meta), torch.device("cpu"))
-    full = torch.empty(layout.padded_numel, dtype=dtype, device=device)
-    full[lo:hi].zero_()  # padding, and any gap between parameters
+    values = torch.zeros(hi - lo, dtype=dtype, device=device)  # padding, and any gap
     for (name, p), slot in zip(chosen, layout.slots):
         start, stop = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-        if start >= stop:
-            continue
-        a, b = start - slot.offset, stop - slot.offset
-        if p.is_meta:
-            piece = read(name, a, b)
-            if piece.shape != (b - a,) or not piece.is_floating_point():
-                raise ValueError(f"MetaLayer.read({name!r}, {a}, {b}) returned "
-                                 f"{piece.dtype} {tuple(piece.shape)}; expected {b - a} "
-                                 f"floating-point elements")
-        else:
-            piece = p.detach().reshape(-1)[a:b]
-        with torch.no_grad():
-            ops.pack([piece.to(device)], [0], full[start:stop])  # pack's dtype conversion
-        del piece
-    return full
+        step = READ_PIECE_NUMEL if p.is_meta else max(stop - start, 1)  # a view: in one piece
+        for a in range(start, stop, step):
+            b = min(stop, a + step)
+            piece = _piece(name, p, a - slot.offset, b - slot.offset, read)
+            with torch.no_grad():  # pack's dtype conversion
+                ops.pack([piece.to(device)], [0], values[a - lo:b - lo])
+            del piece
+    return values
+
+
+def _piece(name: str, p: nn.Parameter, a: int, b: int, read: RangeReader | None
+           ) -> torch.Tensor:
+    """Elements ``[a, b)`` of parameter ``p`` (flattened): read when it is on the meta
+    device, a view of it otherwise."""
+    if not p.is_meta:
+        return p.detach().reshape(-1)[a:b]
+    piece = read(name, a, b)
+    if piece.shape != (b - a,) or not piece.is_floating_point():
+        raise ValueError(f"MetaLayer.read({name!r}, {a}, {b}) returned "
+                         f"{piece.dtype} {tuple(piece.shape)}; expected {b - a} "
+                         f"floating-point elements")
+    return piece
 
 
 def _own_tensor(view: torch.Tensor) -> torch.Tensor:
@@ -115,17 +121,18 @@ class ShardedLayer(nn.Module):
                                       block=ctx.quantized.block if quantized else 1)
             # Trainable masters, and frozen values about to be quantized, from fp32.
             full_dtype = torch.float32 if trainable or quantized else ctx.param_dtype
-            # Only what this rank holds is written (its shard; a replicated base's every
-            # part): FlatGroup keeps only that.
+            # Only what this rank holds is made (its shard; a replicated base's every part):
+            # FlatGroup keeps it.
             held = ctx.homes.held_range(trainable, layout, ctx.rank)
             if quantized and not is_fake(ctx.process_group):  # (a plan allocates nothing)
                 nbytes = layout.world_size * ctx.quantized.part_nbytes(layout.shard_numel)
                 held_bytes = nbytes * (held[1] - held[0]) // layout.padded_numel
                 ctx.homes.home_of(trainable).check_room(
                     ctx.device, held_bytes, 4 * (held[1] - held[0]), f"layer {index}")
-            full = _held_values([(n, p) for n, p, _ in chosen], layout, held, full_dtype, read)
-            groups[trainable] = FlatGroup(layout, full, trainable, ctx)
-            del full
+            values = _held_values([(n, p) for n, p, _ in chosen], layout, held, full_dtype,
+                                  read)
+            groups[trainable] = FlatGroup(layout, values, trainable, ctx)
+            del values
         # The module no longer owns its parameters: their values live in the groups, and
         # unsharded views are installed as plain attributes while the layer runs.
         for _, _, owners in params:

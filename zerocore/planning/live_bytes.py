@@ -44,6 +44,11 @@ class LiveBytes(TorchDispatchMode):
         self.peak = self.live
         self._on_peak(self.live)
 
+    def close_window(self) -> int:
+        """Ends the window: its peak (no more is taken until the next ``open_window``)."""
+        peak, self.peak = self.peak, None
+        return peak
+
     def _seen(self) -> None:
         if self.peak is not None and self.live > self.peak:
             self.peak = self.live

@@ -63,6 +63,30 @@ class ModelState:
 
 
 @dataclasses.dataclass(frozen=True)
+class Loading:
+    """One rank's memory while a model built on the meta device is loaded by range
+    (``shard_model(read=)``, ``zerocore.MetaLayer``: ``zerocore.hf_pretrained``, neox's
+    checkpoints), host and device together: the sharding's build, rehearsed with a reader that
+    holds what ``zerocore.hf_pretrained``'s holds at most (a piece of at most
+    ``READ_PIECE_NUMEL`` elements stored in fp32, and its conversion to the parameter's dtype).
+
+    held: what the rank holds when the loading returns: its shards (model copies, fp32 masters,
+        offload mirrors) and the model's buffers, before the optimizer's moments exist.
+    peak: the most at once during the loading: ``held`` as it grows, plus ``staging``.
+    """
+    peak: int
+    held: int
+
+    @property
+    def staging(self) -> int:
+        """Beyond ``held`` at the peak: the group being built (its rank slice before it is
+        placed; on a GPU the group's unsharded buffer, made and let go as its views are set)
+        and one read piece with its conversion. On a GPU this part, less that buffer, is host
+        memory; on the CPU, all of it."""
+        return self.peak - self.held
+
+
+@dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     """What one rank holds at the peak of a step, and what it moves per optimizer step."""
 
@@ -91,6 +115,8 @@ class MemoryPlan:
     across_reduce_scatter_bytes: int = 0
     layout: str = ""                   # "HSDP", "hpZ", or "" (flat)
     secondary_peak: int = 0            # most secondary-shard bytes held at any point (hpZ)
+    # Loading the model by range before the first step (see ``Loading``); None: not planned.
+    loading: Loading | None = None
 
     @property
     def inter_node_bytes(self) -> int:
@@ -167,6 +193,10 @@ class MemoryPlan:
             lines.append(f"  {'on NVMe (masters, moments; scratch)':<42}"
                          f"{s.nvme / GiB:10.2f} GiB")
         lines.append(f"  peak: {self.peak_phase}")
+        if self.loading is not None:
+            lines.append(f"  {'loading by range, peak':<42}{self.loading.peak / GiB:10.2f} GiB"
+                         f"  (held after it {self.loading.held / GiB:.2f} GiB, staging "
+                         f"{self.loading.staging / GiB:.2f} GiB)")
         lines.append(f"  per step: all-gathered {self.all_gather_bytes / GiB:.2f} GiB, "
                      f"reduce-scattered {self.reduce_scatter_bytes / GiB:.2f} GiB")
         if s.frozen_layout.endswith("replicated"):

@@ -31,7 +31,7 @@ from zerocore.planning.memory_plan import (ACTIVATIONS, CATEGORIES, CUDA_FIXED_H
                                            CUDA_HEADROOM_FRACTION, FROZEN, GATHERED,
                                            GRAD_BUFFERS, GRADIENTS, MASTERS, MIRRORS,
                                            NVME_POOL, OPTIMIZER, SECONDARY, TRAINABLE,
-                                           WINDOWS, MemoryPlan, ModelState)
+                                           WINDOWS, Loading, MemoryPlan, ModelState)
 from zerocore.policies import Comm, Offload
 
 
@@ -48,6 +48,7 @@ class Step:
     micro_batches: int
     mesh: tuple[int, int] | None = None        # HSDP's (replicas, shards); None: flat
     nodes: int = 1                             # the nodes a flat layout spans
+    buffers: int = 0                           # the model's buffers (every rank's, whole)
 
     @property
     def shards(self) -> int:
@@ -78,6 +79,8 @@ def rehearse(step: Step, fake: FakeTensorMode, exclude: list[torch.Tensor]) -> M
     held: dict[str, Any] = {}          # the sharding, optimizer and label, once they exist
 
     def observe(live: int) -> None:
+        if "sharding" not in held:  # the build: the loading by range, measured as a whole
+            return
         parts = _by_category(held["sharding"], held["optimizer"], held["kept"])
         parts[ACTIVATIONS] = live - sum(parts.values())
         peak.gathered = max(peak.gathered, parts[GATHERED])
@@ -99,7 +102,12 @@ def rehearse(step: Step, fake: FakeTensorMode, exclude: list[torch.Tensor]) -> M
                 observe(tracker.live)
 
     with fake, tracker, tracker.saved_hooks():
+        # The build reads every parameter by range (the plan's reader, ``loading_read``): its
+        # peak is the loading's, what it holds after it the loading's result.
+        tracker.open_window()
         sharding = step.build(Rehearsal(ways, step.device, Watch()))
+        loading = Loading(peak=tracker.close_window() + step.buffers,
+                          held=tracker.live + step.buffers)
         optimizer = AdamW(sharding.trainable_shards(), lr=1e-3)
         # What the transport keeps from step to step (reading's received buffer, as large as
         # the largest shard reduced so far): here from the start, as in every step after the
@@ -114,7 +122,7 @@ def rehearse(step: Step, fake: FakeTensorMode, exclude: list[torch.Tensor]) -> M
         sharding.counter.reset()   # the planned step's own collectives, counted as it runs
         micro = min(step.micro_batches, 2)
         _train(step, sharding, optimizer, held, micro_batches=micro)
-    return _plan(step, sharding, peak, _traffic(sharding, micro, step.micro_batches))
+    return _plan(step, sharding, peak, _traffic(sharding, micro, step.micro_batches), loading)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +255,8 @@ def model_state(sharding: Sharding, on_host: frozenset[str]) -> ModelState:
                        else ""))
 
 
-def _plan(step: Step, sharding: Sharding, peak: _Peak, traffic: _Traffic) -> MemoryPlan:
+def _plan(step: Step, sharding: Sharding, peak: _Peak, traffic: _Traffic,
+          loading: Loading) -> MemoryPlan:
     # Optimizer offload: the trainable model copies go to the host with everything the
     # optimizer touches; the device keeps a mirror of each copy (unless parameters are
     # offloaded too). Parameter offload: the frozen shards go to the host, the device holds
@@ -274,4 +283,4 @@ def _plan(step: Step, sharding: Sharding, peak: _Peak, traffic: _Traffic) -> Mem
         across_all_gather_bytes=traffic.across_all_gather,
         across_reduce_scatter_bytes=traffic.across_reduce_scatter,
         layout="hpZ" if mesh.hpz else "HSDP" if mesh.hybrid else "",
-        secondary_peak=peak.secondary)
+        secondary_peak=peak.secondary, loading=loading)

@@ -37,8 +37,14 @@ class OnDevice(Home):
 def device_master(where, values: torch.Tensor, keep_copy: bool) -> torch.nn.Parameter:
     """A trainable shard whose fp32 master lives on the device, with a model copy there when
     computing in 16 bit and ``keep_copy``."""
-    master = torch.empty(values.numel(), dtype=torch.float32, device=where.device)
-    master.copy_(values)
+    if (values.dtype == torch.float32 and values.device == where.device
+            and values.dim() == 1 and values._base is None):
+        # The group's own slice, made for this shard (FlatGroup's ``values``): taken as the
+        # master rather than copied, so that building a group holds it once.
+        master = values
+    else:
+        master = torch.empty(values.numel(), dtype=torch.float32, device=where.device)
+        master.copy_(values)
     copy = None
     if where.param_dtype != torch.float32 and keep_copy:
         copy = torch.empty(values.numel(), dtype=where.param_dtype, device=where.device)

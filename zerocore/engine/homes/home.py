@@ -67,9 +67,10 @@ class Planned:
 
 
 class Home:
-    """Where one flat group's shard lives. ``values``: the trainable group's fp32 slice of its
-    full values (1D, shard_numel, any device), or the frozen group's shard as it is stored (on
-    the device, param dtype or int8 bytes)."""
+    """Where one flat group's shard lives. ``values``: the trainable group's slice of its full
+    values (1D, shard_numel, fp32 or another float dtype, any device), or the frozen group's
+    shard as it is stored (on the device, param dtype or int8 bytes); the caller's to give (a
+    home may keep it as its shard or master)."""
 
     # Whether the optimizer steps this shard on the host: its gradient shards go there after
     # each reduce-scatter (engine/backward.py).
