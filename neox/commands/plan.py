@@ -82,7 +82,8 @@ def request_of(args: argparse.Namespace) -> PlanRequest:
                                         "activation_checkpointing": recomputed})
     if args.gpu_memory <= 0:
         raise UsageError(f"--gpu-memory {args.gpu_memory:g}: must be a number of GiB above 0")
-    problem = recipe.layout.problem() or recipe.sharding.problem()
+    problem = (recipe.layout.problem()
+               or recipe.sharding.problem(offload=recipe.offload.offload))
     if problem is not None:
         raise UsageError(problem)
     if recipe.layout.hybrid is not None and args.nodes < 2:

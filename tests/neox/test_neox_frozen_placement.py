@@ -53,14 +53,20 @@ def test_a_replicated_nf4_run_resumes_in_the_other_placement_not_another_format(
         refused.stderr
 
 
-def test_replicated_without_a_quantized_format_is_refused_in_one_line(capsys, tmp_path):
-    for main, flags in ((finetune_main, ("--cpu", "--output-dir", tmp_path / "out")),
+@pytest.mark.parametrize("flags, line", [
+    ((), "--frozen-placement replicated holds the whole quantized frozen base on every rank: "
+         "add --frozen-weights nf4, fp8 or int8, or leave it sharded"),
+    (("--frozen-weights", "nf4", "--offload", "all"),
+     "--frozen-placement replicated keeps the whole quantized frozen base on each rank's "
+     "device, and --offload all moves the parameter shards off it: give one or the other "
+     "(--offload optimizer goes with either)"),
+], ids=["no format", "params offloaded"])
+def test_replicated_where_it_cannot_be_is_refused_in_one_line(capsys, tmp_path, flags, line):
+    for main, where in ((finetune_main, ("--cpu", "--output-dir", tmp_path / "out")),
                         (plan_main, ("--model", "pythia-70m"))):
-        proc = call_main(main, capsys, *flags, "--frozen-placement", "replicated")
+        proc = call_main(main, capsys, *where, "--frozen-placement", "replicated", *flags)
         assert proc.returncode == 2
-        assert proc.stderr.strip().splitlines() == [
-            "error: --frozen-placement replicated holds the whole quantized frozen base on every "
-            "rank: add --frozen-weights nf4, fp8 or int8, or leave it sharded"], proc.stderr
+        assert proc.stderr.strip().splitlines() == [f"error: {line}"], proc.stderr
     assert not (tmp_path / "out").exists()
 
 

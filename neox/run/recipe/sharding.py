@@ -128,11 +128,18 @@ class ShardingConfig:
         """Whether the frozen weights are held quantized (in any format)."""
         return self.frozen_weights is not None
 
-    def problem(self) -> str | None:
-        """Why the recipe's --frozen-placement cannot be (None: it can)."""
-        if self.frozen_placement == "replicated" and not self.frozen_quantized:
+    def problem(self, *, offload: str | None) -> str | None:
+        """Why the recipe's --frozen-placement cannot be (None: it can), with --offload
+        ``offload`` (zerocore refuses these too, in its own words and later)."""
+        if self.frozen_placement != "replicated":
+            return None
+        if not self.frozen_quantized:
             return ("--frozen-placement replicated holds the whole quantized frozen base on "
                     "every rank: add --frozen-weights nf4, fp8 or int8, or leave it sharded")
+        if offload in ("params", "all"):
+            return (f"--frozen-placement replicated keeps the whole quantized frozen base on "
+                    f"each rank's device, and --offload {offload} moves the parameter shards "
+                    f"off it: give one or the other (--offload optimizer goes with either)")
         return None
 
     def words(self) -> str:
