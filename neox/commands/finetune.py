@@ -171,7 +171,8 @@ def run_request(args: argparse.Namespace, use_cuda: bool, log: Any, *, torchrun:
         own = (Path(recipe.output.output_dir) / CHECKPOINTS).resolve()
         if resume != args.resume and args.resume.resolve() != own:
             warn_incomplete(args.resume, log)
-    problem = recipe.offload.problem(for_a_run=True)  # (a resume's flags merged)
+    problem = (recipe.offload.problem(for_a_run=True)  # (a resume's flags merged)
+               or recipe.sharding.problem(offload=recipe.offload.offload))
     if problem is not None:
         raise UsageError(problem)
     # The layout of the recipe (a resumed run's included) against the nodes.

@@ -82,7 +82,8 @@ def request_of(args: argparse.Namespace) -> PlanRequest:
                                         "activation_checkpointing": recomputed})
     if args.gpu_memory <= 0:
         raise UsageError(f"--gpu-memory {args.gpu_memory:g}: must be a number of GiB above 0")
-    problem = recipe.layout.problem()
+    problem = (recipe.layout.problem()
+               or recipe.sharding.problem(offload=recipe.offload.offload))
     if problem is not None:
         raise UsageError(problem)
     if recipe.layout.hybrid is not None and args.nodes < 2:
@@ -207,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{offload_words(r.offload_params, r.offload) or 'nothing'} offloaded to "
           f"{'NVMe' if r.offload_device == 'nvme' else 'the host'}"
           + (f"; --keep-gathered {r.keep_gathered}" if r.keep_gathered else "")
-          + ("; frozen weights in int8" if r.frozen_weights == "int8" else ""))
+          + (f"; frozen weights in {r.frozen_weights}, {r.frozen_placement}"
+             if r.frozen_weights is not None else ""))
     print(f"{r.world_size} ranks ({args.gpus} {'GPUs' if r.device == 'cuda' else 'processes'} "
           f"x {args.nodes} node(s)), {args.gpu_memory:g} GiB each")
     print(chosen.table(memory if r.device == "cuda" else None))

@@ -70,14 +70,14 @@ def export_hf(state: TrainState, recipe: Recipe, data: RunData, checkpoint: Path
               rank: int) -> Path:
     """The fine-tuned model (kept layers only, LoRA merged) as a Hugging Face directory with the
     run's tokenizer, gathered one layer at a time to rank 0, which alone writes. Collective.
-    With int8 frozen weights the engine holds quantized copies of them: rank 0 then takes the
+    With quantized frozen weights the engine holds quantized copies of them: rank 0 then takes the
     base weights and the trained tensors of ``checkpoint`` instead, as ``neox.export`` does."""
     model = recipe.model
     specs = layer_specs(state.config, model.filter_layers)
     built = filtered_config(state.config, model.filter_layers)
     out = Path(recipe.output.output_dir) / HF_EXPORT
     scaling = model.finetune.lora_scaling
-    if recipe.sharding.frozen_weights == "int8":
+    if recipe.sharding.frozen_quantized:
         states = (((s.kind, s.index, merge_lora(full, scaling))
                    for s, full in trained_layers(checkpoint, log=lambda *_: None))
                   if rank == 0 else iter(()))

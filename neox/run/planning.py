@@ -46,7 +46,8 @@ class PlanRequest:
     world_size: int
     device: str                           # "cuda" or "cpu"
     keep_gathered: int | str = 0          # zerocore.Prefetch.keep_gathered
-    frozen_weights: str | None = None     # zerocore.FrozenWeights.dtype: None or "int8"
+    frozen_weights: str | None = None     # zerocore.FrozenWeights.dtype: None, "int8", ...
+    frozen_placement: str = "sharded"     # zerocore.FrozenWeights.placement
     offload_params: bool = False          # the parameter shards in CPU memory
     # Where the offloaded halves live ("cpu" or "nvme": zerocore.Offload's devices), and the
     # host pool NVMe offload moves its chunks through.
@@ -102,7 +103,7 @@ def request_from_recipe(recipe: Recipe, config: NeoXConfig, *, world_size: int,
         offload_pool=offload.offload_pool, recompute=sharding.activation_checkpointing,
         recompute_every=sharding.activation_checkpointing_every, world_size=world_size,
         device=device, keep_gathered=sharding.keep_gathered,
-        frozen_weights=sharding.frozen_weights)
+        frozen_weights=sharding.frozen_weights, frozen_placement=sharding.frozen_placement)
     return on_layout(request, Layout(recipe.layout.hybrid, recipe.layout.quantize_gradients),
                      nodes)
 
@@ -145,7 +146,7 @@ def plan_run(request: PlanRequest, *, recompute: tuple[int, ...] | None = None
         mixed_precision=zerocore.MixedPrecision(param_dtype=r.dtype, reduce_dtype=r.reduce_dtype),
         offload=offload_of(r),
         prefetch=zerocore.Prefetch(keep_gathered=r.keep_gathered),
-        frozen_weights=zerocore.FrozenWeights(r.frozen_weights),
+        frozen_weights=zerocore.FrozenWeights(r.frozen_weights, placement=r.frozen_placement),
         recompute=sharding.recompute(specs), micro_batches=r.grad_accum, mesh=r.mesh,
         nodes=r.nodes, comm=zerocore.Comm(quantize_gradients=r.quantize_gradients),
         hybrid=zerocore.Hybrid(r.hybrid) if r.hybrid is not None else None)

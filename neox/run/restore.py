@@ -80,9 +80,10 @@ def restore_deepspeed(state: TrainState, checkpoint: Path, recipe: Recipe, *, ra
     state.step = int(run["global_steps"] or 0)
     state.scheduler.last_epoch = state.step
     apply_optim(state, recipe.optim)
-    if recipe.sharding.frozen_weights == "int8":
-        log("note: --frozen-weights int8: the frozen weights are held quantized, so they were "
-            "not compared with the DeepSpeed run's; --checkpoint must be the base it trained on")
+    if recipe.sharding.frozen_quantized:
+        log(f"note: --frozen-weights {recipe.sharding.frozen_weights}: the frozen weights are "
+            f"held quantized, so they were not compared with the DeepSpeed run's; --checkpoint "
+            f"must be the base it trained on")
     log(f"resumed the DeepSpeed run of {checkpoint} at step {state.step} (DeepSpeed "
         f"{run['ds_version']}, {run['world_size']} ranks, {run['global_samples']} samples seen): "
         f"trained weights, Adam moments and step, loss scale; DeepSpeed saves no data order, so "

@@ -5,28 +5,19 @@ like the unquantized run, and its Hugging Face export carries the unquantized ba
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
 from neox.plan import main as plan_main
-from neox.run.run_dir import HF_EXPORT, METRICS
-from tests.support.neox_testing import BPE512, EXCERPT, call_main, run_module
+from neox.run.run_dir import HF_EXPORT
+from tests.support.neox_testing import (BPE512, EXCERPT, call_main, gathered_mib, run_losses,
+                                        run_module)
 
 RUN = ("--cpu", "--data", EXCERPT, "--tokenizer", BPE512, "--seq-len", 32, "--batch-size", 4,
        "--sample-tokens", 0, "--nproc", 2, "--finetune", "lora", "--max-steps", 4,
        "--export-hf")
-
-
-def _losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / METRICS).read_text().splitlines()
-            if "loss" in json.loads(line)]
-
-
-def _gathered_mib(stdout: str) -> float:
-    return float(re.search(r"all-gather\s+([\d.]+)", stdout).group(1))
 
 
 def _export(out: Path) -> dict:
@@ -43,7 +34,7 @@ def test_int8_run_learns_alike_gathers_less_and_exports_the_base(tmp_path):
         proc = run_module("neox.finetune", *RUN, "--cache-dir", tmp_path / "cache",
                           "--output-dir", tmp_path / name, *extra)
         assert proc.returncode == 0, proc.stderr
-        runs[name] = (proc.stdout, _losses(tmp_path / name), _gathered_mib(proc.stdout),
+        runs[name] = (proc.stdout, run_losses(tmp_path / name), gathered_mib(proc.stdout),
                       _export(tmp_path / name))
     plain, int8 = runs["compute"], runs["int8"]
     assert "frozen weights held and gathered in int8" in int8[0]

@@ -5,29 +5,16 @@ the budget; recipes written before the field existed still load."""
 
 from __future__ import annotations
 
-import json
-import re
-from pathlib import Path
-
 import pytest
 
 from neox.setting import BadValue, byte_budget
 from neox.run.recipe import Recipe
-from neox.run.run_dir import METRICS
 from neox.finetune import main as finetune_main
-from tests.support.neox_testing import BPE512, EXCERPT, call_main, run_module
+from tests.support.neox_testing import (BPE512, EXCERPT, call_main, gathered_mib, run_losses,
+                                        run_module)
 
 RUN = ("--cpu", "--data", EXCERPT, "--tokenizer", BPE512, "--seq-len", 32, "--batch-size", 4,
        "--sample-tokens", 0, "--nproc", 2, "--finetune", "lora", "--max-steps", 3)
-
-
-def _losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / METRICS).read_text().splitlines()
-            if "loss" in json.loads(line)]
-
-
-def _gathered_mib(stdout: str) -> float:
-    return float(re.search(r"all-gather\s+([\d.]+)", stdout).group(1))
 
 
 @pytest.mark.e2e
@@ -38,7 +25,7 @@ def test_budget_run_trains_bit_for_bit_and_gathers_less(tmp_path):
         proc = run_module("neox.finetune", *RUN, "--cache-dir", tmp_path / "cache",
                           "--output-dir", tmp_path / name, *extra)
         assert proc.returncode == 0, proc.stderr
-        runs[name] = (proc.stdout, _losses(tmp_path / name), _gathered_mib(proc.stdout))
+        runs[name] = (proc.stdout, run_losses(tmp_path / name), gathered_mib(proc.stdout))
     plain = runs["plain"]
     assert len(plain[1]) == 3
     assert "stay gathered" not in plain[0]

@@ -20,8 +20,8 @@ from neox.commands.finetune import build_parser
 from neox.commands.flags import explicit_flags
 from neox.finetune_modes import FinetuneMode
 from neox.run.recipe import (RECIPE_VERSION, DataConfig, LayoutConfig, ModelRecipe, OffloadConfig,
-                             OptimConfig, OutputConfig, Recipe, RecipeError, TrainingConfig,
-                             recipe_from_checkpoint, recipe_from_flags)
+                             OptimConfig, OutputConfig, Recipe, RecipeError, ShardingConfig,
+                             TrainingConfig, recipe_from_checkpoint, recipe_from_flags)
 from neox.setting import UsageError
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "recipe_v0_lora"
@@ -279,3 +279,34 @@ def test_the_offload_device_path_and_pool_are_declarations_too():
     d["version"] = 6
     old = Recipe.from_dict(d).offload
     assert (old.offload_device, old.offload_path) == ("cpu", None)
+
+
+def test_the_frozen_format_and_placement_are_declarations_too():
+    # --frozen-weights {compute,int8,nf4,fp8} and --frozen-placement (ShardingConfig, version
+    # 8): parsed, stored, mapped onto zerocore.FrozenWeights; recipes of version 7 load sharded,
+    # as their runs were; replicated without a quantized format is refused in one line.
+    def sharding(*flags):
+        return recipe_from_flags(vars(build_parser().parse_args(["--finetune", "lora",
+                                                                 *flags]))).sharding
+    plain = sharding()
+    assert (plain.frozen_weights, plain.frozen_placement) == (None, "sharded")
+    assert sharding("--frozen-weights", "compute").frozen_weights is None
+    for fmt in ("int8", "nf4", "fp8"):
+        s = sharding("--frozen-weights", fmt, "--frozen-placement", "replicated")
+        assert s.frozen_quantized and s.problem(offload="optimizer") is None
+        assert s.policies(dtype=torch.float32, specs=[])["frozen_weights"] == \
+            zerocore.FrozenWeights(fmt, placement="replicated")
+    assert not plain.frozen_quantized
+    assert sharding("--frozen-placement", "replicated").problem(offload=None) == (
+        "--frozen-placement replicated holds the whole quantized frozen base on every rank: add "
+        "--frozen-weights nf4, fp8 or int8, or leave it sharded")
+    assert RECIPE_VERSION >= 8
+    for flag in ("--frozen-weights", "--frozen-placement"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([flag, "auto"])
+    d = Recipe(sharding=ShardingConfig(frozen_weights="fp8", frozen_placement="replicated")
+               ).to_dict()
+    assert Recipe.from_dict(json.loads(json.dumps(d))).sharding.frozen_placement == "replicated"
+    del d["loop"]["frozen_placement"]
+    d["version"] = 7
+    assert Recipe.from_dict(d).sharding.frozen_placement == "sharded"

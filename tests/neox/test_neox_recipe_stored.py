@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 
-from neox.run.recipe import LayoutConfig, OffloadConfig, Recipe, ShardingConfig, TrainingConfig
+import pytest
+
+from neox.run.recipe import (LayoutConfig, OffloadConfig, Recipe, RecipeError, ShardingConfig,
+                             TrainingConfig)
 
 # Recipe(...).to_dict() of the neox before the split (commit 908ad0b), every moved field given
 # a value other than its default.
@@ -47,5 +50,25 @@ def test_a_recipe_stored_before_the_split_reads_into_its_concerns():
 
 
 def test_this_neox_stores_the_form_the_neox_before_the_split_reads():
+    # Version 8 (issue 41) adds one field to "loop", the frozen weights' placement (a version-7
+    # recipe's runs were sharded): the rest of the form is version 7's, name for name.
     stored = json.loads(json.dumps(Recipe.from_dict(BEFORE_THE_SPLIT).to_dict()))
-    assert stored == BEFORE_THE_SPLIT
+    assert (stored.pop("version"), stored["loop"].pop("frozen_placement")) == (8, "sharded")
+    assert stored == {k: v for k, v in BEFORE_THE_SPLIT.items() if k != "version"}
+
+
+def test_version_8_stores_the_frozen_placement_and_nf4():
+    d = json.loads(json.dumps(BEFORE_THE_SPLIT))
+    d["version"], d["model"]["frozen_weights"], d["loop"]["frozen_placement"] = \
+        8, "nf4", "replicated"
+    recipe = Recipe.from_dict(d)
+    assert (recipe.sharding.frozen_weights, recipe.sharding.frozen_placement) == \
+        ("nf4", "replicated")
+    assert json.loads(json.dumps(recipe.to_dict())) == d
+    # From version 8 on the field is always stored, and checked.
+    del d["loop"]["frozen_placement"]
+    with pytest.raises(RecipeError, match=r"recipe.loop: missing fields \['frozen_placement'\]"):
+        Recipe.from_dict(d)
+    d["loop"]["frozen_placement"] = "everywhere"
+    with pytest.raises(RecipeError, match="recipe.loop: frozen_placement must be one of"):
+        Recipe.from_dict(d)

@@ -5,7 +5,6 @@ blocks is checked against the kept ones; a resumed run may change it."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -15,18 +14,13 @@ from neox.commands.finetune import build_parser
 from neox.commands.flags import explicit_flags
 from neox.finetune import main as finetune_main
 from neox.model import layer_specs
-from neox.run.run_dir import METRICS
 from neox.run.recipe import recipe_from_flags
 from neox.setting import UsageError
-from tests.support.neox_testing import BPE512, EXCERPT, assert_clean_error, call_main, run_module
+from tests.support.neox_testing import (BPE512, EXCERPT, assert_clean_error, call_main, run_losses,
+                                        run_module)
 
 RUN = ("--cpu", "--data", EXCERPT, "--tokenizer", BPE512, "--seq-len", 32, "--batch-size", 4,
        "--sample-tokens", 0, "--nproc", 2)
-
-
-def _losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / METRICS).read_text().splitlines()
-            if "loss" in json.loads(line)]
 
 
 @pytest.mark.e2e
@@ -36,7 +30,7 @@ def test_recomputed_run_trains_bit_for_bit(tmp_path):
         proc = run_module("neox.finetune", *RUN, "--max-steps", 4, "--cache-dir",
                           tmp_path / "cache", "--output-dir", tmp_path / name, *extra)
         assert proc.returncode == 0, proc.stderr
-        runs[name] = (proc.stdout, _losses(tmp_path / name))
+        runs[name] = (proc.stdout, run_losses(tmp_path / name))
     assert "activations of 4 block(s) recomputed in backward" in runs["recomputed"][0]
     assert "recomputed in backward" not in runs["plain"][0]
     assert len(runs["plain"][1]) == 4

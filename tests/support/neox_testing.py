@@ -3,7 +3,9 @@ test data."""
 
 import gzip
 import hashlib
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 import neox.data
+from neox.run.run_dir import METRICS
 
 
 def random_hf_model(transformers, seed: int = 0, **config):
@@ -115,3 +118,14 @@ def call_main(main, capture, *args) -> subprocess.CompletedProcess:
         code = e.code
     out, err = capture.readouterr()
     return subprocess.CompletedProcess(list(args), code, out, err)
+
+
+def run_losses(out: Path) -> list[float]:
+    """The losses a neox.finetune run in ``out`` logged, step by step (its metrics file)."""
+    return [json.loads(line)["loss"] for line in (out / METRICS).read_text().splitlines()
+            if "loss" in json.loads(line)]
+
+
+def gathered_mib(stdout: str) -> float:
+    """The MiB a neox.finetune run all-gathered over its steps (its collectives table)."""
+    return float(re.search(r"all-gather\s+([\d.]+)", stdout).group(1))

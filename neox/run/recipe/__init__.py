@@ -12,18 +12,20 @@ whether a resumed run may change it (``neox.setting``): the parser of ``neox.fin
 (``neox.run.resume``), the agreement of the ranks (``neox.run.same_recipe``) and their messages
 derive from the declarations. Adding a flag is one field in the part it concerns, and its use.
 Every checkpoint stores ``recipe.to_dict()`` (tagged with ``RECIPE_VERSION``; its sections are
-version 7's, ``neox.run.recipe.recipe``), and ``neox.export`` reads it back with
-``Recipe.from_dict``. Renaming a command-line flag or moving a field between parts therefore
-changes nothing stored.
+version 7's, with version 8's field in ``loop``: ``neox.run.recipe.recipe``), and
+``neox.export`` reads it back with ``Recipe.from_dict``. Renaming a command-line flag or moving a
+field between parts therefore changes nothing stored.
 
 Versions (``RECIPE_VERSION`` is the newest field's ``since``): 1, the first; 2 stores frozen
-weights in the engine's words (``null`` or ``"int8"``, as ``zerocore.FrozenWeights``; version 1
-wrote ``"compute"`` for ``null``) and holds every field; 3 adds ``sample_temperature``; 4,
-``compile``; 5, ``offload`` (``--offload params|optimizer|all``); 6, ``hybrid`` and
-``quantize_gradients`` (``--hybrid hsdp``, ``--quantize-gradients int8``); 7, ``offload_device``,
-``offload_path`` and ``offload_pool`` (``--offload-device nvme``). A field's ``since`` says
-from which version recipes always hold it; older ones may lack it and take its default, and its
-``upgrade`` turns their values into this version's. Checkpoints written before the recipe
+weights in the engine's words (``null`` or a format such as ``"int8"``, as
+``zerocore.FrozenWeights``; version 1 wrote ``"compute"`` for ``null``) and holds every field;
+3 adds ``sample_temperature``; 4, ``compile``; 5, ``offload`` (``--offload
+params|optimizer|all``); 6, ``hybrid`` and ``quantize_gradients`` (``--hybrid hsdp``,
+``--quantize-gradients int8``); 7, ``offload_device``, ``offload_path`` and ``offload_pool``
+(``--offload-device nvme``); 8, ``frozen_placement`` (``--frozen-placement replicated``; older
+recipes were sharded), and frozen weights may be ``"nf4"`` or ``"fp8"``. A field's ``since``
+says from which version recipes always hold it; older ones may lack it and take its default,
+and its ``upgrade`` turns their values into this version's. Checkpoints written before the recipe
 existed stored the command line's ``vars(args)``; ``recipe_from_checkpoint``
 (``neox.run.recipe.legacy``) reads that old form, in this one place.
 

@@ -5,6 +5,8 @@ The stored form is version 7's, unchanged by the split into concerns: sections `
 training, sharding, offload and layout parts, and ``model`` the sharding part's reduce dtype
 and frozen weights as well. A checkpoint written by this neox is therefore read by the neox
 before the split, and the other way round; the stored names never change with the code's.
+Version 8 adds one field to ``loop`` (the sharding part's ``frozen_placement``): a neox that
+reads version 7 at most refuses it as newer, and this one reads version 7's as sharded.
 """
 
 from __future__ import annotations

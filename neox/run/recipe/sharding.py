@@ -15,6 +15,7 @@ from neox.dtypes import DTYPES
 from neox.model import LayerSpec
 from neox.run.recipe.declaring import AT_LEAST_1, STEP, at_least, blocks, check_fields, is_bool
 from neox.setting import Flag, byte_budget, setting
+from zerocore.policies import FROZEN_FORMATS, FROZEN_PLACEMENTS
 
 __all__ = ["ShardingConfig"]
 
@@ -31,18 +32,36 @@ class ShardingConfig:
                         "bit over many ranks; bf16 halves the traffic, losing bits at each hop "
                         "(the compute dtype is --dtype)", choices=tuple(DTYPES), resumable=True))
     # How frozen weights are held and gathered, in the engine's words
-    # (``zerocore.FrozenWeights(dtype)``): None, the compute dtype; "int8", quantized once,
-    # dequantized after each gather.
+    # (``zerocore.FrozenWeights(dtype)``): None, the compute dtype; "int8", "nf4" or "fp8",
+    # quantized once (at the build and at each load) by blocks of the format's default size.
+    # It changes the numbers: a resumed run keeps it.
     frozen_weights: str | None = setting(
-        None, check=lambda x: x in (None, "int8"),
-        problem="{name} must be null (the compute dtype) or int8, got {value!r}",
+        None, check=lambda x: x is None or x in FROZEN_FORMATS,
+        problem=f"{{name}} must be null (the compute dtype) or one of {tuple(FROZEN_FORMATS)}, "
+                f"got {{value!r}}",
         since=2, upgrade=lambda x: None if x == "compute" else x,
         flag=Flag(STEP, "how frozen weights are held and all-gathered: in the compute dtype, or "
-                        "int8 with an fp32 scale per block of 128 (about half of bf16's bytes "
-                        "in memory and on the wire, dequantized after each gather; trainable "
-                        "weights, masters and optimizer state are never quantized; exports use "
-                        "the unquantized base)", choices={"compute": None, "int8": "int8"},
+                        "quantized by blocks with an fp32 scale each: int8 (blocks of 128, about "
+                        "half of bf16's bytes), nf4 (QLoRA's 4-bit NormalFloat, blocks of 64, "
+                        "about a quarter) or fp8 (e4m3, blocks of 128, as int8's bytes); "
+                        "dequantized just before use; trainable weights, masters and optimizer "
+                        "state are never quantized; checkpoints and exports hold the "
+                        "unquantized base",
+                  choices={"compute": None, **{f: f for f in FROZEN_FORMATS}},
                   text=lambda x: "compute" if x is None else x))
+    # Where quantized frozen weights live (``zerocore.FrozenWeights(placement=)``): "sharded",
+    # each rank its shard, gathered for each use; "replicated", the whole quantized base on
+    # every rank, nothing frozen gathered. The same bits either way, and checkpoints hold the
+    # unquantized base, so a resumed run may change it. Recipes before version 8 were sharded.
+    frozen_placement: str = setting(
+        "sharded", check=lambda x: x in FROZEN_PLACEMENTS, since=8,
+        problem=f"{{name}} must be one of {FROZEN_PLACEMENTS}, got {{value!r}}",
+        flag=Flag(STEP, "where quantized frozen weights live (with --frozen-weights int8, nf4 "
+                        "or fp8): 'sharded', each rank holds its shard and each use all-gathers "
+                        "it; 'replicated', every rank holds the whole quantized base and "
+                        "dequantizes each layer just before it runs: nothing frozen is gathered, "
+                        "for the whole base's memory on every rank; same results, bitwise",
+                  choices=FROZEN_PLACEMENTS, resumable=True))
 
     # Blocks (checkpoint indices, among the kept ones) whose activations are recomputed in
     # backward instead of kept; () none. Of those, every k-th is (the first, the k+1-th, ...).
@@ -98,13 +117,36 @@ class ShardingConfig:
         ``dtype`` (the model's, resolved for the device)."""
         return dict(mixed_precision=zerocore.MixedPrecision(
                         param_dtype=dtype, reduce_dtype=DTYPES[self.reduce_dtype]),
-                    frozen_weights=zerocore.FrozenWeights(self.frozen_weights),
+                    frozen_weights=zerocore.FrozenWeights(self.frozen_weights,
+                                                          placement=self.frozen_placement),
                     recompute=self.recompute(specs),
                     compile=zerocore.Compile() if self.compile else None,
                     prefetch=zerocore.Prefetch(keep_gathered=self.keep_gathered))
 
+    @property
+    def frozen_quantized(self) -> bool:
+        """Whether the frozen weights are held quantized (in any format)."""
+        return self.frozen_weights is not None
+
+    def problem(self, *, offload: str | None) -> str | None:
+        """Why the recipe's --frozen-placement cannot be (None: it can), with --offload
+        ``offload`` (zerocore refuses these too, in its own words and later)."""
+        if self.frozen_placement != "replicated":
+            return None
+        if not self.frozen_quantized:
+            return ("--frozen-placement replicated holds the whole quantized frozen base on "
+                    "every rank: add --frozen-weights nf4, fp8 or int8, or leave it sharded")
+        if offload in ("params", "all"):
+            return (f"--frozen-placement replicated keeps the whole quantized frozen base on "
+                    f"each rank's device, and --offload {offload} moves the parameter shards "
+                    f"off it: give one or the other (--offload optimizer goes with either)")
+        return None
+
     def words(self) -> str:
         """What these policies change of a plain build, for the run's model line ("" none)."""
-        return (("; frozen weights held and gathered in int8"
-                 if self.frozen_weights == "int8" else "")
+        frozen = ("" if not self.frozen_quantized else
+                  f"; frozen weights held in {self.frozen_weights}, replicated on every rank "
+                  f"(nothing frozen gathered)" if self.frozen_placement == "replicated" else
+                  f"; frozen weights held and gathered in {self.frozen_weights}")
+        return (frozen
                 + ("; each layer's forward compiled (torch.compile)" if self.compile else ""))
