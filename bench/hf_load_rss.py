@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
-from zerocore.checkpoint.safetensors_ranges import SafetensorsFiles  # noqa: E402
+from zerocore.hf_pretrained import SafetensorsFiles  # noqa: E402
 
 
 def write_model(path: Path, hidden: int, layers: int) -> int:

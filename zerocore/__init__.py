@@ -46,9 +46,9 @@ from zerocore.engine.sharding import BuildError
 from zerocore.kernels import ops, reference
 from zerocore.kernels.ops import BUILD
 from zerocore.loss_scale import LossScaler, StepResult
-from zerocore.policies import (DEFAULT_POOL_BYTES, MIN_POOL_BYTES, OFFLOAD_DEVICES, Comm,
-                               Compile, FrozenWeights, Hybrid, LossScaling, MixedPrecision,
-                               Offload, Prefetch, Recompute)
+from zerocore.policies import (DEFAULT_POOL_BYTES, FROZEN_FORMATS, FROZEN_PLACEMENTS,
+                               MIN_POOL_BYTES, OFFLOAD_DEVICES, Comm, Compile, FrozenWeights,
+                               Hybrid, LossScaling, MixedPrecision, Offload, Prefetch, Recompute)
 
 # The modules whose __all__ is zerocore's API; tests/tools/test_structure.py holds neox, the
 # examples, the benchmarks and the documentation's code to them, and docs/api.md to this list.
@@ -59,7 +59,8 @@ PUBLIC_MODULES = ("zerocore", "zerocore.optim", "zerocore.plan", "zerocore.check
 __version__ = "0.1.0"
 __all__ = ["BUILD", "ops", "optim", "reference", "shard", "ShardedSequential", "ShardParameter",
            "shard_model", "ShardedModel", "sharding_of",
-           "MixedPrecision", "Prefetch", "Offload", "Recompute", "FrozenWeights", "Comm",
+           "MixedPrecision", "Prefetch", "Offload", "Recompute", "FrozenWeights", "FROZEN_FORMATS",
+           "FROZEN_PLACEMENTS", "Comm",
            "Compile", "Hybrid", "OFFLOAD_DEVICES", "DEFAULT_POOL_BYTES", "MIN_POOL_BYTES",
            "LossScaling", "LossScaler", "StepResult",
            "MemoryReport", "CommReport", "run_agreed", "PeerError", "PeerLost", "Diverged",

@@ -49,7 +49,8 @@ import zerocore
 from zerocore.checkpoint.safetensors_ranges import SafetensorsError, SafetensorsFiles
 from zerocore.hf_trainer import default_units
 
-__all__ = ["from_pretrained", "pretrained_on_meta", "Pretrained", "PretrainedError"]
+__all__ = ["from_pretrained", "pretrained_on_meta", "Pretrained", "PretrainedError",
+           "SafetensorsFiles"]
 
 # transformers' logger for this module: its report of missing and unexpected keys is a warning
 # there too.

@@ -15,7 +15,7 @@ from neox.dtypes import DTYPES
 from neox.model import LayerSpec
 from neox.run.recipe.declaring import AT_LEAST_1, STEP, at_least, blocks, check_fields, is_bool
 from neox.setting import Flag, byte_budget, setting
-from zerocore.policies import FROZEN_FORMATS, FROZEN_PLACEMENTS
+from zerocore import FROZEN_FORMATS, FROZEN_PLACEMENTS
 
 __all__ = ["ShardingConfig"]
 
