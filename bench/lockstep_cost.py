@@ -21,7 +21,9 @@ per round:
   exchange one all-gather of an int64 per rank.
 ``--exchange`` times one exchange alone, the way each is made (``Lockstep._all_gather``),
 interleaved: an all-gather of one int64 per rank (the first lockstep's) against an all-reduce
-(MAX) of two int64 (this one's, when every rank agrees), 200 exchanges per call.
+(MAX) of two int64 (the second's, when every rank agrees), blocking, and against the lockstep's
+own (``Lockstep._all_gather``: that all-reduce issued with ``async_op=True`` and waited for in
+slices, so that a long wait can ask where the others are), 200 exchanges per call.
 Reported: the median step time over the rounds per layer (microseconds, the slowest rank), and
 each "on" against its "off".
 """
@@ -37,6 +39,7 @@ from torch import nn
 
 import harness
 import zerocore
+from zerocore.comm.lockstep import Lockstep
 from neox.config import NeoXConfig
 from neox.model import Block
 
@@ -97,7 +100,14 @@ def exchange_main(rank: int, world: int, args: argparse.Namespace) -> dict:
             dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
             extremes[0].item(), extremes[1].item()
 
-    variants = {"all-gather of 1 int64": all_gather, "all-reduce (MAX) of 2 int64": all_reduce}
+    lockstep = Lockstep(dist.group.WORLD)
+
+    def in_slices(_round: int) -> None:
+        for _ in range(EXCHANGES):
+            lockstep._all_gather(12345)
+
+    variants = {"all-gather of 1 int64": all_gather, "all-reduce (MAX) of 2 int64": all_reduce,
+                "the same, async, waited for in slices (Lockstep's)": in_slices}
     rounds = harness.Interleaved(variants, warmup=2,
                                  before=lambda name: dist.barrier()).run(args.rounds)
     return {name: rounds.median_s(name) / EXCHANGES * 1e6 for name in variants}

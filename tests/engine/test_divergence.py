@@ -59,10 +59,11 @@ class Stack(nn.Module):
         return x
 
 
-def _build(door: str, transport: str, layout: str):
-    """(forward(x, skip), the sharding, how messages name layer 1) through a front door."""
+def _build(door: str, transport: str, layout: str, group: dist.ProcessGroup | None = None):
+    """(forward(x, skip), the sharding, how messages name layer 1) through a front door;
+    over ``group`` (default: the world)."""
     policies: dict = dict(comm=zerocore.Comm() if transport == "read"
-                          else zerocore.Comm(peer_read="off"))
+                          else zerocore.Comm(peer_read="off"), group=group)
     if layout != "flat":
         policies["mesh"] = mesh_of((2, 2))
         if layout == "hpz":
@@ -280,12 +281,17 @@ OWN_COLLECTIVES = {"barrier": lambda: dist.barrier(),
                    "all_reduce": lambda: dist.all_reduce(torch.ones(1))}
 
 
-def alone_while_others_wait(rank: int, world_size: int, door: str, collective: str) -> str:
+def alone_while_others_wait(rank: int, world_size: int, door: str, transport: str,
+                            collective: str) -> str:
     """One agreed step, then a forward without autograd on rank 0 alone while the others wait
-    in ``collective`` (their own, outside the model). Rank 0 then joins that collective itself,
-    which releases the others (in a user's program its error ends its process instead, and the
-    others' collective fails at once): what each rank got, as text."""
-    forward, sharding, _ = _build(door, "read", "flat")
+    in ``collective`` (their own, outside the model, over the world). Rank 0 then joins that
+    collective itself, which releases the others (in a user's program its error ends its
+    process instead, and the others' collective fails at once): what each rank got, as text.
+    The model has a group of its own: over gloo's collectives rank 0's exchange is still
+    issued in it when rank 0 raises, and the others complete it once released (the world
+    stays usable for the next case)."""
+    group = dist.new_group(list(range(world_size)))
+    forward, sharding, _ = _build(door, transport, "flat", group)
     opt = zerocore.optim.AdamW(sharding.trainable_shards(), lr=LR)
     x, y = global_batch(SPEC, 0, 0, world_size)
     loss_fn(SPEC, forward(x.chunk(world_size)[rank], set()), y.chunk(world_size)[rank]).backward()
@@ -302,19 +308,24 @@ def alone_while_others_wait(rank: int, world_size: int, door: str, collective: s
         outcome = f"{type(e).__name__}: {e}"
     if rank == 0:
         OWN_COLLECTIVES[collective]()  # (the others are still in theirs)
+    elif transport == "collective":  # rank 0's exchange: (id, -id) reduced by MAX
+        dist.all_reduce(torch.zeros(2, dtype=torch.int64), op=dist.ReduceOp.MAX, group=group)
     del forward, sharding, opt
     gc.collect()
     return outcome
 
 
 @pytest.mark.parametrize("collective", sorted(OWN_COLLECTIVES))
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("door", DOORS)
 def test_a_forward_alone_while_the_others_wait_in_their_own_collective_is_refused(
-        world, door, collective):
-    # Peer reading (the one-host default): rank 0 asks the ranks it waits for where they are;
+        world, door, transport, collective):
+    # Rank 0 asks the ranks it waits for where they are (peer reading: through its pipes;
+    # gloo's collectives: through the model's store, once its exchange has waited a slice);
     # rank 1 answers from its own thread that it waits in the test's own collective. Comm's
     # timeout is at its default (30 minutes): a refusal within RUN_TIMEOUT_S is not its.
-    got = world.run(alone_while_others_wait, door, collective, timeout=RUN_TIMEOUT_S)
+    got = world.run(alone_while_others_wait, door, transport, collective,
+                    timeout=RUN_TIMEOUT_S)
     assert got[1:] == ["released"] * (world.world_size - 1), got
     refusal = got[0]
     assert refusal.startswith("Diverged: zerocore: the ranks diverged: rank 1 waits in "

@@ -15,7 +15,9 @@ all-gather of one int64 per rank over the model's whole mesh. Every rank then ho
 identity, so every rank sees the same difference and raises ``Diverged`` at once; each decodes
 the identities itself (the unit names are the same on every rank: the structure is agreed), so
 no further exchange is needed. A rank that never comes keeps the transport's own error: the
-peer memory's timeout (a stopped or hung rank), or the backend's.
+peer memory's timeout (a stopped or hung rank), or the backend's. A rank that waits long at an
+exchange asks the ranks it waits for whether they wait in a collective of their own
+(comm/whereabouts.py): then neither can go on, and it raises at once.
 
 State of its own: where the runtime is (``forward_begins``, ``backward_begins``), set by the
 hooks that run the units, and the counts the optimizer's step resets.
@@ -24,6 +26,7 @@ hooks that run the units, and the counts the optimizer's step resets.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 
 import torch
 import torch.distributed as dist
@@ -32,6 +35,7 @@ from zerocore.comm.collectives import all_gather_sync
 from zerocore.comm.device import backend_map, uses_side_channel
 from zerocore.comm.fake import is_fake
 from zerocore.comm.peer_memory import GATHER_READY, PeerMemory
+from zerocore.comm.store_questions import StoreQuestions
 from zerocore.comm.transport import group_ranks
 
 # Kinds of step.
@@ -53,6 +57,11 @@ _PASSED_KEPT = 1024
 # The sequence number of an ``_AT`` message that answers ``PeerMemory.ask``: whether the rank
 # waits in a collective of its own (comm/whereabouts.py).
 _ELSEWHERE = 1
+# The exchange's all-reduce over the backend is waited for in slices: the first as long as a
+# waiting peer memory's first (``peer_memory._GRACE_S``: an exchange that takes longer is not
+# the common case), then twice as long each, up to the last; after each the others are asked
+# where they wait (``StoreQuestions``).
+_SLICE_S, _SLICE_MAX_S = 0.5, 4.0
 
 # Bits of an identity (63 in all: it travels as a signed int64): kind 4, phase 2, unit 18,
 # micro-batch 16, step 23; counts wrap (two ranks that differ by a multiple of 2**16
@@ -144,6 +153,9 @@ class Lockstep:
         self._extremes = torch.zeros(2, dtype=torch.int64)
         self._mine = torch.zeros(1, dtype=torch.int64)
         self._every = torch.zeros(group.size(), dtype=torch.int64)
+        # Where the others wait when the all-reduce lasts (a forward on this rank alone).
+        self._questions = (StoreQuestions(group, self._group, group_ranks(group))
+                           if self.enabled and self._wider else None)
         # Unit index -> how messages name it (set by the front door: the model's own names).
         self.names: list[str] = []
         # Where the runtime is: the phase of the gathers it starts, and the micro-batch.
@@ -232,13 +244,32 @@ class Lockstep:
         when they differ (a divergence: once) does the all-gather follow, to name them."""
         extremes = self._extremes
         extremes[0], extremes[1] = mine, -mine
-        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self._group)
+        self._wait(dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self._group,
+                                   async_op=True))
         highest, lowest = extremes[0].item(), -extremes[1].item()
         if highest == lowest:
             return [mine] * self.group.size()
         self._mine.fill_(mine)
         all_gather_sync(self._every, self._mine, self._group)
         return self._every.tolist()
+
+    def _wait(self, work: dist.Work) -> None:
+        """Waits for the exchange's all-reduce in slices; after each, asks the others where
+        they wait, and raises ``Diverged`` when one waits in a collective of its own that this
+        rank belongs to: it will never come to this exchange. Ends with the backend's own
+        error (a lost rank, its timeout)."""
+        slice_s = _SLICE_S
+        while True:
+            try:
+                work.wait(datetime.timedelta(seconds=slice_s))
+                return
+            except RuntimeError:
+                if work.is_completed():
+                    raise  # (failed: the backend's error)
+            elsewhere = self._questions.ask()  # {rank: where it waits}
+            if elsewhere:
+                raise self._elsewhere(*next(iter(elsewhere.items())), self.group)
+            slice_s = min(2 * slice_s, _SLICE_MAX_S)
 
     # -- ranks that wait for each other (peer memory) ------------------------------------------
     #
@@ -263,7 +294,8 @@ class Lockstep:
         if kind == _AT and key & 0xFFFFFFFF == _ELSEWHERE:
             where = self._peers.answer_text(rank, value)
             if where:
-                raise self._elsewhere(rank, where)
+                raise self._elsewhere(group_ranks(self._peer_group)[rank], where,
+                                      self._peer_group)
         elif kind == _AT:
             self._at[rank] = value
         elif kind == _AWAITS and key & 0xFFFFFFFF:
@@ -334,17 +366,17 @@ class Lockstep:
         self._tell_abort()
         raise self._beyond_the_node() or error
 
-    def _elsewhere(self, rank: int, where: str) -> Diverged:
-        """``rank`` answered that it waits in a collective of its own (``where``) that this
-        rank belongs to, while this rank waits for it at a step of the model: neither can go
-        on. Raised on this rank alone: the other's collective fails once this process ends."""
-        names = group_ranks(self._peer_group)
-        me = names[self._peer_group.rank()]
+    def _elsewhere(self, rank: int, where: str, group: dist.ProcessGroup) -> Diverged:
+        """Global rank ``rank`` answered that it waits in a collective of its own (``where``)
+        that this rank belongs to, while this rank waits for it at a step of the model: neither
+        can go on. Raised on this rank alone: the other's collective fails once this process
+        ends."""
+        me = group_ranks(group)[group.rank()]
         return Diverged(
-            f"zerocore: the ranks diverged: rank {names[rank]} {where}, a collective of its own "
+            f"zerocore: the ranks diverged: rank {rank} {where}, a collective of its own "
             f"(not the sharded model's) that rank {me} takes part in, while rank {me} "
             f"{self.describe(Identity.unpacked(self._last))}: neither can go on; {_ADVICE}",
-            {names[rank]: where, me: self.describe(Identity.unpacked(self._last))})
+            {rank: where, me: self.describe(Identity.unpacked(self._last))})
 
     def _told(self, rank: int, value: int) -> Diverged:
         names = group_ranks(self._peer_group)

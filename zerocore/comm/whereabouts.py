@@ -6,11 +6,12 @@ the model's first exchange for ranks that are somewhere else. When they wait in 
 their own that the lone rank belongs to (``dist.barrier()`` after the loop, a metric's
 ``all_reduce``), neither can ever go on: the lone rank is not in their collective, and they are
 not at its exchange. Nothing in their collective says so: gloo waits out the group's timeout.
-The lone rank asks them where they are (``PeerMemory.ask``), and each answers from a thread of
-its own, which reads its main thread's Python stack (``sys._current_frames``): a main thread whose
-innermost Python frame is a ``torch.distributed`` function called from outside zerocore, still at
-the same place a moment later, waits there. Computing, or waiting inside zerocore (whose waits
-the lockstep understands), is not waiting elsewhere.
+The lone rank asks them where they are (``PeerMemory.ask`` on one host, ``StoreQuestions.ask`` over
+gloo's collectives), and each answers from a thread of its own, which reads its main thread's
+Python stack (``sys._current_frames``): a main thread whose innermost Python frame is a
+``torch.distributed`` function called from outside zerocore, still at the same place a moment
+later, waits there. Computing, or waiting inside zerocore (whose waits the lockstep understands),
+is not waiting elsewhere.
 """
 
 from __future__ import annotations
