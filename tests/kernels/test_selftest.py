@@ -34,10 +34,22 @@ def test_quick_run_passes_and_prints_the_table(capsys):
                  "unpack vs reference", "engine ws1 losses vs torch AdamW",
                  "engine ws1 params vs torch AdamW", "engine ws1 unpadded groups vs torch AdamW",
                  "offload vs no offload (bf16)", "copy bandwidth", "fused_adam bandwidth",
-                 "nf4/fp8 dequantize vs reference"):
+                 "nf4/fp8 dequantize vs reference", "frozen nf4: replicated = sharded",
+                 "frozen nf4: losses vs torch AdamW", "frozen fp8: replicated = sharded",
+                 "frozen fp8: losses vs torch AdamW"):
         assert name in out, name
     assert "FAIL" not in out
-    assert "11 passed, 0 failed, 3 measured" in out
+    assert "15 passed, 0 failed, 3 measured" in out
+
+
+def test_the_frozen_check_fails_against_a_reference_not_round_tripped(monkeypatch):
+    """check_frozen's reference computes with the round-tripped weights: given the weights as
+    they were, the losses part (NF4 moves each weight by up to half a code step)."""
+    round_tripped = selftest._frozen_mlp
+    monkeypatch.setattr(selftest, "_frozen_mlp", lambda dtype: round_tripped(None))
+    rows = {r.check: r for r in selftest.check_frozen(torch.device("cpu"), 4)}
+    assert rows["frozen nf4: losses vs torch AdamW"].status == "FAIL", rows
+    assert rows["frozen nf4: replicated = sharded"].status == "PASS", rows
 
 
 @pytest.mark.e2e

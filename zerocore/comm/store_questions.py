@@ -22,8 +22,10 @@ import socket
 import threading
 import weakref
 
+import torch
 import torch.distributed as dist
 
+from zerocore.comm.objects import broadcast_objects
 from zerocore.comm.whereabouts import waits_elsewhere
 
 __all__ = ["StoreQuestions"]
@@ -59,7 +61,7 @@ class StoreQuestions:
             server = dist.TCPStore(socket.gethostname(), 0, None, True,
                                    timeout=_CLIENT_TIMEOUT, wait_for_workers=False)
             address = [(socket.gethostname(), server.port)]
-        dist.broadcast_object_list(address, src=ranks[0], group=exchange)
+        broadcast_objects(address, 0, exchange, torch.device("cpu"))  # (a CPU backend)
         host, port = address[0]
         self._asking = server
         try:

@@ -12,10 +12,10 @@ from typing import Sequence
 
 import torch
 
-from zerocore.kernels.formats import NF4_CODE
+from zerocore.kernels.formats import NF4_CODE, quantize_fp8, quantize_nf4
 
 __all__ = ["fused_adam", "fused_adam_multi", "grad_stats", "pack", "unpack", "quantize_blockwise",
-           "dequantize_blockwise", "dequantize_nf4", "dequantize_fp8", "NF4_CODE"]
+           "dequantize_blockwise", "dequantize_nf4", "dequantize_fp8", "round_trip", "NF4_CODE"]
 
 
 def fused_adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
@@ -135,3 +135,26 @@ def dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor, block: int,
     """Reference for ``zerocore.ops.dequantize_fp8_``: torch's own e4m3fn -> float32 conversion
     of each code (exact), times its block's scale."""
     return _scaled(codes.view(torch.float8_e4m3fn).float(), scales, block, dtype)
+
+
+def round_trip(t: torch.Tensor, dtype: str, block: int) -> torch.Tensor:
+    """``t`` as a frozen base computes with it under ``FrozenWeights(dtype, block)``: quantized
+    from fp32 by blocks of ``block`` (the tensor alone, zero-padded to whole blocks: the engine
+    starts every parameter of a quantized group on a block of its own) and dequantized to fp32
+    by the references above. ``dtype``: "int8", "nf4" or "fp8"."""
+    flat = t.detach().float().reshape(-1).cpu()
+    padded = torch.zeros(-(-flat.numel() // block) * block)
+    padded[:flat.numel()] = flat
+    n = padded.numel()
+    if dtype == "int8":
+        q, scales = quantize_blockwise(padded, block)
+        values = dequantize_blockwise(q, scales, block, torch.float32)
+    elif dtype == "nf4":
+        packed, scales = quantize_nf4(padded, block)
+        values = dequantize_nf4(packed, scales, n, block, torch.float32)
+    elif dtype == "fp8":
+        codes, scales = quantize_fp8(padded, block)
+        values = dequantize_fp8(codes, scales, block, torch.float32)
+    else:
+        raise ValueError(f"round_trip: {dtype!r} is not a frozen format (int8, nf4, fp8)")
+    return values[:flat.numel()].view(t.shape).to(t.device)

@@ -710,6 +710,85 @@ def check_engine(device: torch.device, steps: int) -> list[Result]:
     return rows
 
 
+def _frozen_mlp(dtype: str | None) -> list[nn.Module]:
+    """The unpadded MLP with its Linear weights frozen (a bias and LayerNorm fine-tune), their
+    values replaced by their ``dtype`` round trip when given (the unsharded reference)."""
+    layers = mlp(UNPADDED)
+    for layer in layers:
+        for m in layer.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.requires_grad_(False)
+                if dtype is not None:
+                    with torch.no_grad():
+                        m.weight.copy_(reference.round_trip(m.weight, dtype,
+                                                            zerocore.FROZEN_FORMATS[dtype]))
+    return layers
+
+
+def _train_frozen(device: torch.device, steps: int, dtype: str, placement: str | None,
+                  group: dist.ProcessGroup) -> dict:
+    """The frozen-weight MLP trained sharded with ``FrozenWeights(dtype, placement=)``, or
+    (``placement`` None) unsharded with torch.optim.AdamW from the round-tripped weights:
+    losses and trainable parameters by name, on the CPU."""
+    if placement is None:
+        model = nn.Sequential(*_frozen_mlp(dtype)).to(device)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                lr=ENGINE_LR, weight_decay=ENGINE_WEIGHT_DECAY)
+    else:
+        model = zerocore.shard(_frozen_mlp(None), group=group, device=device,
+                               frozen_weights=zerocore.FrozenWeights(dtype, placement=placement))
+        opt = zerocore.optim.AdamW(model.trainable_shards(), lr=ENGINE_LR,
+                                   weight_decay=ENGINE_WEIGHT_DECAY)
+    losses = []
+    for step in range(steps):
+        x, y = batch(step, device, UNPADDED)
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    if placement is None:
+        params = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+    else:
+        params = {f"{i}.{n}": t.float().cpu()
+                  for i, state in model.iter_full_states(trainable_only=True)
+                  for n, t in state.items()}
+    return {"losses": losses, "params": params}
+
+
+def check_frozen(device: torch.device, steps: int) -> list[Result]:
+    """Per quantized format (NF4, fp8): the replicated frozen base (every rank holds it whole and
+    dequantizes a unit locally before it runs) against the sharded one (gathered, then
+    dequantized), bit for bit: both compute with the same dequantized values; and the sharded
+    one against the unsharded model given the round-tripped weights, trained by
+    torch.optim.AdamW (the losses, ``ENGINE_LOSS_RTOL``)."""
+    rows = []
+    with world_of_one(device) as group:
+        for dtype in ("nf4", "fp8"):
+            t0 = time.perf_counter()
+            sharded, replicated = (_train_frozen(device, steps, dtype, p, group)
+                                   for p in ("sharded", "replicated"))
+            ref = _train_frozen(device, steps, dtype, None, group)
+            seconds = time.perf_counter() - t0
+            names = sorted(sharded["params"])
+            if names != sorted(replicated["params"]):
+                rows.append(Result(f"frozen {dtype}: replicated = sharded", device.type, "FAIL",
+                                   None, None, "", seconds, f"names differ: {names}"))
+                continue
+            bad = sum(_bit_mismatches(replicated["params"][n], sharded["params"][n])
+                      for n in names)
+            bad += sum(a != b for a, b in zip(sharded["losses"], replicated["losses"]))
+            rows.append(_judged(f"frozen {dtype}: replicated = sharded", device.type, bad, 0,
+                                "elements differ", seconds, f"{steps} steps, bit for bit"))
+            losses, ref_losses = (torch.tensor(r["losses"]) for r in (sharded, ref))
+            rel = ((losses - ref_losses).abs() / ref_losses.abs()).max().item()
+            rows.append(_judged(f"frozen {dtype}: losses vs torch AdamW", device.type, rel,
+                                ENGINE_LOSS_RTOL, "rel", seconds,
+                                f"loss {ref_losses[0].item():.4f} -> "
+                                f"{ref_losses[-1].item():.4f}, round-tripped weights"))
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------
 # Bandwidth
 
@@ -845,6 +924,8 @@ def plan(devices: Sequence[torch.device], sizes: Sizes, kernels: Kernels = Kerne
         steps += [
             Planned("engine ws1 vs torch AdamW; offload vs no offload", dev,
                     lambda d=dev: check_engine(d, sizes.train_steps)),
+            Planned("frozen nf4/fp8: replicated = sharded; vs torch AdamW", dev,
+                    lambda d=dev: check_frozen(d, sizes.train_steps)),
             Planned("copy and fused_adam bandwidth", dev,
                     lambda d=dev: measure_bandwidth(d, sizes, kernel=kernels.fused_adam)),
         ]
