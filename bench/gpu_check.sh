@@ -12,7 +12,9 @@
 #                   reference (and the CUDA kernels against the CPU's, bit for bit), the engine
 #                   at world size 1 over NCCL against torch.optim.AdamW (on a model whose groups
 #                   end in padding and on one whose groups end in real gradients), offload
-#                   against none, copy and fused-Adam bandwidth
+#                   against none, a replicated NF4/fp8 frozen base against a sharded one (bit
+#                   for bit) and against torch.optim.AdamW (issue 41), copy and fused-Adam
+#                   bandwidth
 #   4. two ranks    python -m zerocore.tools.job run: two processes on the one GPU (gloo over
 #                   CUDA tensors: NCCL refuses two ranks on one GPU), the unpadded model against
 #                   the unsharded one with torch.optim.AdamW; where c10d cannot, the step says
