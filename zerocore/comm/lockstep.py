@@ -402,7 +402,10 @@ class Lockstep:
     def _tell_abort(self) -> None:
         if not self._aborted:  # once: every rank that hears it passes it on
             self._aborted = True
-            self._peers.tell(self._peers.others(), self._channel, _ABORT, 0, self._last)
+            # (Not required: a rank that raised already may have closed its pipes, and one
+            # that is gone needs no telling.)
+            self._peers.tell(self._peers.others(), self._channel, _ABORT, 0, self._last,
+                             required=False)
 
     def _overtaken(self, rank: int, key: int, value: int) -> None:
         """Peer memory's watch: ``rank`` said where it is (``key`` of this channel) while this

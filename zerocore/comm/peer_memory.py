@@ -268,10 +268,15 @@ class PeerMemory:
             raise PeerLost(f"zerocore: rank {name} (pid {self.pids[rank]}) is gone: it exited "
                            f"or failed while this rank read its memory", name) from e
 
-    def tell(self, ranks: list[int], channel: int, kind: int, seq: int, value: int) -> None:
-        """Sends (channel, kind, seq) -> value to each of ``ranks``."""
-        self._pipes.tell(ranks, _key(channel, kind, seq), value,
-                         required=kind in (GATHER_READY, REDUCE_READY))
+    def tell(self, ranks: list[int], channel: int, kind: int, seq: int, value: int,
+             required: bool | None = None) -> None:
+        """Sends (channel, kind, seq) -> value to each of ``ranks``. ``required``: whether a
+        rank that cannot be told (gone, or its pipe closed) is an error; by default, for the
+        messages a transport's rank waits for (a buffer ready). The lockstep's channel gives
+        its own kinds, whose numbers overlap those."""
+        if required is None:
+            required = kind in (GATHER_READY, REDUCE_READY)
+        self._pipes.tell(ranks, _key(channel, kind, seq), value, required=required)
 
     def ask(self, rank: int, channel: int, kind: int, seq: int) -> None:
         """Asks ``rank`` whether it waits in a collective of its own that this rank belongs to
@@ -326,8 +331,22 @@ class PeerMemory:
         """Calls ``heard(rank, key, value, awaited)`` for each message that arrives from
         ``rank`` while this rank waits for another (``awaited``), which returns whether it
         consumed it, and ``blocked(rank, awaited)`` once a wait lasted ``_GRACE_S``; either may
-        raise (the lockstep's: comm/lockstep.py)."""
-        self._pipes.watch, self._pipes.blocked = heard, blocked
+        raise (the lockstep's: comm/lockstep.py). Both are bound methods, held weakly: their
+        object (the lockstep) holds this peer memory, and the pipes, which this object's
+        finalizer holds, would otherwise keep both alive for ever, the pipes open and the
+        answering thread running."""
+        heard_ref, blocked_ref = weakref.WeakMethod(heard), weakref.WeakMethod(blocked)
+
+        def on_heard(rank: int, key: int, value: int, awaited: int) -> bool:
+            method = heard_ref()
+            return method is not None and method(rank, key, value, awaited)
+
+        def on_blocked(rank: int, awaited: int) -> None:
+            method = blocked_ref()
+            if method is not None:
+                method(rank, awaited)
+
+        self._pipes.watch, self._pipes.blocked = on_heard, on_blocked
 
     def was_sent(self, rank: int, key: int) -> bool:
         """Whether this rank sent ``rank`` the message of ``key``."""
@@ -492,36 +511,13 @@ class _Pipes:
         ``stop_answering``; ``write``: the pipe's own write end, kept to stop it."""
         self._me = me
         self._questions = (read, write)
+        # The thread holds the pipes' dicts, not this object: a running thread is a root, and
+        # through this object (its lockstep's callbacks) it would keep the peer memory, whose
+        # finalizer is what stops it, alive for ever.
         self._answerer = threading.Thread(
-            target=self._answer, args=(read, threading.get_ident()), daemon=True,
-            name="zerocore-whereabouts")
+            target=_answer, args=(read, threading.get_ident(), self.names, self.outbound),
+            daemon=True, name="zerocore-whereabouts")
         self._answerer.start()
-
-    def _answer(self, read: int, main: int) -> None:
-        texts: dict[int, ctypes.Array] = {}  # by asker: valid until it asks again
-        while True:
-            try:
-                data = os.read(read, _MESSAGE.size)  # (whole: 16 bytes < PIPE_BUF)
-            except OSError:
-                return
-            if len(data) < _MESSAGE.size:
-                return
-            key, asker = _MESSAGE.unpack(data)
-            if asker < 0:
-                return  # stop_answering
-            try:
-                where = waits_elsewhere(main, self.names.get(asker, asker))
-            except Exception:  # noqa: BLE001  (a question must never end the answers)
-                where = ""
-            text = where.encode()[:_TEXT_MAX]
-            value = 0
-            if text:
-                texts[asker] = ctypes.create_string_buffer(text, len(text))
-                value = (ctypes.addressof(texts[asker]) << _TEXT_BITS) | len(text)
-            try:
-                os.write(self.outbound[asker], _MESSAGE.pack(key, value))
-            except (OSError, KeyError):
-                pass  # its pipe is full or gone: it is not waiting for this rank
 
     def stop_answering(self) -> None:
         if self._questions is None:
@@ -681,3 +677,32 @@ def finish_reduce_by_reading(peers: PeerMemory, channel: int, seq: int, numel: i
     peers.tell([peer], channel, REDUCE_READ, seq, 0)
     peers.await_read(channel, seq)
     return received
+
+
+def _answer(read: int, main: int, names: dict[int, int], outbound: dict[int, int]) -> None:
+    """The answering thread of ``_Pipes.answer_questions``: until a stop (asker -1) or the
+    pipe's end."""
+    texts: dict[int, ctypes.Array] = {}  # by asker: valid until it asks again
+    while True:
+        try:
+            data = os.read(read, _MESSAGE.size)  # (whole: 16 bytes < PIPE_BUF)
+        except OSError:
+            return
+        if len(data) < _MESSAGE.size:
+            return
+        key, asker = _MESSAGE.unpack(data)
+        if asker < 0:
+            return  # stop_answering
+        try:
+            where = waits_elsewhere(main, names.get(asker, asker))
+        except Exception:  # noqa: BLE001  (a question must never end the answers)
+            where = ""
+        text = where.encode()[:_TEXT_MAX]
+        value = 0
+        if text:
+            texts[asker] = ctypes.create_string_buffer(text, len(text))
+            value = (ctypes.addressof(texts[asker]) << _TEXT_BITS) | len(text)
+        try:
+            os.write(outbound[asker], _MESSAGE.pack(key, value))
+        except (OSError, KeyError):
+            pass  # its pipe is full or gone: it is not waiting for this rank
