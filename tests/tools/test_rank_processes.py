@@ -74,3 +74,20 @@ def test_a_rank_whose_launcher_is_gone_ends_at_once(tmp_path, monkeypatch, capfd
     assert "no stop heard" not in captured.out
     assert "the launcher ended" in captured.err, captured.err
 
+
+
+def test_a_rank_killed_by_a_signal_is_named_before_one_that_exited_after_it(caplog):
+    # Rank 1 is SIGKILLed; rank 0, losing contact with it, exits with 3 at once. Both have ended
+    # by the launcher's next poll: the killed rank is the cause and is the one named (naming
+    # rank 0, the lower, flaked once in CI: test_examples' killed trainer process). Here both
+    # end before the first poll, which must still report the failure (it returned 0).
+    from zerocore.tools.rank_processes import wait_for_ranks
+    exited = subprocess.Popen(["sh", "-c", "exit 3"])
+    killed = subprocess.Popen(["sleep", "30"])
+    killed.kill()
+    exited.wait()
+    killed.wait()
+    with caplog.at_level("WARNING"):
+        code = wait_for_ranks([exited, killed], [], [])
+    assert code == 128 + signal.SIGKILL
+    assert f"rank 1 (pid {killed.pid}) was killed by SIGKILL" in caplog.text, caplog.text

@@ -230,9 +230,8 @@ def wait_for_ranks(procs: list[subprocess.Popen], links: list[socket.socket],
             deadline = min(deadline, now + STOP_GRACE_S)
         codes = [p.poll() for p in procs]
         if failed is None and not signals:
-            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                failed = bad[0]
+            failed = _first_failure(codes)
+            if failed is not None:
                 deadline = now + FAILURE_GRACE_S
         if now > deadline:
             stop_ranks(links, signal.SIGTERM)
@@ -245,12 +244,23 @@ def wait_for_ranks(procs: list[subprocess.Popen], links: list[socket.socket],
     if signals:
         logger.warning(f"stopped by {signal.Signals(signals[0]).name}")
         return 128 + signals[0]
+    if failed is None:  # (every rank may have ended before the first poll)
+        failed = _first_failure([p.poll() for p in procs])
     if failed is None:
         return 0
     rank, code = failed
     logger.warning(f"error: rank {rank} (pid {procs[rank].pid}) {exit_description(code)}"
                    + ("" if len(procs) == 1 else "; the other ranks were stopped"))
     return code if code > 0 else 128 - code
+
+
+def _first_failure(codes: list[int | None]) -> tuple[int, int] | None:
+    """(rank, code) of the rank to name among those that ended badly, or None. A rank killed by
+    a signal comes before one that exited: a rank that lost contact with a killed one exits
+    (code 3) right after it, and both can show in the same poll; the killed one is the cause.
+    Then the lowest rank."""
+    bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+    return min(bad, key=lambda rc: (rc[1] > 0, rc[0])) if bad else None
 
 
 def set_parent_death_signal(sig: int) -> None:
