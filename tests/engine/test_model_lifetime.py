@@ -197,3 +197,30 @@ def test_a_dropped_model_is_freed_with_peers(worlds, tmp_path, door):
     for result in worlds(2).run(dropped_run, door, "nvme-optimizer", "training",
                                 str(tmp_path)):
         _check(result, "nvme-optimizer", "training", peers=True)
+
+
+def dropped_on_collectives(rank: int, world_size: int) -> dict:
+    """A model on gloo's collectives (no peer reading), trained one step, dropped: the thread
+    that answers where this rank waits, through the group's own store
+    (comm/store_questions.py), and the model itself go with it."""
+    before = _engine_threads()
+    model = zerocore.shard([nn.Linear(16, 16) for _ in range(3)],
+                           comm=zerocore.Comm(peer_read="off"))
+    opt = zerocore.optim.AdamW(model.trainable_shards(), lr=1e-3)
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    ref = weakref.ref(model)
+    during = _engine_threads() - before
+    del model, opt
+    gc.collect()
+    for t in during:
+        t.join(timeout=30.0)
+    dist.barrier()  # (every rank's model is gone before the next test's)
+    return dict(alive=ref() is not None, during=sorted(t.name for t in during),
+                left=sorted(t.name for t in _engine_threads() - before))
+
+
+def test_a_dropped_model_on_collectives_ends_its_store_thread(worlds):
+    for result in worlds(2).run(dropped_on_collectives):
+        assert result["during"] == ["zerocore-whereabouts-store"], result
+        assert not result["alive"] and result["left"] == [], result
