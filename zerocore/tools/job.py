@@ -150,26 +150,34 @@ def refused_collective(group: dist.ProcessGroup, device: torch.device,
     return None
 
 
-def _rank(rank: int, job: Job, port: int, results) -> None:
-    """A spawned rank: joins the job's group, runs it, puts (rank, result pickled) in
-    ``results`` (plain pickle copies the tensors into the message; torch's queues would share
-    them through file descriptors that close when this process exits)."""
+def _rank(rank: int, jobs: Sequence[Job], port: int, results) -> None:
+    """A spawned rank: joins the jobs' group, runs them in turn up to the first that fails, puts
+    (rank, their results pickled) in ``results`` (plain pickle copies the tensors into the
+    message; torch's queues would share them through file descriptors that close when this
+    process exits)."""
     torch.set_num_threads(1)  # the ranks share the machine's cores
-    device = job.rank_device(rank)
+    first = jobs[0]
+    device = first.rank_device(rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # the one advice (comm/device.py), as every rank should
+    outs: list[dict] = []
     try:
-        dist.init_process_group(job.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=job.nproc, timeout=datetime.timedelta(seconds=120))
-        refused = None
-        if device.type == "cuda" and job.backend == "gloo":
-            refused = refused_collective(dist.group.WORLD, device, job.layout == "qgz")
-        out = ({"refused": refused} if refused is not None
-               else train(build(job, device), job, rank, job.nproc))
+        dist.init_process_group(first.backend, init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=first.nproc,
+                                timeout=datetime.timedelta(seconds=120))
+        for job in jobs:
+            refused = None
+            if device.type == "cuda" and job.backend == "gloo":
+                refused = refused_collective(dist.group.WORLD, device, job.layout == "qgz")
+            outs.append({"refused": refused} if refused is not None
+                        else train(build(job, device), job, rank, job.nproc))
+            gc.collect()  # the job's model, before the next is built
+            if refused is not None:
+                break
     except Exception as e:  # noqa: BLE001  (reported by the parent, with the rank)
-        out = {"error": f"{type(e).__name__}: {e}"}
+        outs.append({"error": f"{type(e).__name__}: {e}"})
     try:
-        results.put((rank, pickle.dumps(out)))
+        results.put((rank, pickle.dumps(outs)))
     finally:
         gc.collect()  # what holds the group goes first
         if dist.is_initialized():
@@ -186,11 +194,20 @@ def run_job(job: Job, timeout_s: float = 300) -> dict:
     """The job on ``job.nproc`` spawned ranks: {"losses": per step, the mean over ranks (equal
     slices), "params", "padded"}; or {"refused": why} when c10d refuses the device; or
     {"error": the first rank's failure}."""
+    return run_jobs([job], timeout_s)[0]
+
+
+def run_jobs(jobs: Sequence[Job], timeout_s: float = 300) -> list[dict]:
+    """Jobs of one world size and backend run in turn by one set of spawned ranks, in one
+    process group (each rank starting torch takes seconds; the jobs are small): each one's
+    result as ``run_job`` gives it, up to the first that failed or was refused."""
+    nproc, backend = jobs[0].nproc, jobs[0].backend
+    assert all((j.nproc, j.backend) == (nproc, backend) for j in jobs), jobs
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, job, port, results), daemon=True)
-             for r in range(job.nproc)]
+    procs = [ctx.Process(target=_rank, args=(r, jobs, port, results), daemon=True)
+             for r in range(nproc)]
     for p in procs:
         p.start()
     try:
@@ -201,13 +218,19 @@ def run_job(job: Job, timeout_s: float = 300) -> dict:
             p.join(30)
             if p.is_alive():
                 p.kill()
-    for key in ("error", "refused"):
-        for r in range(job.nproc):
-            if key in by_rank[r]:
-                return {key: f"rank {r}: {by_rank[r][key]}"}
-    runs = [by_rank[r] for r in range(job.nproc)]
-    losses = [sum(run["losses"][s] for run in runs) / job.nproc for s in range(job.steps)]
-    return {"losses": losses, "params": runs[0]["params"], "padded": runs[0]["padded"]}
+    outs = []
+    for i, job in enumerate(jobs):
+        # A rank's results end at its first failure: that job is the last one reported.
+        runs = [by_rank[r][i] if i < len(by_rank[r]) else {"error": "stopped before this job"}
+                for r in range(nproc)]
+        failed = next(({key: f"rank {r}: {run[key]}"} for key in ("error", "refused")
+                       for r, run in enumerate(runs) if key in run), None)
+        if failed is not None:
+            return [*outs, failed]
+        losses = [sum(run["losses"][s] for run in runs) / nproc for s in range(job.steps)]
+        outs.append({"losses": losses, "params": runs[0]["params"],
+                     "padded": runs[0]["padded"]})
+    return outs
 
 
 def reference(job: Job) -> dict:
@@ -385,14 +408,16 @@ def _mesh(device: str, dtype: str) -> int:
     replica of one shard is flat sharding); (2) two ranks as two replicas of one shard, the
     job with qgZ (the replicas' all-reduce in int8: its quantization kernels, all-to-all and
     all-gather on the device) against the exact all-reduce, losses within QGZ_LOSS_RTOL."""
-    jobs = [Job(device, n, dtype, layout=layout)
-            for n, layout in ((1, "flat"), (1, "hsdp"), (2, "hsdp"), (2, "qgz"))]
+    # Each world size's two jobs in one set of ranks (run_jobs).
+    jobs = [[Job(device, n, dtype, layout=layout) for layout in layouts]
+            for n, layouts in ((1, ("flat", "hsdp")), (2, ("hsdp", "qgz")))]
     outs = []
-    for job in jobs:
-        outs.append(run_job(job))
-        failed = _failed(job, outs[-1])
-        if failed is not None:
-            return failed
+    for same_size in jobs:
+        for job, out in zip(same_size, run_jobs(same_size)):
+            failed = _failed(job, out)
+            if failed is not None:
+                return failed
+            outs.append(out)
     flat, one, exact, quantized = outs
     same = flat["losses"] == one["losses"] and all(
         torch.equal(flat["params"][n], one["params"][n]) for n in flat["params"])
