@@ -51,8 +51,14 @@ def _build(door: str, policies: dict):
     return model, zerocore.shard_model(model, [model[1], model[2]], **policies)
 
 
-def train_sharded(rank: int, world_size: int, door: str, dtype: str, placement: str) -> dict:
-    model, sharding = _build(door, dict(frozen_weights=_policy(dtype, placement)))
+def train_sharded(rank: int, world_size: int, door: str, dtype: str, placement: str,
+                  offload: str | None = None) -> dict:
+    """``offload``: None, or what is offloaded: "params" (``Offload(params=True)``) or "all"
+    (the optimizer too)."""
+    policies = dict(frozen_weights=_policy(dtype, placement))
+    if offload is not None:
+        policies["offload"] = zerocore.Offload(params=True, optimizer=offload == "all")
+    model, sharding = _build(door, policies)
     opt = zerocore.optim.AdamW(sharding.trainable_shards(), lr=LR, weight_decay=WEIGHT_DECAY)
     sharding.comm_report(reset=True)
     losses = []
@@ -85,6 +91,8 @@ def train_sharded(rank: int, world_size: int, door: str, dtype: str, placement: 
                 part_bytes=sum(_policy(dtype, placement).frozen_nbytes(g.layout.shard_numel, 4)
                                for g in frozen),
                 memory=memory.param_bytes, predicted=memory.predicted_bytes,
+                frozen_on_device=sum(g.device_shard_bytes for g in frozen),
+                on_host=memory.host_arena_bytes,
                 frozen_numel=memory.frozen_numel, trainable_numel=memory.trainable_numel)
 
 
@@ -110,7 +118,26 @@ def train_unsharded(world_size: int, dtype: str) -> dict:
 @pytest.mark.parametrize("door", ["shard", "shard_model"])
 @pytest.mark.parametrize("dtype, placement", CASES, ids=IDS)
 def test_trains_as_the_dequantized_unsharded_model(world, door, dtype, placement):
-    got = world.run(train_sharded, door, dtype, placement)
+    _check_trains_as_the_dequantized_model(world, door, dtype, placement, offload=None)
+
+
+@pytest.mark.parametrize("door", ["shard", "shard_model"])
+@pytest.mark.parametrize("dtype, offload", [("nf4", "params"), ("fp8", "all"),
+                                            ("int8", "params")])
+def test_a_replicated_base_on_the_host_trains_as_the_dequantized_model(world, door, dtype,
+                                                                       offload):
+    # Offload(params=True): the whole quantized base in host memory, each unit's bytes
+    # uploaded for each use; nothing frozen gathered, nothing of the parameters on the device
+    # between steps, its bytes in the host arena.
+    got = _check_trains_as_the_dequantized_model(world, door, dtype, "replicated", offload)
+    for out in got:
+        assert out["frozen_on_device"] == 0, out
+        assert out["on_host"] >= out["held"], out
+
+
+def _check_trains_as_the_dequantized_model(world, door: str, dtype: str, placement: str,
+                                           offload: str | None) -> list[dict]:
+    got = world.run(train_sharded, door, dtype, placement, offload)
     want = train_unsharded(world.world_size, dtype)
     n = world.world_size
     for rank, out in enumerate(got):
@@ -139,6 +166,7 @@ def test_trains_as_the_dequantized_unsharded_model(world, door, dtype, placement
         frozen = _policy(dtype, placement).frozen_nbytes(out["frozen_numel"], 4)
         copies = n if placement == "replicated" else 1
         assert out["predicted"] == (16 * out["trainable_numel"] + copies * frozen) // n, out
+    return got
 
 
 def refusal(rank: int, world_size: int, policies: dict) -> str:
@@ -151,11 +179,13 @@ def refusal(rank: int, world_size: int, policies: dict) -> str:
 
 def test_refusals(world):
     # Each line the same on every rank, raised before any layer is built.
+    # A replicated base is in memory: on NVMe it is refused (params="cpu" is a home: above).
     replicated = _policy("nf4", "replicated")
     for r in world.run(refusal, dict(frozen_weights=replicated,
-                                     offload=zerocore.Offload(params=True))):
+                                     offload=zerocore.Offload(params="nvme", optimizer="nvme",
+                                                              path="."))):
         assert r.startswith("zerocore.shard: FrozenWeights(placement='replicated') keeps"), r
-        assert "\n" not in r
+        assert "Offload(params='nvme')" in r and "\n" not in r
 
 
 def too_large(rank: int, world_size: int) -> str:
