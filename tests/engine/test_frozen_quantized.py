@@ -298,10 +298,19 @@ def _trainable_state(model, opt) -> dict:
     return out
 
 
+def _nf4(placement: str) -> dict:
+    """The policies of an NF4 base ``placement``: "sharded", "replicated", or "host"
+    (replicated, in host memory: ``Offload(params=True)``)."""
+    if placement == "host":
+        return dict(frozen_weights=_policy("nf4", "replicated"),
+                    offload=zerocore.Offload(params=True))
+    return dict(frozen_weights=_policy("nf4", placement))
+
+
 def saved_then_continued(rank: int, world_size: int, root: str, placement: str) -> dict:
     """Two steps, a checkpoint (without the frozen weights: quantized copies are never saved),
     the state as saved, then one more step."""
-    model = zerocore.shard(make_layers(SPEC), frozen_weights=_policy("nf4", placement))
+    model = zerocore.shard(make_layers(SPEC), **_nf4(placement))
     opt = zerocore.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     for step in range(2):
         _step(model, opt, rank, world_size, step)
@@ -314,7 +323,7 @@ def saved_then_continued(rank: int, world_size: int, root: str, placement: str) 
 def resumed(rank: int, world_size: int, path: str, placement: str) -> dict:
     """A fresh model from the base weights (quantized as it is built), the checkpoint loaded,
     the state as loaded, then the third step."""
-    model = zerocore.shard(make_layers(SPEC), frozen_weights=_policy("nf4", placement))
+    model = zerocore.shard(make_layers(SPEC), **_nf4(placement))
     opt = zerocore.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     zerocore.load_checkpoint(path, model, opt)
     loaded = _trainable_state(model, opt)
@@ -322,9 +331,9 @@ def resumed(rank: int, world_size: int, path: str, placement: str) -> dict:
     return dict(loaded=loaded, loss=loss, after=_trainable_state(model, opt))
 
 
-@pytest.mark.parametrize("placement", ["sharded", "replicated"])
+@pytest.mark.parametrize("placement", ["sharded", "replicated", "host"])
 def test_checkpoints_resume_across_placements_and_world_sizes(worlds, tmp_path, placement):
-    other = "sharded" if placement == "replicated" else "replicated"
+    other = "replicated" if placement == "sharded" else "sharded"
     source = worlds(2).run(saved_then_continued, str(tmp_path), placement)[0]
     path = source["path"]
     # The other placement at the same world size: the state loaded is the state saved, and the
@@ -359,9 +368,9 @@ def frozen_loaded(rank: int, world_size: int, root: str, placement: str) -> dict
     with torch.no_grad():
         for p in (p for layer in layers for p in layer.parameters() if not p.requires_grad):
             p.mul_(-0.5)  # other frozen weights than the checkpoint's
-    target = zerocore.shard(layers, frozen_weights=_policy("nf4", placement))
+    target = zerocore.shard(layers, **_nf4(placement))
     zerocore.load_checkpoint(path, target, zerocore.optim.AdamW(target.parameters()))
-    want = zerocore.shard(make_layers(SPEC), frozen_weights=_policy("nf4", placement))
+    want = zerocore.shard(make_layers(SPEC), **_nf4(placement))
     compared, same = 0, True
     for a, b in zip(target.layers, want.layers):
         if a.frozen is not None:
@@ -378,7 +387,7 @@ def frozen_loaded(rank: int, world_size: int, root: str, placement: str) -> dict
     return dict(compared=compared, same=same, refused=refused)
 
 
-@pytest.mark.parametrize("placement", ["sharded", "replicated"])
+@pytest.mark.parametrize("placement", ["sharded", "replicated", "host"])
 def test_a_load_quantizes_the_checkpoints_frozen_weights(world, tmp_path, placement):
     for r in world.run(frozen_loaded, str(tmp_path), placement):
         assert r["compared"] > 0 and r["same"]
