@@ -40,6 +40,15 @@ def _policy(dtype: str, placement: str) -> zerocore.FrozenWeights:
     return zerocore.FrozenWeights(dtype, block=FORMATS[dtype], placement=placement)
 
 
+def _nf4(placement: str) -> dict:
+    """The policies of an NF4 base ``placement``: "sharded", "replicated", or "host"
+    (replicated, in host memory: ``Offload(params=True)``)."""
+    if placement == "host":
+        return dict(frozen_weights=_policy("nf4", "replicated"),
+                    offload=zerocore.Offload(params=True))
+    return dict(frozen_weights=_policy("nf4", placement))
+
+
 def _build(door: str, policies: dict):
     """(the callable model, its sharding): ``shard`` takes the four layers; ``shard_model`` the
     model, with the two blocks as units (its root holds the embedding and the readout)."""
@@ -188,21 +197,24 @@ def test_refusals(world):
         assert "Offload(params='nvme')" in r and "\n" not in r
 
 
-def too_large(rank: int, world_size: int) -> str:
+def too_large(rank: int, world_size: int, placement: str) -> str:
     # A layer of 4e10 frozen weights, given as shapes and a reader (never read: the refusal
     # comes first): 22 GB in NF4 on every rank, and 160 GB of fp32 to quantize from.
     layer = nn.Linear(200_000, 200_000, device="meta")
     layer.weight.requires_grad_(False)
     meta = zerocore.MetaLayer(layer, lambda name, a, b: torch.zeros(b - a))
     try:
-        zerocore.shard([meta], frozen_weights=_policy("nf4", "replicated"))
+        zerocore.shard([meta], **_nf4(placement))
     except ValueError as e:
         return str(e)
     return "built"
 
 
-def test_a_replicated_base_larger_than_memory_is_refused(world):
-    for r in world.run(too_large):
+@pytest.mark.parametrize("placement", ["replicated", "host"])
+def test_a_replicated_base_larger_than_memory_is_refused(world, placement):
+    # (In host memory, the host is asked for the held bytes; on a CPU rank it is asked for
+    # those and the fp32 values together, as on the device.)
+    for r in world.run(too_large, placement):
         assert "FrozenWeights(placement='replicated'): layer 0 needs" in r, r
         assert "placement='sharded'" in r and "\n" not in r
 
@@ -296,15 +308,6 @@ def _trainable_state(model, opt) -> dict:
             for key in ("exp_avg", "exp_avg_sq"):
                 out[f"{layer.index}.{key}"] = all_gather_flat(opt.state[shard][key])
     return out
-
-
-def _nf4(placement: str) -> dict:
-    """The policies of an NF4 base ``placement``: "sharded", "replicated", or "host"
-    (replicated, in host memory: ``Offload(params=True)``)."""
-    if placement == "host":
-        return dict(frozen_weights=_policy("nf4", "replicated"),
-                    offload=zerocore.Offload(params=True))
-    return dict(frozen_weights=_policy("nf4", placement))
 
 
 def saved_then_continued(rank: int, world_size: int, root: str, placement: str) -> dict:
