@@ -13,9 +13,9 @@ the whole quantized base on each rank, and one dequantization per use.
 a DeepSpeed or FSDP user expects of parameter offload: every parameter off the device between
 its uses, so the whole quantized base lives in the host arena, and each use uploads the unit's
 quantized bytes (on CUDA on the upload stream, from ``start``, on the prefetch schedule: while
-the unit before computes) and dequantizes them on the device in ``complete``. The upload moves
-the quantized bytes (NF4: 0.5625 bytes an element), where the sharded placement's window and
-gather move a shard and then the whole unit; no collective either way.
+the unit before computes) and dequantizes them on the device in ``complete``. Each use moves
+the unit's quantized bytes over PCIe (NF4: 0.5625 bytes an element) and nothing over the link,
+where a sharded base with its parameters offloaded uploads a shard and all-gathers the unit.
 """
 
 from __future__ import annotations
