@@ -22,7 +22,14 @@ zerocore nf4 replicated"
 
 The quantized configurations beside int8 (issue 41): ``"zerocore nf4"`` / ``"zerocore fp8"``
 (``FrozenWeights("nf4")`` / ``("fp8")``, sharded: each gather moves the quantized bytes) and
-``"zerocore nf4 replicated"`` (the whole NF4 base on each rank: nothing frozen gathered).
+``"zerocore nf4 replicated"`` (the whole NF4 base on each rank: nothing frozen gathered; int8
+and fp8 alike). A configuration named again with `` again`` appended is built and timed as a
+second model of the same configuration: the A/A control, whose time ratio to the first is the
+noise of the measurement. Each placement on a GPT-NeoX shape, a few of its blocks kept:
+
+    python bench/peft_gather.py --modes lora --model pythia-410m --filter-layers 0-1 \
+        --batch-size 4 --configs "zerocore,zerocore again,zerocore int8,zerocore int8 \
+replicated,zerocore nf4,zerocore nf4 replicated,zerocore fp8,zerocore fp8 replicated"
 """
 
 from __future__ import annotations
@@ -65,12 +72,16 @@ def _fsdp2_model(layers: list[nn.Module]) -> nn.Module:
 
 def rank_main(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     import zerocore
-    from neox.config import preset_config
+    from neox.blocks import parse_layers
+    from neox.config import filtered_config, preset_config
     from neox.finetune_modes import FinetuneMode, prepare_layer
     from neox.model import layer_specs
     from neox.run.step import micro_batch_loss
     from neox.weights import RandomInit, materialize
     config = preset_config(args.model, tokenizer_rows=args.vocab)
+    if args.filter_layers is not None:  # random weights: the kept blocks' shapes are all alike
+        config = filtered_config(config, parse_layers(args.filter_layers).blocks(
+            config.num_hidden_layers))
     specs = layer_specs(config)
     mode = FinetuneMode(args.mode)
 
@@ -119,8 +130,15 @@ def rank_main(rank: int, world_size: int, args: argparse.Namespace) -> dict:
             # parameters, none here, would be kept).
             numel = sum(p.numel() for p in models[name].parameters())  # DTensor: global size
             results[name]["gathered"] = 2 * numel * 4
+            results[name]["reduced"] = sum(p.numel() for p in models[name].parameters()
+                                           if p.requires_grad) * 4
+            results[name]["params"] = None
         else:
-            results[name]["gathered"] = models[name].comm_report().all_gather_bytes / args.rounds
+            comm = models[name].comm_report()
+            results[name]["gathered"] = comm.all_gather_bytes / args.rounds
+            results[name]["reduced"] = comm.reduce_scatter_bytes / args.rounds
+            # The parameter bytes a rank holds: shards, or a replicated base's every part.
+            results[name]["params"] = models[name].memory_report().param_bytes
         # Gathered buffers alive before the step (resident frozen groups of the budget): the
         # step's peak below counts only what is allocated during the step.
         results[name]["held"] = (models[name].memory_report().gather_bytes
@@ -139,6 +157,8 @@ def main() -> int:
                    "(the BPE neox.finetune trains by default)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--filter-layers", default=None,
+                   help="keep only these blocks of the preset, as neox's --filter-layers")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--configs", default=",".join(CONFIGS),
@@ -147,7 +167,10 @@ def main() -> int:
     args = p.parse_args()
     args.configs = args.configs.split(",")
     mib = 2**20
-    print(harness.header(f"{args.model} (vocabulary {args.vocab}), 2 gloo ranks, fp32, batch "
+    from neox.config import preset_config
+    vocab = preset_config(args.model, tokenizer_rows=args.vocab).vocab_size
+    kept = f", blocks {args.filter_layers} kept" if args.filter_layers is not None else ""
+    print(harness.header(f"{args.model}{kept} (vocabulary {vocab}), 2 gloo ranks, fp32, batch "
                          f"{args.batch_size} x {args.seq_len} tokens per rank; {args.warmup} "
                          f"warm-up + {args.rounds} interleaved rounds", packages=("torch",)))
     for mode in args.modes.split(","):
@@ -165,22 +188,29 @@ def main() -> int:
             t = step_s(name)
             gathered = r0[name]["gathered"]
             losses = ", ".join(f"{x:.5f}" for x in r0[name]["losses"][:3])
+            params = r0[name]["params"]
             rows.append((name, f"{t * 1e3:.1f}", f"{t / base:.3f}", f"{gathered / mib:.2f}",
-                         f"{gathered / plain_gather:.3f}",
+                         f"{gathered / plain_gather:.3f}", f"{r0[name]['reduced'] / mib:.2f}",
+                         f"{params / mib:.1f}" if params is not None else "-",
                          f"{r0[name]['peak'] / mib:.1f} / {r1[name]['peak'] / mib:.1f}",
                          f"{r0[name]['held'] / mib:.1f}", losses))
         print(harness.table(("configuration", "step ms (median, slower rank)",
                              f"/ {args.configs[0]}",
                              "all-gathered MiB per step", "/ zerocore plain",
+                             "reduce-scattered MiB per step", "parameter MiB held (rank 0)",
                              "peak MiB allocated in a step (rank 0 / 1)",
                              "MiB held gathered between steps", "losses, first 3 steps (rank 0)"),
-                            rows, "lrrrrlrl"))
+                            rows, "lrrrrrrlrl"))
         plain = r0["zerocore"]["losses"]
         notes = []
         if "zerocore budget" in r0:
             notes.append(f"budget == plain bitwise: {r0['zerocore budget']['losses'] == plain}")
         for name in args.configs:
-            if any(q in name for q in QUANTIZED):
+            if name.endswith(" again"):
+                twin = r0[name.removesuffix(" again")]["losses"]
+                notes.append(f"{name} == {name.removesuffix(' again')} bitwise: "
+                             f"{r0[name]['losses'] == twin}")
+            elif any(q in name for q in QUANTIZED):
                 drift = max(abs(a - b) for a, b in zip(r0[name]["losses"], plain))
                 notes.append(f"largest |{name.removeprefix('zerocore ')} - plain|: "
                              f"{drift:.2e}")

@@ -311,7 +311,9 @@ class FrozenWeights:
         frozen base (quantized per rank's part exactly as when sharded, so the same bits) and
         dequantizes a unit into a transient buffer just before it runs, in forward and in
         backward, freed after it as a gathered buffer is: nothing frozen is gathered. Needs a
-        quantized dtype. Trainable parameters stay sharded either way.
+        quantized dtype. With ``Offload(params="cpu")`` the whole quantized base lives in host
+        memory and each unit's bytes are uploaded before it is dequantized (not with
+        ``params="nvme"``). Trainable parameters stay sharded either way.
 
     Trainable parameters, master weights and optimizer state are never quantized; checkpoints
     never hold the quantized values (docs/decisions.md: "int8 frozen weights", "Quantized frozen

@@ -172,7 +172,8 @@ def run_request(args: argparse.Namespace, use_cuda: bool, log: Any, *, torchrun:
         if resume != args.resume and args.resume.resolve() != own:
             warn_incomplete(args.resume, log)
     problem = (recipe.offload.problem(for_a_run=True)  # (a resume's flags merged)
-               or recipe.sharding.problem(offload=recipe.offload.offload))
+               or recipe.sharding.problem(offload=recipe.offload.offload,
+                                          offload_device=recipe.offload.offload_device))
     if problem is not None:
         raise UsageError(problem)
     # The layout of the recipe (a resumed run's included) against the nodes.

@@ -40,6 +40,15 @@ def _policy(dtype: str, placement: str) -> zerocore.FrozenWeights:
     return zerocore.FrozenWeights(dtype, block=FORMATS[dtype], placement=placement)
 
 
+def _nf4(placement: str) -> dict:
+    """The policies of an NF4 base ``placement``: "sharded", "replicated", or "host"
+    (replicated, in host memory: ``Offload(params=True)``)."""
+    if placement == "host":
+        return dict(frozen_weights=_policy("nf4", "replicated"),
+                    offload=zerocore.Offload(params=True))
+    return dict(frozen_weights=_policy("nf4", placement))
+
+
 def _build(door: str, policies: dict):
     """(the callable model, its sharding): ``shard`` takes the four layers; ``shard_model`` the
     model, with the two blocks as units (its root holds the embedding and the readout)."""
@@ -51,8 +60,14 @@ def _build(door: str, policies: dict):
     return model, zerocore.shard_model(model, [model[1], model[2]], **policies)
 
 
-def train_sharded(rank: int, world_size: int, door: str, dtype: str, placement: str) -> dict:
-    model, sharding = _build(door, dict(frozen_weights=_policy(dtype, placement)))
+def train_sharded(rank: int, world_size: int, door: str, dtype: str, placement: str,
+                  offload: str | None = None) -> dict:
+    """``offload``: None, or what is offloaded: "params" (``Offload(params=True)``) or "all"
+    (the optimizer too)."""
+    policies = dict(frozen_weights=_policy(dtype, placement))
+    if offload is not None:
+        policies["offload"] = zerocore.Offload(params=True, optimizer=offload == "all")
+    model, sharding = _build(door, policies)
     opt = zerocore.optim.AdamW(sharding.trainable_shards(), lr=LR, weight_decay=WEIGHT_DECAY)
     sharding.comm_report(reset=True)
     losses = []
@@ -85,6 +100,8 @@ def train_sharded(rank: int, world_size: int, door: str, dtype: str, placement: 
                 part_bytes=sum(_policy(dtype, placement).frozen_nbytes(g.layout.shard_numel, 4)
                                for g in frozen),
                 memory=memory.param_bytes, predicted=memory.predicted_bytes,
+                frozen_on_device=sum(g.device_shard_bytes for g in frozen),
+                on_host=memory.host_arena_bytes,
                 frozen_numel=memory.frozen_numel, trainable_numel=memory.trainable_numel)
 
 
@@ -110,7 +127,26 @@ def train_unsharded(world_size: int, dtype: str) -> dict:
 @pytest.mark.parametrize("door", ["shard", "shard_model"])
 @pytest.mark.parametrize("dtype, placement", CASES, ids=IDS)
 def test_trains_as_the_dequantized_unsharded_model(world, door, dtype, placement):
-    got = world.run(train_sharded, door, dtype, placement)
+    _check_trains_as_the_dequantized_model(world, door, dtype, placement, offload=None)
+
+
+@pytest.mark.parametrize("door", ["shard", "shard_model"])
+@pytest.mark.parametrize("dtype, offload", [("nf4", "params"), ("fp8", "all"),
+                                            ("int8", "params")])
+def test_a_replicated_base_on_the_host_trains_as_the_dequantized_model(world, door, dtype,
+                                                                       offload):
+    # Offload(params=True): the whole quantized base in host memory, each unit's bytes
+    # uploaded for each use; nothing frozen gathered, nothing of the parameters on the device
+    # between steps, its bytes in the host arena.
+    got = _check_trains_as_the_dequantized_model(world, door, dtype, "replicated", offload)
+    for out in got:
+        assert out["frozen_on_device"] == 0, out
+        assert out["on_host"] >= out["held"], out
+
+
+def _check_trains_as_the_dequantized_model(world, door: str, dtype: str, placement: str,
+                                           offload: str | None) -> list[dict]:
+    got = world.run(train_sharded, door, dtype, placement, offload)
     want = train_unsharded(world.world_size, dtype)
     n = world.world_size
     for rank, out in enumerate(got):
@@ -139,6 +175,7 @@ def test_trains_as_the_dequantized_unsharded_model(world, door, dtype, placement
         frozen = _policy(dtype, placement).frozen_nbytes(out["frozen_numel"], 4)
         copies = n if placement == "replicated" else 1
         assert out["predicted"] == (16 * out["trainable_numel"] + copies * frozen) // n, out
+    return got
 
 
 def refusal(rank: int, world_size: int, policies: dict) -> str:
@@ -151,28 +188,33 @@ def refusal(rank: int, world_size: int, policies: dict) -> str:
 
 def test_refusals(world):
     # Each line the same on every rank, raised before any layer is built.
+    # A replicated base is in memory: on NVMe it is refused (params="cpu" is a home: above).
     replicated = _policy("nf4", "replicated")
     for r in world.run(refusal, dict(frozen_weights=replicated,
-                                     offload=zerocore.Offload(params=True))):
+                                     offload=zerocore.Offload(params="nvme", optimizer="nvme",
+                                                              path="."))):
         assert r.startswith("zerocore.shard: FrozenWeights(placement='replicated') keeps"), r
-        assert "\n" not in r
+        assert "Offload(params='nvme')" in r and "\n" not in r
 
 
-def too_large(rank: int, world_size: int) -> str:
+def too_large(rank: int, world_size: int, placement: str) -> str:
     # A layer of 4e10 frozen weights, given as shapes and a reader (never read: the refusal
     # comes first): 22 GB in NF4 on every rank, and 160 GB of fp32 to quantize from.
     layer = nn.Linear(200_000, 200_000, device="meta")
     layer.weight.requires_grad_(False)
     meta = zerocore.MetaLayer(layer, lambda name, a, b: torch.zeros(b - a))
     try:
-        zerocore.shard([meta], frozen_weights=_policy("nf4", "replicated"))
+        zerocore.shard([meta], **_nf4(placement))
     except ValueError as e:
         return str(e)
     return "built"
 
 
-def test_a_replicated_base_larger_than_memory_is_refused(world):
-    for r in world.run(too_large):
+@pytest.mark.parametrize("placement", ["replicated", "host"])
+def test_a_replicated_base_larger_than_memory_is_refused(world, placement):
+    # (In host memory, the host is asked for the held bytes; on a CPU rank it is asked for
+    # those and the fp32 values together, as on the device.)
+    for r in world.run(too_large, placement):
         assert "FrozenWeights(placement='replicated'): layer 0 needs" in r, r
         assert "placement='sharded'" in r and "\n" not in r
 
@@ -271,7 +313,7 @@ def _trainable_state(model, opt) -> dict:
 def saved_then_continued(rank: int, world_size: int, root: str, placement: str) -> dict:
     """Two steps, a checkpoint (without the frozen weights: quantized copies are never saved),
     the state as saved, then one more step."""
-    model = zerocore.shard(make_layers(SPEC), frozen_weights=_policy("nf4", placement))
+    model = zerocore.shard(make_layers(SPEC), **_nf4(placement))
     opt = zerocore.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     for step in range(2):
         _step(model, opt, rank, world_size, step)
@@ -284,7 +326,7 @@ def saved_then_continued(rank: int, world_size: int, root: str, placement: str) 
 def resumed(rank: int, world_size: int, path: str, placement: str) -> dict:
     """A fresh model from the base weights (quantized as it is built), the checkpoint loaded,
     the state as loaded, then the third step."""
-    model = zerocore.shard(make_layers(SPEC), frozen_weights=_policy("nf4", placement))
+    model = zerocore.shard(make_layers(SPEC), **_nf4(placement))
     opt = zerocore.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     zerocore.load_checkpoint(path, model, opt)
     loaded = _trainable_state(model, opt)
@@ -292,9 +334,9 @@ def resumed(rank: int, world_size: int, path: str, placement: str) -> dict:
     return dict(loaded=loaded, loss=loss, after=_trainable_state(model, opt))
 
 
-@pytest.mark.parametrize("placement", ["sharded", "replicated"])
+@pytest.mark.parametrize("placement", ["sharded", "replicated", "host"])
 def test_checkpoints_resume_across_placements_and_world_sizes(worlds, tmp_path, placement):
-    other = "sharded" if placement == "replicated" else "replicated"
+    other = "replicated" if placement == "sharded" else "sharded"
     source = worlds(2).run(saved_then_continued, str(tmp_path), placement)[0]
     path = source["path"]
     # The other placement at the same world size: the state loaded is the state saved, and the
@@ -329,9 +371,9 @@ def frozen_loaded(rank: int, world_size: int, root: str, placement: str) -> dict
     with torch.no_grad():
         for p in (p for layer in layers for p in layer.parameters() if not p.requires_grad):
             p.mul_(-0.5)  # other frozen weights than the checkpoint's
-    target = zerocore.shard(layers, frozen_weights=_policy("nf4", placement))
+    target = zerocore.shard(layers, **_nf4(placement))
     zerocore.load_checkpoint(path, target, zerocore.optim.AdamW(target.parameters()))
-    want = zerocore.shard(make_layers(SPEC), frozen_weights=_policy("nf4", placement))
+    want = zerocore.shard(make_layers(SPEC), **_nf4(placement))
     compared, same = 0, True
     for a, b in zip(target.layers, want.layers):
         if a.frozen is not None:
@@ -348,7 +390,7 @@ def frozen_loaded(rank: int, world_size: int, root: str, placement: str) -> dict
     return dict(compared=compared, same=same, refused=refused)
 
 
-@pytest.mark.parametrize("placement", ["sharded", "replicated"])
+@pytest.mark.parametrize("placement", ["sharded", "replicated", "host"])
 def test_a_load_quantizes_the_checkpoints_frozen_weights(world, tmp_path, placement):
     for r in world.run(frozen_loaded, str(tmp_path), placement):
         assert r["compared"] > 0 and r["same"]

@@ -60,16 +60,19 @@ def test_planned_state_is_what_each_home_holds_in_memory(where, dtype):
 
 
 @pytest.mark.parametrize("optimizer", [False, "cpu"])
-def test_a_replicated_base_is_the_frozen_groups_home(optimizer):
-    # FrozenWeights(placement="replicated"): frozen groups hold every rank's part on the
-    # device and gather nothing; the trainable groups' home is Offload's, as without it.
+@pytest.mark.parametrize("params", [False, "cpu"])
+def test_a_replicated_base_is_the_frozen_groups_home(optimizer, params):
+    # FrozenWeights(placement="replicated"): frozen groups hold every rank's part, on the
+    # device, or with the parameters offloaded in host memory, and gather nothing; the
+    # trainable groups' home is Offload's, as without it.
     replicated = zerocore.FrozenWeights("nf4", placement="replicated")
-    offload = zerocore.Offload(optimizer=optimizer)
+    offload = zerocore.Offload(optimizer=optimizer, params=params)
     homes = choose(offload, device=torch.device("cpu"), param_dtype=torch.bfloat16,
                    streams=None, arena=None, store=None, host_threads=None,
                    frozen_weights=replicated)
-    assert homes.frozen.__name__ == "Replicated" and not homes.frozen.gathers
-    assert homes.trainable is _homes(optimizer, False, torch.bfloat16).trainable
+    assert homes.frozen.__name__ == ("HostReplicated" if params else "Replicated")
+    assert not homes.frozen.gathers
+    assert homes.trainable is _homes(optimizer, params, torch.bfloat16).trainable
     layout = FlatLayout.build([("w", (1000,))], 3, block=64)
     assert homes.held_range(False, layout, 1) == (0, layout.padded_numel)
     assert homes.held_range(True, layout, 1) == layout.shard_range(1)

@@ -226,8 +226,13 @@ def test_memory_report_shows_the_shards_falling_to_the_window(world):
 
 
 def plan_policies(label: str) -> dict:
+    """``label``: an OFFLOADS key, the frozen weights int8 sharded; or "params replicated": the
+    parameters offloaded with a replicated NF4 base (the whole base in host memory)."""
+    offload, placement = label.split()[0], label.split()[1:] or ["sharded"]
+    frozen = zerocore.FrozenWeights("int8") if placement == ["sharded"] else \
+        zerocore.FrozenWeights("nf4", placement="replicated")
     return dict(mixed_precision=zerocore.MixedPrecision(torch.bfloat16, torch.float32),
-                offload=OFFLOADS[label], frozen_weights=zerocore.FrozenWeights("int8"))
+                offload=OFFLOADS[offload], frozen_weights=frozen)
 
 
 def freeze_blocks(layers: list[nn.Module]) -> list[nn.Module]:
@@ -259,7 +264,7 @@ def planned(label: str, world_size: int, device: str):
 PLAN_TOL = 0.02
 
 
-@pytest.mark.parametrize("label", ["params", "all"])
+@pytest.mark.parametrize("label", ["params", "all", "params replicated"])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_plan_matches_the_measured_peak(worlds, label, world_size):
     plan = planned(label, world_size, "cpu")
@@ -288,3 +293,16 @@ def test_plan_for_a_gpu_puts_the_shards_on_the_host_and_the_windows_on_the_devic
         assert kept - p.windows_peak <= saved <= kept, (label, saved, kept, p.table())
     # Without the optimizer, the 16-bit trainable copies are not kept (rounded per window).
     assert plans["params"].state.trainable_params == 0 < plans["all"].state.trainable_params
+
+
+def test_plan_for_a_gpu_puts_a_replicated_base_on_the_host():
+    # Offload(params=True) with a replicated NF4 base: the whole base is counted on the host,
+    # each unit's upload as a window on the device, and the device saves the base (and the
+    # trainable copies, rounded per window instead) less the windows, as the sharded case.
+    host, before = planned("params replicated", 2, "cuda"), planned("none replicated", 2, "cuda")
+    assert FROZEN in host.state.on_host and FROZEN not in before.state.on_host
+    assert host.state.frozen_params == before.state.frozen_params   # every part, both
+    assert 0 < host.windows_peak < host.state.frozen_params
+    kept = before.peak[FROZEN] + before.peak[TRAINABLE]
+    saved = before.device_peak - host.device_peak
+    assert kept - host.windows_peak <= saved <= kept, (saved, kept, host.table())

@@ -351,11 +351,12 @@ class Sharding:
                              f"across HSDP's replicas, and this model has none ({mesh.line()}); "
                              f"pass a 2-D mesh (replicate, shard) with more than one replica, "
                              f"or leave it out")
-        if frozen_weights.replicated and offload.params:
+        if frozen_weights.replicated and offload.params == "nvme":
             raise ValueError(f"{self.front_door}: FrozenWeights(placement='replicated') keeps "
-                             f"the whole quantized frozen base on each rank's device, and "
-                             f"Offload(params={offload.params!r}) moves the parameters off it; "
-                             f"give one or the other (Offload(optimizer=...) goes with either)")
+                             f"the whole quantized frozen base in each rank's memory (the "
+                             f"device's, or the host's with Offload(params='cpu')), and "
+                             f"Offload(params='nvme') puts the parameters on NVMe; give "
+                             f"params='cpu', or shard the frozen base")
         self.hybrid = hybrid
         self.ctx = build_context(mesh, device, mixed_precision, offload, frozen_weights, comm,
                                  host_threads, rehearsal)

@@ -12,8 +12,9 @@ frozen groups by where the parameters are):
     * OnDevice in fp32: the master is what is gathered, and it stays on the device.
 
 A replicated frozen base (``FrozenWeights(placement="replicated")``) is held whole on every
-rank's device: frozen groups are ``Replicated``, whatever the trainable ones' home
-(``Offload(params=...)`` with it is refused when the model is sharded).
+rank: frozen groups are ``Replicated`` on the device, or ``HostReplicated`` in host memory with
+``Offload(params="cpu")``, whatever the trainable ones' home (``params="nvme"`` with it is
+refused when the model is sharded).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from zerocore.engine.homes.home import Homes
 from zerocore.engine.homes.host_mirror import HostMirror
 from zerocore.engine.homes.host_window import HostWindow, RoundedWindow
 from zerocore.engine.homes.nvme import NvmeHostWindow, NvmeMirror, NvmeWindow
-from zerocore.engine.homes.replicated import Replicated
+from zerocore.engine.homes.replicated import HostReplicated, Replicated
 from zerocore.engine.host_arena import HostArena
 from zerocore.engine.nvme_store import NvmeStore
 from zerocore.engine.offload import OffloadStreams
@@ -47,6 +48,6 @@ def choose(offload: Offload, *, device: torch.device, param_dtype: torch.dtype,
         trainable = OnDevice
     frozen = {False: OnDevice, "cpu": HostWindow, "nvme": NvmeWindow}[offload.params]
     if frozen_weights.replicated:
-        assert not offload.params, "refused by the sharding: a replicated base lives on the device"
-        frozen = Replicated
+        assert offload.params != "nvme", "refused by the sharding: a replicated base is in memory"
+        frozen = HostReplicated if offload.params else Replicated
     return Homes(trainable, frozen, device, param_dtype, streams, arena, store, host_threads)
