@@ -91,7 +91,7 @@ class _Launch:
         self._lrs: list[float] = []
         self._wds: list[float] = []
 
-    def add(self, b: _Bucket, grad_flat: torch.Tensor, runs: list[Run]) -> None:
+    def add(self, b: _Bucket | _Unit, grad_flat: torch.Tensor, runs: list[Run]) -> None:
         self.buckets.append(b)
         for lo, hi, lr, wd in runs:
             arrays = (b.master, grad_flat, b.exp_avg, b.exp_avg_sq, b.model_copy)
@@ -148,6 +148,21 @@ def _settled(b: _Bucket, hyper: dict[str, Any]) -> list[Run]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _Unit:
+    """What the worker's job needs of one overlapped bucket: its arrays and labels, never the
+    shard parameter itself (a pass in flight then holds no model: one dropped mid-pass is
+    freed once the pass ends, its worker first)."""
+
+    key: int                          # id of the shard: the pass's name for the unit
+    layer_index: int
+    master: torch.Tensor | None       # (views of the bucket's flat buffers, as _Bucket's)
+    exp_avg: torch.Tensor | None
+    exp_avg_sq: torch.Tensor | None
+    model_copy: torch.Tensor | None
+    nvme: AdamRecord | None
+
+
 def _jobs(overlapped: list[tuple[_Bucket, int, torch.Tensor, dict[str, Any]]]) -> list[Job]:
     """The host worker's jobs for the overlapped buckets (bucket, step count, flat gradient,
     settings), in forward order: one per in-memory shard (the kernel on it alone: the same
@@ -159,36 +174,38 @@ def _jobs(overlapped: list[tuple[_Bucket, int, torch.Tensor, dict[str, Any]]]) -
     kind = None
     for b, step, grad_flat, hyper in sorted(overlapped, key=lambda o: o[0].layer_index):
         runs = _settled(b, hyper)
+        unit = _Unit(id(b.params[0]), b.layer_index, b.master, b.exp_avg, b.exp_avg_sq,
+                     b.model_copy, b.nvme)
         if b.nvme is None:
             one = _Launch(step, None)
-            one.add(b, grad_flat, runs)
-            jobs.append(Job(b.params, _memory_job(one, b, hyper)))
+            one.add(unit, grad_flat, runs)
+            jobs.append(Job([unit.key], _memory_job(one, unit, hyper)))
             launch = None
             continue
         key = (id(b.nvme.store), grad_flat.dtype, step, id(hyper))
         if launch is None or key != kind:
             launch, kind = NvmeLaunch(b.nvme.store, step, None), key
             jobs.append(Job([], _nvme_job(launch, hyper)))
-        launch.add(b, grad_flat, runs)
-        jobs[-1].shards.extend(b.params)
+        launch.add(unit, grad_flat, runs)
+        jobs[-1].keys.append(unit.key)
     return jobs
 
 
-def _memory_job(launch: _Launch, b: _Bucket, hyper: dict[str, Any]):
+def _memory_job(launch: _Launch, unit: _Unit, hyper: dict[str, Any]):
     def run(begins: Begins, done: Done) -> None:
-        begins(b.layer_index)
-        with traced("adam", b.layer_index):
+        begins(unit.layer_index)
+        with traced("adam", unit.layer_index):
             launch.run(hyper)
         launch.clear()  # (its gradient: the calling thread lets go of it, ``start``'s held)
-        done(b.params[0])
+        done(unit.key)
     return run
 
 
 def _nvme_job(launch: NvmeLaunch, hyper: dict[str, Any]):
     def run(begins: Begins, done: Done) -> None:
         with traced("adam", -1):
-            launch.run_on_worker(hyper, lambda b: begins(b.layer_index),
-                                 lambda b: done(b.params[0]))
+            launch.run_on_worker(hyper, lambda u: begins(u.layer_index),
+                                 lambda u: done(u.key))
     return run
 
 

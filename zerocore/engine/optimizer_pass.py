@@ -40,20 +40,20 @@ from zerocore.comm.lockstep import lockstep_of
 PassHook = Callable[[int], None]
 
 
-# What a job tells the worker: that it begins a unit's update (its index), and that it has
-# written a unit's gathered values (its shard).
+# What a job tells the worker: that it begins a unit's update (its layer's index), and that it
+# has written a unit's gathered values (the unit's key: ``id`` of its shard).
 Begins = Callable[[int], None]
-Done = Callable[[torch.nn.Parameter], None]
+Done = Callable[[int], None]
 
 
 class Job:
-    """Work of one or more units that the worker runs as one: ``run(begins, done)`` updates
-    them in order, calling ``begins(index)`` before each and ``done(shard)`` as each one's
-    gathered values are written."""
+    """Work of one or more units (``keys``: ``id`` of each one's shard; a job holds no shard,
+    so a pass in flight holds no model) that the worker runs as one: ``run(begins, done)``
+    updates them in order, calling ``begins(index)`` before each and ``done(key)`` as each
+    one's gathered values are written."""
 
-    def __init__(self, shards: list[torch.nn.Parameter],
-                 run: Callable[[Begins, Done], None]):
-        self.shards, self.run = shards, run
+    def __init__(self, keys: list[int], run: Callable[[Begins, Done], None]):
+        self.keys, self.run = keys, run
 
 
 class OptimizerPass:
@@ -76,9 +76,11 @@ class OptimizerPass:
         self._held: dict[int, torch.Tensor] = {}
         # The first failure of a pass: raised by every ``finish`` from then on.
         self._failure: BaseException | None = None
-        # The worker's thread (once it has run): its own uses of a shard never wait.
-        self._worker_thread: int | None = None
-        weakref.finalize(self, self._worker.shutdown, wait=True)
+        # The worker's thread (once it has run: its ident): its own uses of a shard never wait.
+        self._worker_thread: list[int] = []
+        # The worker goes with the pass: a pass in flight ends first (the pass is not held by
+        # its own running: ``_run`` is given what it needs, not ``self``).
+        weakref.finalize(self, _shut_down, self._worker)
 
     @property
     def in_flight(self) -> bool:
@@ -91,19 +93,21 @@ class OptimizerPass:
         The previous pass must be finished."""
         assert self._running is None, "a pass is started only once the last one is settled"
         self._held = held
-        self._units = {id(s): threading.Event() for job in jobs for s in job.shards}
-        self._running = self._worker.submit(self._run, jobs, self._units, self._hook)
+        self._units = {key: threading.Event() for job in jobs for key in job.keys}
+        self._running = self._worker.submit(self._run, jobs, self._units, self._hook,
+                                            self._worker_thread)
 
-    def _run(self, jobs: list[Job], units: dict[int, threading.Event],
-             hook: PassHook | None) -> None:
-        self._worker_thread = threading.get_ident()
+    @staticmethod
+    def _run(jobs: list[Job], units: dict[int, threading.Event], hook: PassHook | None,
+             thread: list[int]) -> None:
+        thread[:] = [threading.get_ident()]
         begins = hook if hook is not None else (lambda index: None)
         try:
             while jobs:
                 # Each job let go of once run: the gradients it holds are freed as the forward
                 # goes on, not at the pass's end (the plan counts them until ``zero_grad``).
                 job = jobs.pop(0)
-                job.run(begins, lambda shard: units[id(shard)].set())
+                job.run(begins, lambda key: units[key].set())
                 del job
         finally:
             for event in units.values():   # done or failed: no wait outlives the pass
@@ -113,7 +117,7 @@ class OptimizerPass:
         """Blocks until ``shard``'s update is written, or the pass has ended (see the module's
         docstring: a failure is raised by ``finish``, not here)."""
         event = self._units.get(id(shard))
-        if event is not None and threading.get_ident() != self._worker_thread:
+        if event is not None and threading.get_ident() not in self._worker_thread:
             event.wait()
             self._held.pop(id(shard), None)
 
@@ -132,6 +136,14 @@ class OptimizerPass:
             self._units, self._held = {}, {}
         if self._failure is not None:
             raise self._failure
+
+
+def _shut_down(worker: concurrent.futures.ThreadPoolExecutor) -> None:
+    """The end of a pass's worker: once its pass in flight is done, unless it ends on the
+    worker itself (the last reference to a shard may be a job's), which cannot wait for
+    itself."""
+    own = threading.current_thread() in set(worker._threads)
+    worker.shutdown(wait=not own)
 
 
 def wait_for_update(shard: torch.nn.Parameter) -> None:
