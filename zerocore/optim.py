@@ -20,6 +20,10 @@ launch over all the buckets of a param group that share a device, dtypes and ste
 sharded model: every layer's shard in one launch). Parameters whose ``.grad`` is None are
 skipped, as ``torch.optim`` skips them; then that bucket is stepped parameter by parameter.
 
+Offloaded shards whose sharding overlaps the pass (``Offload(overlap="exact")``, the default)
+are stepped after ``step()`` returns, on the optimizer's host worker, layer by layer in forward
+order while the next forward runs (engine/optimizer_pass.py); ``settle()`` waits for it.
+
 Caveat shared with every optimizer that keeps master weights: after changing a low-precision
 parameter outside the optimizer, call ``sync_master_from_params()``.
 """
