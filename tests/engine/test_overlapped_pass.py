@@ -77,9 +77,10 @@ def lagging(index: int) -> None:
 
 
 def one_step(sharding, model, opt, scaler, case: Case, step: int, rank: int,
-             world_size: int, h: "hashlib._Hash") -> None:
+             world_size: int, h: "hashlib._Hash", set_to_none: bool = True) -> None:
     """Forward and backward of each micro-batch (their losses hashed, exactly), then the
-    gradient shards hashed and the step through the scaler (its norm and skip hashed)."""
+    gradient shards hashed and the step through the scaler (its norm and skip hashed), then
+    the gradients zeroed (dropped, or with ``set_to_none=False`` zeroed in place)."""
     spec = case.spec
     for m in range(spec.micro):
         x, y = global_batch(spec, step, m, world_size)
@@ -93,7 +94,7 @@ def one_step(sharding, model, opt, scaler, case: Case, step: int, rank: int,
         h.update(shard.grad.numpy().tobytes())
     result = scaler.step(opt, max_norm=spec.max_norm)
     h.update(struct.pack("<d?", result.grad_norm, result.skipped))
-    opt.zero_grad()
+    opt.zero_grad(set_to_none=set_to_none)
 
 
 def state_digest(sharding, opt, h: "hashlib._Hash") -> None:
@@ -121,12 +122,12 @@ def build(door: str, case: Case, label: str, path: str, overlap: str, lag: bool)
 
 
 def train(rank: int, world_size: int, door: str, name: str, label: str, path: str,
-          overlap: str, lag: bool) -> dict:
+          overlap: str, lag: bool, set_to_none: bool = True) -> dict:
     case = CASES[name]
     model, sharding, opt, scaler = build(door, case, label, path, overlap, lag)
     h = hashlib.sha256()
     for step in range(case.spec.steps):
-        one_step(sharding, model, opt, scaler, case, step, rank, world_size, h)
+        one_step(sharding, model, opt, scaler, case, step, rank, world_size, h, set_to_none)
     state_digest(sharding, opt, h)
     overlapped = [s.update_pass is not None for s in sharding.trainable_shards()]
     return {"digest": h.hexdigest(), "overlapped": overlapped}
@@ -154,6 +155,20 @@ def test_overlapped_pass_trains_bitwise_as_the_synchronous_one(world, tmp_path, 
                        for o in [g["overlapped"]]), (label, overlap, got)
         assert runs["exact", False] == runs["off", False], (label, runs)
         assert runs["exact", True] == runs["off", False], (label, runs)
+
+
+@pytest.mark.parametrize("label", ["cpu", "nvme"])
+def test_zeroing_the_gradients_in_place_waits_for_the_pass(world, tmp_path, label):
+    """``zero_grad(set_to_none=False)`` zeroes the gradients the pass reads: it waits for the
+    pass first (a lagging worker would otherwise step on zeros)."""
+    runs = {}
+    for overlap, lag in (("off", False), ("exact", True)):
+        scratch = tmp_path / overlap
+        scratch.mkdir()
+        got = world.run(train, "shard", "transformer-bf16-clip", label, str(scratch), overlap,
+                        lag, False)
+        runs[overlap] = [g["digest"] for g in got]
+    assert runs["exact"] == runs["off"], runs
 
 
 def rank_payload(path: Path, rank: int) -> dict:
