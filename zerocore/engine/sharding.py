@@ -546,6 +546,7 @@ class Sharding:
         hashes of each place in the shard dim compared across the replicas; the same answer on
         every rank. True for a flat layout (one copy). It reads every trainable shard once:
         a check for the end of a run, not for every step."""
+        settle_updates(self.trainable_shards(), together=True)  # (an overlapped pass's state)
         digest = hashlib.sha256()
         for shard in self.trainable_shards():
             for t in (shard, shard.model_copy):
