@@ -47,8 +47,9 @@ from zerocore.kernels import ops, reference
 from zerocore.kernels.ops import BUILD
 from zerocore.loss_scale import LossScaler, StepResult
 from zerocore.policies import (DEFAULT_POOL_BYTES, FROZEN_FORMATS, FROZEN_PLACEMENTS,
-                               MIN_POOL_BYTES, OFFLOAD_DEVICES, Comm, Compile, FrozenWeights,
-                               Hybrid, LossScaling, MixedPrecision, Offload, Prefetch, Recompute)
+                               MIN_POOL_BYTES, OFFLOAD_DEVICES, OVERLAPS, Comm, Compile,
+                               FrozenWeights, Hybrid, LossScaling, MixedPrecision, Offload,
+                               Prefetch, Recompute)
 
 # The modules whose __all__ is zerocore's API; tests/tools/test_structure.py holds neox, the
 # examples, the benchmarks and the documentation's code to them, and docs/api.md to this list.
@@ -61,7 +62,8 @@ __all__ = ["BUILD", "ops", "optim", "reference", "shard", "ShardedSequential", "
            "shard_model", "ShardedModel", "sharding_of",
            "MixedPrecision", "Prefetch", "Offload", "Recompute", "FrozenWeights", "FROZEN_FORMATS",
            "FROZEN_PLACEMENTS", "Comm",
-           "Compile", "Hybrid", "OFFLOAD_DEVICES", "DEFAULT_POOL_BYTES", "MIN_POOL_BYTES",
+           "Compile", "Hybrid", "OFFLOAD_DEVICES", "OVERLAPS", "DEFAULT_POOL_BYTES",
+           "MIN_POOL_BYTES",
            "LossScaling", "LossScaler", "StepResult",
            "MemoryReport", "CommReport", "run_agreed", "PeerError", "PeerLost", "Diverged",
            "is_peer_loss", "agree_values", "ValuesDiffer",

@@ -20,6 +20,10 @@ launch over all the buckets of a param group that share a device, dtypes and ste
 sharded model: every layer's shard in one launch). Parameters whose ``.grad`` is None are
 skipped, as ``torch.optim`` skips them; then that bucket is stepped parameter by parameter.
 
+Offloaded shards whose sharding overlaps the pass (``Offload(overlap="exact")``, the default)
+are stepped after ``step()`` returns, on the optimizer's host worker, layer by layer in forward
+order while the next forward runs (engine/optimizer_pass.py); ``settle()`` waits for it.
+
 Caveat shared with every optimizer that keeps master weights: after changing a low-precision
 parameter outside the optimizer, call ``sync_master_from_params()``.
 """
@@ -35,6 +39,8 @@ import torch
 from zerocore.comm.lockstep import STEP, lockstep_of
 from zerocore.engine.homes.nvme_step import NvmeLaunch, Run
 from zerocore.engine.nvme_store import AdamRecord
+from zerocore.engine.optimizer_pass import (Begins, Done, Job, OptimizerPass, PassHook,
+                                            settle_updates)
 from zerocore.engine.sharded_param import (ShardParameter, is_nvme, is_offloaded, is_shard,
                                            mark_model_copy_synced, wait_for_device)
 from zerocore.engine.tracing import traced
@@ -68,6 +74,9 @@ class _Bucket:
     # NVMe offload: where the shard's master and moments live (its ``.nvme``); the bucket is
     # stepped chunk by chunk through its store's pool (homes/nvme_step.py). None: in memory.
     nvme: AdamRecord | None = None
+    # Stepped on the optimizer's host worker while the next forward runs
+    # (``Offload(overlap="exact")``, engine/optimizer_pass.py), not inside ``step()``.
+    overlapped: bool = False
 
     @property
     def numel(self) -> int:
@@ -86,7 +95,7 @@ class _Launch:
         self._lrs: list[float] = []
         self._wds: list[float] = []
 
-    def add(self, b: _Bucket, grad_flat: torch.Tensor, runs: list[Run]) -> None:
+    def add(self, b: _Bucket | _Unit, grad_flat: torch.Tensor, runs: list[Run]) -> None:
         self.buckets.append(b)
         for lo, hi, lr, wd in runs:
             arrays = (b.master, grad_flat, b.exp_avg, b.exp_avg_sq, b.model_copy)
@@ -95,6 +104,10 @@ class _Launch:
                     out.append(a if (lo, hi) == (0, a.numel()) else a[lo:hi])
             self._lrs.append(lr)
             self._wds.append(wd)
+
+    def clear(self) -> None:
+        """Lets go of the arrays (run: the launch is spent)."""
+        self._lists = ([], [], [], [], [])
 
     def run(self, hyper: dict[str, Any]) -> None:
         masters, grads, exp_avgs, exp_avg_sqs, copies = self._lists
@@ -137,6 +150,67 @@ def _settled(b: _Bucket, hyper: dict[str, Any]) -> list[Run]:
         settings = _with(hyper, wd, scale)
         out.append((lo, hi, settings["lr"], settings["weight_decay"]))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unit:
+    """What the worker's job needs of one overlapped bucket: its arrays and labels, never the
+    shard parameter itself (a pass in flight then holds no model: one dropped mid-pass is
+    freed once the pass ends, its worker first)."""
+
+    key: int                          # id of the shard: the pass's name for the unit
+    layer_index: int
+    master: torch.Tensor | None       # (views of the bucket's flat buffers, as _Bucket's)
+    exp_avg: torch.Tensor | None
+    exp_avg_sq: torch.Tensor | None
+    model_copy: torch.Tensor | None
+    nvme: AdamRecord | None
+
+
+def _jobs(overlapped: list[tuple[_Bucket, int, torch.Tensor, dict[str, Any]]]) -> list[Job]:
+    """The host worker's jobs for the overlapped buckets (bucket, step count, flat gradient,
+    settings), in forward order: one per in-memory shard (the kernel on it alone: the same
+    bits as in one launch with the others, each element being stepped alone), one per run of
+    consecutive NVMe shards of one store and one kind (one pass over their chunks, each layer
+    done once its last chunk is stepped: its masters' and moments' writes trail)."""
+    jobs: list[Job] = []
+    launch: NvmeLaunch | None = None
+    kind = None
+    for b, step, grad_flat, hyper in sorted(overlapped, key=lambda o: o[0].layer_index):
+        runs = _settled(b, hyper)
+        unit = _Unit(id(b.params[0]), b.layer_index, b.master, b.exp_avg, b.exp_avg_sq,
+                     b.model_copy, b.nvme)
+        if b.nvme is None:
+            one = _Launch(step, None)
+            one.add(unit, grad_flat, runs)
+            jobs.append(Job([unit.key], _memory_job(one, unit, hyper)))
+            launch = None
+            continue
+        key = (id(b.nvme.store), grad_flat.dtype, step, id(hyper))
+        if launch is None or key != kind:
+            launch, kind = NvmeLaunch(b.nvme.store, step, None), key
+            jobs.append(Job([], _nvme_job(launch, hyper)))
+        launch.add(unit, grad_flat, runs)
+        jobs[-1].keys.append(unit.key)
+    return jobs
+
+
+def _memory_job(launch: _Launch, unit: _Unit, hyper: dict[str, Any]):
+    def run(begins: Begins, done: Done) -> None:
+        begins(unit.layer_index)
+        with traced("adam", unit.layer_index):
+            launch.run(hyper)
+        launch.clear()  # (its gradient: the calling thread lets go of it, ``start``'s held)
+        done(unit.key)
+    return run
+
+
+def _nvme_job(launch: NvmeLaunch, hyper: dict[str, Any]):
+    def run(begins: Begins, done: Done) -> None:
+        with traced("adam", -1):
+            launch.run_on_worker(hyper, lambda u: begins(u.layer_index),
+                                 lambda u: done(u.key))
+    return run
 
 
 def _with(hyper: dict[str, Any], weight_decay: float | None, lr_scale: float) -> dict[str, Any]:
@@ -201,7 +275,10 @@ class Adam(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, *, adamw: bool = False, amsgrad: bool = False,
-                 maximize: bool = False, param_overrides: Overrides | None = None):
+                 maximize: bool = False, param_overrides: Overrides | None = None,
+                 pass_hook: PassHook | None = None):
+        """pass_hook: for tests, called on the host worker before each layer's overlapped
+        update (engine/optimizer_pass.py's ``PassHook``)."""
         if amsgrad or maximize:
             raise ValueError("zerocore.optim.Adam does not implement amsgrad or maximize; use "
                              "torch.optim.Adam for those")
@@ -216,6 +293,9 @@ class Adam(torch.optim.Optimizer):
         self._adamw = adamw
         self._overrides = param_overrides
         self._buckets: list[list[_Bucket]] = []  # per param group
+        # The host worker that steps overlapped shards (made with the first of them).
+        self._pass_hook = pass_hook
+        self._pass: OptimizerPass | None = None
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
 
@@ -302,19 +382,27 @@ class Adam(torch.optim.Optimizer):
     def _shard_bucket(self, p: ShardParameter) -> _Bucket:
         if p.dtype != torch.float32 or p.dim() != 1:
             raise ValueError("zerocore.optim: a ShardParameter must be a 1-D float32 master shard")
+        # An earlier optimizer's pass may still be stepping it: its state is this one's start.
+        settle_updates([p])
+        overlapped = bool(getattr(p, "overlapped", False))
+        if overlapped:
+            if self._pass is None:
+                self._pass = OptimizerPass(self._pass_hook)
+            p.update_pass = self._pass
         if is_nvme(p):
             # The master and moments are in the scratch (the moments start from zeros, as
             # zeros_like's: the store zeroes them if an earlier optimizer wrote them).
             p.nvme.store.fresh_moments(p.nvme)
             bucket = _Bucket([p], [0], None, None, None, p.model_copy, None,
                              self._shard_runs(p), p.host_threads,
-                             getattr(p, "layer_index", -1), nvme=p.nvme)
+                             getattr(p, "layer_index", -1), nvme=p.nvme,
+                             overlapped=overlapped)
             self._bind_state(bucket)
             return bucket
         bucket = _Bucket([p], [0], p.data, torch.zeros_like(p.data), torch.zeros_like(p.data),
                          p.model_copy, None, self._shard_runs(p),
                          p.host_threads if is_offloaded(p) else None,
-                         getattr(p, "layer_index", -1))
+                         getattr(p, "layer_index", -1), overlapped=overlapped)
         self._bind_state(bucket)
         return bucket
 
@@ -367,15 +455,23 @@ class Adam(torch.optim.Optimizer):
 
         Every bucket whose parameters all have gradients and one step count joins one kernel
         launch per (device, gradient dtype, model-copy dtype, step count) of its param group:
-        on a sharded model, one launch for all the layers' shards, as one pass over memory."""
+        on a sharded model, one launch for all the layers' shards, as one pass over memory.
+
+        Overlapped shards (``Offload(overlap="exact")``) are stepped on the host worker
+        instead, layer by layer in forward order, after this returns
+        (engine/optimizer_pass.py); the previous step's pass is settled first, a failure of it
+        raised here on every rank."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        params = [p for g in self.param_groups for p in g["params"]]
         # Every rank of each sharded model steps after as many micro-batches as the others,
         # or every rank is told which did not, before any steps (comm/lockstep.py).
-        for lockstep in lockstep_of(p for g in self.param_groups for p in g["params"]):
+        for lockstep in lockstep_of(params):
             lockstep.before_step(STEP)
+        settle_updates(params, together=True)
+        overlapped: list[tuple[_Bucket, int, torch.Tensor, dict[str, Any]]] = []
         for group, buckets in zip(self.param_groups, self._buckets):
             hyper = self._hyper(group, inv_grad_scale)
             launches: dict[tuple, _Launch | NvmeLaunch] = {}
@@ -392,6 +488,11 @@ class Adam(torch.optim.Optimizer):
                             self._step_one_by_one(b, hyper)
                     continue
                 step, grad_flat = parts
+                if b.overlapped:
+                    overlapped.append((b, step, grad_flat, hyper))
+                    # (the worker writes the copy; every reader of it waits for that first)
+                    self._mark_stepped(b.params)
+                    continue
                 copy_dtype = None if b.model_copy is None else b.model_copy.dtype
                 if b.nvme is not None:
                     key = (id(b.nvme.store), grad_flat.dtype, copy_dtype, step, b.host_threads)
@@ -406,7 +507,27 @@ class Adam(torch.optim.Optimizer):
                     launch.run(hyper)
                 for b in launch.buckets:
                     self._mark_stepped(b.params)
+        if overlapped:
+            held = {id(b.params[0]): grad_flat for b, _, grad_flat, _ in overlapped}
+            self._pass.start(_jobs(overlapped), held)
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``. Dropping the gradients does not wait for an
+        overlapped pass (it holds the ones it reads); zeroing them in place does."""
+        if not set_to_none:
+            settle_updates([p for g in self.param_groups for p in g["params"]], together=True)
+        super().zero_grad(set_to_none=set_to_none)
+
+    @property
+    def pass_in_flight(self) -> bool:
+        """Whether an overlapped pass is still running on the host worker."""
+        return self._pass is not None and self._pass.in_flight
+
+    def settle(self) -> None:
+        """Waits for the overlapped pass in flight (if any) and raises its failure: this rank
+        alone (``settle_updates``)."""
+        settle_updates([p for g in self.param_groups for p in g["params"]])
 
     def _hyper(self, group: dict[str, Any], inv_grad_scale: float) -> dict[str, Any]:
         beta1, beta2 = group["betas"]
@@ -460,6 +581,7 @@ class Adam(torch.optim.Optimizer):
     def sync_master_from_params(self) -> None:
         """Copies low-precision parameters into the fp32 master weights, after the model was
         changed outside the optimizer (for instance by ``model.load_state_dict``)."""
+        self.settle()
         for buckets in self._buckets:
             for b in buckets:
                 if b.model_copy is not None and b.grad_flat is not None:
@@ -477,6 +599,7 @@ class Adam(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         self._refuse_nvme("state_dict()")
+        self.settle()
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -485,6 +608,7 @@ class Adam(torch.optim.Optimizer):
         whole state dict is checked before anything is written, so a mismatched one raises
         ValueError and leaves the optimizer as it was."""
         self._refuse_nvme("load_state_dict()")
+        self.settle()
         groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
         if len(groups) != len(self.param_groups):
@@ -543,6 +667,7 @@ class AdamW(Adam):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, amsgrad: bool = False, maximize: bool = False,
-                 param_overrides: Overrides | None = None):
+                 param_overrides: Overrides | None = None, pass_hook: PassHook | None = None):
         super().__init__(params, lr, betas, eps, weight_decay, adamw=True, amsgrad=amsgrad,
-                         maximize=maximize, param_overrides=param_overrides)
+                         maximize=maximize, param_overrides=param_overrides,
+                         pass_hook=pass_hook)

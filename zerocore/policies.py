@@ -87,6 +87,8 @@ class Prefetch:
 
 # Where an offloaded half lives: host memory, or files on a local disk (ZeRO-Infinity).
 OFFLOAD_DEVICES = ("cpu", "nvme")
+# How the offloaded optimizer's pass runs (``Offload.overlap``).
+OVERLAPS = ("exact", "off")
 # Offload(pool_bytes=): the host memory NVMe offload reads and writes through by default.
 DEFAULT_POOL_BYTES = 256 * 2**20
 # The smallest pool: four chunk buffers (engine/nvme_store.py: one read ahead, one stepped, one
@@ -143,6 +145,17 @@ class Offload:
     (the cores this process may use divided by the ranks on this host, never more than torch
     uses already), so N ranks do not oversubscribe the host N times; a number sets exactly that.
     Ranks computing on the CPU step with the thread count their launcher chose.
+
+    overlap: with ``optimizer`` offloaded, whether its pass overlaps the next forward:
+    ``"exact"`` (the default) makes ``optimizer.step()`` do what is collective (the lockstep's
+    check; the gradient norm, clipping and loss scale are the caller's, before it) and hand
+    the per-layer Adam work to one host worker, which steps the layers in forward order while
+    the next forward runs: each layer's gather waits for that layer's update alone, and
+    whatever reads the state whole (a step, ``zero_grad(set_to_none=False)``, state dicts,
+    checkpoints, full states) waits for the whole pass first. Bitwise the same results as
+    ``"off"``, which steps everything inside ``step()``. A failure of the pass is raised at
+    the next step or checkpoint, on every rank. With ``params="nvme"`` the pass stays inside
+    ``step()`` (the gathers' reads share its pool). docs/offload.md.
     """
 
     optimizer: bool | str = False
@@ -150,6 +163,7 @@ class Offload:
     cpu_threads: int | None = None
     path: str | None = None
     pool_bytes: int = DEFAULT_POOL_BYTES
+    overlap: str = "exact"
 
     def __post_init__(self) -> None:
         for name in ("optimizer", "params"):
@@ -179,6 +193,9 @@ class Offload:
             raise ValueError(f"Offload(path={self.path!r}) is where NVMe offload keeps its "
                              f"scratch; give optimizer='nvme' or params='nvme', or leave path "
                              f"out")
+        if self.overlap not in OVERLAPS:
+            raise ValueError(f"Offload.overlap must be one of {', '.join(map(repr, OVERLAPS))}, "
+                             f"got {self.overlap!r}")
         least = self.min_pool_bytes
         if type(self.pool_bytes) is not int or self.pool_bytes < least:
             raise ValueError(f"Offload.pool_bytes must be an int >= {least} (four chunk "
@@ -196,6 +213,12 @@ class Offload:
         model copies to NVMe too)."""
         both = self.optimizer == "nvme" and self.params == "nvme"
         return MIN_POOL_BYTES * 4 // 3 if both else MIN_POOL_BYTES
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether the optimizer's pass runs on the host worker, overlapping the next forward
+        (``overlap``): offloaded optimizer state, and parameters not on NVMe."""
+        return self.overlap == "exact" and bool(self.optimizer) and self.params != "nvme"
 
     @property
     def nvme(self) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import os
 import threading
+import time
 import weakref
 
 import pytest
@@ -71,15 +72,21 @@ def _open_under(path: str) -> list[str]:
 def _shard_door(offload: zerocore.Offload, after: str, workdir: str) -> dict[str, object]:
     """after: "training"; "forward", a forward that built a graph no backward used (an
     evaluation without no_grad); "kept-loss", training with the loss tensor, and so its graph,
-    still held when the model is dropped (a notebook's variable)."""
+    still held when the model is dropped (a notebook's variable); "in-flight", training
+    dropped while an offloaded optimizer's overlapped pass still runs (its worker lagging)."""
     torch.manual_seed(0)
     model = zerocore.shard([nn.Sequential(nn.Linear(8, 16), nn.GELU()), nn.Linear(16, 2)],
                            offload=offload)
-    opt = zerocore.optim.AdamW(model.parameters(), lr=1e-3)
+    lag = (lambda index: time.sleep(0.2)) if after == "in-flight" else None
+    opt = zerocore.optim.AdamW(model.parameters(), lr=1e-3, pass_hook=lag)
     loss = model(torch.randn(3, 8)).square().mean()
     if after != "forward":
         loss.backward()
         opt.step()
+        if after == "in-flight":
+            assert opt.pass_in_flight
+        else:
+            opt.settle()  # (the store's threads have run: they are looked for)
     return dict(model=model, sharding=model, runtime=model.runtime, optimizer=opt,
                 store=model.ctx.store, kept=loss if after == "kept-loss" else None)
 
@@ -93,6 +100,7 @@ def _shard_model_door(offload: zerocore.Offload, after: str,
     if after == "training":
         model(input_ids=tokens, labels=tokens).loss.backward()
         opt.step()
+        opt.settle()  # (the store's threads have run: they are looked for)
     else:
         model.eval()
         model.generate(input_ids=tokens[:, :4], max_new_tokens=3, do_sample=False,
@@ -163,9 +171,17 @@ def _check(result: dict, home: str, after: str, peers: bool = False) -> None:
     # Peer reading adds the thread that answers where this rank waits (comm/peer_memory.py),
     # which must end with the model too (it kept the peer memory alive once).
     answering = ["zerocore-whereabouts"] if peers else []
+    # An offloaded optimizer's pass runs on its own worker (Offload(overlap="exact"), not with
+    # the parameters on NVMe), which goes with the optimizer, a pass in flight ending first.
+    overlaps = HOMES[home].get("optimizer") and HOMES[home].get("params") != "nvme"
+    stepping = (["zerocore-optimizer-pass_0"] if overlaps
+                and after in ("training", "in-flight") else [])
     if HOMES[home].get("optimizer") == "nvme" and after == "training":
-        assert result["threads_during"] == ["zerocore-nvme-read_0",
-                                            "zerocore-nvme-write_0"] + answering, result
+        assert result["threads_during"] == sorted(["zerocore-nvme-read_0",
+                                                   "zerocore-nvme-write_0"] + stepping
+                                                  + answering), result
+    elif stepping:
+        assert result["threads_during"] == stepping + answering, result
     elif peers:
         assert answering[0] in result["threads_during"], result
 
@@ -183,6 +199,16 @@ def test_a_dropped_sharded_trainer_is_freed(worlds, tmp_path, home):
     """Trainer-based loops (a sweep, an evaluation) create and drop models in one process."""
     (result,) = worlds(1).run(dropped_run, "trainer", home, "training", str(tmp_path))
     _check(result, home, "training")
+
+
+@pytest.mark.parametrize("home", ["cpu-optimizer", "nvme-optimizer"])
+def test_a_model_dropped_while_its_optimizer_pass_runs_is_freed(worlds, tmp_path, home):
+    """The pass in flight holds no shard: the optimizer's worker goes with the model, once
+    the pass has ended (its finalizer waits for it), and the store with it."""
+    (result,) = worlds(1).run(dropped_run, "shard", home, "in-flight", str(tmp_path))
+    assert result["left"] == [], result
+    assert result["threads_left"] == [] and result["open_left"] == [], result
+    assert "zerocore-optimizer-pass_0" in result["threads_during"], result
 
 
 @pytest.mark.parametrize("after", ["forward", "kept-loss"])

@@ -339,7 +339,9 @@ def test_a_disk_too_small_by_one_layer_is_one_line_when_the_layers_agree(worlds,
 
 def fill_mid_step(rank: int, world_size: int, path: str, ckpt: str) -> dict:
     """Two steps and a checkpoint; then rank 1's disk refuses writes during the third step's
-    optimizer pass. What every rank raised, and the checkpoint's state after it."""
+    optimizer pass. What every rank raised, and the checkpoint's state after it. The pass runs
+    on the optimizer's worker, overlapping the next forward (the default): its failure is
+    raised by the step after it, once the next forward and backward have run."""
     spec = Spec(model="transformer", steps=3, param_dtype=torch.bfloat16)
     case = Case(spec)
     _, model = build("shard", case, offload_of("nvme", path))
@@ -353,6 +355,9 @@ def fill_mid_step(rank: int, world_size: int, path: str, ckpt: str) -> dict:
     # On rank 1 the scratch's first array stays writable: the pass fails part-way.
     with file_size_limit(model.ctx.store.size // 2 if rank == 1 else None):
         try:
+            opt.step()
+            opt.zero_grad()
+            accumulate_step(model, spec, 3, rank, world_size)
             opt.step()
             raised = ("", "")
         except Exception as e:  # noqa: BLE001  (what every rank raised is the result)

@@ -95,15 +95,17 @@ def pipeline_state(rank: int, world_size: int, door: str) -> dict:
     """After a backward with offload: no gradient left in flight, every master's gradient in
     place; after a step, when the next forward reaches its first layer, every mirror uploaded
     (its generation is the shard's): the uploads all start with the forward, through either
-    door, and overlap the first layers' gathers."""
+    door, and overlap the first layers' gathers. (The optimizer's pass inside ``step()``: with
+    it overlapped, each mirror waits for its own layer's update, uploaded by its gather then,
+    tests/engine/test_overlapped_pass.py.)"""
     spec = Spec()
     layers = make_layers(spec)
+    offload = zerocore.Offload(optimizer=True, overlap="off")
     if door == "shard":
-        model = sharding = zerocore.shard(layers, offload=zerocore.Offload(optimizer=True))
+        model = sharding = zerocore.shard(layers, offload=offload)
     else:
         model = nn.Sequential(*layers)
-        sharding = zerocore.shard_model(model, list(model),
-                                        offload=zerocore.Offload(optimizer=True))
+        sharding = zerocore.shard_model(model, list(model), offload=offload)
     opt = zerocore.optim.AdamW(sharding.trainable_shards(), lr=LR)
     x, y = global_batch(spec, 0, 0, world_size)
     xr, yr = x.chunk(world_size)[rank], y.chunk(world_size)[rank]

@@ -658,6 +658,10 @@ def test_offload_trains_bitwise_as_without(cli_dirs, run_lora_bf16, tmp_path):
     assert ("; parameter shards and optimizer state in CPU memory"
             in lines[("--offload", "all")])
     assert "; optimizer state in CPU memory" in lines[("--offload-optimizer",)]
+    # (the optimizer's pass overlapped by default, and said so: --offload-overlap exact)
+    assert "the optimizer's pass overlaps the next forward (exact)" in \
+        lines[("--offload-optimizer",)]
+    assert "optimizer's pass" not in lines[("--offload", "params")]
 
 
 @pytest.mark.e2e

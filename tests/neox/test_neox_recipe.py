@@ -22,7 +22,7 @@ from neox.finetune_modes import FinetuneMode
 from neox.run.recipe import (RECIPE_VERSION, DataConfig, LayoutConfig, ModelRecipe, OffloadConfig,
                              OptimConfig, OutputConfig, Recipe, RecipeError, ShardingConfig,
                              TrainingConfig, recipe_from_checkpoint, recipe_from_flags)
-from neox.setting import UsageError
+from neox.setting import UsageError, setting_of
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "recipe_v0_lora"
 
@@ -279,6 +279,35 @@ def test_the_offload_device_path_and_pool_are_declarations_too():
     d["version"] = 6
     old = Recipe.from_dict(d).offload
     assert (old.offload_device, old.offload_path) == ("cpu", None)
+
+
+def test_the_offload_overlap_is_a_declaration_too():
+    # --offload-overlap exact|off (OffloadConfig, version 9): parsed, stored, mapped onto
+    # zerocore.Offload(overlap=); said on the run's model line; recipes of version 8 load as
+    # "exact" (the same bits as their runs'), and a resume may change it.
+    def offload(*flags):
+        return recipe_from_flags(vars(build_parser().parse_args(["--finetune", "full",
+                                                                 *flags]))).offload
+    exact = offload("--offload", "optimizer")
+    assert exact.offload_overlap == "exact"
+    assert exact.policies()["offload"] == zerocore.Offload(optimizer=True, overlap="exact")
+    assert "the optimizer's pass overlaps the next forward (exact)" in exact.words()
+    off = offload("--offload", "optimizer", "--offload-overlap", "off")
+    assert off.policies()["offload"].overlap == "off"
+    assert "the optimizer's pass runs inside its step (not overlapped)" in off.words()
+    assert "pass" not in offload("--offload", "params").words()  # nothing of the optimizer's
+    nvme_params = offload("--offload", "all", "--offload-device", "nvme", "--offload-path", "s")
+    assert "not overlapped" in nvme_params.words()  # (zerocore.Offload.overlaps)
+    assert not nvme_params.policies()["offload"].overlaps
+    assert setting_of(next(f for f in dataclasses.fields(OffloadConfig)
+                           if f.name == "offload_overlap")).flag.resumable
+    assert RECIPE_VERSION >= 9
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--offload-overlap", "delayed"])
+    d = Recipe().to_dict()
+    del d["loop"]["offload_overlap"]
+    d["version"] = 8
+    assert Recipe.from_dict(d).offload.offload_overlap == "exact"
 
 
 def test_the_frozen_format_and_placement_are_declarations_too():

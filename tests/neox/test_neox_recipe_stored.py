@@ -51,9 +51,12 @@ def test_a_recipe_stored_before_the_split_reads_into_its_concerns():
 
 def test_this_neox_stores_the_form_the_neox_before_the_split_reads():
     # Version 8 (issue 41) adds one field to "loop", the frozen weights' placement (a version-7
-    # recipe's runs were sharded): the rest of the form is version 7's, name for name.
+    # recipe's runs were sharded), and version 9 (issue 44) the optimizer pass's overlap (the
+    # same bits either way: "exact", the default): the rest of the form is version 7's, name
+    # for name.
     stored = json.loads(json.dumps(Recipe.from_dict(BEFORE_THE_SPLIT).to_dict()))
-    assert (stored.pop("version"), stored["loop"].pop("frozen_placement")) == (8, "sharded")
+    assert (stored.pop("version"), stored["loop"].pop("frozen_placement"),
+            stored["loop"].pop("offload_overlap")) == (9, "sharded", "exact")
     assert stored == {k: v for k, v in BEFORE_THE_SPLIT.items() if k != "version"}
 
 
@@ -64,11 +67,30 @@ def test_version_8_stores_the_frozen_placement_and_nf4():
     recipe = Recipe.from_dict(d)
     assert (recipe.sharding.frozen_weights, recipe.sharding.frozen_placement) == \
         ("nf4", "replicated")
-    assert json.loads(json.dumps(recipe.to_dict())) == d
+    assert json.loads(json.dumps(recipe.to_dict())) == dict(
+        d, version=9, loop=dict(d["loop"], offload_overlap="exact"))
     # From version 8 on the field is always stored, and checked.
     del d["loop"]["frozen_placement"]
     with pytest.raises(RecipeError, match=r"recipe.loop: missing fields \['frozen_placement'\]"):
         Recipe.from_dict(d)
     d["loop"]["frozen_placement"] = "everywhere"
     with pytest.raises(RecipeError, match="recipe.loop: frozen_placement must be one of"):
+        Recipe.from_dict(d)
+
+
+def test_version_9_stores_the_overlap_and_older_versions_load_as_exact():
+    """``--offload-overlap`` (issue 44): resumable (bitwise the same either way); recipes of
+    versions 1-8, whose runs stepped inside the step, load as "exact", the same bits."""
+    d = json.loads(json.dumps(BEFORE_THE_SPLIT))
+    assert Recipe.from_dict(d).offload.offload_overlap == "exact"
+    d["version"], d["loop"]["frozen_placement"], d["loop"]["offload_overlap"] = 9, "sharded", "off"
+    recipe = Recipe.from_dict(d)
+    assert recipe.offload.offload_overlap == "off"
+    assert recipe.offload.policies()["offload"].overlap == "off"
+    assert json.loads(json.dumps(recipe.to_dict())) == d
+    del d["loop"]["offload_overlap"]
+    with pytest.raises(RecipeError, match=r"recipe.loop: missing fields \['offload_overlap'\]"):
+        Recipe.from_dict(d)
+    d["loop"]["offload_overlap"] = "delayed"
+    with pytest.raises(RecipeError, match="recipe.loop: offload_overlap must be one of"):
         Recipe.from_dict(d)

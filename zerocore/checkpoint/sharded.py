@@ -88,6 +88,7 @@ from zerocore.comm.objects import all_gather_objects, broadcast_objects
 from zerocore.loss_scale import LossScaler
 from zerocore.optim import overrides_mismatch
 from zerocore.engine.nvme_store import ADAM_KEYS
+from zerocore.engine.optimizer_pass import settle_updates
 from zerocore.engine.sharded_param import ShardParameter, is_nvme, set_master
 from zerocore.comm.lockstep import LOAD, SAVE
 from zerocore.engine.sharding import Sharding
@@ -280,6 +281,9 @@ def save_checkpoint(root: str | Path, step: int, model: Any,
     """
     model = sharded_of(model)
     model.lockstep.collective(SAVE)  # every rank saves here, or every rank says where it is
+    # An overlapped optimizer pass in flight ends first; a failure of it is agreed here, on
+    # every rank, before anything is written (the state it left is not saved).
+    settle_updates(model.trainable_shards(), together=True)
     frozen_dtype = model.frozen_weights.dtype
     if include_frozen and frozen_dtype is not None:
         # The same answer on every rank (the policy is the model's), so no rank waits.
@@ -489,6 +493,7 @@ def load_checkpoint(path: str | Path, model: Any,
     model.lockstep.collective(LOAD)  # every rank loads here, or every rank says where it is
 
     def verify() -> ShardReader:
+        settle_updates(model.trainable_shards())  # (a pass in flight: its state is replaced)
         # open_checkpoint's checks, with the model match before the files': a manifest of
         # another model is reported as that, not as rank files that do not match it.
         manifest = read_manifest(path, allow_unverified=allow_unverified)

@@ -27,16 +27,20 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from zerocore.comm.agree import run_agreed
 from zerocore.comm.collectives import all_gather_sync
 from zerocore.comm.device import backend_map, uses_side_channel
 from zerocore.comm.fake import is_fake
 from zerocore.comm.peer_memory import GATHER_READY, PeerMemory
 from zerocore.comm.store_questions import StoreQuestions
 from zerocore.comm.transport import group_ranks
+
+T = TypeVar("T")
 
 # Kinds of step.
 GATHER, REDUCE, STATS, STEP, FULL_STATE, SAVE, LOAD, WAIT, GATHER_IN_NODE = range(1, 10)
@@ -216,6 +220,13 @@ class Lockstep:
     def collective(self, kind: int) -> None:
         """A step outside the training loop (``FULL_STATE``, ``SAVE``, ``LOAD``)."""
         self.check(Identity(kind, 0, 0, 0, self.step))
+
+    def agreed(self, fn: Callable[[], T]) -> T:
+        """Collective: ``fn()`` on every rank of the model, its failure agreed over them all
+        (``run_agreed``, over the exchange's CPU group: no device round trip)."""
+        if self.group.size() == 1 or is_fake(self.group):
+            return fn()
+        return run_agreed(fn, group=self._group)
 
     def check(self, identity: Identity) -> None:
         """Collective: exchanges ``identity`` with every rank; raises ``Diverged`` on every rank

@@ -44,6 +44,7 @@ from zerocore.engine.homes import Homes
 from zerocore.engine.host_arena import HostArena
 from zerocore.engine.nvme_store import NvmeStore, Region
 from zerocore.engine.offload import OffloadStreams
+from zerocore.engine.optimizer_pass import update_ready, wait_for_update
 from zerocore.engine.quantized import Quantized
 from zerocore.engine.rehearsal import StorageWatch
 from zerocore.policies import Comm
@@ -215,8 +216,11 @@ class FlatGroup:
     def upload(self) -> None:
         """Brings the device copy of the shard up to date, if its home keeps one between steps
         (``Home.uploads_before_forward``: a mirror of a host model copy). Called for those
-        layers at the start of forward, so the uploads overlap the first layers' work."""
-        self.home.upload()
+        layers at the start of forward, so the uploads overlap the first layers' work. A shard
+        the optimizer's overlapped pass has not updated yet is left to its gather, which
+        uploads it once the update is written (``start_gather``)."""
+        if update_ready(self.shard):
+            self.home.upload()
 
     @property
     def disk_region(self) -> Region | None:
@@ -224,6 +228,9 @@ class FlatGroup:
         return self.home.disk_region
 
     def start_gather(self) -> None:
+        # The optimizer's overlapped pass may still be updating this shard: its gather waits
+        # for that layer's update alone (engine/optimizer_pass.py).
+        wait_for_update(self.shard)
         if self.state is not GroupState.SHARDED:
             return
         t0 = collectives.now()

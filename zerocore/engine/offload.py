@@ -32,6 +32,7 @@ import weakref
 
 import torch
 
+from zerocore.engine.optimizer_pass import wait_for_update
 from zerocore.engine.sharded_param import ShardParameter
 
 
@@ -55,7 +56,9 @@ def accumulate_grad(shard: ShardParameter, grad: torch.Tensor, owned: bool) -> N
 
     grad: this rank's averaged gradient shard (1D, reduce dtype); owned is False when it is a
     view of a buffer that will be reused, so it is copied before it becomes ``shard.grad``.
-    Widening to fp32 is exact, so the order of widening and moving does not change a bit."""
+    Widening to fp32 is exact, so the order of widening and moving does not change a bit.
+    An overlapped optimizer pass may still read ``shard.grad``: waited for first."""
+    wait_for_update(shard)
     if grad.dtype != torch.float32 or grad.device != shard.device:
         grad = grad.to(device=shard.device, dtype=torch.float32)
     elif not owned and shard.grad is None:

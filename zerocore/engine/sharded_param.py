@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from zerocore.engine.optimizer_pass import settle_updates, wait_for_update
+
 # The attribute that marks a shard: "master", or "offloaded" (the master and its model copy
 # in CPU memory: engine/offload.py).
 KIND = "zerocore_shard"
@@ -51,6 +53,11 @@ class ShardParameter(torch.nn.Parameter):
     # values (``placeholder``), ``model_copy`` being what the layers compute with. None: the
     # tensor is the master.
     nvme: object | None
+    # Whether the optimizer steps it on its host worker, overlapping the next forward
+    # (``Offload(overlap="exact")``), and the optimizer's pass that does
+    # (engine/optimizer_pass.py), which the engine's waits find here; None: none.
+    overlapped: bool
+    update_pass: object | None
 
     def __new__(cls, data: torch.Tensor, model_copy: torch.Tensor | None = None,
                 requires_grad: bool = True, offloaded: bool = False) -> "ShardParameter":
@@ -58,6 +65,19 @@ class ShardParameter(torch.nn.Parameter):
         p = super().__new__(cls, data, requires_grad)
         init_shard(p, model_copy, offloaded)
         return p
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """Any use of a shard (a user's read of the master, ``.data``) first waits for the
+        optimizer's overlapped pass to have updated it, that shard alone
+        (engine/optimizer_pass.py); then it is a plain Parameter's (no subclass results).
+        Getting or setting ``.grad`` does not wait: the pass holds the gradients it reads, and
+        what writes into one in place waits itself (backward's accumulation, for its shard;
+        ``zero_grad(set_to_none=False)``, for the pass)."""
+        if getattr(func, "__self__", None) is not torch.Tensor.grad:
+            _wait_for_shards(args, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
 
     def refresh_model_copy(self) -> None:
         refresh_model_copy(self)
@@ -67,6 +87,15 @@ class ShardParameter(torch.nn.Parameter):
 
     def gather_source(self) -> torch.Tensor:
         return gather_source(self)
+
+
+def _wait_for_shards(args: tuple, kwargs: dict | None) -> None:
+    """Waits for the overlapped pass's update of each shard among an op's arguments (and in
+    lists of them)."""
+    for a in (*args, *(kwargs or {}).values()):
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if type(t) is ShardParameter:
+                wait_for_update(t)
 
 
 def new_shard(master: torch.Tensor, model_copy: torch.Tensor | None,
@@ -89,6 +118,8 @@ def init_shard(p: torch.nn.Parameter, model_copy: torch.Tensor | None, offloaded
     p.upload_done = None
     p.host_threads = None
     p.nvme = None
+    p.overlapped = False
+    p.update_pass = None
 
 
 def is_shard(p: torch.Tensor) -> bool:
@@ -167,6 +198,7 @@ def refresh_model_copy(p: torch.nn.Parameter) -> None:
 def master_values(p: torch.nn.Parameter) -> torch.Tensor:
     """The fp32 master's values: the tensor itself, or for an NVMe shard read from its scratch
     into a new tensor (one shard at a time: for exports and checks, not the hot path)."""
+    settle_updates([p])
     if is_nvme(p):
         return p.nvme.read("master")
     return p.detach()
@@ -176,6 +208,7 @@ def set_master(p: torch.nn.Parameter, values: torch.Tensor) -> None:
     """Writes the fp32 master (a load): into the tensor, or an NVMe shard's scratch, whose
     model copy is then derived at once (the tensor's version, which ``refresh_model_copy``
     watches, is not the master's there)."""
+    settle_updates([p])
     with torch.no_grad():
         if not is_nvme(p):
             p.copy_(values)

@@ -48,6 +48,7 @@ from zerocore.engine.schedule import Schedule
 from zerocore.engine.runtime import Runtime, Unit
 from zerocore.engine.sharded_layer import ShardedLayer
 from zerocore.engine.scratch_file import BLOCK, ScratchFile, size_text
+from zerocore.engine.optimizer_pass import settle_updates
 from zerocore.engine.sharded_param import ShardParameter, master_values
 from zerocore.kernels.ops import BUILD
 from zerocore.policies import (DEFAULT_POOL_BYTES, DEFAULT_TIMEOUT_S, Comm, Compile,
@@ -182,7 +183,7 @@ def build_context(mesh: Mesh, device: torch.device,
     # Where the shards live, chosen once for the sharding (zerocore/engine/homes/).
     where = homes.choose(offload, device=device, param_dtype=mixed_precision.param_dtype,
                          streams=streams, arena=arena, store=store, host_threads=host_threads,
-                         frozen_weights=frozen_weights)
+                         frozen_weights=frozen_weights, rehearsal=rehearsal is not None)
     return GroupContext(group, mesh.state_rank, device, mixed_precision.param_dtype,
                         mixed_precision.grad_reduce_dtype, counter, where,
                         quantized=Quantized.of(frozen_weights), peers=peers, comm=comm,
@@ -367,6 +368,12 @@ class Sharding:
             ranks = mesh.world_size
             log.info("%s: %d rank%s on %s; %s", self.front_door, ranks,
                      "s" if ranks != 1 else "", device, self.ways.line())
+            if offload.optimizer:
+                log.info("%s: the optimizer (offloaded to %s) steps %s", self.front_door,
+                         offload.optimizer,
+                         "on a host worker, overlapping the next forward (Offload.overlap "
+                         "'exact')" if offload.overlaps else "inside optimizer.step() (not "
+                         "overlapped)")
         self.schedule: Schedule | None = None  # decided by ``seal``, once the layers are built
         self.runtime: Runtime | None = None    # the hooks that run the layers (``start``)
         # Why this rank's last build step failed, and its exception, until agreed (``agree``).
@@ -483,7 +490,9 @@ class Sharding:
     def trainable_finite(self) -> bool:
         """Whether every trainable master weight this rank holds is finite (not NaN, not
         infinite): what a run checks before it saves. Reads NVMe-offloaded masters from the
-        scratch, one shard at a time."""
+        scratch, one shard at a time. Collective when the optimizer's pass is overlapped
+        (``Offload.overlap``): every rank waits for it, a failure of it agreed."""
+        settle_updates(self.trainable_shards(), together=True)
         return all(bool(torch.isfinite(master_values(s)).all()) for s in self.trainable_shards())
 
     def shards(self) -> Iterator[nn.Parameter]:
@@ -512,6 +521,8 @@ class Sharding:
             raise ValueError(f"iter_full_states: to_rank must be a rank of the group "
                              f"(0 .. {self.world_size - 1}) or None, got {to_rank!r}")
         self.lockstep.collective(FULL_STATE)
+        # The masters are read: an overlapped optimizer pass ends first, its failure agreed.
+        settle_updates(self.trainable_shards(), together=True)
         return ((layer.index, layer.full_state(trainable_only, to_rank=to_rank))
                 for layer in self.layers)
 
@@ -536,6 +547,7 @@ class Sharding:
         hashes of each place in the shard dim compared across the replicas; the same answer on
         every rank. True for a flat layout (one copy). It reads every trainable shard once:
         a check for the end of a run, not for every step."""
+        settle_updates(self.trainable_shards(), together=True)  # (an overlapped pass's state)
         digest = hashlib.sha256()
         for shard in self.trainable_shards():
             for t in (shard, shard.model_copy):

@@ -23,7 +23,9 @@ weights in the engine's words (``null`` or a format such as ``"int8"``, as
 params|optimizer|all``); 6, ``hybrid`` and ``quantize_gradients`` (``--hybrid hsdp``,
 ``--quantize-gradients int8``); 7, ``offload_device``, ``offload_path`` and ``offload_pool``
 (``--offload-device nvme``); 8, ``frozen_placement`` (``--frozen-placement replicated``; older
-recipes were sharded), and frozen weights may be ``"nf4"`` or ``"fp8"``. A field's ``since``
+recipes were sharded), and frozen weights may be ``"nf4"`` or ``"fp8"``; 9, ``offload_overlap``
+(``--offload-overlap off``; older recipes load as ``"exact"``, bitwise what their runs did). A
+field's ``since``
 says from which version recipes always hold it; older ones may lack it and take its default,
 and its ``upgrade`` turns their values into this version's. Checkpoints written before the recipe
 existed stored the command line's ``vars(args)``; ``recipe_from_checkpoint``

@@ -9,7 +9,7 @@ from typing import Any
 import zerocore
 from neox.run.recipe.declaring import STEP, at_least, check_fields, is_bool, path_or_none
 from neox.setting import Flag, absolute_path, byte_budget, path_text, setting
-from zerocore import DEFAULT_POOL_BYTES, MIN_POOL_BYTES, OFFLOAD_DEVICES
+from zerocore import DEFAULT_POOL_BYTES, MIN_POOL_BYTES, OFFLOAD_DEVICES, OVERLAPS
 
 __all__ = ["OffloadConfig", "OFFLOADS", "offload_words"]
 
@@ -60,6 +60,17 @@ class OffloadConfig:
                         "through (e.g. 256MiB, 1GiB): all it holds of the masters and moments "
                         "at once; larger means longer transfers", parse=byte_budget,
                   metavar="SIZE", text=lambda x: f"{x // 2**20}MiB", resumable=True), since=7)
+    # Whether the offloaded optimizer's pass overlaps the next forward (zerocore.Offload's
+    # overlap). Bitwise the same either way, so a resumed run may change it; recipes before
+    # version 9 lack it and load as "exact" (their runs were "off": the same bits).
+    offload_overlap: str = setting(
+        "exact", check=lambda x: x in OVERLAPS,
+        problem=f"{{name}} must be one of {OVERLAPS}, got {{value!r}}",
+        flag=Flag(STEP, "with the optimizer offloaded: 'exact' steps its layers on a host "
+                        "worker in forward order while the next forward runs, each layer's "
+                        "gather waiting for its own update (bitwise the same results); 'off' "
+                        "steps them all inside the optimizer's step (default: exact)",
+                  choices=OVERLAPS, resumable=True), since=9)
 
     def __post_init__(self) -> None:
         check_fields(self, "recipe.offload")
@@ -83,7 +94,7 @@ class OffloadConfig:
             optimizer=self.offload_device if self.offloaded_optimizer else False,
             params=self.offload_device if self.offloaded_params else False,
             path=self.offload_path if self.offload_device == "nvme" else None,
-            pool_bytes=self.offload_pool))
+            pool_bytes=self.offload_pool, overlap=self.offload_overlap))
 
     def problem(self, *, for_a_run: bool) -> str | None:
         """What is wrong with the offload flags together, in one line (None: nothing):
@@ -107,7 +118,15 @@ class OffloadConfig:
             return ""
         where = ("on NVMe (fp32 masters and Adam moments in scratch files in "
                  f"{self.offload_path})" if self.offload_device == "nvme" else "in CPU memory")
-        return f"; {offloaded} {where}"
+        overlap = ""
+        if self.offloaded_optimizer:
+            # (zerocore.Offload.overlaps: with the parameters on NVMe the pass stays inside
+            # the step, whatever the field)
+            overlaps = self.offload_overlap == "exact" and not (
+                self.offloaded_params and self.offload_device == "nvme")
+            overlap = ("; the optimizer's pass overlaps the next forward (exact)" if overlaps
+                       else "; the optimizer's pass runs inside its step (not overlapped)")
+        return f"; {offloaded} {where}{overlap}"
 
 
 def offload_words(params: bool, optimizer: bool) -> str:

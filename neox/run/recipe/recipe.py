@@ -7,6 +7,8 @@ and frozen weights as well. A checkpoint written by this neox is therefore read 
 before the split, and the other way round; the stored names never change with the code's.
 Version 8 adds one field to ``loop`` (the sharding part's ``frozen_placement``): a neox that
 reads version 7 at most refuses it as newer, and this one reads version 7's as sharded.
+Version 9 adds one more (the offload part's ``offload_overlap``), read as ``"exact"`` from
+older versions.
 """
 
 from __future__ import annotations

@@ -35,9 +35,11 @@ from zerocore.policies import FrozenWeights, Offload
 
 def choose(offload: Offload, *, device: torch.device, param_dtype: torch.dtype,
            streams: OffloadStreams | None, arena: HostArena | None, store: NvmeStore | None,
-           host_threads: int | None, frozen_weights: FrozenWeights = FrozenWeights()) -> Homes:
+           host_threads: int | None, frozen_weights: FrozenWeights = FrozenWeights(),
+           rehearsal: bool = False) -> Homes:
     """The homes of trainable and frozen groups under ``offload`` and ``frozen_weights``'
-    placement (the module's table), with what they share."""
+    placement (the module's table), with what they share. ``rehearsal``: a plan's, on fake
+    tensors (the optimizer's pass is not overlapped there: its worker would not see them)."""
     if offload.optimizer == "nvme":
         trainable = {False: NvmeMirror, "cpu": NvmeHostWindow, "nvme": NvmeWindow}[offload.params]
     elif offload.optimizer:
@@ -50,4 +52,5 @@ def choose(offload: Offload, *, device: torch.device, param_dtype: torch.dtype,
     if frozen_weights.replicated:
         assert offload.params != "nvme", "refused by the sharding: a replicated base is in memory"
         frozen = HostReplicated if offload.params else Replicated
-    return Homes(trainable, frozen, device, param_dtype, streams, arena, store, host_threads)
+    return Homes(trainable, frozen, device, param_dtype, streams, arena, store, host_threads,
+                 overlap=offload.overlaps and not rehearsal)

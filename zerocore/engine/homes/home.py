@@ -241,6 +241,9 @@ class Homes:
     # CPU threads the optimizer steps host shards with (a GPU rank's share of its host);
     # None: torch's own count (zerocore.optim).
     host_threads: int | None = None
+    # Whether the optimizer steps trainable host shards on its worker while the next forward
+    # runs (``Offload.overlaps``; never in a plan's rehearsal, whose tensors are fake).
+    overlap: bool = False
 
     def place(self, values: torch.Tensor, trainable: bool) -> Home:
         """A flat group's home, holding its shard made from ``values`` (``Home``'s)."""
@@ -275,6 +278,7 @@ def host_master(where: Homes, values: torch.Tensor) -> torch.nn.Parameter:
         copy.copy_(master)
     shard = new_shard(master, copy, offloaded=True)
     shard.host_threads = where.host_threads
+    shard.overlapped = where.overlap
     return shard
 
 

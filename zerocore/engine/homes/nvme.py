@@ -43,6 +43,7 @@ def nvme_master(where, values: torch.Tensor, copy: torch.Tensor | None) -> torch
     shard = new_shard(placeholder(values.numel()), copy, offloaded=True)
     shard.nvme = record
     shard.host_threads = where.host_threads
+    shard.overlapped = where.overlap
     return shard
 
 

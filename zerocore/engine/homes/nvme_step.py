@@ -10,7 +10,7 @@ exactly as the whole shards would.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -26,6 +26,7 @@ class Stepped(Protocol):
 
     nvme: AdamRecord                  # where its master and moments live
     model_copy: torch.Tensor | None   # 1D, param dtype, in host memory; None: on NVMe
+    layer_index: int                  # its layer (the pass hook's label)
 
 
 class NvmeLaunch:
@@ -42,6 +43,35 @@ class NvmeLaunch:
         self._work[id(b.nvme)] = (b, grad_flat, runs)
 
     def run(self, hyper: dict[str, Any]) -> None:
+        """The pass, its failure raised on every rank of the sharding (``NvmeStore.agreed``)."""
+        store = self.store
+        store.agreed(lambda: store.stream(self._chunks(), self._stepper(hyper)))
+
+    def run_on_worker(self, hyper: dict[str, Any], begins: Callable[[Stepped], None],
+                      stepped: Callable[[Stepped], None]) -> None:
+        """The pass on the optimizer's host worker (engine/optimizer_pass.py), which holds its
+        failure for the ranks to agree on later: ``begins(bucket)`` before each bucket's first
+        chunk is stepped, ``stepped(bucket)`` once its last one is (its model copy, in host
+        memory, is then written; the chunk's writes to the scratch trail)."""
+        chunks = self._chunks()
+        last = {id(c.record): c for c in chunks}
+        step_chunk = self._stepper(hyper)
+
+        def step_and_tell(chunk: Chunk, *arrays: torch.Tensor | None) -> None:
+            if chunk.lo == 0:
+                begins(self._work[id(chunk.record)][0])
+            step_chunk(chunk, *arrays)
+            if last[id(chunk.record)] is chunk:  # (the stream steps these very chunks)
+                # Its gradient is let go of here (the optimizer's thread holds the last
+                # reference, and frees it as the forward goes on).
+                bucket = self._work.pop(id(chunk.record))[0]
+                stepped(bucket)
+        self.store.stream(chunks, step_and_tell)
+
+    def _chunks(self) -> list[Chunk]:
+        return [c for b in self.buckets for c in self.store.chunks(b.nvme)]
+
+    def _stepper(self, hyper: dict[str, Any]) -> Callable[..., None]:
         def step_chunk(chunk: Chunk, master: torch.Tensor, exp_avg: torch.Tensor,
                        exp_avg_sq: torch.Tensor, disk_copy: torch.Tensor | None) -> None:
             b, grad, runs = self._work[id(chunk.record)]
@@ -66,7 +96,4 @@ class NvmeLaunch:
                                  lrs=lrs, weight_decays=wds, beta1=hyper["beta1"],
                                  beta2=hyper["beta2"], eps=hyper["eps"], step=self.step,
                                  inv_grad_scale=hyper["inv_grad_scale"], adamw=hyper["adamw"])
-
-        store = self.store
-        chunks = [c for b in self.buckets for c in store.chunks(b.nvme)]
-        store.agreed(lambda: store.stream(chunks, step_chunk))
+        return step_chunk

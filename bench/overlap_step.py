@@ -1,0 +1,110 @@
+"""The overlapped optimizer pass (issue 44, item 1) on this machine's disk: the NVMe-offloaded
+step over the in-memory step, with the pass inside ``step()`` (``Offload(overlap="off")``, the
+"before") and overlapping the next forward (``"exact"``, the "after"), and an A/A control.
+
+    python bench/overlap_step.py --path /work/nvme-scratch [--model pythia-70m] [--rounds 3]
+
+One gloo rank on the CPU; neox's preset (random weights) full-fine-tuned in fp32 with
+zerocore's AdamW, 2 sequences x 64 tokens a step, the default pool. Four models live side by
+side in the one process: ``memory`` and ``memory-aa`` (no offload: the same run twice, the
+control), ``nvme-off`` and ``nvme-exact`` (``Offload(optimizer="nvme", params="cpu")``, the
+masters and moments on the disk). Each round runs every variant once, in a shuffled order
+(``harness.Interleaved``): 8 consecutive steps of its own model, the last one's pass waited
+for inside the round (``optimizer.settle()``), so no variant's pass runs during another's
+steps. Reported: the median tokens/s of steps 3-8 of each call (the issue's measure), their
+median over the timed rounds, the ratios memory / nvme round by round, and whether every
+variant's losses equal ``memory``'s bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import struct
+import time
+from pathlib import Path
+
+import torch
+
+import harness
+import zerocore
+from neox.config import PRESETS
+from neox.model import build_layers
+from neox.run.step import micro_batch_loss
+
+STEPS = 8            # steps per call
+TIMED = slice(2, 8)  # steps 3-8
+ROWS, SEQ = 2, 64
+
+
+def offload_of(label: str, path: str) -> zerocore.Offload:
+    if label.startswith("memory"):
+        return zerocore.Offload()
+    overlap = label.split("-")[1]
+    return zerocore.Offload(optimizer="nvme", params="cpu", path=path, overlap=overlap)
+
+
+class Run:
+    """One variant's model, optimizer and step count."""
+
+    def __init__(self, config, label: str, path: str):
+        layers = build_layers(config, generator=torch.Generator().manual_seed(0))
+        self.model = zerocore.shard(layers, offload=offload_of(label, path))
+        self.opt = zerocore.optim.AdamW(self.model.parameters(), lr=1e-5)
+        self.vocab = config.vocab_size
+        self.step = 0
+        self.losses: list[bytes] = []
+
+    def __call__(self, round_: int) -> float:
+        """``STEPS`` steps; the median tokens/s of steps 3-8."""
+        times = []
+        for i in range(STEPS):
+            g = torch.Generator().manual_seed(self.step)
+            ids = torch.randint(0, self.vocab, (ROWS, SEQ + 1), generator=g)
+            t0 = time.perf_counter()
+            loss, _ = micro_batch_loss(self.model(ids[:, :-1]), ids[:, 1:])
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            if i == STEPS - 1:
+                self.opt.settle()  # (this call's last pass is this call's time)
+            times.append(time.perf_counter() - t0)
+            self.losses.append(struct.pack("<d", loss.item()))
+            self.step += 1
+        return statistics.median(ROWS * SEQ / t for t in times[TIMED])
+
+
+def rank_main(rank: int, world: int, args: argparse.Namespace) -> str:
+    config = PRESETS[args.model]
+    labels = ["memory", "memory-aa", "nvme-off", "nvme-exact"]
+    runs = {label: Run(config, label, str(args.path)) for label in labels}
+    before = harness.load_average()
+    rounds = harness.Interleaved(runs, warmup=1, seed="overlap").run(args.rounds)
+    after = harness.load_average()
+    tok = {label: rounds.values[label] for label in labels}
+    rows = [(label, f"{statistics.median(tok[label]):.0f}",
+             " ".join(f"{v:.0f}" for v in tok[label]),
+             " ".join(f"{a / b:.2f}" for a, b in zip(tok["memory"], tok[label])),
+             runs[label].losses == runs["memory"].losses)
+            for label in labels]
+    return "\n".join([
+        f"load average (1 min) before {before:.2f}, after {after:.2f}",
+        harness.table(["run", "tokens/s (median of rounds)", "each timed round",
+                       "memory / run, round by round", "losses bitwise = memory's"],
+                      rows, "lrrrl")])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--path", type=Path, required=True, help="the scratch directory (a disk)")
+    p.add_argument("--model", choices=sorted(PRESETS), default="pythia-70m")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds (one warm-up first)")
+    args = p.parse_args()
+    print(harness.header(f"{args.model}, full fine-tuning, fp32, one rank on the CPU, "
+                         f"{ROWS} x {SEQ} tokens a step, {STEPS} steps a call (steps 3-8 "
+                         f"timed), default pool; scratch in {args.path}", packages=("torch",)))
+    print(harness.run_ranks(rank_main, 1, args)[0])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,346 @@
+"""The overlapped optimizer pass (``Offload(overlap="exact")``, engine/optimizer_pass.py): the
+offloaded shards' Adam runs on the optimizer's host worker, layer by layer in forward order,
+while the next forward runs; each gather waits for its layer's update alone, and whatever reads
+the state whole waits for the pass. Training is bitwise what the synchronous pass
+(``overlap="off"``) gives, on host-memory and NVMe homes, through both front doors, at world
+sizes 1-3, in fp32 with accumulation and clipping, in bf16, and in fp16 with a dynamic loss
+scale and an overflow on one rank.
+
+A lagging worker (``pass_hook`` sleeping before each layer) keeps the pass in flight while the
+forward gathers, and while a checkpoint is taken: the waits, not the timing, make the results
+equal. Each test here fails when the wait it checks is removed (the layer's wait in
+``FlatGroup.start_gather``, ``settle_updates`` in the checkpoint's ``prepare`` and in
+``optimizer.step``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import struct
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import zerocore
+from zerocore.policies import MIN_POOL_BYTES
+from tests.support import hf_models
+from tests.support.dist_utils import inject_overflow
+from tests.support.offload_stack import DOORS
+from tests.support.offload_stack import build as build_stack
+from tests.support.toy_stack import (LR, WEIGHT_DECAY, Spec, global_batch, loss_fn,
+                                     model_input)
+
+WORLD_SIZES = [1, 2, 3]
+# How long the lagging worker sleeps before each layer's update: longer than a toy layer's
+# forward on a loaded CPU, so that without the waits a forward reads a layer before its
+# update (a stale weight changes the loss's bits).
+LAG_S = 0.05
+# fp16 with a dynamic loss scale: a moderate start keeps the scaled gradients of these toy
+# models far from fp16's 65504, so the only overflow is the injected one.
+FP16_SCALE = 2.0**10
+
+
+def offload_of(label: str, path: str, overlap: str) -> zerocore.Offload:
+    """The homes whose optimizer pass overlaps: host memory, with the parameters on the
+    device (a mirror) or on the host (a window); NVMe, the same two (the pool at its minimum,
+    so that every shard is stepped in several chunks)."""
+    nvme = dict(path=path, pool_bytes=MIN_POOL_BYTES)
+    return {"cpu": zerocore.Offload(optimizer="cpu", overlap=overlap),
+            "cpu+params": zerocore.Offload(optimizer="cpu", params="cpu", overlap=overlap),
+            "nvme": zerocore.Offload(optimizer="nvme", overlap=overlap, **nvme),
+            "nvme+params": zerocore.Offload(optimizer="nvme", params="cpu", overlap=overlap,
+                                            **nvme)}[label]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    spec: Spec
+    # Steps at which the last rank's first gradient is made inf (fp16: skipped everywhere).
+    overflow_steps: tuple[int, ...] = ()
+
+
+CASES = {
+    "mlp-fp32-micro2-clip": Case(Spec(model="mlp", steps=3, micro=2, max_norm=0.05)),
+    "transformer-bf16-clip": Case(Spec(model="transformer", steps=3, max_norm=0.5,
+                                       param_dtype=torch.bfloat16)),
+    "mlp-fp16-overflow": Case(Spec(model="mlp", steps=4, micro=2, max_norm=1.0,
+                                   param_dtype=torch.float16), overflow_steps=(1,)),
+}
+
+
+def lagging(index: int) -> None:
+    """``pass_hook``: a worker slower than the forward."""
+    time.sleep(LAG_S)
+
+
+def one_step(sharding, model, opt, scaler, case: Case, step: int, rank: int,
+             world_size: int, h: "hashlib._Hash", set_to_none: bool = True) -> None:
+    """Forward and backward of each micro-batch (their losses hashed, exactly), then the
+    gradient shards hashed and the step through the scaler (its norm and skip hashed), then
+    the gradients zeroed (dropped, or with ``set_to_none=False`` zeroed in place)."""
+    spec = case.spec
+    for m in range(spec.micro):
+        x, y = global_batch(spec, step, m, world_size)
+        xr, yr = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+        loss = loss_fn(spec, model(model_input(spec, xr)), yr) / spec.micro
+        scaler.scale(loss).backward()
+        h.update(struct.pack("<d", loss.item()))
+    if step in case.overflow_steps and rank == world_size - 1:
+        inject_overflow(sharding.layers[:1], sharding.rank)
+    for shard in sharding.trainable_shards():
+        h.update(shard.grad.numpy().tobytes())
+    result = scaler.step(opt, max_norm=spec.max_norm)
+    h.update(struct.pack("<d?", result.grad_norm, result.skipped))
+    opt.zero_grad(set_to_none=set_to_none)
+
+
+def state_digest(sharding, opt, h: "hashlib._Hash") -> None:
+    """Every parameter gathered (trainable ones from the fp32 masters), then this rank's Adam
+    moments and step counts (from the scratch on NVMe)."""
+    for i, state in sharding.iter_full_states():
+        for name, t in sorted(state.items()):
+            h.update(f"{i}.{name}".encode())
+            h.update(t.float().numpy().tobytes())
+    for shard in sharding.trainable_shards():
+        for key in ("exp_avg", "exp_avg_sq"):
+            t = shard.nvme.read(key) if shard.nvme is not None else opt.state[shard][key]
+            h.update(t.numpy().tobytes())
+        h.update(struct.pack("<d", float(opt.state[shard]["step"])))
+
+
+def build(door: str, case: Case, label: str, path: str, overlap: str, lag: bool):
+    model, sharding = build_stack(door, case.spec, {}, offload_of(label, path, overlap))
+    opt = zerocore.optim.AdamW(sharding.trainable_shards(), lr=LR, weight_decay=WEIGHT_DECAY,
+                               pass_hook=lagging if lag else None)
+    fp16 = case.spec.param_dtype == torch.float16
+    scaler = zerocore.LossScaler(sharding.group, dynamic=fp16,
+                                 policy=zerocore.LossScaling(init_scale=FP16_SCALE))
+    return model, sharding, opt, scaler
+
+
+def train(rank: int, world_size: int, door: str, name: str, label: str, path: str,
+          overlap: str, lag: bool, set_to_none: bool = True) -> dict:
+    case = CASES[name]
+    model, sharding, opt, scaler = build(door, case, label, path, overlap, lag)
+    h = hashlib.sha256()
+    for step in range(case.spec.steps):
+        one_step(sharding, model, opt, scaler, case, step, rank, world_size, h, set_to_none)
+    state_digest(sharding, opt, h)
+    overlapped = [s.update_pass is not None for s in sharding.trainable_shards()]
+    return {"digest": h.hexdigest(), "overlapped": overlapped}
+
+
+PAIRS = [(name, door) for name in sorted(CASES) for door in DOORS]
+
+
+@pytest.mark.parametrize("name,door", PAIRS)
+def test_overlapped_pass_trains_bitwise_as_the_synchronous_one(world, tmp_path, name, door):
+    """Losses, gradient shards, norms, skips, final weights and moments: the same bits with
+    the pass overlapped as with it inside ``step()``, on every home; and the same again with a
+    worker that lags behind the forward (each gather waited for its layer's update)."""
+    labels = ["cpu", "nvme+params"] if name.startswith("mlp-fp32") else ["cpu", "cpu+params",
+                                                                          "nvme"]
+    for label in labels:
+        runs = {}
+        for overlap, lag in (("off", False), ("exact", False), ("exact", True)):
+            scratch = tmp_path / f"{label}-{overlap}-{lag}"
+            scratch.mkdir()
+            got = world.run(train, door, name, label, str(scratch), overlap, lag)
+            runs[overlap, lag] = [g["digest"] for g in got]
+            # The pass did run on the worker (or, off, inside step): the test can tell them.
+            assert all(all(o) == (overlap == "exact") and o for g in got
+                       for o in [g["overlapped"]]), (label, overlap, got)
+        assert runs["exact", False] == runs["off", False], (label, runs)
+        assert runs["exact", True] == runs["off", False], (label, runs)
+
+
+@pytest.mark.parametrize("label", ["cpu", "nvme"])
+def test_zeroing_the_gradients_in_place_waits_for_the_pass(world, tmp_path, label):
+    """``zero_grad(set_to_none=False)`` zeroes the gradients the pass reads: it waits for the
+    pass first (a lagging worker would otherwise step on zeros)."""
+    runs = {}
+    for overlap, lag in (("off", False), ("exact", True)):
+        scratch = tmp_path / overlap
+        scratch.mkdir()
+        got = world.run(train, "shard", "transformer-bf16-clip", label, str(scratch), overlap,
+                        lag, False)
+        runs[overlap] = [g["digest"] for g in got]
+    assert runs["exact"] == runs["off"], runs
+
+
+def rank_payload(path: Path, rank: int) -> dict:
+    """A rank file's layers (master, moments, step of each), as saved."""
+    payload = torch.load(path / f"rank-{rank:05d}.pt", weights_only=False)
+    return payload["layers"]
+
+
+def save_in_flight(rank: int, world_size: int, door: str, label: str, path: str,
+                   ckpt: str) -> dict:
+    """Two steps with a lagging worker; a checkpoint saved at once after the second step,
+    while its pass is in flight, and another once the pass is over."""
+    case = CASES["transformer-bf16-clip"]
+    model, sharding, opt, scaler = build(door, case, label, path, "exact", lag=True)
+    h = hashlib.sha256()
+    for step in range(2):
+        one_step(sharding, model, opt, scaler, case, step, rank, world_size, h)
+    in_flight = opt.pass_in_flight
+    during = zerocore.save_checkpoint(Path(ckpt) / "during", 2, model, opt)
+    opt.settle()
+    after = zerocore.save_checkpoint(Path(ckpt) / "after", 2, model, opt)
+    return {"in_flight": in_flight, "during": str(during), "after": str(after)}
+
+
+def read_in_flight(rank: int, world_size: int, door: str, label: str, path: str) -> dict:
+    """Two steps with a lagging worker; each master shard read by the user (``detach``) at
+    once after the second step, while its pass is in flight, and again once it is over."""
+    case = CASES["transformer-bf16-clip"]
+    model, sharding, opt, scaler = build(door, case, label, path, "exact", lag=True)
+    h = hashlib.sha256()
+    for step in range(2):
+        one_step(sharding, model, opt, scaler, case, step, rank, world_size, h)
+    in_flight = opt.pass_in_flight
+    during = [s.detach().clone() for s in sharding.trainable_shards()]
+    opt.settle()
+    after = [s.detach().clone() for s in sharding.trainable_shards()]
+    return {"in_flight": in_flight,
+            "equal": all(torch.equal(a, b) for a, b in zip(during, after))}
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_a_master_read_while_the_pass_is_in_flight_is_the_updated_one(world, tmp_path, door):
+    """Any use of a shard (``ShardParameter.__torch_function__``) waits for its update."""
+    got = world.run(read_in_flight, door, "cpu", str(tmp_path))
+    assert all(g["in_flight"] for g in got), got  # (else this tests nothing)
+    assert all(g["equal"] for g in got), got
+
+
+@pytest.mark.parametrize("label", ["cpu", "nvme"])
+def test_a_checkpoint_taken_while_the_pass_is_in_flight_equals_one_after(world, tmp_path,
+                                                                         label):
+    got = world.run(save_in_flight, "shard", label, str(tmp_path), str(tmp_path / "ckpt"))
+    assert all(g["in_flight"] for g in got), got  # (else this tests nothing)
+    for rank in range(len(got)):
+        during = rank_payload(Path(got[rank]["during"]), rank)
+        after = rank_payload(Path(got[rank]["after"]), rank)
+        assert during.keys() == after.keys()
+        for index, entry in during.items():
+            assert entry.keys() == after[index].keys()
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor):
+                    assert torch.equal(value, after[index][key]), (rank, index, key)
+                else:
+                    assert value == after[index][key], (rank, index, key)
+
+
+class InjectedFailure(OSError):
+    """The worker's failure in these tests (an I/O error's kind)."""
+
+
+def failing_on(rank_to_fail: int, rank: int, at: int):
+    """``pass_hook`` that fails the pass before layer ``at`` on ``rank_to_fail`` only, from
+    the time it is armed (``armed[0]``)."""
+    armed = [False]
+
+    def hook(index: int) -> None:
+        if armed[0] and rank == rank_to_fail and index == at:
+            raise InjectedFailure(5, "zerocore test: the disk went away during the pass")
+    return hook, armed
+
+
+def fail_mid_pass(rank: int, world_size: int, label: str, path: str, ckpt: str) -> dict:
+    """A step and a checkpoint; then the last rank's worker fails in the second step's pass.
+    The next forward and backward run (on values the run will never keep); the checkpoint
+    and the step after raise, each on every rank."""
+    case = CASES["transformer-bf16-clip"]
+    model, sharding = build_stack("shard", case.spec, {}, offload_of(label, path, "exact"))
+    hook, armed = failing_on(world_size - 1, rank, at=1)
+    opt = zerocore.optim.AdamW(sharding.trainable_shards(), lr=LR, weight_decay=WEIGHT_DECAY,
+                               pass_hook=hook)
+    scaler = zerocore.LossScaler(sharding.group, dynamic=False)
+    h = hashlib.sha256()
+    one_step(sharding, model, opt, scaler, case, 0, rank, world_size, h)
+    saved = zerocore.save_checkpoint(ckpt, 1, model, opt)
+    armed[0] = True
+    one_step(sharding, model, opt, scaler, case, 1, rank, world_size, h)  # (the pass fails)
+    raised = {}
+    for what, call in (("save", lambda: zerocore.save_checkpoint(ckpt, 2, model, opt)),
+                       ("step", lambda: one_step(sharding, model, opt, scaler, case, 2, rank,
+                                                 world_size, h))):
+        try:
+            call()
+            raised[what] = ("", "")
+        except Exception as e:  # noqa: BLE001  (what every rank raised is the result)
+            raised[what] = (type(e).__name__, str(e))
+    return {"raised": raised, "saved": str(saved)}
+
+
+@pytest.mark.parametrize("label", ["cpu", "nvme"])
+def test_a_failure_of_the_pass_is_one_agreed_line_and_keeps_the_checkpoint(world, tmp_path,
+                                                                           label):
+    got = world.run(fail_mid_pass, label, str(tmp_path), str(tmp_path / "ckpt"))
+    last = len(got) - 1
+    words = "the disk went away during the pass"
+    # The failing rank raises its own error; the others PeerError, naming it.
+    for what in ("save", "step"):
+        kind, message = got[last]["raised"][what]
+        assert kind == "InjectedFailure" and words in message, (what, got)
+        assert "\n" not in message
+        for rank in range(last):
+            kind, message = got[rank]["raised"][what]
+            assert kind == "PeerError" and f"rank(s) {last}" in message and words in message, (
+                what, rank, got)
+    # Nothing of step 2 was written; the checkpoint before the failure is complete and
+    # verifies.
+    assert zerocore.latest_checkpoint(tmp_path / "ckpt") == Path(got[0]["saved"])
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [Path(got[0]["saved"]).name]
+    zerocore.verify_files(got[0]["saved"], zerocore.read_manifest(got[0]["saved"]))
+
+
+def train_hf(rank: int, world_size: int, label: str, path: str, overlap: str,
+             lag: bool) -> str:
+    """A tiny Hugging Face GPT-NeoX, fully trained through ``shard_model`` (its decoder
+    layers the units, the embedding and head the root) in bf16 with clipping: a digest of its
+    losses, norms and final parameters."""
+    model = hf_models.prepare(hf_models.build("neox"), "full")
+    sharded = zerocore.shard_model(model, hf_models.decoder_layers(model),
+                                   offload=offload_of(label, path, overlap),
+                                   mixed_precision=zerocore.MixedPrecision(torch.bfloat16))
+    opt = zerocore.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
+                               pass_hook=lagging if lag else None)
+    scaler = zerocore.LossScaler(sharded.group, dynamic=False)
+    h = hashlib.sha256()
+    for step in range(3):
+        ids = hf_models.batch(step, 2 * world_size).chunk(world_size)[rank]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        h.update(struct.pack("<d", loss.item()))
+        h.update(struct.pack("<d", scaler.step(opt, max_norm=0.5).grad_norm))
+        opt.zero_grad()
+    for name, t in sorted(sharded.full_state_dict(to_rank=None).items()):
+        h.update(name.encode())
+        h.update(t.float().numpy().tobytes())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("label", ["cpu", "nvme"])
+def test_a_hugging_face_model_trains_bitwise_with_the_pass_overlapped(world, tmp_path, label):
+    """The other front door on a real model class: ``shard_model``'s root unit (embedding and
+    head) and its decoder layers, each gather waiting for its own update."""
+    runs = {}
+    for overlap, lag in (("off", False), ("exact", True)):
+        scratch = tmp_path / f"{overlap}"
+        scratch.mkdir()
+        runs[overlap] = world.run(train_hf, label, str(scratch), overlap, lag)
+    assert runs["exact"] == runs["off"], runs
+
+
+def test_overlap_is_checked():
+    with pytest.raises(ValueError, match="Offload.overlap must be one of 'exact', 'off'"):
+        zerocore.Offload(optimizer="cpu", overlap="delayed")
+    assert zerocore.Offload(optimizer="cpu").overlaps
+    assert not zerocore.Offload(optimizer="cpu", overlap="off").overlaps
+    assert not zerocore.Offload(params="cpu").overlaps      # nothing of the optimizer's
+    assert not zerocore.Offload(optimizer="nvme", params="nvme", path=".").overlaps

@@ -1,0 +1,192 @@
+"""``OptimizerPass``: the optimizer's update of offloaded shards, run on one host worker while
+the next forward computes (``Offload(overlap="exact")``, docs/decisions.md, "The overlapped
+optimizer pass").
+
+``optimizer.step()`` does what is collective and what decides the update on the calling thread
+(the lockstep's check, the step counts, the gradients each shard is stepped with, the settings
+with the clipping and loss-scale factor folded in), then hands the per-shard Adam work to the
+worker and returns. The worker steps the units in forward order and marks each done as soon
+as the values the gathers read (its model copy) are written; on NVMe the masters' and moments'
+writes trail behind. The results are bitwise those of the synchronous pass: the same kernel on
+the same values, elementwise, only later.
+
+Who waits for what:
+- a unit's gather (and a device mirror's upload) for that unit's update alone,
+  ``wait_for_update``; so does adding a gradient into a shard's ``.grad`` (the pass reads it);
+- everything that reads or writes the optimizer's or the parameters' state whole (a second
+  step, ``zero_grad`` that zeroes in place, state dicts, checkpoints, full states, exports,
+  reading or writing a master) for the whole pass: ``settle_updates``, the one wait.
+
+A failure on the worker (an I/O error, a full disk, a failure of the kernel) is held: a unit's
+wait returns (the forward goes on, on values the run will never use) and ``settle_updates``
+raises it, every time (the state is part-stepped: the run cannot go on). Where every rank
+settles together (the next step, a checkpoint, a full state), it is agreed
+(comm/agree.py): one line on every rank, before anything is written.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import weakref
+from typing import Callable, Iterable
+
+import torch
+
+from zerocore.comm.lockstep import lockstep_of
+
+# A test hook: called on the worker before each unit's update with the unit's index (its
+# layer, -1 when it has none); it may sleep (a lagging worker) or raise (a failing one).
+PassHook = Callable[[int], None]
+
+
+# What a job tells the worker: that it begins a unit's update (its layer's index), and that it
+# has written a unit's gathered values (the unit's key: ``id`` of its shard).
+Begins = Callable[[int], None]
+Done = Callable[[int], None]
+
+
+class Job:
+    """Work of one or more units (``keys``: ``id`` of each one's shard; a job holds no shard,
+    so a pass in flight holds no model) that the worker runs as one: ``run(begins, done)``
+    updates them in order, calling ``begins(index)`` before each and ``done(key)`` as each
+    one's gathered values are written."""
+
+    def __init__(self, keys: list[int], run: Callable[[Begins, Done], None]):
+        self.keys, self.run = keys, run
+
+
+class OptimizerPass:
+    """One optimizer's host worker and the pass in flight on it. Owned by the optimizer; each
+    shard it steps there points to it (``shard.update_pass``) so that the engine's waits find
+    it. ``hook``: ``PassHook``, for tests."""
+
+    def __init__(self, hook: PassHook | None = None):
+        self._hook = hook
+        self._worker = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="zerocore-optimizer-pass")
+        # The pass in flight: its future, and each of its units' event (by id of the shard),
+        # set once the unit's update is written or the pass has ended (done or failed).
+        self._running: concurrent.futures.Future | None = None
+        self._units: dict[int, threading.Event] = {}
+        # The gradient each unit of the pass in flight reads (by id of the shard), let go of by
+        # the calling thread once the unit is done (``wait_unit``, ``finish``): the last
+        # reference to a gradient is then this thread's, never the worker's (a memory
+        # profiler that follows the calling thread sees it freed, where it is).
+        self._held: dict[int, torch.Tensor] = {}
+        # The first failure of a pass: raised by every ``finish`` from then on.
+        self._failure: BaseException | None = None
+        # The worker's thread (once it has run: its ident): its own uses of a shard never wait.
+        self._worker_thread: list[int] = []
+        # The worker goes with the pass: a pass in flight ends first (the pass is not held by
+        # its own running: ``_run`` is given what it needs, not ``self``).
+        weakref.finalize(self, _shut_down, self._worker)
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a pass is still running on the worker."""
+        return self._running is not None and not self._running.done()
+
+    def start(self, jobs: list[Job], held: dict[int, torch.Tensor]) -> None:
+        """Starts a pass over ``jobs`` (in forward order), which read the gradients ``held``
+        (by id of the shard; each job lets go of its own before it says the unit is done).
+        The previous pass must be finished."""
+        assert self._running is None, "a pass is started only once the last one is settled"
+        self._held = held
+        self._units = {key: threading.Event() for job in jobs for key in job.keys}
+        self._running = self._worker.submit(self._run, jobs, self._units, self._hook,
+                                            self._worker_thread)
+
+    @staticmethod
+    def _run(jobs: list[Job], units: dict[int, threading.Event], hook: PassHook | None,
+             thread: list[int]) -> None:
+        thread[:] = [threading.get_ident()]
+        begins = hook if hook is not None else (lambda index: None)
+        try:
+            while jobs:
+                # Each job let go of once run: the gradients it holds are freed as the forward
+                # goes on, not at the pass's end (the plan counts them until ``zero_grad``).
+                job = jobs.pop(0)
+                job.run(begins, lambda key: units[key].set())
+                del job
+        finally:
+            for event in units.values():   # done or failed: no wait outlives the pass
+                event.set()
+
+    def wait_unit(self, shard: torch.nn.Parameter) -> None:
+        """Blocks until ``shard``'s update is written, or the pass has ended (see the module's
+        docstring: a failure is raised by ``finish``, not here)."""
+        event = self._units.get(id(shard))
+        if event is not None and threading.get_ident() not in self._worker_thread:
+            event.wait()
+            self._held.pop(id(shard), None)
+
+    def unit_ready(self, shard: torch.nn.Parameter) -> bool:
+        event = self._units.get(id(shard))
+        return event is None or event.is_set()
+
+    def finish(self) -> None:
+        """Waits for the pass in flight; raises the held failure, if any pass had one."""
+        running, self._running = self._running, None
+        if running is not None:
+            try:
+                running.result()
+            except Exception as e:  # noqa: BLE001  (held, and raised below on every call)
+                self._failure = self._failure or e
+            self._units, self._held = {}, {}
+        if self._failure is not None:
+            raise self._failure
+
+
+def _shut_down(worker: concurrent.futures.ThreadPoolExecutor) -> None:
+    """The end of a pass's worker: once its pass in flight is done, unless it ends on the
+    worker itself (the last reference to a shard may be a job's), which cannot wait for
+    itself."""
+    own = threading.current_thread() in set(worker._threads)
+    worker.shutdown(wait=not own)
+
+
+def wait_for_update(shard: torch.nn.Parameter) -> None:
+    """Blocks until the optimizer's pass in flight has written ``shard``'s update (nothing to
+    wait for when none is, or the shard is not stepped by one)."""
+    running = getattr(shard, "update_pass", None)
+    if running is not None:
+        running.wait_unit(shard)
+
+
+def update_ready(shard: torch.nn.Parameter) -> bool:
+    """Whether ``shard``'s update is written (or none is in flight), without waiting."""
+    running = getattr(shard, "update_pass", None)
+    return running is None or running.unit_ready(shard)
+
+
+def settle_updates(params: Iterable[torch.nn.Parameter], *, together: bool = False) -> None:
+    """The one wait for whole passes: waits for every optimizer pass that any of ``params``
+    is stepped by, and raises a failure one had. ``together``: every rank of the models these
+    shards belong to settles here at once (a step, a checkpoint, a full state), so the failure
+    is agreed over them (the failing rank raises its own error, the others ``PeerError``): a
+    collective when any of ``params`` is stepped by a pass, which is the same on every rank (a
+    policy). Otherwise this rank alone waits (a read of one shard's master)."""
+    params = list(params)
+    passes: dict[int, OptimizerPass] = {}
+    for p in params:
+        running = getattr(p, "update_pass", None)
+        if running is not None:
+            passes.setdefault(id(running), running)
+    if not passes:
+        return
+
+    def finish() -> None:
+        failed = None
+        for running in passes.values():
+            try:
+                running.finish()
+            except Exception as e:  # noqa: BLE001  (every pass waited for, the first raised)
+                failed = failed or e
+        if failed is not None:
+            raise failed
+    locksteps = lockstep_of(params) if together else []
+    if not locksteps:
+        finish()
+    for lockstep in locksteps:  # (an optimizer over several models: each agrees)
+        lockstep.agreed(finish)
