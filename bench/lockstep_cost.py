@@ -31,9 +31,8 @@ runtime issues them (each gather started before the last is waited for, a small 
 first``, the lockstep's exchange before each (``Lockstep._all_gather``), as now; ``carried``, the
 identity appended to each rank's part as 8 bytes, the data and it broadcast together in a shape
 fixed for the model, compared once the gather is waited for; ``off A/A``, a second ``off``,
-the noise band. The last is a prototype of a
-design, not what the lockstep does (docs/decisions.md, issue 39, "The identity carried in a
-fixed-shape gather").
+the noise band. ``carried`` is a prototype of a design, not what the lockstep does
+(docs/decisions.md, issue 39, "the identity carried in a fixed-shape gather").
 Reported: the median step time over the rounds per layer (microseconds, the slowest rank), and
 each "on" against its "off".
 """
