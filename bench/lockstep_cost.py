@@ -5,6 +5,7 @@ exchange on and off, on both gloo transports, interleaved with an A/A control.
     python bench/lockstep_cost.py [--layers 96] [--width 64] [--rounds 10] [--nproc 2]
     python bench/lockstep_cost.py --neox [--layers 3] [--width 1024] [--rows 2]
     python bench/lockstep_cost.py --exchange [--rounds 20] [--nproc 2 3]
+    python bench/lockstep_cost.py --fused [--width 64] [--rounds 20] [--nproc 2 3]
 
 The stack is bench/layer_cost.py's (``Linear(width, width)`` + GELU per layer, fp32, 8 x 16
 rows per rank): at width 64 the step is almost all host overhead, so the figure is the host
@@ -24,6 +25,14 @@ interleaved: an all-gather of one int64 per rank (the first lockstep's) against 
 (MAX) of two int64 (the second's, when every rank agrees), blocking, and against the lockstep's
 own (``Lockstep._all_gather``: that all-reduce issued with ``async_op=True`` and waited for in
 slices, so that a long wait can ask where the others are), 200 exchanges per call.
+``--fused`` times what a gather of one small unit costs three ways, interleaved, as the
+runtime issues them (each gather started before the last is waited for, a small matmul between):
+``off``, the data alone (gloo's gather by broadcasts, ``all_gather_by_broadcast``); ``checked
+first``, the lockstep's exchange before each (``Lockstep._all_gather``), as now; ``carried``, the
+identity appended to each rank's part as 8 bytes, the data and it broadcast together in a shape
+fixed for the model, compared once the gather is waited for; ``off A/A``, a second ``off``,
+the noise band. ``carried`` is a prototype of a design, not what the lockstep does
+(docs/decisions.md, issue 39, "the identity carried in a fixed-shape gather").
 Reported: the median step time over the rounds per layer (microseconds, the slowest rank), and
 each "on" against its "off".
 """
@@ -41,6 +50,7 @@ import harness
 import zerocore
 from neox.config import NeoXConfig
 from neox.model import Block
+from zerocore.comm.collectives import CommCounter, all_gather_by_broadcast
 
 SEQ = 16
 VARIANTS = ("read, on", "read, on A/A", "read, off", "collective, on", "collective, off")
@@ -113,6 +123,77 @@ def exchange_main(rank: int, world: int, args: argparse.Namespace) -> dict:
     return {name: rounds.median_s(name) / EXCHANGES * 1e6 for name in variants}
 
 
+def fused_main(rank: int, world: int, args: argparse.Namespace) -> dict:
+    numel = -(-(args.width * args.width + args.width) // world)  # a Linear's shard, padded
+    group = dist.group.WORLD
+    ranks = tuple(range(world))
+    shard = torch.randn(numel)
+    x = torch.randn(args.rows * SEQ, args.width)
+    weight = torch.randn(args.width, args.width)
+    counter = CommCounter()
+    # The lockstep of a one-layer model on gloo's collectives (its exchange is the one timed).
+    lockstep = zerocore.shard([nn.Linear(4, 4)], comm=zerocore.Comm(peer_read="off")).lockstep
+
+    def gathers(start, wait):
+        def run(_round: int) -> None:
+            pending = start(0)
+            for unit in range(1, EXCHANGES + 1):
+                following = start(unit) if unit < EXCHANGES else None  # the prefetch
+                wait(pending, unit - 1)
+                x @ weight  # the unit's arithmetic, overlapping the prefetch
+                pending = following
+        return run
+
+    def plain_start(_unit: int):
+        out = torch.empty(numel * world)
+        return out, all_gather_by_broadcast(out, shard, group, counter, rank, ranks)
+
+    def checked_start(unit: int):
+        lockstep._all_gather(unit)
+        return plain_start(unit)
+
+    def plain_wait(pending, _unit: int) -> None:
+        for handle in pending[1]:
+            handle.wait()
+
+    head = numel + numel % 2  # the shard, to a whole number of int64
+    row = head + 2  # then the identity, as two float32's bits
+
+    def carried_start(unit: int):
+        out = torch.empty(world * row)
+        mine = torch.empty(row)
+        mine[:numel].copy_(shard)
+        mine[head:].view(torch.int64).fill_(unit)
+        return out, all_gather_by_broadcast(out, mine, group, counter, rank, ranks)
+
+    def carried_wait(pending, unit: int) -> None:
+        plain_wait(pending, unit)
+        said = pending[0].view(world, row)[:, head:].contiguous().view(torch.int64)
+        if said.ne(unit).any():
+            raise RuntimeError("diverged")  # (cannot happen here: every rank runs this)
+
+    variants = {"off": gathers(plain_start, plain_wait),
+                "off A/A": gathers(plain_start, plain_wait),
+                "checked first": gathers(checked_start, plain_wait),
+                "carried": gathers(carried_start, carried_wait)}
+    rounds = harness.Interleaved(variants, warmup=2,
+                                 before=lambda name: dist.barrier()).run(args.rounds)
+    return {name: rounds.median_s(name) / EXCHANGES * 1e6 for name in variants}
+
+
+def fused(args: argparse.Namespace) -> None:
+    print(harness.header(f"a gather of Linear({args.width}, {args.width})'s shard over gloo, "
+                         f"{EXCHANGES} per call, each prefetched; {args.rounds} rounds",
+                         packages=("torch",)))
+    rows = []
+    for nproc in args.nproc:
+        per_rank = harness.run_ranks(fused_main, nproc, args)
+        worst = {name: max(r[name] for r in per_rank) for name in per_rank[0]}
+        rows += [(nproc, name, f"{us:.0f}", f"{us / worst['off']:.3f}")
+                 for name, us in worst.items()]
+    print(harness.table(("world size", "identity", "µs per gather", "vs off"), rows, "rlrr"))
+
+
 def exchange(args: argparse.Namespace) -> None:
     print(harness.header(f"one exchange of the lockstep over gloo, {EXCHANGES} per call; "
                          f"{args.rounds} rounds", packages=("torch",)))
@@ -134,6 +215,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=10, help="timed rounds (default 10)")
     p.add_argument("--nproc", type=int, nargs="+", default=[2])
     p.add_argument("--exchange", action="store_true", help="time one exchange alone")
+    p.add_argument("--fused", action="store_true",
+                   help="time a small unit's gather: unchecked, checked first, identity carried")
     args = p.parse_args()
     if args.exchange:
         exchange(args)
@@ -141,6 +224,9 @@ def main() -> None:
     for name, plain, neox in (("layers", 96, 3), ("width", 64, 1024), ("rows", 8, 2)):
         if getattr(args, name) is None:
             setattr(args, name, neox if args.neox else plain)
+    if args.fused:
+        fused(args)
+        return
     layer = (f"GPT-NeoX blocks (hidden {args.width}, 16 heads, MLP {4 * args.width})"
              if args.neox else f"layers of Linear({args.width}, {args.width}) + GELU")
     print(harness.header(f"{args.layers} {layer}, fp32, {args.rows} x {SEQ} rows per rank; "

@@ -178,9 +178,10 @@ def test_diverged_ranks_are_refused_on_every_rank(world, door, transport, case):
 
 @pytest.mark.parametrize("layout", ["hsdp", "hpz"])
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("case", ["skip", "micro_batches"])
+@pytest.mark.parametrize("case", CASES)
 def test_diverged_ranks_are_refused_across_nodes(worlds, layout, transport, case):
-    # 2 x 2: two "nodes" of two ranks; rank 3 (skip) or ranks 1-3 (micro-batches) differ.
+    # 2 x 2: two "nodes" of two ranks; rank 3 (skip), rank 0 (a forward alone, an export, a
+    # checkpoint) or ranks 1-3 (micro-batches) differ.
     got = worlds(4).run(diverge, "shard", transport, case, layout, timeout=RUN_TIMEOUT_S)
     _assert_refused(got, *NAMED[case])
 
