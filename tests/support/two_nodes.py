@@ -66,8 +66,20 @@ def run_two_nodes(program: Sequence[str], *, timeout: float, nproc: int | Sequen
         for agent in agents:
             outputs.append(agent.communicate(timeout=timeout)[0])
     finally:
-        for agent in agents:
-            if agent.poll() is None:
-                agent.kill()
-                agent.wait()
+        stop_agents(agents)
     return Agents([a.returncode for a in agents], outputs)
+
+
+def stop_agents(agents: Sequence[subprocess.Popen], *, grace: float = 40.0) -> None:
+    """Stops the agents still running. SIGTERM first: torchrun then stops its ranks (it starts
+    each in a session of its own, so a SIGKILL to the agent alone would leave them running,
+    hung in a collective, after the test); SIGKILL past ``grace`` seconds."""
+    running = [a for a in agents if a.poll() is None]
+    for agent in running:
+        agent.terminate()
+    for agent in running:
+        try:
+            agent.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            agent.wait()
