@@ -43,6 +43,8 @@ from zerocore.planning.memory_plan import (  # noqa: F401  (the names a plan is 
     ACTIVATIONS, CATEGORIES, CUDA_FIXED_HEADROOM, CUDA_HEADROOM_FRACTION, FROZEN, GATHERED,
     GiB, GRAD_BUFFERS, GRADIENTS, MASTERS, MIRRORS, NVME_POOL, OPTIMIZER, SECONDARY, TRAINABLE,
     WINDOWS, MemoryPlan, ModelState)
+from zerocore.planning.pass_overlap import (  # noqa: F401  (the pass's estimate)
+    H100, THIS_CPU, Machine, PassOverlap, overlap_lines, pass_overlap)
 from zerocore.planning.rehearsed_step import Step, rehearse
 from zerocore.policies import (Comm, FrozenWeights, Hybrid, MixedPrecision, Offload, Prefetch,
                                Recompute)
@@ -50,7 +52,8 @@ from zerocore.policies import (Comm, FrozenWeights, Hybrid, MixedPrecision, Offl
 __all__ = ["plan", "plan_model", "MemoryPlan", "ModelState", "CATEGORIES", "ACTIVATIONS",
            "FROZEN", "GATHERED", "GRAD_BUFFERS", "GRADIENTS", "MASTERS", "MIRRORS", "NVME_POOL",
            "OPTIMIZER", "SECONDARY", "TRAINABLE", "WINDOWS", "CUDA_FIXED_HEADROOM",
-           "CUDA_HEADROOM_FRACTION", "GiB"]
+           "CUDA_HEADROOM_FRACTION", "GiB",
+           "pass_overlap", "overlap_lines", "PassOverlap", "Machine", "THIS_CPU", "H100"]
 
 _CPU = torch.device("cpu")
 

@@ -30,7 +30,7 @@ from neox.config import preset_config
 from neox.dtypes import DTYPES
 from neox.finetune_modes import GROUP as MODE, auto_mode
 from neox.run.planning import (DEFAULT_BPE_TOKENS, GiB, Layout, PlanRequest, compare_layouts,
-                               layouts_table, plan_run, request_from_recipe)
+                               layouts_table, offload_of, plan_run, request_from_recipe)
 from neox.run.recipe import MODEL, STEP, offload_words, recipe_from_flags
 from neox.setting import UsageError
 from neox.weights import WeightsError, open_weights
@@ -213,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{r.world_size} ranks ({args.gpus} {'GPUs' if r.device == 'cuda' else 'processes'} "
           f"x {args.nodes} node(s)), {args.gpu_memory:g} GiB each")
     print(chosen.table(memory if r.device == "cuda" else None))
+    tokens = r.batch_size * r.seq_len   # one micro-batch's, the forward the pass overlaps
+    for line in zerocore.plan.overlap_lines(chosen, offload_of(r), tokens=tokens):
+        print(f"  {line}")
     label = "without recomputation" if r.recompute else "recomputing every kept block"
     print(f"{label}: activations at the peak {other.peak['activations'] / GiB:.2f} GiB, total "
           f"{other.peak_bytes / GiB:.2f} GiB"

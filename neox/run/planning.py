@@ -20,7 +20,8 @@ from zerocore import DEFAULT_POOL_BYTES
 from neox.run.step import micro_batch_loss
 
 __all__ = ["PlanRequest", "plan_run", "request_from_recipe", "GiB", "DEFAULT_BPE_TOKENS",
-           "Layout", "LAYOUTS", "on_layout", "LayoutRow", "compare_layouts", "layouts_table"]
+           "Layout", "LAYOUTS", "on_layout", "LayoutRow", "compare_layouts", "layouts_table",
+           "offload_of"]
 
 GiB = 2**30
 # The tiny preset takes its vocabulary from the tokenizer a run trains (neox.data's byte-level
@@ -53,6 +54,7 @@ class PlanRequest:
     # host pool NVMe offload moves its chunks through.
     offload_device: str = "cpu"
     offload_pool: int = DEFAULT_POOL_BYTES
+    offload_overlap: str = "exact"        # zerocore.Offload.overlap: whether the pass overlaps
     # The ranks' layout (zerocore.plan's): a 2-D mesh's (nodes, ranks per node), or None
     # (flat, over ``nodes`` nodes); the cross-node gradients in int8 (zerocore.Comm); and how
     # the mesh shares the model (zerocore.Hybrid's layout: None or "hsdp", or "hpz").
@@ -100,7 +102,8 @@ def request_from_recipe(recipe: Recipe, config: NeoXConfig, *, world_size: int,
         batch_size=training.batch_size, seq_len=recipe.data.seq_len,
         grad_accum=training.grad_accum, offload=offload.offloaded_optimizer,
         offload_params=offload.offloaded_params, offload_device=offload.offload_device,
-        offload_pool=offload.offload_pool, recompute=sharding.activation_checkpointing,
+        offload_pool=offload.offload_pool, offload_overlap=offload.offload_overlap,
+        recompute=sharding.activation_checkpointing,
         recompute_every=sharding.activation_checkpointing_every, world_size=world_size,
         device=device, keep_gathered=sharding.keep_gathered,
         frozen_weights=sharding.frozen_weights, frozen_placement=sharding.frozen_placement)
@@ -118,7 +121,7 @@ def offload_of(r: PlanRequest) -> zerocore.Offload:
     return zerocore.Offload(optimizer=device if r.offload else False,
                             params=device if r.offload_params else False,
                             path=PLANNED_PATH if device == "nvme" else None,
-                            pool_bytes=r.offload_pool)
+                            pool_bytes=r.offload_pool, overlap=r.offload_overlap)
 
 
 def plan_run(request: PlanRequest, *, recompute: tuple[int, ...] | None = None

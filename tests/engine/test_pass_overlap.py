@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import zerocore
+from neox.plan import main as plan_main
+from tests.support.neox_testing import call_main
 from tests.support.offload_stack import BATCH, SEQ, layer_stack, stack_loss
 from zerocore.planning.pass_overlap import (THIS_CPU, Machine, dense_forward_flops,
                                             pass_bytes, pass_overlap)
@@ -80,3 +82,16 @@ def test_no_offloaded_optimizer_no_estimate():
     plan = planned(zerocore.Offload(params="cpu"))
     assert pass_overlap(plan, zerocore.Offload(params="cpu"), forward_flops=1.0,
                         machine=THIS_CPU) is None
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("overlap, said", [("exact", "overlap hides ~"),
+                                           ("off", "does not overlap (off)")])
+def test_neox_plan_prints_the_estimate_on_both_machines(capsys, overlap, said):
+    proc = call_main(plan_main, capsys, "--model", "tiny", "--device", "cpu", "--gpus", "1",
+                     "--offload", "optimizer", "--offload-overlap", overlap)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if "optimizer pass ~" in line]
+    assert [line.split(":")[0].strip() for line in lines] == [
+        "on this machine's CPU", "on an H100 (from the bandwidths)"], proc.stdout
+    assert all(said in line for line in lines), lines

@@ -137,3 +137,13 @@ def pass_overlap(plan: MemoryPlan, offload: Offload, *, forward_flops: float,
     return PassOverlap(machine=machine.name, pass_s=max(stages),
                        forward_s=forward_flops / machine.flops, overlaps=offload.overlaps,
                        why_not=why_not)
+
+
+def overlap_lines(plan: MemoryPlan, offload: Offload, *, tokens: int) -> list[str]:
+    """The plan's report of the pass: one line for this machine and one for an H100, the
+    forward being one micro-batch of ``tokens`` tokens a rank through the whole model (the
+    frozen weights too); none where the optimizer is not offloaded."""
+    flops = dense_forward_flops(plan.state.trainable_numel + plan.state.frozen_numel, tokens)
+    estimates = [pass_overlap(plan, offload, forward_flops=flops, machine=machine)
+                 for machine in (THIS_CPU, H100)]
+    return [e.line() for e in estimates if e is not None]
