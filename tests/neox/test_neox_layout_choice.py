@@ -197,3 +197,14 @@ def test_auto_placement_is_resolved_before_the_recipe_is_stored(tmp_path):
     assert "frozen weights held in nf4, replicated on every rank" in proc.stdout
     manifest = json.loads((out / CHECKPOINTS / "step-00000002" / "manifest.json").read_text())
     assert manifest["extra"]["recipe"]["loop"]["frozen_placement"] == "replicated"
+
+
+def test_plan_resolves_auto_and_plans_the_placement_it_chose(capsys):
+    proc = call_main(plan_main, capsys, "--model", "pythia-70m", "--finetune", "lora", "--gpus",
+                     "2", "--gpu-memory", "80", "--frozen-weights", "nf4", "--frozen-placement",
+                     "auto", "--batch-size", "1", "--seq-len", "64")
+    assert proc.returncode == 0, proc.stderr
+    assert "\n--frozen-placement auto: replicated (the one that fits sending the fewest bytes" \
+        in proc.stdout, proc.stdout
+    assert "frozen weights in nf4, replicated" in proc.stdout
+    assert "frozen base nf4, replicated" in proc.stdout
