@@ -17,7 +17,11 @@ from neox.run.recipe.declaring import AT_LEAST_1, STEP, at_least, blocks, check_
 from neox.setting import Flag, byte_budget, setting
 from zerocore import FROZEN_FORMATS, FROZEN_PLACEMENTS
 
-__all__ = ["ShardingConfig"]
+__all__ = ["ShardingConfig", "AUTO_PLACEMENT"]
+
+# --frozen-placement's word for "what the plan picks": never a recipe's value, the commands
+# resolve it to a placement first (neox.run.layout_choice.auto_placement).
+AUTO_PLACEMENT = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +64,10 @@ class ShardingConfig:
                         "or fp8): 'sharded', each rank holds its shard and each use all-gathers "
                         "it; 'replicated', every rank holds the whole quantized base and "
                         "dequantizes each layer just before it runs: nothing frozen is gathered, "
-                        "for the whole base's memory on every rank; same results, bitwise",
-                  choices=FROZEN_PLACEMENTS, resumable=True))
+                        "for the whole base's memory on every rank; same results, bitwise; "
+                        "'auto', what the plan picks (replicated when it fits the GPU, else "
+                        "sharded), resolved before the run starts and stored as that",
+                  choices=FROZEN_PLACEMENTS + (AUTO_PLACEMENT,), resumable=True))
 
     # Blocks (checkpoint indices, among the kept ones) whose activations are recomputed in
     # backward instead of kept; () none. Of those, every k-th is (the first, the k+1-th, ...).
