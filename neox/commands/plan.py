@@ -106,7 +106,8 @@ def request_of(args: argparse.Namespace) -> PlanRequest:
     if args.gpu_memory <= 0:
         raise UsageError(f"--gpu-memory {args.gpu_memory:g}: must be a number of GiB above 0")
     problem = (recipe.layout.problem()
-               or recipe.sharding.problem(offload=recipe.offload.offload))
+               or recipe.sharding.problem(offload=recipe.offload.offload,
+                                          offload_device=recipe.offload.offload_device))
     if problem is not None:
         raise UsageError(problem)
     if recipe.layout.hybrid is not None and args.nodes < 2:

@@ -132,7 +132,8 @@ def candidates(request: PlanRequest, memory: int) -> Iterator[list[list[Candidat
     for fmt in (None, *zerocore.FROZEN_FORMATS):
         for placement in zerocore.FROZEN_PLACEMENTS:
             sharding = ShardingConfig(frozen_weights=fmt, frozen_placement=placement)
-            if sharding.problem(offload=offload) is not None:
+            if sharding.problem(offload=offload,
+                                offload_device=request.offload_device) is not None:
                 continue
             yield [[Candidate(fmt, placement, budget, recompute)
                     for budget in (budgets if placement == "sharded" else [0])]
@@ -189,7 +190,8 @@ def auto_placement(request: PlanRequest, memory: int,
     for placement in zerocore.FROZEN_PLACEMENTS:
         sharding = ShardingConfig(frozen_weights=request.frozen_weights,
                                   frozen_placement=placement)
-        if sharding.problem(offload=_offload_word(request)) is None:
+        if sharding.problem(offload=_offload_word(request),
+                            offload_device=request.offload_device) is None:
             planned[placement] = plan(dataclasses.replace(request, frozen_placement=placement))
     fitting = [p for p, m in planned.items() if m.peak_bytes <= memory]
     pick = (min(fitting, key=lambda p: sum(sent_bytes(planned[p]))) if fitting

@@ -134,11 +134,11 @@ class ShardingConfig:
         """Whether the frozen weights are held quantized (in any format)."""
         return self.frozen_weights is not None
 
-    def problem(self, *, offload: str | None, offload_device: str | None = None) -> str | None:
+    def problem(self, *, offload: str | None, offload_device: str) -> str | None:
         """Why the recipe's --frozen-placement cannot be (None: it can), with --offload
         ``offload`` to ``offload_device`` (zerocore refuses these too, in its own words and
-        later). With --offload params or all, a replicated base lives in host memory; a caller
-        that does not say where the offload goes (None: neox.plan's) is refused that case."""
+        later). With --offload params or all, a replicated base lives in host memory, never on
+        NVMe."""
         if self.frozen_placement != "replicated":
             return None
         if not self.frozen_quantized:
@@ -149,10 +149,6 @@ class ShardingConfig:
                     f"each rank's memory (with --offload {offload}, the host's), and "
                     f"--offload-device nvme puts the parameter shards on NVMe: give "
                     f"--offload-device cpu, or leave the base sharded")
-        if offload in ("params", "all") and offload_device is None:
-            return (f"--frozen-placement replicated with --offload {offload} (the base in host "
-                    f"memory) is not planned yet; plan it with --offload optimizer, or sharded "
-                    f"(neox.finetune runs it)")
         return None
 
     def words(self) -> str:
