@@ -27,6 +27,7 @@ from neox.blocks import chosen_blocks
 from neox.commands.flags import (HelpFormatter, Parser, add_recipe_flags, explicit_flags, finite,
                                  nonnegative_int, positive_int, recipe_argument)
 from neox.config import NeoXConfig, preset_config
+from neox.dtypes import resolve_dtype
 from neox.finetune_modes import GROUP as MODE, auto_mode
 from neox.run import from_deepspeed as nds
 from neox.run.invocation import Invocation
@@ -34,8 +35,10 @@ from neox.run.launch import (LaunchConfig, RunRequest, launch, local_world_size,
                              run_under_torchrun)
 from neox.run.layout import check_layout
 from neox.run.progress import say
-from neox.run.recipe import (DATA, LOOP, MODEL, OPTIM, OUTPUT, STEP, FROM_SCRATCH,
-                             recipe_from_flags)
+from neox.run.layout_choice import auto_placement
+from neox.run.planning import request_from_recipe
+from neox.run.recipe import (AUTO_PLACEMENT, DATA, LOOP, MODEL, OPTIM, OUTPUT, STEP, FROM_SCRATCH,
+                             Recipe, recipe_from_flags)
 from neox.run.resume import deepspeed_recipe, resume_recipe
 from neox.run.same_recipe import given_flags
 from neox.run.run_dir import CHECKPOINTS, OutputDirError, find_resume_checkpoint, warn_incomplete
@@ -139,6 +142,24 @@ def model_config(args: argparse.Namespace) -> NeoXConfig:
         raise UsageError(f"--checkpoint: {e}") from None
 
 
+def auto_placed(recipe: Recipe, config: NeoXConfig, *, world_size: int, use_cuda: bool,
+                nodes: int, log: Any) -> Recipe:
+    """``recipe`` with the placement ``--frozen-placement auto`` stands for: the plan's
+    (``neox.run.layout_choice.auto_placement``) for this run's ranks and one device's memory
+    (a GPU's; on the CPU the host's available memory shared by the processes), said once."""
+    if use_cuda:
+        memory = torch.cuda.get_device_properties(0).total_memory
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") // world_size
+    device = torch.device("cuda" if use_cuda else "cpu")
+    request = request_from_recipe(recipe, config, world_size=world_size, device=device.type,
+                                  dtype=resolve_dtype(recipe.model.dtype, device), nodes=nodes)
+    placement, line = auto_placement(request, memory)
+    log(line)
+    return dataclasses.replace(recipe, sharding=dataclasses.replace(
+        recipe.sharding, frozen_placement=placement))
+
+
 def run_request(args: argparse.Namespace, use_cuda: bool, log: Any, *, torchrun: bool,
                 nodes: int | None) -> RunRequest:
     """The run the flags ask for, checked as far as the flags, the file system and the nodes
@@ -148,8 +169,11 @@ def run_request(args: argparse.Namespace, use_cuda: bool, log: Any, *, torchrun:
     # The recipe the flags describe, their block lists checked against the model's block count.
     kept, recomputed = chosen_blocks(args.filter_layers, args.activation_checkpointing,
                                      model_config(args).num_hidden_layers)
-    recipe = recipe_from_flags(vars(args), {"filter_layers": kept,
-                                            "activation_checkpointing": recomputed})
+    # --frozen-placement auto is resolved below, once a resume's recipe is merged: until then
+    # the placement is the default's (a recipe never holds "auto").
+    auto = args.frozen_placement == AUTO_PLACEMENT
+    recipe = recipe_from_flags(vars(args) | ({"frozen_placement": "sharded"} if auto else {}),
+                               {"filter_layers": kept, "activation_checkpointing": recomputed})
     resume = deepspeed = None
     for flag in ("allow_unverified", "data_changed"):
         if getattr(args, flag) and args.resume is None:
@@ -179,6 +203,9 @@ def run_request(args: argparse.Namespace, use_cuda: bool, log: Any, *, torchrun:
     # The layout of the recipe (a resumed run's included) against the nodes.
     world = (int(os.environ["WORLD_SIZE"]) if torchrun else
              local_world_size(args.nproc, use_cuda))
+    if auto:
+        recipe = auto_placed(recipe, model_config(args), world_size=world, use_cuda=use_cuda,
+                             nodes=nodes or 1, log=log)
     check_layout(recipe.layout, world_size=world, nodes=nodes, torchrun=torchrun,
                  nodes_given=args.nodes is not None)
     return RunRequest(recipe=recipe, resume=resume, overwrite=args.overwrite,

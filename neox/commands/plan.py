@@ -9,7 +9,10 @@ activations with and without recomputation (of the attention kernel that runs: f
 weights), the CUDA allocator's headroom, the total against the GPU's memory, and the bytes
 all-gathered and reduce-scattered per optimizer step. On several --nodes it plans the layout
 --hybrid and --quantize-gradients choose, then compares the layouts (flat, HSDP, HSDP with qgZ):
-memory per GPU and bytes per step within and across the nodes. A --checkpoint is opened for its
+memory per GPU and bytes per step within and across the nodes. With --link it also plans every
+layout of the frozen base (format x placement x keep-gathered budget x recomputation), estimates
+each one's step time (neox.run.layout_choice says how) and recommends the fastest that fits;
+--frozen-placement auto takes that choice. A --checkpoint is opened for its
 configuration and tensor shapes only; no weights are read. The numbers come from
 ``zerocore.plan``, which runs the step's schedule on fake tensors; on the CPU it agrees with
 measured runs (tests/engine/test_plan.py).
@@ -19,19 +22,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 from typing import Any
 
 import zerocore
 from neox.blocks import chosen_blocks
-from neox.commands.flags import HelpFormatter, Parser, add_recipe_flags, finite, positive_int
+from neox.commands.flags import (HelpFormatter, Parser, add_recipe_flags, argparse_type, finite,
+                                 positive_int)
 from neox.config import preset_config
 from neox.dtypes import DTYPES
 from neox.finetune_modes import GROUP as MODE, auto_mode
+from neox.run.hardware import GPUS, LINKS, gpu_tflops_of, link_of
+from neox.run.layout_choice import (DEFAULT_MFU, Machine, Row, auto_placement, candidates_table,
+                                    evaluate, ranked, recommendation)
 from neox.run.planning import (DEFAULT_BPE_TOKENS, GiB, Layout, PlanRequest, compare_layouts,
                                layouts_table, offload_of, plan_run, request_from_recipe)
-from neox.run.recipe import MODEL, STEP, offload_words, recipe_from_flags
+from neox.run.recipe import AUTO_PLACEMENT, MODEL, STEP, offload_words, recipe_from_flags
 from neox.setting import UsageError
 from neox.weights import WeightsError, open_weights
 
@@ -58,6 +66,19 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--vocab-size", type=positive_int, default=DEFAULT_BPE_TOKENS,
                    help="the tiny preset's vocabulary: its run takes the tokenizer's (the BPE "
                         "a run trains by default has 8192 tokens)")
+    t = p.add_argument_group("the layout's step time (with --link: every frozen-base layout "
+                             "planned, the fastest that fits recommended)")
+    t.add_argument("--link", type=argparse_type(link_of), default=None, metavar="LINK",
+                   help=f"the link between the GPUs of a node: a preset ({', '.join(LINKS)}) or "
+                        f"GB/s in one direction")
+    t.add_argument("--link-across", type=argparse_type(link_of), default=None, metavar="LINK",
+                   help="the link each GPU has to the other nodes (with --nodes 2 or more): a "
+                        "preset as --link's, or GB/s in one direction")
+    t.add_argument("--gpu-tflops", type=argparse_type(gpu_tflops_of), default=GPUS["h100"],
+                   metavar="GPU", help=f"the GPU's peak dense bf16 TFLOPS: a preset "
+                                       f"({', '.join(GPUS)}) or a number (default: h100's)")
+    t.add_argument("--mfu", type=finite, default=DEFAULT_MFU,
+                   help="the fraction of that peak a step's matmuls reach")
     p.add_argument("--json", action="store_true", help="print the numbers as one JSON object")
     return p
 
@@ -78,17 +99,26 @@ def request_of(args: argparse.Namespace) -> PlanRequest:
     values = dict(vars(args))
     if values["finetune"] == "auto":
         values["finetune"] = auto_mode(has_weights=args.checkpoint is not None)
+    if values["frozen_placement"] == AUTO_PLACEMENT:   # main resolves it from the plans
+        values["frozen_placement"] = "sharded"
     recipe = recipe_from_flags(values, {"filter_layers": kept,
                                         "activation_checkpointing": recomputed})
     if args.gpu_memory <= 0:
         raise UsageError(f"--gpu-memory {args.gpu_memory:g}: must be a number of GiB above 0")
     problem = (recipe.layout.problem()
-               or recipe.sharding.problem(offload=recipe.offload.offload))
+               or recipe.sharding.problem(offload=recipe.offload.offload,
+                                          offload_device=recipe.offload.offload_device))
     if problem is not None:
         raise UsageError(problem)
     if recipe.layout.hybrid is not None and args.nodes < 2:
         raise UsageError(f"--hybrid {recipe.layout.hybrid} replicates across nodes: plan it with "
                          f"--nodes 2 or more")
+    if not 0 < args.mfu <= 1:
+        raise UsageError(f"--mfu {args.mfu:g}: must be a fraction of the GPU's peak, above 0 "
+                         f"and at most 1")
+    if args.link is not None and args.nodes > 1 and args.link_across is None:
+        raise UsageError(f"--link on --nodes {args.nodes}: give --link-across too, the link "
+                         f"between the nodes")
     if args.host_memory is not None and args.host_memory <= 0:
         raise UsageError(f"--host-memory {args.host_memory:g}: must be a number of GiB above 0")
     problem = recipe.offload.problem(for_a_run=False)
@@ -113,6 +143,10 @@ def _as_dict(plan: zerocore.plan.MemoryPlan) -> dict[str, Any]:
             "reduce_scatter_bytes": plan.reduce_scatter_bytes,
             "recomputed_layers": list(plan.recomputed_layers),
             "loading_peak_bytes": plan.loading.peak, "loading_held_bytes": plan.loading.held}
+
+
+def _row_dict(row: Row) -> dict[str, Any]:
+    return dataclasses.asdict(row) | {"seconds": row.seconds}
 
 
 # The offloads a plan tries, from the least traffic to the most: (--offload, --offload-device).
@@ -172,12 +206,22 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    chosen = plan_run(request)
+    memory = int(args.gpu_memory * GiB)
+    plan = functools.lru_cache(maxsize=None)(plan_run)   # a candidate may be the request
+    auto_line = None
+    if args.frozen_placement == AUTO_PLACEMENT:
+        placement, auto_line = auto_placement(request, memory, plan)
+        request = dataclasses.replace(request, frozen_placement=placement)
+    chosen = plan(request)
     # The other side of the trade: without recomputation when it is on, with it on every
     # kept block when it is off.
     kept = request.filter_layers or tuple(range(request.config.num_hidden_layers))
-    other = plan_run(request, recompute=() if request.recompute else kept)
-    memory = int(args.gpu_memory * GiB)
+    other = plan(dataclasses.replace(request, recompute=() if request.recompute else kept))
+    rows: list[Row] = []
+    if args.link is not None:
+        machine = Machine(memory=memory, tflops=args.gpu_tflops, link=args.link,
+                          link_across=args.link_across, mfu=args.mfu)
+        rows = evaluate(request, machine, plan)
     # On several nodes, every layout beside the chosen one (planned once).
     layouts = [] if args.nodes < 2 else compare_layouts(request, args.nodes,
                                                         planned={Layout(
@@ -193,6 +237,12 @@ def main(argv: list[str] | None = None) -> int:
                                 host_memory=int(args.host_memory * GiB))
             out["recommended"] = (None if best is None else
                                   {"offload": best[0], "offload_device": best[1]})
+        if auto_line is not None:
+            out["frozen_placement"] = request.frozen_placement
+        if rows:
+            order = ranked(rows)
+            out["candidates"] = [_row_dict(r) for r in rows]
+            out["recommended_layout"] = _row_dict(order[0]) if order else None
         print(json.dumps(out))
         return 0
     r = request
@@ -212,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
              if r.frozen_weights is not None else ""))
     print(f"{r.world_size} ranks ({args.gpus} {'GPUs' if r.device == 'cuda' else 'processes'} "
           f"x {args.nodes} node(s)), {args.gpu_memory:g} GiB each")
+    if auto_line is not None:
+        print(auto_line)
     print(chosen.table(memory if r.device == "cuda" else None))
     tokens = r.batch_size * r.seq_len   # one micro-batch's, the forward the pass overlaps
     for line in zerocore.plan.overlap_lines(chosen, offload_of(r), tokens=tokens):
@@ -242,4 +294,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{'GPUs' if r.device == 'cuda' else 'processes'} (--hybrid, "
               f"--quantize-gradients):")
         print(layouts_table(layouts))
+    if rows:
+        across = f", {args.link_across.name} across nodes" if r.nodes > 1 or r.mesh else ""
+        print(f"frozen-base layouts (step time = FLOPs at {args.mfu:g} of {args.gpu_tflops:g} "
+              f"TFLOPS + bytes sent at {args.link.name} ({args.link.gb_per_s:g} GB/s one way)"
+              f"{across}; the rest of the run as above):")
+        print(candidates_table(rows, blocks))
+        print(recommendation(rows, machine, blocks))
     return 0

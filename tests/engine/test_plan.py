@@ -51,6 +51,8 @@ class Case:
     offload: bool = False
     grad_accum: int = 1
     world_size: int = 2
+    frozen_weights: str | None = None
+    frozen_placement: str = "sharded"
 
     def request(self) -> PlanRequest:
         return PlanRequest(config=CONFIG, filter_layers=None,
@@ -58,7 +60,9 @@ class Case:
                            reduce_dtype=torch.float32, batch_size=BATCH, seq_len=SEQ,
                            grad_accum=self.grad_accum, offload=self.offload,
                            recompute=self.recompute, recompute_every=self.every,
-                           world_size=self.world_size, device="cpu")
+                           world_size=self.world_size, device="cpu",
+                           frozen_weights=self.frozen_weights,
+                           frozen_placement=self.frozen_placement)
 
 
 CASES = {
@@ -70,6 +74,12 @@ CASES = {
                                                      recompute=(0, 1, 2), every=2, grad_accum=2),
     "full-fp32-ws1": Case(world_size=1),
     "lora-fp32-recompute-ws3": Case(mode="lora", recompute=(1,), world_size=3),
+    # The layout neox.plan recommends for a big base on few GPUs (issue 41): LoRA over a
+    # replicated NF4 base, at every world size.
+    **{f"lora-bf16-nf4-replicated-ws{n}": Case(mode="lora", dtype=torch.bfloat16,
+                                               world_size=n, frozen_weights="nf4",
+                                               frozen_placement="replicated")
+       for n in (1, 2, 3)},
 }
 
 
@@ -98,6 +108,8 @@ def _measure(case: Case, rank: int, peak: zerocore.PeakMemory) -> dict:
                             for i, s in enumerate(specs)),
                            mixed_precision=zerocore.MixedPrecision(case.dtype, torch.float32),
                            offload=zerocore.Offload(optimizer=case.offload),
+                           frozen_weights=zerocore.FrozenWeights(
+                               case.frozen_weights, placement=case.frozen_placement),
                            recompute=sharding.recompute(specs))
     opt = zerocore.optim.AdamW(model.trainable_shards(), lr=1e-3)
     scaler = zerocore.LossScaler(model.group, dynamic=False, counter=model.counter)

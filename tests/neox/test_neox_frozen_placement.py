@@ -77,16 +77,13 @@ NVME = ("--frozen-weights", "nf4", "--offload", "all", "--offload-device", "nvme
     ("finetune plan", (),
      "--frozen-placement replicated holds the whole quantized frozen base on every rank: "
      "add --frozen-weights nf4, fp8 or int8, or leave it sharded"),
-    ("finetune", NVME,
+    # (--offload-device cpu is a home of its own, tests/engine/test_frozen_quantized.py, and
+    # the plan plans it: test_plan_shows_the_placement)
+    ("finetune plan", NVME,
      "--frozen-placement replicated keeps the whole quantized frozen base in each rank's "
      "memory (with --offload all, the host's), and --offload-device nvme puts the parameter "
      "shards on NVMe: give --offload-device cpu, or leave the base sharded"),
-    # (--offload-device cpu is a home of its own, tests/engine/test_frozen_quantized.py; the
-    # plan is not yet told where the offload goes, and says so)
-    ("plan", ("--frozen-weights", "nf4", "--offload", "params"),
-     "--frozen-placement replicated with --offload params (the base in host memory) is not "
-     "planned yet; plan it with --offload optimizer, or sharded (neox.finetune runs it)"),
-], ids=["no format", "params on nvme", "params in the plan"])
+], ids=["no format", "params on nvme"])
 def test_replicated_where_it_cannot_be_is_refused_in_one_line(capsys, tmp_path, commands,
                                                                flags, line):
     mains = {"finetune": (finetune_main, ("--cpu", "--output-dir", tmp_path / "out",
@@ -101,14 +98,18 @@ def test_replicated_where_it_cannot_be_is_refused_in_one_line(capsys, tmp_path, 
 
 
 def test_plan_shows_the_placement(capsys):
-    def planned(placement):
+    def planned(placement, *flags):
         proc = call_main(plan_main, capsys, "--model", "pythia-70m", "--finetune", "lora",
                          "--gpus", "8", "--frozen-weights", "fp8", "--frozen-placement",
-                         placement)
+                         placement, *flags)
         assert proc.returncode == 0, proc.stderr
         return proc.stdout
     sharded, replicated = planned("sharded"), planned("replicated")
+    on_host = planned("replicated", "--offload", "params")
     assert "frozen weights in fp8, sharded" in sharded
     assert "parameter shards, frozen (fp8, sharded)" in sharded
     assert "frozen weights in fp8, replicated" in replicated
     assert "frozen base fp8, replicated" in replicated and "none of it all-gathered" in replicated
+    # With the parameters offloaded, the replicated base is planned in host memory.
+    assert "frozen base, whole (fp8, replicated) (host)" in on_host
+    assert "none of it all-gathered" in on_host

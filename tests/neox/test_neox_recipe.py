@@ -330,9 +330,13 @@ def test_the_frozen_format_and_placement_are_declarations_too():
         "--frozen-placement replicated holds the whole quantized frozen base on every rank: add "
         "--frozen-weights nf4, fp8 or int8, or leave it sharded")
     assert RECIPE_VERSION >= 8
-    for flag in ("--frozen-weights", "--frozen-placement"):
-        with pytest.raises(SystemExit):
-            build_parser().parse_args([flag, "auto"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--frozen-weights", "auto"])
+    # --frozen-placement auto is a word of the commands, which resolve it (neox.run.
+    # layout_choice): a recipe never holds it.
+    assert build_parser().parse_args(["--frozen-placement", "auto"]).frozen_placement == "auto"
+    with pytest.raises(UsageError, match="--frozen-placement must be one of"):
+        sharding("--frozen-placement", "auto")
     d = Recipe(sharding=ShardingConfig(frozen_weights="fp8", frozen_placement="replicated")
                ).to_dict()
     assert Recipe.from_dict(json.loads(json.dumps(d))).sharding.frozen_placement == "replicated"

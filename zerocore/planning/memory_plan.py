@@ -117,6 +117,11 @@ class MemoryPlan:
     secondary_peak: int = 0            # most secondary-shard bytes held at any point (hpZ)
     # Loading the model by range before the first step (see ``Loading``); None: not planned.
     loading: Loading | None = None
+    # Floating-point operations of one rank per optimizer step (all micro-batches), as torch's
+    # ``FlopCounterMode`` counts the rehearsed step's kernels: matmuls and attention, in
+    # forward, backward and recomputation; elementwise work and zerocore's own kernels
+    # (dequantization, Adam) are not counted.
+    flops: int = 0
 
     @property
     def inter_node_bytes(self) -> int:

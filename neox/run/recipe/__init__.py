@@ -47,11 +47,11 @@ from neox.run.recipe.offload import OFFLOADS, OffloadConfig, offload_words
 from neox.run.recipe.optim import OptimConfig
 from neox.run.recipe.output import OutputConfig
 from neox.run.recipe.recipe import RECIPE_VERSION, Recipe, recipe_fields
-from neox.run.recipe.sharding import ShardingConfig
+from neox.run.recipe.sharding import AUTO_PLACEMENT, ShardingConfig
 from neox.run.recipe.training import TrainingConfig
 
 __all__ = ["RECIPE_VERSION", "Recipe", "ModelRecipe", "DataConfig", "OptimConfig",
            "TrainingConfig", "ShardingConfig", "OffloadConfig", "LayoutConfig", "OutputConfig",
            "RecipeError", "recipe_from_checkpoint", "recipe_fields", "recipe_from_flags",
            "FROM_SCRATCH", "OFFLOADS", "HYBRIDS", "offload_words", "MODEL", "STEP", "DATA",
-           "OPTIM", "LOOP", "OUTPUT"]
+           "OPTIM", "LOOP", "OUTPUT", "AUTO_PLACEMENT"]

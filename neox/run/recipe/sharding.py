@@ -17,7 +17,11 @@ from neox.run.recipe.declaring import AT_LEAST_1, STEP, at_least, blocks, check_
 from neox.setting import Flag, byte_budget, setting
 from zerocore import FROZEN_FORMATS, FROZEN_PLACEMENTS
 
-__all__ = ["ShardingConfig"]
+__all__ = ["ShardingConfig", "AUTO_PLACEMENT"]
+
+# --frozen-placement's word for "what the plan picks": never a recipe's value, the commands
+# resolve it to a placement first (neox.run.layout_choice.auto_placement).
+AUTO_PLACEMENT = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +64,10 @@ class ShardingConfig:
                         "or fp8): 'sharded', each rank holds its shard and each use all-gathers "
                         "it; 'replicated', every rank holds the whole quantized base and "
                         "dequantizes each layer just before it runs: nothing frozen is gathered, "
-                        "for the whole base's memory on every rank; same results, bitwise",
-                  choices=FROZEN_PLACEMENTS, resumable=True))
+                        "for the whole base's memory on every rank; same results, bitwise; "
+                        "'auto', what the plan picks (replicated when it fits the GPU, else "
+                        "sharded), resolved before the run starts and stored as that",
+                  choices=FROZEN_PLACEMENTS + (AUTO_PLACEMENT,), resumable=True))
 
     # Blocks (checkpoint indices, among the kept ones) whose activations are recomputed in
     # backward instead of kept; () none. Of those, every k-th is (the first, the k+1-th, ...).
@@ -128,11 +134,11 @@ class ShardingConfig:
         """Whether the frozen weights are held quantized (in any format)."""
         return self.frozen_weights is not None
 
-    def problem(self, *, offload: str | None, offload_device: str | None = None) -> str | None:
+    def problem(self, *, offload: str | None, offload_device: str) -> str | None:
         """Why the recipe's --frozen-placement cannot be (None: it can), with --offload
         ``offload`` to ``offload_device`` (zerocore refuses these too, in its own words and
-        later). With --offload params or all, a replicated base lives in host memory; a caller
-        that does not say where the offload goes (None: neox.plan's) is refused that case."""
+        later). With --offload params or all, a replicated base lives in host memory, never on
+        NVMe."""
         if self.frozen_placement != "replicated":
             return None
         if not self.frozen_quantized:
@@ -143,10 +149,6 @@ class ShardingConfig:
                     f"each rank's memory (with --offload {offload}, the host's), and "
                     f"--offload-device nvme puts the parameter shards on NVMe: give "
                     f"--offload-device cpu, or leave the base sharded")
-        if offload in ("params", "all") and offload_device is None:
-            return (f"--frozen-placement replicated with --offload {offload} (the base in host "
-                    f"memory) is not planned yet; plan it with --offload optimizer, or sharded "
-                    f"(neox.finetune runs it)")
         return None
 
     def words(self) -> str:
