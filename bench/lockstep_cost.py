@@ -27,8 +27,8 @@ own (``Lockstep._all_gather``: that all-reduce issued with ``async_op=True`` and
 slices, so that a long wait can ask where the others are), 200 exchanges per call.
 ``--fused`` times what a gather of one small unit costs three ways, interleaved, as the
 runtime issues them (each gather started before the last is waited for, a small matmul between):
-``off``, the data alone (gloo's gather by broadcasts, ``all_gather_by_broadcast``); ``checked
-first``, the lockstep's exchange before each (``Lockstep._all_gather``), as now; ``carried``, the
+``off``, the data alone (gloo's gather by broadcasts, as the engine gathers:
+``broadcast_each``); ``checked first``, the lockstep's exchange before each (``Lockstep._all_gather``), as now; ``carried``, the
 identity appended to each rank's part as 8 bytes, the data and it broadcast together in a shape
 fixed for the model, compared once the gather is waited for; ``off A/A``, a second ``off``,
 the noise band. ``carried`` is a prototype of a design, not what the lockstep does
@@ -50,7 +50,6 @@ import harness
 import zerocore
 from neox.config import NeoXConfig
 from neox.model import Block
-from zerocore.comm.collectives import CommCounter, all_gather_by_broadcast
 
 SEQ = 16
 VARIANTS = ("read, on", "read, on A/A", "read, off", "collective, on", "collective, off")
@@ -123,6 +122,17 @@ def exchange_main(rank: int, world: int, args: argparse.Namespace) -> dict:
     return {name: rounds.median_s(name) / EXCHANGES * 1e6 for name in variants}
 
 
+def broadcast_each(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, rank: int,
+                   ranks: tuple[int, ...]) -> list[dist.Work]:
+    """The engine's all-gather on gloo (one broadcast per rank, received in place into its
+    slice of ``out``), written here with torch's own calls: the engine's is not public."""
+    slices = out.chunk(len(ranks))
+    handles = [dist.broadcast(shard if r == rank else slices[r], src=ranks[r], group=group,
+                              async_op=True) for r in range(len(ranks))]
+    slices[rank].copy_(shard)
+    return handles
+
+
 def fused_main(rank: int, world: int, args: argparse.Namespace) -> dict:
     numel = -(-(args.width * args.width + args.width) // world)  # a Linear's shard, padded
     group = dist.group.WORLD
@@ -130,7 +140,6 @@ def fused_main(rank: int, world: int, args: argparse.Namespace) -> dict:
     shard = torch.randn(numel)
     x = torch.randn(args.rows * SEQ, args.width)
     weight = torch.randn(args.width, args.width)
-    counter = CommCounter()
     # The lockstep of a one-layer model on gloo's collectives (its exchange is the one timed).
     lockstep = zerocore.shard([nn.Linear(4, 4)], comm=zerocore.Comm(peer_read="off")).lockstep
 
@@ -146,7 +155,7 @@ def fused_main(rank: int, world: int, args: argparse.Namespace) -> dict:
 
     def plain_start(_unit: int):
         out = torch.empty(numel * world)
-        return out, all_gather_by_broadcast(out, shard, group, counter, rank, ranks)
+        return out, broadcast_each(out, shard, group, rank, ranks)
 
     def checked_start(unit: int):
         lockstep._all_gather(unit)
@@ -164,7 +173,7 @@ def fused_main(rank: int, world: int, args: argparse.Namespace) -> dict:
         mine = torch.empty(row)
         mine[:numel].copy_(shard)
         mine[head:].view(torch.int64).fill_(unit)
-        return out, all_gather_by_broadcast(out, mine, group, counter, rank, ranks)
+        return out, broadcast_each(out, mine, group, rank, ranks)
 
     def carried_wait(pending, unit: int) -> None:
         plain_wait(pending, unit)
