@@ -28,8 +28,9 @@ slices, so that a long wait can ask where the others are), 200 exchanges per cal
 ``--fused`` times what a gather of one small unit costs three ways, interleaved, as the
 runtime issues them (each gather started before the last is waited for, a small matmul between):
 ``off``, the data alone (gloo's gather by broadcasts, as the engine gathers:
-``broadcast_each``); ``checked first``, the lockstep's exchange before each (``Lockstep._all_gather``), as now; ``carried``, the
-identity appended to each rank's part as 8 bytes, the data and it broadcast together in a shape
+``broadcast_each``); ``checked first``, the lockstep's exchange before each
+(``Lockstep._all_gather``), as now; ``carried``, the identity appended to each rank's part
+as 8 bytes, the data and it broadcast together in a shape
 fixed for the model, compared once the gather is waited for; ``off A/A``, a second ``off``,
 the noise band. ``carried`` is a prototype of a design, not what the lockstep does
 (docs/decisions.md, issue 39, "the identity carried in a fixed-shape gather").

@@ -322,11 +322,12 @@ def test_the_frozen_format_and_placement_are_declarations_too():
     assert sharding("--frozen-weights", "compute").frozen_weights is None
     for fmt in ("int8", "nf4", "fp8"):
         s = sharding("--frozen-weights", fmt, "--frozen-placement", "replicated")
-        assert s.frozen_quantized and s.problem(offload="optimizer") is None
+        assert s.frozen_quantized and s.problem(offload="optimizer", offload_device="cpu") is None
         assert s.policies(dtype=torch.float32, specs=[])["frozen_weights"] == \
             zerocore.FrozenWeights(fmt, placement="replicated")
     assert not plain.frozen_quantized
-    assert sharding("--frozen-placement", "replicated").problem(offload=None) == (
+    unquantized = sharding("--frozen-placement", "replicated")
+    assert unquantized.problem(offload=None, offload_device="cpu") == (
         "--frozen-placement replicated holds the whole quantized frozen base on every rank: add "
         "--frozen-weights nf4, fp8 or int8, or leave it sharded")
     assert RECIPE_VERSION >= 8
