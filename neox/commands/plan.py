@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--host-memory", type=finite, default=None, metavar="GIB",
                    help="host memory (RAM) of one node in GiB: the plan then also recommends "
                         "the least offload that fits the GPUs and the host (--offload, "
-                        "--offload-device), keeping a tenth of the host for everything else")
+                        "--offload-device), keeping a tenth of the host for everything else; "
+                        "with --link, the offloaded layouts must fit it too")
     m.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="plan GPU ranks (NCCL) or CPU processes (gloo, as neox.finetune --cpu "
                         "runs them; --gpus is then the process count)")
