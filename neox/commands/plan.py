@@ -10,7 +10,8 @@ weights), the CUDA allocator's headroom, the total against the GPU's memory, and
 all-gathered and reduce-scattered per optimizer step. On several --nodes it plans the layout
 --hybrid and --quantize-gradients choose, then compares the layouts (flat, HSDP, HSDP with qgZ):
 memory per GPU and bytes per step within and across the nodes. With --link it also plans every
-layout of the frozen base (format x placement x keep-gathered budget x recomputation), estimates
+layout of the frozen base (format x placement x keep-gathered budget x recomputation x offload
+to the host, fitting --host-memory when given), estimates
 each one's step time (neox.run.layout_choice says how) and recommends the fastest that fits;
 --frozen-placement auto takes that choice. A --checkpoint is opened for its
 configuration and tensor shapes only; no weights are read. The numbers come from
@@ -38,7 +39,8 @@ from neox.run.hardware import GPUS, LINKS, gpu_tflops_of, link_of
 from neox.run.layout_choice import (DEFAULT_MFU, Machine, Row, auto_placement, candidates_table,
                                     evaluate, ranked, recommendation)
 from neox.run.planning import (DEFAULT_BPE_TOKENS, GiB, Layout, PlanRequest, compare_layouts,
-                               layouts_table, offload_of, plan_run, request_from_recipe)
+                               fits, layouts_table, needs, offload_of, plan_run,
+                               request_from_recipe)
 from neox.run.recipe import AUTO_PLACEMENT, MODEL, STEP, offload_words, recipe_from_flags
 from neox.setting import UsageError
 from neox.weights import WeightsError, open_weights
@@ -59,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--host-memory", type=finite, default=None, metavar="GIB",
                    help="host memory (RAM) of one node in GiB: the plan then also recommends "
                         "the least offload that fits the GPUs and the host (--offload, "
-                        "--offload-device), keeping a tenth of the host for everything else")
+                        "--offload-device), keeping a tenth of the host for everything else; "
+                        "with --link, the offloaded layouts must fit it too")
     m.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="plan GPU ranks (NCCL) or CPU processes (gloo, as neox.finetune --cpu "
                         "runs them; --gpus is then the process count)")
@@ -74,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--link-across", type=argparse_type(link_of), default=None, metavar="LINK",
                    help="the link each GPU has to the other nodes (with --nodes 2 or more): a "
                         "preset as --link's, or GB/s in one direction")
+    t.add_argument("--link-host", type=argparse_type(link_of), default=link_of("pcie4"),
+                   metavar="LINK", help="each GPU's link to the host, which offload's copies "
+                                        "cross: a preset as --link's, or GB/s in one direction")
     t.add_argument("--gpu-tflops", type=argparse_type(gpu_tflops_of), default=GPUS["h100"],
                    metavar="GPU", help=f"the GPU's peak dense bf16 TFLOPS: a preset "
                                        f"({', '.join(GPUS)}) or a number (default: h100's)")
@@ -153,23 +159,6 @@ def _row_dict(row: Row) -> dict[str, Any]:
 # Parameters on the host cost a copy per gather; NVMe, the disk's bandwidth.
 CANDIDATES = ((None, "cpu"), ("optimizer", "cpu"), ("params", "cpu"), ("all", "cpu"),
               ("optimizer", "nvme"), ("params", "nvme"), ("all", "nvme"))
-# What a recommendation leaves of the host's memory for everything but the model state and the
-# step (the system, the data, the CUDA driver's own pinned buffers).
-HOST_SPARE = 0.1
-
-
-def _needs(plan: zerocore.plan.MemoryPlan, ranks_per_node: int) -> tuple[int, int, int]:
-    """(bytes per GPU, host bytes per node, NVMe bytes per node). On the CPU, each process's
-    peak is host memory."""
-    host = plan.host_peak if plan.device == "cuda" else plan.device_peak
-    return plan.peak_bytes, host * ranks_per_node, plan.state.nvme * ranks_per_node
-
-
-def _fits(needs: tuple[int, int, int], device: str, gpu_memory: int, host_memory: int) -> bool:
-    gpu, host, _ = needs
-    return (device == "cpu" or gpu <= gpu_memory) and host <= (1 - HOST_SPARE) * host_memory
-
-
 def _flags(offload: str | None, device: str) -> str:
     if offload is None:
         return "no offload"
@@ -185,14 +174,14 @@ def recommend(request: PlanRequest, *, ranks_per_node: int, gpu_memory: int,
                                     offload_params=offload in ("params", "all"),
                                     offload_device=device)
         try:
-            needs = _needs(plan_run(tried), ranks_per_node)
+            need = needs(plan_run(tried), ranks_per_node)
         except ValueError as e:  # the engine refuses it (a pool too small for the shards)
             lines.append(f"  {_flags(offload, device):<42}refused: {e}")
             continue
-        ok = _fits(needs, request.device, gpu_memory, host_memory)
-        gpu = f"{needs[0] / GiB:.1f} GiB per GPU, " if request.device == "cuda" else ""
-        nvme = f", {needs[2] / GiB:.1f} GiB on NVMe" if needs[2] else ""
-        lines.append(f"  {_flags(offload, device):<42}{gpu}{needs[1] / GiB:.1f} GiB of host "
+        ok = fits(need, request.device, gpu_memory, host_memory)
+        gpu = f"{need[0] / GiB:.1f} GiB per GPU, " if request.device == "cuda" else ""
+        nvme = f", {need[2] / GiB:.1f} GiB on NVMe" if need[2] else ""
+        lines.append(f"  {_flags(offload, device):<42}{gpu}{need[1] / GiB:.1f} GiB of host "
                      f"memory per node{nvme}: {'fits' if ok else 'does not fit'}")
         if ok:
             return (offload, device), lines
@@ -220,7 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     if args.link is not None:
         machine = Machine(memory=memory, tflops=args.gpu_tflops, link=args.link,
-                          link_across=args.link_across, mfu=args.mfu)
+                          link_across=args.link_across, mfu=args.mfu, link_host=args.link_host,
+                          host_memory=(None if args.host_memory is None
+                                       else int(args.host_memory * GiB)),
+                          ranks_per_node=args.gpus)
         rows = evaluate(request, machine, plan)
     # On several nodes, every layout beside the chosen one (planned once).
     layouts = [] if args.nodes < 2 else compare_layouts(request, args.nodes,
@@ -298,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         across = f", {args.link_across.name} across nodes" if r.nodes > 1 or r.mesh else ""
         print(f"frozen-base layouts (step time = FLOPs at {args.mfu:g} of {args.gpu_tflops:g} "
               f"TFLOPS + bytes sent at {args.link.name} ({args.link.gb_per_s:g} GB/s one way)"
-              f"{across}; the rest of the run as above):")
+              f"{across} + offload's copies at {args.link_host.name} "
+              f"({args.link_host.gb_per_s:g} GB/s); the rest of the run as above):")
         print(candidates_table(rows, blocks))
         print(recommendation(rows, machine, blocks))
     return 0

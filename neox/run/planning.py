@@ -21,7 +21,7 @@ from neox.run.step import micro_batch_loss
 
 __all__ = ["PlanRequest", "plan_run", "request_from_recipe", "GiB", "DEFAULT_BPE_TOKENS",
            "Layout", "LAYOUTS", "on_layout", "LayoutRow", "compare_layouts", "layouts_table",
-           "offload_of"]
+           "offload_of", "HOST_SPARE", "needs", "fits"]
 
 GiB = 2**30
 # The tiny preset takes its vocabulary from the tokenizer a run trains (neox.data's byte-level
@@ -194,3 +194,24 @@ def layouts_table(rows: list[LayoutRow]) -> str:
         f"  {r.layout.name:<18}{r.model_state / size:13.3f}{r.secondary / size:11.3f}"
         f"{r.peak / size:11.3f}{r.within_nodes / size:15.3f}{r.across_nodes / size:15.3f}"
         for r in rows])
+
+
+# What a plan leaves of the host's memory for everything but the model state and the step (the
+# system, the data, the CUDA driver's own pinned buffers).
+HOST_SPARE = 0.1
+
+
+def needs(plan: zerocore.plan.MemoryPlan, ranks_per_node: int) -> tuple[int, int, int]:
+    """(bytes per GPU, host bytes per node, NVMe bytes per node). On the CPU, each process's
+    peak is host memory."""
+    host = plan.host_peak if plan.device == "cuda" else plan.device_peak
+    return plan.peak_bytes, host * ranks_per_node, plan.state.nvme * ranks_per_node
+
+
+def fits(need: tuple[int, int, int], device: str, gpu_memory: int,
+         host_memory: int | None) -> bool:
+    """Whether ``need`` (``needs``') fits GPUs of ``gpu_memory`` bytes (on the CPU there are
+    none) and a node's ``host_memory`` bytes less ``HOST_SPARE`` (None: not limited)."""
+    gpu, host, _ = need
+    return ((device == "cpu" or gpu <= gpu_memory)
+            and (host_memory is None or host <= (1 - HOST_SPARE) * host_memory))

@@ -16,8 +16,8 @@ from neox.config import NeoXConfig
 from neox.finetune_modes import FinetuneMode
 from neox.plan import main as plan_main
 from neox.run.hardware import LINKS, Link, link_of
-from neox.run.layout_choice import (Machine, auto_placement, candidates_table, evaluate, ranked,
-                                    recommendation, sent_bytes)
+from neox.run.layout_choice import (Machine, auto_placement, candidates_table, evaluate,
+                                    host_bytes, ranked, recommendation, sent_bytes)
 from neox.run.planning import GiB, PlanRequest, plan_run
 from neox.run.run_dir import CHECKPOINTS
 from neox.setting import BadValue
@@ -67,8 +67,8 @@ def test_with_room_the_replicated_4bit_base_is_recommended(plan):
     # It sends the fewest bytes of all (the adapters' gradients alone), hence the fastest here.
     assert best.wire == min(r.wire for r in rows if r.fits)
     line = recommendation(rows, m, 8)
-    assert line.startswith("recommended: nf4 replicated, keep-gathered 0GiB, 0/8 recomputed: "
-                           "fits in "), line
+    assert line.startswith("recommended: nf4 replicated, keep-gathered 0GiB, 0/8 recomputed, "
+                           "no offload: fits in "), line
     assert "over slow" in line and "for the next" in line
     table = candidates_table(rows, 8)
     assert len(table.splitlines()) == len(rows) + 1
@@ -178,6 +178,9 @@ def test_plan_prints_the_candidates_and_the_recommendation(capsys):
     proc = call_main(plan_main, capsys, *args, "--json")
     out = json.loads(proc.stdout)
     assert out["recommended_layout"]["fits"] and len(out["candidates"]) > 5
+    # 8 GiB holds pythia-70m without offload: none is recommended (the JSON names it).
+    assert out["recommended_layout"]["candidate"]["offload"] is None
+    assert out["recommended_layout"]["host"] == 0
     assert recommended[0].startswith(
         "recommended: " + "{frozen_weights} {frozen_placement}".format(
             **out["recommended_layout"]["candidate"]).replace("None", "compute"))
@@ -208,3 +211,74 @@ def test_plan_resolves_auto_and_plans_the_placement_it_chose(capsys):
         in proc.stdout, proc.stdout
     assert "frozen weights in nf4, replicated" in proc.stdout
     assert "frozen base nf4, replicated" in proc.stdout
+
+
+# Offload as a candidate: planned for GPUs (on CPU ranks the host is the device). A smaller
+# model, so that the four offloads of every layout plan quickly.
+SMALL = NeoXConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   intermediate_size=1024)
+ON_GPUS = dataclasses.replace(REQUEST, config=SMALL, device="cuda", frozen_weights=None,
+                              grad_accum=2, recompute=(0, 1))
+OFFLOADED = {None: (False, False), "optimizer": (True, False), "params": (False, True),
+             "all": (True, True)}
+
+
+def offloaded(request: PlanRequest, offload: str | None) -> PlanRequest:
+    optimizer, params = OFFLOADED[offload]
+    return dataclasses.replace(request, offload=optimizer, offload_params=params)
+
+
+def test_host_bytes_per_offload_count_what_the_homes_copy(plan):
+    """By hand, on 4 ranks, 2 micro-batches, both blocks recomputed (each unit used 3 times a
+    micro-batch: forward, recomputed forward, backward). LoRA rank 4 on qkv (64 -> 192) and
+    dense (64 -> 64): 2 x 4 x (64 + 192 + 64 + 64) = 3072 trainable elements, 768 a rank. The
+    frozen base in bf16, sharded: its elements over 4 ranks, 2 bytes each."""
+    planned = {o: plan(offloaded(ON_GPUS, o)) for o in OFFLOADED}
+    assert planned[None].state.trainable_numel == 3072
+    frozen = planned[None].state.frozen_numel
+    assert frozen % 4 == 0     # no padding: each rank's shard is a quarter
+    frozen_shard = frozen // 4 * 2
+    down = 768 * 4 * 2         # the fp32 reduced gradient shard, each micro-batch
+    up_once = 768 * 2          # the updated bf16 model copy into the mirror, once a step
+    expected = {None: 0, "optimizer": down + up_once,
+                "params": frozen_shard * 3 * 2,   # trainable windows rounded on the device
+                "all": down + (frozen_shard + 768 * 2) * 3 * 2}
+    assert {o: host_bytes(p, offloaded(ON_GPUS, o)) for o, p in planned.items()} == expected
+    # A replicated NF4 base on the host uploads all of it for each use: 4 times a shard of
+    # the sharded one.
+    nf4 = dataclasses.replace(ON_GPUS, frozen_weights="nf4")
+    sharded = plan(offloaded(nf4, "params"))
+    whole = plan(offloaded(dataclasses.replace(nf4, frozen_placement="replicated"), "params"))
+    assert whole.state.frozen_params == 4 * sharded.state.frozen_params
+    assert host_bytes(whole, offloaded(dataclasses.replace(
+        nf4, frozen_placement="replicated"), "params")) == whole.state.frozen_params * 3 * 2
+
+
+def test_when_only_an_offloaded_candidate_fits_it_is_recommended(plan):
+    request = dataclasses.replace(ON_GPUS, recompute=())
+    everything = evaluate(request, machine(2**20), plan)   # nothing fits: every offload planned
+    assert {r.candidate.offload for r in everything} == set(OFFLOADED)
+    room = min(r.memory for r in everything if r.candidate.offload is None) - 1
+    assert any(r.memory <= room for r in everything if r.candidate.offload is not None)
+    m = machine(room)
+    rows = evaluate(request, m, plan)
+    best = ranked(rows)[0]
+    assert best.candidate.offload is not None and best.host > 0 and best.host_s > 0
+    assert best.seconds == best.compute_s + best.comm_s + best.host_s
+    assert not any(r.fits for r in rows if r.candidate.offload is None)
+    line = recommendation(rows, m, 2)
+    assert line.startswith(f"recommended: {best.candidate.words(2)}: fits in "), line
+    assert f"offload {best.candidate.offload}:" in line and "over pcie4 to and from the host" \
+        in line
+    # The host's memory too: with none to spare, no offload fits.
+    assert not ranked(evaluate(request, dataclasses.replace(m, host_memory=1), plan))
+
+
+def test_the_table_has_an_offload_column(plan):
+    request = dataclasses.replace(ON_GPUS, recompute=())
+    rows = evaluate(request, machine(2**20), plan)
+    lines = candidates_table(rows, 2).splitlines()
+    assert lines[0].split()[:3] == ["candidate", "offload", "GiB/GPU"]
+    offloads = [line.split(" recomputed")[1].split()[0] for line in lines[1:]]
+    assert offloads == [r.candidate.offload or "none" for r in rows]
+    assert set(offloads) == {"none", "optimizer", "params", "all"}
