@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                           host_memory=(None if args.host_memory is None
                                        else int(args.host_memory * GiB)),
                           ranks_per_node=args.gpus)
-        rows = evaluate(request, machine, plan)
+        rows = evaluate(request, machine, plan,
+                        progress=lambda line: print(line, file=sys.stderr, flush=True))
     # On several nodes, every layout beside the chosen one (planned once).
     layouts = [] if args.nodes < 2 else compare_layouts(request, args.nodes,
                                                         planned={Layout(

@@ -207,8 +207,11 @@ def candidates(request: PlanRequest, memory: int) -> Iterator[list[list[list[Can
 
 
 def evaluate(request: PlanRequest, machine: Machine,
-             plan: Callable[[PlanRequest], zerocore.plan.MemoryPlan] = plan_run) -> list[Row]:
-    """The candidates planned (``plan``: ``plan_run``, or a cache of it). A ladder is climbed
+             plan: Callable[[PlanRequest], zerocore.plan.MemoryPlan] = plan_run,
+             progress: Callable[[str], None] = lambda line: None) -> list[Row]:
+    """The candidates planned (``plan``: ``plan_run``, or a cache of it), each named to
+    ``progress`` before it is (a large model's rehearsal takes seconds to a minute each, and
+    there may be dozens: the command says where it is). A ladder is climbed
     while its rungs fit and the last one still moved bytes a larger budget could save (a
     larger one holds more and moves no less). Recomputation costs a forward and moves no
     fewer bytes, so its ladder is planned only when the one without it stopped on memory:
@@ -216,10 +219,12 @@ def evaluate(request: PlanRequest, machine: Machine,
     saves nothing but memory: a larger offload is planned only while the smaller one's first
     rung (no added recomputation) does not fit."""
     rows = []
+    blocks = len(request.filter_layers or range(request.config.num_hidden_layers))
     for levels in candidates(request, machine.memory):
         for ladders in levels:
             for ladder in ladders:
                 for candidate in ladder:
+                    progress(f"planning layout {len(rows) + 1}: {candidate.words(blocks)}")
                     rows.append(_row(candidate, plan(candidate.request(request)), machine,
                                      request))
                     if not rows[-1].fits or rows[-1].moved == 0 or (

@@ -175,9 +175,14 @@ def test_plan_prints_the_candidates_and_the_recommendation(capsys):
                                "bytes sent at pcie4 (31.5 GB/s one way)") for line in lines)
     recommended = [line for line in lines if line.startswith("recommended: ")]
     assert len(recommended) == 1 and "fits in 8 GiB" in recommended[0], lines
+    # Progress on stderr, a line per layout as it is planned (stdout stays the table, or JSON).
+    planning = proc.stderr.splitlines()
+    assert planning[0].startswith("planning layout 1: compute sharded, keep-gathered"), planning
+    assert all(line.startswith("planning layout ") for line in planning), planning
     proc = call_main(plan_main, capsys, *args, "--json")
     out = json.loads(proc.stdout)
     assert out["recommended_layout"]["fits"] and len(out["candidates"]) > 5
+    assert len(out["candidates"]) == len(planning)   # each planned layout named once
     # 8 GiB holds pythia-70m without offload: none is recommended (the JSON names it).
     assert out["recommended_layout"]["candidate"]["offload"] is None
     assert out["recommended_layout"]["host"] == 0
