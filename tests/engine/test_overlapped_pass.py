@@ -177,16 +177,22 @@ def rank_payload(path: Path, rank: int) -> dict:
     return payload["layers"]
 
 
-def save_in_flight(rank: int, world_size: int, door: str, label: str, path: str,
-                   ckpt: str) -> dict:
-    """Two steps with a lagging worker; a checkpoint saved at once after the second step,
-    while its pass is in flight, and another once the pass is over."""
+def two_lagging_steps(rank: int, world_size: int, door: str, label: str, path: str):
+    """Two steps with a lagging worker: the model, its sharding and optimizer, and whether the
+    second step's pass was still in flight when the step returned."""
     case = CASES["transformer-bf16-clip"]
     model, sharding, opt, scaler = build(door, case, label, path, "exact", lag=True)
     h = hashlib.sha256()
     for step in range(2):
         one_step(sharding, model, opt, scaler, case, step, rank, world_size, h)
-    in_flight = opt.pass_in_flight
+    return model, sharding, opt, opt.pass_in_flight
+
+
+def save_in_flight(rank: int, world_size: int, door: str, label: str, path: str,
+                   ckpt: str) -> dict:
+    """Two steps with a lagging worker; a checkpoint saved at once after the second step,
+    while its pass is in flight, and another once the pass is over."""
+    model, sharding, opt, in_flight = two_lagging_steps(rank, world_size, door, label, path)
     during = zerocore.save_checkpoint(Path(ckpt) / "during", 2, model, opt)
     opt.settle()
     after = zerocore.save_checkpoint(Path(ckpt) / "after", 2, model, opt)
@@ -196,12 +202,7 @@ def save_in_flight(rank: int, world_size: int, door: str, label: str, path: str,
 def read_in_flight(rank: int, world_size: int, door: str, label: str, path: str) -> dict:
     """Two steps with a lagging worker; each master shard read by the user (``detach``) at
     once after the second step, while its pass is in flight, and again once it is over."""
-    case = CASES["transformer-bf16-clip"]
-    model, sharding, opt, scaler = build(door, case, label, path, "exact", lag=True)
-    h = hashlib.sha256()
-    for step in range(2):
-        one_step(sharding, model, opt, scaler, case, step, rank, world_size, h)
-    in_flight = opt.pass_in_flight
+    model, sharding, opt, in_flight = two_lagging_steps(rank, world_size, door, label, path)
     during = [s.detach().clone() for s in sharding.trainable_shards()]
     opt.settle()
     after = [s.detach().clone() for s in sharding.trainable_shards()]
