@@ -64,7 +64,8 @@ def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, worl
          offload: Offload = Offload(), recompute: Recompute | None = None,
          micro_batches: int = 1, frozen_weights: FrozenWeights = FrozenWeights(),
          comm: Comm = Comm(), mesh: tuple[int, int] | None = None,
-         hybrid: Hybrid | None = None, nodes: int = 1) -> MemoryPlan:
+         hybrid: Hybrid | None = None, nodes: int = 1, count_flops: bool = False
+         ) -> MemoryPlan:
     """The memory and communication of one training step of ``zerocore.shard(layers, ...)``
     on ``world_size`` ranks, per rank, from shapes alone.
 
@@ -88,6 +89,8 @@ def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, worl
         replica.
     nodes: the nodes a flat layout's ranks span (``inter_node_bytes``: all its traffic when
         more than one); with ``mesh``, its replicas are the nodes.
+    count_flops: count the step's floating-point operations (``MemoryPlan.flops``, else
+        None) with torch's ``FlopCounterMode``; it makes a plan about half as slow again.
     comm: how gradients travel (``zerocore.Comm``), which decides what the transport holds. On
         the CPU, ``"auto"`` plans for ranks of one Linux host that may read each other's memory
         (what ``shard`` finds there unless ptrace is restricted); plan with
@@ -122,7 +125,8 @@ def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, worl
     return rehearse(Step(build, lambda: loss(held["model"](x)), buffers=_buffer_bytes(*stack),
                          world_size=world_size,
                          device=device, comm=comm, offload=offload,
-                         micro_batches=micro_batches, mesh=shape, nodes=nodes), fake,
+                         micro_batches=micro_batches, mesh=shape, nodes=nodes,
+                         count_flops=count_flops), fake,
                     exclude=[x])
 
 
@@ -134,7 +138,8 @@ def plan_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module, example
                recompute: Recompute | None = None, micro_batches: int = 1,
                frozen_weights: FrozenWeights = FrozenWeights(),
                comm: Comm = Comm(), mesh: tuple[int, int] | None = None,
-               hybrid: Hybrid | None = None, nodes: int = 1) -> MemoryPlan:
+               hybrid: Hybrid | None = None, nodes: int = 1, count_flops: bool = False
+               ) -> MemoryPlan:
     """The memory and communication of one training step of ``zerocore.shard_model(model,
     units, ...)`` on ``world_size`` ranks, per rank, from shapes alone: ``shard_model``'s own
     engine shards a copy of the model and runs its own forward on fake tensors.
@@ -181,7 +186,8 @@ def plan_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module, example
     return rehearse(Step(build, lambda: loss(copied(*args, **kwargs)),
                          buffers=_buffer_bytes(copied), world_size=world_size,
                          device=device, comm=comm, offload=offload,
-                         micro_batches=micro_batches, mesh=shape, nodes=nodes), fake,
+                         micro_batches=micro_batches, mesh=shape, nodes=nodes,
+                         count_flops=count_flops), fake,
                     exclude=inputs)
 
 

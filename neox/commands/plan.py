@@ -197,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     memory = int(args.gpu_memory * GiB)
     plan = functools.lru_cache(maxsize=None)(plan_run)   # a candidate may be the request
+    # The layout choice counts each candidate's FLOPs; the request counts them too then, so
+    # that a candidate equal to it is planned once.
+    request = dataclasses.replace(request, count_flops=args.link is not None)
     auto_line = None
     if args.frozen_placement == AUTO_PLACEMENT:
         placement, auto_line = auto_placement(request, memory, plan)

@@ -68,6 +68,8 @@ class Machine:
     def seconds(self, plan: zerocore.plan.MemoryPlan) -> tuple[float, float]:
         """(compute, communication) seconds of one step: FLOPs at ``mfu`` of the peak, bytes
         at the links' bandwidths. A step takes their sum (the module's docstring says why)."""
+        if plan.flops is None:
+            raise ValueError("a step time needs the plan's FLOPs: plan with count_flops=True")
         within, across = sent_bytes(plan)
         comm = within / self.link.bytes_per_s
         if across:
@@ -142,7 +144,7 @@ class Candidate:
                                    keep_gathered=self.keep_gathered, recompute=self.recompute,
                                    offload=self.offload in ("optimizer", "all"),
                                    offload_params=self.offload in ("params", "all"),
-                                   offload_device="cpu")
+                                   offload_device="cpu", count_flops=True)
 
     def words(self, blocks: int) -> str:
         budget = (self.keep_gathered if isinstance(self.keep_gathered, str)

@@ -62,6 +62,9 @@ class PlanRequest:
     nodes: int = 1
     quantize_gradients: str | None = None
     hybrid: str | None = None
+    # Whether the plan counts the step's FLOPs (zerocore.plan's count_flops): only the layout
+    # choice's step time (neox.plan --link) reads them, and counting slows every plan.
+    count_flops: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +155,8 @@ def plan_run(request: PlanRequest, *, recompute: tuple[int, ...] | None = None
         frozen_weights=zerocore.FrozenWeights(r.frozen_weights, placement=r.frozen_placement),
         recompute=sharding.recompute(specs), micro_batches=r.grad_accum, mesh=r.mesh,
         nodes=r.nodes, comm=zerocore.Comm(quantize_gradients=r.quantize_gradients),
-        hybrid=zerocore.Hybrid(r.hybrid) if r.hybrid is not None else None)
+        hybrid=zerocore.Hybrid(r.hybrid) if r.hybrid is not None else None,
+        count_flops=r.count_flops)
 
 
 @dataclasses.dataclass(frozen=True)

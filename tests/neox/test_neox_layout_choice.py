@@ -32,7 +32,9 @@ BLOCKS = tuple(range(8))
 REQUEST = PlanRequest(config=CONFIG, filter_layers=None, mode=FinetuneMode("lora", lora_rank=4),
                       dtype=torch.bfloat16, reduce_dtype=torch.float32, batch_size=1, seq_len=8,
                       grad_accum=1, offload=False, recompute=(), recompute_every=1,
-                      world_size=4, device="cpu", frozen_weights="nf4")
+                      world_size=4, device="cpu", frozen_weights="nf4", count_flops=True)
+# (count_flops: as neox.plan --link plans the request, so that a candidate equal to it is the
+# same plan.)
 # A slow link: communication, not compute, separates the candidates.
 SLOW = Link("slow", 0.01)
 
@@ -133,6 +135,18 @@ def test_the_plans_flops_count_the_matmuls_of_forward_backward_and_recomputation
     # forward, or ran every block's twice, is off by 100%.
     recomputed = 2 * 8 * (block - 128 * 2048) * tokens
     assert abs((again.flops - lora.flops) / recomputed - 1) < 0.15
+
+
+def test_flops_are_counted_only_when_asked_and_a_step_time_needs_them(plan):
+    """Counting is opt-in (it slows every plan); a step time of a plan without the count is
+    refused, not computed from a missing figure."""
+    uncounted = plan(dataclasses.replace(REQUEST, count_flops=False))
+    counted = plan(REQUEST)
+    assert uncounted.flops is None and counted.flops > 0
+    assert uncounted.peak_bytes == counted.peak_bytes
+    assert uncounted.all_gather_bytes == counted.all_gather_bytes
+    with pytest.raises(ValueError, match="count_flops"):
+        machine(GiB).seconds(uncounted)
 
 
 def test_auto_placement_is_replicated_when_it_fits_else_sharded(plan):

@@ -120,8 +120,9 @@ class MemoryPlan:
     # Floating-point operations of one rank per optimizer step (all micro-batches), as torch's
     # ``FlopCounterMode`` counts the rehearsed step's kernels: matmuls and attention, in
     # forward, backward and recomputation; elementwise work and zerocore's own kernels
-    # (dequantization, Adam) are not counted.
-    flops: int = 0
+    # (dequantization, Adam) are not counted. None: not counted (``plan(count_flops=True)``
+    # counts them).
+    flops: int | None = None
 
     @property
     def inter_node_bytes(self) -> int:

@@ -6,7 +6,8 @@ zerocore's AdamW, a first training step (after it nothing is created lazily: the
 moments, the resident frozen groups, the order a model's units run in), and the step planned:
 its micro-batches' forward and backward, the optimizer step, ``zero_grad``. What its
 collectives move (the engine's ``CommCounter``, over the fake groups) is the plan's traffic, and
-what torch's ``FlopCounterMode`` counts of its kernels is the plan's floating-point work.
+what torch's ``FlopCounterMode`` counts of its kernels is the plan's floating-point work, when
+asked for (``Step.count_flops``: the counter's dispatch costs about a third of a plan).
 
 ``LiveBytes`` follows every storage the run keeps alive; whenever their sum passes its peak, what
 the engine holds is read off the sharding by category (shards, masters, moments, gradients,
@@ -16,6 +17,7 @@ holds, and no part of it re-tells the engine's walk.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable
 
@@ -51,6 +53,11 @@ class Step:
     mesh: tuple[int, int] | None = None        # HSDP's (replicas, shards); None: flat
     nodes: int = 1                             # the nodes a flat layout spans
     buffers: int = 0                           # the model's buffers (every rank's, whole)
+    # Whether the plan counts its FLOPs (``MemoryPlan.flops``). Off by default: torch's
+    # counter dispatches every kernel of the first step through Python, about a third of a
+    # plan's time here (1.05 s against 0.78 s for one small layout), and only a step-time
+    # estimate (neox.plan --link) reads the count.
+    count_flops: bool = False
 
     @property
     def shards(self) -> int:
@@ -123,13 +130,15 @@ def rehearse(step: Step, fake: FakeTensorMode, exclude: list[torch.Tensor]) -> M
         # its kernels run (forward, backward and recomputation alike). Counted here, outside
         # the planned step: with the counter's dispatch mode active in it, the planned peak of
         # a recomputed stack came out 18% above the measured one (tests/engine/test_plan.py).
-        with FlopCounterMode(display=False) as flops:
+        counter = FlopCounterMode(display=False) if step.count_flops else None
+        with counter if counter is not None else contextlib.nullcontext():
             _train(step, sharding, optimizer, held, micro_batches=1)
         tracker.open_window()
         sharding.counter.reset()   # the planned step's own collectives, counted as it runs
         micro = min(step.micro_batches, 2)
         _train(step, sharding, optimizer, held, micro_batches=micro)
-    per_step = flops.get_total_flops() * step.micro_batches
+    per_step = (counter.get_total_flops() * step.micro_batches if counter is not None
+                else None)
     return _plan(step, sharding, peak, _traffic(sharding, micro, step.micro_batches), loading,
                  per_step)
 
@@ -265,7 +274,7 @@ def model_state(sharding: Sharding, on_host: frozenset[str]) -> ModelState:
 
 
 def _plan(step: Step, sharding: Sharding, peak: _Peak, traffic: _Traffic,
-          loading: Loading, flops: int) -> MemoryPlan:
+          loading: Loading, flops: int | None) -> MemoryPlan:
     # Optimizer offload: the trainable model copies go to the host with everything the
     # optimizer touches; the device keeps a mirror of each copy (unless parameters are
     # offloaded too). Parameter offload: the frozen shards go to the host, the device holds
