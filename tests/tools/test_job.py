@@ -139,7 +139,7 @@ def test_gpu_check_lists_every_step_with_its_budget():
     assert list(plan) == ["environment", "build", "selftest", "two ranks, one GPU",
                           "bf16: GPU against gloo CPU", "mesh and qgZ", "CUDA tests",
                           "CUDA benchmarks", "low-bit kernels",
-                          "Trainer example", "layer cost", "param offload"], out
+                          "Trainer example", "layer cost", "offload"], out
     total = sum(budget for budget, _ in plan.values())
     assert total <= 480, total  # the whole check within 8 minutes of device time
     assert f"total {total} s" in out
