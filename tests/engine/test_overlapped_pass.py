@@ -212,10 +212,33 @@ def read_in_flight(rank: int, world_size: int, door: str, label: str, path: str)
 
 @pytest.mark.parametrize("door", DOORS)
 def test_a_master_read_while_the_pass_is_in_flight_is_the_updated_one(world, tmp_path, door):
-    """Any use of a shard (``ShardParameter.__torch_function__``) waits for its update."""
+    """Any use of a shard (``OverlappedShard.__torch_function__``) waits for its update."""
     got = world.run(read_in_flight, door, "cpu", str(tmp_path))
     assert all(g["in_flight"] for g in got), got  # (else this tests nothing)
     assert all(g["equal"] for g in got), got
+
+
+def shard_classes(rank: int, world_size: int, path: str) -> dict:
+    """The classes of the trainable shards and whether an op on each goes through Python,
+    resident, offloaded with the pass inside the step, and overlapped."""
+    got = {}
+    for name, offload in (("resident", zerocore.Offload()),
+                          ("off", offload_of("cpu", path, "off")),
+                          ("exact", offload_of("cpu", path, "exact"))):
+        _, sharding = build_stack("shard", CASES["transformer-bf16-clip"].spec, {}, offload)
+        got[name] = sorted({(type(s).__name__,
+                             type(s).__torch_function__ is not torch.nn.Parameter.__torch_function__)
+                            for s in sharding.trainable_shards()})
+    return got
+
+
+def test_only_an_overlapped_shard_waits_on_its_uses(world, tmp_path):
+    """Only the overlapped pass's shards need every use to wait (a Python
+    ``__torch_function__``, about 3 us an op); the others are plain Parameters to torch."""
+    got = world.run(shard_classes, str(tmp_path))
+    for g in got:
+        assert g == {"resident": [("ShardParameter", False)], "off": [("ShardParameter", False)],
+                     "exact": [("OverlappedShard", True)]}, g
 
 
 @pytest.mark.parametrize("label", ["cpu", "nvme"])

@@ -66,6 +66,23 @@ class ShardParameter(torch.nn.Parameter):
         init_shard(p, model_copy, offloaded)
         return p
 
+    def refresh_model_copy(self) -> None:
+        refresh_model_copy(self)
+
+    def mark_model_copy_synced(self) -> None:
+        mark_model_copy_synced(self)
+
+    def gather_source(self) -> torch.Tensor:
+        return gather_source(self)
+
+
+class OverlappedShard(ShardParameter):
+    """A shard the optimizer steps on its host worker while the next forward runs
+    (``Offload(overlap="exact")``, engine/optimizer_pass.py): the one kind whose every use
+    must first wait for its update. A class of its own so that the others pay nothing: a
+    Python ``__torch_function__`` on every shard cost about 3 us per op here, some 14 ops per
+    layer and step, half of the engine's own host cost per layer (docs/decisions.md)."""
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         """Any use of a shard (a user's read of the master, ``.data``) first waits for the
@@ -79,33 +96,28 @@ class ShardParameter(torch.nn.Parameter):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
 
-    def refresh_model_copy(self) -> None:
-        refresh_model_copy(self)
-
-    def mark_model_copy_synced(self) -> None:
-        mark_model_copy_synced(self)
-
-    def gather_source(self) -> torch.Tensor:
-        return gather_source(self)
-
 
 def _wait_for_shards(args: tuple, kwargs: dict | None) -> None:
     """Waits for the overlapped pass's update of each shard among an op's arguments (and in
     lists of them)."""
     for a in (*args, *(kwargs or {}).values()):
         for t in (a if isinstance(a, (list, tuple)) else (a,)):
-            if type(t) is ShardParameter:
+            if type(t) is OverlappedShard:
                 wait_for_update(t)
 
 
 def new_shard(master: torch.Tensor, model_copy: torch.Tensor | None,
-              offloaded: bool) -> torch.nn.Parameter:
-    """The shard parameter of ``master`` (1-D fp32): a ``ShardParameter``, or for a fake
+              offloaded: bool, overlapped: bool = False) -> torch.nn.Parameter:
+    """The shard parameter of ``master`` (1-D fp32): a ``ShardParameter`` (an
+    ``OverlappedShard`` when the optimizer's pass overlaps the forward), or for a fake
     master (a plan's rehearsal) torch's fake parameter with the same attributes."""
     if type(master) is torch.Tensor:
-        return ShardParameter(master, model_copy, offloaded=offloaded)
-    p = torch.nn.Parameter(master)
-    init_shard(p, model_copy, offloaded)
+        cls = OverlappedShard if overlapped else ShardParameter
+        p = cls(master, model_copy, offloaded=offloaded)
+    else:
+        p = torch.nn.Parameter(master)
+        init_shard(p, model_copy, offloaded)
+    p.overlapped = overlapped
     return p
 
 

@@ -276,9 +276,8 @@ def host_master(where: Homes, values: torch.Tensor) -> torch.nn.Parameter:
     if where.param_dtype != torch.float32:
         copy = host_buffer(where, values.numel(), where.param_dtype)
         copy.copy_(master)
-    shard = new_shard(master, copy, offloaded=True)
+    shard = new_shard(master, copy, offloaded=True, overlapped=where.overlap)
     shard.host_threads = where.host_threads
-    shard.overlapped = where.overlap
     return shard
 
 

@@ -40,10 +40,10 @@ def nvme_master(where, values: torch.Tensor, copy: torch.Tensor | None) -> torch
         store.write_values(record.copy, values.to(dtype))
     else:
         copy.copy_(values)
-    shard = new_shard(placeholder(values.numel()), copy, offloaded=True)
+    shard = new_shard(placeholder(values.numel()), copy, offloaded=True,
+                      overlapped=where.overlap)
     shard.nvme = record
     shard.host_threads = where.host_threads
-    shard.overlapped = where.overlap
     return shard
 
 
