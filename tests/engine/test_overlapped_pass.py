@@ -226,8 +226,8 @@ def shard_classes(rank: int, world_size: int, path: str) -> dict:
                           ("off", offload_of("cpu", path, "off")),
                           ("exact", offload_of("cpu", path, "exact"))):
         _, sharding = build_stack("shard", CASES["transformer-bf16-clip"].spec, {}, offload)
-        got[name] = sorted({(type(s).__name__,
-                             type(s).__torch_function__ is not torch.nn.Parameter.__torch_function__)
+        plain = torch.nn.Parameter.__torch_function__
+        got[name] = sorted({(type(s).__name__, type(s).__torch_function__ is not plain)
                             for s in sharding.trainable_shards()})
     return got
 
