@@ -13,9 +13,9 @@ identities: through the pipes of peer memory (16-byte messages, keyed by a seque
 every rank counts alike) when every rank of the model reads the others' memory, else one
 all-gather of one int64 per rank over the model's whole mesh (over gloo's collectives of a flat
 mesh, a gather of rows of one shape, in which small units' gathers carry their data and so need
-no exchange of their own: comm/carried.py). Every rank then holds every rank's identity, so
-every rank sees the same difference and raises ``Diverged`` at once; each decodes the
-identities itself (the unit names are the same on every rank: the structure is agreed), so
+no exchange of their own: comm/rows.py, comm/carried.py). Every rank then holds every rank's
+identity, so every rank sees the same difference and raises ``Diverged`` at once; each decodes
+the identities itself (the unit names are the same on every rank: the structure is agreed), so
 no further exchange is needed. A rank that never comes keeps the transport's own error: the
 peer memory's timeout (a stopped or hung rank), or the backend's. A rank that waits long at an
 exchange asks the ranks it waits for whether they wait in a collective of their own
@@ -36,11 +36,11 @@ import torch
 import torch.distributed as dist
 
 from zerocore.comm.agree import run_agreed
-from zerocore.comm.carried import Rows, Sent
 from zerocore.comm.collectives import all_gather_sync
 from zerocore.comm.device import backend_map, uses_side_channel
 from zerocore.comm.fake import is_fake
 from zerocore.comm.peer_memory import GATHER_READY, PeerMemory
+from zerocore.comm.rows import Rows, Sent
 from zerocore.comm.store_questions import StoreQuestions
 from zerocore.comm.transport import group_ranks
 
@@ -175,7 +175,7 @@ class Lockstep:
         # The last reduction kept HSDP's sum for a later micro-batch: stepping now would step
         # without it (set_requires_all_reduce(False) on the last micro-batch).
         self._kept = False
-        # Over gloo's collectives of a flat mesh, the rows every check gathers (comm/carried.py;
+        # Over gloo's collectives of a flat mesh, the rows every check gathers (comm/rows.py;
         # ``carry``), the units whose gathers carry their identity in them, and the carried
         # gathers started and not yet compared, in the order started.
         self._rows: Rows | None = None
@@ -266,7 +266,7 @@ class Lockstep:
         if any(v != mine for v in every):
             raise self.diverged(every, group)
 
-    # -- the identity carried in the rows (comm/carried.py) ----------------------------------
+    # -- the identity carried in the rows (comm/rows.py, comm/carried.py) ---------------------
     #
     # Why no rank can pair collectives of other shapes (by induction on the model's
     # collectives): every rank's k-th is a rows gather, of one shape on every rank. A data
