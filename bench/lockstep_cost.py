@@ -18,8 +18,9 @@ per round:
   its pipes; two identical models, whose ratio is the noise band of the run;
 - ``read, off``: the same with the exchange switched off (``Lockstep.enabled``, an internal
   switch for this measurement; no policy turns it off);
-- ``collective, on`` / ``collective, off``: gloo's collectives (``Comm(peer_read="off")``), the
-  exchange one all-gather of an int64 per rank.
+- ``collective, on`` / ``collective, off``: gloo's collectives (``Comm(peer_read="off")``); the
+  exchange a gather of the lockstep's rows, in which the gathers of units small enough carry
+  their parts (comm/carried.py), else one all-reduce of two int64.
 ``--exchange`` times one exchange alone, the way each is made (``Lockstep._all_gather``),
 interleaved: an all-gather of one int64 per rank (the first lockstep's) against an all-reduce
 (MAX) of two int64 (the second's, when every rank agrees), blocking, and against the lockstep's
@@ -29,11 +30,12 @@ slices, so that a long wait can ask where the others are), 200 exchanges per cal
 runtime issues them (each gather started before the last is waited for, a small matmul between):
 ``off``, the data alone (gloo's gather by broadcasts, as the engine gathers:
 ``broadcast_each``); ``checked first``, the lockstep's exchange before each
-(``Lockstep._all_gather``), as now; ``carried``, the identity appended to each rank's part
-as 8 bytes, the data and it broadcast together in a shape
-fixed for the model, compared once the gather is waited for; ``off A/A``, a second ``off``,
-the noise band. ``carried`` is a prototype of a design, not what the lockstep does
-(docs/decisions.md, issue 39, "the identity carried in a fixed-shape gather").
+(``Lockstep._all_gather``), as a model without small units checks; ``carried``, the identity
+appended to each rank's part as 8 bytes, the data and it broadcast together in a shape fixed
+for the model, compared once the gather is waited for; ``off A/A``, a second ``off``,
+the noise band. ``carried`` is the prototype of that design, now built in the engine
+(comm/carried.py; docs/decisions.md, issue 39, "the identity carried in the gathers of small
+units").
 Reported: the median step time over the rounds per layer (microseconds, the slowest rank), and
 each "on" against its "off".
 """

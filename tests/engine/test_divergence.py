@@ -25,6 +25,7 @@ from torch import nn
 import zerocore
 from tests.support.dist_utils import World
 from tests.support.hybrid_runs import mesh_of
+from tests.support.refusals import ADVICE, assert_refused
 from tests.support.toy_stack import LR, Spec, global_batch, loss_fn, make_layers
 from zerocore.comm.device import uses_side_channel
 from zerocore.comm.lockstep import STEP, Diverged, Lockstep
@@ -40,7 +41,6 @@ CASES = ["skip", "lone_forward", "micro_batches", "full_state", "checkpoint"]
 # Far below Comm's timeout (1800 s), far above what a refusal takes on a loaded machine (a
 # few seconds: building the model and one step).
 RUN_TIMEOUT_S = 240.0
-ADVICE = "every rank must run the same forwards and backwards"
 
 
 class Stack(nn.Module):
@@ -145,15 +145,6 @@ def _attempt(rank: int, world_size: int, door: str, transport: str, case: str,
     return outcome
 
 
-def _assert_refused(got: list[str], *words: str) -> None:
-    for rank, outcome in enumerate(got):
-        assert outcome.startswith("Diverged: zerocore: the ranks diverged"), (rank, outcome)
-        assert ADVICE in outcome, (rank, outcome)
-        assert "raise the timeout" not in outcome, (rank, outcome)
-        for word in words:
-            assert word in outcome, (rank, word, outcome)
-
-
 # What each case's message names, on every rank (``{unit}``: how the door names layer 1).
 NAMED = {
     # Peer reading: the ranks wait for each other (one frees the unit the other skipped);
@@ -173,7 +164,7 @@ NAMED = {
 @pytest.mark.parametrize("door", DOORS)
 def test_diverged_ranks_are_refused_on_every_rank(world, door, transport, case):
     got = world.run(diverge, door, transport, case, timeout=RUN_TIMEOUT_S)
-    _assert_refused(got, *NAMED[case])
+    assert_refused(got, *NAMED[case])
 
 
 @pytest.mark.parametrize("layout", ["hsdp", "hpz"])
@@ -183,14 +174,14 @@ def test_diverged_ranks_are_refused_across_nodes(worlds, layout, transport, case
     # 2 x 2: two "nodes" of two ranks; rank 3 (skip), rank 0 (a forward alone, an export, a
     # checkpoint) or ranks 1-3 (micro-batches) differ.
     got = worlds(4).run(diverge, "shard", transport, case, layout, timeout=RUN_TIMEOUT_S)
-    _assert_refused(got, *NAMED[case])
+    assert_refused(got, *NAMED[case])
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_set_requires_all_reduce_at_odds_across_ranks_is_refused(worlds, transport):
     got = worlds(4).run(diverge, "shard", transport, "hsdp_kept_on_one", "hsdp",
                         timeout=RUN_TIMEOUT_S)
-    _assert_refused(got, "keeping the sum for a later micro-batch")
+    assert_refused(got, "keeping the sum for a later micro-batch")
 
 
 def test_stepping_before_the_replicas_all_reduce_is_refused(worlds):
@@ -309,11 +300,22 @@ def alone_while_others_wait(rank: int, world_size: int, door: str, transport: st
         outcome = f"{type(e).__name__}: {e}"
     if rank == 0:
         OWN_COLLECTIVES[collective]()  # (the others are still in theirs)
-    elif transport == "collective":  # rank 0's exchange: (id, -id) reduced by MAX
-        dist.all_reduce(torch.zeros(2, dtype=torch.int64), op=dist.ReduceOp.MAX, group=group)
+    elif transport == "collective":  # rank 0's exchange, issued when it raised
+        _complete_the_exchange(sharding.lockstep, group)
     del forward, sharding, opt
     gc.collect()
     return outcome
+
+
+def _complete_the_exchange(lockstep: Lockstep, group: dist.ProcessGroup) -> None:
+    """The others' side of the exchange rank 0 issued and left: a gather of the lockstep's rows
+    (comm/carried.py: this model carries its small units' gathers in them), else (id, -id)
+    reduced by MAX."""
+    if lockstep._rows is not None:
+        for handle in lockstep._rows.start(0).handles:
+            handle.wait()
+    else:
+        dist.all_reduce(torch.zeros(2, dtype=torch.int64), op=dist.ReduceOp.MAX, group=group)
 
 
 @pytest.mark.parametrize("collective", sorted(OWN_COLLECTIVES))

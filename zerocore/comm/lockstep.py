@@ -11,7 +11,9 @@ states, checkpoints) is named by one int64, its identity: what kind of step, the
 ``optimizer.step()``) and the step. Before the step's own collectives the ranks exchange their
 identities: through the pipes of peer memory (16-byte messages, keyed by a sequence number that
 every rank counts alike) when every rank of the model reads the others' memory, else one
-all-gather of one int64 per rank over the model's whole mesh. Every rank then holds every rank's
+all-gather of one int64 per rank over the model's whole mesh (over gloo's collectives of a flat
+mesh, a gather of rows of one shape, in which small units' gathers carry their data and so need
+no exchange of their own: comm/rows.py, comm/carried.py). Every rank then holds every rank's
 identity, so every rank sees the same difference and raises ``Diverged`` at once; each decodes
 the identities itself (the unit names are the same on every rank: the structure is agreed), so
 no further exchange is needed. A rank that never comes keeps the transport's own error: the
@@ -25,6 +27,7 @@ hooks that run the units, and the counts the optimizer's step resets.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 from typing import Callable, TypeVar
@@ -37,6 +40,7 @@ from zerocore.comm.collectives import all_gather_sync
 from zerocore.comm.device import backend_map, uses_side_channel
 from zerocore.comm.fake import is_fake
 from zerocore.comm.peer_memory import GATHER_READY, PeerMemory
+from zerocore.comm.rows import Rows, Sent
 from zerocore.comm.store_questions import StoreQuestions
 from zerocore.comm.transport import group_ranks
 
@@ -171,6 +175,12 @@ class Lockstep:
         # The last reduction kept HSDP's sum for a later micro-batch: stepping now would step
         # without it (set_requires_all_reduce(False) on the last micro-batch).
         self._kept = False
+        # Over gloo's collectives of a flat mesh, the rows every check gathers (comm/rows.py;
+        # ``carry``), the units whose gathers carry their identity in them, and the carried
+        # gathers started and not yet compared, in the order started.
+        self._rows: Rows | None = None
+        self._carried: frozenset[int] = frozenset()
+        self._unchecked: collections.deque[Sent] = collections.deque()
 
     # -- where the runtime is ----------------------------------------------------------------
 
@@ -192,6 +202,8 @@ class Lockstep:
         """``in_node``: hpZ's second step, the gather within the node from the secondary
         shards, issued when the gather is waited for (a rank that skipped the unit never
         issues it)."""
+        if self.carries(unit):
+            return  # its gather carries the identity (``start_carried``)
         kind = GATHER_IN_NODE if in_node else GATHER
         self.check(Identity(kind, self.phase, unit, self.micro_batch, self.step))
 
@@ -226,6 +238,7 @@ class Lockstep:
         (``run_agreed``, over the exchange's CPU group: no device round trip)."""
         if self.group.size() == 1 or is_fake(self.group):
             return fn()
+        self._compare_unchecked()  # (a collective of another shape follows)
         return run_agreed(fn, group=self._group)
 
     def check(self, identity: Identity) -> None:
@@ -236,6 +249,12 @@ class Lockstep:
         mine = identity.packed()
         self._last = mine
         self._seq += 1
+        if self._rows is not None:
+            self._compare_unchecked()
+            sent = self._rows.start(mine)
+            self._compare(sent)
+            self._rows.give_back(sent)
+            return
         peers, group = self._peers, self._peer_group
         if peers is not None:
             peers.tell(peers.others(), self._channel, GATHER_READY, self._seq, mine)
@@ -246,6 +265,68 @@ class Lockstep:
             every, group = self._all_gather(mine), self.group
         if any(v != mine for v in every):
             raise self.diverged(every, group)
+
+    # -- the identity carried in the rows (comm/rows.py, comm/carried.py) ---------------------
+    #
+    # Why no rank can pair collectives of other shapes (by induction on the model's
+    # collectives): every rank's k-th is a rows gather, of one shape on every rank. A data
+    # collective starts only after every rows gather before it was compared and found equal,
+    # on every rank (``check`` and ``agreed`` compare those left unchecked first), and equal
+    # identities mean the same data collective. Every rank holds the same rows, so every rank
+    # raises the same ``Diverged`` at the first that differs.
+
+    def carry(self, width: int, units: set[int]) -> None:
+        """Collective, once, when the model is built (``Sharding.seal``): from now on every check
+        is a rows gather with ``width`` bytes of slots, and the gathers of ``units`` carry their
+        parts in them (``CarriedGather``); 0: none, as before. Only over gloo's collectives of a
+        flat mesh: the caller's to know. The width is the same on every rank (the structure is
+        agreed); compared once all the same, since ranks that differed in it would pair rows of
+        other sizes."""
+        widths = self._all_gather(width)
+        if len(set(widths)) > 1:
+            raise RuntimeError(f"zerocore: the ranks chose different widths for the lockstep's "
+                               f"rows ({widths}, by rank): their models differ in the sizes "
+                               f"of their units; shard the same model on every rank")
+        if width > 0:  # (no unit small enough: the all-reduce stays)
+            self._rows = Rows(self._group, width)
+            self._carried = frozenset(units)
+
+    def carries(self, unit: int) -> bool:
+        """Whether ``unit``'s gathers carry its identity now."""
+        return self.enabled and self._rows is not None and unit in self._carried
+
+    def start_carried(self, unit: int, part: torch.Tensor) -> Sent:
+        """Starts ``unit``'s gather in the rows, ``part`` (1D uint8) this rank's bytes of it;
+        compared by ``finish_carried``, or by the next check if that comes first."""
+        mine = Identity(GATHER, self.phase, unit, self.micro_batch, self.step).packed()
+        self._last = mine
+        self._seq += 1
+        sent = self._rows.start(mine, part)
+        self._unchecked.append(sent)
+        return sent
+
+    def finish_carried(self, sent: Sent, out: torch.Tensor) -> None:
+        """Waits for a carried gather and every one started before it, compares them in that
+        order (raising ``Diverged`` at the first that differs), then writes its data into
+        ``out``, the gathered buffer: never before its identities agreed."""
+        while not sent.compared:
+            self._compare(self._unchecked.popleft())
+        sent.copy_out(out)
+        self._rows.give_back(sent)
+
+    def _compare_unchecked(self) -> None:
+        """Compares every carried gather left unchecked (a prefetch not yet waited for, or
+        never: a unit this rank skipped), in order."""
+        while self._unchecked:
+            self._compare(self._unchecked.popleft())
+
+    def _compare(self, sent: Sent) -> None:
+        for handle in sent.handles:
+            self._wait(handle)
+        every = sent.identities()
+        if any(v != sent.identity for v in every):
+            raise self.diverged(every, self.group)
+        sent.compared = True
 
     def _all_gather(self, mine: int) -> list[int]:
         """Every rank's identity, by rank of the whole group. One all-reduce (MAX) of
@@ -265,10 +346,10 @@ class Lockstep:
         return self._every.tolist()
 
     def _wait(self, work: dist.Work) -> None:
-        """Waits for the exchange's all-reduce in slices; after each, asks the others where
-        they wait, and raises ``Diverged`` when one waits in a collective of its own that this
-        rank belongs to: it will never come to this exchange. Ends with the backend's own
-        error (a lost rank, its timeout)."""
+        """Waits for the exchange's all-reduce (or one broadcast of its rows) in slices; after
+        each, asks the others where they wait, and raises ``Diverged`` when one waits in a
+        collective of its own that this rank belongs to: it will never come to this exchange. Ends
+        with the backend's own error (a lost rank, its timeout)."""
         slice_s = _SLICE_S
         while True:
             try:

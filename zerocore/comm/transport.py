@@ -131,6 +131,12 @@ class Gather:
     def before_free(self) -> None:
         """Waits until the gathered buffer may be given back (nothing to wait for here)."""
 
+    def stages_parts(self) -> bool:
+        """Whether the next gather receives the parts into buffers of its own, copied into
+        the gathered buffer only by ``wait`` (comm/carried.py): that buffer is then needed
+        from the wait on, not from the start."""
+        return False
+
 
 class GatherByNodes(Gather):
     """A flat group over R nodes of S ranks each (gloo), gathered in two steps: each rank sends

@@ -188,6 +188,7 @@ class FlatGroup:
             self._q8_storage = q8
             self._resized(q8)
         self.state = GroupState.SHARDED
+        self._late = False  # the gathered buffer waits for the gather's wait (``start_gather``)
         # How this group's gathers and reductions travel (zerocore/comm/transport.py): the ways
         # chosen once for its sharding, strategies of its own (each keeps its own sequence).
         route = transport.Route.of(ctx.process_group, ctx.counter, ctx.ways.gloo, ctx.peers,
@@ -234,9 +235,14 @@ class FlatGroup:
         if self.state is not GroupState.SHARDED:
             return
         t0 = collectives.now()
-        self._storage.resize_(self._storage_nbytes)  # allocated for the compute stream
-        self._resized(self._storage)
-        if self.quantized is not None and self.home.gathers:
+        # A gather whose parts arrive in rows of its own (the lockstep's, comm/carried.py)
+        # takes the buffer they are copied into when it is waited for: the rows stand in for
+        # it while in flight, never beside it (what the plan counts).
+        self._late = self.gather.stages_parts()
+        if not (self._late and self.quantized is None):
+            self._storage.resize_(self._storage_nbytes)  # allocated for the compute stream
+            self._resized(self._storage)
+        if self.quantized is not None and self.home.gathers and not self._late:
             self._q8_storage.resize_(self._comm_numel)
             self._resized(self._q8_storage)
         if self._secondary is not None and self._secondary_version != shard_stamp(self.shard):
@@ -289,6 +295,12 @@ class FlatGroup:
             if self.ctx.lockstep is not None:
                 self.ctx.lockstep.gather(self.unit_index, in_node=True)
             self.gather.start(self._comm, self._secondary_region())
+        if self._late:
+            self._late = False
+            storage = self._q8_storage if self.quantized is not None else self._storage
+            storage.resize_(self._comm_numel if self.quantized is not None
+                            else self._storage_nbytes)
+            self._resized(storage)
         self.gather.wait(self._comm)
         # A gather from the secondary shard keeps it: a unit gathered again within the same
         # backward (its forward recomputed by a checkpoint around it) gathers from it

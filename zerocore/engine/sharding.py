@@ -29,6 +29,7 @@ from zerocore.comm import mesh as meshes
 from zerocore.comm.collectives import CommCounter
 from zerocore.comm.peer_memory import PeerMemory
 from zerocore.comm.agree import run_agreed
+from zerocore.comm.carried import CARRY_MAX_BYTES, CarriedGather
 from zerocore.comm.lockstep import FULL_STATE, Lockstep
 from zerocore.comm.device import Platform, agree_on_devices, comm_device, resolve_device
 from zerocore.comm.fake import is_fake
@@ -442,6 +443,30 @@ class Sharding:
             layer.recompute = layer.index in self.schedule.recomputed
             if layer.frozen is not None:
                 layer.frozen.resident = self.schedule.resident(layer.index)
+        self._carry(layers)
+
+    def _carry(self, layers: list[ShardedLayer]) -> None:
+        """Over gloo's collectives of a flat mesh, the lockstep's identity travels in rows of
+        one width (comm/carried.py), and the gathers of units of one group whose part fits in
+        ``CARRY_MAX_BYTES`` carry their data in them: their check costs no collective of its
+        own. Peer reading, HSDP, hpZ and the gather by nodes keep the exchange as it is: their
+        gathers are not gloo's broadcasts over the lockstep's group. Every rank decides alike:
+        the ways, the mesh and the layers' sizes are the same everywhere."""
+        ctx, lockstep = self.ctx, self.lockstep
+        ways = ctx.ways
+        if not (lockstep.enabled and ways.gloo and ways.gather == "collective"
+                and not ways.planned and ctx.peers is None and ctx.replicas is None
+                and ctx.across is None
+                and lockstep.group.size() == ctx.process_group.size()):
+            return
+        world = ctx.process_group.size()
+        carried = {layer.index: layer.groups[0] for layer in layers
+                   if len(layer.groups) == 1 and layer.groups[0].home.gathers
+                   and 0 < layer.groups[0].gather_bytes // world <= CARRY_MAX_BYTES}
+        width = max((g.gather_bytes // world for g in carried.values()), default=0)
+        lockstep.carry(width, set(carried))
+        for group in carried.values():
+            group.gather = CarriedGather(group.gather, lockstep, group.unit_index)
 
     def start(self, model: nn.Module, units: list[Unit], root_owners: list[nn.Module]) -> None:
         """Puts the runtime's hooks on the model (zerocore/engine/runtime.py): ``units`` in

@@ -1,0 +1,156 @@
+"""The lockstep's identity carried in the gathers of small units (comm/carried.py): over gloo's
+collectives of a flat mesh, a unit whose part fits in the rows gathers its data in them, and the
+identities are compared when the gather is waited for, before the data is copied out. These
+tests take that path explicitly: the data it gathers is bitwise the plain gather's, a training
+run through it is bitwise the run without the lockstep, and a divergence met first at a carried
+gather is refused on every rank with the lockstep's message (tests/engine/test_divergence.py
+covers the rest of the cases on this transport, whose toy model carries its embedding and
+readout and checks its blocks first).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+from torch import nn
+
+import zerocore
+from tests.support.refusals import assert_refused
+from zerocore.comm.carried import CARRY_MAX_BYTES, CarriedGather
+
+WORLD_SIZES = [2, 3]
+WIDTH = 8
+# Far below Comm's timeout (1800 s): a refusal within it cannot be the timeout's.
+RUN_TIMEOUT_S = 240.0
+
+
+def _layers() -> list[nn.Module]:
+    """Small trainable units (carried), a frozen one quantized to int8 (carried: its part is
+    bytes), and one too large to carry (its gather checked first), in between."""
+    torch.manual_seed(0)
+    frozen = nn.Linear(WIDTH, WIDTH)
+    frozen.requires_grad_(False)
+    large = nn.Linear(128, 128)  # 66 KiB: 22 KiB a rank at 3 ranks, over CARRY_MAX_BYTES
+    assert 4 * sum(p.numel() for p in large.parameters()) // 3 > CARRY_MAX_BYTES
+    return [nn.Sequential(nn.Linear(WIDTH, 128), nn.GELU()), nn.Sequential(large, nn.GELU()),
+            nn.Linear(128, WIDTH), frozen, nn.Linear(WIDTH, WIDTH)]
+
+
+def _build(carried: bool):
+    model = zerocore.shard(_layers(), comm=zerocore.Comm(peer_read="off"),
+                           frozen_weights=zerocore.FrozenWeights("int8"))
+    model.lockstep.enabled = carried  # off: the plain gathers, no check at all
+    return model
+
+
+def _carried_units(model) -> list[int]:
+    return [layer.index for layer in model.layers[:model.num_units]
+            if layer.groups and isinstance(layer.groups[0].gather, CarriedGather)
+            and model.lockstep.carries(layer.index)]
+
+
+def gathered_both_ways(rank: int, world_size: int) -> list[int]:
+    """Each unit's gathered buffer through the rows and through the plain gather, compared
+    bitwise; the units that carried."""
+    model = _build(carried=True)
+    carried = _carried_units(model)
+    for layer in model.layers[:model.num_units]:
+        got = []
+        for on in (True, False):
+            model.lockstep.enabled = on
+            layer.wait_gather()
+            got.append([g._comm.clone() for g in layer.groups])
+            layer.free()
+        for through_rows, plain in zip(*got):
+            assert torch.equal(through_rows.view(torch.uint8), plain.view(torch.uint8)), (
+                layer.index)
+    del model
+    gc.collect()
+    return carried
+
+
+def test_a_small_units_gather_through_the_rows_is_bitwise_the_plain_gather(world):
+    got = world.run(gathered_both_ways)
+    # The small trainable units and the quantized frozen one carry; the large one does not.
+    assert got == [[0, 2, 3, 4]] * world.world_size
+
+
+def trained(rank: int, world_size: int, carried: bool) -> list[torch.Tensor]:
+    """Three steps of two micro-batches; the losses and the full trained state."""
+    model = _build(carried)
+    assert bool(_carried_units(model)) == carried
+    opt = zerocore.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(3):
+        for m in range(2):
+            x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(
+                100 * step + 10 * m + rank))
+            loss = model(x).square().mean()
+            loss.backward()
+            losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad()
+    state = [t for _, layer in model.iter_full_states(to_rank=None) for t in layer.values()]
+    del model, opt
+    gc.collect()
+    return [torch.stack(losses), *state]
+
+
+def test_training_through_the_rows_is_bitwise_training_without_the_lockstep(world):
+    through_rows = world.run(trained, True)
+    plain = world.run(trained, False)
+    for rank, (a, b) in enumerate(zip(through_rows, plain)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert torch.equal(x, y), rank  # the same bytes gathered: the same bits
+
+
+def diverge_at_a_carried_gather(rank: int, world_size: int, case: str) -> str:
+    model = _build(carried=True)
+    assert model.lockstep.carries(0) and model.lockstep.carries(4)
+    opt = zerocore.optim.AdamW(model.parameters(), lr=1e-2)
+    units = [layer.module for layer in model.layers[:model.num_units]]
+    x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(rank))
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    outcome = "no error"
+    try:
+        if case == "lone_forward" and rank == 0:  # a sample for the log, on rank 0 alone
+            with torch.no_grad():
+                model(x)
+        if case == "skip" and rank == world_size - 1:  # the last unit left out on one rank
+            y = x
+            for unit in units[:-1]:
+                y = unit(y)
+            y.square().mean().backward()
+        else:
+            model(x).square().mean().backward()
+        opt.step()
+    except Exception as e:  # noqa: BLE001  (what each rank got is the result)
+        outcome = f"{type(e).__name__}: {e}"
+    del model, opt
+    gc.collect()
+    return outcome
+
+
+def test_a_forward_alone_is_refused_at_the_first_carried_gather(world):
+    # Rank 0's forward without autograd and the others' training forward both begin with
+    # layer 0, a carried unit: its rows name both, before any data is copied out.
+    got = world.run(diverge_at_a_carried_gather, "lone_forward", timeout=RUN_TIMEOUT_S)
+    others = "rank 1" if world.world_size == 2 else "ranks 1, 2"
+    assert_refused(got, "rank 0 gathers layer 0 for a forward without autograd",
+                    f"{others} gather{'s' if world.world_size == 2 else ''} layer 0 for "
+                    f"forward of micro-batch 0 (step 1)")
+
+
+def test_a_unit_skipped_on_one_rank_is_refused_at_a_carried_gather(world):
+    # The last rank leaves out layer 4 (carried). Its backward begins with layer 3, still
+    # gathered from its forward, so its first collective is layer 2's carried gather for
+    # backward, which meets the others' check of their reduction of layer 4 (a row of the same
+    # shape): compared when the gather is waited for, before its data is copied out.
+    last = world.world_size - 1
+    got = world.run(diverge_at_a_carried_gather, "skip", timeout=RUN_TIMEOUT_S)
+    assert_refused(got, f"rank {last} gathers layer 2 for backward of micro-batch 0 (step 1)",
+                    "the gradients of layer 4 in backward of micro-batch 0 (step 1)")
