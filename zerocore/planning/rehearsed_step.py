@@ -221,6 +221,7 @@ def _by_category(sharding: Sharding, optimizer: AdamW, kept: torch.Tensor) -> di
                     add(MASTERS, shard)
             else:  # in 16 bit, Offload(params=True) alone: a master, no copy kept
                 add(MASTERS if sixteen else TRAINABLE, shard)
+            add(TRAINABLE, getattr(shard, "published", None))  # (a delayed pass's)
             parts[MIRRORS] += g.mirror_bytes
             add(GRADIENTS, shard.grad)
             for t in g.reduce.kept_tensors():
@@ -252,6 +253,8 @@ def model_state(sharding: Sharding, on_host: frozenset[str]) -> ModelState:
                 lo, hi = g.held_range   # a replicated base holds every rank's part
                 f_held += hi - lo
     trainable = homes.trainable.planned(t_shard, p_bytes)
+    if homes.delayed:  # the published copy the gathers read, beside the one the pass writes
+        trainable = dataclasses.replace(trainable, params=trainable.params + t_shard * p_bytes)
     return ModelState(
         trainable_numel=t_numel, frozen_numel=f_numel, trainable_params=trainable.params,
         frozen_params=(sharding.frozen_weights.frozen_nbytes(f_held, p_bytes)
