@@ -19,6 +19,7 @@ delay switched off (the gathers reading the model copy) it fails.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import struct
 import threading
@@ -31,7 +32,8 @@ import torch
 import zerocore
 from zerocore.engine.sharded_param import master_values, set_master
 from tests.support.dist_utils import inject_overflow
-from tests.support.offload_stack import DOORS, Case, pass_cases, pass_offload
+from tests.support.offload_stack import (BATCH, DOORS, SEQ, Case, layer_stack, measured_peaks,
+                                         pass_cases, pass_offload, stack_loss)
 from tests.support.offload_stack import build as build_stack
 from tests.support.toy_stack import (LR, WEIGHT_DECAY, global_batch, loss_fn,
                                      model_input)
@@ -283,3 +285,44 @@ def test_delayed_is_checked():
     offload = zerocore.Offload(optimizer="cpu", overlap="delayed")
     assert offload.overlaps and offload.delayed
     assert not zerocore.Offload(optimizer="cpu").delayed
+
+
+def stack_offload(label: str, path: str) -> zerocore.Offload:
+    return {"cpu": zerocore.Offload(optimizer="cpu", overlap="delayed"),
+            "nvme": zerocore.Offload(optimizer="nvme", path=path, pool_bytes=1 << 20,
+                                     overlap="delayed")}[label]
+
+
+def measure_stack(rank: int, world_size: int, label: str, path: str) -> int:
+    """The step's peak (tests/support/offload_stack.py: the smallest of three)."""
+    peaks, _ = measured_peaks(
+        lambda: zerocore.shard(layer_stack(), offload=stack_offload(label, path),
+                               mixed_precision=zerocore.MixedPrecision(torch.bfloat16)))
+    return min(peaks)
+
+
+# 2%: tests/engine/test_plan.py's bound for a stack (the plan is the engine's own step on fake
+# tensors).
+PLAN_TOL = 0.02
+
+
+@pytest.mark.parametrize("label", ["cpu", "nvme"])
+def test_the_plan_counts_the_published_copy(worlds, tmp_path, label):
+    """The published copies (a second bf16 copy of the trainable shards) are in the plan's
+    model state and peak, and the peak is the measured one: step t's gradients, held by the
+    pass beside step t+1's, are let go of layer by layer as the new ones arrive."""
+    delayed = zerocore.plan.plan(layer_stack("meta"),
+                                 torch.empty(BATCH, SEQ, dtype=torch.long, device="meta"),
+                                 world_size=2, loss=stack_loss, device="cpu",
+                                 offload=stack_offload(label, str(tmp_path)),
+                                 mixed_precision=zerocore.MixedPrecision(torch.bfloat16))
+    exact = zerocore.plan.plan(layer_stack("meta"),
+                               torch.empty(BATCH, SEQ, dtype=torch.long, device="meta"),
+                               world_size=2, loss=stack_loss, device="cpu",
+                               offload=dataclasses.replace(stack_offload(label, str(tmp_path)),
+                                                           overlap="exact"),
+                               mixed_precision=zerocore.MixedPrecision(torch.bfloat16))
+    assert delayed.state.trainable_params == 2 * exact.state.trainable_params > 0
+    got = min(worlds(2).run(measure_stack, label, str(tmp_path)))
+    assert abs(delayed.device_peak / got - 1) < PLAN_TOL, (delayed.device_peak, got,
+                                                           delayed.table())

@@ -127,14 +127,10 @@ class OptimizerPass:
 
     def wait_gradient(self, shard: torch.nn.Parameter, grad: torch.Tensor | None) -> None:
         """Before ``grad`` (``shard.grad``) is added into in place: waits for the shard's update
-        if the pass reads that very tensor; otherwise lets go of the gradient the pass held
-        for the shard once its update is written (a delayed pass: the new step's gradient
-        arrives beside the old one, which is freed as soon as it is read, not at the step)."""
-        held = self._held.get(id(shard))
-        if held is not None and held is grad:
+        if the pass reads that very tensor (a delayed pass: the new step's gradient is another
+        one, beside it; the pass's is let go of when the pass is settled, at the next step)."""
+        if grad is not None and self._held.get(id(shard)) is grad:
             self.wait_unit(shard)
-        elif self.unit_ready(shard):
-            self._held.pop(id(shard), None)
 
     def unit_ready(self, shard: torch.nn.Parameter) -> bool:
         event = self._units.get(id(shard))
