@@ -5,11 +5,15 @@ delayed (``--offload-overlap exact|delayed``), the same seed and data; their tra
 step by step and their validation losses.
 
     python bench/delayed_curve.py --output /tmp/delayed-curve [--steps 150] [--compare-only]
+                                  [--checkpoint HF_DIR]
 
 Each run is ``python -m neox.finetune --cpu --offload optimizer --offload-overlap MODE
 --max-steps STEPS --eval-every 50 --sample-tokens 0 --output-dir OUTPUT/MODE`` (the corpus and
-tokenizer from the cache or ``--data-dir``'s default); ``--compare-only`` reads two finished
-runs' ``metrics.jsonl`` instead of running them.
+tokenizer from the cache or ``--data-dir``'s default); with ``--checkpoint`` (a Hugging Face
+directory, e.g. ``neox.export`` of a finished built-in run) it is a full fine-tune of those
+weights (``--finetune full``, neox's fine-tuning defaults: lr 3e-4, no warm-up) instead of
+training from scratch. ``--compare-only`` reads two finished runs' ``metrics.jsonl`` instead
+of running them.
 """
 
 from __future__ import annotations
@@ -28,10 +32,12 @@ MODES = ("exact", "delayed")
 SHOWN = (1, 2, 3, 5, 10, 25, 50, 75, 100, 125, 150)
 
 
-def run(mode: str, out: Path, steps: int) -> None:
+def run(mode: str, out: Path, steps: int, checkpoint: Path | None) -> None:
     cmd = [sys.executable, "-m", "neox.finetune", "--cpu", "--offload", "optimizer",
            "--offload-overlap", mode, "--max-steps", str(steps), "--eval-every", "50",
            "--sample-tokens", "0", "--output-dir", str(out / mode)]
+    if checkpoint is not None:
+        cmd += ["--checkpoint", str(checkpoint), "--finetune", "full"]
     proc = subprocess.run(cmd, cwd=harness.REPO, env=harness.child_env(), capture_output=True,
                           text=True)
     if proc.returncode != 0:
@@ -53,15 +59,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output", type=Path, required=True, help="where the two runs go")
     p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--checkpoint", type=Path, help="fine-tune these weights (a Hugging Face "
+                   "directory) instead of training the tiny preset from scratch")
     p.add_argument("--compare-only", action="store_true",
                    help="compare two finished runs in --output")
     args = p.parse_args()
-    print(harness.header(f"neox built-in run, tiny preset, full, fp32, 2 CPU ranks, optimizer "
-                         f"in host memory, {args.steps} steps: exact against delayed",
-                         packages=("torch",)))
+    what = (f"full fine-tune of {args.checkpoint}" if args.checkpoint else
+            "neox built-in run, tiny preset from scratch, full")
+    print(harness.header(f"{what}, fp32, 2 CPU ranks, optimizer in host memory, {args.steps} "
+                         f"steps: exact against delayed", packages=("torch",)))
     if not args.compare_only:
         for mode in MODES:
-            run(mode, args.output, args.steps)
+            run(mode, args.output, args.steps, args.checkpoint)
     (exact, val_e), (delayed, val_d) = (metrics(args.output, m) for m in MODES)
     steps = sorted(set(exact) & set(delayed))
     diff = {s: delayed[s] - exact[s] for s in steps}
