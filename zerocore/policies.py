@@ -161,7 +161,8 @@ class Offload:
     ``step()`` from the settled state before it starts its own pass, so each forward computes
     with the weights from before the last update (step 1's forward and step 2's both use the
     initial weights; the gradients of step t+1, computed on W_{t-1}, are applied on top of
-    W_t). It costs a second host copy of the trainable shards in the param dtype. A load (a
+    W_t). It costs a second host copy of the trainable shards in the param dtype, and step
+    t's gradients, held by its pass until step t+1's ``step()`` (both in the plan). A load (a
     resume) publishes what it loaded: the delay restarts there, as at a first step.
     docs/offload.md, docs/decisions.md ("The one-step-delayed optimizer pass").
     """
