@@ -31,6 +31,7 @@ import torch
 
 import zerocore
 from zerocore.engine.sharded_param import master_values, set_master
+from zerocore.engine.sharding import pass_line
 from tests.support.dist_utils import inject_overflow
 from tests.support.offload_stack import (BATCH, DOORS, SEQ, Case, layer_stack, measured_peaks,
                                          pass_cases, pass_offload, stack_loss)
@@ -285,6 +286,9 @@ def test_delayed_is_checked():
     offload = zerocore.Offload(optimizer="cpu", overlap="delayed")
     assert offload.overlaps and offload.delayed
     assert not zerocore.Offload(optimizer="cpu").delayed
+    # The start-up line says so.
+    assert "one step delayed (Offload.overlap 'delayed')" in pass_line(offload)
+    assert "(Offload.overlap 'exact')" in pass_line(zerocore.Offload(optimizer="cpu"))
 
 
 def stack_offload(label: str, path: str) -> zerocore.Offload:
