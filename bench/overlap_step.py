@@ -1,8 +1,13 @@
 """The overlapped optimizer pass (issue 44, item 1) on this machine's disk: the NVMe-offloaded
 step over the in-memory step, with the pass inside ``step()`` (``Offload(overlap="off")``, the
 "before") and overlapping the next forward (``"exact"``, the "after"), and an A/A control.
+``--compare delayed`` (item 2): the one-step-delayed pass against the exact one, on NVMe and
+in host memory (``cpu-exact``, ``cpu-delayed``: ``Offload(optimizer="cpu")``, the parameters
+in a mirror); the delayed runs' losses are not the in-memory run's (each forward computes with
+the weights from before the last update).
 
     python bench/overlap_step.py --path /work/nvme-scratch [--model pythia-70m] [--rounds 3]
+                                 [--compare pass|delayed]
 
 One gloo rank on the CPU; neox's preset (random weights) full-fine-tuned in fp32 with
 zerocore's AdamW, 2 sequences x 64 tokens a step, the default pool. Four models live side by
@@ -37,10 +42,20 @@ TIMED = slice(2, 8)  # steps 3-8
 ROWS, SEQ = 2, 64
 
 
+# The variants of each comparison (the first two: the in-memory run and its A/A control).
+COMPARE = {"pass": ["memory", "memory-aa", "nvme-off", "nvme-exact"],
+           "delayed": ["memory", "memory-aa", "nvme-exact", "nvme-delayed", "cpu-exact",
+                       "cpu-delayed"]}
+
+
 def offload_of(label: str, path: str) -> zerocore.Offload:
+    """``memory``; ``<home>-<overlap>``: the optimizer on NVMe (the parameters on the host) or
+    in host memory (the parameters in a mirror), its pass ``overlap``."""
     if label.startswith("memory"):
         return zerocore.Offload()
-    overlap = label.split("-")[1]
+    home, overlap = label.split("-")
+    if home == "cpu":
+        return zerocore.Offload(optimizer="cpu", overlap=overlap)
     return zerocore.Offload(optimizer="nvme", params="cpu", path=path, overlap=overlap)
 
 
@@ -76,10 +91,11 @@ class Run:
 
 def rank_main(rank: int, world: int, args: argparse.Namespace) -> str:
     config = PRESETS[args.model]
-    labels = ["memory", "memory-aa", "nvme-off", "nvme-exact"]
+    labels = COMPARE[args.compare]
     runs = {label: Run(config, label, str(args.path)) for label in labels}
     before = harness.load_average()
-    rounds = harness.Interleaved(runs, warmup=1, seed="overlap").run(args.rounds)
+    seed = "overlap" if args.compare == "pass" else args.compare  # (pass: the record's orders)
+    rounds = harness.Interleaved(runs, warmup=1, seed=seed).run(args.rounds)
     after = harness.load_average()
     tok = {label: rounds.values[label] for label in labels}
     rows = [(label, f"{statistics.median(tok[label]):.0f}",
@@ -99,6 +115,9 @@ def main() -> None:
     p.add_argument("--path", type=Path, required=True, help="the scratch directory (a disk)")
     p.add_argument("--model", choices=sorted(PRESETS), default="pythia-70m")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds (one warm-up first)")
+    p.add_argument("--compare", choices=sorted(COMPARE), default="pass",
+                   help="pass: the pass inside the step against exact; delayed: delayed "
+                        "against exact, on NVMe and in host memory")
     args = p.parse_args()
     print(harness.header(f"{args.model}, full fine-tuning, fp32, one rank on the CPU, "
                          f"{ROWS} x {SEQ} tokens a step, {STEPS} steps a call (steps 3-8 "

@@ -42,7 +42,7 @@ from zerocore.engine.nvme_store import AdamRecord
 from zerocore.engine.optimizer_pass import (Begins, Done, Job, OptimizerPass, PassHook,
                                             settle_updates)
 from zerocore.engine.sharded_param import (ShardParameter, is_nvme, is_offloaded, is_shard,
-                                           mark_model_copy_synced, wait_for_device)
+                                           mark_model_copy_synced, publish, wait_for_device)
 from zerocore.engine.tracing import traced
 from zerocore.kernels import ops
 
@@ -471,6 +471,11 @@ class Adam(torch.optim.Optimizer):
         for lockstep in lockstep_of(params):
             lockstep.before_step(STEP)
         settle_updates(params, together=True)
+        # A delayed pass (``Offload(overlap="delayed")``): the next forward's gathers read the
+        # state as it is now, the last pass settled and this step's not started.
+        for p in params:
+            if is_shard(p):
+                publish(p)
         overlapped: list[tuple[_Bucket, int, torch.Tensor, dict[str, Any]]] = []
         for group, buckets in zip(self.param_groups, self._buckets):
             hyper = self._hyper(group, inv_grad_scale)

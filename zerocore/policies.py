@@ -88,7 +88,7 @@ class Prefetch:
 # Where an offloaded half lives: host memory, or files on a local disk (ZeRO-Infinity).
 OFFLOAD_DEVICES = ("cpu", "nvme")
 # How the offloaded optimizer's pass runs (``Offload.overlap``).
-OVERLAPS = ("exact", "off")
+OVERLAPS = ("exact", "delayed", "off")
 # Offload(pool_bytes=): the host memory NVMe offload reads and writes through by default.
 DEFAULT_POOL_BYTES = 256 * 2**20
 # The smallest pool: four chunk buffers (engine/nvme_store.py: one read ahead, one stepped, one
@@ -155,7 +155,16 @@ class Offload:
     checkpoints, full states) waits for the whole pass first. Bitwise the same results as
     ``"off"``, which steps everything inside ``step()``. A failure of the pass is raised at
     the next step or checkpoint, on every rank. With ``params="nvme"`` the pass stays inside
-    ``step()`` (the gathers' reads share its pool). docs/offload.md.
+    ``step()`` (the gathers' reads share its pool). ``"delayed"`` (opt-in, not exact: the
+    ZeRO-Offload paper's delayed parameter update) lets step t's pass overlap step t+1's whole
+    forward and backward: the gathers read a published copy of the weights, refreshed by each
+    ``step()`` from the settled state before it starts its own pass, so each forward computes
+    with the weights from before the last update (step 1's forward and step 2's both use the
+    initial weights; the gradients of step t+1, computed on W_{t-1}, are applied on top of
+    W_t). It costs a second host copy of the trainable shards in the param dtype, and step
+    t's gradients, held by its pass until step t+1's ``step()`` (both in the plan). A load (a
+    resume) publishes what it loaded: the delay restarts there, as at a first step.
+    docs/offload.md, docs/decisions.md ("The one-step-delayed optimizer pass").
     """
 
     optimizer: bool | str = False
@@ -196,6 +205,13 @@ class Offload:
         if self.overlap not in OVERLAPS:
             raise ValueError(f"Offload.overlap must be one of {', '.join(map(repr, OVERLAPS))}, "
                              f"got {self.overlap!r}")
+        if self.overlap == "delayed" and not self.optimizer:
+            raise ValueError("Offload(overlap='delayed') delays the offloaded optimizer's "
+                             "update; give optimizer='cpu' or 'nvme' too (or leave overlap out)")
+        if self.overlap == "delayed" and self.params == "nvme":
+            raise ValueError("Offload(overlap='delayed', params='nvme'): the gathers would read "
+                             "the model copies from NVMe, where the pass writes them; give "
+                             "params='cpu' (or False), or overlap='exact'")
         least = self.min_pool_bytes
         if type(self.pool_bytes) is not int or self.pool_bytes < least:
             raise ValueError(f"Offload.pool_bytes must be an int >= {least} (four chunk "
@@ -218,7 +234,14 @@ class Offload:
     def overlaps(self) -> bool:
         """Whether the optimizer's pass runs on the host worker, overlapping the next forward
         (``overlap``): offloaded optimizer state, and parameters not on NVMe."""
-        return self.overlap == "exact" and bool(self.optimizer) and self.params != "nvme"
+        return (self.overlap in ("exact", "delayed") and bool(self.optimizer)
+                and self.params != "nvme")
+
+    @property
+    def delayed(self) -> bool:
+        """Whether the optimizer's update is one step delayed (``overlap="delayed"``): the
+        gathers read a published copy that each ``step()`` refreshes."""
+        return self.overlap == "delayed"
 
     @property
     def nvme(self) -> bool:

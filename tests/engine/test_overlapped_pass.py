@@ -15,7 +15,6 @@ equal. Each test here fails when the wait it checks is removed (the layer's wait
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import struct
 import time
@@ -25,12 +24,11 @@ import pytest
 import torch
 
 import zerocore
-from zerocore.policies import MIN_POOL_BYTES
 from tests.support import hf_models
 from tests.support.dist_utils import inject_overflow
-from tests.support.offload_stack import DOORS
+from tests.support.offload_stack import DOORS, Case, pass_cases, pass_offload
 from tests.support.offload_stack import build as build_stack
-from tests.support.toy_stack import (LR, WEIGHT_DECAY, Spec, global_batch, loss_fn,
+from tests.support.toy_stack import (LR, WEIGHT_DECAY, global_batch, loss_fn,
                                      model_input)
 
 WORLD_SIZES = [1, 2, 3]
@@ -43,32 +41,7 @@ LAG_S = 0.05
 FP16_SCALE = 2.0**10
 
 
-def offload_of(label: str, path: str, overlap: str) -> zerocore.Offload:
-    """The homes whose optimizer pass overlaps: host memory, with the parameters on the
-    device (a mirror) or on the host (a window); NVMe, the same two (the pool at its minimum,
-    so that every shard is stepped in several chunks)."""
-    nvme = dict(path=path, pool_bytes=MIN_POOL_BYTES)
-    return {"cpu": zerocore.Offload(optimizer="cpu", overlap=overlap),
-            "cpu+params": zerocore.Offload(optimizer="cpu", params="cpu", overlap=overlap),
-            "nvme": zerocore.Offload(optimizer="nvme", overlap=overlap, **nvme),
-            "nvme+params": zerocore.Offload(optimizer="nvme", params="cpu", overlap=overlap,
-                                            **nvme)}[label]
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    spec: Spec
-    # Steps at which the last rank's first gradient is made inf (fp16: skipped everywhere).
-    overflow_steps: tuple[int, ...] = ()
-
-
-CASES = {
-    "mlp-fp32-micro2-clip": Case(Spec(model="mlp", steps=3, micro=2, max_norm=0.05)),
-    "transformer-bf16-clip": Case(Spec(model="transformer", steps=3, max_norm=0.5,
-                                       param_dtype=torch.bfloat16)),
-    "mlp-fp16-overflow": Case(Spec(model="mlp", steps=4, micro=2, max_norm=1.0,
-                                   param_dtype=torch.float16), overflow_steps=(1,)),
-}
+CASES = pass_cases(steps=3)
 
 
 def lagging(index: int) -> None:
@@ -112,7 +85,7 @@ def state_digest(sharding, opt, h: "hashlib._Hash") -> None:
 
 
 def build(door: str, case: Case, label: str, path: str, overlap: str, lag: bool):
-    model, sharding = build_stack(door, case.spec, {}, offload_of(label, path, overlap))
+    model, sharding = build_stack(door, case.spec, {}, pass_offload(label, path, overlap))
     opt = zerocore.optim.AdamW(sharding.trainable_shards(), lr=LR, weight_decay=WEIGHT_DECAY,
                                pass_hook=lagging if lag else None)
     fp16 = case.spec.param_dtype == torch.float16
@@ -279,7 +252,7 @@ def fail_mid_pass(rank: int, world_size: int, label: str, path: str, ckpt: str) 
     The next forward and backward run (on values the run will never keep); the checkpoint
     and the step after raise, each on every rank."""
     case = CASES["transformer-bf16-clip"]
-    model, sharding = build_stack("shard", case.spec, {}, offload_of(label, path, "exact"))
+    model, sharding = build_stack("shard", case.spec, {}, pass_offload(label, path, "exact"))
     hook, armed = failing_on(world_size - 1, rank, at=1)
     opt = zerocore.optim.AdamW(sharding.trainable_shards(), lr=LR, weight_decay=WEIGHT_DECAY,
                                pass_hook=hook)
@@ -330,7 +303,7 @@ def train_hf(rank: int, world_size: int, label: str, path: str, overlap: str,
     losses, norms and final parameters."""
     model = hf_models.prepare(hf_models.build("neox"), "full")
     sharded = zerocore.shard_model(model, hf_models.decoder_layers(model),
-                                   offload=offload_of(label, path, overlap),
+                                   offload=pass_offload(label, path, overlap),
                                    mixed_precision=zerocore.MixedPrecision(torch.bfloat16))
     opt = zerocore.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
                                pass_hook=lagging if lag else None)
@@ -362,8 +335,9 @@ def test_a_hugging_face_model_trains_bitwise_with_the_pass_overlapped(world, tmp
 
 
 def test_overlap_is_checked():
-    with pytest.raises(ValueError, match="Offload.overlap must be one of 'exact', 'off'"):
-        zerocore.Offload(optimizer="cpu", overlap="delayed")
+    with pytest.raises(ValueError,
+                       match="Offload.overlap must be one of 'exact', 'delayed', 'off'"):
+        zerocore.Offload(optimizer="cpu", overlap="later")
     assert zerocore.Offload(optimizer="cpu").overlaps
     assert not zerocore.Offload(optimizer="cpu", overlap="off").overlaps
     assert not zerocore.Offload(params="cpu").overlaps      # nothing of the optimizer's

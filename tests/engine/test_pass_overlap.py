@@ -60,6 +60,21 @@ def test_nvme_counts_the_scratch_bytes(tmp_path):
     assert est.overlaps and est.hidden_s == est.forward_s         # the forward hides part
 
 
+def test_the_delayed_pass_hides_behind_forward_and_backward_and_counts_its_copy(tmp_path):
+    """``overlap="delayed"``: the published copy the gathers read is a second bf16 copy of the
+    trainable shard (2 bytes an element more in the plan), which the pass does not move; what
+    it hides behind is the forward and the backward (three forwards' FLOPs)."""
+    exact, _ = estimate(zerocore.Offload(optimizer="nvme", path=str(tmp_path)))
+    plan, est = estimate(zerocore.Offload(optimizer="nvme", path=str(tmp_path),
+                                          overlap="delayed"))
+    assert plan.state.trainable_params == exact.state.trainable_params + SHARD * 2
+    assert pass_bytes(plan, delayed=True) == (SHARD * 30, SHARD * 24)
+    assert est.pass_s == pytest.approx(SHARD * 24 / 1e8)            # the disk's 79 ms
+    assert est.hidden_s == est.pass_s                             # < 3 x 33.8 ms: all of it
+    assert est.line() == ("on a round machine: optimizer pass ~79 ms, forward ~34 ms: "
+                          "overlap hides ~79 ms (delayed, behind forward and backward)")
+
+
 def test_the_upload_of_the_mirrors_is_a_stage_on_a_gpu():
     gpu = Machine(name="a round GPU", flops=1e10, adam_bytes_per_s=1e9, disk_bytes_per_s=1e8,
                   upload_bytes_per_s=1e7)

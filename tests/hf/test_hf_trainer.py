@@ -58,6 +58,7 @@ class Spec:
     # shard_options' Offload(params=, optimizer=) (with optimizer "nvme": a scratch directory
     # beside the output)
     offload: tuple[bool | str, bool | str] | None = None
+    overlap: str = "exact"    # the offloaded optimizer's pass (Offload.overlap)
     # HSDP 2x2 (4 ranks as 2 nodes of 2): "given", shard_options' mesh; "torchrun",
     # hybrid="hsdp" with the mesh of torchrun's environment (set by the run).
     mesh: str | None = None
@@ -162,7 +163,7 @@ def sharded_run(rank: int, world_size: int, out: str, spec: Spec) -> dict:
             path = f"{out}-scratch"
             os.makedirs(path, exist_ok=True)
         options = dict(offload=zerocore.Offload(params=params, optimizer=optimizer, path=path,
-                                                pool_bytes=1 << 20))
+                                                pool_bytes=1 << 20, overlap=spec.overlap))
     replica_calls: list[tuple[bool, int]] = []  # (sync_gradients, all-reduces) per micro-batch
     if spec.mesh == "given":
         options = dict(mesh=init_device_mesh("cpu", (2, world_size // 2),
@@ -201,6 +202,8 @@ def sharded_run(rank: int, world_size: int, out: str, spec: Spec) -> dict:
                 host_arena=report.host_arena_bytes, on_device=report.device_shard_bytes,
                 skipped=skipped, adam_steps=adam_steps, lrs=lrs,
                 loss_scale=trainer.loss_scaler.loss_scale,
+                published=[getattr(s, "published", None) is not None
+                           for s in trainer.sharding.trainable_shards()],
                 params=_trained(full, spec.mode) if rank == 0 else {})
 
 
@@ -231,6 +234,23 @@ def test_offload_through_shard_options_trains_bitwise_as_without(world, tmp_path
             assert got["host_arena"] > 0 == plain["host_arena"]
             assert (got["on_device"] == 0) if offload[1] else (
                 0 < got["on_device"] < plain["on_device"]), (offload, got["on_device"])
+
+
+def test_a_delayed_pass_through_shard_options(world, tmp_path):
+    # Offload(optimizer=True, overlap="delayed") through shard_options: every trainable shard
+    # is gathered from its published copy; the first optimizer step's loss is the exact run's
+    # (both on the initial weights), the second's is not (the delayed run still computes with
+    # them, the exact one with the first update's), and the run trains. The delayed rule
+    # itself is tests/engine/test_delayed_pass.py's.
+    runs = {overlap: world.run(sharded_run, str(tmp_path / overlap),
+                               Spec(offload=(False, True), overlap=overlap), timeout=300)
+            for overlap in ("exact", "delayed")}
+    for exact, delayed in zip(runs["exact"], runs["delayed"]):
+        assert delayed["published"] and all(delayed["published"]), delayed["published"]
+        assert not any(exact["published"])
+        assert delayed["losses"][0] == exact["losses"][0]
+        assert delayed["losses"][1] != exact["losses"][1]
+        assert delayed["evals"][1] < delayed["evals"][0]
 
 
 @pytest.mark.parametrize("mode,checkpointing,frozen",

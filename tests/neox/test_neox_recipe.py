@@ -282,7 +282,7 @@ def test_the_offload_device_path_and_pool_are_declarations_too():
 
 
 def test_the_offload_overlap_is_a_declaration_too():
-    # --offload-overlap exact|off (OffloadConfig, version 9): parsed, stored, mapped onto
+    # --offload-overlap exact|delayed|off (OffloadConfig, version 9): parsed, stored, mapped onto
     # zerocore.Offload(overlap=); said on the run's model line; recipes of version 8 load as
     # "exact" (the same bits as their runs'), and a resume may change it.
     def offload(*flags):
@@ -295,6 +295,9 @@ def test_the_offload_overlap_is_a_declaration_too():
     off = offload("--offload", "optimizer", "--offload-overlap", "off")
     assert off.policies()["offload"].overlap == "off"
     assert "the optimizer's pass runs inside its step (not overlapped)" in off.words()
+    delayed = offload("--offload", "optimizer", "--offload-overlap", "delayed")
+    assert delayed.policies()["offload"] == zerocore.Offload(optimizer=True, overlap="delayed")
+    assert "the optimizer's pass is one step delayed" in delayed.words()
     assert "pass" not in offload("--offload", "params").words()  # nothing of the optimizer's
     nvme_params = offload("--offload", "all", "--offload-device", "nvme", "--offload-path", "s")
     assert "not overlapped" in nvme_params.words()  # (zerocore.Offload.overlaps)
@@ -303,7 +306,7 @@ def test_the_offload_overlap_is_a_declaration_too():
                            if f.name == "offload_overlap")).flag.resumable
     assert RECIPE_VERSION >= 9
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["--offload-overlap", "delayed"])
+        build_parser().parse_args(["--offload-overlap", "later"])
     d = Recipe().to_dict()
     del d["loop"]["offload_overlap"]
     d["version"] = 8

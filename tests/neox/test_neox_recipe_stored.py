@@ -91,6 +91,6 @@ def test_version_9_stores_the_overlap_and_older_versions_load_as_exact():
     del d["loop"]["offload_overlap"]
     with pytest.raises(RecipeError, match=r"recipe.loop: missing fields \['offload_overlap'\]"):
         Recipe.from_dict(d)
-    d["loop"]["offload_overlap"] = "delayed"
+    d["loop"]["offload_overlap"] = "later"
     with pytest.raises(RecipeError, match="recipe.loop: offload_overlap must be one of"):
         Recipe.from_dict(d)

@@ -1,9 +1,11 @@
-"""What the offload tests share (tests/engine/test_param_offload.py, test_nvme_offload.py): a
-toy stack sharded through either front door, and a stack large enough for a plan to be
+"""What the offload tests share (tests/engine/test_param_offload.py, test_nvme_offload.py,
+test_overlapped_pass.py, test_delayed_pass.py): a toy stack sharded through either front door,
+the homes an overlapped optimizer pass runs on, and a stack large enough for a plan to be
 checked against a measured peak."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -12,8 +14,22 @@ from torch import nn
 
 import zerocore
 from tests.support.toy_stack import Spec, make_layers
+from zerocore.policies import MIN_POOL_BYTES
 
 DOORS = ["shard", "shard_model"]
+
+
+def pass_offload(label: str, path: str, overlap: str) -> zerocore.Offload:
+    """The homes whose optimizer pass overlaps (``overlap``: "exact", "delayed" or "off"):
+    host memory, with the parameters on the device (a mirror) or on the host (a window);
+    NVMe, the same two (the pool at its minimum, so that every shard is stepped in several
+    chunks)."""
+    nvme = dict(path=path, pool_bytes=MIN_POOL_BYTES)
+    return {"cpu": zerocore.Offload(optimizer="cpu", overlap=overlap),
+            "cpu+params": zerocore.Offload(optimizer="cpu", params="cpu", overlap=overlap),
+            "nvme": zerocore.Offload(optimizer="nvme", overlap=overlap, **nvme),
+            "nvme+params": zerocore.Offload(optimizer="nvme", params="cpu", overlap=overlap,
+                                            **nvme)}[label]
 
 
 def build(door: str, spec: Spec, policies: dict, offload: zerocore.Offload):
@@ -28,6 +44,29 @@ def build(door: str, spec: Spec, policies: dict, offload: zerocore.Offload):
         return model, model
     model = nn.Sequential(*layers)
     return model, zerocore.shard_model(model, list(model)[1:-1], **policies)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A training case of the overlapped pass's tests."""
+
+    spec: Spec
+    # Steps at which the last rank's first gradient is made inf (fp16: skipped everywhere).
+    overflow_steps: tuple[int, ...] = ()
+
+
+def pass_cases(steps: int) -> dict[str, Case]:
+    """The overlapped pass's cases, of ``steps`` steps: fp32 with two micro-batches and
+    clipping, bf16 with clipping, and fp16 with clipping, a dynamic scale and one step more,
+    the one before the last two skipped for an overflow."""
+    return {
+        "mlp-fp32-micro2-clip": Case(Spec(model="mlp", steps=steps, micro=2, max_norm=0.05)),
+        "transformer-bf16-clip": Case(Spec(model="transformer", steps=steps, max_norm=0.5,
+                                           param_dtype=torch.bfloat16)),
+        "mlp-fp16-overflow": Case(Spec(model="mlp", steps=steps + 1, micro=2, max_norm=1.0,
+                                       param_dtype=torch.float16),
+                                  overflow_steps=(steps - 2,)),
+    }
 
 
 def layer_stack(device: str | None = None) -> list[nn.Module]:

@@ -44,7 +44,7 @@ from zerocore.engine.homes import Homes
 from zerocore.engine.host_arena import HostArena
 from zerocore.engine.nvme_store import NvmeStore, Region
 from zerocore.engine.offload import OffloadStreams
-from zerocore.engine.optimizer_pass import update_ready, wait_for_update
+from zerocore.engine.optimizer_pass import gather_ready, wait_for_gather
 from zerocore.engine.quantized import Quantized
 from zerocore.engine.rehearsal import StorageWatch
 from zerocore.policies import Comm
@@ -219,8 +219,9 @@ class FlatGroup:
         (``Home.uploads_before_forward``: a mirror of a host model copy). Called for those
         layers at the start of forward, so the uploads overlap the first layers' work. A shard
         the optimizer's overlapped pass has not updated yet is left to its gather, which
-        uploads it once the update is written (``start_gather``)."""
-        if update_ready(self.shard):
+        uploads it once the update is written (``start_gather``); a delayed pass's published
+        copy is always ready."""
+        if gather_ready(self.shard):
             self.home.upload()
 
     @property
@@ -230,8 +231,9 @@ class FlatGroup:
 
     def start_gather(self) -> None:
         # The optimizer's overlapped pass may still be updating this shard: its gather waits
-        # for that layer's update alone (engine/optimizer_pass.py).
-        wait_for_update(self.shard)
+        # for that layer's update alone (engine/optimizer_pass.py); with the pass delayed,
+        # the gather reads the published copy and waits for nothing.
+        wait_for_gather(self.shard)
         if self.state is not GroupState.SHARDED:
             return
         t0 = collectives.now()

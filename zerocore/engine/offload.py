@@ -32,7 +32,7 @@ import weakref
 
 import torch
 
-from zerocore.engine.optimizer_pass import wait_for_update
+from zerocore.engine.optimizer_pass import wait_for_gradient
 from zerocore.engine.sharded_param import ShardParameter
 
 
@@ -58,7 +58,7 @@ def accumulate_grad(shard: ShardParameter, grad: torch.Tensor, owned: bool) -> N
     view of a buffer that will be reused, so it is copied before it becomes ``shard.grad``.
     Widening to fp32 is exact, so the order of widening and moving does not change a bit.
     An overlapped optimizer pass may still read ``shard.grad``: waited for first."""
-    wait_for_update(shard)
+    wait_for_gradient(shard)
     if grad.dtype != torch.float32 or grad.device != shard.device:
         grad = grad.to(device=shard.device, dtype=torch.float32)
     elif not owned and shard.grad is None:

@@ -13,6 +13,10 @@ the same values, elementwise, only later.
 Who waits for what:
 - a unit's gather (and a device mirror's upload) for that unit's update alone,
   ``wait_for_update``; so does adding a gradient into a shard's ``.grad`` (the pass reads it);
+- with ``Offload(overlap="delayed")`` the gathers read a published copy that the worker never
+  writes (``ShardParameter.published``, refreshed by each ``step()`` before its pass starts):
+  they wait for nothing (``wait_for_gather``), and backward's accumulation waits only when it
+  would add into the very gradient the pass reads (``wait_for_gradient``);
 - everything that reads or writes the optimizer's or the parameters' state whole (a second
   step, ``zero_grad`` that zeroes in place, state dicts, checkpoints, full states, exports,
   reading or writing a master) for the whole pass: ``settle_updates``, the one wait.
@@ -121,6 +125,13 @@ class OptimizerPass:
             event.wait()
             self._held.pop(id(shard), None)
 
+    def wait_gradient(self, shard: torch.nn.Parameter, grad: torch.Tensor | None) -> None:
+        """Before ``grad`` (``shard.grad``) is added into in place: waits for the shard's update
+        if the pass reads that very tensor (a delayed pass: the new step's gradient is another
+        one, beside it; the pass's is let go of when the pass is settled, at the next step)."""
+        if grad is not None and self._held.get(id(shard)) is grad:
+            self.wait_unit(shard)
+
     def unit_ready(self, shard: torch.nn.Parameter) -> bool:
         event = self._units.get(id(shard))
         return event is None or event.is_set()
@@ -158,6 +169,37 @@ def update_ready(shard: torch.nn.Parameter) -> bool:
     """Whether ``shard``'s update is written (or none is in flight), without waiting."""
     running = getattr(shard, "update_pass", None)
     return running is None or running.unit_ready(shard)
+
+
+def _delayed(shard: torch.nn.Parameter) -> bool:
+    """Whether the gathers read ``shard``'s published copy (``Offload(overlap="delayed")``),
+    which no pass writes."""
+    return getattr(shard, "published", None) is not None
+
+
+def wait_for_gather(shard: torch.nn.Parameter) -> None:
+    """Before a gather reads ``shard``: waits for its update (``wait_for_update``), unless the
+    gathers read its published copy."""
+    if not _delayed(shard):
+        wait_for_update(shard)
+
+
+def gather_ready(shard: torch.nn.Parameter) -> bool:
+    """Whether a gather of ``shard`` would read its values without waiting."""
+    return _delayed(shard) or update_ready(shard)
+
+
+def wait_for_gradient(shard: torch.nn.Parameter) -> None:
+    """Before backward adds into ``shard.grad``: waits for the pass to have read it. Exact: the
+    shard's update (the forward's gather waited for it already); delayed: only if the pass
+    reads that very tensor (``OptimizerPass.wait_gradient``)."""
+    running = getattr(shard, "update_pass", None)
+    if running is None:
+        return
+    if _delayed(shard):
+        running.wait_gradient(shard, shard.grad)
+    else:
+        running.wait_unit(shard)
 
 
 def settle_updates(params: Iterable[torch.nn.Parameter], *, together: bool = False) -> None:

@@ -58,6 +58,11 @@ class ShardParameter(torch.nn.Parameter):
     # (engine/optimizer_pass.py), which the engine's waits find here; None: none.
     overlapped: bool
     update_pass: object | None
+    # ``Offload(overlap="delayed")``: what the gathers read instead of the model copy (1D,
+    # param dtype, fp32 included, beside the master), refreshed from the settled state by each
+    # ``optimizer.step()`` before it starts its pass (``publish``), so that the worker never
+    # writes what a gather reads. None: the gathers read ``model_copy`` (or the master).
+    published: torch.Tensor | None
 
     def __new__(cls, data: torch.Tensor, model_copy: torch.Tensor | None = None,
                 requires_grad: bool = True, offloaded: bool = False) -> "ShardParameter":
@@ -90,11 +95,22 @@ class OverlappedShard(ShardParameter):
         (engine/optimizer_pass.py); then it is a plain Parameter's (no subclass results).
         Getting or setting ``.grad`` does not wait: the pass holds the gradients it reads, and
         what writes into one in place waits itself (backward's accumulation, for its shard;
-        ``zero_grad(set_to_none=False)``, for the pass)."""
-        if getattr(func, "__self__", None) is not torch.Tensor.grad:
+        ``zero_grad(set_to_none=False)``, for the pass). Nor does reading what the pass never
+        changes (its shape, dtype, device, version: ``_NO_WAIT``), which the engine does while
+        a delayed pass runs beside the whole forward and backward."""
+        if (getattr(func, "__self__", None) or func) not in _NO_WAIT:
             _wait_for_shards(args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
+
+
+# What reading a shard does not wait for: its ``.grad`` (see ``__torch_function__``), and its
+# metadata, which no update changes (the fused kernel writes through ``.data``, so not even
+# the version counter moves).
+_NO_WAIT = frozenset([torch.Tensor.grad, torch.Tensor._version, torch.Tensor.device,
+                      torch.Tensor.dtype, torch.Tensor.shape, torch.Tensor.requires_grad,
+                      torch.Tensor.is_cuda, torch.Tensor.numel, torch.Tensor.dim,
+                      torch.Tensor.size, torch.Tensor.element_size])
 
 
 def _wait_for_shards(args: tuple, kwargs: dict | None) -> None:
@@ -132,6 +148,7 @@ def init_shard(p: torch.nn.Parameter, model_copy: torch.Tensor | None, offloaded
     p.nvme = None
     p.overlapped = False
     p.update_pass = None
+    p.published = None
 
 
 def is_shard(p: torch.Tensor) -> bool:
@@ -204,7 +221,21 @@ def refresh_model_copy(p: torch.nn.Parameter) -> None:
     if p.model_copy is not None:
         with torch.no_grad():
             p.model_copy.copy_(p.data)
+    publish(p)  # (a load: the delayed gathers start from what it wrote)
     mark_model_copy_synced(p)
+
+
+def publish(p: torch.nn.Parameter) -> None:
+    """``Offload(overlap="delayed")``: the gathers' copy <- the shard's current values (its
+    model copy, or the fp32 master). Called with no pass in flight: by ``optimizer.step()``
+    once it has settled the last pass and before it starts its own, and by every write of the
+    master outside the optimizer (a load). Nothing without a published copy."""
+    if getattr(p, "published", None) is None:
+        return
+    wait_for_device(p)  # the device may still be reading the last published values
+    with torch.no_grad():
+        p.published.copy_(p.model_copy if p.model_copy is not None else p.data)
+    p.copy_generation += 1  # what the gathers read changed: a device mirror fetches it again
 
 
 def master_values(p: torch.nn.Parameter) -> torch.Tensor:
@@ -231,9 +262,14 @@ def set_master(p: torch.nn.Parameter, values: torch.Tensor) -> None:
         else:
             wait_for_device(p)  # the copy is about to be written: the device may read it
             p.model_copy.copy_(values)
+            publish(p)
         mark_model_copy_synced(p)
 
 
 def gather_source(p: torch.nn.Parameter) -> torch.Tensor:
-    """The tensor whose values the layer computes with: the copy, or the fp32 master."""
+    """The tensor whose values the layer computes with: the published copy (delayed), the
+    model copy, or the fp32 master."""
+    published = getattr(p, "published", None)
+    if published is not None:
+        return published
     return p.data if p.model_copy is None else p.model_copy

@@ -299,6 +299,17 @@ def prepare_device(device: torch.device | str | None, mesh: Mesh,
     return dev, threads
 
 
+def pass_line(offload: Offload) -> str:
+    """How the offloaded optimizer's pass runs, for the start-up line."""
+    if offload.delayed:
+        return ("on a host worker, one step delayed (Offload.overlap 'delayed'): each "
+                "forward computes with the weights from before the last update, which "
+                "overlaps the whole forward and backward")
+    if offload.overlaps:
+        return ("on a host worker, overlapping the next forward (Offload.overlap 'exact')")
+    return "inside optimizer.step() (not overlapped)"
+
+
 class Sharding:
     """What a sharded model is, whichever front door made it (``zerocore.shard``'s
     ``ShardedSequential``, ``zerocore.shard_model``'s ``ShardedModel``; both are one): its group,
@@ -372,9 +383,7 @@ class Sharding:
             if offload.optimizer:
                 log.info("%s: the optimizer (offloaded to %s) steps %s", self.front_door,
                          offload.optimizer,
-                         "on a host worker, overlapping the next forward (Offload.overlap "
-                         "'exact')" if offload.overlaps else "inside optimizer.step() (not "
-                         "overlapped)")
+                         pass_line(offload))
         self.schedule: Schedule | None = None  # decided by ``seal``, once the layers are built
         self.runtime: Runtime | None = None    # the hooks that run the layers (``start``)
         # Why this rank's last build step failed, and its exception, until agreed (``agree``).

@@ -14,6 +14,8 @@ The exact pass hides behind the next forward only (docs/decisions.md, "The overl
 pass": the backward needs every layer updated, and the forward's gathers wait layer by layer),
 so what it can hide is min(pass, forward), and nothing where it does not overlap
 (``Offload.overlaps``: ``overlap="off"``, or parameters on NVMe, whose gathers share its pool).
+The delayed pass (``overlap="delayed"``) waits for neither: it hides behind the forward and
+the backward, min(pass, forward + backward), the backward taking twice the forward's FLOPs.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ ADAM_READ_BYTES = 16
 ADAM_WRITE_BYTES = 12
 # NVMe: the scratch holds the master and the two moments (3 x 4 bytes), read and written back.
 NVME_BYTES = 12
+# A backward's FLOPs over its forward's (two matmuls for each one of the forward): what the
+# delayed pass hides behind is the forward and backward, (1 + 2) forwards.
+BACKWARD_OVER_FORWARD = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,18 +87,24 @@ class PassOverlap:
     forward_s: float
     overlaps: bool
     why_not: str            # "" when it overlaps; else "off" or "params on NVMe"
+    delayed: bool = False   # one step delayed: behind the forward and the backward
 
     @property
     def hidden_s(self) -> float:
-        """The pass's seconds the next forward hides (exact: the forward only, not backward)."""
-        return min(self.pass_s, self.forward_s) if self.overlaps else 0.0
+        """The pass's seconds the next step hides: exact, behind the forward only, not the
+        backward; delayed, behind both."""
+        if not self.overlaps:
+            return 0.0
+        behind = self.forward_s * (1 + BACKWARD_OVER_FORWARD if self.delayed else 1)
+        return min(self.pass_s, behind)
 
     def line(self) -> str:
         head = (f"on {self.machine}: optimizer pass ~{_ms(self.pass_s)}, forward "
                 f"~{_ms(self.forward_s)}")
         if not self.overlaps:
             return f"{head}: does not overlap ({self.why_not})"
-        return f"{head}: overlap hides ~{_ms(self.hidden_s)} (exact)"
+        kind = "delayed, behind forward and backward" if self.delayed else "exact"
+        return f"{head}: overlap hides ~{_ms(self.hidden_s)} ({kind})"
 
 
 def _ms(seconds: float) -> str:
@@ -107,8 +118,10 @@ def dense_forward_flops(numel: int, tokens: int) -> float:
     return 2.0 * numel * tokens
 
 
-def pass_bytes(plan: MemoryPlan) -> tuple[int, int]:
-    """(host memory bytes, disk bytes) one rank's pass moves, from the plan's model state."""
+def pass_bytes(plan: MemoryPlan, *, delayed: bool = False) -> tuple[int, int]:
+    """(host memory bytes, disk bytes) one rank's pass moves, from the plan's model state.
+    ``delayed``: the plan's trainable parameters count the published copy twice over (the
+    pass writes one of the two)."""
     state = plan.state
     # The trainable elements of one rank's shard (padding excluded): the state is sharded over
     # the world, or over a 2-D mesh's shard group.
@@ -116,6 +129,8 @@ def pass_bytes(plan: MemoryPlan) -> tuple[int, int]:
     # The model copy is a tensor of its own beside fp32 masters (16-bit compute), or on NVMe
     # where the masters live in the scratch; in fp32 in memory it is the master itself.
     copy = state.trainable_params if state.masters or state.nvme else 0
+    if delayed:
+        copy //= 2
     host = numel * (ADAM_READ_BYTES + ADAM_WRITE_BYTES) + copy
     return host, numel * NVME_BYTES * 2 if state.nvme else 0
 
@@ -126,7 +141,7 @@ def pass_overlap(plan: MemoryPlan, offload: Offload, *, forward_flops: float,
     ``machine``; None where the optimizer is not offloaded (no pass on the host)."""
     if not offload.optimizer:
         return None
-    host, disk = pass_bytes(plan)
+    host, disk = pass_bytes(plan, delayed=offload.delayed)
     stages = [host / machine.adam_bytes_per_s, disk / machine.disk_bytes_per_s]
     if machine.upload_bytes_per_s is not None:
         # The updated copies go back into their device mirrors (none with parameters offloaded
@@ -136,7 +151,7 @@ def pass_overlap(plan: MemoryPlan, offload: Offload, *, forward_flops: float,
                "params on NVMe" if offload.params == "nvme" else "off")
     return PassOverlap(machine=machine.name, pass_s=max(stages),
                        forward_s=forward_flops / machine.flops, overlaps=offload.overlaps,
-                       why_not=why_not)
+                       why_not=why_not, delayed=offload.delayed)
 
 
 def overlap_lines(plan: MemoryPlan, offload: Offload, *, tokens: int) -> list[str]:

@@ -90,6 +90,7 @@ def rehearse(step: Step, fake: FakeTensorMode, exclude: list[torch.Tensor]) -> M
     def observe(live: int) -> None:
         if "sharding" not in held:  # the build: the loading by range, measured as a whole
             return
+        live += held_by_delayed_pass(held["sharding"])
         parts = _by_category(held["sharding"], held["optimizer"], held["kept"])
         parts[ACTIVATIONS] = live - sum(parts.values())
         peak.gathered = max(peak.gathered, parts[GATHERED])
@@ -200,6 +201,14 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.untyped_storage().nbytes()
 
 
+def held_by_delayed_pass(sharding: Sharding) -> int:
+    """Bytes of the last step's gradients that a delayed pass holds through this step until
+    the next settles it (fp32, a trainable shard each), which the rehearsal, whose pass is not
+    overlapped, does not hold: added to what it sees live."""
+    return sum(g.shard.numel() * 4 for layer in sharding.layers for g in layer.groups
+               if g.trainable and getattr(g.shard, "published", None) is not None)
+
+
 def _by_category(sharding: Sharding, optimizer: AdamW, kept: torch.Tensor) -> dict[str, int]:
     """What the engine holds now, by category (each storage once)."""
     parts = dict.fromkeys(CATEGORIES[:-1], 0)
@@ -232,6 +241,7 @@ def _by_category(sharding: Sharding, optimizer: AdamW, kept: torch.Tensor) -> di
                 add(MASTERS if sixteen else TRAINABLE, shard)
             parts[MIRRORS] += g.mirror_bytes
             add(GRADIENTS, shard.grad)
+            add(TRAINABLE, getattr(shard, "published", None))  # (a delayed pass's copy)
             for t in g.reduce.kept_tensors():
                 add(GRAD_BUFFERS, t)
             for t in optimizer.state.get(shard, {}).values():
@@ -240,6 +250,7 @@ def _by_category(sharding: Sharding, optimizer: AdamW, kept: torch.Tensor) -> di
     for t in sharding.runtime.coordinator.held_tensors():
         add(GRAD_BUFFERS, t)
     add(GRAD_BUFFERS, kept)
+    parts[GRADIENTS] += held_by_delayed_pass(sharding)
     if sharding.ctx.store is not None:
         add(NVME_POOL, sharding.ctx.store.pool)
     return parts
@@ -261,11 +272,17 @@ def model_state(sharding: Sharding, on_host: frozenset[str]) -> ModelState:
                 lo, hi = g.held_range   # a replicated base holds every rank's part
                 f_held += hi - lo
     trainable = homes.trainable.planned(t_shard, p_bytes)
+    gradients = t_shard * 4
+    if homes.delayed:
+        # The published copy the gathers read, beside the one the pass writes; and the last
+        # step's gradients, which the pass holds beside this step's.
+        trainable = dataclasses.replace(trainable, params=trainable.params + t_shard * p_bytes)
+        gradients *= 2
     return ModelState(
         trainable_numel=t_numel, frozen_numel=f_numel, trainable_params=trainable.params,
         frozen_params=(sharding.frozen_weights.frozen_nbytes(f_held, p_bytes)
                        if homes.frozen.frozen_in_memory else 0),
-        masters=trainable.masters, optimizer=trainable.optimizer, gradients=t_shard * 4,
+        masters=trainable.masters, optimizer=trainable.optimizer, gradients=gradients,
         mirrors=trainable.mirrors, on_host=on_host,
         nvme=store.size if store is not None else 0,
         pool=store.pool_bytes if store is not None else 0,

@@ -61,14 +61,20 @@ class OffloadConfig:
                         "at once; larger means longer transfers", parse=byte_budget,
                   metavar="SIZE", text=lambda x: f"{x // 2**20}MiB", resumable=True), since=7)
     # Whether the offloaded optimizer's pass overlaps the next forward (zerocore.Offload's
-    # overlap). Bitwise the same either way, so a resumed run may change it; recipes before
-    # version 9 lack it and load as "exact" (their runs were "off": the same bits).
+    # overlap). "exact" and "off" give the same bits; "delayed" does not (each forward
+    # computes with the weights from before the last update), and a resume restarts its delay
+    # from the loaded weights, so a resumed run may change it too. Recipes before version 9
+    # lack it and load as "exact" (their runs were "off": the same bits); "delayed" is a new
+    # value of the same field, not a new meaning of a stored one: still version 9.
     offload_overlap: str = setting(
         "exact", check=lambda x: x in OVERLAPS,
         problem=f"{{name}} must be one of {OVERLAPS}, got {{value!r}}",
         flag=Flag(STEP, "with the optimizer offloaded: 'exact' steps its layers on a host "
                         "worker in forward order while the next forward runs, each layer's "
-                        "gather waiting for its own update (bitwise the same results); 'off' "
+                        "gather waiting for its own update (bitwise the same results); 'delayed' "
+                        "lets each step's update run beside the whole next forward and "
+                        "backward, which compute with the weights from before it (the "
+                        "ZeRO-Offload paper's delayed update: not the same results); 'off' "
                         "steps them all inside the optimizer's step (default: exact)",
                   choices=OVERLAPS, resumable=True), since=9)
 
@@ -122,10 +128,14 @@ class OffloadConfig:
         if self.offloaded_optimizer:
             # (zerocore.Offload.overlaps: with the parameters on NVMe the pass stays inside
             # the step, whatever the field)
-            overlaps = self.offload_overlap == "exact" and not (
+            overlaps = self.offload_overlap != "off" and not (
                 self.offloaded_params and self.offload_device == "nvme")
-            overlap = ("; the optimizer's pass overlaps the next forward (exact)" if overlaps
-                       else "; the optimizer's pass runs inside its step (not overlapped)")
+            overlap = ("; the optimizer's pass runs inside its step (not overlapped)"
+                       if not overlaps else
+                       "; the optimizer's pass is one step delayed (each forward computes "
+                       "with the weights from before the last update)"
+                       if self.offload_overlap == "delayed" else
+                       "; the optimizer's pass overlaps the next forward (exact)")
         return f"; {offloaded} {where}{overlap}"
 
 

@@ -53,4 +53,4 @@ def choose(offload: Offload, *, device: torch.device, param_dtype: torch.dtype,
         assert offload.params != "nvme", "refused by the sharding: a replicated base is in memory"
         frozen = HostReplicated if offload.params else Replicated
     return Homes(trainable, frozen, device, param_dtype, streams, arena, store, host_threads,
-                 overlap=offload.overlaps and not rehearsal)
+                 overlap=offload.overlaps and not rehearsal, delayed=offload.delayed)

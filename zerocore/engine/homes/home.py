@@ -196,9 +196,10 @@ class Home:
         masters): its model copy and master, or in fp32 the master alone, which is what is
         computed with; a device mirror counts as parameters."""
         shard, copy = self.shard, self.shard.model_copy
+        published = nbytes(getattr(shard, "published", None))
         if copy is not None:
-            return nbytes(copy) + self.mirror_bytes, shard.numel() * 4
-        return shard.numel() * 4 + self.mirror_bytes, 0
+            return nbytes(copy) + published + self.mirror_bytes, shard.numel() * 4
+        return shard.numel() * 4 + published + self.mirror_bytes, 0
 
 
 class OffDevice(Home):
@@ -244,6 +245,9 @@ class Homes:
     # Whether the optimizer steps trainable host shards on its worker while the next forward
     # runs (``Offload.overlaps``; never in a plan's rehearsal, whose tensors are fake).
     overlap: bool = False
+    # ``Offload(overlap="delayed")``: trainable host shards keep a published copy for the
+    # gathers (``ShardParameter.published``), a second host copy in the param dtype.
+    delayed: bool = False
 
     def place(self, values: torch.Tensor, trainable: bool) -> Home:
         """A flat group's home, holding its shard made from ``values`` (``Home``'s)."""
@@ -278,7 +282,15 @@ def host_master(where: Homes, values: torch.Tensor) -> torch.nn.Parameter:
         copy.copy_(master)
     shard = new_shard(master, copy, offloaded=True, overlapped=where.overlap)
     shard.host_threads = where.host_threads
+    add_published(where, shard, master if copy is None else copy)
     return shard
+
+
+def add_published(where: Homes, shard: torch.nn.Parameter, values: torch.Tensor) -> None:
+    """``Offload(overlap="delayed")``: the shard's published copy, what its gathers read, from
+    ``values`` (its model copy, in the param dtype)."""
+    if where.delayed:
+        shard.published = host_buffer(where, values.numel(), where.param_dtype).copy_(values)
 
 
 def nbytes(t: torch.Tensor | None) -> int:

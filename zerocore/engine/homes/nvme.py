@@ -20,7 +20,7 @@ import dataclasses
 
 import torch
 
-from zerocore.engine.homes.home import Planned, host_buffer
+from zerocore.engine.homes.home import Planned, add_published, host_buffer, nbytes
 from zerocore.engine.homes.host_mirror import HostMirror
 from zerocore.engine.homes.host_window import HostWindow
 from zerocore.engine.nvme_store import Region
@@ -44,6 +44,7 @@ def nvme_master(where, values: torch.Tensor, copy: torch.Tensor | None) -> torch
                       overlapped=where.overlap)
     shard.nvme = record
     shard.host_threads = where.host_threads
+    add_published(where, shard, copy)
     return shard
 
 
@@ -56,7 +57,8 @@ class _MastersOnNvme:
         return nvme_master(self.where, values, copy)
 
     def state_bytes(self) -> tuple[int, int]:
-        return self.memory_shard_bytes + self.mirror_bytes, 0
+        copy = nbytes(self.shard.model_copy)   # (the gathers read the published one, if any)
+        return copy + nbytes(self.shard.published) + self.mirror_bytes, 0
 
     @classmethod
     def planned(cls, numel: int, param_bytes: int) -> Planned:
