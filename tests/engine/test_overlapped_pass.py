@@ -193,11 +193,12 @@ def test_a_master_read_while_the_pass_is_in_flight_is_the_updated_one(world, tmp
 
 def shard_classes(rank: int, world_size: int, path: str) -> dict:
     """The classes of the trainable shards and whether an op on each goes through Python,
-    resident, offloaded with the pass inside the step, and overlapped."""
+    resident, offloaded with the pass inside the step, and overlapped (exact or delayed)."""
     got = {}
     for name, offload in (("resident", zerocore.Offload()),
-                          ("off", offload_of("cpu", path, "off")),
-                          ("exact", offload_of("cpu", path, "exact"))):
+                          ("off", pass_offload("cpu", path, "off")),
+                          ("exact", pass_offload("cpu", path, "exact")),
+                          ("delayed", pass_offload("cpu", path, "delayed"))):
         _, sharding = build_stack("shard", CASES["transformer-bf16-clip"].spec, {}, offload)
         plain = torch.nn.Parameter.__torch_function__
         got[name] = sorted({(type(s).__name__, type(s).__torch_function__ is not plain)
@@ -211,7 +212,8 @@ def test_only_an_overlapped_shard_waits_on_its_uses(world, tmp_path):
     got = world.run(shard_classes, str(tmp_path))
     for g in got:
         assert g == {"resident": [("ShardParameter", False)], "off": [("ShardParameter", False)],
-                     "exact": [("OverlappedShard", True)]}, g
+                     "exact": [("OverlappedShard", True)],
+                     "delayed": [("OverlappedShard", True)]}, g
 
 
 @pytest.mark.parametrize("label", ["cpu", "nvme"])
