@@ -43,7 +43,8 @@
 #                   gather (Offload(params=True)), against the resident step: target <= 1.3x
 #                   (issue 31); with the optimizer in host memory, its CPU Adam pass overlapped
 #                   with the next forward (Offload(optimizer=True), the default) and inside the
-#                   step (overlap="off"): target <= 1.15x overlapped (issue 44); its budget grew
+#                   step (overlap="off"), and one step late (overlap="delayed"): targets <= 1.15x
+#                   overlapped, <= 1.05x delayed (issue 44); its budget grew
 #                   by 15 s, out of build's (105 -> 90 s, its estimate 60 s)
 # With COMPILED=1 a tenth: bench/compiled_units.py --device cuda (torch.compile per block, issue
 # 23), beyond the 8 minutes: give it a call of its own (BUDGET=180 COMPILED=1 after a check, on a
@@ -261,7 +262,7 @@ write_summary() {
     for job in gpu_two_ranks.log gpu_bf16_vs_cpu.log gpu_offload.txt; do
       if [[ -s "$RES/$job" ]]; then
         echo
-        # The offload bench ends with a line per target (params, optimizer), the jobs with one.
+        # The offload bench ends with a line per target (params, optimizer, delayed); a job with one.
         echo "$job: $(grep -E ' / resident: ' "$RES/$job" | tr '\n' ' ' | grep . \
                       || tail -n 1 "$RES/$job")"
       fi

@@ -14,6 +14,8 @@ stepped alternately in a seeded random order per round (harness.Interleaved): ``
 ``params`` (``Offload(params=True)``, the optimizer on the device), ``optimizer``
 (``Offload(optimizer=True)``: the CPU Adam pass overlapped with the next forward, exactly, the
 default), ``optimizer-in-step`` (the same with ``overlap="off"``: the pass inside ``step()``),
+``optimizer-delayed`` (``overlap="delayed"``: the update one step late, its pass beside the
+next forward and backward; other weights, so other losses),
 ``all`` (``params=True, optimizer=True``: the full CPU offload). Reported: the median step time
 of each and its ratio to ``resident`` round by round (median), against the issues' targets where
 the copies and the pass overlap the compute (``TARGETS``; bench/gpu_check.sh runs this at one
@@ -39,10 +41,11 @@ from neox.run.step import micro_batch_loss
 VARIANTS = {"resident": zerocore.Offload(), "params": zerocore.Offload(params=True),
             "optimizer": zerocore.Offload(optimizer=True),
             "optimizer-in-step": zerocore.Offload(optimizer=True, overlap="off"),
+            "optimizer-delayed": zerocore.Offload(optimizer=True, overlap="delayed"),
             "all": zerocore.Offload(params=True, optimizer=True)}
-# Against resident, on a GPU: the uploads overlapping the compute (issue 31), and the CPU Adam
-# pass overlapping the next forward (issue 44).
-TARGETS = {"params": 1.3, "optimizer": 1.15}
+# Against resident, on a GPU: the uploads overlapping the compute (issue 31), the CPU Adam
+# pass overlapping the next forward, and one step late, the next forward and backward (issue 44).
+TARGETS = {"params": 1.3, "optimizer": 1.15, "optimizer-delayed": 1.05}
 
 
 def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
