@@ -1,14 +1,21 @@
-"""The overlapped optimizer pass (issue 44, item 1) on this machine's disk: the NVMe-offloaded
-step over the in-memory step, with the pass inside ``step()`` (``Offload(overlap="off")``, the
-"before") and overlapping the next forward (``"exact"``, the "after"), and an A/A control.
+"""The overlapped optimizer pass (issue 44) on this machine's disk: the NVMe-offloaded step over
+the in-memory step, and an A/A control.
 
     python bench/overlap_step.py --path /work/nvme-scratch [--model pythia-70m] [--rounds 3]
+        [--blocks N] [--compare overlap|read-ahead]
 
-One gloo rank on the CPU; neox's preset (random weights) full-fine-tuned in fp32 with
-zerocore's AdamW, 2 sequences x 64 tokens a step, the default pool. Four models live side by
-side in the one process: ``memory`` and ``memory-aa`` (no offload: the same run twice, the
-control), ``nvme-off`` and ``nvme-exact`` (``Offload(optimizer="nvme", params="cpu")``, the
-masters and moments on the disk). Each round runs every variant once, in a shuffled order
+One gloo rank on the CPU; neox's preset (random weights; ``--blocks N``: its first N blocks
+only) full-fine-tuned in fp32 with zerocore's AdamW, 2 sequences x 64 tokens a step, the
+default pool. Four models live side by side in the one process: ``memory`` and ``memory-aa``
+(no offload: the same run twice, the control), and two NVMe runs
+(``Offload(optimizer="nvme", params="cpu")``, the masters and moments on the disk), the
+"before" and the "after" of ``--compare``:
+- ``overlap`` (item 1): ``nvme-off``, the pass inside ``step()`` (``overlap="off"``), and
+  ``nvme-exact``, the pass overlapping the next forward;
+- ``read-ahead``: both overlapped, ``nvme-no-ahead`` with the next pass's first chunks read
+  when the pass starts (``NvmeStore.read_ahead_passes`` off: the pass as before the
+  read-ahead) and ``nvme-ahead`` with them read as the previous pass ends.
+Each round runs every variant once, in a shuffled order
 (``harness.Interleaved``): 8 consecutive steps of its own model, the last one's pass waited
 for inside the round (``optimizer.settle()``), so no variant's pass runs during another's
 steps. Reported: the median tokens/s of steps 3-8 of each call (the issue's measure), their
@@ -37,20 +44,28 @@ TIMED = slice(2, 8)  # steps 3-8
 ROWS, SEQ = 2, 64
 
 
+COMPARED = {"overlap": ("nvme-off", "nvme-exact"),
+            "read-ahead": ("nvme-no-ahead", "nvme-ahead")}
+
+
 def offload_of(label: str, path: str) -> zerocore.Offload:
     if label.startswith("memory"):
         return zerocore.Offload()
-    overlap = label.split("-")[1]
+    overlap = "off" if label == "nvme-off" else "exact"
     return zerocore.Offload(optimizer="nvme", params="cpu", path=path, overlap=overlap)
 
 
 class Run:
     """One variant's model, optimizer and step count."""
 
-    def __init__(self, config, label: str, path: str):
-        layers = build_layers(config, generator=torch.Generator().manual_seed(0))
+    def __init__(self, config, label: str, path: str, blocks: int | None):
+        layers = build_layers(config, generator=torch.Generator().manual_seed(0),
+                              filter_layers=None if blocks is None else range(blocks))
         self.model = zerocore.shard(layers, offload=offload_of(label, path))
         self.opt = zerocore.optim.AdamW(self.model.parameters(), lr=1e-5)
+        if label == "nvme-no-ahead":
+            for shard in self.model.trainable_shards():
+                shard.nvme.store.read_ahead_passes = False
         self.vocab = config.vocab_size
         self.step = 0
         self.losses: list[bytes] = []
@@ -73,11 +88,21 @@ class Run:
             self.step += 1
         return statistics.median(ROWS * SEQ / t for t in times[TIMED])
 
+    def last_pass(self) -> str:
+        """The last pass's chunks found read ahead, and its reads in MiB (NVMe runs)."""
+        stores = {id(s.nvme.store): s.nvme.store for s in self.model.trainable_shards()
+                  if s.nvme is not None}
+        if not stores:
+            return "-"
+        passes = [store.last_pass for store in stores.values()]
+        return (f"{sum(p.chunks_read_ahead for p in passes)} of "
+                f"{sum(p.read_bytes for p in passes) / 2**20:.0f} MiB")
+
 
 def rank_main(rank: int, world: int, args: argparse.Namespace) -> str:
     config = PRESETS[args.model]
-    labels = ["memory", "memory-aa", "nvme-off", "nvme-exact"]
-    runs = {label: Run(config, label, str(args.path)) for label in labels}
+    labels = ["memory", "memory-aa", *COMPARED[args.compare]]
+    runs = {label: Run(config, label, str(args.path), args.blocks) for label in labels}
     before = harness.load_average()
     rounds = harness.Interleaved(runs, warmup=1, seed="overlap").run(args.rounds)
     after = harness.load_average()
@@ -85,13 +110,14 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> str:
     rows = [(label, f"{statistics.median(tok[label]):.0f}",
              " ".join(f"{v:.0f}" for v in tok[label]),
              " ".join(f"{a / b:.2f}" for a, b in zip(tok["memory"], tok[label])),
-             runs[label].losses == runs["memory"].losses)
+             runs[label].losses == runs["memory"].losses, runs[label].last_pass())
             for label in labels]
     return "\n".join([
         f"load average (1 min) before {before:.2f}, after {after:.2f}",
         harness.table(["run", "tokens/s (median of rounds)", "each timed round",
-                       "memory / run, round by round", "losses bitwise = memory's"],
-                      rows, "lrrrl")])
+                       "memory / run, round by round", "losses bitwise = memory's",
+                       "last pass: chunks found read ahead, of its reads"],
+                      rows, "lrrrlr")])
 
 
 def main() -> None:
@@ -99,8 +125,13 @@ def main() -> None:
     p.add_argument("--path", type=Path, required=True, help="the scratch directory (a disk)")
     p.add_argument("--model", choices=sorted(PRESETS), default="pythia-70m")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds (one warm-up first)")
+    p.add_argument("--blocks", type=int, default=None,
+                   help="keep the preset's first N blocks only (a large model within memory)")
+    p.add_argument("--compare", choices=sorted(COMPARED), default="overlap",
+                   help="the two NVMe runs (the module's docstring)")
     args = p.parse_args()
-    print(harness.header(f"{args.model}, full fine-tuning, fp32, one rank on the CPU, "
+    kept = "" if args.blocks is None else f" (its first {args.blocks} blocks)"
+    print(harness.header(f"{args.model}{kept}, full fine-tuning, fp32, one rank on the CPU, "
                          f"{ROWS} x {SEQ} tokens a step, {STEPS} steps a call (steps 3-8 "
                          f"timed), default pool; scratch in {args.path}", packages=("torch",)))
     print(harness.run_ranks(rank_main, 1, args)[0])
