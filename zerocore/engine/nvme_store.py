@@ -521,8 +521,11 @@ class NvmeStore:
         before its first write."""
         spans = self._pass_after.get(head) or [_Span.of(c) for c in own]
         for buffer, span in enumerate(spans[:BUFFERS - 1]):
-            self._chunks_ahead.append(
-                (span, buffer, self._reader.submit(self._read_span, span, buffer)))
+            # (the read holds the file and the buffer, not the store: a model dropped with
+            # reads ahead in flight goes at once, its store's finalizer waiting for them)
+            done = self._reader.submit(_read_all, self.file, self.path,
+                                       self._reads(span, buffer))
+            self._chunks_ahead.append((span, buffer, done))
             self.chunks_read_ahead += 1
 
     def _take_chunks_ahead(self, chunks: list[Chunk]
@@ -594,13 +597,14 @@ class NvmeStore:
                  for region, part in self._parts(chunk, buffer)]
         return (*views, None) if len(views) == 3 else tuple(views)
 
-    def _read(self, chunk: Chunk, buffer: int) -> None:
-        self._read_span(_Span.of(chunk), buffer)
+    def _reads(self, span: _Span, buffer: int) -> list[tuple[int, torch.Tensor]]:
+        """The transfers that read a chunk into pool buffer ``buffer``: (file offset, bytes)
+        of each array a step reads (a copy is written, not read)."""
+        return [(region.offset + span.lo * region.dtype.itemsize, part)
+                for region, part in self._parts(span, buffer)[:3]]
 
-    def _read_span(self, span: _Span, buffer: int) -> None:
-        for region, part in self._parts(span, buffer)[:3]:  # (a copy is written, not read)
-            self._io("reading", self.file.read,
-                     region.offset + span.lo * region.dtype.itemsize, part)
+    def _read(self, chunk: Chunk, buffer: int) -> None:
+        _read_all(self.file, self.path, self._reads(_Span.of(chunk), buffer))
 
     def _write(self, chunk: Chunk, buffer: int) -> None:
         for region, part in self._parts(chunk, buffer):
@@ -616,17 +620,30 @@ class NvmeStore:
 
     def _io(self, doing: str, fn: Callable[[int, torch.Tensor], None], offset: int,
             part: torch.Tensor) -> None:
-        """``fn(offset, part)``, a transfer; its OSError as NvmeIOError saying what to do."""
-        try:
-            fn(offset, part)
-        except OSError as e:
-            after = ("the state there is now part-stepped, so this run cannot go on: resume "
-                     "from its last checkpoint" if doing == "writing" else
-                     "nothing was changed by this transfer; the run cannot go on without it")
-            raise NvmeIOError(e.errno, f"zerocore: NVMe offload: {doing} the scratch in "
-                                       f"Offload(path={self.path!r}) failed: {e.strerror or e}; "
-                                       f"{after} (free space there, or give another path)"
-                              ) from None
+        _io(doing, fn, offset, part, self.path)
+
+
+def _io(doing: str, fn: Callable[[int, torch.Tensor], None], offset: int, part: torch.Tensor,
+        path: str | None) -> None:
+    """``fn(offset, part)``, a transfer of the scratch in ``path``; its OSError as
+    NvmeIOError saying what to do."""
+    try:
+        fn(offset, part)
+    except OSError as e:
+        after = ("the state there is now part-stepped, so this run cannot go on: resume "
+                 "from its last checkpoint" if doing == "writing" else
+                 "nothing was changed by this transfer; the run cannot go on without it")
+        raise NvmeIOError(e.errno, f"zerocore: NVMe offload: {doing} the scratch in "
+                                   f"Offload(path={path!r}) failed: {e.strerror or e}; "
+                                   f"{after} (free space there, or give another path)"
+                          ) from None
+
+
+def _read_all(file: ScratchFile, path: str | None,
+              reads: list[tuple[int, torch.Tensor]]) -> None:
+    """``reads`` (``NvmeStore._reads``) from ``file``, in order."""
+    for offset, part in reads:
+        _io("reading", file.read, offset, part, path)
 
 
 def _settle(done: concurrent.futures.Future) -> None:
