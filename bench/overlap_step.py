@@ -69,6 +69,7 @@ class Run:
         self.vocab = config.vocab_size
         self.step = 0
         self.losses: list[bytes] = []
+        self.passes: list = []   # each call's last pass (NVMe runs): its PassTimes
 
     def __call__(self, round_: int) -> float:
         """``STEPS`` steps; the median tokens/s of steps 3-8."""
@@ -86,17 +87,29 @@ class Run:
             times.append(time.perf_counter() - t0)
             self.losses.append(struct.pack("<d", loss.item()))
             self.step += 1
+        self.passes += [store.last_pass for store in self._stores()]
         return statistics.median(ROWS * SEQ / t for t in times[TIMED])
+
+    def _stores(self) -> list:
+        stores = {id(s.nvme.store): s.nvme.store for s in self.model.trainable_shards()
+                  if s.nvme is not None}
+        return list(stores.values())
 
     def last_pass(self) -> str:
         """The last pass's chunks found read ahead, and its reads in MiB (NVMe runs)."""
-        stores = {id(s.nvme.store): s.nvme.store for s in self.model.trainable_shards()
-                  if s.nvme is not None}
-        if not stores:
+        passes = [store.last_pass for store in self._stores()]
+        if not passes:
             return "-"
-        passes = [store.last_pass for store in stores.values()]
         return (f"{sum(p.chunks_read_ahead for p in passes)} of "
                 f"{sum(p.read_bytes for p in passes) / 2**20:.0f} MiB")
+
+    def pass_seconds(self) -> str:
+        """The median, over the calls, of their last pass's seconds, and of its seconds
+        waiting for reads (NVMe runs)."""
+        if not self.passes:
+            return "-"
+        return (f"{statistics.median(p.total_s for p in self.passes):.2f} / "
+                f"{statistics.median(p.read_wait_s for p in self.passes):.2f}")
 
 
 def rank_main(rank: int, world: int, args: argparse.Namespace) -> str:
@@ -110,14 +123,16 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> str:
     rows = [(label, f"{statistics.median(tok[label]):.0f}",
              " ".join(f"{v:.0f}" for v in tok[label]),
              " ".join(f"{a / b:.2f}" for a, b in zip(tok["memory"], tok[label])),
-             runs[label].losses == runs["memory"].losses, runs[label].last_pass())
+             runs[label].losses == runs["memory"].losses, runs[label].last_pass(),
+             runs[label].pass_seconds())
             for label in labels]
     return "\n".join([
         f"load average (1 min) before {before:.2f}, after {after:.2f}",
         harness.table(["run", "tokens/s (median of rounds)", "each timed round",
                        "memory / run, round by round", "losses bitwise = memory's",
-                       "last pass: chunks found read ahead, of its reads"],
-                      rows, "lrrrlr")])
+                       "last pass: chunks found read ahead, of its reads",
+                       "a call's last pass: s / s waiting for reads (median)"],
+                      rows, "lrrrlrr")])
 
 
 def main() -> None:
