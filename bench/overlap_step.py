@@ -4,12 +4,16 @@ step over the in-memory step, with the pass inside ``step()`` (``Offload(overlap
 ``--compare delayed`` (item 2): the one-step-delayed pass against the exact one, on NVMe and
 in host memory (``cpu-exact``, ``cpu-delayed``: ``Offload(optimizer="cpu")``, the parameters
 in a mirror); the delayed runs' losses are not the in-memory run's (each forward computes with
-the weights from before the last update).
+the weights from before the last update). ``--compare read-ahead``: both overlapped,
+``nvme-no-ahead`` with the next pass's first chunks read when the pass starts
+(``NvmeStore.read_ahead_passes`` off: the pass as before the read-ahead) and ``nvme-ahead``
+with them read as the previous pass ends.
 
     python bench/overlap_step.py --path /work/nvme-scratch [--model pythia-70m] [--rounds 3]
-                                 [--compare pass|delayed]
+                                 [--blocks N] [--compare pass|delayed|read-ahead]
 
-One gloo rank on the CPU; neox's preset (random weights) full-fine-tuned in fp32 with
+One gloo rank on the CPU; neox's preset (random weights; ``--blocks N``: its first N blocks
+only) full-fine-tuned in fp32 with
 zerocore's AdamW, 2 sequences x 64 tokens a step, the default pool. Four models live side by
 side in the one process: ``memory`` and ``memory-aa`` (no offload: the same run twice, the
 control), ``nvme-off`` and ``nvme-exact`` (``Offload(optimizer="nvme", params="cpu")``, the
@@ -45,7 +49,8 @@ ROWS, SEQ = 2, 64
 # The variants of each comparison (the first two: the in-memory run and its A/A control).
 COMPARE = {"pass": ["memory", "memory-aa", "nvme-off", "nvme-exact"],
            "delayed": ["memory", "memory-aa", "nvme-exact", "nvme-delayed", "cpu-exact",
-                       "cpu-delayed"]}
+                       "cpu-delayed"],
+           "read-ahead": ["memory", "memory-aa", "nvme-no-ahead", "nvme-ahead"]}
 
 
 def offload_of(label: str, path: str) -> zerocore.Offload:
@@ -53,7 +58,8 @@ def offload_of(label: str, path: str) -> zerocore.Offload:
     in host memory (the parameters in a mirror), its pass ``overlap``."""
     if label.startswith("memory"):
         return zerocore.Offload()
-    home, overlap = label.split("-")
+    home, overlap = label.split("-", 1)
+    overlap = "exact" if overlap in ("no-ahead", "ahead") else overlap
     if home == "cpu":
         return zerocore.Offload(optimizer="cpu", overlap=overlap)
     return zerocore.Offload(optimizer="nvme", params="cpu", path=path, overlap=overlap)
@@ -62,13 +68,18 @@ def offload_of(label: str, path: str) -> zerocore.Offload:
 class Run:
     """One variant's model, optimizer and step count."""
 
-    def __init__(self, config, label: str, path: str):
-        layers = build_layers(config, generator=torch.Generator().manual_seed(0))
+    def __init__(self, config, label: str, path: str, blocks: int | None):
+        layers = build_layers(config, generator=torch.Generator().manual_seed(0),
+                              filter_layers=None if blocks is None else range(blocks))
         self.model = zerocore.shard(layers, offload=offload_of(label, path))
+        if label == "nvme-no-ahead":
+            for store in self._stores():
+                store.read_ahead_passes = False
         self.opt = zerocore.optim.AdamW(self.model.parameters(), lr=1e-5)
         self.vocab = config.vocab_size
         self.step = 0
         self.losses: list[bytes] = []
+        self.passes: list = []   # each call's last pass (NVMe runs): its PassTimes
 
     def __call__(self, round_: int) -> float:
         """``STEPS`` steps; the median tokens/s of steps 3-8."""
@@ -86,28 +97,54 @@ class Run:
             times.append(time.perf_counter() - t0)
             self.losses.append(struct.pack("<d", loss.item()))
             self.step += 1
+        self.passes += [store.last_pass for store in self._stores()]
         return statistics.median(ROWS * SEQ / t for t in times[TIMED])
+
+    def _stores(self) -> list:
+        stores = {id(s.nvme.store): s.nvme.store for s in self.model.trainable_shards()
+                  if s.nvme is not None}
+        return list(stores.values())
+
+    def last_pass(self) -> str:
+        """The last pass's chunks found read ahead, and its reads in MiB (NVMe runs)."""
+        passes = [store.last_pass for store in self._stores()]
+        if not passes:
+            return "-"
+        return (f"{sum(p.chunks_read_ahead for p in passes)} of "
+                f"{sum(p.read_bytes for p in passes) / 2**20:.0f} MiB")
+
+    def pass_seconds(self) -> str:
+        """The median, over the calls, of their last pass's seconds, and of its seconds
+        waiting for reads (NVMe runs)."""
+        if not self.passes:
+            return "-"
+        return (f"{statistics.median(p.total_s for p in self.passes):.2f} / "
+                f"{statistics.median(p.read_wait_s for p in self.passes):.2f}")
 
 
 def rank_main(rank: int, world: int, args: argparse.Namespace) -> str:
     config = PRESETS[args.model]
     labels = COMPARE[args.compare]
-    runs = {label: Run(config, label, str(args.path)) for label in labels}
+    runs = {label: Run(config, label, str(args.path), args.blocks) for label in labels}
     before = harness.load_average()
-    seed = "overlap" if args.compare == "pass" else args.compare  # (pass: the record's orders)
+    # (pass and read-ahead: the orders of their records)
+    seed = "delayed" if args.compare == "delayed" else "overlap"
     rounds = harness.Interleaved(runs, warmup=1, seed=seed).run(args.rounds)
     after = harness.load_average()
     tok = {label: rounds.values[label] for label in labels}
     rows = [(label, f"{statistics.median(tok[label]):.0f}",
              " ".join(f"{v:.0f}" for v in tok[label]),
              " ".join(f"{a / b:.2f}" for a, b in zip(tok["memory"], tok[label])),
-             runs[label].losses == runs["memory"].losses)
+             runs[label].losses == runs["memory"].losses, runs[label].last_pass(),
+             runs[label].pass_seconds())
             for label in labels]
     return "\n".join([
         f"load average (1 min) before {before:.2f}, after {after:.2f}",
         harness.table(["run", "tokens/s (median of rounds)", "each timed round",
-                       "memory / run, round by round", "losses bitwise = memory's"],
-                      rows, "lrrrl")])
+                       "memory / run, round by round", "losses bitwise = memory's",
+                       "last pass: chunks found read ahead, of its reads",
+                       "a call's last pass: s / s waiting for reads (median)"],
+                      rows, "lrrrlrr")])
 
 
 def main() -> None:
@@ -115,11 +152,15 @@ def main() -> None:
     p.add_argument("--path", type=Path, required=True, help="the scratch directory (a disk)")
     p.add_argument("--model", choices=sorted(PRESETS), default="pythia-70m")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds (one warm-up first)")
+    p.add_argument("--blocks", type=int, default=None,
+                   help="keep the preset's first N blocks only (a large model within memory)")
     p.add_argument("--compare", choices=sorted(COMPARE), default="pass",
                    help="pass: the pass inside the step against exact; delayed: delayed "
-                        "against exact, on NVMe and in host memory")
+                        "against exact, on NVMe and in host memory; read-ahead: the NVMe pass "
+                        "without and with the next pass's first chunks read ahead")
     args = p.parse_args()
-    print(harness.header(f"{args.model}, full fine-tuning, fp32, one rank on the CPU, "
+    kept = "" if args.blocks is None else f" (its first {args.blocks} blocks)"
+    print(harness.header(f"{args.model}{kept}, full fine-tuning, fp32, one rank on the CPU, "
                          f"{ROWS} x {SEQ} tokens a step, {STEPS} steps a call (steps 3-8 "
                          f"timed), default pool; scratch in {args.path}", packages=("torch",)))
     print(harness.run_ranks(rank_main, 1, args)[0])

@@ -256,3 +256,150 @@ def test_a_missing_path_is_refused_saying_what_to_do(tmp_path):
     with pytest.raises(ScratchSpaceError, match="no such directory; create it"):
         ScratchFile(str(tmp_path / "missing"))
     assert BLOCK == 4096
+
+
+class RecordingFile(ScratchFile):
+    """Records the offset of each read, and fails the reads while ``failing`` is set (as an
+    I/O error), saying so on ``failed``; ``arrived(n)`` waits until ``n`` reads are
+    recorded (False when they do not come)."""
+
+    def __init__(self, directory: str):
+        super().__init__(directory)
+        self.reads: list[int] = []
+        self.writes = 0
+        self.failing = False
+        self.failed = threading.Event()
+        self.changed = threading.Condition()
+
+    def read(self, offset: int, buffer: torch.Tensor) -> None:
+        with self.changed:
+            self.reads.append(offset)
+            self.changed.notify_all()
+            if self.failing:
+                self.failed.set()
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+        super().read(offset, buffer)
+
+    def write(self, offset: int, buffer: torch.Tensor) -> None:
+        self.writes += 1
+        super().write(offset, buffer)
+
+    def arrived(self, n: int) -> bool:
+        with self.changed:
+            # (a bound on a hang, not on a time: the reads start as the pass returns)
+            return self.changed.wait_for(lambda: len(self.reads) >= n, timeout=30)
+
+
+def chunk_offsets(store: NvmeStore, chunks) -> list[int]:
+    """Where each of ``chunks``'s reads begins in the file (three arrays each)."""
+    return [region.offset + c.lo * 4 for c in chunks for region in c.record.regions()]
+
+
+def a_record(store: NvmeStore, chunks_n: int, seed: int = 0):
+    """A record of ``chunks_n`` chunks, and the values written there (master, moments)."""
+    g = torch.Generator().manual_seed(seed)
+    record = store.add_adam(chunks_n * store.chunk_numel - 5, "a test's arrays")
+    values = [torch.randn(record.numel, generator=g) for _ in range(3)]
+    for key, v in zip(("master", "exp_avg", "exp_avg_sq"), values):
+        record.write(key, v)
+    return record, values
+
+
+def checking(values: list[torch.Tensor], last=None):
+    """A pass's ``step``: each chunk's arrays must be ``values``'s (then each is changed, and
+    ``values`` with it: what the next pass must read); ``last(chunk)`` runs on the last
+    chunk's step, once every read of the pass has arrived."""
+    stepped = []
+
+    def step(chunk, *arrays):
+        for a, v in zip(arrays, values):
+            assert torch.equal(a, v[chunk.lo:chunk.hi]), chunk
+            a.add_(1)
+            v[chunk.lo:chunk.hi].add_(1)
+        stepped.append(chunk.lo)
+        if last is not None and chunk.hi == chunk.record.numel:
+            last(chunk)
+    return step, stepped
+
+
+def test_the_next_pass_s_first_chunks_are_read_as_a_pass_ends(tmp_path):
+    """As a pass ends (its writes done), the first chunks of the next one are read, into the
+    buffers it starts with, before it is called: it steps them (the values its own reads
+    would give) without reading them again, and reads the rest itself."""
+    file = RecordingFile(str(tmp_path))
+    store = store_in(tmp_path, file=file)
+    record, values = a_record(store, 8)
+    chunks = store.chunks(record)
+    ahead = chunks[:BUFFERS - 1]
+    step, _ = checking(values, last=lambda c: file.reads.clear())
+    store.stream(chunks, step)
+    assert store.last_pass.chunks_read_ahead == 0  # (the first pass: nothing before it)
+    assert store.chunks_read_ahead == BUFFERS - 1
+    # Before the next pass is called, its first chunks are read (first chunk first).
+    assert file.arrived(3 * len(ahead)), file.reads
+    assert file.reads == chunk_offsets(store, ahead)
+    file.reads.clear()
+    step, stepped = checking(values)
+    store.stream(chunks, step)
+    assert stepped == [c.lo for c in chunks] and store.last_pass.chunks_read_ahead == 3
+    assert file.reads[:3 * (len(chunks) - 3)] == chunk_offsets(store, chunks[3:])
+    for key, v in zip(("master", "exp_avg", "exp_avg_sq"), values):
+        assert torch.equal(record.read(key), v)
+
+
+def test_a_write_between_two_passes_forgets_what_was_read_ahead(tmp_path):
+    """A write of whole arrays (a checkpoint loaded, ``set_master``) after the read-ahead:
+    the next pass reads the new values itself; the pass after it finds its chunks read ahead
+    again."""
+    store = store_in(tmp_path)
+    record, values = a_record(store, 6)
+    chunks = store.chunks(record)
+    store.stream(chunks, checking(values)[0])
+    assert store.chunks_read_ahead == BUFFERS - 1
+    values[0] = torch.arange(float(record.numel))
+    record.write("master", values[0])
+    store.stream(chunks, checking(values)[0])
+    assert store.last_pass.chunks_read_ahead == 0
+    store.stream(chunks, checking(values)[0])
+    assert store.last_pass.chunks_read_ahead == BUFFERS - 1
+
+
+def test_a_step_of_several_passes_reads_ahead_the_one_that_follows(tmp_path):
+    """Two passes over one store a step (two param groups): each pass's end reads the first
+    chunks of the pass that followed it the last time, learnt from the first step."""
+    store = store_in(tmp_path)
+    first, first_values = a_record(store, 5, seed=1)
+    second, second_values = a_record(store, 5, seed=2)
+    found = []
+    for _ in range(3):
+        for record, values in ((first, first_values), (second, second_values)):
+            store.stream(store.chunks(record), checking(values)[0])
+            found.append(store.last_pass.chunks_read_ahead)
+    # Step 1: nothing known (the first pass's end reads its own chunks: the second pass
+    # forgets them); from step 2, each pass finds its first chunks.
+    assert found == [0, 0, 0, 3, 3, 3], found
+
+
+def test_a_failed_read_ahead_fails_the_pass_that_uses_it_with_nothing_written(tmp_path):
+    """A read ahead that fails is the next pass's failure (NvmeIOError, raised once nothing
+    is in flight), before it steps or writes anything; what is on the disk is the last
+    pass's, and a pass after that reads it and steps."""
+    file = RecordingFile(str(tmp_path))
+    store = store_in(tmp_path, file=file)
+    record, values = a_record(store, 6)
+    chunks = store.chunks(record)
+
+    def fail_from_now(chunk):
+        file.failing = True
+    store.stream(chunks, checking(values, last=fail_from_now)[0])
+    assert file.failed.wait(timeout=30)   # (a bound on a hang: the read ahead failed)
+    file.failing = False
+    writes = file.writes
+    step, stepped = checking(values)
+    with pytest.raises(NvmeIOError, match="reading the scratch in .* failed: Input/output "
+                                          "error; nothing was changed by this transfer"):
+        store.stream(chunks, step)
+    assert stepped == [] and file.writes == writes
+    step, stepped = checking(values)
+    store.stream(chunks, step)
+    assert stepped == [c.lo for c in chunks]

@@ -11,12 +11,21 @@ forward gathers, and while a checkpoint is taken: the waits, not the timing, mak
 equal. Each test here fails when the wait it checks is removed (the layer's wait in
 ``FlatGroup.start_gather``, ``settle_updates`` in the checkpoint's ``prepare`` and in
 ``optimizer.step``).
+
+On NVMe each pass's first chunks are read as the pass before it ends (engine/nvme_store.py):
+training is bitwise the pass that reads its own, the last pass finds them read, and a read
+ahead that fails (before the step that uses it) is that pass's failure, agreed at the next
+step with nothing written. These fail with the read-ahead removed.
 """
 
 from __future__ import annotations
 
+
+import errno
 import hashlib
+import os
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -24,6 +33,8 @@ import pytest
 import torch
 
 import zerocore
+
+from zerocore.engine.nvme_store import BUFFERS
 from tests.support import hf_models
 from tests.support.dist_utils import inject_overflow
 from tests.support.offload_stack import DOORS, Case, pass_cases, pass_offload
@@ -296,6 +307,143 @@ def test_a_failure_of_the_pass_is_one_agreed_line_and_keeps_the_checkpoint(world
     assert zerocore.latest_checkpoint(tmp_path / "ckpt") == Path(got[0]["saved"])
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [Path(got[0]["saved"]).name]
     zerocore.verify_files(got[0]["saved"], zerocore.read_manifest(got[0]["saved"]))
+
+
+def stores_of(sharding) -> list:
+    """The NVMe stores the sharding's trainable shards live in."""
+    stores = {id(s.nvme.store): s.nvme.store for s in sharding.trainable_shards()}
+    return list(stores.values())
+
+
+def train_reading_ahead(rank: int, world_size: int, door: str, label: str, path: str,
+                        overlap: str, ahead: bool, lag: bool) -> dict:
+    """``train``'s run of mlp-fp32-micro2-clip (accumulation, clipping) on NVMe, each pass's
+    first chunks read as the pass before it ends (``ahead``) or by the pass itself (the pass
+    as it was before the read-ahead): its digest, the chunks its last pass found read ahead,
+    and the chunks that pass could have found (those its buffers hold before its first
+    write)."""
+    case = CASES["mlp-fp32-micro2-clip"]
+    model, sharding, opt, scaler = build(door, case, label, path, overlap, lag)
+    stores = stores_of(sharding)
+    for store in stores:
+        store.read_ahead_passes = ahead
+    h = hashlib.sha256()
+    for step in range(case.spec.steps):
+        one_step(sharding, model, opt, scaler, case, step, rank, world_size, h)
+    opt.settle()
+    found = sum(store.last_pass.chunks_read_ahead for store in stores)
+    room = sum(min(BUFFERS - 1, sum(len(store.chunks(s.nvme))
+                                    for s in sharding.trainable_shards()
+                                    if s.nvme.store is store))
+               for store in stores)
+    state_digest(sharding, opt, h)
+    return {"digest": h.hexdigest(), "found": found, "room": room}
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_each_pass_finds_its_first_chunks_read_ahead_and_trains_bitwise(world, tmp_path,
+                                                                        door):
+    """The next pass's first chunks are read as a pass ends (nvme_store.py): with the pass
+    overlapped (also behind a lagging worker, which ends it during the backward) or inside
+    ``step()``, training is bitwise the pass that reads its own chunks, and the last pass
+    found as many chunks read ahead as its buffers hold."""
+    for label in ("nvme", "nvme+params"):
+        runs = {}
+        for overlap, ahead, lag in (("exact", False, False), ("exact", True, False),
+                                    ("exact", True, True), ("off", True, False)):
+            scratch = tmp_path / f"{label}-{overlap}-{ahead}-{lag}"
+            scratch.mkdir()
+            runs[overlap, ahead, lag] = world.run(train_reading_ahead, door, label,
+                                                  str(scratch), overlap, ahead, lag)
+        before = runs.pop(("exact", False, False))
+        assert all(g["found"] == 0 for g in before), before
+        for key, got in runs.items():
+            assert [g["digest"] for g in got] == [g["digest"] for g in before], (label, key)
+            assert all(g["found"] == g["room"] > 0 for g in got), (label, key, got)
+
+
+class FailingRead:
+    """A store's scratch file whose ``nth`` read at ``offset`` fails as an I/O error does,
+    saying so on ``failed``; the rest is the file's."""
+
+    def __init__(self, file, offset: int, nth: int):
+        self.file, self.offset, self.nth = file, offset, nth
+        self.seen = 0
+        self.failed = threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self.file, name)
+
+    def read(self, offset: int, buffer: torch.Tensor) -> None:
+        if offset == self.offset:
+            self.seen += 1
+            if self.seen == self.nth:
+                self.failed.set()
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+        self.file.read(offset, buffer)
+
+
+def fail_reading_ahead(rank: int, world_size: int, path: str, ckpt: str) -> dict:
+    """On the last rank, the read ahead of the next pass's first chunk fails (that chunk's
+    second read: the first pass reads it itself): it is read before the next ``step()`` is
+    called. A checkpoint; then the pass that uses the read fails. The checkpoint and the step
+    after raise, each on every rank, and the failing rank's disk holds what the checkpoint
+    saved."""
+    case = CASES["transformer-bf16-clip"]
+    model, sharding = build_stack("shard", case.spec, {}, pass_offload("nvme", path, "exact"))
+    opt = zerocore.optim.AdamW(sharding.trainable_shards(), lr=LR, weight_decay=WEIGHT_DECAY)
+    scaler = zerocore.LossScaler(sharding.group, dynamic=False)
+    [store] = stores_of(sharding)
+    first = min(sharding.trainable_shards(), key=lambda s: s.layer_index).nvme
+    failing = rank == world_size - 1
+    if failing:
+        store.file = FailingRead(store.file, first.master.offset, nth=2)
+    h = hashlib.sha256()
+    one_step(sharding, model, opt, scaler, case, 0, rank, world_size, h)
+    # (a bound on a hang: the read ahead starts as the pass ends, and fails)
+    read_before_step = not failing or store.file.failed.wait(timeout=60)
+    saved = zerocore.save_checkpoint(ckpt, 1, model, opt)
+    one_step(sharding, model, opt, scaler, case, 1, rank, world_size, h)  # (its pass fails)
+    raised = {}
+    for what, call in (("save", lambda: zerocore.save_checkpoint(ckpt, 2, model, opt)),
+                       ("step", lambda: one_step(sharding, model, opt, scaler, case, 2, rank,
+                                                 world_size, h))):
+        try:
+            call()
+            raised[what] = ("", "")
+        except Exception as e:  # noqa: BLE001  (what every rank raised is the result)
+            raised[what] = (type(e).__name__, str(e))
+    intact = True
+    if failing:  # nothing of the failed pass was written: the disk holds step 1's state
+        saved_layers = rank_payload(Path(saved), rank)
+        for layer in sharding.layers:
+            if layer.trainable is not None:
+                for key in ("master", "exp_avg", "exp_avg_sq"):
+                    intact &= torch.equal(layer.trainable.shard.nvme.read(key),
+                                          saved_layers[layer.index][key])
+    return {"raised": raised, "read_before_step": read_before_step, "intact": intact,
+            "saved": str(saved)}
+
+
+def test_a_failed_read_ahead_is_the_next_pass_s_agreed_failure(world, tmp_path):
+    got = world.run(fail_reading_ahead, str(tmp_path), str(tmp_path / "ckpt"))
+    last = len(got) - 1
+    assert got[last]["read_before_step"], got  # (read ahead, before the step that uses it)
+    words = "reading the scratch in Offload(path="
+    for what in ("save", "step"):
+        kind, message = got[last]["raised"][what]
+        assert kind == "NvmeIOError" and words in message, (what, got)
+        assert "Input/output error; nothing was changed by this transfer" in message
+        assert "\n" not in message
+        for rank in range(last):
+            kind, message = got[rank]["raised"][what]
+            assert kind == "PeerError" and f"rank(s) {last}" in message and words in message, (
+                what, rank, got)
+    # Nothing of the failed pass was written, there or in a checkpoint.
+    assert got[last]["intact"], got
+    saved = Path(got[0]["saved"])
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == [saved.name]
+    zerocore.verify_files(saved, zerocore.read_manifest(saved))
 
 
 def train_hf(rank: int, world_size: int, label: str, path: str, overlap: str,

@@ -17,6 +17,13 @@ what direct I/O needs), used one way at a time:
   the writer thread; a buffer is read into again only once its write is done. One reader and
   one writer, each issuing one transfer per array of a chunk (megabytes each: the disk sees long
   sequential requests, and the two directions overlap).
+  The next pass's first chunks are read ahead: as a pass ends, its writes all done, the first
+  chunks of the pass that followed it the last time (at first: its own, the same shards in the
+  same order every step, the first layer first) are read into the buffers the stream starts
+  with, while the forward and backward run; that pass finds them read (``_read_next_pass``).
+  Reading masters and moments needs no gradient, and nothing but a pass or a write of whole
+  arrays (which forgets the reads ahead first) writes them in between, so the values read are
+  those the pass would read itself.
 - by the gathers of forward and backward (``params="nvme"``), as slots of the largest shard a
   gather reads: ``window_source`` reads a shard into a slot, from which the gather's window is
   copied (on a GPU, uploaded). Each read also starts, on the reader thread, the reads of the
@@ -142,6 +149,23 @@ class PassTimes:
     write_wait_s: float = 0.0    # waiting for a write to free a buffer, or for the last ones
     read_bytes: int = 0
     written_bytes: int = 0
+    chunks_read_ahead: int = 0   # its first chunks found read ahead, before the pass began
+
+
+@dataclasses.dataclass(frozen=True)
+class _Span:
+    """What reading a chunk needs, without its record (which holds the store): its record's
+    arrays and its elements ``[lo, hi)``."""
+
+    regions: tuple[Region, ...]   # master, exp_avg, exp_avg_sq (and the model copy, if any)
+    lo: int
+    hi: int
+
+    @staticmethod
+    def of(chunk: Chunk) -> "_Span":
+        record = chunk.record
+        copy = () if record.copy is None else (record.copy,)
+        return _Span((*record.regions(), *copy), chunk.lo, chunk.hi)
 
 
 class NvmeIOError(OSError):
@@ -190,6 +214,18 @@ class NvmeStore:
         self._ahead: dict[int, tuple[int, concurrent.futures.Future]] = {}
         # The gathers' reads so far: found read ahead, or read when asked for.
         self.reads_ahead = self.reads_waited = 0
+        # The next pass's first chunks, read ahead as the last pass ended (``_read_next_pass``):
+        # (its span, its buffer, its read), in that pass's order. What the first chunks of the
+        # pass after each pass were the last time (by the first chunk's span; a step may make
+        # several passes over one store), and the first chunk of the last pass.
+        self._chunks_ahead: list[tuple[_Span, int, concurrent.futures.Future]] = []
+        self._pass_after: dict[_Span, list[_Span]] = {}
+        self._last_pass_head: _Span | None = None
+        # Chunks read ahead of a pass so far (each counted as its read starts). Whether passes
+        # are read ahead at all (off: each pass reads its own first chunks, as before; for
+        # benchmarks, which compare the two in one process).
+        self.chunks_read_ahead = 0
+        self.read_ahead_passes = True
         # The last pass: its seconds in all, stepping (the caller's ``step``), and waiting for
         # reads and for writes; and the bytes it read and wrote (for benchmarks).
         self.last_pass = PassTimes()
@@ -315,17 +351,23 @@ class NvmeStore:
         (the module's docstring). NvmeIOError when a transfer fails, once none is in flight."""
         chunks = list(chunks)
         self.moments_written.update(id(c.record) for c in chunks)
-        self._drop_reads_ahead()  # (the pool is the chunks' now; copies are rewritten)
         times = self.last_pass = PassTimes()
         began = time.perf_counter()
+        reads: collections.deque = collections.deque()    # (chunk, buffer, future), in order
+        writes: collections.deque = collections.deque()   # (buffer, future), in order
+        # The chunks read ahead of this pass that are its first ones are its first reads; the
+        # others are forgotten (the pool is the chunks' now; copies are rewritten).
+        found = self._take_chunks_ahead(chunks)
+        reads.extend((chunk, buffer, done) for chunk, (_, buffer, done) in zip(chunks, found))
+        times.chunks_read_ahead = len(found)
+        self._drop_reads_ahead()
+        self._learn_pass_order(chunks)
         for c in chunks:
             parts = self._parts(c, 0)
             times.read_bytes += sum(p.numel() for _, p in parts[:3])
             times.written_bytes += sum(p.numel() for _, p in parts)
-        free = list(range(BUFFERS))
-        reads: collections.deque = collections.deque()    # (chunk, buffer, future), in order
-        writes: collections.deque = collections.deque()   # (buffer, future), in order
-        ahead = iter(chunks)
+        free = [b for b in range(BUFFERS) if b not in {buffer for _, buffer, _ in found}]
+        ahead = iter(chunks[len(found):])
         failure: BaseException | None = None
 
         def read_next() -> None:
@@ -342,7 +384,7 @@ class NvmeStore:
             reads.append((chunk, buffer, self._submit(self._reader, self._read, chunk, buffer)))
 
         try:
-            for _ in range(BUFFERS - 1):   # one buffer left for the first write
+            for _ in range(BUFFERS - 1 - len(found)):   # one buffer left for the first write
                 read_next()
             while reads:
                 chunk, buffer, done = reads.popleft()
@@ -360,7 +402,7 @@ class NvmeStore:
                 done.result()
             times.write_wait_s += time.perf_counter() - t0
             times.total_s = time.perf_counter() - began
-            self._new_step()
+            self._new_step(chunks)
         except BaseException as e:
             failure = e
         finally:
@@ -457,11 +499,55 @@ class NvmeStore:
             last = (last[1], nxt.offset)
             nxt = self._next.get(last)
 
-    def _new_step(self) -> None:
-        """The optimizer's pass is over: the next step's first reads are started at once
-        (after it: the copies they read are the pass's)."""
+    def _new_step(self, chunks: list[Chunk]) -> None:
+        """The optimizer's pass over ``chunks`` is over, every write of it done: the next
+        step's first reads are started at once (after it: the copies they read are the
+        pass's; the masters and moments, its writes)."""
         if self._slots:
             self._read_ahead(None)
+        elif chunks and self.file is not None and self.read_ahead_passes:
+            self._read_next_pass(_Span.of(chunks[0]), chunks[:BUFFERS - 1])
+
+    # -- the next pass's first chunks, read ahead ----------------------------------------------
+    # Triggered as a pass ends rather than by the next backward: its writes are all done
+    # there (the values read are final), nothing else uses the chunk buffers until the next
+    # pass (the gathers' slots, which would, turn this off), and it is as early as the pool
+    # allows; a hook in the backward would start the same reads later, on another thread.
+
+    def _read_next_pass(self, head: _Span, own: list[Chunk]) -> None:
+        """Starts reading the first chunks of the pass that followed the one with first
+        chunk ``head`` the last time (not known yet: ``own``, that pass's own first chunks),
+        first chunk first, into the buffers ``stream`` starts with: as many as it reads
+        before its first write."""
+        spans = self._pass_after.get(head) or [_Span.of(c) for c in own]
+        for buffer, span in enumerate(spans[:BUFFERS - 1]):
+            # (the read holds the file and the buffer, not the store: a model dropped with
+            # reads ahead in flight goes at once, its store's finalizer waiting for them)
+            done = self._reader.submit(_read_all, self.file, self.path,
+                                       self._reads(span, buffer))
+            self._chunks_ahead.append((span, buffer, done))
+            self.chunks_read_ahead += 1
+
+    def _take_chunks_ahead(self, chunks: list[Chunk]
+                           ) -> list[tuple[_Span, int, concurrent.futures.Future]]:
+        """The chunks read ahead that are the first of ``chunks``, in order, taken; the
+        others are left for ``_drop_reads_ahead``."""
+        found = []
+        for (span, buffer, done), chunk in zip(self._chunks_ahead, chunks):
+            if span != _Span.of(chunk):
+                break
+            found.append((span, buffer, done))
+        self._chunks_ahead = self._chunks_ahead[len(found):]
+        return found
+
+    def _learn_pass_order(self, chunks: list[Chunk]) -> None:
+        """Remembers that this pass (its first chunks) followed the last one."""
+        if not chunks:
+            return
+        if self._last_pass_head is not None:
+            self._pass_after[self._last_pass_head] = [_Span.of(c)
+                                                      for c in chunks[:BUFFERS - 1]]
+        self._last_pass_head = _Span.of(chunks[0])
 
     def _wait_upload(self, slot: int) -> None:
         busy, self._slot_busy[slot] = self._slot_busy[slot], None
@@ -469,10 +555,15 @@ class NvmeStore:
             busy.synchronize()
 
     def _drop_reads_ahead(self) -> None:
-        """Waits for the reads ahead in flight and forgets them: the pool is about to be used
-        another way, or the regions written."""
+        """Waits for the reads ahead in flight (the gathers' and the next pass's) and forgets
+        them: the pool is about to be used another way, or the regions written. A read ahead
+        that failed is forgotten with them (what it read is not used; the next read of those
+        bytes, if it fails again, is the one raised)."""
         ahead, self._ahead = self._ahead, {}
         for _, done in ahead.values():
+            _settle(done)
+        chunks, self._chunks_ahead = self._chunks_ahead, []
+        for _, _, done in chunks:
             _settle(done)
         for slot in range(len(self._slots)):
             self._wait_upload(slot)
@@ -489,17 +580,15 @@ class NvmeStore:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _parts(self, chunk: Chunk, buffer: int) -> list[tuple[Region, torch.Tensor]]:
+    def _parts(self, chunk: Chunk | _Span, buffer: int) -> list[tuple[Region, torch.Tensor]]:
         """Each of the chunk's arrays (the model copy last, if any) and its bytes in pool
         buffer ``buffer`` (whole blocks: what is transferred)."""
-        n = chunk.hi - chunk.lo
-        span = round_up(n * _FP32.itemsize)
+        span = chunk if isinstance(chunk, _Span) else _Span.of(chunk)
+        n = span.hi - span.lo
+        size = round_up(n * _FP32.itemsize)
         base = self._buffers[buffer]
-        regions = list(chunk.record.regions())
-        if chunk.record.copy is not None:
-            regions.append(chunk.record.copy)
-        return [(region, base[i * span:i * span + round_up(n * region.dtype.itemsize)])
-                for i, region in enumerate(regions)]
+        return [(region, base[i * size:i * size + round_up(n * region.dtype.itemsize)])
+                for i, region in enumerate(span.regions)]
 
     def _arrays(self, chunk: Chunk, buffer: int) -> tuple[torch.Tensor | None, ...]:
         """The chunk's master, moments and model copy (None: none) in pool buffer ``buffer``."""
@@ -508,10 +597,14 @@ class NvmeStore:
                  for region, part in self._parts(chunk, buffer)]
         return (*views, None) if len(views) == 3 else tuple(views)
 
+    def _reads(self, span: _Span, buffer: int) -> list[tuple[int, torch.Tensor]]:
+        """The transfers that read a chunk into pool buffer ``buffer``: (file offset, bytes)
+        of each array a step reads (a copy is written, not read)."""
+        return [(region.offset + span.lo * region.dtype.itemsize, part)
+                for region, part in self._parts(span, buffer)[:3]]
+
     def _read(self, chunk: Chunk, buffer: int) -> None:
-        for region, part in self._parts(chunk, buffer)[:3]:  # (a copy is written, not read)
-            self._io("reading", self.file.read,
-                     region.offset + chunk.lo * region.dtype.itemsize, part)
+        _read_all(self.file, self.path, self._reads(_Span.of(chunk), buffer))
 
     def _write(self, chunk: Chunk, buffer: int) -> None:
         for region, part in self._parts(chunk, buffer):
@@ -527,17 +620,30 @@ class NvmeStore:
 
     def _io(self, doing: str, fn: Callable[[int, torch.Tensor], None], offset: int,
             part: torch.Tensor) -> None:
-        """``fn(offset, part)``, a transfer; its OSError as NvmeIOError saying what to do."""
-        try:
-            fn(offset, part)
-        except OSError as e:
-            after = ("the state there is now part-stepped, so this run cannot go on: resume "
-                     "from its last checkpoint" if doing == "writing" else
-                     "nothing was changed by this transfer; the run cannot go on without it")
-            raise NvmeIOError(e.errno, f"zerocore: NVMe offload: {doing} the scratch in "
-                                       f"Offload(path={self.path!r}) failed: {e.strerror or e}; "
-                                       f"{after} (free space there, or give another path)"
-                              ) from None
+        _io(doing, fn, offset, part, self.path)
+
+
+def _io(doing: str, fn: Callable[[int, torch.Tensor], None], offset: int, part: torch.Tensor,
+        path: str | None) -> None:
+    """``fn(offset, part)``, a transfer of the scratch in ``path``; its OSError as
+    NvmeIOError saying what to do."""
+    try:
+        fn(offset, part)
+    except OSError as e:
+        after = ("the state there is now part-stepped, so this run cannot go on: resume "
+                 "from its last checkpoint" if doing == "writing" else
+                 "nothing was changed by this transfer; the run cannot go on without it")
+        raise NvmeIOError(e.errno, f"zerocore: NVMe offload: {doing} the scratch in "
+                                   f"Offload(path={path!r}) failed: {e.strerror or e}; "
+                                   f"{after} (free space there, or give another path)"
+                          ) from None
+
+
+def _read_all(file: ScratchFile, path: str | None,
+              reads: list[tuple[int, torch.Tensor]]) -> None:
+    """``reads`` (``NvmeStore._reads``) from ``file``, in order."""
+    for offset, part in reads:
+        _io("reading", file.read, offset, part, path)
 
 
 def _settle(done: concurrent.futures.Future) -> None:
