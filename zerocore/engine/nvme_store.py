@@ -493,8 +493,14 @@ class NvmeStore:
             seen.add(nxt.offset)
             if nxt.offset not in self._ahead:
                 slot = self._free_slot(taken)
-                self._ahead[nxt.offset] = (slot, self._submit(self._reader, self._fill, nxt,
-                                                              slot))
+                # (the read holds the file, the slot and its upload's event, not the store: a
+                # model dropped with a window read ahead in flight goes at once, its store's
+                # finalizer waiting for the read; with the store held, a dropped model's
+                # store outlived gc.collect() until the read ended)
+                busy, self._slot_busy[slot] = self._slot_busy[slot], None
+                self._ahead[nxt.offset] = (slot, self._submit(
+                    self._reader, _fill_slot, busy, self.file, self.path, nxt.offset,
+                    self._slots[slot][:nxt.span]))
             taken.add(self._ahead[nxt.offset][0])
             last = (last[1], nxt.offset)
             nxt = self._next.get(last)
@@ -643,6 +649,16 @@ def _read_all(file: ScratchFile, path: str | None,
               reads: list[tuple[int, torch.Tensor]]) -> None:
     """``reads`` (``NvmeStore._reads``) from ``file``, in order."""
     for offset, part in reads:
+        _io("reading", file.read, offset, part, path)
+
+
+def _fill_slot(busy: object | None, file: ScratchFile | None, path: str | None, offset: int,
+               part: torch.Tensor) -> None:
+    """A window read ahead into a slot (``part``), once the slot's last upload (``busy``, a
+    device event, or None) is done with it."""
+    if busy is not None:
+        busy.synchronize()
+    if file is not None:
         _io("reading", file.read, offset, part, path)
 
 
