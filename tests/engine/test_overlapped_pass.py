@@ -260,6 +260,21 @@ def failing_on(rank_to_fail: int, rank: int, at: int):
     return hook, armed
 
 
+def save_and_step_after_failure(sharding, model, opt, scaler, case, rank: int,
+                                world_size: int, h, ckpt: str) -> dict:
+    """A checkpoint and a step after a failed pass: what each raised (type, message)."""
+    raised = {}
+    for what, call in (("save", lambda: zerocore.save_checkpoint(ckpt, 2, model, opt)),
+                       ("step", lambda: one_step(sharding, model, opt, scaler, case, 2, rank,
+                                                 world_size, h))):
+        try:
+            call()
+            raised[what] = ("", "")
+        except Exception as e:  # noqa: BLE001  (what every rank raised is the result)
+            raised[what] = (type(e).__name__, str(e))
+    return raised
+
+
 def fail_mid_pass(rank: int, world_size: int, label: str, path: str, ckpt: str) -> dict:
     """A step and a checkpoint; then the last rank's worker fails in the second step's pass.
     The next forward and backward run (on values the run will never keep); the checkpoint
@@ -275,15 +290,8 @@ def fail_mid_pass(rank: int, world_size: int, label: str, path: str, ckpt: str) 
     saved = zerocore.save_checkpoint(ckpt, 1, model, opt)
     armed[0] = True
     one_step(sharding, model, opt, scaler, case, 1, rank, world_size, h)  # (the pass fails)
-    raised = {}
-    for what, call in (("save", lambda: zerocore.save_checkpoint(ckpt, 2, model, opt)),
-                       ("step", lambda: one_step(sharding, model, opt, scaler, case, 2, rank,
-                                                 world_size, h))):
-        try:
-            call()
-            raised[what] = ("", "")
-        except Exception as e:  # noqa: BLE001  (what every rank raised is the result)
-            raised[what] = (type(e).__name__, str(e))
+    raised = save_and_step_after_failure(sharding, model, opt, scaler, case, rank, world_size,
+                                         h, ckpt)
     return {"raised": raised, "saved": str(saved)}
 
 
@@ -404,15 +412,8 @@ def fail_reading_ahead(rank: int, world_size: int, path: str, ckpt: str) -> dict
     read_before_step = not failing or store.file.failed.wait(timeout=60)
     saved = zerocore.save_checkpoint(ckpt, 1, model, opt)
     one_step(sharding, model, opt, scaler, case, 1, rank, world_size, h)  # (its pass fails)
-    raised = {}
-    for what, call in (("save", lambda: zerocore.save_checkpoint(ckpt, 2, model, opt)),
-                       ("step", lambda: one_step(sharding, model, opt, scaler, case, 2, rank,
-                                                 world_size, h))):
-        try:
-            call()
-            raised[what] = ("", "")
-        except Exception as e:  # noqa: BLE001  (what every rank raised is the result)
-            raised[what] = (type(e).__name__, str(e))
+    raised = save_and_step_after_failure(sharding, model, opt, scaler, case, rank, world_size,
+                                         h, ckpt)
     intact = True
     if failing:  # nothing of the failed pass was written: the disk holds step 1's state
         saved_layers = rank_payload(Path(saved), rank)
