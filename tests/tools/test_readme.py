@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import re
 import shlex
@@ -209,14 +210,44 @@ def program_of(command: str) -> tuple[str, list[str]] | None:
     return None
 
 
+# Every program's --help in one interpreter (a run of each apart cost about 3 s, a dozen programs,
+# most of it importing torch again): each runs as ``python -m PROGRAM --help`` or ``python PATH
+# --help`` would run it, as ``__main__`` with that argv, its standard output captured, its exit
+# status kept.
+HELP_ALL = """
+import contextlib, io, json, os, runpy, sys
+helps = {}
+for program in sys.argv[1:]:
+    sys.argv, text, status = [program, "--help"], io.StringIO(), 0
+    with contextlib.redirect_stdout(text):
+        try:
+            if program.endswith(".py"):
+                sys.path.insert(0, os.path.dirname(os.path.abspath(program)))
+                runpy.run_path(program, run_name="__main__")
+            else:
+                runpy.run_module(program, run_name="__main__", alter_sys=True)
+        except SystemExit as exit:
+            status = exit.code or 0
+    helps[program] = (status, text.getvalue())
+print(json.dumps(helps))
+"""
+
+
 @functools.lru_cache(maxsize=None)
+def help_texts() -> dict[str, tuple[int, str]]:
+    """``program --help``'s (exit status, output) for each of our programs the documents run."""
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", HELP_ALL, *sorted(programs())],
+                          cwd=REPO, env=cli_env(), capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
 def flags_of(program: str) -> frozenset[str]:
     """The flags ``program --help`` lists."""
-    argv = ["-m", program] if not program.endswith(".py") else [str(REPO / program)]
-    proc = subprocess.run([sys.executable, *argv, "--help"], cwd=REPO, env=cli_env(),
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    assert proc.returncode == 0, f"{program} --help: {proc.stderr[-2000:]}"
-    return frozenset(FLAG.findall(proc.stdout))
+    status, text = help_texts()[program]
+    assert status == 0, f"{program} --help exited with {status}"
+    return frozenset(FLAG.findall(text))
 
 
 def programs() -> set[str]:
