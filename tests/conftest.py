@@ -71,8 +71,10 @@ def pytest_collection_modifyitems(items) -> None:
 def pytest_addoption(parser) -> None:
     parser.addoption("--count-tier", action="append", default=[], metavar="EXPR",
                      help="print how many of the collected tests the -m expression EXPR selects "
-                          "(a line 'tier count: N: EXPR'; repeatable): with --collect-only, "
-                          ".ci/run checks in one collection that its tiers are the whole suite")
+                          "(a line 'tier count: N: EXPR'), then the files that hold them (a line "
+                          "'tier files: FILE ...'); repeatable: with --collect-only, .ci/run "
+                          "checks in one collection that its tiers are the whole suite, and runs "
+                          "each tier on its files only")
 
 
 def pytest_collection_finish(session) -> None:
@@ -81,11 +83,14 @@ def pytest_collection_finish(session) -> None:
     from _pytest.mark.expression import Expression
     for expr in session.config.getoption("count_tier"):
         compiled = Expression.compile(expr)
-        n = 0
+        files = {}  # dict: the files in collection order
         for item in session.items:
             names = {mark.name for mark in item.iter_markers()}
-            n += compiled.evaluate(lambda name, /, **_: name in names)
-        print(f"\ntier count: {n}: {expr}")
+            if compiled.evaluate(lambda name, /, **_: name in names):
+                path = item.nodeid.split("::", 1)[0]
+                files[path] = files.get(path, 0) + 1
+        print(f"\ntier count: {sum(files.values())}: {expr}")
+        print(f"tier files: {' '.join(files)}")
 
 
 @pytest.fixture(scope="session")
