@@ -1,11 +1,12 @@
 """The lockstep's identity carried in the gathers of small units (comm/carried.py): over gloo's
 collectives of a flat mesh, a unit whose part fits in the rows gathers its data in them, and the
-identities are compared when the gather is waited for, before the data is copied out. These
+identities are compared when the gather is waited for, before the data is copied out; at two
+ranks its gradient reduction sends the exchange's half in them too, added once compared. These
 tests take that path explicitly: the data it gathers is bitwise the plain gather's, a training
 run through it is bitwise the run without the lockstep, and a divergence met first at a carried
-gather is refused on every rank with the lockstep's message (tests/engine/test_divergence.py
-covers the rest of the cases on this transport, whose toy model carries its embedding and
-readout and checks its blocks first).
+gather or reduction is refused on every rank with the lockstep's message
+(tests/engine/test_divergence.py covers the rest of the cases on this transport, whose toy model
+carries its embedding and readout and checks its blocks first).
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from __future__ import annotations
 import gc
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import zerocore
 from tests.support.refusals import assert_refused
-from zerocore.comm.carried import CARRY_MAX_BYTES, CarriedGather
+from zerocore.comm.carried import CARRY_MAX_BYTES, CarriedGather, CarriedReduce
 
 WORLD_SIZES = [2, 3]
 WIDTH = 8
@@ -37,8 +39,8 @@ def _layers() -> list[nn.Module]:
             nn.Linear(128, WIDTH), frozen, nn.Linear(WIDTH, WIDTH)]
 
 
-def _build(carried: bool):
-    model = zerocore.shard(_layers(), comm=zerocore.Comm(peer_read="off"),
+def _build(carried: bool, group: dist.ProcessGroup | None = None):
+    model = zerocore.shard(_layers(), comm=zerocore.Comm(peer_read="off"), group=group,
                            frozen_weights=zerocore.FrozenWeights("int8"))
     model.lockstep.enabled = carried  # off: the plain gathers, no check at all
     return model
@@ -50,11 +52,17 @@ def _carried_units(model) -> list[int]:
             and model.lockstep.carries(layer.index)]
 
 
-def gathered_both_ways(rank: int, world_size: int) -> list[int]:
+def _carried_reduces(model) -> list[int]:
+    return [layer.index for layer in model.layers[:model.num_units]
+            if layer.groups and isinstance(layer.groups[0].reduce, CarriedReduce)
+            and model.lockstep.carries_reduce(layer.index)]
+
+
+def gathered_both_ways(rank: int, world_size: int) -> tuple[list[int], list[int]]:
     """Each unit's gathered buffer through the rows and through the plain gather, compared
-    bitwise; the units that carried."""
+    bitwise; the units that carried their gathers, and their reductions."""
     model = _build(carried=True)
-    carried = _carried_units(model)
+    carried = _carried_units(model), _carried_reduces(model)
     for layer in model.layers[:model.num_units]:
         got = []
         for on in (True, False):
@@ -73,13 +81,18 @@ def gathered_both_ways(rank: int, world_size: int) -> list[int]:
 def test_a_small_units_gather_through_the_rows_is_bitwise_the_plain_gather(world):
     got = world.run(gathered_both_ways)
     # The small trainable units and the quantized frozen one carry; the large one does not.
-    assert got == [[0, 2, 3, 4]] * world.world_size
+    # At two ranks the small trainable units' reductions carry too (the exchange's halves);
+    # at three the reduction is gloo's all-reduce, which cannot take the rows' shape.
+    reduces = [0, 2, 4] if world.world_size == 2 else []
+    assert got == [([0, 2, 3, 4], reduces)] * world.world_size
 
 
 def trained(rank: int, world_size: int, carried: bool) -> list[torch.Tensor]:
     """Three steps of two micro-batches; the losses and the full trained state."""
     model = _build(carried)
     assert bool(_carried_units(model)) == carried
+    # At two ranks the gradients go through the rows too (CarriedReduce)
+    assert bool(_carried_reduces(model)) == (carried and world_size == 2)
     opt = zerocore.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(3):
@@ -107,7 +120,10 @@ def test_training_through_the_rows_is_bitwise_training_without_the_lockstep(worl
 
 
 def diverge_at_a_carried_gather(rank: int, world_size: int, case: str) -> str:
-    model = _build(carried=True)
+    # Over a group of its own: ranks that diverged may leave rows gathers issued and unmatched
+    # (at two ranks, skipping: the others' reduction of layer 4 and the prefetch after it),
+    # which would pair with the next test's collectives over the world.
+    model = _build(carried=True, group=dist.new_group(list(range(world_size))))
     assert model.lockstep.carries(0) and model.lockstep.carries(4)
     opt = zerocore.optim.AdamW(model.parameters(), lr=1e-2)
     units = [layer.module for layer in model.layers[:model.num_units]]
@@ -148,9 +164,44 @@ def test_a_forward_alone_is_refused_at_the_first_carried_gather(world):
 def test_a_unit_skipped_on_one_rank_is_refused_at_a_carried_gather(world):
     # The last rank leaves out layer 4 (carried). Its backward begins with layer 3, still
     # gathered from its forward, so its first collective is layer 2's carried gather for
-    # backward, which meets the others' check of their reduction of layer 4 (a row of the same
-    # shape): compared when the gather is waited for, before its data is copied out.
+    # backward, which meets the others' reduction of layer 4 (a row of the same shape): at two
+    # ranks the reduction itself, carried (CarriedReduce), at three its check. Compared when
+    # the gather is waited for, before its data is copied out.
     last = world.world_size - 1
     got = world.run(diverge_at_a_carried_gather, "skip", timeout=RUN_TIMEOUT_S)
     assert_refused(got, f"rank {last} gathers layer 2 for backward of micro-batch 0 (step 1)",
                     "the gradients of layer 4 in backward of micro-batch 0 (step 1)")
+
+
+def reduce_at_different_micro_batches(rank: int, world_size: int) -> tuple[str, bool]:
+    """Layer 0's reduction through the rows, each rank in the backward of micro-batch ``rank``:
+    what its finish raised, and whether this rank's half of the packed gradients is as it was
+    (the other's half not added)."""
+    model = _build(carried=True)
+    group = model.layers[0].groups[0]
+    assert isinstance(group.reduce, CarriedReduce) and model.lockstep.carries_reduce(0)
+    model.lockstep.backward_begins(micro_batch=rank)
+    packed = torch.full((group.layout.padded_numel,), float(rank + 1))
+    lo, hi = group.layout.shard_range(rank)
+    reduction = group.reduce.start(packed, lo, hi)
+    outcome = "no error"
+    try:
+        reduction.finish()
+    except Exception as e:  # noqa: BLE001  (what each rank got is the result)
+        outcome = f"{type(e).__name__}: {e}"
+    untouched = bool(packed[lo:hi].eq(rank + 1).all())
+    del model
+    gc.collect()
+    return outcome, untouched
+
+
+def test_a_reduction_through_the_rows_is_refused_before_its_half_is_added(worlds):
+    # Two ranks (three reduce by gloo's all-reduce, checked first: the other tests): ranks in
+    # the backward of different micro-batches meet at layer 0's reduction, whose identity
+    # travels with the half each sends; compared before the half received is added.
+    world = worlds(2)
+    got = world.run(reduce_at_different_micro_batches, timeout=RUN_TIMEOUT_S)
+    assert_refused([outcome for outcome, _ in got],
+                   "rank 0 reduces the gradients of layer 0 in backward of micro-batch 0",
+                   "rank 1 reduces the gradients of layer 0 in backward of micro-batch 1")
+    assert [untouched for _, untouched in got] == [True, True]

@@ -3,7 +3,9 @@ identity carried in the gathers of small units"). Over gloo's collectives of a f
 step the lockstep checks begins with one gather of rows (comm/rows.py): each rank broadcasts a
 row of the same width, its identity (one int64) then slots. A small unit's gather
 (``CarriedGather``) puts its shard in the slots, so its check costs no collective of its own;
-every other step sends its identity alone in such a row (comm/lockstep.py, ``Lockstep.check``).
+at two ranks a small unit's gradient reduction (``CarriedReduce``) puts there the half it
+sends the other rank; every other step sends its identity alone in such a row (comm/lockstep.py,
+``Lockstep.check``).
 Every rank's k-th collective of the model is then one of these gathers, of one shape whatever
 each rank does, so ranks that diverged pair row with row, never collectives of other sizes
 (which gloo answers with an abort), and the identities in the rows name the divergence.
@@ -14,9 +16,10 @@ from __future__ import annotations
 import torch
 
 from zerocore.comm.collectives import nbytes
-from zerocore.comm.lockstep import Lockstep
+from zerocore.comm.lockstep import REDUCE, Lockstep
 from zerocore.comm.rows import Sent
-from zerocore.comm.transport import Gather
+from zerocore.comm.transport import (Gather, Reduce, ReduceByExchange, Reduction, divided,
+                                     mean_of_sum)
 
 # The largest part of a unit (bytes per rank) carried in the rows. Every step the lockstep
 # checks sends a row this wide at most, a unit too large for it included: the width is the
@@ -62,3 +65,40 @@ class CarriedGather(Gather):
 
     def before_free(self) -> None:
         self._plain.before_free()
+
+
+class CarriedReduce(Reduce):
+    """At two ranks, a small unit's gradient reduction through the lockstep's rows: the
+    exchange's (``ReduceByExchange``: each rank sends the other the half of the packed
+    gradients that the other keeps, and adds the half it receives into its own) with the half
+    sent in this rank's row, beside the reduction's identity. Its check costs no collective of
+    its own, and it starts at once, as the plain exchange does; the half received is added only
+    once the identities agreed (``Lockstep.compared``). Bitwise the exchange's sum: the same two
+    summands. With the lockstep switched off it is the plain exchange it wraps."""
+
+    name = ReduceByExchange.name
+
+    def __init__(self, plain: ReduceByExchange, lockstep: Lockstep, unit: int):
+        super().__init__(plain.route)
+        self._plain = plain
+        self._lockstep = lockstep
+        self._unit = unit
+
+    def start(self, packed: torch.Tensor, lo: int, hi: int) -> Reduction:
+        if not self._lockstep.carries_reduce(self._unit):
+            return self._plain.start(packed, lo, hi)
+        r = self.route
+        factors = r.factors(packed.dtype)
+        divided(packed, factors.pre)
+        r.counter.reduce_scatter_bytes += nbytes(packed)  # counted as the exchange's
+        r.counter.reduce_scatter_calls += 1
+        theirs = packed.chunk(2)[1 - r.rank]  # the half the other rank keeps
+        sent = self._lockstep.start_carried(self._unit, theirs.view(torch.uint8), kind=REDUCE)
+        other = 1 - r.rank
+
+        def finish() -> torch.Tensor:
+            received = self._lockstep.compared(sent).part(other).view(packed.dtype)
+            mean = mean_of_sum(packed, lo, hi, received, factors)
+            self._lockstep.give_back(sent)  # (added: the rows may be written again)
+            return mean
+        return Reduction(finish)

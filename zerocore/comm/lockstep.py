@@ -12,8 +12,9 @@ states, checkpoints) is named by one int64, its identity: what kind of step, the
 identities: through the pipes of peer memory (16-byte messages, keyed by a sequence number that
 every rank counts alike) when every rank of the model reads the others' memory, else one
 all-gather of one int64 per rank over the model's whole mesh (over gloo's collectives of a flat
-mesh, a gather of rows of one shape, in which small units' gathers carry their data and so need
-no exchange of their own: comm/rows.py, comm/carried.py). Every rank then holds every rank's
+mesh, a gather of rows of one shape, in which small units' gathers, and at two ranks their
+gradient reductions, carry their data and so need no exchange of their own: comm/rows.py,
+comm/carried.py). Every rank then holds every rank's
 identity, so every rank sees the same difference and raises ``Diverged`` at once; each decodes
 the identities itself (the unit names are the same on every rank: the structure is agreed), so
 no further exchange is needed. A rank that never comes keeps the transport's own error: the
@@ -180,6 +181,7 @@ class Lockstep:
         # gathers started and not yet compared, in the order started.
         self._rows: Rows | None = None
         self._carried: frozenset[int] = frozenset()
+        self._carried_reduces: frozenset[int] = frozenset()
         self._unchecked: collections.deque[Sent] = collections.deque()
 
     # -- where the runtime is ----------------------------------------------------------------
@@ -212,6 +214,8 @@ class Lockstep:
         replicas now): ranks that disagree on it would pair unlike all-reduces."""
         phase = BACKWARD_KEPT if kept else BACKWARD
         self._kept = kept
+        if not kept and self.carries_reduce(unit):
+            return  # its reduction carries the identity (``start_carried``)
         self.check(Identity(REDUCE, phase, unit, self.micro_batch, self.step))
 
     def before_step(self, kind: int = STEP) -> None:
@@ -272,16 +276,19 @@ class Lockstep:
     # collectives): every rank's k-th is a rows gather, of one shape on every rank. A data
     # collective starts only after every rows gather before it was compared and found equal,
     # on every rank (``check`` and ``agreed`` compare those left unchecked first), and equal
-    # identities mean the same data collective. Every rank holds the same rows, so every rank
+    # identities mean the same data collective. A carried gather or reduction is itself a rows
+    # gather: its data is read from the rows (copied out, or added) only once it and every one
+    # before it were compared (``compared``). Every rank holds the same rows, so every rank
     # raises the same ``Diverged`` at the first that differs.
 
-    def carry(self, width: int, units: set[int]) -> None:
+    def carry(self, width: int, units: set[int], reduces: set[int] = frozenset()) -> None:
         """Collective, once, when the model is built (``Sharding.seal``): from now on every check
         is a rows gather with ``width`` bytes of slots, and the gathers of ``units`` carry their
-        parts in them (``CarriedGather``); 0: none, as before. Only over gloo's collectives of a
-        flat mesh: the caller's to know. The width is the same on every rank (the structure is
-        agreed); compared once all the same, since ranks that differed in it would pair rows of
-        other sizes."""
+        parts in them (``CarriedGather``), the gradient reductions of ``reduces`` the half each
+        rank sends the other (``CarriedReduce``); 0: none, as before. Only over gloo's
+        collectives of a flat mesh: the caller's to know. The width is the same on every rank
+        (the structure is agreed); compared once all the same, since ranks that differed in it
+        would pair rows of other sizes."""
         widths = self._all_gather(width)
         if len(set(widths)) > 1:
             raise RuntimeError(f"zerocore: the ranks chose different widths for the lockstep's "
@@ -290,15 +297,22 @@ class Lockstep:
         if width > 0:  # (no unit small enough: the all-reduce stays)
             self._rows = Rows(self._group, width)
             self._carried = frozenset(units)
+            self._carried_reduces = frozenset(reduces)
 
     def carries(self, unit: int) -> bool:
         """Whether ``unit``'s gathers carry its identity now."""
         return self.enabled and self._rows is not None and unit in self._carried
 
-    def start_carried(self, unit: int, part: torch.Tensor) -> Sent:
-        """Starts ``unit``'s gather in the rows, ``part`` (1D uint8) this rank's bytes of it;
-        compared by ``finish_carried``, or by the next check if that comes first."""
-        mine = Identity(GATHER, self.phase, unit, self.micro_batch, self.step).packed()
+    def carries_reduce(self, unit: int) -> bool:
+        """Whether ``unit``'s gradient reductions carry their identity now."""
+        return self.enabled and self._rows is not None and unit in self._carried_reduces
+
+    def start_carried(self, unit: int, part: torch.Tensor, kind: int = GATHER) -> Sent:
+        """Starts ``unit``'s gather (``kind`` ``GATHER``) or gradient reduction (``REDUCE``,
+        in backward) in the rows, ``part`` (1D uint8) this rank's bytes of it; compared by
+        ``finish_carried``, or by the next check if that comes first."""
+        mine = Identity(kind, BACKWARD if kind == REDUCE else self.phase, unit,
+                        self.micro_batch, self.step).packed()
         self._last = mine
         self._seq += 1
         sent = self._rows.start(mine, part)
@@ -309,9 +323,19 @@ class Lockstep:
         """Waits for a carried gather and every one started before it, compares them in that
         order (raising ``Diverged`` at the first that differs), then writes its data into
         ``out``, the gathered buffer: never before its identities agreed."""
+        self.compared(sent)
+        sent.copy_out(out)
+        self._rows.give_back(sent)
+
+    def compared(self, sent: Sent) -> Sent:
+        """``sent``, waited for and compared, with every rows gather started before it, in that
+        order (raising ``Diverged`` at the first that differs): its rows may be read now. The
+        caller gives them back (``give_back``) once it has read them."""
         while not sent.compared:
             self._compare(self._unchecked.popleft())
-        sent.copy_out(out)
+        return sent
+
+    def give_back(self, sent: Sent) -> None:
         self._rows.give_back(sent)
 
     def _compare_unchecked(self) -> None:

@@ -30,6 +30,11 @@ class Sent:
     def identities(self) -> list[int]:
         return self.rows[:, 0].tolist()
 
+    def part(self, rank: int) -> torch.Tensor:
+        """Rank ``rank`` (of the group)'s slots as sent (1D uint8, a view of the rows): valid
+        until the rows are given back."""
+        return self.rows[rank].view(torch.uint8)[8:8 + self.payload_nbytes]
+
     def copy_out(self, out: torch.Tensor) -> None:
         """``out`` (1D, contiguous, any dtype) <- every rank's slots, rank by rank: the same
         bytes a plain gather of the parts writes."""

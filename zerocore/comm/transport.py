@@ -275,7 +275,7 @@ def mean_factors(dtype: torch.dtype, world_size: int) -> MeanFactors:
     return MeanFactors(pre, world_size / pre)
 
 
-def _divided(t: torch.Tensor, factor: float) -> torch.Tensor:
+def divided(t: torch.Tensor, factor: float) -> torch.Tensor:
     """t /= factor in place (nothing to do for 1); by a Python scalar, which torch divides by in
     fp32 for 16-bit tensors, rounding once."""
     return t if factor == 1 else t.div_(factor)
@@ -333,13 +333,13 @@ class Reduce:
     def start(self, packed: torch.Tensor, lo: int, hi: int) -> Reduction:
         r = self.route
         factors = r.factors(packed.dtype)
-        _divided(packed, factors.pre)
+        divided(packed, factors.pre)
         if not r.gloo:
             out = torch.empty(hi - lo, dtype=packed.dtype, device=packed.device)
             handle = collectives.reduce_scatter_sum(out, packed, r.process_group, r.counter)
-            return Reduction(lambda: _divided(_waited(handle, out), factors.post), held=out)
+            return Reduction(lambda: divided(_waited(handle, out), factors.post), held=out)
         handle = collectives.all_reduce_sum_in_place(packed, r.process_group, r.counter)
-        return Reduction(lambda: _mean_of_sum(_waited(handle, packed), lo, hi, None, factors))
+        return Reduction(lambda: mean_of_sum(_waited(handle, packed), lo, hi, None, factors))
 
 
 class ReduceByExchange(Reduce):
@@ -353,7 +353,7 @@ class ReduceByExchange(Reduce):
     def start(self, packed: torch.Tensor, lo: int, hi: int) -> Reduction:
         r = self.route
         factors = r.factors(packed.dtype)
-        _divided(packed, factors.pre)
+        divided(packed, factors.pre)
         received = torch.empty(hi - lo, dtype=packed.dtype, device=packed.device)
         handles = collectives.reduce_scatter_by_exchange(packed, received, r.process_group,
                                                          r.counter)
@@ -362,7 +362,7 @@ class ReduceByExchange(Reduce):
             for handle in handles:
                 if handle is not None:
                     handle.wait()
-            return _mean_of_sum(packed, lo, hi, received, factors)
+            return mean_of_sum(packed, lo, hi, received, factors)
         return Reduction(finish, held=received)
 
 
@@ -394,14 +394,14 @@ class ReduceByReading(Reduce):
         self._seq += 1
         seq = self._seq
         factors = r.factors(packed.dtype)
-        _divided(packed, factors.pre)  # before the other rank is told it may read
+        divided(packed, factors.pre)  # before the other rank is told it may read
         peer_memory.start_reduce_by_reading(packed, r.peers, self._channel, seq,
                                             r.process_group, r.counter)
 
         def finish() -> torch.Tensor:
             received = peer_memory.finish_reduce_by_reading(
                 r.peers, self._channel, seq, hi - lo, packed.dtype, r.process_group)
-            return _mean_of_sum(packed, lo, hi, received, factors)
+            return mean_of_sum(packed, lo, hi, received, factors)
         return Reduction(finish)
 
 
@@ -411,14 +411,14 @@ def _waited(handle: dist.Work | None, result: torch.Tensor) -> torch.Tensor:
     return result
 
 
-def _mean_of_sum(packed: torch.Tensor, lo: int, hi: int, received: torch.Tensor | None,
+def mean_of_sum(packed: torch.Tensor, lo: int, hi: int, received: torch.Tensor | None,
                  factors: MeanFactors) -> torch.Tensor:
     """This rank's slice of ``packed`` (plus the peer's contribution ``received``, if any),
     divided by ``factors.post``: the mean, as the collective way computes it."""
     mine = packed[lo:hi]
     if received is not None:
         mine.add_(received)  # x + y == y + x: the all-reduce's sum, bitwise
-    return _divided(mine, factors.post)
+    return divided(mine, factors.post)
 
 
 class Replicas:
@@ -499,7 +499,7 @@ class ReduceAcrossReplicas(Reduce):
                 kept, self._kept = self._kept.add_(mine), None
                 exact = replicas.quantize_block is None
                 mine = kept.to(mine.dtype) if exact and mine.dtype != torch.float32 else kept
-            return _divided(replicas.all_reduce(mine), factors.post)
+            return divided(replicas.all_reduce(mine), factors.post)
         return Reduction(finish, held=reduction.held)
 
 
@@ -601,7 +601,7 @@ class ReduceAcrossNodes(Reduce):
 
         def finish() -> torch.Tensor:
             mine = reduction.finish()  # the secondary slice, summed over the shard group
-            return _divided(r.across.reduce_scatter(mine), factors.post)
+            return divided(r.across.reduce_scatter(mine), factors.post)
         return Reduction(finish, held=reduction.held)
 
 
@@ -774,7 +774,7 @@ class PlannedReduce(Reduce):
             # exchange's received half does; on the device backend it is the result.
             if self.owned:
                 return side.view(packed.dtype)
-            return _divided(mine, r.world_size)
+            return divided(mine, r.world_size)
         return Reduction(finish, held=side)
 
 

@@ -29,7 +29,7 @@ from zerocore.comm import mesh as meshes
 from zerocore.comm.collectives import CommCounter
 from zerocore.comm.peer_memory import PeerMemory
 from zerocore.comm.agree import run_agreed
-from zerocore.comm.carried import CARRY_MAX_BYTES, CarriedGather
+from zerocore.comm.carried import CARRY_MAX_BYTES, CarriedGather, CarriedReduce
 from zerocore.comm.lockstep import FULL_STATE, Lockstep
 from zerocore.comm.device import Platform, agree_on_devices, comm_device, resolve_device
 from zerocore.comm.fake import is_fake
@@ -472,10 +472,20 @@ class Sharding:
         carried = {layer.index: layer.groups[0] for layer in layers
                    if len(layer.groups) == 1 and layer.groups[0].home.gathers
                    and 0 < layer.groups[0].gather_bytes // world <= CARRY_MAX_BYTES}
-        width = max((g.gather_bytes // world for g in carried.values()), default=0)
-        lockstep.carry(width, set(carried))
+        # At two ranks the exchange's half of a carried unit's gradients, in the reduce dtype
+        # (wider than the part where the parameters are 16-bit and the reduction fp32).
+        halves = {index: g.layout.padded_numel // 2 * ctx.reduce_dtype.itemsize
+                  for index, g in carried.items()
+                  if g.trainable and isinstance(g.reduce, transport.ReduceByExchange)}
+        halves = {index: n for index, n in halves.items() if n <= CARRY_MAX_BYTES}
+        width = max([g.gather_bytes // world for g in carried.values()] + list(halves.values()),
+                    default=0)
+        lockstep.carry(width, set(carried), set(halves))
         for group in carried.values():
             group.gather = CarriedGather(group.gather, lockstep, group.unit_index)
+        for index in halves:
+            group = carried[index]
+            group.reduce = CarriedReduce(group.reduce, lockstep, group.shard.layer_index)
 
     def start(self, model: nn.Module, units: list[Unit], root_owners: list[nn.Module]) -> None:
         """Puts the runtime's hooks on the model (zerocore/engine/runtime.py): ``units`` in
