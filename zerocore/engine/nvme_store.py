@@ -12,10 +12,11 @@ chunk k of a shard being elements ``[k·C, (k+1)·C)`` of each of its arrays.
 
 The pool: host memory carved from the host arena (pinned with it on a GPU machine; page-aligned,
 what direct I/O needs), used one way at a time:
-- by the optimizer's step, as ``BUFFERS`` chunk buffers, each holding one chunk of a record's
-  arrays. ``stream`` runs a pass over chunks: the reader thread fills buffers ahead, the caller
-  steps chunk k on the calling thread while chunk k+1 (and k+2) is read and chunk k-1 written by
-  the writer thread; a buffer is read into again only once its write is done. One reader and
+- by the optimizer's step, as chunk buffers (``BUFFERS``, or one per ``BUFFER_BYTES`` of a
+  larger pool), each holding one chunk of a record's arrays. ``stream`` runs a pass over
+  chunks: the reader thread fills buffers ahead, the caller steps chunk k on the calling thread
+  while chunks k+1, k+2 (and more, in more buffers) are read and chunk k-1 written by the
+  writer thread; a buffer is read into again only once its write is done. One reader and
   one writer, each issuing one transfer per array of a chunk (megabytes each: the disk sees long
   sequential requests, and the two directions overlap).
   The next pass's first chunks are read ahead: as a pass ends, its writes all done, the first
@@ -66,9 +67,14 @@ from zerocore.engine.scratch_file import BLOCK, ScratchFile, round_up
 
 log = logging.getLogger(__name__)
 
-# Chunk buffers in the pool: one being read ahead, one stepped, one being written, and one more,
-# so that a read of the chunk after next can start while a write is still in flight.
+# Chunk buffers in the pool, at least: one being read ahead, one stepped, one being written, and
+# one more, so that a read of the chunk after next can start while a write is still in flight.
 BUFFERS = 4
+# A larger pool is split into more buffers of this size rather than into four larger ones: a
+# chunk is of one shard, so a few large buffers hold a few layers' chunks at most, and what the
+# next pass's first chunks read ahead (all buffers but one) is counted in chunks. 64 MiB a
+# buffer is the default pool's (4 x 64 MiB), whose transfers are megabytes long already.
+BUFFER_BYTES = 64 * 2**20
 _FP32 = torch.float32
 # The slots the gathers' reads need at least: one being copied into a window, one being read
 # ahead.
@@ -214,7 +220,8 @@ class NvmeStore:
                  group: dist.ProcessGroup, device: torch.device, copies: bool = False,
                  masters: bool = True):
         """file: the rank's scratch (None in a plan's rehearsal: nothing is moved). pool: 1-D
-        uint8 host memory, page-aligned, split into ``BUFFERS`` chunk buffers. group, device:
+        uint8 host memory, page-aligned, split into chunk buffers (``BUFFERS``, or one per
+        ``BUFFER_BYTES`` of a larger pool). group, device:
         where a pass's failure is agreed (every rank of the sharding steps together). copies:
         the records hold model copies too (``params="nvme"``): a fourth array per chunk.
         masters: the records hold their masters (False: in fp32 the masters are the model
@@ -223,13 +230,15 @@ class NvmeStore:
         self.path = file.directory if file is not None else None
         self.pool = pool
         self.masters = masters
-        per_buffer = pool.numel() // BUFFERS // BLOCK * BLOCK
+        self.buffers = max(BUFFERS, pool.numel() // BUFFER_BYTES)
+        per_buffer = pool.numel() // self.buffers // BLOCK * BLOCK
         self._arrays_per_chunk = 2 + masters + copies
         # Elements of each of a chunk's arrays (spans of fp32: a whole number of blocks each).
         self.chunk_numel = (per_buffer // self._arrays_per_chunk // BLOCK * BLOCK
                             // _FP32.itemsize)
         assert self.chunk_numel > 0, "the pool is smaller than Offload's minimum"
-        self._buffers = [pool[i * per_buffer:(i + 1) * per_buffer] for i in range(BUFFERS)]
+        self._buffers = [pool[i * per_buffer:(i + 1) * per_buffer]
+                         for i in range(self.buffers)]
         # The gathers' reads (``params="nvme"``): slots of ``slot_bytes`` each (``use_slots``),
         # what each region read was followed by the last time, and the reads ahead in flight.
         self.slot_bytes = 0
@@ -402,7 +411,7 @@ class NvmeStore:
             parts = self._parts(c, 0)
             times.read_bytes += sum(p.numel() for _, p in parts[:_Span.of(c).reads])
             times.written_bytes += sum(p.numel() for _, p in parts)
-        free = [b for b in range(BUFFERS) if b not in {buffer for _, buffer, _ in found}]
+        free = [b for b in range(self.buffers) if b not in {buffer for _, buffer, _ in found}]
         ahead = iter(chunks[len(found):])
         failure: BaseException | None = None
 
@@ -420,7 +429,7 @@ class NvmeStore:
             reads.append((chunk, buffer, self._submit(self._reader, self._read, chunk, buffer)))
 
         try:
-            for _ in range(BUFFERS - 1 - len(found)):   # one buffer left for the first write
+            for _ in range(self.buffers - 1 - len(found)):   # one left for the first write
                 read_next()
             while reads:
                 chunk, buffer, done = reads.popleft()
@@ -548,7 +557,7 @@ class NvmeStore:
         if self._slots:
             self._read_ahead(None)
         elif chunks and self.file is not None and self.read_ahead_passes:
-            self._read_next_pass(_Span.of(chunks[0]), chunks[:BUFFERS - 1])
+            self._read_next_pass(_Span.of(chunks[0]), chunks[:self.buffers - 1])
 
     # -- the next pass's first chunks, read ahead ----------------------------------------------
     # Triggered as a pass ends rather than by the next backward: its writes are all done
@@ -562,7 +571,7 @@ class NvmeStore:
         first chunk first, into the buffers ``stream`` starts with: as many as it reads
         before its first write."""
         spans = self._pass_after.get(head) or [_Span.of(c) for c in own]
-        for buffer, span in enumerate(spans[:BUFFERS - 1]):
+        for buffer, span in enumerate(spans[:self.buffers - 1]):
             # (the read holds the file and the buffer, not the store: a model dropped with
             # reads ahead in flight goes at once, its store's finalizer waiting for them)
             done = self._reader.submit(_read_all, self.file, self.path,
@@ -588,7 +597,7 @@ class NvmeStore:
             return
         if self._last_pass_head is not None:
             self._pass_after[self._last_pass_head] = [_Span.of(c)
-                                                      for c in chunks[:BUFFERS - 1]]
+                                                      for c in chunks[:self.buffers - 1]]
         self._last_pass_head = _Span.of(chunks[0])
 
     def _wait_upload(self, slot: int) -> None:

@@ -47,7 +47,8 @@ class ModelState:
     mirrors: int                    # device mirrors of offloaded model copies
     on_host: frozenset[str]         # categories that live in host memory (CPU offload, GPUs)
     # NVMe offload: bytes of one rank's scratch file (what it needs free on its disk: the fp32
-    # masters and moments, each array in whole 4 KiB blocks), and the host pool they move
+    # masters, but for ``nvme_masters``, and moments, each array in whole 4 KiB blocks), and
+    # the host pool they move
     # through; 0 without.
     nvme: int = 0
     pool: int = 0
