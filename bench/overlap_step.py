@@ -11,18 +11,19 @@ with them read as the previous pass ends.
 
     python bench/overlap_step.py --path /work/nvme-scratch [--model pythia-70m] [--rounds 3]
                                  [--blocks N] [--compare pass|delayed|read-ahead]
+                                 [--pool-mib N]
 
 One gloo rank on the CPU; neox's preset (random weights; ``--blocks N``: its first N blocks
-only) full-fine-tuned in fp32 with
-zerocore's AdamW, 2 sequences x 64 tokens a step, the default pool. Four models live side by
-side in the one process: ``memory`` and ``memory-aa`` (no offload: the same run twice, the
-control), ``nvme-off`` and ``nvme-exact`` (``Offload(optimizer="nvme", params="cpu")``, the
-masters and moments on the disk). Each round runs every variant once, in a shuffled order
-(``harness.Interleaved``): 8 consecutive steps of its own model, the last one's pass waited
-for inside the round (``optimizer.settle()``), so no variant's pass runs during another's
-steps. Reported: the median tokens/s of steps 3-8 of each call (the issue's measure), their
-median over the timed rounds, the ratios memory / nvme round by round, and whether every
-variant's losses equal ``memory``'s bit for bit.
+only) full-fine-tuned in fp32 with zerocore's AdamW, 2 sequences x 64 tokens a step, the
+default pool (``--pool-mib``: another). Four models live side by side in the one process:
+``memory`` and ``memory-aa`` (no offload: the same run twice, the control), ``nvme-off`` and
+``nvme-exact`` (``Offload(optimizer="nvme", params="cpu")``, the moments on the disk; in fp32
+the masters are the parameters' copies in host memory). Each round runs every variant once,
+in a shuffled order (``harness.Interleaved``): 8 consecutive steps of its own model, the last
+one's pass waited for inside the round (``optimizer.settle()``), so no variant's pass runs
+during another's steps. Reported: the median tokens/s of steps 3-8 of each call (the issue's
+measure), their median over the timed rounds, the ratios memory / nvme round by round, and
+whether every variant's losses equal ``memory``'s bit for bit.
 """
 
 from __future__ import annotations
@@ -53,25 +54,29 @@ COMPARE = {"pass": ["memory", "memory-aa", "nvme-off", "nvme-exact"],
            "read-ahead": ["memory", "memory-aa", "nvme-no-ahead", "nvme-ahead"]}
 
 
-def offload_of(label: str, path: str) -> zerocore.Offload:
+def offload_of(label: str, path: str, pool: int | None = None) -> zerocore.Offload:
     """``memory``; ``<home>-<overlap>``: the optimizer on NVMe (the parameters on the host) or
-    in host memory (the parameters in a mirror), its pass ``overlap``."""
+    in host memory (the parameters in a mirror), its pass ``overlap``; NVMe's pool ``pool``
+    bytes (None: the default)."""
     if label.startswith("memory"):
         return zerocore.Offload()
     home, overlap = label.split("-", 1)
     overlap = "exact" if overlap in ("no-ahead", "ahead") else overlap
     if home == "cpu":
         return zerocore.Offload(optimizer="cpu", overlap=overlap)
-    return zerocore.Offload(optimizer="nvme", params="cpu", path=path, overlap=overlap)
+    sized = {} if pool is None else {"pool_bytes": pool}
+    return zerocore.Offload(optimizer="nvme", params="cpu", path=path, overlap=overlap,
+                            **sized)
 
 
 class Run:
     """One variant's model, optimizer and step count."""
 
-    def __init__(self, config, label: str, path: str, blocks: int | None):
+    def __init__(self, config, label: str, path: str, blocks: int | None,
+                 pool: int | None = None):
         layers = build_layers(config, generator=torch.Generator().manual_seed(0),
                               filter_layers=None if blocks is None else range(blocks))
-        self.model = zerocore.shard(layers, offload=offload_of(label, path))
+        self.model = zerocore.shard(layers, offload=offload_of(label, path, pool))
         if label == "nvme-no-ahead":
             for store in self._stores():
                 store.read_ahead_passes = False
@@ -125,7 +130,8 @@ class Run:
 def rank_main(rank: int, world: int, args: argparse.Namespace) -> str:
     config = PRESETS[args.model]
     labels = COMPARE[args.compare]
-    runs = {label: Run(config, label, str(args.path), args.blocks) for label in labels}
+    pool = None if args.pool_mib is None else args.pool_mib * 2**20
+    runs = {label: Run(config, label, str(args.path), args.blocks, pool) for label in labels}
     before = harness.load_average()
     # (pass and read-ahead: the orders of their records)
     seed = "delayed" if args.compare == "delayed" else "overlap"
@@ -152,6 +158,8 @@ def main() -> None:
     p.add_argument("--path", type=Path, required=True, help="the scratch directory (a disk)")
     p.add_argument("--model", choices=sorted(PRESETS), default="pythia-70m")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds (one warm-up first)")
+    p.add_argument("--pool-mib", type=int, default=None,
+                   help="NVMe's pool in MiB (default: Offload's default pool)")
     p.add_argument("--blocks", type=int, default=None,
                    help="keep the preset's first N blocks only (a large model within memory)")
     p.add_argument("--compare", choices=sorted(COMPARE), default="pass",
@@ -160,9 +168,10 @@ def main() -> None:
                         "without and with the next pass's first chunks read ahead")
     args = p.parse_args()
     kept = "" if args.blocks is None else f" (its first {args.blocks} blocks)"
+    pool_text = "default pool" if args.pool_mib is None else f"a pool of {args.pool_mib} MiB"
     print(harness.header(f"{args.model}{kept}, full fine-tuning, fp32, one rank on the CPU, "
                          f"{ROWS} x {SEQ} tokens a step, {STEPS} steps a call (steps 3-8 "
-                         f"timed), default pool; scratch in {args.path}", packages=("torch",)))
+                         f"timed), {pool_text}; scratch in {args.path}", packages=("torch",)))
     print(harness.run_ranks(rank_main, 1, args)[0])
 
 

@@ -117,6 +117,8 @@ class Offload:
         and the CPU Adam steps them chunk by chunk through ``pool_bytes`` of host buffers,
         reading the next chunk and writing the last while it steps one; the gradients and the
         model copy the kernel writes (in the param dtype, fp32 included) stay in host memory.
+        In fp32 (parameters not on NVMe) that copy holds the master's very bits, so it is the
+        master, stepped in place, and the scratch holds the two moments alone.
     params: False, or where every parameter shard the layers are gathered from lives:
         ``"cpu"`` (``True`` means ``"cpu"``) or ``"nvme"``. The trainable model copies (with
         ``optimizer``), and the frozen shards, int8 ones included. The device holds a layer's

@@ -109,11 +109,13 @@ def train(rank: int, world_size: int, door: str, name: str, label: str, path: st
     if store is not None:
         report = sharding.memory_report()
         groups = [g for layer in sharding.layers for g in layer.groups]
-        # What the scratch holds: each trainable shard's master and moments (fp32) when the
-        # optimizer is there, and its model copy (param dtype) with the parameters; each
-        # frozen shard's bytes with the parameters.
+        # What the scratch holds: each trainable shard's moments (fp32) when the optimizer is
+        # there, and its master but in fp32 with the parameters in memory (there the model
+        # copy in host memory is the master: none in the scratch); its model copy (param
+        # dtype) with the parameters; each frozen shard's bytes with the parameters.
         p_bytes = case.spec.param_dtype.itemsize
-        arrays = [(g.layout.shard_numel * 4, 3 if offload.optimizer == "nvme" else 0)
+        master = offload.params == "nvme" or case.spec.param_dtype != torch.float32
+        arrays = [(g.layout.shard_numel * 4, 2 + master if offload.optimizer == "nvme" else 0)
                   for g in groups if g.trainable]
         if offload.params == "nvme":
             arrays += [(g.layout.shard_numel * p_bytes, 1) for g in groups
@@ -300,9 +302,10 @@ def test_a_disk_too_small_is_found_while_building(worlds, tmp_path):
         assert "\n" not in message
 
 
-# A layer of the stack below: 64 x 64 + 64 elements, 2,080 a rank at two ranks, each of its three
-# fp32 arrays (master, two moments) three 4 KiB blocks of the scratch.
-AGREED_LAYER_SCRATCH = 3 * 3 * 4096
+# A layer of the stack below: 64 x 64 + 64 elements, 2,080 a rank at two ranks, each of its two
+# fp32 arrays in the scratch (the moments: in fp32 the master is the model copy, in memory)
+# three 4 KiB blocks of it.
+AGREED_LAYER_SCRATCH = 2 * 3 * 4096
 
 
 def build_drawing_agreed_layers(rank: int, world_size: int, path: str) -> tuple[str, str]:

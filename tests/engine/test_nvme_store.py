@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zerocore.engine.nvme_store import BUFFERS, NvmeIOError, NvmeStore
+from zerocore.engine.nvme_store import BUFFER_BYTES, BUFFERS, NvmeIOError, NvmeStore
 from zerocore.engine.scratch_file import BLOCK, ScratchFile, ScratchSpaceError
 from zerocore.policies import MIN_POOL_BYTES
 from tests.support.scratch_disk import no_direct_io, private_disk, scratch_fds
@@ -345,6 +345,38 @@ def test_the_next_pass_s_first_chunks_are_read_as_a_pass_ends(tmp_path):
     assert file.reads[:3 * (len(chunks) - 3)] == chunk_offsets(store, chunks[3:])
     for key, v in zip(("master", "exp_avg", "exp_avg_sq"), values):
         assert torch.equal(record.read(key), v)
+
+
+def test_a_larger_pool_is_more_buffers_and_reads_more_chunks_ahead(tmp_path):
+    """A pool of five ``BUFFER_BYTES`` is five chunk buffers, not four larger ones (a chunk is
+    of one record: larger buffers would hold no more of these small records): the next pass's
+    first four chunks are read ahead, and it steps them with the values its own reads give."""
+    store = NvmeStore(ScratchFile(str(tmp_path)), pool(5 * BUFFER_BYTES),
+                      group=dist.GroupMember.WORLD, device=torch.device("cpu"))
+    assert store.buffers == 5
+    g = torch.Generator().manual_seed(0)
+    records = [store.add_adam(1000 + i, "a test's arrays") for i in range(6)]
+    values = {}
+    for record in records:
+        values[id(record)] = [torch.randn(record.numel, generator=g) for _ in range(3)]
+        for key, v in zip(("master", "exp_avg", "exp_avg_sq"), values[id(record)]):
+            record.write(key, v)
+    chunks = [c for record in records for c in store.chunks(record)]
+    assert len(chunks) == 6   # one each
+
+    def step(chunk, *arrays):
+        for a, v in zip(arrays, values[id(chunk.record)]):
+            assert torch.equal(a, v[chunk.lo:chunk.hi]), chunk
+            a.add_(1)
+            v[chunk.lo:chunk.hi].add_(1)
+
+    store.stream(chunks, step)
+    assert store.chunks_read_ahead == 4
+    store.stream(chunks, step)
+    assert store.last_pass.chunks_read_ahead == 4
+    for record in records:
+        for key, v in zip(("master", "exp_avg", "exp_avg_sq"), values[id(record)]):
+            assert torch.equal(record.read(key), v)
 
 
 def test_a_write_between_two_passes_forgets_what_was_read_ahead(tmp_path):

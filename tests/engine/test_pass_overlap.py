@@ -26,11 +26,12 @@ TOKENS = BATCH * SEQ
 ROUND = Machine(name="a round machine", flops=1e10, adam_bytes_per_s=1e9, disk_bytes_per_s=1e8)
 
 
-def planned(offload: zerocore.Offload) -> zerocore.plan.MemoryPlan:
+def planned(offload: zerocore.Offload,
+            param_dtype: torch.dtype = torch.bfloat16) -> zerocore.plan.MemoryPlan:
     return zerocore.plan.plan(layer_stack("meta"),
                               torch.empty(BATCH, SEQ, dtype=torch.long, device="meta"),
                               world_size=WORLD, loss=stack_loss, device="cpu", offload=offload,
-                              mixed_precision=zerocore.MixedPrecision(torch.bfloat16))
+                              mixed_precision=zerocore.MixedPrecision(param_dtype))
 
 
 def estimate(offload: zerocore.Offload, machine: Machine = ROUND):
@@ -58,6 +59,12 @@ def test_nvme_counts_the_scratch_bytes(tmp_path):
     assert pass_bytes(plan) == (SHARD * 30, SHARD * 24)
     assert est.pass_s == pytest.approx(SHARD * 24 / 1e8)            # the disk, 79 ms, is slower
     assert est.overlaps and est.hidden_s == est.forward_s         # the forward hides part
+    # In fp32 with the parameters in memory the master is the model copy there: the scratch
+    # holds the moments alone (8 bytes an element each way), and no copy is written apart
+    # (28 bytes an element in memory).
+    fp32 = planned(zerocore.Offload(optimizer="nvme", path=str(tmp_path)), torch.float32)
+    assert not fp32.state.nvme_masters
+    assert pass_bytes(fp32) == (SHARD * 28, SHARD * 16)
 
 
 def test_the_delayed_pass_hides_behind_forward_and_backward_and_counts_its_copy(tmp_path):

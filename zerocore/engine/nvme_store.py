@@ -3,18 +3,20 @@ ZeRO-Infinity): where each array lives in the rank's scratch file (engine/scratc
 the pipeline that moves it through a bounded pool of host buffers.
 
 Layout. Arrays are laid end to end in the scratch file, each starting on a 4 KiB block, in the
-order the layers are built: for each trainable shard its fp32 master, then its two Adam moments,
-then with ``Offload(params="nvme")`` its model copy in the param dtype (an ``AdamRecord``); for
+order the layers are built: for each trainable shard its fp32 master (unless the master is the
+model copy in host memory: fp32, parameters not on NVMe), then its two Adam moments, then with
+``Offload(params="nvme")`` its model copy in the param dtype (an ``AdamRecord``); for
 each frozen shard with ``params="nvme"`` its values (int8 ones as their bytes), each contiguous.
 A shard is stepped in chunks of ``chunk_numel`` elements (a whole number of blocks of fp32),
 chunk k of a shard being elements ``[k·C, (k+1)·C)`` of each of its arrays.
 
 The pool: host memory carved from the host arena (pinned with it on a GPU machine; page-aligned,
 what direct I/O needs), used one way at a time:
-- by the optimizer's step, as ``BUFFERS`` chunk buffers, each holding one chunk of a record's
-  arrays. ``stream`` runs a pass over chunks: the reader thread fills buffers ahead, the caller
-  steps chunk k on the calling thread while chunk k+1 (and k+2) is read and chunk k-1 written by
-  the writer thread; a buffer is read into again only once its write is done. One reader and
+- by the optimizer's step, as chunk buffers (``BUFFERS``, or one per ``BUFFER_BYTES`` of a
+  larger pool), each holding one chunk of a record's arrays. ``stream`` runs a pass over
+  chunks: the reader thread fills buffers ahead, the caller steps chunk k on the calling thread
+  while chunks k+1, k+2 (and more, in more buffers) are read and chunk k-1 written by the
+  writer thread; a buffer is read into again only once its write is done. One reader and
   one writer, each issuing one transfer per array of a chunk (megabytes each: the disk sees long
   sequential requests, and the two directions overlap).
   The next pass's first chunks are read ahead: as a pass ends, its writes all done, the first
@@ -65,9 +67,14 @@ from zerocore.engine.scratch_file import BLOCK, ScratchFile, round_up
 
 log = logging.getLogger(__name__)
 
-# Chunk buffers in the pool: one being read ahead, one stepped, one being written, and one more,
-# so that a read of the chunk after next can start while a write is still in flight.
+# Chunk buffers in the pool, at least: one being read ahead, one stepped, one being written, and
+# one more, so that a read of the chunk after next can start while a write is still in flight.
 BUFFERS = 4
+# A larger pool is split into more buffers of this size rather than into four larger ones: a
+# chunk is of one shard, so a few large buffers hold a few layers' chunks at most, and what the
+# next pass's first chunks read ahead (all buffers but one) is counted in chunks. 64 MiB a
+# buffer is the default pool's (4 x 64 MiB), whose transfers are megabytes long already.
+BUFFER_BYTES = 64 * 2**20
 _FP32 = torch.float32
 # The slots the gathers' reads need at least: one being copied into a window, one being read
 # ahead.
@@ -100,9 +107,14 @@ ADAM_KEYS = ("master", "exp_avg", "exp_avg_sq")
 class AdamRecord:
     """One trainable shard's fp32 master and Adam moments in its store's scratch file (what an
     NVMe shard's ``.nvme`` is), and with ``params="nvme"`` its model copy (the gathers' input,
-    which the step writes)."""
+    which the step writes).
 
-    master: Region
+    In fp32 with the model copy in host memory the copy holds the master's very bits, so the
+    master is not kept twice: ``master`` is then that host tensor (1-D fp32), stepped in
+    place, and the scratch holds the two moments alone (8 bytes a parameter moved each way
+    by a pass instead of 12)."""
+
+    master: Region | torch.Tensor
     exp_avg: Region
     exp_avg_sq: Region
     store: "NvmeStore"
@@ -110,29 +122,45 @@ class AdamRecord:
 
     @property
     def numel(self) -> int:
-        return self.master.numel
+        return self.exp_avg.numel
 
-    def regions(self) -> tuple[Region, Region, Region]:
-        """The arrays a step reads."""
+    @property
+    def master_in_memory(self) -> bool:
+        return isinstance(self.master, torch.Tensor)
+
+    def regions(self) -> tuple[Region, ...]:
+        """The arrays of the scratch a step reads."""
+        if self.master_in_memory:
+            return self.exp_avg, self.exp_avg_sq
         return self.master, self.exp_avg, self.exp_avg_sq
 
     def read(self, key: str) -> torch.Tensor:
         """The values of ``key`` (one of ``ADAM_KEYS``), in a new tensor."""
+        if key == "master" and self.master_in_memory:
+            return self.master.clone()
         return self.store.read_values(getattr(self, key))
 
     def write(self, key: str, values: torch.Tensor) -> None:
+        if key == "master" and self.master_in_memory:
+            with torch.no_grad():
+                self.master.copy_(values.reshape(-1))
+            return
         self.store.write_values(getattr(self, key), values)
         if key != "master":
             self.store.moments_written.add(id(self))
 
     def mapped(self, key: str) -> torch.Tensor:
-        """``key``'s values on a read-only mapping of the file (``NvmeStore.mapped``)."""
+        """``key``'s values on a read-only mapping of the file (``NvmeStore.mapped``); a
+        master in host memory as it is (for a checkpoint, with no pass in flight: a buffer of
+        the host arena has a storage of its own, its bytes alone, so it is not copied)."""
+        if key == "master" and self.master_in_memory:
+            return self.master
         return self.store.mapped(getattr(self, key))
 
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-    """Elements ``[lo, hi)`` of a record's three arrays."""
+    """Elements ``[lo, hi)`` of a record's arrays."""
 
     record: AdamRecord
     lo: int
@@ -157,15 +185,19 @@ class _Span:
     """What reading a chunk needs, without its record (which holds the store): its record's
     arrays and its elements ``[lo, hi)``."""
 
-    regions: tuple[Region, ...]   # master, exp_avg, exp_avg_sq (and the model copy, if any)
+    # master (unless in host memory), exp_avg, exp_avg_sq, and the model copy, if any: the
+    # first ``reads`` of them are read (the copy is only written)
+    regions: tuple[Region, ...]
     lo: int
     hi: int
+    reads: int
 
     @staticmethod
     def of(chunk: Chunk) -> "_Span":
         record = chunk.record
         copy = () if record.copy is None else (record.copy,)
-        return _Span((*record.regions(), *copy), chunk.lo, chunk.hi)
+        read = record.regions()
+        return _Span((*read, *copy), chunk.lo, chunk.hi, len(read))
 
 
 class NvmeIOError(OSError):
@@ -185,21 +217,28 @@ class NvmeStore:
     the sharding (its group context); its file and threads go with it."""
 
     def __init__(self, file: ScratchFile | None, pool: torch.Tensor, *,
-                 group: dist.ProcessGroup, device: torch.device, copies: bool = False):
+                 group: dist.ProcessGroup, device: torch.device, copies: bool = False,
+                 masters: bool = True):
         """file: the rank's scratch (None in a plan's rehearsal: nothing is moved). pool: 1-D
-        uint8 host memory, page-aligned, split into ``BUFFERS`` chunk buffers. group, device:
+        uint8 host memory, page-aligned, split into chunk buffers (``BUFFERS``, or one per
+        ``BUFFER_BYTES`` of a larger pool). group, device:
         where a pass's failure is agreed (every rank of the sharding steps together). copies:
-        the records hold model copies too (``params="nvme"``): a fourth array per chunk."""
+        the records hold model copies too (``params="nvme"``): a fourth array per chunk.
+        masters: the records hold their masters (False: in fp32 the masters are the model
+        copies in host memory, ``AdamRecord``; two arrays per chunk, the moments)."""
         self.file = file
         self.path = file.directory if file is not None else None
         self.pool = pool
-        per_buffer = pool.numel() // BUFFERS // BLOCK * BLOCK
-        self._arrays_per_chunk = 4 if copies else 3
+        self.masters = masters
+        self.buffers = max(BUFFERS, pool.numel() // BUFFER_BYTES)
+        per_buffer = pool.numel() // self.buffers // BLOCK * BLOCK
+        self._arrays_per_chunk = 2 + masters + copies
         # Elements of each of a chunk's arrays (spans of fp32: a whole number of blocks each).
         self.chunk_numel = (per_buffer // self._arrays_per_chunk // BLOCK * BLOCK
                             // _FP32.itemsize)
         assert self.chunk_numel > 0, "the pool is smaller than Offload's minimum"
-        self._buffers = [pool[i * per_buffer:(i + 1) * per_buffer] for i in range(BUFFERS)]
+        self._buffers = [pool[i * per_buffer:(i + 1) * per_buffer]
+                         for i in range(self.buffers)]
         # The gathers' reads (``params="nvme"``): slots of ``slot_bytes`` each (``use_slots``),
         # what each region read was followed by the last time, and the reads ahead in flight.
         self.slot_bytes = 0
@@ -261,13 +300,18 @@ class NvmeStore:
         self.size = offset + span
         return Region(offset, numel, dtype)
 
-    def add_adam(self, numel: int, what: str,
-                 copy_dtype: torch.dtype | None = None) -> AdamRecord:
+    def add_adam(self, numel: int, what: str, copy_dtype: torch.dtype | None = None,
+                 master: torch.Tensor | None = None) -> AdamRecord:
         """A trainable shard's master and moments (the moments read as zeros: reserved blocks
-        never written are zeros), and its model copy in ``copy_dtype`` if given."""
-        arrays = [self.add_region(numel, _FP32, what) for _ in range(3)]
+        never written are zeros), and its model copy in ``copy_dtype`` if given. ``master``:
+        the master in host memory (1-D fp32, what a store without ``masters`` takes), not in
+        the scratch."""
+        assert (master is None) == self.masters, "the store's masters are all in one place"
+        if master is None:
+            master = self.add_region(numel, _FP32, what)
+        moments = [self.add_region(numel, _FP32, what) for _ in range(2)]
         copy = self.add_region(numel, copy_dtype, what) if copy_dtype is not None else None
-        return AdamRecord(*arrays, store=self, copy=copy)
+        return AdamRecord(master, *moments, store=self, copy=copy)
 
     # -- whole arrays, outside a step ----------------------------------------------------------
 
@@ -344,7 +388,8 @@ class NvmeStore:
                step: Callable[[Chunk, torch.Tensor, torch.Tensor, torch.Tensor,
                                torch.Tensor | None], None]) -> None:
         """``step(chunk, master, exp_avg, exp_avg_sq, copy)`` for each chunk in order, on this
-        thread, each array a 1-D view of the chunk's values in a pool buffer (fp32; ``copy``,
+        thread, each array a 1-D view of the chunk's values in a pool buffer (a master in host
+        memory: of its own; fp32; ``copy``,
         the model copy's chunk in the param dtype, unread, for ``step`` to write, or None when
         the record has none), which ``step`` updates in place; each chunk is written back after
         its step. Reads run ahead on the reader thread and writes behind on the writer thread
@@ -364,9 +409,9 @@ class NvmeStore:
         self._learn_pass_order(chunks)
         for c in chunks:
             parts = self._parts(c, 0)
-            times.read_bytes += sum(p.numel() for _, p in parts[:3])
+            times.read_bytes += sum(p.numel() for _, p in parts[:_Span.of(c).reads])
             times.written_bytes += sum(p.numel() for _, p in parts)
-        free = [b for b in range(BUFFERS) if b not in {buffer for _, buffer, _ in found}]
+        free = [b for b in range(self.buffers) if b not in {buffer for _, buffer, _ in found}]
         ahead = iter(chunks[len(found):])
         failure: BaseException | None = None
 
@@ -384,7 +429,7 @@ class NvmeStore:
             reads.append((chunk, buffer, self._submit(self._reader, self._read, chunk, buffer)))
 
         try:
-            for _ in range(BUFFERS - 1 - len(found)):   # one buffer left for the first write
+            for _ in range(self.buffers - 1 - len(found)):   # one left for the first write
                 read_next()
             while reads:
                 chunk, buffer, done = reads.popleft()
@@ -512,7 +557,7 @@ class NvmeStore:
         if self._slots:
             self._read_ahead(None)
         elif chunks and self.file is not None and self.read_ahead_passes:
-            self._read_next_pass(_Span.of(chunks[0]), chunks[:BUFFERS - 1])
+            self._read_next_pass(_Span.of(chunks[0]), chunks[:self.buffers - 1])
 
     # -- the next pass's first chunks, read ahead ----------------------------------------------
     # Triggered as a pass ends rather than by the next backward: its writes are all done
@@ -526,7 +571,7 @@ class NvmeStore:
         first chunk first, into the buffers ``stream`` starts with: as many as it reads
         before its first write."""
         spans = self._pass_after.get(head) or [_Span.of(c) for c in own]
-        for buffer, span in enumerate(spans[:BUFFERS - 1]):
+        for buffer, span in enumerate(spans[:self.buffers - 1]):
             # (the read holds the file and the buffer, not the store: a model dropped with
             # reads ahead in flight goes at once, its store's finalizer waiting for them)
             done = self._reader.submit(_read_all, self.file, self.path,
@@ -552,7 +597,7 @@ class NvmeStore:
             return
         if self._last_pass_head is not None:
             self._pass_after[self._last_pass_head] = [_Span.of(c)
-                                                      for c in chunks[:BUFFERS - 1]]
+                                                      for c in chunks[:self.buffers - 1]]
         self._last_pass_head = _Span.of(chunks[0])
 
     def _wait_upload(self, slot: int) -> None:
@@ -597,17 +642,20 @@ class NvmeStore:
                 for i, region in enumerate(span.regions)]
 
     def _arrays(self, chunk: Chunk, buffer: int) -> tuple[torch.Tensor | None, ...]:
-        """The chunk's master, moments and model copy (None: none) in pool buffer ``buffer``."""
-        n = chunk.hi - chunk.lo
+        """The chunk's master, moments and model copy (None: none) in pool buffer ``buffer``
+        (a master in host memory: its slice there)."""
+        n, record = chunk.hi - chunk.lo, chunk.record
         views = [part[:n * region.dtype.itemsize].view(region.dtype)
                  for region, part in self._parts(chunk, buffer)]
+        if record.master_in_memory:
+            views.insert(0, record.master[chunk.lo:chunk.hi])
         return (*views, None) if len(views) == 3 else tuple(views)
 
     def _reads(self, span: _Span, buffer: int) -> list[tuple[int, torch.Tensor]]:
         """The transfers that read a chunk into pool buffer ``buffer``: (file offset, bytes)
         of each array a step reads (a copy is written, not read)."""
         return [(region.offset + span.lo * region.dtype.itemsize, part)
-                for region, part in self._parts(span, buffer)[:3]]
+                for region, part in self._parts(span, buffer)[:span.reads]]
 
     def _read(self, chunk: Chunk, buffer: int) -> None:
         _read_all(self.file, self.path, self._reads(_Span.of(chunk), buffer))

@@ -256,12 +256,14 @@ def set_master(p: torch.nn.Parameter, values: torch.Tensor) -> None:
         if not is_nvme(p):
             p.copy_(values)
             return
-        p.nvme.write("master", values)
         if p.nvme.copy is not None:  # the model copy on NVMe too (Offload(params="nvme"))
+            p.nvme.write("master", values)
             p.nvme.store.write_values(p.nvme.copy, values.to(p.nvme.copy.dtype))
         else:
             wait_for_device(p)  # the copy is about to be written: the device may read it
             p.model_copy.copy_(values)
+            if not p.nvme.master_in_memory:  # (in fp32 the copy just written is the master)
+                p.nvme.write("master", values)
             publish(p)
         mark_model_copy_synced(p)
 

@@ -155,12 +155,12 @@ def build_context(mesh: Mesh, device: torch.device,
         if offload.nvme:  # the pool, fake; no file
             store = NvmeStore(None, torch.empty(offload.pool_bytes, dtype=torch.uint8),
                               group=mesh.whole, device=device,
-                              copies=offload.params == "nvme")
+                              **store_arrays(offload, mixed_precision.param_dtype))
     else:
         if offload.any:
             arena = HostArena(pin=device.type == "cuda")
         if offload.nvme:
-            store = open_store(offload, arena, mesh, device)
+            store = open_store(offload, arena, mesh, device, mixed_precision.param_dtype)
         peers = PeerMemory(comm.timeout_s) if comm.peer_read == "auto" else None
         # Reading each other's memory is probed within the shard group alone: HSDP's replicas
         # talk through the backend, and a shard group reads only if its ranks share a host.
@@ -192,8 +192,16 @@ def build_context(mesh: Mesh, device: torch.device,
                         across=across, mesh=mesh, lockstep=lockstep)
 
 
-def open_store(offload: Offload, arena: HostArena, mesh: Mesh,
-               device: torch.device) -> NvmeStore:
+def store_arrays(offload: Offload, param_dtype: torch.dtype) -> dict[str, bool]:
+    """What the NVMe store's records hold besides the moments (``NvmeStore``): the model copy
+    with the parameters on NVMe; the fp32 master unless it is the model copy in host memory
+    (fp32, the parameters not on NVMe: one copy of those bits, not two)."""
+    on_nvme = offload.params == "nvme"
+    return {"copies": on_nvme, "masters": on_nvme or param_dtype != torch.float32}
+
+
+def open_store(offload: Offload, arena: HostArena, mesh: Mesh, device: torch.device,
+               param_dtype: torch.dtype) -> NvmeStore:
     """NVMe offload: this rank's scratch file under ``offload.path`` and the pool it moves
     through (from the host arena: pinned with it), opened by every rank of the mesh together:
     a path that is missing, not a directory or not writable on any rank is raised on every
@@ -204,7 +212,7 @@ def open_store(offload: Offload, arena: HostArena, mesh: Mesh,
               if mesh.whole.size() > 1 else [scratch.direct])
     pool = arena.take(offload.pool_bytes, torch.uint8, align=BLOCK)
     store = NvmeStore(scratch, pool, group=mesh.whole, device=device,
-                      copies=offload.params == "nvme")
+                      **store_arrays(offload, param_dtype))
     if mesh.whole.rank() == 0:
         buffered = [r for r, d in enumerate(direct) if not d]
         how = ("direct I/O (O_DIRECT)" if not buffered else

@@ -47,10 +47,14 @@ class ModelState:
     mirrors: int                    # device mirrors of offloaded model copies
     on_host: frozenset[str]         # categories that live in host memory (CPU offload, GPUs)
     # NVMe offload: bytes of one rank's scratch file (what it needs free on its disk: the fp32
-    # masters and moments, each array in whole 4 KiB blocks), and the host pool they move
+    # masters, but for ``nvme_masters``, and moments, each array in whole 4 KiB blocks), and
+    # the host pool they move
     # through; 0 without.
     nvme: int = 0
     pool: int = 0
+    # Whether the scratch holds the fp32 masters (False: in fp32 with the parameters in memory
+    # the masters are the model copies there; the scratch holds the moments alone).
+    nvme_masters: bool = True
     # How the frozen weights are held (FrozenWeights): "" in the compute dtype, sharded; else
     # the format and the placement ("nf4, replicated": every rank holds the whole quantized
     # base, ``frozen_params`` is all of it, and nothing frozen is gathered).

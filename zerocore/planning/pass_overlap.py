@@ -5,7 +5,8 @@ takes, on this kind of machine and on a GPU, from bandwidths and FLOP rates.
 The pass moves bytes. Adam reads each fp32 master, its two moments and its gradient (16 bytes a
 parameter) and writes the master and the moments (12 bytes), plus the model copy it rounds to
 (in the parameter dtype) where that copy is not the master itself. With ``optimizer="nvme"`` the
-master and moments (12 bytes a parameter) are also read from the scratch and written back; the
+moments and the master (12 bytes a parameter; 8 in fp32 with the parameters in memory, where the
+master is the model copy there) are also read from the scratch and written back; the
 pool moves them while the kernel steps the chunk before, so the disk and the memory work overlap
 and the pass takes about the slower of the two. On a GPU the updated copy is uploaded layer by
 layer behind the pass, on the upload stream: again the slower stage sets the time.
@@ -32,8 +33,10 @@ GiB = 2**30
 # moments (3 x 4), all fp32; the model copy comes on top where it is a separate tensor.
 ADAM_READ_BYTES = 16
 ADAM_WRITE_BYTES = 12
-# NVMe: the scratch holds the master and the two moments (3 x 4 bytes), read and written back.
+# NVMe: the scratch holds the two moments and the master (3 x 4 bytes), read and written back;
+# in fp32 with the parameters in memory, the moments alone (the master is the model copy).
 NVME_BYTES = 12
+NVME_MOMENT_BYTES = 8
 # A backward's FLOPs over its forward's (two matmuls for each one of the forward): what the
 # delayed pass hides behind is the forward and backward, (1 + 2) forwards.
 BACKWARD_OVER_FORWARD = 2
@@ -127,12 +130,15 @@ def pass_bytes(plan: MemoryPlan, *, delayed: bool = False) -> tuple[int, int]:
     # the world, or over a 2-D mesh's shard group.
     numel = math.ceil(state.trainable_numel / (plan.mesh[1] if plan.mesh else plan.world_size))
     # The model copy is a tensor of its own beside fp32 masters (16-bit compute), or on NVMe
-    # where the masters live in the scratch; in fp32 in memory it is the master itself.
-    copy = state.trainable_params if state.masters or state.nvme else 0
+    # where the masters live in the scratch; in fp32 in memory it is the master itself (NVMe
+    # included, with the parameters in memory).
+    copy = (state.trainable_params if state.masters or (state.nvme and state.nvme_masters)
+            else 0)
     if delayed:
         copy //= 2
     host = numel * (ADAM_READ_BYTES + ADAM_WRITE_BYTES) + copy
-    return host, numel * NVME_BYTES * 2 if state.nvme else 0
+    per_param = NVME_BYTES if state.nvme_masters else NVME_MOMENT_BYTES
+    return host, numel * per_param * 2 if state.nvme else 0
 
 
 def pass_overlap(plan: MemoryPlan, offload: Offload, *, forward_flops: float,

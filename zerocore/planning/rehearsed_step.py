@@ -286,6 +286,7 @@ def model_state(sharding: Sharding, on_host: frozenset[str]) -> ModelState:
         mirrors=trainable.mirrors, on_host=on_host,
         nvme=store.size if store is not None else 0,
         pool=store.pool_bytes if store is not None else 0,
+        nvme_masters=store.masters if store is not None else True,
         frozen_layout=(f"{fw.dtype}, {fw.placement}" if (fw := sharding.frozen_weights).dtype
                        else ""))
 

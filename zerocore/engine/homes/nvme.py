@@ -31,15 +31,18 @@ def nvme_master(where, values: torch.Tensor, copy: torch.Tensor | None) -> torch
     """A trainable shard whose fp32 master (``values``, written now) and Adam moments (zeros)
     live in the sharding's scratch, and whose model copy (in the param dtype) is ``copy``, in
     host memory, or (None: ``params="nvme"``) in the scratch too. Either is written now,
-    rounded from the master."""
+    rounded from the master. In fp32 with the copy in host memory (a store without
+    ``masters``) the copy is the master, and the scratch holds the moments alone."""
     store, dtype = where.store, where.param_dtype
     record = store.add_adam(values.numel(), "a layer's fp32 master and Adam moments",
-                            copy_dtype=dtype if copy is None else None)
-    store.write_values(record.master, values)
+                            copy_dtype=dtype if copy is None else None,
+                            master=None if store.masters else copy)
+    if copy is not None:
+        copy.copy_(values)
+    if not record.master_in_memory:
+        store.write_values(record.master, values)
     if copy is None:
         store.write_values(record.copy, values.to(dtype))
-    else:
-        copy.copy_(values)
     shard = new_shard(placeholder(values.numel()), copy, offloaded=True,
                       overlapped=where.overlap)
     shard.nvme = record
@@ -50,7 +53,8 @@ def nvme_master(where, values: torch.Tensor, copy: torch.Tensor | None) -> torch
 
 class _MastersOnNvme:
     """The trainable shard of a home whose masters and moments are on NVMe, the model copy in
-    host memory; counted as the copy (and a mirror): the master is in ``nvme_bytes``."""
+    host memory (in fp32 the master itself); counted as the copy (and a mirror): the master,
+    if apart, is in ``nvme_bytes``."""
 
     def _trainable_shard(self, values: torch.Tensor) -> torch.nn.Parameter:
         copy = host_buffer(self.where, values.numel(), self.where.param_dtype)

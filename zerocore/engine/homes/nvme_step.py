@@ -82,8 +82,10 @@ class NvmeLaunch:
                 if a >= z:
                     continue
                 i, j = a - chunk.lo, z - chunk.lo
-                # The model copy: in host memory, or on NVMe (this chunk's, in the pool).
-                copy = (b.model_copy[a:z] if b.model_copy is not None
+                # The model copy: in host memory, or on NVMe (this chunk's, in the pool); none
+                # apart from the master when the master is the host copy itself (fp32).
+                copy = (None if chunk.record.master_in_memory
+                        else b.model_copy[a:z] if b.model_copy is not None
                         else None if disk_copy is None else disk_copy[i:j])
                 parts = (master[i:j], grad[a:z], exp_avg[i:j], exp_avg_sq[i:j], copy)
                 for out, part in zip(lists, parts):
