@@ -92,9 +92,9 @@ class CarriedReduce(Reduce):
         divided(packed, factors.pre)
         r.counter.reduce_scatter_bytes += nbytes(packed)  # counted as the exchange's
         r.counter.reduce_scatter_calls += 1
-        theirs = packed.chunk(2)[1 - r.rank]  # the half the other rank keeps
-        sent = self._lockstep.start_carried(self._unit, theirs.view(torch.uint8), kind=REDUCE)
         other = 1 - r.rank
+        theirs = packed.chunk(2)[other]  # the half the other rank keeps
+        sent = self._lockstep.start_carried(self._unit, theirs.view(torch.uint8), kind=REDUCE)
 
         def finish() -> torch.Tensor:
             received = self._lockstep.compared(sent).part(other).view(packed.dtype)

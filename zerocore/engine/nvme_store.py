@@ -409,7 +409,7 @@ class NvmeStore:
         self._learn_pass_order(chunks)
         for c in chunks:
             parts = self._parts(c, 0)
-            times.read_bytes += sum(p.numel() for _, p in parts[:_Span.of(c).reads])
+            times.read_bytes += sum(p.numel() for _, p in parts[:len(c.record.regions())])
             times.written_bytes += sum(p.numel() for _, p in parts)
         free = [b for b in range(self.buffers) if b not in {buffer for _, buffer, _ in found}]
         ahead = iter(chunks[len(found):])

@@ -46,10 +46,9 @@ class ModelState:
     gradients: int                  # fp32 gradient shards, from backward to zero_grad
     mirrors: int                    # device mirrors of offloaded model copies
     on_host: frozenset[str]         # categories that live in host memory (CPU offload, GPUs)
-    # NVMe offload: bytes of one rank's scratch file (what it needs free on its disk: the fp32
-    # masters, but for ``nvme_masters``, and moments, each array in whole 4 KiB blocks), and
-    # the host pool they move
-    # through; 0 without.
+    # NVMe offload: bytes of one rank's scratch file (what it needs free on its disk: the two
+    # moments and, with ``nvme_masters``, the fp32 masters, each array in whole 4 KiB blocks),
+    # and the host pool they move through; 0 without.
     nvme: int = 0
     pool: int = 0
     # Whether the scratch holds the fp32 masters (False: in fp32 with the parameters in memory
