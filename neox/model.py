@@ -28,7 +28,7 @@ from torch import nn
 from neox.config import SUPPORTED_ACTIVATIONS, NeoXConfig, normalize_filter_layers
 
 __all__ = ["KVCache", "Embedding", "Block", "FinalNorm", "Readout", "NeoXModel", "LayerKind",
-           "LayerSpec", "layer_specs", "build_layer", "build_layers", "init_weights",
+           "LayerSpec", "layer_specs", "build_layer", "build_layers", "allocated", "init_weights",
            "ACTIVATIONS"]
 
 LayerKind = Literal["embed", "block", "final_norm", "readout"]
@@ -281,6 +281,14 @@ def build_layer(kind: LayerKind, config: NeoXConfig, *, device=None, dtype=None)
     return cls(config, device=device, dtype=dtype)
 
 
+def allocated(layer: nn.Module, device) -> nn.Module:
+    """``layer``, built on the meta device, with its parameters and buffers allocated on
+    ``device``, uninitialised: ``Module.to_empty``, but with ``torch.empty`` (the meta tensors
+    are contiguous) instead of ``torch.empty_like``, whose first call on a meta tensor imports
+    sympy: 0.3 s of CPU in every rank that builds a layer (measured 2026-12-06, torch 2.13)."""
+    return layer._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+
+
 @torch.no_grad()
 def init_weights(layer: nn.Module, *, std: float = 0.02,
                  generator: torch.Generator | None = None) -> nn.Module:
@@ -309,7 +317,7 @@ def build_layers(config: NeoXConfig, *, filter_layers: Iterable[int] | None = No
         # is skipped.
         layer = build_layer(spec.kind, config, device="meta", dtype=dtype)
         if device.type != "meta":
-            init_weights(layer.to_empty(device=device), generator=generator)
+            init_weights(allocated(layer, device), generator=generator)
         layers.append(layer)
     return layers
 

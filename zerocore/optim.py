@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -261,6 +262,21 @@ def overrides_mismatch(mine: dict[str, Any], saved: dict[str, Any]) -> str | Non
             f"now {have.get(differ[0], {})}; build the optimizer with the run's param_overrides")
 
 
+def _torch_optimizer(name: str) -> Callable[..., Any]:
+    """``torch.optim.Optimizer``'s method ``name``, to call as ``super()`` would. Some of them
+    (``add_param_group``, ``zero_grad``, ``state_dict``) are wrapped by ``torch._disable_dynamo``,
+    whose first call imports ``torch._dynamo``: about 1 s of CPU in every process, as much as
+    ``import torch`` itself (measured 2026-12-06, torch 2.13), paid by every neox rank and rank
+    process of the tests for nothing when nothing is compiled. Until ``torch._dynamo`` is
+    imported nothing can be compiling, so the wrapper has nothing to do and the wrapped function
+    (``__wrapped__``, which ``functools.wraps`` keeps) is called directly; once it is imported,
+    the method as torch wraps it."""
+    method = getattr(torch.optim.Optimizer, name)
+    if "torch._dynamo" in sys.modules:
+        return method
+    return getattr(method, "__wrapped__", method)
+
+
 def _flat_views(flat: torch.Tensor, params: list[torch.nn.Parameter],
                 offsets: list[int]) -> list[torch.Tensor]:
     return [flat[o:o + p.numel()].view(p.shape) for p, o in zip(params, offsets)]
@@ -302,7 +318,7 @@ class Adam(torch.optim.Optimizer):
     # -- construction --------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
+        _torch_optimizer("add_param_group")(self, param_group)
         group = self.param_groups[-1]
         for p in group["params"]:
             # Frozen parameters are never stepped, whatever they hold (zerocore's int8 frozen
@@ -522,7 +538,7 @@ class Adam(torch.optim.Optimizer):
         overlapped pass (it holds the ones it reads); zeroing them in place does."""
         if not set_to_none:
             settle_updates([p for g in self.param_groups for p in g["params"]], together=True)
-        super().zero_grad(set_to_none=set_to_none)
+        _torch_optimizer("zero_grad")(self, set_to_none=set_to_none)
 
     @property
     def pass_in_flight(self) -> bool:
@@ -605,7 +621,7 @@ class Adam(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         self._refuse_nvme("state_dict()")
         self.settle()
-        return super().state_dict()
+        return _torch_optimizer("state_dict")(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state dict of this class or of ``torch.optim.Adam``/``AdamW`` (same layout).

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from neox.config import NeoXConfig
-from neox.model import LayerKind, build_layer, init_weights
+from neox.model import LayerKind, allocated, build_layer, init_weights
 from neox.weights.base import WeightsReader
 
 __all__ = ["RandomInit"]
@@ -29,6 +29,6 @@ class RandomInit(WeightsReader):
     def read(self, kind: LayerKind, index: int | None = None) -> dict[str, torch.Tensor]:
         digest = hashlib.sha256(f"{self.seed}:{kind}:{index}".encode()).digest()
         generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-        layer = build_layer(kind, self.config, device="meta").to_empty(device="cpu")
+        layer = allocated(build_layer(kind, self.config, device="meta"), "cpu")
         init_weights(layer, std=self.std, generator=generator)
         return dict(layer.state_dict())

@@ -264,3 +264,34 @@ def test_config_from_hf_dict_errors(change, message):
     del d["hidden_size"]
     with pytest.raises(ValueError, match="missing.*hidden_size"):
         NeoXConfig.from_hf_dict(d)
+
+
+# What a neox rank does before its first step (a layer built at random, zerocore's AdamW built,
+# stepped, zeroed and read), in a fresh interpreter.
+RANK_START = """
+import sys, torch, zerocore
+from neox.config import preset_config
+from neox.weights.random_init import RandomInit
+state = RandomInit(preset_config("tiny"), seed=1).read("block", 0)
+params = [torch.nn.Parameter(t) for t in state.values()]
+opt = zerocore.optim.AdamW(params, lr=1e-3)
+for p in params:
+    p.grad = torch.ones_like(p)
+opt.step()
+opt.zero_grad()
+opt.state_dict()
+print(" ".join(m for m in ("torch._dynamo", "sympy") if m in sys.modules))
+"""
+
+
+def test_a_rank_imports_neither_dynamo_nor_sympy_before_its_first_step():
+    """torch.optim.Optimizer's add_param_group, zero_grad and state_dict import torch._dynamo on
+    their first call, and Module.to_empty imports sympy: about 1.3 s of CPU in every rank
+    (zerocore/optim.py's ``_torch_optimizer``, neox/model.py's ``allocated``). Neither is used
+    unless something is compiled."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", RANK_START], env=neox_testing.cli_env(),
+                          cwd=neox_testing.REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "", f"imported: {proc.stdout.strip()}"
