@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import zerocore
-from tests.support.dist_utils import worlds_by_size
+from tests.support.dist_utils import stop_forkserver, worlds_by_size
 
 NO_GPU_REASON = "no CUDA device visible (torch.cuda.is_available() is False)"
 
@@ -66,6 +66,10 @@ def pytest_collection_modifyitems(items) -> None:
             item.add_marker(pytest.mark.distributed)
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
+def pytest_sessionfinish(session) -> None:
+    stop_forkserver()  # the ranks' CPU time is counted (tests/support/dist_utils.py)
 
 
 def pytest_addoption(parser) -> None:

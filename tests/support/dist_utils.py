@@ -1,8 +1,9 @@
 """Harness for multi-process tests: N ranks of a gloo process group on the CPU, each a process
-started with torch.multiprocessing's "spawn", running test functions on every rank.
+forked by torch.multiprocessing's "forkserver" (which has imported torch and zerocore once),
+running test functions on every rank.
 
-Starting a rank costs seconds (a fresh interpreter imports torch), so a ``World`` starts its
-processes once and keeps them for many tests; a pytest fixture owns it (module scope, one world
+Starting a rank still costs a process and a process group, so a ``World`` starts its processes
+once and keeps them for many tests; a pytest fixture owns it (module scope, one world
 size at a time). ``world.run(fn, *args)`` calls ``fn(rank, world_size, *args)`` on every rank and
 returns the results in rank order. ``fn`` must be a module-level function (the ranks import it by
 name) and its arguments and result picklable (tensors are fine: they are copied).
@@ -21,9 +22,11 @@ from __future__ import annotations
 import contextlib
 import datetime
 import math
+import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
 from typing import Any, Callable, Iterator
@@ -49,6 +52,16 @@ GRACE_S = 5.0
 STOP_PATIENCE_S = 10.0
 
 
+# Ranks are forked by a server process that has imported these (multiprocessing's "forkserver",
+# one per test process, started with the first world). A spawned rank imported them itself:
+# about 2.8 s of CPU per rank (import torch, zerocore, and torch._dynamo, which the reference
+# torch.optim.AdamW's first call imports), against 0.35 s for six forked ranks with the server's
+# own imports (measured 2026-12-06, load 8). The distributed tier starts some 250 ranks. Forking
+# a process that has imported torch is what DataLoader's workers do; the server has run no op,
+# so no thread pool or device state is copied.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "zerocore", __name__]
+
+
 class RankFailure(AssertionError):
     """A test function failed, hung or died on at least one rank."""
 
@@ -60,8 +73,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
-    """A rank's main loop: join the group, then run tasks until told to stop (None)."""
+def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any,
+            parent: tuple[dict[str, str], str, list[str]]) -> None:
+    """A rank's main loop: join the group, then run tasks until told to stop (None). ``parent``:
+    the environment, working directory and import path of the process that started the world
+    at that moment, which a spawned rank would have had (a forked one has the server's)."""
+    environ, cwd, path = parent
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    sys.path[:] = path
     # Every rank shares 2 cores with the others: more threads than cores only adds contention.
     torch.set_num_threads(1)
     try:
@@ -145,12 +166,14 @@ class World:
     # -- internals -------------------------------------------------------------------------------
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
         port = free_port()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [ctx.Process(target=_worker, daemon=True, name=f"zerocore-test-rank{r}",
-                                   args=(r, self.world_size, port, self._tasks[r], self._results))
+                                   args=(r, self.world_size, port, self._tasks[r], self._results,
+                                         (dict(os.environ), os.getcwd(), list(sys.path))))
                        for r in range(self.world_size)]
         for p in self._procs:
             p.start()
@@ -193,6 +216,18 @@ class World:
             if status == "error":
                 parts.append(f"----- rank {r} raised -----\n{value.rstrip()}")
         raise RankFailure("\n".join(parts))
+
+
+def stop_forkserver() -> None:
+    """Ends this process's fork server, if it started one, and waits for it: its CPU time, its
+    ranks' included, then counts as this process's children's, which .ci/run reports per tier
+    (a server left running is reparented when this process exits, and its time is lost).
+    ``_stop`` is multiprocessing's own (Python 3.8 on); without it the server just ends with
+    this process, as before."""
+    from multiprocessing import forkserver
+    stop = getattr(forkserver._forkserver, "_stop", None)
+    if stop is not None:
+        stop()
 
 
 @contextlib.contextmanager
