@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from neox import data as nd
 from neox.run.inference import Loaded
 from neox.run.progress import Progress
-from neox.run.step import correct_predictions
 
 __all__ = ["read_text", "run_corpus", "run_validation_windows", "token_windows",
            "evaluate_windows"]
@@ -91,7 +90,7 @@ def evaluate_windows(model: torch.nn.Module, inputs: torch.Tensor, targets: torc
         y = targets[start:start + batch_size].to(device)
         logits = model(x).float()
         loss_sum += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
-        correct += correct_predictions(logits, y).item()
+        correct += (logits.argmax(-1) == y).sum().item()
         bar.update(b + 1, f"loss {loss_sum / ((start + len(x)) * seq_len):.4f}")
     bar.close()
     count = n * seq_len
