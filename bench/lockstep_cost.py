@@ -14,8 +14,10 @@ arithmetic dominates. ``--neox``: GPT-NeoX blocks (neox/model.py's ``Block``: at
 MLP, ``--width`` the hidden size, 16 heads, 4x MLP), the shape of a real unit, whose gathers
 are megabytes. Models in the same ranks, stepped alternately in a seeded random order
 per round:
-- ``read, on`` / ``read, on A/A``: peer reading (the default on one host), the exchange through
-  its pipes; two identical models, whose ratio is the noise band of the run;
+- ``read, on`` / ``read, on A/A``: peer reading (the default on one host); the identity of a
+  gather by reading, and at two ranks of a reduction, rides in its ready message and is
+  compared when it is waited for (comm/carried.py's ``ReadCarriedGather``), the other steps'
+  exchanged through its pipes; two identical models, whose ratio is the noise band of the run;
 - ``read, off``: the same with the exchange switched off (``Lockstep.enabled``, an internal
   switch for this measurement; no policy turns it off);
 - ``collective, on`` / ``collective, off``: gloo's collectives (``Comm(peer_read="off")``); the
