@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -44,9 +45,12 @@ def _layers() -> list[nn.Module]:
             nn.Linear(128, WIDTH), frozen, nn.Linear(WIDTH, WIDTH)]
 
 
-def _build(carried: bool, group: dist.ProcessGroup | None = None, reading: bool = False):
-    """Over gloo's collectives, or (``reading``) over peer reading."""
-    comm = zerocore.Comm() if reading else zerocore.Comm(peer_read="off")
+def _build(carried: bool, group: dist.ProcessGroup | None = None, reading: bool = False,
+           ways: tuple[str, str] = ("auto", "auto")):
+    """Over gloo's collectives, or (``reading``) over peer reading, gathering and reducing
+    as ``ways`` says."""
+    comm = (zerocore.Comm(gather=ways[0], reduce=ways[1]) if reading
+            else zerocore.Comm(peer_read="off"))
     model = zerocore.shard(_layers(), comm=comm, group=group,
                            frozen_weights=zerocore.FrozenWeights("int8"))
     model.lockstep.enabled = carried  # off: the plain gathers, no check at all
@@ -94,12 +98,12 @@ def test_a_small_units_gather_through_the_rows_is_bitwise_the_plain_gather(world
     assert got == [([0, 2, 3, 4], reduces)] * world.world_size
 
 
-def trained(rank: int, world_size: int, carried: bool, reading: bool = False
-            ) -> list[torch.Tensor]:
+def trained(rank: int, world_size: int, carried: bool, reading: bool = False,
+            ways: tuple[str, str] = ("auto", "auto")) -> list[torch.Tensor]:
     """Three steps of two micro-batches; the losses and the full trained state."""
-    model = _build(carried, reading=reading)
-    if reading:  # every unit's gather says its identity in its ready message
-        assert all(isinstance(g.gather, ReadCarriedGather)
+    model = _build(carried, reading=reading, ways=ways)
+    if reading:  # every unit's gather by reading says its identity in its ready message
+        assert all(isinstance(g.gather, ReadCarriedGather) == (ways[0] != "collective")
                    for layer in model.layers[:model.num_units] for g in layer.groups)
     else:
         assert bool(_carried_units(model)) == carried
@@ -283,3 +287,16 @@ def test_training_by_reading_with_the_identity_is_bitwise_training_without(world
         assert len(a) == len(b)
         for x, y in zip(a, b):
             assert torch.equal(x, y), rank  # the same bytes read: the same bits
+
+
+@pytest.mark.parametrize("ways", [("collective", "read"), ("read", "exchange")])
+def test_one_way_by_reading_with_the_identity_is_bitwise_training_without(worlds, ways):
+    # Two ranks, one way by reading and the other not: the identities of the steps by reading
+    # ride with their ready messages, the others' are checked first (after comparing those).
+    world = worlds(2)
+    with_identity = world.run(trained, True, True, ways)
+    plain = world.run(trained, False, True, ways)
+    for rank, (a, b) in enumerate(zip(with_identity, plain)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert torch.equal(x, y), rank
