@@ -10,7 +10,9 @@ states, checkpoints) is named by one int64, its identity: what kind of step, the
 (forward with or without autograd, backward), the micro-batch (forwards since the last
 ``optimizer.step()``) and the step. Before the step's own collectives the ranks exchange their
 identities: through the pipes of peer memory (16-byte messages, keyed by a sequence number that
-every rank counts alike) when every rank of the model reads the others' memory, else one
+every rank counts alike) when every rank of the model reads the others' memory (where a gather
+or reduction by reading carries its identity in the write of its own ready message, compared
+before anything is read: ``carry_reading``), else one
 all-gather of one int64 per rank over the model's whole mesh (over gloo's collectives of a flat
 mesh, a gather of rows of one shape, in which small units' gathers, and at two ranks their
 gradient reductions, carry their data and so need no exchange of their own: comm/rows.py,
