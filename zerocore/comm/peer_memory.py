@@ -590,20 +590,22 @@ class _Pipes:
         grace = _GRACE_S
         tell_at = time.monotonic() + grace
         while True:
-            now = time.monotonic()
-            left = deadline - now
-            wait = left if self.blocked is None else min(left, max(0.0, tell_at - now))
-            if left <= 0 or not _ready(fd, select.POLLIN, wait):
-                if self.blocked is not None and left > 0:
-                    grace = min(2 * grace, _GRACE_MAX_S)
-                    tell_at = time.monotonic() + grace
-                    self.blocked(rank, key)
-                    continue
-                raise self._silent(rank, "answer")
             try:
+                # Read first, poll only when nothing is there: a message often is already (a
+                # ready message written with the identity before it, a rank ahead of this one).
                 chunk = os.read(fd, _MESSAGE.size - len(data))
             except BlockingIOError:
-                continue  # woken for nothing
+                now = time.monotonic()
+                left = deadline - now
+                wait = left if self.blocked is None else min(left, max(0.0, tell_at - now))
+                if left <= 0 or not _ready(fd, select.POLLIN, wait):
+                    if self.blocked is not None and left > 0:
+                        grace = min(2 * grace, _GRACE_MAX_S)
+                        tell_at = time.monotonic() + grace
+                        self.blocked(rank, key)
+                        continue
+                    raise self._silent(rank, "answer") from None
+                continue
             if not chunk:
                 raise self._lose(rank, "closed its pipe to this rank (its model was released, "
                                        "or it exited or failed) while this rank waited for it")
