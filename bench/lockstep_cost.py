@@ -14,8 +14,10 @@ arithmetic dominates. ``--neox``: GPT-NeoX blocks (neox/model.py's ``Block``: at
 MLP, ``--width`` the hidden size, 16 heads, 4x MLP), the shape of a real unit, whose gathers
 are megabytes. Models in the same ranks, stepped alternately in a seeded random order
 per round:
-- ``read, on`` / ``read, on A/A``: peer reading (the default on one host), the exchange through
-  its pipes; two identical models, whose ratio is the noise band of the run;
+- ``read, on`` / ``read, on A/A``: peer reading (the default on one host); the identity of a
+  gather by reading, and at two ranks of a reduction, rides in its ready message and is
+  compared when it is waited for (comm/carried.py's ``ReadCarriedGather``), the other steps'
+  exchanged through its pipes; two identical models, whose ratio is the noise band of the run;
 - ``read, off``: the same with the exchange switched off (``Lockstep.enabled``, an internal
   switch for this measurement; no policy turns it off);
 - ``collective, on`` / ``collective, off``: gloo's collectives (``Comm(peer_read="off")``); the
@@ -36,6 +38,9 @@ for the model, compared once the gather is waited for; ``off A/A``, a second ``o
 the noise band. ``carried`` is the prototype of that design, now built in the engine
 (comm/carried.py; docs/decisions.md, issue 39, "the identity carried in the gathers of small
 units").
+``--calls`` counts instead (cProfile, exact) what rank 0 of a peer-reading step calls, per
+step, the lockstep on: the pipes' system calls and the lockstep's checks, after two steps of
+warm-up (``--rounds`` steps; its times are only proportions).
 Reported: the median step time over the rounds per layer (microseconds, the slowest rank), and
 each "on" against its "off".
 """
@@ -44,6 +49,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import cProfile
+import pstats
 
 import torch
 import torch.distributed as dist
@@ -218,6 +225,50 @@ def exchange(args: argparse.Namespace) -> None:
     print(harness.table(("world size", "exchange", "µs each", "vs all-gather"), rows, "rlrr"))
 
 
+# What ``--calls`` counts: the pipes' system calls (by cProfile's names of the builtins) and the
+# lockstep's own steps (by function name; ``_say``: an identity said with a ready message).
+PIPE_CALLS = {"<built-in method posix.write>": "pipe writes",
+              "<built-in method posix.read>": "pipe reads",
+              "<method 'poll' of 'select.poll' objects>": "polls"}
+LOCKSTEP_CALLS = ("check", "_say", "compare_said")
+
+
+def calls_main(rank: int, world: int, args: argparse.Namespace) -> dict:
+    model = zerocore.shard(stack(args.layers, args.width, args.neox), comm=zerocore.Comm())
+    opt = zerocore.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(args.rows, SEQ, args.width, generator=torch.Generator().manual_seed(rank))
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for _ in range(2):
+        step()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(args.rounds):
+        step()
+    profile.disable()
+    counts = {}
+    for (file, _, name), (_, calls, *_) in pstats.Stats(profile).stats.items():
+        if name in PIPE_CALLS:
+            counts[PIPE_CALLS[name]] = calls / args.rounds
+        elif file.endswith("lockstep.py") and name in LOCKSTEP_CALLS:
+            counts[f"Lockstep.{name}"] = calls / args.rounds
+    return counts
+
+
+def calls(args: argparse.Namespace) -> None:
+    print(harness.header(f"calls per step of rank 0, {args.layers} layers, peer reading, the "
+                         f"lockstep on; {args.rounds} steps", packages=("torch",)))
+    print(f"# zerocore from {zerocore.__file__}")
+    rows = []
+    for nproc in args.nproc:
+        counts = harness.run_ranks(calls_main, nproc, args)[0]
+        rows += [(nproc, name, f"{n:.0f}") for name, n in sorted(counts.items())]
+    print(harness.table(("world size", "call", "per step"), rows, "rlr"))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--neox", action="store_true", help="GPT-NeoX blocks, not Linear + GELU")
@@ -229,6 +280,8 @@ def main() -> None:
     p.add_argument("--exchange", action="store_true", help="time one exchange alone")
     p.add_argument("--fused", action="store_true",
                    help="time a small unit's gather: unchecked, checked first, identity carried")
+    p.add_argument("--calls", action="store_true",
+                   help="count rank 0's pipe calls and lockstep checks per step (peer reading)")
     args = p.parse_args()
     if args.exchange:
         exchange(args)
@@ -238,6 +291,9 @@ def main() -> None:
             setattr(args, name, neox if args.neox else plain)
     if args.fused:
         fused(args)
+        return
+    if args.calls:
+        calls(args)
         return
     layer = (f"GPT-NeoX blocks (hidden {args.width}, 16 heads, MLP {4 * args.width})"
              if args.neox else f"layers of Linear({args.width}, {args.width}) + GELU")

@@ -7,19 +7,25 @@ run through it is bitwise the run without the lockstep, and a divergence met fir
 gather or reduction is refused on every rank with the lockstep's message
 (tests/engine/test_divergence.py covers the rest of the cases on this transport, whose toy model
 carries its embedding and readout and checks its blocks first).
+
+Over peer reading, every unit's gather and (two ranks) reduction carries its identity in its
+ready message, compared before anything is read from another rank: the last tests here
+(tests/engine/test_divergence.py runs every divergence case over peer reading too).
 """
 
 from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import zerocore
 from tests.support.refusals import assert_refused
-from zerocore.comm.carried import CARRY_MAX_BYTES, CarriedGather, CarriedReduce
+from zerocore.comm.carried import (CARRY_MAX_BYTES, CarriedGather, CarriedReduce,
+                                   ReadCarriedGather, ReadCarriedReduce)
 
 WORLD_SIZES = [2, 3]
 WIDTH = 8
@@ -39,8 +45,13 @@ def _layers() -> list[nn.Module]:
             nn.Linear(128, WIDTH), frozen, nn.Linear(WIDTH, WIDTH)]
 
 
-def _build(carried: bool, group: dist.ProcessGroup | None = None):
-    model = zerocore.shard(_layers(), comm=zerocore.Comm(peer_read="off"), group=group,
+def _build(carried: bool, group: dist.ProcessGroup | None = None, reading: bool = False,
+           ways: tuple[str, str] = ("auto", "auto")):
+    """Over gloo's collectives, or (``reading``) over peer reading, gathering and reducing
+    as ``ways`` says."""
+    comm = (zerocore.Comm(gather=ways[0], reduce=ways[1]) if reading
+            else zerocore.Comm(peer_read="off"))
+    model = zerocore.shard(_layers(), comm=comm, group=group,
                            frozen_weights=zerocore.FrozenWeights("int8"))
     model.lockstep.enabled = carried  # off: the plain gathers, no check at all
     return model
@@ -87,12 +98,17 @@ def test_a_small_units_gather_through_the_rows_is_bitwise_the_plain_gather(world
     assert got == [([0, 2, 3, 4], reduces)] * world.world_size
 
 
-def trained(rank: int, world_size: int, carried: bool) -> list[torch.Tensor]:
+def trained(rank: int, world_size: int, carried: bool, reading: bool = False,
+            ways: tuple[str, str] = ("auto", "auto")) -> list[torch.Tensor]:
     """Three steps of two micro-batches; the losses and the full trained state."""
-    model = _build(carried)
-    assert bool(_carried_units(model)) == carried
-    # At two ranks the gradients go through the rows too (CarriedReduce)
-    assert bool(_carried_reduces(model)) == (carried and world_size == 2)
+    model = _build(carried, reading=reading, ways=ways)
+    if reading:  # every unit's gather by reading says its identity in its ready message
+        assert all(isinstance(g.gather, ReadCarriedGather) == (ways[0] != "collective")
+                   for layer in model.layers[:model.num_units] for g in layer.groups)
+    else:
+        assert bool(_carried_units(model)) == carried
+        # At two ranks the gradients go through the rows too (CarriedReduce)
+        assert bool(_carried_reduces(model)) == (carried and world_size == 2)
     opt = zerocore.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(3):
@@ -173,14 +189,20 @@ def test_a_unit_skipped_on_one_rank_is_refused_at_a_carried_gather(world):
                     "the gradients of layer 4 in backward of micro-batch 0 (step 1)")
 
 
-def reduce_at_different_micro_batches(rank: int, world_size: int) -> tuple[str, bool]:
-    """Layer 0's reduction through the rows, each rank in the backward of micro-batch ``rank``:
-    what its finish raised, and whether this rank's half of the packed gradients is as it was
-    (the other's half not added)."""
-    model = _build(carried=True)
+def reduce_at_different_micro_batches(rank: int, world_size: int, reading: bool = False
+                                      ) -> tuple[str, bool]:
+    """Layer 0's reduction through the rows (``reading``: by reading, its identity in its ready
+    message), each rank in the backward of micro-batch ``rank``: what its finish raised, and
+    whether this rank's half of the packed gradients is as it was (the other's half not
+    added)."""
+    model = _build(carried=True, reading=reading)
     group = model.layers[0].groups[0]
-    assert isinstance(group.reduce, CarriedReduce) and model.lockstep.carries_reduce(0)
+    if reading:
+        assert isinstance(group.reduce, ReadCarriedReduce), "two ranks reduce by reading here"
+    else:
+        assert isinstance(group.reduce, CarriedReduce) and model.lockstep.carries_reduce(0)
     model.lockstep.backward_begins(micro_batch=rank)
+    model.lockstep.reduce(0, kept=False)  # (as FlatGroup's reduction says it first)
     packed = torch.full((group.layout.padded_numel,), float(rank + 1))
     lo, hi = group.layout.shard_range(rank)
     reduction = group.reduce.start(packed, lo, hi)
@@ -205,3 +227,76 @@ def test_a_reduction_through_the_rows_is_refused_before_its_half_is_added(worlds
                    "rank 0 reduces the gradients of layer 0 in backward of micro-batch 0",
                    "rank 1 reduces the gradients of layer 0 in backward of micro-batch 1")
     assert [untouched for _, untouched in got] == [True, True]
+
+
+# -- peer reading: the identity in the ready messages -------------------------------------------
+
+def gather_read_at_different_phases(rank: int, world_size: int) -> tuple[str, bool]:
+    """Layer 0's gather by reading, rank 0 for a forward without autograd, the others for a
+    training forward: what its wait raised, and whether the other ranks' parts of the gathered
+    buffer are still what this rank wrote there (NaN: nothing read from a rank whose identity
+    differs)."""
+    model = _build(carried=True, reading=True)
+    layer = model.layers[0]
+    (group,) = layer.groups
+    assert isinstance(group.gather, ReadCarriedGather), "peer reading is the default here"
+    model.lockstep.forward_begins(grad=rank != 0)
+    layer.start_gather()
+    parts = group._comm.chunk(world_size)
+    for q, part in enumerate(parts):
+        if q != rank:
+            part.fill_(float("nan"))  # (the storage is this rank's from the start)
+    outcome = "no error"
+    try:
+        layer.wait_gather()
+    except Exception as e:  # noqa: BLE001  (what each rank got is the result)
+        outcome = f"{type(e).__name__}: {e}"
+    untouched = all(bool(part.isnan().all()) for q, part in enumerate(parts) if q != rank)
+    del model, layer, group, parts
+    gc.collect()
+    return outcome, untouched
+
+
+def test_a_gather_by_reading_is_refused_before_anything_is_read(world):
+    # Rank 0's forward without autograd and the others' training forward begin with layer 0's
+    # gather by reading, whose identity rides with its ready message: compared when the gather
+    # is waited for, before any other rank's part is read.
+    got = world.run(gather_read_at_different_phases, timeout=RUN_TIMEOUT_S)
+    others = "rank 1" if world.world_size == 2 else "ranks 1, 2"
+    assert_refused([outcome for outcome, _ in got],
+                   "rank 0 gathers layer 0 for a forward without autograd",
+                   f"{others} gather{'s' if world.world_size == 2 else ''} layer 0 for "
+                   f"forward of micro-batch 0 (step 0)")
+    assert [untouched for _, untouched in got] == [True] * world.world_size
+
+
+def test_a_reduction_by_reading_is_refused_before_anything_is_read(worlds):
+    # Two ranks (three reduce by gloo's all-reduce, checked first), in the backward of
+    # different micro-batches, meet at layer 0's reduction by reading.
+    got = worlds(2).run(reduce_at_different_micro_batches, True, timeout=RUN_TIMEOUT_S)
+    assert_refused([outcome for outcome, _ in got],
+                   "rank 0 reduces the gradients of layer 0 in backward of micro-batch 0",
+                   "rank 1 reduces the gradients of layer 0 in backward of micro-batch 1")
+    assert [untouched for _, untouched in got] == [True, True]
+
+
+def test_training_by_reading_with_the_identity_is_bitwise_training_without(world):
+    with_identity = world.run(trained, True, True)
+    plain = world.run(trained, False, True)
+    for rank, (a, b) in enumerate(zip(with_identity, plain)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert torch.equal(x, y), rank  # the same bytes read: the same bits
+
+
+@pytest.mark.parametrize("ways", [("collective", "read"), ("read", "exchange")])
+def test_one_way_by_reading_with_the_identity_is_bitwise_training_without(worlds, ways):
+    # Two ranks, one way by reading and the other not: the identities of the steps by reading
+    # ride with their ready messages, the others' are checked first (after comparing those).
+    world = worlds(2)
+    with_identity = world.run(trained, True, True, ways)
+    plain = world.run(trained, False, True, ways)
+    for rank, (a, b) in enumerate(zip(with_identity, plain)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert torch.equal(x, y), rank

@@ -18,8 +18,8 @@ import torch
 from zerocore.comm.collectives import nbytes
 from zerocore.comm.lockstep import REDUCE, Lockstep
 from zerocore.comm.rows import Sent
-from zerocore.comm.transport import (Gather, Reduce, ReduceByExchange, Reduction, divided,
-                                     mean_of_sum)
+from zerocore.comm.transport import (Gather, GatherByReading, Reduce, ReduceByExchange,
+                                     ReduceByReading, Reduction, divided, mean_of_sum)
 
 # The largest part of a unit (bytes per rank) carried in the rows. Every step the lockstep
 # checks sends a row this wide at most, a unit too large for it included: the width is the
@@ -102,3 +102,58 @@ class CarriedReduce(Reduce):
             self._lockstep.give_back(sent)  # (added: the rows may be written again)
             return mean
         return Reduction(finish)
+
+
+class ReadCarriedGather(Gather):
+    """Peer reading's gather (``GatherByReading``) with the lockstep's identity in its ready
+    message (``Lockstep.carry_reading``): the identity said when the unit's gather began
+    (``Lockstep.gather``) rides in the same write as the message that this rank's buffer is
+    ready, and the identities said up to it are compared when the gather is waited for, before
+    any other rank's part is read. With the lockstep switched off nothing is said, and it is
+    the plain gather it wraps."""
+
+    def __init__(self, plain: GatherByReading, lockstep: Lockstep):
+        super().__init__(plain.route)
+        self.name = plain.name
+        self._plain = plain
+        self._lockstep = lockstep
+        self._through = 0  # the last identity said when the gather in flight started
+
+    def start(self, out: torch.Tensor, source: torch.Tensor) -> None:
+        self._through = self._lockstep.said
+        self._plain.start(out, source)
+
+    def wait(self, out: torch.Tensor) -> None:
+        self._lockstep.compare_said(self._through)
+        self._plain.wait(out)
+
+    def before_free(self) -> None:
+        self._plain.before_free()
+
+
+class ReadCarriedReduce(Reduce):
+    """Peer reading's reduction at two ranks (``ReduceByReading``) with the lockstep's identity in
+    its ready message, as ``ReadCarriedGather``: compared when the reduction is finished, before
+    the other rank's contribution is read. With the lockstep switched off it is the plain
+    reduction it wraps."""
+
+    name = ReduceByReading.name
+    in_flight_nbytes = ReduceByReading.in_flight_nbytes
+    kept_nbytes = ReduceByReading.kept_nbytes
+
+    def __init__(self, plain: ReduceByReading, lockstep: Lockstep):
+        super().__init__(plain.route)
+        self._plain = plain
+        self._lockstep = lockstep
+
+    def before_pack(self) -> None:
+        self._plain.before_pack()
+
+    def start(self, packed: torch.Tensor, lo: int, hi: int) -> Reduction:
+        through = self._lockstep.said
+        reduction = self._plain.start(packed, lo, hi)
+
+        def finish() -> torch.Tensor:
+            self._lockstep.compare_said(through)
+            return reduction.finish()
+        return Reduction(finish, held=reduction.held)

@@ -10,7 +10,9 @@ states, checkpoints) is named by one int64, its identity: what kind of step, the
 (forward with or without autograd, backward), the micro-batch (forwards since the last
 ``optimizer.step()``) and the step. Before the step's own collectives the ranks exchange their
 identities: through the pipes of peer memory (16-byte messages, keyed by a sequence number that
-every rank counts alike) when every rank of the model reads the others' memory, else one
+every rank counts alike) when every rank of the model reads the others' memory (where a gather
+or reduction by reading carries its identity in the write of its own ready message, compared
+before anything is read: ``carry_reading``), else one
 all-gather of one int64 per rank over the model's whole mesh (over gloo's collectives of a flat
 mesh, a gather of rows of one shape, in which small units' gathers, and at two ranks their
 gradient reductions, carry their data and so need no exchange of their own: comm/rows.py,
@@ -183,6 +185,12 @@ class Lockstep:
         self._carried: frozenset[int] = frozenset()
         self._carried_reduces: frozenset[int] = frozenset()
         self._unchecked: collections.deque[Sent] = collections.deque()
+        # Over peer reading of a flat mesh, whether the gathers (the reductions) by reading
+        # carry their identity in their ready message (``carry_reading``), and the identities
+        # said and not yet compared: (sequence number, packed), in the order said.
+        self._read_gathers = False
+        self._read_reduces = False
+        self._said: collections.deque[tuple[int, int]] = collections.deque()
 
     # -- where the runtime is ----------------------------------------------------------------
 
@@ -207,7 +215,11 @@ class Lockstep:
         if self.carries(unit):
             return  # its gather carries the identity (``start_carried``)
         kind = GATHER_IN_NODE if in_node else GATHER
-        self.check(Identity(kind, self.phase, unit, self.micro_batch, self.step))
+        identity = Identity(kind, self.phase, unit, self.micro_batch, self.step)
+        if self._read_gathers and not in_node:
+            self._say(identity)  # with its gather's ready message (``carry_reading``)
+        else:
+            self.check(identity)
 
     def reduce(self, unit: int, kept: bool) -> None:
         """``kept``: HSDP keeps this sum for a later micro-batch (no all-reduce across the
@@ -216,7 +228,11 @@ class Lockstep:
         self._kept = kept
         if not kept and self.carries_reduce(unit):
             return  # its reduction carries the identity (``start_carried``)
-        self.check(Identity(REDUCE, phase, unit, self.micro_batch, self.step))
+        identity = Identity(REDUCE, phase, unit, self.micro_batch, self.step)
+        if self._read_reduces and not kept:
+            self._say(identity)  # with its reduction's ready message (``carry_reading``)
+        else:
+            self.check(identity)
 
     def before_step(self, kind: int = STEP) -> None:
         """The optimizer's step (``STEP``: its counts then start again) or the statistics taken
@@ -243,6 +259,7 @@ class Lockstep:
         if self.group.size() == 1 or is_fake(self.group):
             return fn()
         self._compare_unchecked()  # (a collective of another shape follows)
+        self.compare_said()
         return run_agreed(fn, group=self._group)
 
     def check(self, identity: Identity) -> None:
@@ -260,6 +277,14 @@ class Lockstep:
             self._rows.give_back(sent)
             return
         peers, group = self._peers, self._peer_group
+        if peers is not None and not self._wider:
+            # Told now, with any identity said before and not yet sent (a step that is not a
+            # gather or reduction by reading: it has no ready message to carry it), then
+            # compared after every identity said before it, in order.
+            peers.tell(peers.others(), self._channel, GATHER_READY, self._seq, mine)
+            self._said.append((self._seq, mine))
+            self.compare_said()
+            return
         if peers is not None:
             peers.tell(peers.others(), self._channel, GATHER_READY, self._seq, mine)
             me = group.rank()
@@ -269,6 +294,75 @@ class Lockstep:
             every, group = self._all_gather(mine), self.group
         if any(v != mine for v in every):
             raise self.diverged(every, group)
+
+    # -- the identity carried in peer reading's ready messages (comm/carried.py) --------------
+    #
+    # Over peer reading of a flat mesh (every rank of the model reads every other's memory),
+    # a gather or reduction by reading begins with a message to each other rank: its buffer is
+    # ready, at this address. The step's identity is written to the same pipes in the same
+    # write, just before it (``PeerMemory.defer``): no message of its own, and no wait. It is
+    # compared when the step is waited for, before anything is read from another rank: the
+    # identities said since the last comparison, in order, each against what every other rank
+    # said at that sequence number. Equal identities up to a step mean the same steps on every
+    # rank up to it, so the same buffer of the same size at the address read; every rank
+    # compares the same sequence in the same order, so every rank raises the same ``Diverged``
+    # at the first that differs. A step with no ready message of its own (the optimizer's,
+    # statistics, full states, checkpoints, and reductions over gloo's collectives) tells its
+    # identity at once and waits to compare it, as before, after every identity said before
+    # it (``check``); so does ``agreed``, before its gloo collective.
+
+    def carry_reading(self, gathers: bool, reduces: bool) -> None:
+        """When the model is built (``Sharding._carry``), over peer reading of a flat mesh: from
+        now on the gathers (``gathers``) or the reductions (``reduces``) by reading carry their
+        identity in their ready message (see above). Not collective: every rank decides alike
+        (the ways and the mesh are agreed)."""
+        assert self._peers is not None and not self._wider, "peer reading of a flat mesh only"
+        self._read_gathers, self._read_reduces = gathers, reduces
+
+    @property
+    def reads_every_rank(self) -> bool:
+        """Whether the peer memory reaches every rank of the model (a flat mesh of one host)."""
+        return self._peers is not None and not self._wider
+
+    @property
+    def said(self) -> int:
+        """The sequence number of the last identity said: a step by reading started now
+        compares up to it (``compare_said``) before it reads anything."""
+        return self._seq
+
+    def _say(self, identity: Identity) -> None:
+        """Says ``identity`` with the next message to the other ranks (a ready message) or before
+        this rank waits for any of them; compared later (``compare_said``)."""
+        if not self.enabled:
+            return
+        mine = identity.packed()
+        self._last = mine
+        self._seq += 1
+        self._peers.defer(self._peers.others(), self._channel, GATHER_READY, self._seq, mine)
+        self._said.append((self._seq, mine))
+
+    def flush(self) -> None:
+        """Sends an identity said whose step told nothing (a unit whose groups gather nothing:
+        a replicated base), so that no rank goes on holding it."""
+        if self._said:
+            self._peers.flush()
+
+    def compare_said(self, through: int | None = None) -> None:
+        """Compares every identity said and not yet compared, up to sequence number
+        ``through`` (default: all), in order, with every other rank's; raises ``Diverged`` at
+        the first that differs (every rank at the same one)."""
+        said = self._said
+        if not said:
+            return
+        peers, group = self._peers, self._peer_group
+        peers.flush()  # (an identity said must be sent before this rank waits)
+        me = group.rank()
+        while said and (through is None or said[0][0] <= through):
+            seq, mine = said.popleft()
+            every = [mine if q == me else peers.hear(q, self._channel, GATHER_READY, seq)
+                     for q in range(group.size())]
+            if any(v != mine for v in every):
+                raise self.diverged(every, group)
 
     # -- the identity carried in the rows (comm/rows.py, comm/carried.py) ---------------------
     #

@@ -278,6 +278,19 @@ class PeerMemory:
             required = kind in (GATHER_READY, REDUCE_READY)
         self._pipes.tell(ranks, _key(channel, kind, seq), value, required=required)
 
+    def defer(self, ranks: list[int], channel: int, kind: int, seq: int, value: int) -> None:
+        """Sends (channel, kind, seq) -> value to each of ``ranks`` with the next message told
+        to it, in the same write (the lockstep's identity riding with a gather's or
+        reduction's ready message: comm/lockstep.py), or by ``flush``. Counted as sent from
+        now (``was_sent``): whoever defers flushes before it waits for anyone (a wait that
+        lasts tells the ranks waited for, which flushes too: ``Lockstep._blocked``)."""
+        self._pipes.defer(ranks, _key(channel, kind, seq), value)
+
+    def flush(self) -> None:
+        """Sends what was deferred and not yet sent (``defer``)."""
+        if self._pipes.deferred:
+            self._pipes.flush()
+
     def ask(self, rank: int, channel: int, kind: int, seq: int) -> None:
         """Asks ``rank`` whether it waits in a collective of its own that this rank belongs to
         (``whereabouts.waits_elsewhere``); a thread of its own answers, whatever its main
@@ -423,6 +436,12 @@ _TEXT_BITS = 10
 _TEXT_MAX = (1 << _TEXT_BITS) - 1
 
 
+# The most bytes one write to a pipe carries: what was deferred and the message it rides
+# with. PIPE_BUF (4096 on Linux, 512 at least by POSIX) is what a pipe writes whole or not at
+# all; 512 holds 32 messages, far more than the one or two ever deferred at once.
+_DEFERRED_MAX = 512
+
+
 def _key(channel: int, kind: int, seq: int) -> int:
     return ((channel * 4 + kind) << 32) | (seq & 0xFFFFFFFF)
 
@@ -451,6 +470,8 @@ class _Pipes:
         # (rank, channel * 4 + kind) -> the last sequence number sent to it: whether a message
         # another rank waits for was sent.
         self.sent: dict[tuple[int, int], int] = {}
+        # rank -> messages deferred to it (``defer``), written before the next one told to it.
+        self.deferred: dict[int, bytes] = {}
         # Questions (``ask``): rank -> write end of its pipe of questions; this rank's own
         # pipe's ends and the thread that answers them (``answer_questions``).
         self.asks: dict[int, int] = {}
@@ -468,36 +489,55 @@ class _Pipes:
                                 f"zerocore.Comm): it is stopped or hung; if it is only slow, "
                                 f"raise the timeout", silent=True)
 
+    def defer(self, ranks: list[int], key: int, value: int) -> None:
+        message = _MESSAGE.pack(key, value)
+        for q in ranks:
+            deferred = self.deferred.get(q, b"") + message
+            self.deferred[q] = deferred
+            self.sent[(q, key >> 32)] = key & 0xFFFFFFFF
+            if len(deferred) + _MESSAGE.size > _DEFERRED_MAX:
+                self.flush()  # (a write stays whole with the message it rides with)
+
+    def flush(self) -> None:
+        for q in list(self.deferred):
+            self._write(q, self.deferred.pop(q), required=True)
+
     def tell(self, ranks: list[int], key: int, value: int, required: bool) -> None:
         message = _MESSAGE.pack(key, value)
         for q in ranks:
-            if q in self.lost:
-                if required:
-                    raise self._lose(q, "was lost earlier (see the first error)")
-                continue
-            fd = self.outbound[q]
-            deadline = time.monotonic() + self.timeout_s
-            while True:
-                try:
-                    os.write(fd, message)  # 16 bytes < PIPE_BUF: whole or not at all, in order
-                    self.sent[(q, key >> 32)] = key & 0xFFFFFFFF
-                    break
-                except BlockingIOError:
-                    # The pipe is full: rank q has not read for thousands of messages.
-                    left = deadline - time.monotonic()
-                    if left <= 0 or not _ready(fd, select.POLLOUT, left):
-                        error = self._silent(q, "read this rank's messages")
-                        if required:
-                            raise error from None
-                        break
-                except BrokenPipeError:
-                    # Rank q's model is gone: a "done reading" no longer matters to it; anything
-                    # it was to wait for does.
-                    error = self._lose(q, "closed its pipe to this rank (its model was "
-                                          "released, or it exited or failed)")
+            if self._write(q, self.deferred.pop(q, b"") + message, required):
+                self.sent[(q, key >> 32)] = key & 0xFFFFFFFF
+
+    def _write(self, q: int, data: bytes, required: bool) -> bool:
+        """Writes ``data`` (whole messages, at most ``_DEFERRED_MAX`` bytes) to rank ``q``'s
+        pipe; whether it was written (else the rank is lost, and an error if ``required``)."""
+        if q in self.lost:
+            if required:
+                raise self._lose(q, "was lost earlier (see the first error)")
+            return False
+        fd = self.outbound[q]
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                # At most PIPE_BUF bytes: whole or not at all, and in order.
+                os.write(fd, data)
+                return True
+            except BlockingIOError:
+                # The pipe is full: rank q has not read for thousands of messages.
+                left = deadline - time.monotonic()
+                if left <= 0 or not _ready(fd, select.POLLOUT, left):
+                    error = self._silent(q, "read this rank's messages")
                     if required:
                         raise error from None
-                    break
+                    return False
+            except BrokenPipeError:
+                # Rank q's model is gone: a "done reading" no longer matters to it; anything
+                # it was to wait for does.
+                error = self._lose(q, "closed its pipe to this rank (its model was "
+                                      "released, or it exited or failed)")
+                if required:
+                    raise error from None
+                return False
 
     def ask(self, rank: int, key: int) -> None:
         try:
@@ -550,20 +590,22 @@ class _Pipes:
         grace = _GRACE_S
         tell_at = time.monotonic() + grace
         while True:
-            now = time.monotonic()
-            left = deadline - now
-            wait = left if self.blocked is None else min(left, max(0.0, tell_at - now))
-            if left <= 0 or not _ready(fd, select.POLLIN, wait):
-                if self.blocked is not None and left > 0:
-                    grace = min(2 * grace, _GRACE_MAX_S)
-                    tell_at = time.monotonic() + grace
-                    self.blocked(rank, key)
-                    continue
-                raise self._silent(rank, "answer")
             try:
+                # Read first, poll only when nothing is there: a message often is already (a
+                # ready message written with the identity before it, a rank ahead of this one).
                 chunk = os.read(fd, _MESSAGE.size - len(data))
             except BlockingIOError:
-                continue  # woken for nothing
+                now = time.monotonic()
+                left = deadline - now
+                wait = left if self.blocked is None else min(left, max(0.0, tell_at - now))
+                if left <= 0 or not _ready(fd, select.POLLIN, wait):
+                    if self.blocked is not None and left > 0:
+                        grace = min(2 * grace, _GRACE_MAX_S)
+                        tell_at = time.monotonic() + grace
+                        self.blocked(rank, key)
+                        continue
+                    raise self._silent(rank, "answer") from None
+                continue
             if not chunk:
                 raise self._lose(rank, "closed its pipe to this rank (its model was released, "
                                        "or it exited or failed) while this rank waited for it")
@@ -590,6 +632,7 @@ class _Pipes:
         again, so what the others may still read of these buffers feeds no result: waiting
         would only keep this rank from exiting."""
         self.watch = self.blocked = None  # nothing more is said to the others
+        self.deferred.clear()
         self.stop_answering()  # (before the pipes it answers through close)
         _close_all(self.asks)
         _close_all(self.outbound)

@@ -172,6 +172,8 @@ class ShardedLayer(nn.Module):
         with traced("gather", self.index):
             for g in groups:
                 g.start_gather()
+        if self.lockstep is not None:
+            self.lockstep.flush()  # (said with the first group's ready message, if it has one)
 
     def wait_gather(self) -> None:
         self.start_gather()  # (a gather not started yet starts here, said where first)

@@ -29,7 +29,8 @@ from zerocore.comm import mesh as meshes
 from zerocore.comm.collectives import CommCounter
 from zerocore.comm.peer_memory import PeerMemory
 from zerocore.comm.agree import run_agreed
-from zerocore.comm.carried import CARRY_MAX_BYTES, CarriedGather, CarriedReduce
+from zerocore.comm.carried import (CARRY_MAX_BYTES, CarriedGather, CarriedReduce,
+                                   ReadCarriedGather, ReadCarriedReduce)
 from zerocore.comm.lockstep import FULL_STATE, Lockstep
 from zerocore.comm.device import Platform, agree_on_devices, comm_device, resolve_device
 from zerocore.comm.fake import is_fake
@@ -471,6 +472,9 @@ class Sharding:
         the ways, the mesh and the layers' sizes are the same everywhere."""
         ctx, lockstep = self.ctx, self.lockstep
         ways = ctx.ways
+        if lockstep.enabled and not ways.planned and lockstep.reads_every_rank:
+            self._carry_reading(layers)
+            return
         if not (lockstep.enabled and ways.gloo and ways.gather == "collective"
                 and not ways.planned and ctx.peers is None and ctx.replicas is None
                 and ctx.across is None
@@ -494,6 +498,20 @@ class Sharding:
         for index in halves:
             group = carried[index]
             group.reduce = CarriedReduce(group.reduce, lockstep, group.shard.layer_index)
+
+    def _carry_reading(self, layers: list[ShardedLayer]) -> None:
+        """Over peer reading of a flat mesh, the gathers and (two ranks) reductions by reading
+        carry the lockstep's identity in their ready message (comm/carried.py), every unit's:
+        their check costs no message or wait of its own. Every rank decides alike."""
+        ways, lockstep = self.ctx.ways, self.lockstep
+        gathers, reduces = ways.gather == "read", ways.reduce == "read"
+        lockstep.carry_reading(gathers, reduces)
+        for layer in layers:
+            for group in layer.groups:
+                if gathers:
+                    group.gather = ReadCarriedGather(group.gather, lockstep)
+                if reduces and group.trainable:
+                    group.reduce = ReadCarriedReduce(group.reduce, lockstep)
 
     def start(self, model: nn.Module, units: list[Unit], root_owners: list[nn.Module]) -> None:
         """Puts the runtime's hooks on the model (zerocore/engine/runtime.py): ``units`` in
