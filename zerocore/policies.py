@@ -89,11 +89,8 @@ class Prefetch:
 OFFLOAD_DEVICES = ("cpu", "nvme")
 # How the offloaded optimizer's pass runs (``Offload.overlap``).
 OVERLAPS = ("exact", "delayed", "off")
-# Offload(pool_bytes=): the host memory NVMe offload reads and writes through by default. 1 GiB:
-# with 256 MiB the next pass read only a few layers ahead, and an NVMe step of pythia-70m cost
-# 1.44x the in-memory one, against 1.13x with 1 GiB (docs/decisions.md, "The default pool");
-# still far under DeepSpeed's defaults (about 16 bytes of host buffers a parameter).
-DEFAULT_POOL_BYTES = 2**30
+# Offload(pool_bytes=): the host memory NVMe offload reads and writes through by default.
+DEFAULT_POOL_BYTES = 256 * 2**20
 # The smallest pool: four chunk buffers (engine/nvme_store.py: one read ahead, one stepped, one
 # written, one spare), each holding a chunk of the three fp32 arrays Adam steps (master and two
 # moments), each array one 4096-byte block at least (what O_DIRECT transfers are aligned to);

@@ -57,7 +57,7 @@ class OffloadConfig:
         DEFAULT_POOL_BYTES, check=at_least(MIN_POOL_BYTES),
         problem=f"{{name}} must be a size of at least {MIN_POOL_BYTES} bytes, got {{value!r}}",
         flag=Flag(STEP, "host memory per rank that --offload-device nvme reads and writes "
-                        "through (e.g. 256MiB, 2GiB): all it holds of the masters and moments "
+                        "through (e.g. 256MiB, 1GiB): all it holds of the masters and moments "
                         "at once; larger means longer transfers", parse=byte_budget,
                   metavar="SIZE", text=lambda x: f"{x // 2**20}MiB", resumable=True), since=7)
     # Whether the offloaded optimizer's pass overlaps the next forward (zerocore.Offload's
