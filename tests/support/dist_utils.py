@@ -53,10 +53,11 @@ STOP_PATIENCE_S = 10.0
 
 
 # Ranks are forked by a server process that has imported these (multiprocessing's "forkserver",
-# one per test process, started with the first world). A spawned rank imported them itself:
-# about 2.8 s of CPU per rank (import torch, zerocore, and torch._dynamo, which the reference
-# torch.optim.AdamW's first call imports), against 0.35 s for six forked ranks with the server's
-# own imports (measured 2026-12-06, load 8). The distributed tier starts some 250 ranks. Forking
+# one per test process, started with the first world). A spawned rank imported them itself
+# (torch, zerocore, and torch._dynamo, which the reference torch.optim.AdamW's first call
+# imports): two 3-rank worlds took 16.7 s of CPU spawned, 2.1 s forked with the server's own
+# imports included (measured 2026-12-06, load 8). The distributed tier starts about 250 ranks
+# (estimated from its modules' world sizes). Forking
 # a process that has imported torch is what DataLoader's workers do; the server has run no op,
 # so no thread pool or device state is copied.
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "zerocore", __name__]
