@@ -316,7 +316,7 @@ class Lockstep:
         now on the gathers (``gathers``) or the reductions (``reduces``) by reading carry their
         identity in their ready message (see above). Not collective: every rank decides alike
         (the ways and the mesh are agreed)."""
-        assert self._peers is not None and not self._wider, "peer reading of a flat mesh only"
+        assert self.reads_every_rank, "peer reading of a flat mesh only"
         self._read_gathers, self._read_reduces = gathers, reduces
 
     @property
