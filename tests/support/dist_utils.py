@@ -216,7 +216,17 @@ class World:
             status, value = answers[r]
             if status == "error":
                 parts.append(f"----- rank {r} raised -----\n{value.rstrip()}")
+            elif reason:  # (ranks left waiting: what the others returned may say why)
+                parts.append(f"----- rank {r} returned -----\n{_returned(value)}")
         raise RankFailure("\n".join(parts))
+
+
+def _returned(value: bytes) -> str:
+    """A rank's pickled answer, as text for a failure's message (at most 2,000 characters)."""
+    try:
+        return repr(pickle.loads(value))[:2000]
+    except Exception as e:  # noqa: BLE001  (the message must still be raised)
+        return f"(not readable here: {type(e).__name__}: {e})"
 
 
 def stop_forkserver() -> None:

@@ -15,6 +15,7 @@ gloo ranks of one host that may read each other's memory gather and reduce witho
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import time
 
 import torch
@@ -205,6 +206,24 @@ def all_gather_sync(output: torch.Tensor, t: torch.Tensor, group: dist.ProcessGr
     """Blocking all-gather, not counted: small metadata (not model traffic), or traffic its
     caller counts itself (comm/quantized_reduce.py)."""
     _all_gather_single(output, t, group=group)
+
+
+def wait_for(work: dist.Work, timeout_s: float) -> bool:
+    """Waits up to ``timeout_s`` for ``work``: True once it is done, False while it still runs;
+    the backend's own error when it failed. A timed wait that expires as the work completes
+    raises all the same ("Operation timed out!"), and the work is complete by the time its
+    caller looks: waited for again, without a timeout, it returns (done) or raises the
+    backend's error. Taking that raise for a failure left this rank out of the collectives that
+    followed, and the others waiting for it in them (docs/decisions.md, "A timed wait that
+    expires as its collective completes")."""
+    try:
+        work.wait(datetime.timedelta(seconds=timeout_s))
+        return True
+    except RuntimeError:
+        if not work.is_completed():
+            return False
+    work.wait()
+    return True
 
 
 def all_gather_async(output: torch.Tensor, t: torch.Tensor, group: dist.ProcessGroup

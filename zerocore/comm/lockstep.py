@@ -32,14 +32,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import datetime
 from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from zerocore.comm.agree import run_agreed
-from zerocore.comm.collectives import all_gather_sync
+from zerocore.comm.collectives import all_gather_sync, wait_for
 from zerocore.comm.device import backend_map, uses_side_channel
 from zerocore.comm.fake import is_fake
 from zerocore.comm.peer_memory import GATHER_READY, PeerMemory
@@ -469,13 +468,7 @@ class Lockstep:
         collective of its own that this rank belongs to: it will never come to this exchange. Ends
         with the backend's own error (a lost rank, its timeout)."""
         slice_s = _SLICE_S
-        while True:
-            try:
-                work.wait(datetime.timedelta(seconds=slice_s))
-                return
-            except RuntimeError:
-                if work.is_completed():
-                    raise  # (failed: the backend's error)
+        while not wait_for(work, slice_s):
             elsewhere = self._questions.ask()  # {rank: where it waits}
             if elsewhere:
                 raise self._elsewhere(*next(iter(elsewhere.items())), self.group)

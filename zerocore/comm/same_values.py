@@ -22,14 +22,13 @@ unfinished collective: the process is expected to end (the error is final).
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-from zerocore.comm.collectives import all_gather_async
+from zerocore.comm.collectives import all_gather_async, wait_for
 from zerocore.comm.device import comm_device
 from zerocore.comm.objects import all_gather_objects
 from zerocore.comm.peer_memory import PeerLost
@@ -100,13 +99,14 @@ def agree_values(values: Mapping[str, Any], *, what: str, advice: str,
                          int.from_bytes(digest[:8], "little") >> 1], dtype=torch.int64,
                         device=channel)
     every = torch.empty(2 * world, dtype=torch.int64, device=channel)
+    work = all_gather_async(every, mine, group)
     try:
-        all_gather_async(every, mine, group).wait(datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as e:  # (the wait's timeout, or the backend's: a rank gone)
-        raise PeerLost(f"{what}: not every rank came to agree on the settings within "
-                       f"{timeout_s:g} s ({e}): a rank stopped, exited, or runs other code "
-                       f"(every rank must reach this point: look for the first error of the "
-                       f"others)", silent="timed out" in str(e).lower()) from e
+        came = wait_for(work, timeout_s)
+    except RuntimeError as e:  # (the backend's: a rank gone)
+        raise PeerLost(_not_every_rank(what, timeout_s, e),
+                       silent="timed out" in str(e).lower()) from e
+    if not came:
+        raise PeerLost(_not_every_rank(what, timeout_s, "timed out"), silent=True)
     rows = every.view(world, 2).cpu()
     if bool((rows[:, 1] == rows[0, 1]).all()):
         return
@@ -118,3 +118,9 @@ def agree_values(values: Mapping[str, Any], *, what: str, advice: str,
     nodes = [None if n < 0 else n for n in rows[:, 0].tolist()]
     raise ValuesDiffer(f"{what}: {describe_differences(differing, nodes)}; {advice}",
                        list(differing))
+
+
+def _not_every_rank(what: str, timeout_s: float, cause: object) -> str:
+    return (f"{what}: not every rank came to agree on the settings within {timeout_s:g} s "
+            f"({cause}): a rank stopped, exited, or runs other code (every rank must reach "
+            f"this point: look for the first error of the others)")
