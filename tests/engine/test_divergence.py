@@ -339,6 +339,42 @@ def test_a_forward_alone_while_the_others_wait_in_their_own_collective_is_refuse
     assert "raise the timeout" not in refusal, refusal
 
 
+class _ArrivingExchange:
+    """An exchange's handle whose first timed wait expires, and which completes while the
+    others are asked where they wait (the asked rank came to the exchange just after it
+    answered)."""
+
+    def __init__(self):
+        self.asked = False
+
+    def wait(self, timeout=None) -> bool:
+        if not self.asked:
+            raise RuntimeError("Operation timed out!")
+        return True
+
+    def is_completed(self) -> bool:
+        return self.asked
+
+
+class _AnsweredElsewhere:
+    def __init__(self, exchange: _ArrivingExchange):
+        self.exchange = exchange
+
+    def ask(self) -> dict[int, str]:
+        self.exchange.asked = True  # (answered, then came)
+        return {1: "waits in torch.distributed.barrier() at train.py:7"}
+
+
+def test_an_answer_given_just_before_the_rank_came_to_the_exchange_is_not_a_divergence():
+    # Lockstep._wait alone (the order of events cannot be forced across real ranks): the rank
+    # asked answered from where it stood, then came; the exchange is done, and nothing raised.
+    lockstep = Lockstep.__new__(Lockstep)  # (only its wait: no group is needed)
+    exchange = _ArrivingExchange()
+    lockstep._questions = _AnsweredElsewhere(exchange)
+    lockstep._wait(exchange)
+    assert exchange.asked
+
+
 # -- ranks that wait for each other in a cycle (peer reading) ------------------------------------
 
 def wait_for_the_next(rank: int, world_size: int) -> str:

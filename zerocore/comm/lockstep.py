@@ -470,7 +470,8 @@ class Lockstep:
         slice_s = _SLICE_S
         while not wait_for(work, slice_s):
             elsewhere = self._questions.ask()  # {rank: where it waits}
-            if elsewhere:
+            # (An answer given just before that rank came here: the exchange is done.)
+            if elsewhere and not work.is_completed():
                 raise self._elsewhere(*next(iter(elsewhere.items())), self.group)
             slice_s = min(2 * slice_s, _SLICE_MAX_S)
 
