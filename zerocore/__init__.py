@@ -46,10 +46,11 @@ from zerocore.engine.sharding import BuildError
 from zerocore.kernels import ops, reference
 from zerocore.kernels.ops import BUILD
 from zerocore.loss_scale import LossScaler, StepResult
-from zerocore.policies import (DEFAULT_POOL_BYTES, FROZEN_FORMATS, FROZEN_PLACEMENTS,
-                               MIN_POOL_BYTES, OFFLOAD_DEVICES, OVERLAPS, Comm, Compile,
-                               FrozenWeights, Hybrid, LossScaling, MixedPrecision, Offload,
-                               Prefetch, Recompute)
+from zerocore.policies import (AUTO_POOL_HOST_SHARE, DEFAULT_POOL_BYTES, FROZEN_FORMATS,
+                               FROZEN_PLACEMENTS, MAX_AUTO_POOL_BYTES, MIN_POOL_BYTES,
+                               OFFLOAD_DEVICES, OVERLAPS, Comm, Compile, FrozenWeights, Hybrid,
+                               LossScaling, MixedPrecision, Offload, Prefetch, Recompute,
+                               auto_pool_bytes)
 
 # The modules whose __all__ is zerocore's API; tests/tools/test_structure.py holds neox, the
 # examples, the benchmarks and the documentation's code to them, and docs/api.md to this list.
@@ -63,7 +64,8 @@ __all__ = ["BUILD", "ops", "optim", "reference", "shard", "ShardedSequential", "
            "MixedPrecision", "Prefetch", "Offload", "Recompute", "FrozenWeights", "FROZEN_FORMATS",
            "FROZEN_PLACEMENTS", "Comm",
            "Compile", "Hybrid", "OFFLOAD_DEVICES", "OVERLAPS", "DEFAULT_POOL_BYTES",
-           "MIN_POOL_BYTES",
+           "MAX_AUTO_POOL_BYTES", "AUTO_POOL_HOST_SHARE", "MIN_POOL_BYTES",
+           "auto_pool_bytes",
            "LossScaling", "LossScaler", "StepResult",
            "MemoryReport", "CommReport", "run_agreed", "PeerError", "PeerLost", "Diverged",
            "is_peer_loss", "agree_values", "ValuesDiffer",

@@ -35,6 +35,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zerocore.comm import mesh as meshes
+from zerocore.engine.host_arena import host_memory_bytes
 from zerocore.engine.meta_layer import MetaLayer
 from zerocore.engine.rehearsal import Rehearsal
 from zerocore.engine.sharded_model import ShardedModel, unit_modules
@@ -64,8 +65,8 @@ def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, worl
          offload: Offload = Offload(), recompute: Recompute | None = None,
          micro_batches: int = 1, frozen_weights: FrozenWeights = FrozenWeights(),
          comm: Comm = Comm(), mesh: tuple[int, int] | None = None,
-         hybrid: Hybrid | None = None, nodes: int = 1, count_flops: bool = False
-         ) -> MemoryPlan:
+         hybrid: Hybrid | None = None, nodes: int = 1, count_flops: bool = False,
+         host_memory: int | None = None) -> MemoryPlan:
     """The memory and communication of one training step of ``zerocore.shard(layers, ...)``
     on ``world_size`` ranks, per rank, from shapes alone.
 
@@ -95,12 +96,16 @@ def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, worl
         the CPU, ``"auto"`` plans for ranks of one Linux host that may read each other's memory
         (what ``shard`` finds there unless ptrace is restricted); plan with
         ``Comm(peer_read="off")`` for ranks that cannot.
+    host_memory: the physical memory of each node's host, in bytes (default: this machine's),
+        which ``Offload(pool_bytes=None)`` chooses the NVMe pool from, as ``shard`` does on
+        the run's hosts (``zerocore.auto_pool_bytes``, for the ranks of one node).
     The policies are ``shard``'s and the optimizer ``zerocore.optim``'s Adam(W), which holds
     its moments from construction; gradients are dropped by ``zero_grad(set_to_none=True)``.
     """
     _check("plan", device, world_size, micro_batches)
     shape = meshes.check_shape(mesh, world_size, "plan")
     _check_nodes("plan", nodes, world_size, shape)
+    offload = _with_pool(offload, host_memory, world_size, nodes, shape)
     _check_hybrid("plan", hybrid, shape, world_size)
     fake = FakeTensorMode()
     stack = [_planned(l.module if isinstance(l, MetaLayer) else l, fake) for l in layers]
@@ -138,8 +143,8 @@ def plan_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module, example
                recompute: Recompute | None = None, micro_batches: int = 1,
                frozen_weights: FrozenWeights = FrozenWeights(),
                comm: Comm = Comm(), mesh: tuple[int, int] | None = None,
-               hybrid: Hybrid | None = None, nodes: int = 1, count_flops: bool = False
-               ) -> MemoryPlan:
+               hybrid: Hybrid | None = None, nodes: int = 1, count_flops: bool = False,
+               host_memory: int | None = None) -> MemoryPlan:
     """The memory and communication of one training step of ``zerocore.shard_model(model,
     units, ...)`` on ``world_size`` ranks, per rank, from shapes alone: ``shard_model``'s own
     engine shards a copy of the model and runs its own forward on fake tensors.
@@ -151,11 +156,13 @@ def plan_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module, example
     loss: maps the model's output to the scalar whose backward the step runs (default: the
         output's ``loss`` when it has one, as a ``transformers`` model given labels does, else
         the output's sum).
-    The rest as for ``plan`` (``hybrid`` too); ``Recompute``'s positions are the units'.
+    The rest as for ``plan`` (``hybrid``, ``host_memory`` too); ``Recompute``'s positions are
+    the units'.
     """
     _check("plan_model", device, world_size, micro_batches)
     shape = meshes.check_shape(mesh, world_size, "plan_model")
     _check_nodes("plan_model", nodes, world_size, shape)
+    offload = _with_pool(offload, host_memory, world_size, nodes, shape)
     _check_hybrid("plan_model", hybrid, shape, world_size)
     names = {id(m): n for n, m in model.named_modules()}
     chosen = unit_modules(model, units)   # refused as shard_model refuses them
@@ -189,6 +196,21 @@ def plan_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module, example
                          micro_batches=micro_batches, mesh=shape, nodes=nodes,
                          count_flops=count_flops), fake,
                     exclude=inputs)
+
+
+def _with_pool(offload: Offload, host_memory: int | None, world_size: int, nodes: int,
+               shape: tuple[int, int] | None) -> Offload:
+    """``offload`` with the NVMe pool ``shard`` would choose on the planned hosts when it is
+    None (``Offload.with_pool``): a node's ranks (an HSDP mesh's shards, each replica a node;
+    else ``world_size / nodes``) on a host of ``host_memory`` bytes (None: this machine's)."""
+    if offload.pool_bytes is not None or not offload.nvme:
+        return offload
+    if host_memory is not None and (type(host_memory) is not int or host_memory <= 0):
+        raise ValueError(f"plan: host_memory must be a number of bytes above 0, got "
+                         f"{host_memory!r}")
+    per_node = shape[1] if shape is not None else world_size // nodes
+    memory = host_memory if host_memory is not None else host_memory_bytes()
+    return offload.with_pool(memory, per_node)
 
 
 def _planned(module: nn.Module, fake: FakeTensorMode) -> nn.Module:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import math
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -89,13 +90,55 @@ class Prefetch:
 OFFLOAD_DEVICES = ("cpu", "nvme")
 # How the offloaded optimizer's pass runs (``Offload.overlap``).
 OVERLAPS = ("exact", "delayed", "off")
-# Offload(pool_bytes=): the host memory NVMe offload reads and writes through by default.
+# Offload(pool_bytes=None), the default: the pool is chosen from the host's memory
+# (``auto_pool_bytes``), a power of two from DEFAULT_POOL_BYTES to MAX_AUTO_POOL_BYTES.
+# DEFAULT_POOL_BYTES, the floor, was the constant default until issue 44: a host too small for
+# more gets what every run got then.
 DEFAULT_POOL_BYTES = 256 * 2**20
+# The ceiling: with 1 GiB a pythia-70m pass reads all its moments ahead (537 MiB) and its NVMe
+# step was 1.13x the in-memory one (docs/decisions.md, "NVMe offload's bytes in fp32"); more
+# reads nothing more ahead for such a model, and a larger one is disk-bound whatever the pool.
+MAX_AUTO_POOL_BYTES = 2**30
+# The share of a host's memory the pools of all its ranks may take together: 1/20 (5%). NVMe
+# offload is for hosts whose memory the model state nearly fills (with room to spare, the
+# optimizer in host memory is faster), so the pool must stay a small part of it. The number is
+# set by the two cases measured or planned: one rank on a 24 GB host (this project's machine,
+# 23.5 GiB of MemTotal) gets 1 GiB (1.18 GiB allowed), the pool of the 1.13x above; eight
+# ranks on a 128 GiB node (GPT-NeoX-20B fully fine-tuned on eight 24 GB GPUs, issue 31) get
+# 512 MiB each (0.8 GiB allowed): 2 GiB more than the old default on the node, and the plan
+# still fits with the optimizer on NVMe. A share of 1/16 would give that node 1 GiB a rank,
+# whose plan no longer fits (116.6 GiB of host against the 115.2 it may use: "The NVMe pool's
+# default stays 256 MiB").
+AUTO_POOL_HOST_SHARE = 20
 # The smallest pool: four chunk buffers (engine/nvme_store.py: one read ahead, one stepped, one
 # written, one spare), each holding a chunk of the three fp32 arrays Adam steps (master and two
 # moments), each array one 4096-byte block at least (what O_DIRECT transfers are aligned to);
 # with params="nvme" too, a fourth array, the model copy the step writes.
 MIN_POOL_BYTES = 4 * 3 * 4096
+
+
+def auto_pool_bytes(host_memory: int, ranks_on_host: int) -> int:
+    """``Offload(pool_bytes=None)``'s pool on a host of ``host_memory`` bytes (its physical
+    memory: the same every run on a machine) shared by ``ranks_on_host`` ranks of the model:
+    the largest power of two from ``DEFAULT_POOL_BYTES`` to ``MAX_AUTO_POOL_BYTES`` whose
+    ``ranks_on_host`` copies take at most ``1 / AUTO_POOL_HOST_SHARE`` of the host; the floor
+    when none does."""
+    if ranks_on_host < 1 or host_memory < 0:
+        raise ValueError(f"auto_pool_bytes: {ranks_on_host} ranks on a host of {host_memory} "
+                         f"bytes")
+    room = host_memory // AUTO_POOL_HOST_SHARE // ranks_on_host
+    pool = DEFAULT_POOL_BYTES
+    while pool * 2 <= min(room, MAX_AUTO_POOL_BYTES):
+        pool *= 2
+    return pool
+
+
+def agreed_pool_bytes(hosts: Sequence[tuple[str, int]]) -> int:
+    """The auto pool every rank of a model takes, from each rank's ``(host name, host
+    memory)`` as every rank received them: the smallest ``auto_pool_bytes`` of any host, for
+    the ranks of the model on it (the same answer on every rank, from the same list)."""
+    counts = collections.Counter(host for host, _ in hosts)
+    return min(auto_pool_bytes(memory, counts[host]) for host, memory in hosts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +182,12 @@ class Offload:
         built); each is one line, on every rank.
     pool_bytes: the host memory NVMe offload's chunks move through (``"nvme"`` only): what
         host memory holds of the masters and moments, at most. Larger chunks mean fewer,
-        longer reads and writes; at least ``MIN_POOL_BYTES``.
+        longer reads and writes, and more read ahead; at least ``MIN_POOL_BYTES``. None (the
+        default) chooses it from the host's memory (``auto_pool_bytes``): the largest power
+        of two from 256 MiB to 1 GiB such that the pools of the model's ranks on a host take
+        at most a twentieth of its physical memory; the ranks agree on the smallest any host
+        allows, so every rank's pool is the same. ``zerocore.plan`` chooses it the same way
+        from its ``host_memory`` and ranks per node.
 
     cpu_threads: CPU threads a GPU rank steps its optimizer with on the CPU (torch's thread
     count for the duration of ``zerocore.optim``'s step on offloaded shards; the process's own
@@ -173,7 +221,7 @@ class Offload:
     params: bool | str = False
     cpu_threads: int | None = None
     path: str | None = None
-    pool_bytes: int = DEFAULT_POOL_BYTES
+    pool_bytes: int | None = None
     overlap: str = "exact"
 
     def __post_init__(self) -> None:
@@ -215,15 +263,23 @@ class Offload:
                              "the model copies from NVMe, where the pass writes them; give "
                              "params='cpu' (or False), or overlap='exact'")
         least = self.min_pool_bytes
-        if type(self.pool_bytes) is not int or self.pool_bytes < least:
-            raise ValueError(f"Offload.pool_bytes must be an int >= {least} (four chunk "
-                             f"buffers of {least // 4 // 4096} 4 KiB blocks), got "
-                             f"{self.pool_bytes!r}")
+        if self.pool_bytes is not None and (type(self.pool_bytes) is not int
+                                            or self.pool_bytes < least):
+            raise ValueError(f"Offload.pool_bytes must be None (chosen from the host's memory) "
+                             f"or an int >= {least} (four chunk buffers of "
+                             f"{least // 4 // 4096} 4 KiB blocks), got {self.pool_bytes!r}")
 
     @property
     def any(self) -> bool:
         """Whether anything lives off the device (a host arena is needed)."""
         return bool(self.optimizer or self.params)
+
+    def with_pool(self, host_memory: int, ranks_on_host: int) -> Offload:
+        """This policy with ``pool_bytes`` chosen (``auto_pool_bytes``) when it is None; as it
+        is when given."""
+        if self.pool_bytes is not None:
+            return self
+        return dataclasses.replace(self, pool_bytes=auto_pool_bytes(host_memory, ranks_on_host))
 
     @property
     def min_pool_bytes(self) -> int:

@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host memory (RAM) of one node in GiB: the plan then also recommends "
                         "the least offload that fits the GPUs and the host (--offload, "
                         "--offload-device), keeping a tenth of the host for everything else; "
-                        "with --link, the offloaded layouts must fit it too")
+                        "with --link, the offloaded layouts must fit it too; the NVMe pool "
+                        "(--offload-pool auto) is chosen from it (default: this machine's)")
     m.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="plan GPU ranks (NCCL) or CPU processes (gloo, as neox.finetune --cpu "
                         "runs them; --gpus is then the process count)")
@@ -133,7 +134,9 @@ def request_of(args: argparse.Namespace) -> PlanRequest:
     default_dtype = "bf16" if args.device == "cuda" else "fp32"  # neox.finetune's defaults
     return request_from_recipe(recipe, config, world_size=args.gpus * args.nodes,
                                device=args.device, dtype=DTYPES[args.dtype or default_dtype],
-                               nodes=args.nodes)
+                               nodes=args.nodes,
+                               host_memory=(None if args.host_memory is None
+                                            else int(args.host_memory * GiB)))
 
 
 def _as_dict(plan: zerocore.plan.MemoryPlan) -> dict[str, Any]:

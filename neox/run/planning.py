@@ -16,7 +16,6 @@ from neox.dtypes import DTYPES
 from neox.finetune_modes import FinetuneMode, prepare_layer
 from neox.model import build_layer, layer_specs
 from neox.run.recipe import HYBRIDS, Recipe, ShardingConfig
-from zerocore import DEFAULT_POOL_BYTES
 from neox.run.step import micro_batch_loss
 
 __all__ = ["PlanRequest", "plan_run", "request_from_recipe", "GiB", "DEFAULT_BPE_TOKENS",
@@ -51,9 +50,10 @@ class PlanRequest:
     frozen_placement: str = "sharded"     # zerocore.FrozenWeights.placement
     offload_params: bool = False          # the parameter shards in CPU memory
     # Where the offloaded halves live ("cpu" or "nvme": zerocore.Offload's devices), and the
-    # host pool NVMe offload moves its chunks through.
+    # host pool NVMe offload moves its chunks through (None: chosen from ``host_memory`` and
+    # the ranks of a node, as the run chooses it: zerocore.auto_pool_bytes).
     offload_device: str = "cpu"
-    offload_pool: int = DEFAULT_POOL_BYTES
+    offload_pool: int | None = None
     offload_overlap: str = "exact"        # zerocore.Offload.overlap: whether the pass overlaps
     # The ranks' layout (zerocore.plan's): a 2-D mesh's (nodes, ranks per node), or None
     # (flat, over ``nodes`` nodes); the cross-node gradients in int8 (zerocore.Comm); and how
@@ -65,6 +65,9 @@ class PlanRequest:
     # Whether the plan counts the step's FLOPs (zerocore.plan's count_flops): only the layout
     # choice's step time (neox.plan --link) reads them, and counting slows every plan.
     count_flops: bool = False
+    # The physical memory of a node's host in bytes (neox.plan --host-memory), which the NVMe
+    # pool is chosen from; None: this machine's.
+    host_memory: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,9 +98,11 @@ def on_layout(request: PlanRequest, layout: Layout, nodes: int) -> PlanRequest:
 
 
 def request_from_recipe(recipe: Recipe, config: NeoXConfig, *, world_size: int,
-                        device: str, dtype: torch.dtype, nodes: int = 1) -> PlanRequest:
+                        device: str, dtype: torch.dtype, nodes: int = 1,
+                        host_memory: int | None = None) -> PlanRequest:
     """The plan of a run of ``recipe`` on ``world_size`` ranks computing in ``dtype``, on
-    ``nodes`` nodes laid out as the recipe says (--hybrid, --quantize-gradients)."""
+    ``nodes`` nodes laid out as the recipe says (--hybrid, --quantize-gradients), each of
+    ``host_memory`` bytes (None: this machine's)."""
     training, sharding, offload = recipe.training, recipe.sharding, recipe.offload
     request = PlanRequest(
         config=config, filter_layers=recipe.model.filter_layers, mode=recipe.model.finetune,
@@ -109,7 +114,8 @@ def request_from_recipe(recipe: Recipe, config: NeoXConfig, *, world_size: int,
         recompute=sharding.activation_checkpointing,
         recompute_every=sharding.activation_checkpointing_every, world_size=world_size,
         device=device, keep_gathered=sharding.keep_gathered,
-        frozen_weights=sharding.frozen_weights, frozen_placement=sharding.frozen_placement)
+        frozen_weights=sharding.frozen_weights, frozen_placement=sharding.frozen_placement,
+        host_memory=host_memory)
     return on_layout(request, Layout(recipe.layout.hybrid, recipe.layout.quantize_gradients),
                      nodes)
 
@@ -156,7 +162,7 @@ def plan_run(request: PlanRequest, *, recompute: tuple[int, ...] | None = None
         recompute=sharding.recompute(specs), micro_batches=r.grad_accum, mesh=r.mesh,
         nodes=r.nodes, comm=zerocore.Comm(quantize_gradients=r.quantize_gradients),
         hybrid=zerocore.Hybrid(r.hybrid) if r.hybrid is not None else None,
-        count_flops=r.count_flops)
+        count_flops=r.count_flops, host_memory=r.host_memory)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -260,7 +260,8 @@ def test_the_offload_device_path_and_pool_are_declarations_too():
         optimizer="nvme", params="nvme", path=str(Path("scratch").resolve()), pool_bytes=2**26)
     assert nvme.problem(for_a_run=True) is None
     cpu = loop("--offload", "optimizer")
-    assert (cpu.offload_device, cpu.offload_pool) == ("cpu", zerocore.policies.DEFAULT_POOL_BYTES)
+    # The pool's default is auto (None: zerocore.Offload chooses it from the hosts' memory).
+    assert (cpu.offload_device, cpu.offload_pool) == ("cpu", None)
     assert cpu.policies()["offload"] == zerocore.Offload(optimizer=True)
     assert RECIPE_VERSION >= 7
     assert loop("--offload-device", "nvme").problem(for_a_run=False) == (
@@ -269,8 +270,12 @@ def test_the_offload_device_path_and_pool_are_declarations_too():
     no_path = loop("--offload-optimizer", "--offload-device", "nvme")
     assert no_path.problem(for_a_run=False) is None  # a plan writes nothing
     assert "needs --offload-path DIR" in no_path.problem(for_a_run=True)
-    with pytest.raises(UsageError, match="--offload-pool must be a size of at least 49152"):
+    with pytest.raises(UsageError, match="--offload-pool must be 'auto' .null. or a size of "
+                                         "at least 49152"):
         loop("--offload-pool", "1KiB")
+    assert loop("--offload-pool", "auto").offload_pool is None
+    with pytest.raises(SystemExit):   # "all" is a budget's word, not a pool's
+        build_parser().parse_args(["--offload-pool", "all"])
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--offload-device", "disk"])
     d = Recipe().to_dict()

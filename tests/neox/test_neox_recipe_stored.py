@@ -43,8 +43,10 @@ def test_a_recipe_stored_before_the_split_reads_into_its_concerns():
     assert recipe.sharding == ShardingConfig(
         reduce_dtype="bf16", frozen_weights="int8", activation_checkpointing=(0, 2),
         activation_checkpointing_every=2, compile=True, keep_gathered="all")
+    # The pool it stored (256 MiB, the default then) is kept: auto is the default of a recipe
+    # that stores none (issue 44).
     assert recipe.offload == OffloadConfig(offload="params", offload_device="nvme",
-                                           offload_path="/nvme/scratch")
+                                           offload_path="/nvme/scratch", offload_pool=2**28)
     assert recipe.layout == LayoutConfig(hybrid="hsdp", quantize_gradients="int8")
     assert recipe.model.seed == 3
 

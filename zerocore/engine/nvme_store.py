@@ -218,15 +218,18 @@ class NvmeStore:
 
     def __init__(self, file: ScratchFile | None, pool: torch.Tensor, *,
                  group: dist.ProcessGroup, device: torch.device, copies: bool = False,
-                 masters: bool = True):
+                 masters: bool = True, pool_chosen: bool = False):
         """file: the rank's scratch (None in a plan's rehearsal: nothing is moved). pool: 1-D
         uint8 host memory, page-aligned, split into chunk buffers (``BUFFERS``, or one per
         ``BUFFER_BYTES`` of a larger pool). group, device:
         where a pass's failure is agreed (every rank of the sharding steps together). copies:
         the records hold model copies too (``params="nvme"``): a fourth array per chunk.
         masters: the records hold their masters (False: in fp32 the masters are the model
-        copies in host memory, ``AdamRecord``; two arrays per chunk, the moments)."""
+        copies in host memory, ``AdamRecord``; two arrays per chunk, the moments). pool_chosen:
+        the pool's size was chosen from the hosts' memory (``Offload(pool_bytes=None)``), for
+        the reports."""
         self.file = file
+        self.pool_chosen = pool_chosen
         self.path = file.directory if file is not None else None
         self.pool = pool
         self.masters = masters

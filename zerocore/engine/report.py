@@ -43,9 +43,11 @@ class MemoryReport:
     hpz: bool = False
     # NVMe offload: the bytes of this rank's scratch file (fp32 masters and Adam moments, each
     # array rounded up to 4 KiB blocks), and of the host pool they move through (part of the
-    # host arena).
+    # host arena); whether the pool's size was chosen from the hosts' memory
+    # (Offload(pool_bytes=None), the default) rather than given.
     nvme_bytes: int = 0
     nvme_pool_bytes: int = 0
+    nvme_pool_chosen: bool = False
 
     @property
     def model_state_bytes(self) -> int:
@@ -71,7 +73,8 @@ class MemoryReport:
             rows += [("host arena (offload)", self.host_arena_bytes),
                      ("pinned host memory", self.pinned_bytes)]
         if self.nvme_pool_bytes:
-            rows += [("  of which NVMe pool", self.nvme_pool_bytes)]
+            rows += [("  of which NVMe pool" + (", auto" if self.nvme_pool_chosen else ""),
+                      self.nvme_pool_bytes)]
         if self.device_allocated is not None:
             rows += [("device allocated", self.device_allocated),
                      ("device peak", self.device_peak or 0)]

@@ -14,10 +14,12 @@ runs over the whole mesh.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import hashlib
 import logging
+import socket
 from typing import Callable, Iterable, Iterator, TypeVar
 
 import torch
@@ -53,9 +55,9 @@ from zerocore.engine.scratch_file import BLOCK, ScratchFile, size_text
 from zerocore.engine.optimizer_pass import settle_updates
 from zerocore.engine.sharded_param import ShardParameter, master_values
 from zerocore.kernels.ops import BUILD
-from zerocore.policies import (DEFAULT_POOL_BYTES, DEFAULT_TIMEOUT_S, Comm, Compile,
+from zerocore.policies import (AUTO_POOL_HOST_SHARE, DEFAULT_TIMEOUT_S, Comm, Compile,
                                FrozenWeights, Hybrid, MixedPrecision, Offload, Prefetch,
-                               Recompute)
+                               Recompute, agreed_pool_bytes)
 
 log = logging.getLogger(__name__)
 _CPU = torch.device("cpu")
@@ -153,7 +155,8 @@ def build_context(mesh: Mesh, device: torch.device,
     arena = store = None
     if rehearsal is not None:
         peers, ways, kind, watch = None, rehearsal.ways, rehearsal.device_kind, rehearsal.watch
-        if offload.nvme:  # the pool, fake; no file
+        if offload.nvme:  # the pool, fake; no file (the plan chose its size: zerocore.plan)
+            assert offload.pool_bytes is not None, "a rehearsal's pool is chosen by the plan"
             store = NvmeStore(None, torch.empty(offload.pool_bytes, dtype=torch.uint8),
                               group=mesh.whole, device=device,
                               **store_arrays(offload, mixed_precision.param_dtype))
@@ -209,20 +212,38 @@ def open_store(offload: Offload, arena: HostArena, mesh: Mesh, device: torch.dev
     rank (``run_agreed``). Rank 0 says where the scratch is and how it is read."""
     scratch = run_agreed(lambda: _open_scratch(offload), group=mesh.whole, device=device)
     channel = comm_device(mesh.whole, _CPU, device)
-    direct = (all_gather_objects(scratch.direct, mesh.whole, channel)
-              if mesh.whole.size() > 1 else [scratch.direct])
-    pool = arena.take(offload.pool_bytes, torch.uint8, align=BLOCK)
-    store = NvmeStore(scratch, pool, group=mesh.whole, device=device,
+    # Each rank's way of reading, and its host and that host's memory (for a pool chosen from
+    # them: every rank chooses from the same list, so the same pool).
+    mine = (scratch.direct, socket.gethostname(), host_memory_bytes())
+    ranks = (all_gather_objects(mine, mesh.whole, channel)
+             if mesh.whole.size() > 1 else [mine])
+    chosen = offload.pool_bytes is None
+    pool_bytes = (agreed_pool_bytes([(host, memory) for _, host, memory in ranks]) if chosen
+                  else offload.pool_bytes)
+    pool = arena.take(pool_bytes, torch.uint8, align=BLOCK)
+    store = NvmeStore(scratch, pool, group=mesh.whole, device=device, pool_chosen=chosen,
                       **store_arrays(offload, param_dtype))
     if mesh.whole.rank() == 0:
-        buffered = [r for r, d in enumerate(direct) if not d]
+        buffered = [r for r, (d, _, _) in enumerate(ranks) if not d]
         how = ("direct I/O (O_DIRECT)" if not buffered else
                f"buffered I/O on rank(s) {buffered}: the file system refuses O_DIRECT there, "
                f"so what is moved passes through the page cache (dropped after use)")
         log.info("NVMe offload: each rank's scratch is an unnamed file in %s (freed when the "
-                 "rank ends), moved through a pool of %.1f MiB in chunks of %d elements, %s",
-                 offload.path, offload.pool_bytes / 2**20, store.chunk_numel, how)
+                 "rank ends), moved through a pool of %.1f MiB%s in chunks of %d elements, %s",
+                 offload.path, pool_bytes / 2**20, pool_words(chosen, ranks),
+                 store.chunk_numel, how)
     return store
+
+
+def pool_words(chosen: bool, ranks: list[tuple[bool, str, int]]) -> str:
+    """How the pool was chosen, for the start-up line: "" when given (Offload.pool_bytes)."""
+    if not chosen:
+        return ""
+    hosts = collections.Counter(host for _, host, _ in ranks)
+    smallest = min(memory for _, _, memory in ranks)
+    return (f" (chosen from the host's memory, Offload.pool_bytes=None: {max(hosts.values())} "
+            f"rank(s) of this model on a host, {size_text(smallest)} the smallest host, "
+            f"1/{AUTO_POOL_HOST_SHARE} of it for the pools)")
 
 
 def _open_scratch(offload: Offload) -> ScratchFile:
@@ -230,11 +251,11 @@ def _open_scratch(offload: Offload) -> ScratchFile:
     larger than the machine is refused in one line before any of it is taken (the arena would
     raise MemoryError partway through the build)."""
     memory = host_memory_bytes()
-    if offload.pool_bytes > memory:
+    if offload.pool_bytes is not None and offload.pool_bytes > memory:
         raise ValueError(f"Offload(pool_bytes={offload.pool_bytes}): a pool of "
                          f"{size_text(offload.pool_bytes)} is more than this machine's "
                          f"{size_text(memory)} of memory; give a pool of a few hundred MiB "
-                         f"(the default is {size_text(DEFAULT_POOL_BYTES)})")
+                         f"(or leave it out: the default chooses it from the host's memory)")
     return ScratchFile(offload.path)
 
 
@@ -283,7 +304,8 @@ def memory_report_of(layers: list[ShardedLayer], rank: int, world_size: int,
                         pinned_bytes=arena.pinned if arena is not None else 0,
                         device_shard_bytes=on_device, secondary_bytes=secondary, hpz=hpz,
                         nvme_bytes=store.size if store is not None else 0,
-                        nvme_pool_bytes=store.pool_bytes if store is not None else 0)
+                        nvme_pool_bytes=store.pool_bytes if store is not None else 0,
+                        nvme_pool_chosen=store is not None and store.pool_chosen)
 
 
 def prepare_device(device: torch.device | str | None, mesh: Mesh,

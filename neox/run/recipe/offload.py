@@ -8,12 +8,23 @@ from typing import Any
 
 import zerocore
 from neox.run.recipe.declaring import STEP, at_least, check_fields, is_bool, path_or_none
-from neox.setting import Flag, absolute_path, byte_budget, path_text, setting
-from zerocore import DEFAULT_POOL_BYTES, MIN_POOL_BYTES, OFFLOAD_DEVICES, OVERLAPS
+from neox.setting import BadValue, Flag, absolute_path, byte_budget, path_text, setting
+from zerocore import (AUTO_POOL_HOST_SHARE, DEFAULT_POOL_BYTES, MAX_AUTO_POOL_BYTES,
+                      MIN_POOL_BYTES, OFFLOAD_DEVICES, OVERLAPS)
 
 __all__ = ["OffloadConfig", "OFFLOADS", "offload_words"]
 
 OFFLOADS = ("params", "optimizer", "all")   # --offload's choices
+
+
+def pool_size(text: str) -> int | None:
+    """--offload-pool's text: ``auto`` (None: chosen from the host's memory) or a size."""
+    if text.strip().lower() == "auto":
+        return None
+    size = byte_budget(text)
+    if size == "all":
+        raise BadValue(f"must be 'auto' or a size such as 1GiB or 512MiB, got {text!r}")
+    return size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,13 +64,24 @@ class OffloadConfig:
                         "have no name and go when the ranks end, however they end)",
                   parse=path_text, store=absolute_path, metavar="DIR", resumable=True),
         since=7, per_node=True)
-    offload_pool: int = setting(
-        DEFAULT_POOL_BYTES, check=at_least(MIN_POOL_BYTES),
-        problem=f"{{name}} must be a size of at least {MIN_POOL_BYTES} bytes, got {{value!r}}",
-        flag=Flag(STEP, "host memory per rank that --offload-device nvme reads and writes "
-                        "through (e.g. 256MiB, 1GiB): all it holds of the masters and moments "
-                        "at once; larger means longer transfers", parse=byte_budget,
-                  metavar="SIZE", text=lambda x: f"{x // 2**20}MiB", resumable=True), since=7)
+    # None (auto, the default since issue 44): zerocore.Offload(pool_bytes=None) chooses it
+    # from the hosts' memory. A recipe that stored a size keeps it; one that stored none
+    # (version 7 until then stored 256 MiB, the old default, so every stored NVMe recipe has a
+    # size) takes auto: a new value of the same field, not a new meaning of a stored one.
+    offload_pool: int | None = setting(
+        None, check=lambda x: x is None or at_least(MIN_POOL_BYTES)(x),
+        problem=f"{{name}} must be 'auto' (null) or a size of at least {MIN_POOL_BYTES} bytes, "
+                f"got {{value!r}}",
+        flag=Flag(STEP, f"host memory per rank that --offload-device nvme reads and writes "
+                        f"through (e.g. 256MiB, 1GiB): all it holds of the masters and moments "
+                        f"at once; larger means longer transfers and more read ahead. 'auto' "
+                        f"(the default) takes the largest power of two from "
+                        f"{DEFAULT_POOL_BYTES // 2**20}MiB to {MAX_AUTO_POOL_BYTES // 2**30}GiB "
+                        f"whose copies on a node's ranks take at most 1/{AUTO_POOL_HOST_SHARE} "
+                        f"of its physical memory (one rank on 24 GB: 1GiB; eight on 128 GB: "
+                        f"512MiB each)", parse=pool_size,
+                  metavar="SIZE", text=lambda x: "auto" if x is None else f"{x // 2**20}MiB",
+                  resumable=True), since=7)
     # Whether the offloaded optimizer's pass overlaps the next forward (zerocore.Offload's
     # overlap). "exact" and "off" give the same bits; "delayed" does not (each forward
     # computes with the weights from before the last update), and a resume restarts its delay
