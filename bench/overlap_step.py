@@ -149,8 +149,13 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> str:
              runs[label].losses == runs["memory"].losses, runs[label].last_pass(),
              runs[label].pass_seconds())
             for label in labels]
+    pools = sorted({(store.pool_bytes // 2**20, store.pool_chosen)
+                    for run in runs.values() for store in run._stores()})
+    pool_line = "NVMe pool: " + (", ".join(
+        f"{mib} MiB ({'chosen from the host' if chosen else 'given'})"
+        for mib, chosen in pools) or "none")
     return "\n".join([
-        f"load average (1 min) before {before:.2f}, after {after:.2f}",
+        f"load average (1 min) before {before:.2f}, after {after:.2f}", pool_line,
         harness.table(["run", "tokens/s (median of rounds)", "each timed round",
                        "memory / run, round by round", "losses bitwise = memory's",
                        "last pass: chunks found read ahead, of its reads",
@@ -164,7 +169,7 @@ def main() -> None:
     p.add_argument("--model", choices=sorted(PRESETS), default="pythia-70m")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds (one warm-up first)")
     p.add_argument("--pool-mib", type=int, default=None,
-                   help="NVMe's pool in MiB (default: Offload's default pool)")
+                   help="NVMe's pool in MiB (default: Offload's, chosen from the host's memory)")
     p.add_argument("--blocks", type=int, default=None,
                    help="keep the preset's first N blocks only (a large model within memory)")
     p.add_argument("--compare", choices=sorted(COMPARE), default="pass",
@@ -175,7 +180,8 @@ def main() -> None:
                         "(for a model this machine holds only two copies of)")
     args = p.parse_args()
     kept = "" if args.blocks is None else f" (its first {args.blocks} blocks)"
-    pool_text = "default pool" if args.pool_mib is None else f"a pool of {args.pool_mib} MiB"
+    pool_text = ("the default pool (chosen from the host's memory)" if args.pool_mib is None
+                 else f"a pool of {args.pool_mib} MiB")
     print(harness.header(f"{args.model}{kept}, full fine-tuning, fp32, one rank on the CPU, "
                          f"{ROWS} x {SEQ} tokens a step, {STEPS} steps a call (steps 3-8 "
                          f"timed), {pool_text}; scratch in {args.path}", packages=("torch",)))

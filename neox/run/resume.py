@@ -82,8 +82,9 @@ def resume_recipe(flags: Recipe, explicit: set[str], checkpoint: Path, *,
         ours, saved = _at(flags, path), _at(stored, path)
         if flag.resumable and ours != saved:
             changed[path] = ours
-            log(f"resume: {flag_name(field)} {_show(ours)} overrides the checkpoint's "
-                f"{_show(saved)}")
+            show = flag.text or _show   # as the flag writes it ("--offload-pool auto")
+            log(f"resume: {flag_name(field)} {show(ours)} overrides the checkpoint's "
+                f"{show(saved)}")
     return _replaced(stored, changed)
 
 

@@ -27,6 +27,13 @@ def pool_size(text: str) -> int | None:
     return size
 
 
+def pool_text(size: int | None) -> str:
+    """--offload-pool's value as the flag writes it (in MiB when whole, else in bytes)."""
+    if size is None:
+        return "auto"
+    return f"{size // 2**20}MiB" if size % 2**20 == 0 else str(size)
+
+
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
     """Which of the parameter shards and the optimizer state live off the device, and where."""
@@ -80,7 +87,7 @@ class OffloadConfig:
                         f"whose copies on a node's ranks take at most 1/{AUTO_POOL_HOST_SHARE} "
                         f"of its physical memory (one rank on 24 GB: 1GiB; eight on 128 GB: "
                         f"512MiB each)", parse=pool_size,
-                  metavar="SIZE", text=lambda x: "auto" if x is None else f"{x // 2**20}MiB",
+                  metavar="SIZE", text=pool_text,
                   resumable=True), since=7)
     # Whether the offloaded optimizer's pass overlaps the next forward (zerocore.Offload's
     # overlap). "exact" and "off" give the same bits; "delayed" does not (each forward
