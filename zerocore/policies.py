@@ -185,9 +185,10 @@ class Offload:
         longer reads and writes, and more read ahead; at least ``MIN_POOL_BYTES``. None (the
         default) chooses it from the host's memory (``auto_pool_bytes``): the largest power
         of two from 256 MiB to 1 GiB such that the pools of the model's ranks on a host take
-        at most a twentieth of its physical memory; the ranks agree on the smallest any host
-        allows, so every rank's pool is the same. ``zerocore.plan`` chooses it the same way
-        from its ``host_memory`` and ranks per node.
+        at most a twentieth of its physical memory (or of its container's limit, where lower:
+        ``host_memory_bytes``); the ranks agree on the smallest any host allows, so every
+        rank's pool is the same. ``zerocore.plan`` chooses it the same way from its
+        ``host_memory`` and ranks per node.
 
     cpu_threads: CPU threads a GPU rank steps its optimizer with on the CPU (torch's thread
     count for the duration of ``zerocore.optim``'s step on offloaded shards; the process's own

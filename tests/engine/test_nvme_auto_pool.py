@@ -23,6 +23,42 @@ WORLD_SIZES = [1, 2, 3]
 GiB, MiB, GB = 2**30, 2**20, 10**9
 
 
+# -- the host's memory: the machine's, or its container's limit -----------------------------------
+
+def _cgroups(tmp_path, files: dict[str, str], proc: str) -> tuple[str, str]:
+    """A cgroup mount under ``tmp_path`` holding ``files`` (path: text), and a
+    /proc/self/cgroup saying ``proc``: (root, proc file)."""
+    root = tmp_path / "cgroup"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text + "\n")
+    (tmp_path / "proc_cgroup").write_text(proc)
+    return str(root), str(tmp_path / "proc_cgroup")
+
+
+@pytest.mark.parametrize("files, proc, limit", [
+    ({"memory.max": str(8 * GiB)}, "0::/\n", 8 * GiB),                        # v2, namespaced
+    ({"job/memory.max": str(6 * GiB)}, "0::/job\n", 6 * GiB),                  # v2, its own
+    ({"memory/job/memory.limit_in_bytes": str(4 * GiB)},
+     "4:memory:/job\n0::/\n", 4 * GiB),                                        # v1
+    ({"memory/memory.limit_in_bytes": str(3 * GiB)}, "4:cpu,memory:/\n", 3 * GiB),  # v1 root
+    ({"memory.max": "max"}, "0::/\n", None),                                    # no limit
+    ({"memory/memory.limit_in_bytes": str(2**63 - 4096)}, "4:memory:/\n", None),  # v1's none
+    ({}, "garbled\n", None),                                                    # nothing read
+])
+def test_the_hosts_memory_is_the_containers_limit_when_lower(tmp_path, files, proc, limit):
+    physical = host_memory_bytes(str(tmp_path / "none"), str(tmp_path / "none"))
+    root, proc_file = _cgroups(tmp_path, files, proc)
+    assert host_memory_bytes(root, proc_file) == min(physical, limit or physical)
+
+
+def test_a_container_of_eight_ranks_in_16_gb_keeps_the_floor(tmp_path):
+    # One rank of eight in a 16 GB container on a machine of any size: 16 GB / 20 / 8 = 100 MB,
+    # so the floor, where the machine's own memory would have given more.
+    root, proc_file = _cgroups(tmp_path, {"memory.max": str(16 * GB)}, "0::/\n")
+    assert auto_pool_bytes(host_memory_bytes(root, proc_file), 8) == DEFAULT_POOL_BYTES
+
+
 # -- the rule, on hosts of given sizes ----------------------------------------------------------
 
 @pytest.mark.parametrize("memory, ranks, pool", [

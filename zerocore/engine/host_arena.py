@@ -27,9 +27,47 @@ _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 _ALIGN = 64   # bytes: every buffer starts on a cache line (and any dtype's alignment)
 
 
-def host_memory_bytes() -> int:
-    """The host's physical memory, in bytes."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+def host_memory_bytes(cgroup_root: str = "/sys/fs/cgroup",
+                      proc_cgroup: str = "/proc/self/cgroup") -> int:
+    """The memory this process's host gives it, in bytes: the machine's physical memory, or
+    its container's memory limit where that is lower (a job confined to 16 GB of a 512 GB
+    machine must size what it takes, the NVMe pool, from its 16 GB: the kernel kills it past
+    them). The same every run on a machine, unlike what is free at the time."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min([physical, *_cgroup_limits(cgroup_root, proc_cgroup)])
+
+
+def _cgroup_limits(root: str, proc_cgroup: str) -> list[int]:
+    """The memory limits of this process's cgroups, in bytes: cgroup v2's ``memory.max`` and
+    v1's ``memory.limit_in_bytes``, at the mount's root (what a container with a cgroup
+    namespace sees as its own) and at this process's own cgroup (named in ``proc_cgroup``).
+    None where a file is missing or says there is no limit ("max"; v1 writes a number near
+    2**63, which the machine's memory is below anyway)."""
+    files = [f"{root}/memory.max", f"{root}/memory/memory.limit_in_bytes"]
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:  # "ID:CONTROLLERS:PATH"; v2's has no controllers
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if not controllers:
+            files.append(f"{root}{path.rstrip('/')}/memory.max")
+        elif "memory" in controllers.split(","):
+            files.append(f"{root}/memory{path.rstrip('/')}/memory.limit_in_bytes")
+    limits = []
+    for name in files:
+        try:
+            with open(name) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limits.append(int(text))
+    return limits
 
 
 class HostArena:

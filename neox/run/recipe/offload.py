@@ -85,8 +85,8 @@ class OffloadConfig:
                         f"(the default) takes the largest power of two from "
                         f"{DEFAULT_POOL_BYTES // 2**20}MiB to {MAX_AUTO_POOL_BYTES // 2**30}GiB "
                         f"whose copies on a node's ranks take at most 1/{AUTO_POOL_HOST_SHARE} "
-                        f"of its physical memory (one rank on 24 GB: 1GiB; eight on 128 GB: "
-                        f"512MiB each)", parse=pool_size,
+                        f"of its memory, or of its container's limit where lower (one rank "
+                        f"on 24 GB: 1GiB; eight on 128 GB: 512MiB each)", parse=pool_size,
                   metavar="SIZE", text=pool_text,
                   resumable=True), since=7)
     # Whether the offloaded optimizer's pass overlaps the next forward (zerocore.Offload's
