@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from zerocore.comm.lockstep import STEP, lockstep_of
+from zerocore.comm.lockstep import STEP, ZERO_GRAD, lockstep_of
 from zerocore.engine.homes.nvme_step import NvmeLaunch, Run
 from zerocore.engine.nvme_store import AdamRecord
 from zerocore.engine.optimizer_pass import (Begins, Done, Job, OptimizerPass, PassHook,
@@ -537,7 +537,8 @@ class Adam(torch.optim.Optimizer):
         """As ``torch.optim.Optimizer.zero_grad``. Dropping the gradients does not wait for an
         overlapped pass (it holds the ones it reads); zeroing them in place does."""
         if not set_to_none:
-            settle_updates([p for g in self.param_groups for p in g["params"]], together=True)
+            settle_updates([p for g in self.param_groups for p in g["params"]], together=True,
+                           kind=ZERO_GRAD)
         _torch_optimizer("zero_grad")(self, set_to_none=set_to_none)
 
     @property

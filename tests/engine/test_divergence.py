@@ -28,6 +28,7 @@ from tests.support.hybrid_runs import mesh_of
 from tests.support.refusals import ADVICE, assert_refused
 from tests.support.toy_stack import LR, Spec, global_batch, loss_fn, make_layers
 from zerocore.comm.device import uses_side_channel
+from zerocore.comm.fake import fake_group
 from zerocore.comm.lockstep import STEP, Diverged, Lockstep
 from zerocore.comm.peer_memory import GATHER_READ, PeerLost, PeerMemory
 
@@ -59,11 +60,14 @@ class Stack(nn.Module):
         return x
 
 
-def _build(door: str, transport: str, layout: str, group: dist.ProcessGroup | None = None):
+def _build(door: str, transport: str, layout: str, group: dist.ProcessGroup | None = None,
+           offload: zerocore.Offload | None = None):
     """(forward(x, skip), the sharding, how messages name layer 1) through a front door;
     over ``group`` (default: the world)."""
     policies: dict = dict(comm=zerocore.Comm() if transport == "read"
                           else zerocore.Comm(peer_read="off"), group=group)
+    if offload is not None:
+        policies["offload"] = offload
     if layout != "flat":
         policies["mesh"] = mesh_of((2, 2))
         if layout == "hpz":
@@ -100,7 +104,9 @@ def diverge(rank: int, world_size: int, door: str, transport: str, case: str,
 
 def _attempt(rank: int, world_size: int, door: str, transport: str, case: str,
              layout: str) -> str:
-    forward, sharding, _ = _build(door, transport, layout)
+    # (The optimizer's pass overlapped with the next forward, which the settling cases wait for.)
+    offload = zerocore.Offload(optimizer="cpu") if case in ("finite", "zero_grad") else None
+    forward, sharding, _ = _build(door, transport, layout, offload=offload)
     opt = zerocore.optim.AdamW(sharding.trainable_shards(), lr=LR)
     last = world_size - 1
 
@@ -132,6 +138,18 @@ def _attempt(rank: int, world_size: int, door: str, transport: str, case: str,
             elif case == "checkpoint":  # a save on rank 0 alone (each rank its own directory)
                 if rank == 0:
                     zerocore.save_checkpoint(tmp, 1, sharding, opt)
+                micro(1, 0)
+            elif case == "finite":  # a check before saving, on rank 0 alone
+                if rank == 0:
+                    sharding.trainable_finite()
+                micro(1, 0)
+            elif case == "zero_grad":  # gradients zeroed in place, on rank 0 alone
+                if rank == 0:
+                    opt.zero_grad(set_to_none=False)
+                micro(1, 0)
+            elif case == "replicas":  # the end-of-run comparison, on rank 0 alone
+                if rank == 0:
+                    sharding.replicas_agree()
                 micro(1, 0)
             elif case == "hsdp_kept_on_one":  # rank 0 alone defers the replicas' all-reduce
                 sharding.set_requires_all_reduce(rank != 0)
@@ -175,6 +193,24 @@ def test_diverged_ranks_are_refused_across_nodes(worlds, layout, transport, case
     # checkpoint) or ranks 1-3 (micro-batches) differ.
     got = worlds(4).run(diverge, "shard", transport, case, layout, timeout=RUN_TIMEOUT_S)
     assert_refused(got, *NAMED[case])
+
+
+# Calls that are collective only through what they wait for or compare: with the optimizer's
+# pass overlapped, ``trainable_finite`` and ``zero_grad(set_to_none=False)`` settle it on every
+# rank (``Lockstep.agreed``); ``replicas_agree`` gathers every rank's hashes. On one rank alone,
+# each met the others' first gather with a collective of another shape: a gloo size error, or
+# (peer reading) a wait for the timeout. Through ``shard`` only: the settling and the comparison
+# are the sharding's, the same behind either door.
+SETTLING = {"finite": "rank 0 checks that its master weights are finite",
+            "zero_grad": "rank 0 is in optimizer.zero_grad(set_to_none=False)",
+            "replicas": "rank 0 compares HSDP's replicas"}
+
+
+@pytest.mark.parametrize("case", sorted(SETTLING))
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_call_that_settles_or_compares_on_one_rank_alone_is_refused(world, transport, case):
+    got = world.run(diverge, "shard", transport, case, timeout=RUN_TIMEOUT_S)
+    assert_refused(got, SETTLING[case], "for forward of micro-batch 0")
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -339,40 +375,102 @@ def test_a_forward_alone_while_the_others_wait_in_their_own_collective_is_refuse
     assert "raise the timeout" not in refusal, refusal
 
 
-class _ArrivingExchange:
-    """An exchange's handle whose first timed wait expires, and which completes while the
-    others are asked where they wait (the asked rank came to the exchange just after it
-    answered)."""
+class _Exchange:
+    """An exchange's handle whose timed waits expire until ``done``."""
 
     def __init__(self):
-        self.asked = False
+        self.done = False
 
     def wait(self, timeout=None) -> bool:
-        if not self.asked:
+        if not self.done:
             raise RuntimeError("Operation timed out!")
         return True
 
     def is_completed(self) -> bool:
-        return self.asked
+        return self.done
 
 
-class _AnsweredElsewhere:
-    def __init__(self, exchange: _ArrivingExchange):
-        self.exchange = exchange
+class _Answers:
+    """The other ranks' answers to ``Lockstep._wait``'s questions, one list per question, in
+    turn; the exchange completes as the ``arrives_at``-th is given (that rank answered, then
+    came)."""
+
+    def __init__(self, exchange: _Exchange, answers: list[dict[int, str]],
+                 arrives_at: int | None = None):
+        self.exchange, self.answers, self.arrives_at = exchange, answers, arrives_at
+        self.asked = 0
 
     def ask(self) -> dict[int, str]:
-        self.exchange.asked = True  # (answered, then came)
-        return {1: "waits in torch.distributed.barrier() at train.py:7"}
+        self.asked += 1
+        if self.asked == self.arrives_at:
+            self.exchange.done = True
+        return self.answers[min(self.asked, len(self.answers)) - 1]
+
+
+BARRIER = "waits in torch.distributed.barrier() at train.py:7"
+
+
+def _waiting(answers: list[dict[int, str]], arrives_at: int | None) -> tuple[Lockstep, _Answers]:
+    """A lockstep whose exchange's wait (``Lockstep._wait`` alone: the order of events cannot be
+    forced across real ranks) hears ``answers``."""
+    lockstep = Lockstep.__new__(Lockstep)  # (only its wait: no group is needed)
+    exchange = _Exchange()
+    lockstep._questions = _Answers(exchange, answers, arrives_at)
+    lockstep.group = None  # (named in the message only)
+    lockstep._elsewhere = lambda rank, where, group: Diverged(f"rank {rank} {where}")
+    return lockstep, exchange
 
 
 def test_an_answer_given_just_before_the_rank_came_to_the_exchange_is_not_a_divergence():
-    # Lockstep._wait alone (the order of events cannot be forced across real ranks): the rank
-    # asked answered from where it stood, then came; the exchange is done, and nothing raised.
-    lockstep = Lockstep.__new__(Lockstep)  # (only its wait: no group is needed)
-    exchange = _ArrivingExchange()
-    lockstep._questions = _AnsweredElsewhere(exchange)
+    # Asked twice, it said both times that it waits in its barrier, then came: the exchange is
+    # done, and nothing raised.
+    lockstep, exchange = _waiting([{1: BARRIER}], arrives_at=2)
     lockstep._wait(exchange)
-    assert exchange.asked
+    assert lockstep._questions.asked == 2
+
+
+def test_a_rank_said_once_to_wait_elsewhere_is_asked_again_before_the_refusal():
+    # Once in its barrier, then somewhere else (it was only slow there), then came: no
+    # refusal; said twice at the same place: refused.
+    lockstep, exchange = _waiting([{1: BARRIER}, {}, {1: BARRIER}, {}], arrives_at=4)
+    lockstep._wait(exchange)
+    lockstep, exchange = _waiting([{1: BARRIER}, {1: BARRIER.replace("7", "9")}, {}],
+                                  arrives_at=3)
+    lockstep._wait(exchange)
+    lockstep, exchange = _waiting([{}, {1: BARRIER}, {1: BARRIER}], arrives_at=None)
+    with pytest.raises(Diverged, match="rank 1 waits in torch.distributed.barrier"):
+        lockstep._wait(exchange)
+    assert lockstep._questions.asked == 3
+
+
+class _Pipes:
+    """The peer memory's answers as ``Lockstep._answered`` reads them: value -> text."""
+
+    def answer_text(self, rank: int, value: int) -> str:
+        return {0: "", 1: BARRIER}[value]
+
+
+def test_only_the_answer_to_the_last_question_of_this_wait_counts():
+    # Over peer reading each question is numbered (``_blocked``); an answer to an older
+    # question, or one asked in a wait that has ended, is not taken.
+    lockstep = Lockstep.__new__(Lockstep)
+    lockstep._peers = _Pipes()
+    lockstep._said_elsewhere = {}
+    lockstep._elsewhere = lambda rank, where, group: Diverged(f"rank {rank} {where}")
+    lockstep._peer_group = fake_group(2)  # (its ranks name the rank in the message)
+    awaited, later = 5, 9   # the messages waited for, in this wait and the next
+    lockstep._asked = {1: (2, awaited)}
+    lockstep._answered(1, 1, 1, awaited)  # question 1's answer, after question 2 was asked
+    lockstep._answered(1, 2, 1, awaited)  # the first of two
+    lockstep._answered(1, 1, 1, awaited)  # (stale again: not the second)
+    lockstep._asked = {1: (3, awaited)}
+    lockstep._answered(1, 3, 1, later)    # a later wait's: question 3 was of this one
+    lockstep._answered(1, 3, 0, awaited)  # not waiting now: what it said before is dropped
+    lockstep._asked = {1: (4, awaited)}
+    lockstep._answered(1, 4, 1, awaited)
+    lockstep._asked = {1: (5, awaited)}
+    with pytest.raises(Diverged, match="rank 1 waits in torch.distributed.barrier"):
+        lockstep._answered(1, 5, 1, awaited)
 
 
 # -- ranks that wait for each other in a cycle (peer reading) ------------------------------------

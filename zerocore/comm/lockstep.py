@@ -50,6 +50,10 @@ T = TypeVar("T")
 
 # Kinds of step.
 GATHER, REDUCE, STATS, STEP, FULL_STATE, SAVE, LOAD, WAIT, GATHER_IN_NODE = range(1, 10)
+# Calls that are collective only through what they settle or compare, outside a step: a check of
+# the masters and a zeroing in place, which wait for an overlapped optimizer pass on every rank
+# (``agreed``), and the comparison of HSDP's replicas.
+FINITE, ZERO_GRAD, REPLICAS = range(10, 13)
 # Phases: a forward that builds a graph, one that does not (no_grad, inference), a backward
 # (a recomputed forward is part of its backward: it gathers nothing of its own); a reduction
 # whose HSDP sum waits for a later micro-batch (``set_requires_all_reduce(False)``).
@@ -64,9 +68,11 @@ _PROBE_SHIFT = 16
 # How many probes a rank remembers having passed on (each is passed on once: two ranks that
 # read each other's pipes would otherwise pass one back and forth for ever).
 _PASSED_KEPT = 1024
-# The sequence number of an ``_AT`` message that answers ``PeerMemory.ask``: whether the rank
-# waits in a collective of its own (comm/whereabouts.py).
-_ELSEWHERE = 1
+# An ``_AT`` message whose sequence number is not 0 answers ``PeerMemory.ask``: whether the rank
+# waits in a collective of its own (comm/whereabouts.py); the number is the question's
+# (``_blocked`` numbers them), so that an answer that arrives after the wait it was asked in, or
+# after a later question, is told from the answer to the question out now.
+_QUESTIONS = 0xFFFFFFFF  # question numbers run 1 .. this, then again (0 is ``_AT``'s own)
 # The exchange's all-reduce over the backend is waited for in slices: the first as long as a
 # waiting peer memory's first (``peer_memory._GRACE_S``: an exchange that takes longer is not
 # the common case), then twice as long each, up to the last; after each the others are asked
@@ -152,6 +158,12 @@ class Lockstep:
         self._at: dict[int, int] = {}
         self._awaits: dict[int, int] = {}
         self._aborted = False
+        # The questions of ``_blocked`` (whether a rank waits in a collective of its own): how
+        # many were asked, the last one asked of each rank (number, the message waited for),
+        # and the last place each said it waits, with that message (``_answered``).
+        self._questions_asked = 0
+        self._asked: dict[int, tuple[int, int]] = {}
+        self._said_elsewhere: dict[int, tuple[int, str]] = {}
         self._passed: dict[tuple[int, int], None] = {}  # probes passed on (``_probe``), in order
         self._seq = 0  # exchanges so far: every rank counts alike (the pipes' key)
         # The exchange over the backend runs on the CPU: over the group itself when it has a
@@ -252,11 +264,17 @@ class Lockstep:
         """A step outside the training loop (``FULL_STATE``, ``SAVE``, ``LOAD``)."""
         self.check(Identity(kind, 0, 0, 0, self.step))
 
-    def agreed(self, fn: Callable[[], T]) -> T:
+    def agreed(self, fn: Callable[[], T], kind: int | None = None) -> T:
         """Collective: ``fn()`` on every rank of the model, its failure agreed over them all
-        (``run_agreed``, over the exchange's CPU group: no device round trip)."""
+        (``run_agreed``, over the exchange's CPU group: no device round trip). ``kind``: the
+        step the ranks exchange first (``FINITE``, ``ZERO_GRAD``); None when the caller's own
+        check has just said where it is (the optimizer's step, a full state, a checkpoint).
+        Without one, a rank that came here alone would pair its object gather with the
+        others' exchange: a size error, or a wait that never ends."""
         if self.group.size() == 1 or is_fake(self.group):
             return fn()
+        if kind is not None:
+            self.check(Identity(kind, 0, 0, 0, self.step))
         self._compare_unchecked()  # (a collective of another shape follows)
         self.compare_said()
         return run_agreed(fn, group=self._group)
@@ -468,11 +486,16 @@ class Lockstep:
         collective of its own that this rank belongs to: it will never come to this exchange. Ends
         with the backend's own error (a lost rank, its timeout)."""
         slice_s = _SLICE_S
+        before: dict[int, str] = {}
         while not wait_for(work, slice_s):
             elsewhere = self._questions.ask()  # {rank: where it waits}
-            # (An answer given just before that rank came here: the exchange is done.)
-            if elsewhere and not work.is_completed():
-                raise self._elsewhere(*next(iter(elsewhere.items())), self.group)
+            # A rank that said so twice running, at the same place: once could be a rank only
+            # slow inside a torch.distributed call this rank has left (``_answered``). (And not
+            # an answer given just before that rank came here: then the exchange is done.)
+            again = [(r, where) for r, where in elsewhere.items() if before.get(r) == where]
+            if again and not work.is_completed():
+                raise self._elsewhere(*again[0], self.group)
+            before = elsewhere
             slice_s = min(2 * slice_s, _SLICE_MAX_S)
 
     # -- ranks that wait for each other (peer memory) ------------------------------------------
@@ -495,11 +518,8 @@ class Lockstep:
             if _channel_of(awaited) != self._channel:
                 self._overtaken(rank, key, value)
             return False
-        if kind == _AT and key & 0xFFFFFFFF == _ELSEWHERE:
-            where = self._peers.answer_text(rank, value)
-            if where:
-                raise self._elsewhere(group_ranks(self._peer_group)[rank], where,
-                                      self._peer_group)
+        if kind == _AT and key & 0xFFFFFFFF:
+            self._answered(rank, key & 0xFFFFFFFF, value, awaited)
         elif kind == _AT:
             self._at[rank] = value
         elif kind == _AWAITS and key & 0xFFFFFFFF:
@@ -516,8 +536,10 @@ class Lockstep:
         """Peer memory: this rank has waited a while for ``awaited`` from ``rank`` (told again
         each while it waits)."""
         # Whether ``rank`` waits in a collective of its own, which would leave both waiting
-        # (answered from a thread of its own; ``_heard`` reads the answer).
-        self._peers.ask(rank, self._channel, _AT, _ELSEWHERE)
+        # (answered from a thread of its own; ``_answered`` reads the answer).
+        self._questions_asked = self._questions_asked % _QUESTIONS + 1
+        self._asked[rank] = (self._questions_asked, awaited)
+        self._peers.ask(rank, self._channel, _AT, self._questions_asked)
         me = self._peer_group.rank()
         # Every rank that waits for this one reads what it sends: the probe goes back along
         # the waits, and comes to ``rank`` when they close a cycle (``_probe``).
@@ -531,6 +553,24 @@ class Lockstep:
         theirs = self._awaits.get(rank)
         if theirs is not None and not peers.was_sent(rank, theirs):
             self._abort(rank)
+
+    def _answered(self, rank: int, question: int, value: int, awaited: int) -> None:
+        """``rank``'s answer to question ``question`` (``_blocked``), read while this rank waits
+        for ``awaited`` from it. Taken only when it answers the last question asked of that
+        rank, in this very wait: an older answer (a slow answering thread) may describe a wait
+        that has since ended. Raises when the rank said twice running, in this wait, that it
+        waits at the same place in a collective of its own: once could be a rank that is only
+        slow inside a ``torch.distributed`` call that this rank has already left (unpickling a
+        large object); a second question is asked a grace period later (``_blocked``)."""
+        if self._asked.get(rank) != (question, awaited):
+            return  # (a stale answer)
+        where = self._peers.answer_text(rank, value)
+        before = self._said_elsewhere.pop(rank, None)
+        if not where:
+            return
+        if before == (awaited, where):
+            raise self._elsewhere(group_ranks(self._peer_group)[rank], where, self._peer_group)
+        self._said_elsewhere[rank] = (awaited, where)
 
     def _probe(self, rank: int, seq: int, awaited: int) -> None:
         """``rank``, which this rank waits for, passed on a probe: rank ``began`` waits for rank
@@ -669,6 +709,11 @@ class Lockstep:
         return {WAIT: "waits for another rank to finish a gather or reduction they started "
                       "together (it reads this rank's memory), which it did not",
                 FULL_STATE: "gathers the full state (full_state_dict, an export)",
+                FINITE: "checks that its master weights are finite (trainable_finite(), "
+                        "which waits for the overlapped optimizer pass on every rank)",
+                ZERO_GRAD: "is in optimizer.zero_grad(set_to_none=False), which waits for "
+                           "the overlapped optimizer pass on every rank",
+                REPLICAS: "compares HSDP's replicas (replicas_agree())",
                 SAVE: "is in zerocore.save_checkpoint()",
                 LOAD: "is in zerocore.load_checkpoint()"}.get(i.kind, f"(step kind {i.kind})")
 

@@ -202,13 +202,16 @@ def wait_for_gradient(shard: torch.nn.Parameter) -> None:
         running.wait_unit(shard)
 
 
-def settle_updates(params: Iterable[torch.nn.Parameter], *, together: bool = False) -> None:
+def settle_updates(params: Iterable[torch.nn.Parameter], *, together: bool = False,
+                   kind: int | None = None) -> None:
     """The one wait for whole passes: waits for every optimizer pass that any of ``params``
     is stepped by, and raises a failure one had. ``together``: every rank of the models these
     shards belong to settles here at once (a step, a checkpoint, a full state), so the failure
     is agreed over them (the failing rank raises its own error, the others ``PeerError``): a
     collective when any of ``params`` is stepped by a pass, which is the same on every rank (a
-    policy). Otherwise this rank alone waits (a read of one shard's master)."""
+    policy). Otherwise this rank alone waits (a read of one shard's master). ``kind``: the
+    lockstep's step kind the ranks exchange before they agree, when the caller has not just
+    checked one of its own (``Lockstep.agreed``)."""
     params = list(params)
     passes: dict[int, OptimizerPass] = {}
     for p in params:
@@ -231,4 +234,4 @@ def settle_updates(params: Iterable[torch.nn.Parameter], *, together: bool = Fal
     if not locksteps:
         finish()
     for lockstep in locksteps:  # (an optimizer over several models: each agrees)
-        lockstep.agreed(finish)
+        lockstep.agreed(finish, kind)

@@ -33,7 +33,7 @@ from zerocore.comm.peer_memory import PeerMemory
 from zerocore.comm.agree import run_agreed
 from zerocore.comm.carried import (CARRY_MAX_BYTES, CarriedGather, CarriedReduce,
                                    ReadCarriedGather, ReadCarriedReduce)
-from zerocore.comm.lockstep import FULL_STATE, Lockstep
+from zerocore.comm.lockstep import FINITE, FULL_STATE, REPLICAS, Lockstep
 from zerocore.comm.device import Platform, agree_on_devices, comm_device, resolve_device
 from zerocore.comm.fake import is_fake
 from zerocore.comm.mesh import Mesh, device_refusal
@@ -584,7 +584,7 @@ class Sharding:
         infinite): what a run checks before it saves. Reads NVMe-offloaded masters from the
         scratch, one shard at a time. Collective when the optimizer's pass is overlapped
         (``Offload.overlap``): every rank waits for it, a failure of it agreed."""
-        settle_updates(self.trainable_shards(), together=True)
+        settle_updates(self.trainable_shards(), together=True, kind=FINITE)
         return all(bool(torch.isfinite(master_values(s)).all()) for s in self.trainable_shards())
 
     def shards(self) -> Iterator[nn.Parameter]:
@@ -639,6 +639,7 @@ class Sharding:
         hashes of each place in the shard dim compared across the replicas; the same answer on
         every rank. True for a flat layout (one copy). It reads every trainable shard once:
         a check for the end of a run, not for every step."""
+        self.lockstep.collective(REPLICAS)  # every rank compares here, or every rank says where
         settle_updates(self.trainable_shards(), together=True)  # (an overlapped pass's state)
         digest = hashlib.sha256()
         for shard in self.trainable_shards():
