@@ -231,12 +231,41 @@ def test_an_explicit_pool_is_the_pool_on_every_rank(world, tmp_path):
 
 # -- the plan: the same pool from its host memory and ranks per node ----------------------------
 
-def planned_pool(world_size: int, **kw) -> int:
-    plan = zerocore.plan.plan(layer_stack("meta"),
+def planned(world_size: int, device: str = "cpu", pool: int | None = None,
+            **kw) -> zerocore.plan.MemoryPlan:
+    return zerocore.plan.plan(layer_stack("meta"),
                               torch.empty(BATCH, SEQ, dtype=torch.long, device="meta"),
-                              world_size=world_size, loss=stack_loss, device="cpu",
-                              offload=zerocore.Offload(optimizer="nvme", path="(planned)"), **kw)
-    return plan.state.pool
+                              world_size=world_size, loss=stack_loss, device=device,
+                              offload=zerocore.Offload(optimizer="nvme", path="(planned)",
+                                                       pool_bytes=pool), **kw)
+
+
+def planned_pool(world_size: int, **kw) -> int:
+    return planned(world_size, **kw).state.pool
+
+
+def _pool_row(plan: zerocore.plan.MemoryPlan) -> str:
+    row, = [line for line in plan.table().splitlines() if "NVMe pool" in line]
+    return row
+
+
+@pytest.mark.parametrize("device, host", [("cpu", ""), ("cuda", " (host)")])
+def test_the_plans_pool_row_says_when_the_pool_was_chosen(device, host):
+    # As a run's memory_report says "NVMe pool, auto": the pool the plan chose from its host
+    # memory (a node of 128 GiB, two ranks: 1 GiB), and not a given one of the same size.
+    chosen = planned(2, device, host_memory=128 * GiB)
+    given = planned(2, device, pool=GiB, host_memory=128 * GiB)
+    assert chosen.state.pool == given.state.pool == GiB
+    assert chosen.state.pool_chosen and not given.state.pool_chosen
+    assert _pool_row(chosen).split() == f"NVMe pool, auto{host} 1.00 GiB".split()
+    assert _pool_row(given).split() == f"NVMe pool{host} 1.00 GiB".split()
+    # plan_model chooses it too, and says so.
+    model = torch.nn.Sequential(*layer_stack("meta"))
+    for_model = zerocore.plan.plan_model(
+        model, list(model), torch.empty(BATCH, SEQ, dtype=torch.long, device="meta"),
+        world_size=2, loss=stack_loss, device=device, host_memory=128 * GiB,
+        offload=zerocore.Offload(optimizer="nvme", path="(planned)"))
+    assert for_model.state.pool_chosen and _pool_row(for_model) == _pool_row(chosen)
 
 
 def test_the_plan_chooses_the_pool_the_built_store_holds(world, tmp_path):
