@@ -28,6 +28,7 @@ CPU has one memory: host and device bytes add up (``MemoryPlan.peak_bytes``).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any, Callable, Iterable
 
 import torch
@@ -105,6 +106,7 @@ def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, worl
     _check("plan", device, world_size, micro_batches)
     shape = meshes.check_shape(mesh, world_size, "plan")
     _check_nodes("plan", nodes, world_size, shape)
+    pool_chosen = offload.nvme and offload.pool_bytes is None
     offload = _with_pool(offload, host_memory, world_size, nodes, shape)
     _check_hybrid("plan", hybrid, shape, world_size)
     fake = FakeTensorMode()
@@ -127,12 +129,13 @@ def plan(layers: Iterable[nn.Module | MetaLayer], example: torch.Tensor, *, worl
         read.close()
         return held["model"]
 
-    return rehearse(Step(build, lambda: loss(held["model"](x)), buffers=_buffer_bytes(*stack),
-                         world_size=world_size,
-                         device=device, comm=comm, offload=offload,
-                         micro_batches=micro_batches, mesh=shape, nodes=nodes,
-                         count_flops=count_flops), fake,
-                    exclude=[x])
+    return _saying_pool_chosen(
+        rehearse(Step(build, lambda: loss(held["model"](x)), buffers=_buffer_bytes(*stack),
+                      world_size=world_size,
+                      device=device, comm=comm, offload=offload,
+                      micro_batches=micro_batches, mesh=shape, nodes=nodes,
+                      count_flops=count_flops), fake,
+                 exclude=[x]), pool_chosen)
 
 
 def plan_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module, example: Any = (), *,
@@ -162,6 +165,7 @@ def plan_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module, example
     _check("plan_model", device, world_size, micro_batches)
     shape = meshes.check_shape(mesh, world_size, "plan_model")
     _check_nodes("plan_model", nodes, world_size, shape)
+    pool_chosen = offload.nvme and offload.pool_bytes is None
     offload = _with_pool(offload, host_memory, world_size, nodes, shape)
     _check_hybrid("plan_model", hybrid, shape, world_size)
     names = {id(m): n for n, m in model.named_modules()}
@@ -190,12 +194,13 @@ def plan_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module, example
         read.close()
         return sharded
 
-    return rehearse(Step(build, lambda: loss(copied(*args, **kwargs)),
-                         buffers=_buffer_bytes(copied), world_size=world_size,
-                         device=device, comm=comm, offload=offload,
-                         micro_batches=micro_batches, mesh=shape, nodes=nodes,
-                         count_flops=count_flops), fake,
-                    exclude=inputs)
+    return _saying_pool_chosen(
+        rehearse(Step(build, lambda: loss(copied(*args, **kwargs)),
+                      buffers=_buffer_bytes(copied), world_size=world_size,
+                      device=device, comm=comm, offload=offload,
+                      micro_batches=micro_batches, mesh=shape, nodes=nodes,
+                      count_flops=count_flops), fake,
+                 exclude=inputs), pool_chosen)
 
 
 def _with_pool(offload: Offload, host_memory: int | None, world_size: int, nodes: int,
@@ -211,6 +216,15 @@ def _with_pool(offload: Offload, host_memory: int | None, world_size: int, nodes
     per_node = shape[1] if shape is not None else world_size // nodes
     memory = host_memory if host_memory is not None else host_memory_bytes()
     return offload.with_pool(memory, per_node)
+
+
+def _saying_pool_chosen(plan: MemoryPlan, chosen: bool) -> MemoryPlan:
+    """``plan``, whose state says its NVMe pool was chosen (``ModelState.pool_chosen``) when
+    ``_with_pool`` chose it: the rehearsal is given the pool's size alone, as an explicit
+    one."""
+    if not chosen:
+        return plan
+    return dataclasses.replace(plan, state=dataclasses.replace(plan.state, pool_chosen=True))
 
 
 def _planned(module: nn.Module, fake: FakeTensorMode) -> nn.Module:

@@ -186,8 +186,9 @@ class Offload:
         default) chooses it from the host's memory (``auto_pool_bytes``): the largest power
         of two from 256 MiB to 1 GiB such that the pools of the model's ranks on a host take
         at most a twentieth of its physical memory (or of its container's limit, where lower:
-        ``host_memory_bytes``); the ranks agree on the smallest any host allows, so every
-        rank's pool is the same. ``zerocore.plan`` chooses it the same way from its
+        ``host_memory_bytes``); the ranks agree on the smallest any host allows, each rank's
+        host and memory as its ``Platform`` says (``shard(platform=)``, else detected), so
+        every rank's pool is the same. ``zerocore.plan`` chooses it the same way from its
         ``host_memory`` and ranks per node.
 
     cpu_threads: CPU threads a GPU rank steps its optimizer with on the CPU (torch's thread

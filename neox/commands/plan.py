@@ -147,7 +147,7 @@ def _as_dict(plan: zerocore.plan.MemoryPlan) -> dict[str, Any]:
             "headroom": plan.headroom, "peak_bytes": plan.peak_bytes,
             "host_peak": plan.host_peak, "activations_peak": plan.activations_peak,
             "gathered_peak": plan.gathered_peak, "windows_peak": plan.windows_peak,
-            "nvme_bytes": s.nvme, "nvme_pool_bytes": s.pool,
+            "nvme_bytes": s.nvme, "nvme_pool_bytes": s.pool, "nvme_pool_chosen": s.pool_chosen,
             "all_gather_bytes": plan.all_gather_bytes,
             "reduce_scatter_bytes": plan.reduce_scatter_bytes,
             "recomputed_layers": list(plan.recomputed_layers),

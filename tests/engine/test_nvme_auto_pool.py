@@ -6,6 +6,7 @@ its host memory and ranks per node. An explicit ``pool_bytes`` is kept as given.
 
 from __future__ import annotations
 
+import collections
 import logging
 import socket
 
@@ -14,6 +15,7 @@ import torch
 
 import zerocore
 from zerocore.engine.host_arena import host_memory_bytes
+from zerocore.engine.scratch_file import size_text
 from zerocore.policies import (AUTO_POOL_HOST_SHARE, DEFAULT_POOL_BYTES, MAX_AUTO_POOL_BYTES,
                                MIN_POOL_BYTES, agreed_pool_bytes, auto_pool_bytes)
 from tests.support.offload_stack import BATCH, SEQ, layer_stack, stack_loss
@@ -119,17 +121,27 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def build_and_read_the_pool(rank: int, world_size: int, path: str, pool: int | None) -> dict:
+def made_up_platform(host: str, memory: int | None) -> zerocore.Platform:
+    """This CPU process as a host named ``host`` that gives it ``memory`` bytes."""
+    return zerocore.Platform(host=host, torch_cuda=torch.version.cuda, cuda_device_count=0,
+                             kernels_cuda=False, device_uuid=None, usable_cores=1,
+                             host_memory=memory)
+
+
+def build_and_read_the_pool(rank: int, world_size: int, path: str, pool: int | None,
+                            hosts: list[tuple[str, int | None]] | None = None) -> dict:
     """The stack offloaded to NVMe with ``pool_bytes=pool``: this rank's pool, whether it was
-    chosen, the report's row, and (rank 0) the start-up line that names it."""
+    chosen, the report's row, and (rank 0) the start-up line that names it. ``hosts``: each
+    rank's made-up host and memory (``shard(platform=)``); None: this machine's."""
     lines = _Lines()
     logger = logging.getLogger("zerocore.engine.sharding")
     logger.addHandler(lines)
     old_level = logger.level
     logger.setLevel(logging.INFO)
+    platform = made_up_platform(*hosts[rank]) if hosts is not None else None
     try:
         model = zerocore.shard(layer_stack(), offload=zerocore.Offload(
-            optimizer="nvme", path=path, pool_bytes=pool))
+            optimizer="nvme", path=path, pool_bytes=pool), platform=platform)
     finally:
         logger.removeHandler(lines)
         logger.setLevel(old_level)
@@ -154,6 +166,62 @@ def test_every_rank_chooses_the_same_pool_from_the_hosts_memory(world, tmp_path)
     assert all(r["line"] == [] for r in got[1:])
 
 
+# Each rank's made-up host and memory, for a world of n ranks (rank r the r-th), and the pool
+# every rank must take: the smallest any host allows.
+MADE_UP_HOSTS = {
+    # A small host beside a large one: the small one's 4 GiB / 20 leaves the floor to all.
+    "a small host beside a large one": (
+        lambda n: [("a", 4 * GiB)] + [("b", 128 * GiB)] * (n - 1), DEFAULT_POOL_BYTES),
+    # A host per rank, the smallest 16 GiB: 0.8 GiB allowed, 512 MiB to all.
+    "a host per rank": (lambda n: [(f"host-{r}", 16 * GiB * (r + 1)) for r in range(n)],
+                        512 * MiB),
+}
+
+
+@pytest.mark.parametrize("case", MADE_UP_HOSTS)
+def test_every_rank_chooses_the_pool_from_the_hosts_its_platform_names(world, tmp_path, case):
+    # The hosts come from each rank's Platform (shard(platform=)), as the ranks agreed on them,
+    # not from this machine: ranks of one machine told they are on other hosts of other sizes
+    # all take the pool those hosts allow. The two cases want pools of two sizes: a rank that
+    # read this machine's name and memory instead would take one size in both, and its line
+    # would name this machine's memory and world_size ranks on one host.
+    hosts_of, pool = MADE_UP_HOSTS[case]
+    hosts = hosts_of(world.world_size)
+    assert agreed_pool_bytes(hosts) == pool
+    got = world.run(build_and_read_the_pool, str(tmp_path), None, hosts)
+    assert [r["pool"] for r in got] == [pool] * world.world_size, got
+    assert all(r["chosen"] and r["report"] == (pool, True) for r in got), got
+    assert all("of which NVMe pool, auto" in r["table"] for r in got)
+    line, = got[0]["line"]
+    most = max(collections.Counter(host for host, _ in hosts).values())
+    smallest = min(memory for _, memory in hosts)
+    assert (f"a pool of {pool / MiB:.1f} MiB (chosen from the host's memory, "
+            f"Offload.pool_bytes=None: {most} rank(s) of this model on a host, "
+            f"{size_text(smallest)} the smallest host") in line, line
+
+
+def refused_without_host_memory(rank: int, world_size: int, path: str,
+                                pool: int | None) -> str | None:
+    """The stack offloaded to NVMe on a platform that does not say its host's memory (rank
+    0's): the refusal, or None when it builds."""
+    try:
+        build_and_read_the_pool(rank, world_size, path, pool,
+                                [("a", None)] + [("b", 128 * GiB)] * (world_size - 1))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_platform_without_its_hosts_memory_needs_a_pool(world, tmp_path):
+    # A pool chosen from the hosts' memory is refused on every rank, naming the rank whose
+    # memory is not known; a given pool needs none.
+    for refusal in world.run(refused_without_host_memory, str(tmp_path), None):
+        assert refusal is not None and "rank(s) [0] were given a Platform without " \
+            "host_memory" in refusal, refusal
+    assert world.run(refused_without_host_memory, str(tmp_path), MIN_POOL_BYTES) == \
+        [None] * world.world_size
+
+
 def test_an_explicit_pool_is_the_pool_on_every_rank(world, tmp_path):
     got = world.run(build_and_read_the_pool, str(tmp_path), MIN_POOL_BYTES)
     assert all(r["pool"] == MIN_POOL_BYTES and not r["chosen"]
@@ -163,12 +231,41 @@ def test_an_explicit_pool_is_the_pool_on_every_rank(world, tmp_path):
 
 # -- the plan: the same pool from its host memory and ranks per node ----------------------------
 
-def planned_pool(world_size: int, **kw) -> int:
-    plan = zerocore.plan.plan(layer_stack("meta"),
+def planned(world_size: int, device: str = "cpu", pool: int | None = None,
+            **kw) -> zerocore.plan.MemoryPlan:
+    return zerocore.plan.plan(layer_stack("meta"),
                               torch.empty(BATCH, SEQ, dtype=torch.long, device="meta"),
-                              world_size=world_size, loss=stack_loss, device="cpu",
-                              offload=zerocore.Offload(optimizer="nvme", path="(planned)"), **kw)
-    return plan.state.pool
+                              world_size=world_size, loss=stack_loss, device=device,
+                              offload=zerocore.Offload(optimizer="nvme", path="(planned)",
+                                                       pool_bytes=pool), **kw)
+
+
+def planned_pool(world_size: int, **kw) -> int:
+    return planned(world_size, **kw).state.pool
+
+
+def _pool_row(plan: zerocore.plan.MemoryPlan) -> str:
+    row, = [line for line in plan.table().splitlines() if "NVMe pool" in line]
+    return row
+
+
+@pytest.mark.parametrize("device, host", [("cpu", ""), ("cuda", " (host)")])
+def test_the_plans_pool_row_says_when_the_pool_was_chosen(device, host):
+    # As a run's memory_report says "NVMe pool, auto": the pool the plan chose from its host
+    # memory (a node of 128 GiB, two ranks: 1 GiB), and not a given one of the same size.
+    chosen = planned(2, device, host_memory=128 * GiB)
+    given = planned(2, device, pool=GiB, host_memory=128 * GiB)
+    assert chosen.state.pool == given.state.pool == GiB
+    assert chosen.state.pool_chosen and not given.state.pool_chosen
+    assert _pool_row(chosen).split() == f"NVMe pool, auto{host} 1.00 GiB".split()
+    assert _pool_row(given).split() == f"NVMe pool{host} 1.00 GiB".split()
+    # plan_model chooses it too, and says so.
+    model = torch.nn.Sequential(*layer_stack("meta"))
+    for_model = zerocore.plan.plan_model(
+        model, list(model), torch.empty(BATCH, SEQ, dtype=torch.long, device="meta"),
+        world_size=2, loss=stack_loss, device=device, host_memory=128 * GiB,
+        offload=zerocore.Offload(optimizer="nvme", path="(planned)"))
+    assert for_model.state.pool_chosen and _pool_row(for_model) == _pool_row(chosen)
 
 
 def test_the_plan_chooses_the_pool_the_built_store_holds(world, tmp_path):

@@ -48,10 +48,13 @@ REBUILD = "pip install --no-build-isolation -e ."
 @dataclasses.dataclass(frozen=True)
 class Platform:
     """What this process can compute on, for the device ``shard()`` chose: what the checks in
-    ``shard()`` read. ``Platform.detect(device)`` reads it from torch and ``zerocore.BUILD``;
-    tests (and dry runs) pass their own to ``zerocore.shard(..., platform=...)``."""
+    ``shard()`` read, and the NVMe pool is chosen from. ``Platform.detect(device)`` reads it
+    from torch and the OS, with what ``shard`` gives it (``zerocore.BUILD``'s kernels, the host's
+    memory: ``host_memory_bytes``); tests (and dry runs) pass their own to
+    ``zerocore.shard(..., platform=...)``."""
 
-    host: str                   # this machine's network name (ranks on one host share its GPUs)
+    host: str                   # this machine's network name (ranks on one host share its GPUs
+                                # and its memory)
     torch_cuda: str | None      # torch.version.cuda: None for a CPU build of torch
     cuda_device_count: int      # CUDA devices this process sees (after CUDA_VISIBLE_DEVICES)
     kernels_cuda: bool          # zerocore._C has CUDA kernels (zerocore.BUILD.has_cuda)
@@ -60,9 +63,13 @@ class Platform:
     # The current CUDA device's index (torch.cuda.set_device's) when a CUDA device was chosen;
     # None otherwise (read only then: it initialises CUDA).
     current_cuda_index: int | None = None
+    # The memory this host gives the process, in bytes (the machine's, or its container's
+    # limit where lower: ``host_memory_bytes``), which ``Offload(pool_bytes=None)`` chooses the
+    # NVMe pool from; None: not known (a made-up platform), and then a pool must be given.
+    host_memory: int | None = None
 
     @staticmethod
-    def detect(device: torch.device, *, kernels_cuda: bool) -> "Platform":
+    def detect(device: torch.device, *, kernels_cuda: bool, host_memory: int) -> "Platform":
         count = torch.cuda.device_count()  # NVML: does not initialise CUDA
         uuid = current = None
         if device.type == "cuda" and device.index is not None and device.index < count:
@@ -76,7 +83,7 @@ class Platform:
         except AttributeError:  # not Linux
             cores = os.cpu_count() or 1
         return Platform(socket.gethostname(), torch.version.cuda, count, kernels_cuda, uuid,
-                        cores, current)
+                        cores, current, host_memory)
 
 
 # -- the default device ---------------------------------------------------------------------------
@@ -181,6 +188,7 @@ class RankDevice:
     # The caller's own refusal of this rank's setting (e.g. a mesh made for another kind of
     # device), raised on every rank as it is: the exchange is where the ranks first meet.
     refusal: str | None = None
+    host_memory: int | None = None   # its host's memory (Platform.host_memory), for the pool
 
     def gpu_key(self) -> tuple[str, ...] | None:
         """What identifies the physical GPU: its UUID, else (host, device); None on the CPU."""
@@ -195,6 +203,11 @@ class Placement:
 
     ranks: tuple[RankDevice, ...]
     ranks_on_host: int
+
+    def hosts(self) -> tuple[tuple[str, int | None], ...]:
+        """Every rank's host and the memory it gives the rank, in rank order: what the NVMe
+        pool is chosen from (``zerocore.agreed_pool_bytes``), the same list on every rank."""
+        return tuple((r.host, r.host_memory) for r in self.ranks)
 
 
 def placement_problem(ranks: list[RankDevice], one_gpu_each: bool = True) -> str | None:
@@ -261,7 +274,7 @@ def agree_on_devices(group: dist.ProcessGroup, device: torch.device, platform: P
         logger.warning(mismatch)
     mine = RankDevice(rank, platform.host, str(device),
                       platform.device_uuid if device.type == "cuda" else None,
-                      device_problem(device, platform), refusal)
+                      device_problem(device, platform), refusal, platform.host_memory)
     if world == 1:  # nobody to agree with, nor to share a GPU with
         if refusal is not None:
             raise ValueError(refusal)

@@ -31,7 +31,8 @@ from zerocore.engine.meta_layer import RangeReader
 from zerocore.engine.rehearsal import Rehearsal
 from zerocore.engine.runtime import Unit
 from zerocore.engine.sharded_layer import Params, ShardedLayer
-from zerocore.engine.sharding import Sharding, fingerprint, groups_of, prepare_device
+from zerocore.engine.sharding import (Hosts, Sharding, fingerprint, groups_of,
+                                      prepare_device)
 from zerocore.engine.synced_generation import (mark_synced_generation,
                                                unmark_synced_generation)
 from zerocore.policies import (Comm, Compile, FrozenWeights, Hybrid, MixedPrecision, Offload,
@@ -100,13 +101,15 @@ class ShardedModel(Sharding):
                  offload: Offload, frozen_weights: FrozenWeights, comm: Comm = Comm(),
                  recompute: Recompute | None = None, compile: Compile | None = None,
                  host_threads: int | None = None, read: RangeReader | None = None,
-                 rehearsal: Rehearsal | None = None, hybrid: Hybrid | None = None):
+                 rehearsal: Rehearsal | None = None, hybrid: Hybrid | None = None,
+                 hosts: Hosts | None = None):
         """read: where the values of parameters on the meta device come from (``shard_model``'s
-        ``read``), by the model's own names. rehearsal, hybrid: as ``Sharding`` takes them."""
+        ``read``), by the model's own names. rehearsal, hybrid, hosts: as ``Sharding`` takes
+        them."""
         super().__init__(mesh, device, mixed_precision=mixed_precision, prefetch=prefetch,
                          offload=offload, recompute=recompute, frozen_weights=frozen_weights,
                          comm=comm, compile=compile, host_threads=host_threads,
-                         rehearsal=rehearsal, hybrid=hybrid)
+                         rehearsal=rehearsal, hybrid=hybrid, hosts=hosts)
         self.model = model
         targets = _parametrized_each_forward(model)  # before the parameters are taken out
         per_unit, root_params = assign_params(model, units)
@@ -354,12 +357,12 @@ def shard_model(model: nn.Module, units: Iterable[nn.Module] | nn.Module = (), *
                          f"device; only parameters are read by range: materialise the buffers "
                          f"first")
     unit_list = unit_modules(model, units)
-    dev, host_threads = prepare_device(device, ranks, offload, platform,
-                                       "zerocore.shard_model")
+    dev, host_threads, hosts = prepare_device(device, ranks, offload, platform,
+                                              "zerocore.shard_model")
     sharding = ShardedModel(model, unit_list, mesh=ranks, device=dev,
                             mixed_precision=mixed_precision, prefetch=prefetch, offload=offload,
                             frozen_weights=frozen_weights, comm=comm, recompute=recompute,
                             compile=compile, host_threads=host_threads, read=read,
-                            hybrid=hybrid)
+                            hybrid=hybrid, hosts=hosts)
     setattr(model, SHARDING_ATTR, sharding)
     return sharding

@@ -28,7 +28,8 @@ from zerocore.engine.rehearsal import Rehearsal
 from zerocore.engine.runtime import Unit
 from zerocore.engine.sharded_layer import Params, ShardedLayer, collect_params
 from zerocore.engine.sharded_param import prefix_names
-from zerocore.engine.sharding import Sharding, fingerprint, groups_of, prepare_device
+from zerocore.engine.sharding import (Hosts, Sharding, fingerprint, groups_of,
+                                      prepare_device)
 from zerocore.policies import (Comm, Compile, FrozenWeights, Hybrid, MixedPrecision, Offload,
                                Prefetch, Recompute)
 
@@ -73,12 +74,14 @@ class ShardedSequential(nn.Module, Sharding):
                  offload: Offload, recompute: Recompute | None = None,
                  frozen_weights: FrozenWeights = FrozenWeights(), comm: Comm = Comm(),
                  compile: Compile | None = None, host_threads: int | None = None,
-                 rehearsal: Rehearsal | None = None, hybrid: Hybrid | None = None):
+                 rehearsal: Rehearsal | None = None, hybrid: Hybrid | None = None,
+                 hosts: Hosts | None = None):
         nn.Module.__init__(self)
         Sharding.__init__(self, mesh, device, mixed_precision=mixed_precision,
                           prefetch=prefetch, offload=offload, recompute=recompute,
                           frozen_weights=frozen_weights, comm=comm, compile=compile,
-                          host_threads=host_threads, rehearsal=rehearsal, hybrid=hybrid)
+                          host_threads=host_threads, rehearsal=rehearsal, hybrid=hybrid,
+                          hosts=hosts)
         given = isinstance(layers, (list, tuple, nn.Sequential, nn.ModuleList))
         tied = _tied_across_layers(layers) if given else {}
         readers: dict[int, RangeReader] = {}
@@ -223,8 +226,10 @@ def shard(layers: Iterable[nn.Module | MetaLayer], *, group: dist.ProcessGroup |
     compile: ``zerocore.Compile(...)``: each layer's forward is compiled with torch.compile
         (the engine around it stays eager; see zerocore/engine/compiled.py). Layers given as
         ``torch.compile(layer)`` work as well; their parameters keep their plain names.
-    platform: what this process can run on (default ``zerocore.Platform.detect``: torch,
-        ``zerocore.BUILD``); pass one to check a configuration without the hardware.
+    platform: what this process can run on, and its host's memory (default
+        ``zerocore.Platform.detect``: torch, ``zerocore.BUILD``, the host); pass one to check a
+        configuration without the hardware (its ``host`` and ``host_memory`` are what an NVMe
+        pool of ``Offload(pool_bytes=None)`` is chosen from).
     Returns a module running the layers in order. Give ``model.parameters()`` (or
     ``model.trainable_shards()``) to ``zerocore.optim.AdamW``.
     """
@@ -233,8 +238,9 @@ def shard(layers: Iterable[nn.Module | MetaLayer], *, group: dist.ProcessGroup |
     if isinstance(layers, nn.Module) and not isinstance(layers, (nn.Sequential, nn.ModuleList)):
         raise TypeError("zerocore.shard expects a sequence of layers (nn.Sequential, "
                         "nn.ModuleList or list), not a single module")
-    dev, host_threads = prepare_device(device, ranks, offload, platform)
+    dev, host_threads, hosts = prepare_device(device, ranks, offload, platform)
     return ShardedSequential(layers, mesh=ranks, device=dev,
                              mixed_precision=mixed_precision, prefetch=prefetch, offload=offload,
                              recompute=recompute, frozen_weights=frozen_weights, comm=comm,
-                             compile=compile, host_threads=host_threads, hybrid=hybrid)
+                             compile=compile, host_threads=host_threads, hybrid=hybrid,
+                             hosts=hosts)

@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
-import socket
 from typing import Callable, Iterable, Iterator, TypeVar
 
 import torch
@@ -62,6 +61,8 @@ from zerocore.policies import (AUTO_POOL_HOST_SHARE, DEFAULT_TIMEOUT_S, Comm, Co
 log = logging.getLogger(__name__)
 _CPU = torch.device("cpu")
 T = TypeVar("T")
+# Every rank's host and the memory it gives the rank, in rank order (``Placement.hosts``).
+Hosts = tuple[tuple[str, int | None], ...]
 
 
 def fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -146,10 +147,12 @@ def agree_on_policies(policies: dict[str, object], group: dist.ProcessGroup,
 def build_context(mesh: Mesh, device: torch.device,
                   mixed_precision: MixedPrecision, offload: Offload,
                   frozen_weights: FrozenWeights, comm: Comm, host_threads: int | None = None,
-                  rehearsal: Rehearsal | None = None) -> GroupContext:
+                  rehearsal: Rehearsal | None = None, hosts: Hosts | None = None
+                  ) -> GroupContext:
     """What every flat group of one sharded model shares (its counter, offload's streams, the
     transport: chosen here, once, by every rank together, see ``transport.choose``; HSDP's
-    replicas, or hpZ's nodes)."""
+    replicas, or hpZ's nodes). hosts: every rank's host and its memory, as the ranks agreed
+    on them (``prepare_device``); NVMe offload's pool is chosen from them."""
     group = mesh.shard
     streams = OffloadStreams(device) if offload.any and device.type == "cuda" else None
     arena = store = None
@@ -164,7 +167,9 @@ def build_context(mesh: Mesh, device: torch.device,
         if offload.any:
             arena = HostArena(pin=device.type == "cuda")
         if offload.nvme:
-            store = open_store(offload, arena, mesh, device, mixed_precision.param_dtype)
+            assert hosts is not None, "the ranks' hosts come from prepare_device"
+            store = open_store(offload, arena, mesh, device, mixed_precision.param_dtype,
+                               hosts)
         peers = PeerMemory(comm.timeout_s) if comm.peer_read == "auto" else None
         # Reading each other's memory is probed within the shard group alone: HSDP's replicas
         # talk through the backend, and a shard group reads only if its ranks share a host.
@@ -205,53 +210,61 @@ def store_arrays(offload: Offload, param_dtype: torch.dtype) -> dict[str, bool]:
 
 
 def open_store(offload: Offload, arena: HostArena, mesh: Mesh, device: torch.device,
-               param_dtype: torch.dtype) -> NvmeStore:
+               param_dtype: torch.dtype, hosts: Hosts) -> NvmeStore:
     """NVMe offload: this rank's scratch file under ``offload.path`` and the pool it moves
     through (from the host arena: pinned with it), opened by every rank of the mesh together:
     a path that is missing, not a directory or not writable on any rank is raised on every
-    rank (``run_agreed``). Rank 0 says where the scratch is and how it is read."""
-    scratch = run_agreed(lambda: _open_scratch(offload), group=mesh.whole, device=device)
-    channel = comm_device(mesh.whole, _CPU, device)
-    # Each rank's way of reading, and its host and that host's memory (for a pool chosen from
-    # them: every rank chooses from the same list, so the same pool).
-    mine = (scratch.direct, socket.gethostname(), host_memory_bytes())
-    ranks = (all_gather_objects(mine, mesh.whole, channel)
-             if mesh.whole.size() > 1 else [mine])
+    rank (``run_agreed``). ``hosts``: every rank of the mesh's host and its memory, the same
+    list on every rank (``Placement.hosts``), so a pool chosen from them
+    (``Offload(pool_bytes=None)``) is the same on every rank. Rank 0 says where the scratch
+    is, how it is read and how large the pool is."""
     chosen = offload.pool_bytes is None
-    pool_bytes = (agreed_pool_bytes([(host, memory) for _, host, memory in ranks]) if chosen
-                  else offload.pool_bytes)
+    unknown = [r for r, (_, memory) in enumerate(hosts) if memory is None]
+    if chosen and unknown:  # (the same list on every rank: raised on every rank)
+        raise ValueError(f"Offload(pool_bytes=None) chooses the NVMe pool from the hosts' "
+                         f"memory, and rank(s) {unknown} were given a Platform without "
+                         f"host_memory: give it (Platform.detect reads it), or give "
+                         f"Offload.pool_bytes")
+    memory = hosts[mesh.whole.rank()][1]
+    scratch = run_agreed(lambda: _open_scratch(offload, memory), group=mesh.whole,
+                         device=device)
+    pool_bytes = agreed_pool_bytes(hosts) if chosen else offload.pool_bytes
     pool = arena.take(pool_bytes, torch.uint8, align=BLOCK)
     store = NvmeStore(scratch, pool, group=mesh.whole, device=device, pool_chosen=chosen,
                       **store_arrays(offload, param_dtype))
+    # Each rank's way of reading, for rank 0's line.
+    direct = (all_gather_objects(scratch.direct, mesh.whole, comm_device(mesh.whole, _CPU,
+                                                                         device))
+              if mesh.whole.size() > 1 else [scratch.direct])
     if mesh.whole.rank() == 0:
-        buffered = [r for r, (d, _, _) in enumerate(ranks) if not d]
+        buffered = [r for r, d in enumerate(direct) if not d]
         how = ("direct I/O (O_DIRECT)" if not buffered else
                f"buffered I/O on rank(s) {buffered}: the file system refuses O_DIRECT there, "
                f"so what is moved passes through the page cache (dropped after use)")
         log.info("NVMe offload: each rank's scratch is an unnamed file in %s (freed when the "
                  "rank ends), moved through a pool of %.1f MiB%s in chunks of %d elements, %s",
-                 offload.path, pool_bytes / 2**20, pool_words(chosen, ranks),
+                 offload.path, pool_bytes / 2**20, pool_words(chosen, hosts),
                  store.chunk_numel, how)
     return store
 
 
-def pool_words(chosen: bool, ranks: list[tuple[bool, str, int]]) -> str:
+def pool_words(chosen: bool, hosts: Hosts) -> str:
     """How the pool was chosen, for the start-up line: "" when given (Offload.pool_bytes)."""
     if not chosen:
         return ""
-    hosts = collections.Counter(host for _, host, _ in ranks)
-    smallest = min(memory for _, _, memory in ranks)
-    return (f" (chosen from the host's memory, Offload.pool_bytes=None: {max(hosts.values())} "
+    ranks = collections.Counter(host for host, _ in hosts)
+    smallest = min(memory for _, memory in hosts)
+    return (f" (chosen from the host's memory, Offload.pool_bytes=None: {max(ranks.values())} "
             f"rank(s) of this model on a host, {size_text(smallest)} the smallest host, "
             f"1/{AUTO_POOL_HOST_SHARE} of it for the pools)")
 
 
-def _open_scratch(offload: Offload) -> ScratchFile:
-    """This rank's scratch file, once the pool is known to fit this host's memory: a pool
-    larger than the machine is refused in one line before any of it is taken (the arena would
-    raise MemoryError partway through the build)."""
-    memory = host_memory_bytes()
-    if offload.pool_bytes is not None and offload.pool_bytes > memory:
+def _open_scratch(offload: Offload, memory: int | None) -> ScratchFile:
+    """This rank's scratch file, once the pool is known to fit this host's ``memory``
+    (``Platform.host_memory``; None: not known, not checked): a pool larger than the machine is
+    refused in one line before any of it is taken (the arena would raise MemoryError partway
+    through the build)."""
+    if offload.pool_bytes is not None and memory is not None and offload.pool_bytes > memory:
         raise ValueError(f"Offload(pool_bytes={offload.pool_bytes}): a pool of "
                          f"{size_text(offload.pool_bytes)} is more than this machine's "
                          f"{size_text(memory)} of memory; give a pool of a few hundred MiB "
@@ -310,15 +323,17 @@ def memory_report_of(layers: list[ShardedLayer], rank: int, world_size: int,
 
 def prepare_device(device: torch.device | str | None, mesh: Mesh,
                    offload: Offload, platform: Platform | None, what: str = "zerocore.shard"
-                   ) -> tuple[torch.device, int | None]:
+                   ) -> tuple[torch.device, int | None, Hosts]:
     """Where this rank computes, checked by every rank of the mesh together before anything
-    is allocated (see ``shard``'s ``device``), and the CPU threads its optimizer steps with
+    is allocated (see ``shard``'s ``device``); the CPU threads its optimizer steps with
     when a GPU rank offloads (its share of the host's cores; ``Offload.cpu_threads``), None
-    otherwise. Nothing of the process is changed here: the optimizer's host step uses that
+    otherwise; and every rank's host and its memory (``Placement.hosts``: the platforms'), for
+    the NVMe pool. Nothing of the process is changed here: the optimizer's host step uses that
     count for its own duration (``zerocore.optim``)."""
     dev = resolve_device(device, mesh.shard)
     if platform is None:
-        platform = Platform.detect(dev, kernels_cuda=BUILD.has_cuda)
+        platform = Platform.detect(dev, kernels_cuda=BUILD.has_cuda,
+                                   host_memory=host_memory_bytes())
     placement = agree_on_devices(mesh.whole, dev, platform,
                                  refusal=device_refusal(mesh, dev.type, what))
     threads = None
@@ -327,7 +342,7 @@ def prepare_device(device: torch.device | str | None, mesh: Mesh,
         threads = cpu_threads(offload.cpu_threads, usable_cores=platform.usable_cores,
                               ranks_on_host=placement.ranks_on_host,
                               current=torch.get_num_threads())
-    return dev, threads
+    return dev, threads, placement.hosts()
 
 
 def pass_line(offload: Offload) -> str:
@@ -358,9 +373,11 @@ class Sharding:
                  mixed_precision: MixedPrecision, prefetch: Prefetch, offload: Offload,
                  recompute: Recompute | None, frozen_weights: FrozenWeights, comm: Comm,
                  compile: Compile | None = None, host_threads: int | None = None,
-                 rehearsal: Rehearsal | None = None, hybrid: Hybrid | None = None):
+                 rehearsal: Rehearsal | None = None, hybrid: Hybrid | None = None,
+                 hosts: Hosts | None = None):
         """rehearsal: the step runs for ``zerocore.plan`` (engine/rehearsal.py). hybrid: the
-        layout asked of a 2-D mesh (``mesh`` was resolved with it)."""
+        layout asked of a 2-D mesh (``mesh`` was resolved with it). host_threads, hosts:
+        ``prepare_device``'s (None in a rehearsal)."""
         self.mesh = mesh
         self.group = mesh.state_group
         # The groups' own ranks and sizes: a planned world's group is not registered with
@@ -403,7 +420,7 @@ class Sharding:
                              f"params='cpu', or shard the frozen base")
         self.hybrid = hybrid
         self.ctx = build_context(mesh, device, mixed_precision, offload, frozen_weights, comm,
-                                 host_threads, rehearsal)
+                                 host_threads, rehearsal, hosts)
         self.counter = self.ctx.counter
         self.ways = self.ctx.ways
         self.lockstep = self.ctx.lockstep

@@ -51,6 +51,9 @@ class ModelState:
     # and the host pool they move through; 0 without.
     nvme: int = 0
     pool: int = 0
+    # Whether the pool was chosen from the planned hosts' memory (``Offload(pool_bytes=None)``:
+    # ``zerocore.plan``'s ``host_memory``), as a run's ``MemoryReport.nvme_pool_chosen`` says.
+    pool_chosen: bool = False
     # Whether the scratch holds the fp32 masters (False: in fp32 with the parameters in memory
     # the masters are the model copies there; the scratch holds the moments alone).
     nvme_masters: bool = True
@@ -170,7 +173,8 @@ class MemoryPlan:
             ("parameter windows at the peak", self.peak.get(WINDOWS, 0)),
         ]
         if s.nvme:
-            rows.append((f"NVMe pool{host if NVME_POOL in s.on_host else ''}", s.pool))
+            rows.append((f"NVMe pool{', auto' if s.pool_chosen else ''}"
+                         f"{host if NVME_POOL in s.on_host else ''}", s.pool))
         rows += [
             ("gathered layers at the peak", self.peak[GATHERED]),
             ("secondary shards at the peak (hpZ)", self.peak.get(SECONDARY, 0)),
