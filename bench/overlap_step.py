@@ -10,7 +10,7 @@ the weights from before the last update). ``--compare read-ahead``: both overlap
 with them read as the previous pass ends.
 
     python bench/overlap_step.py --path /work/nvme-scratch [--model pythia-70m] [--rounds 3]
-                                 [--blocks N] [--compare pass|delayed|read-ahead|default]
+                                 [--blocks N] [--compare pass|delayed|read-ahead|default|aa]
                                  [--pool-mib N]
 
 One gloo rank on the CPU; neox's preset (random weights; ``--blocks N``: its first N blocks
@@ -56,7 +56,10 @@ COMPARE = {"pass": ["memory", "memory-aa", "nvme-off", "nvme-exact"],
            # about 6.5 GB in memory, 4.3 GB with the moments on NVMe): the default engine
            # against the in-memory run, with no A/A model; the spread of the round-by-round
            # ratios is then the only measure of the noise.
-           "default": ["memory", "nvme-ahead"]}
+           "default": ["memory", "nvme-ahead"],
+           # Its A/A control, run as a separate call between "default" calls: the in-memory run
+           # against a second one, the two copies this machine holds.
+           "aa": ["memory", "memory-aa"]}
 
 
 def offload_of(label: str, path: str, pool: int | None = None) -> zerocore.Offload:
@@ -177,7 +180,9 @@ def main() -> None:
                         "against exact, on NVMe and in host memory; read-ahead: the NVMe pass "
                         "without and with the next pass's first chunks read ahead; default: "
                         "the default engine on NVMe against the in-memory run, no A/A model "
-                        "(for a model this machine holds only two copies of)")
+                        "(for a model this machine holds only two copies of); aa: that "
+                        "case's A/A control, the in-memory run against a second one, to run "
+                        "between default calls")
     args = p.parse_args()
     kept = "" if args.blocks is None else f" (its first {args.blocks} blocks)"
     pool_text = ("the default pool (chosen from the host's memory)" if args.pool_mib is None

@@ -33,6 +33,7 @@ import zerocore
 from zerocore.engine.sharded_param import master_values, set_master
 from zerocore.engine.sharding import pass_line
 from tests.support.dist_utils import inject_overflow
+from tests.support.hybrid_runs import mesh_of
 from tests.support.offload_stack import (BATCH, DOORS, SEQ, Case, layer_stack, measured_peaks,
                                          pass_cases, pass_offload, stack_loss)
 from tests.support.offload_stack import build as build_stack
@@ -68,9 +69,9 @@ class Run:
     whether the forward's weights are swapped in by hand (the reference)."""
 
     def __init__(self, door: str, case: Case, offload: zerocore.Offload, stale: bool,
-                 hook=None):
+                 hook=None, policies: dict | None = None):
         self.case = case
-        self.model, self.sharding = build_stack(door, case.spec, {}, offload)
+        self.model, self.sharding = build_stack(door, case.spec, policies or {}, offload)
         self.opt = zerocore.optim.AdamW(self.sharding.trainable_shards(), lr=LR,
                                         weight_decay=WEIGHT_DECAY, pass_hook=hook)
         fp16 = case.spec.param_dtype == torch.float16
@@ -136,10 +137,15 @@ def mode(overlap: str) -> tuple[str, bool]:
 
 
 def train(rank: int, world_size: int, door: str, name: str, label: str, path: str,
-          overlap: str, lag: bool) -> str:
+          overlap: str, lag: bool, layout: str = "flat") -> str:
     offload, stale = mode(overlap)
+    policies = {}
+    if layout != "flat":  # 2 x 2: two replicas (HSDP) or two nodes (hpZ) of two ranks
+        policies["mesh"] = mesh_of((2, 2))
+        if layout == "hpz":
+            policies["hybrid"] = zerocore.Hybrid("hpz")
     run = Run(door, CASES[name], pass_offload(label, path, offload), stale,
-              lagging if lag else None)
+              lagging if lag else None, policies)
     h = hashlib.sha256()
     for step in range(run.case.spec.steps):
         run.step(step, rank, world_size, h)
@@ -165,6 +171,26 @@ def test_delayed_pass_trains_as_the_stale_reference(world, tmp_path, name, door)
         assert runs["delayed", False] == runs["stale", False], (label, runs)
         assert runs["delayed", True] == runs["stale", False], (label, runs)
         assert runs["delayed", False] != runs["exact", False], (label, runs)
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "hpz"])
+def test_delayed_pass_across_replicas_and_nodes_trains_as_the_stale_reference(worlds, tmp_path,
+                                                                               layout):
+    """The same on a 2 x 2 mesh of four gloo ranks: HSDP's replicas each step their own shard
+    (the same values), hpZ's nodes too; the delay is applied alike on every replica. fp32, two
+    micro-batches and clipping, the optimizer in host memory and on NVMe (each node's ranks
+    with scratches of their own)."""
+    world = worlds(4)
+    name = "mlp-fp32-micro2-clip"
+    for label in ("cpu", "nvme"):
+        runs = {}
+        for overlap in ("stale", "delayed", "exact"):
+            scratch = tmp_path / f"{layout}-{label}-{overlap}"
+            scratch.mkdir()
+            runs[overlap] = world.run(train, "shard", name, label, str(scratch), overlap,
+                                      False, layout)
+        assert runs["delayed"] == runs["stale"], (label, runs)
+        assert runs["delayed"] != runs["exact"], (label, runs)
 
 
 def first_steps(rank: int, world_size: int, label: str, path: str, overlap: str) -> list:
