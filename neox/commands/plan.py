@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import json
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import zerocore
 from neox.blocks import chosen_blocks
@@ -169,15 +169,18 @@ def _flags(offload: str | None, device: str) -> str:
 
 
 def recommend(request: PlanRequest, *, ranks_per_node: int, gpu_memory: int,
-              host_memory: int) -> tuple[tuple[str | None, str] | None, list[str]]:
-    """The first of ``CANDIDATES`` that fits (None: none does), and a line for each tried."""
+              host_memory: int,
+              plan: Callable[[PlanRequest], zerocore.plan.MemoryPlan] = plan_run
+              ) -> tuple[tuple[str | None, str] | None, list[str]]:
+    """The first of ``CANDIDATES`` that fits (None: none does), and a line for each tried
+    (``plan``: ``plan_run`` or a cache of it)."""
     lines = []
     for offload, device in CANDIDATES:
         tried = dataclasses.replace(request, offload=offload in ("optimizer", "all"),
                                     offload_params=offload in ("params", "all"),
                                     offload_device=device)
         try:
-            need = needs(plan_run(tried), ranks_per_node)
+            need = needs(plan(tried), ranks_per_node)
         except ValueError as e:  # the engine refuses it (a pool too small for the shards)
             lines.append(f"  {_flags(offload, device):<42}refused: {e}")
             continue
@@ -191,7 +194,11 @@ def recommend(request: PlanRequest, *, ranks_per_node: int, gpu_memory: int,
     return None, lines
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *,
+         plan: Callable[[PlanRequest], zerocore.plan.MemoryPlan] | None = None) -> int:
+    """plan: a cache of ``plan_run`` to plan through (default: this call's own); a caller that
+    runs the command more than once on one model (its text, then its JSON) may share one:
+    a request's plan is the same every time."""
     args = build_parser().parse_args(argv)
     try:
         request = request_of(args)
@@ -199,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     memory = int(args.gpu_memory * GiB)
-    plan = functools.lru_cache(maxsize=None)(plan_run)   # a candidate may be the request
+    if plan is None:   # (a candidate may be the request)
+        plan = functools.lru_cache(maxsize=None)(plan_run)
     # The layout choice counts each candidate's FLOPs; the request counts them too then, so
     # that a candidate equal to it is planned once.
     request = dataclasses.replace(request, count_flops=args.link is not None)
@@ -225,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     layouts = [] if args.nodes < 2 else compare_layouts(request, args.nodes,
                                                         planned={Layout(
                                                             request.hybrid,
-                                                            request.quantize_gradients): chosen})
+                                                            request.quantize_gradients): chosen},
+                                                        plan_of=plan)
     if args.json:
         out = {"plan": _as_dict(chosen), "other_recompute": _as_dict(other),
                "device_memory": memory,
@@ -233,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                            for r in layouts}}
         if args.host_memory is not None:
             best, _ = recommend(request, ranks_per_node=args.gpus, gpu_memory=memory,
-                                host_memory=int(args.host_memory * GiB))
+                                host_memory=int(args.host_memory * GiB), plan=plan)
             out["recommended"] = (None if best is None else
                                   {"offload": best[0], "offload_device": best[1]})
         if auto_line is not None:
@@ -280,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{chosen.state.nvme * args.gpus / GiB:.1f} GiB")
     if args.host_memory is not None:
         best, lines = recommend(r, ranks_per_node=args.gpus, gpu_memory=memory,
-                                host_memory=int(args.host_memory * GiB))
+                                host_memory=int(args.host_memory * GiB), plan=plan)
         where = (f"{args.gpu_memory:g} GiB GPUs and " if r.device == "cuda" else "")
         print(f"offloads tried for {where}{args.host_memory:g} GiB of host memory per node "
               f"(a tenth of it kept spare):")

@@ -6,7 +6,7 @@ of ``neox.run.step``), for a recipe on a number of ranks. ``python -m neox.plan`
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -179,13 +179,15 @@ class LayoutRow:
 
 def compare_layouts(request: PlanRequest, nodes: int,
                     layouts: tuple[Layout, ...] = LAYOUTS,
-                    planned: Mapping[Layout, zerocore.plan.MemoryPlan] = {}
+                    planned: Mapping[Layout, zerocore.plan.MemoryPlan] = {},
+                    plan_of: Callable[[PlanRequest], zerocore.plan.MemoryPlan] = plan_run
                     ) -> list[LayoutRow]:
-    """``request`` planned on ``nodes`` nodes in each layout (``zerocore.plan`` each time:
-    the engine's own step on fake tensors; ``planned``: plans made already, by layout)."""
+    """``request`` planned on ``nodes`` nodes in each layout (``plan_of``: ``plan_run``, the
+    engine's own step on fake tensors, or a cache of it; ``planned``: plans made already, by
+    layout)."""
     rows = []
     for layout in layouts:
-        plan = planned.get(layout) or plan_run(on_layout(request, layout, nodes))
+        plan = planned.get(layout) or plan_of(on_layout(request, layout, nodes))
         rows.append(LayoutRow(layout, sum(plan.state.bytes_of().values()), plan.peak_bytes,
                               plan.secondary_peak, plan.intra_node_bytes,
                               plan.inter_node_bytes))

@@ -8,6 +8,7 @@ input in one line."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zerocore
@@ -30,6 +32,11 @@ from tests.support.neox_testing import call_main
 from zerocore.comm import collectives, quantized_reduce
 from zerocore.comm.collectives import CommCounter
 from zerocore.comm.fake import fake_group
+from zerocore.engine.flat_layout import FlatLayout
+from zerocore.engine.meta_layer import READ_PIECE_NUMEL
+from zerocore.engine.sharded_layer import _held_values
+from zerocore.plan import _LoadingRead
+from zerocore.planning.live_bytes import LiveBytes
 
 # Big enough that the step's tensors (~10-60 MiB) dwarf anything the plan does not count
 # (Python objects are not tensors; the profiler sees only torch's allocator).
@@ -471,6 +478,50 @@ def test_the_plan_asks_the_transport_what_it_keeps():
     with pytest.raises(ValueError, match="exactly two gloo ranks"):
         zerocore.plan.plan(mixed_stack("meta"), example, world_size=3, device="cpu",
                            comm=zerocore.Comm(reduce="exchange"))
+
+
+def loaded_in_pieces(pieces: int, fake: bool) -> tuple[list[int], int]:
+    """The reads of a bf16 parameter of ``pieces`` read pieces (the last 5 elements short)
+    by the engine's loading (``_held_values``) into fp32 values, through the plan's reader
+    when ``fake``, else a real one; and the most bytes held beside the values and the reader's
+    buffer at once (fake only: the plan's count, ``LiveBytes``)."""
+    numel = pieces * READ_PIECE_NUMEL - 5
+    module = nn.Module()
+    module.w = nn.Parameter(torch.empty(numel, dtype=torch.bfloat16, device="meta"))
+    layout = FlatLayout.build([("w", (numel,))], 1)
+    reads: list[int] = []
+    mode = FakeTensorMode() if fake else contextlib.nullcontext()
+    with mode:
+        reader = _LoadingRead(module) if fake else (
+            lambda name, a, b: torch.zeros(b - a, dtype=torch.bfloat16))
+
+    def read(name: str, a: int, b: int) -> torch.Tensor:
+        reads.append(b - a)
+        return reader(name, a, b)
+    if not fake:
+        _held_values([("w", module.w)], layout, (0, numel), torch.float32, read)
+        return reads, 0
+    tracker = LiveBytes(lambda live: None)
+    with mode, tracker:
+        tracker.open_window()
+        values = _held_values([("w", module.w)], layout, (0, numel), torch.float32, read)
+        transient = tracker.close_window() - tracker.live
+    del values
+    return reads, transient
+
+
+def test_a_plan_reads_the_middle_pieces_of_a_large_parameter_once():
+    """A plan (fake values) reads a parameter's first two pieces and its last: each full piece
+    after the first holds what the second held (sharded_layer.py's ``_read_starts``), so the
+    loading's transient is the same as with every piece read (here: 3 pieces, all read,
+    against 9); a real loading reads every piece."""
+    piece = READ_PIECE_NUMEL
+    assert loaded_in_pieces(4, fake=False)[0] == [piece] * 3 + [piece - 5]
+    reads, transient = loaded_in_pieces(9, fake=True)
+    assert reads == [piece, piece, piece - 5]
+    assert loaded_in_pieces(3, fake=True) == (reads, transient)
+    # Beyond the reader's fp32 buffer (kept: counted as held), one piece in bf16.
+    assert transient == piece * 2
 
 
 def test_plan_argument_checks():

@@ -14,6 +14,7 @@ nodes) and ``--quantize-gradients int8`` (qgZ).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ from neox.commands.finetune import build_parser, run_request
 from neox.commands.flags import explicit_flags
 from neox.finetune import main as finetune_main
 from neox.plan import main as plan_main
+from neox.run.planning import plan_run
 from neox.setting import UsageError
 from tests.support.neox_testing import EXCERPT, call_main, run_module
 from tests.support.two_nodes import LAUNCHER_VARIABLES, run_two_nodes
@@ -113,14 +115,16 @@ def test_under_torchrun_each_rank_refuses_alike(no_torchrun, monkeypatch, tmp_pa
 
 # -- neox.plan: the layouts compared --------------------------------------------------------------
 
-def planned(capsys, *flags) -> subprocess.CompletedProcess:
-    # The tiny preset, LoRA, bf16 on GPUs: each plan runs the engine's step on fake tensors.
-    return call_main(plan_main, capsys, "--model", "tiny", "--finetune", "lora",
-                     "--grad-accum", 2, *flags)
+def planned(capsys, *flags, plan=None) -> subprocess.CompletedProcess:
+    # The tiny preset, LoRA, bf16 on GPUs: each plan runs the engine's step on fake tensors
+    # (``plan``: a cache of plan_run the commands share, each request planned once).
+    return call_main(functools.partial(plan_main, plan=plan), capsys, "--model", "tiny",
+                     "--finetune", "lora", "--grad-accum", 2, *flags)
 
 
 def test_plan_compares_the_layouts_on_several_nodes(capsys):
-    proc = planned(capsys, "--nodes", 2, "--gpus", 4, "--hybrid", "hsdp", "--json")
+    plan = functools.lru_cache(maxsize=None)(plan_run)
+    proc = planned(capsys, "--nodes", 2, "--gpus", 4, "--hybrid", "hsdp", "--json", plan=plan)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     rows = out["layouts"]
@@ -131,7 +135,7 @@ def test_plan_compares_the_layouts_on_several_nodes(capsys):
     chosen = out["plan"]
     assert hsdp["within_nodes"] == chosen["all_gather_bytes"] + chosen["reduce_scatter_bytes"]
     # HSDP holds the model state of one node's 4 ranks: a flat plan over 4 GPUs' (one node).
-    one_node = planned(capsys, "--nodes", 1, "--gpus", 4, "--json")
+    one_node = planned(capsys, "--nodes", 1, "--gpus", 4, "--json", plan=plan)
     assert sum(json.loads(one_node.stdout)["plan"]["state"].values()) == hsdp["model_state"]
     assert flat["model_state"] < hsdp["model_state"] == qgz["model_state"]
     # Flat over 8 ranks on 2 nodes sends everything across them; HSDP only the gradient
@@ -148,7 +152,7 @@ def test_plan_compares_the_layouts_on_several_nodes(capsys):
     assert hpz["secondary"] > 0 == flat["secondary"] == hsdp["secondary"]
     assert hsdp["across_nodes"] < hpz_qgz["across_nodes"] < hpz["across_nodes"] \
         < flat["across_nodes"]
-    text = planned(capsys, "--nodes", 2, "--gpus", 4).stdout
+    text = planned(capsys, "--nodes", 2, "--gpus", 4, plan=plan).stdout
     table = text[text.index("layouts on 2 nodes x 4 GPUs"):].splitlines()
     assert [line.split()[0] for line in table[2:]] == ["flat", "HSDP", "HSDP", "hpZ", "hpZ"], \
         table

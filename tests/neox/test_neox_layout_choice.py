@@ -182,7 +182,10 @@ def test_a_bad_link_is_one_line_naming_the_presets(capsys):
 def test_plan_prints_the_candidates_and_the_recommendation(capsys):
     args = ("--model", "pythia-70m", "--finetune", "lora", "--gpus", "2", "--gpu-memory", "8",
             "--frozen-weights", "nf4", "--link", "pcie4", "--batch-size", "1", "--seq-len", "64")
-    proc = call_main(plan_main, capsys, *args)
+    # The text and the JSON of one command: its candidates planned once for both.
+    plan_main_cached = functools.partial(plan_main,
+                                         plan=functools.lru_cache(maxsize=None)(plan_run))
+    proc = call_main(plan_main_cached, capsys, *args)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert any(line.startswith("frozen-base layouts (step time = FLOPs at 0.4 of 989 TFLOPS + "
@@ -193,7 +196,7 @@ def test_plan_prints_the_candidates_and_the_recommendation(capsys):
     planning = proc.stderr.splitlines()
     assert planning[0].startswith("planning layout 1: compute sharded, keep-gathered"), planning
     assert all(line.startswith("planning layout ") for line in planning), planning
-    proc = call_main(plan_main, capsys, *args, "--json")
+    proc = call_main(plan_main_cached, capsys, *args, "--json")
     out = json.loads(proc.stdout)
     assert out["recommended_layout"]["fits"] and len(out["candidates"]) > 5
     assert len(out["candidates"]) == len(planning)   # each planned layout named once

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from zerocore.comm.fake import is_fake
 from zerocore.engine.compiled import plain_name
@@ -49,16 +50,29 @@ def _held_values(chosen: list[tuple[str, nn.Parameter]], layout: FlatLayout,
     lo, hi = held
     device = next((p.device for _, p in chosen if not p.is_meta), torch.device("cpu"))
     values = torch.zeros(hi - lo, dtype=dtype, device=device)  # padding, and any gap
+    fake = isinstance(values, FakeTensor)
     for (name, p), slot in zip(chosen, layout.slots):
         start, stop = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
         step = READ_PIECE_NUMEL if p.is_meta else max(stop - start, 1)  # a view: in one piece
-        for a in range(start, stop, step):
+        for a in _read_starts(start, stop, step, fake):
             b = min(stop, a + step)
             piece = _piece(name, p, a - slot.offset, b - slot.offset, read)
             with torch.no_grad():  # pack's dtype conversion
                 ops.pack([piece.to(device)], [0], values[a - lo:b - lo])
             del piece
     return values
+
+
+def _read_starts(start: int, stop: int, step: int, fake: bool) -> list[int]:
+    """Where the pieces of ``[start, stop)`` begin. Fake values (only a plan makes them, which
+    reads through plan.py's ``_LoadingRead``) skip the full pieces after the second: each full
+    piece after the first finds the reader's buffer as large as a piece already and leaves
+    the live storages as it found them (the piece and its slice of ``values`` dropped), so
+    it allocates and frees exactly what the second did, and the loading's peak (the largest
+    sum of live bytes) is the same without them; the first (which may grow the buffer) and
+    the last (which may be shorter) are kept. Real values are read in full."""
+    starts = range(start, stop, step)
+    return [*starts[:2], starts[-1]] if fake and len(starts) > 3 else list(starts)
 
 
 def _piece(name: str, p: nn.Parameter, a: int, b: int, read: RangeReader | None
