@@ -505,10 +505,13 @@ class Sharding:
     def _carry(self, layers: list[ShardedLayer]) -> None:
         """Over gloo's collectives of a flat mesh, the lockstep's identity travels in rows of
         one width (comm/carried.py), and the gathers of units of one group whose part fits in
-        ``CARRY_MAX_BYTES`` carry their data in them: their check costs no collective of its
-        own. Peer reading, HSDP, hpZ and the gather by nodes keep the exchange as it is: their
-        gathers are not gloo's broadcasts over the lockstep's group. Every rank decides alike:
-        the ways, the mesh and the layers' sizes are the same everywhere."""
+        ``CARRY_MAX_BYTES`` carry their data in them, as do their gradient reductions where
+        the slices each rank sends fit too: their check costs no collective of its own (the
+        lockstep is on here whenever there is more than one rank: ``Lockstep.enabled`` is
+        switched off only after, for a measurement). Peer reading, HSDP, hpZ and the gather
+        by nodes keep the exchange as it is: their gathers are not gloo's broadcasts over the
+        lockstep's group. Every rank decides alike: the ways, the mesh and the layers' sizes
+        are the same everywhere."""
         ctx, lockstep = self.ctx, self.lockstep
         ways = ctx.ways
         if lockstep.enabled and not ways.planned and lockstep.reads_every_rank:
@@ -523,20 +526,27 @@ class Sharding:
         carried = {layer.index: layer.groups[0] for layer in layers
                    if len(layer.groups) == 1 and layer.groups[0].home.gathers
                    and 0 < layer.groups[0].gather_bytes // world <= CARRY_MAX_BYTES}
-        # At two ranks the exchange's half of a carried unit's gradients, in the reduce dtype
-        # (wider than the part where the parameters are 16-bit and the reduction fp32).
-        halves = {index: g.layout.padded_numel // 2 * ctx.reduce_dtype.itemsize
-                  for index, g in carried.items()
-                  if g.trainable and isinstance(g.reduce, transport.ReduceByExchange)}
-        halves = {index: n for index, n in halves.items() if n <= CARRY_MAX_BYTES}
-        width = max([g.gather_bytes // world for g in carried.values()] + list(halves.values()),
+        # A carried unit's gradients reduced in the rows: each rank's row holds the slices of
+        # its packed gradients the other ranks keep, in the reduce dtype (wider than the part
+        # where the parameters are 16-bit and the reduction fp32): at two ranks the exchange's
+        # half; at three and more the plain way becomes the same sum (``ReduceByGather``),
+        # whatever Comm(reduce=...) names ("collective" is the only one that applies there), so
+        # that the lockstep on or off gives the same bits.
+        sent = {index: (world - 1) * (g.layout.padded_numel // world)
+                * ctx.reduce_dtype.itemsize for index, g in carried.items()
+                if g.trainable and (isinstance(g.reduce, transport.ReduceByExchange)
+                                    or world > 2 and type(g.reduce) is transport.Reduce)}
+        sent = {index: n for index, n in sent.items() if n <= CARRY_MAX_BYTES}
+        width = max([g.gather_bytes // world for g in carried.values()] + list(sent.values()),
                     default=0)
-        lockstep.carry(width, set(carried), set(halves))
+        lockstep.carry(width, set(carried), set(sent))
         for group in carried.values():
             group.gather = CarriedGather(group.gather, lockstep, group.unit_index)
-        for index in halves:
+        for index in sent:
             group = carried[index]
-            group.reduce = CarriedReduce(group.reduce, lockstep, group.shard.layer_index)
+            plain = (group.reduce if world == 2
+                     else transport.ReduceByGather(group.reduce.route))
+            group.reduce = CarriedReduce(plain, lockstep, group.shard.layer_index)
 
     def _carry_reading(self, layers: list[ShardedLayer]) -> None:
         """Over peer reading of a flat mesh, the gathers and (two ranks) reductions by reading
