@@ -134,6 +134,47 @@ def test_training_through_the_rows_is_bitwise_training_without_the_lockstep(worl
             assert torch.equal(x, y), rank  # the same bytes gathered: the same bits
 
 
+def reduced_both_ways(rank: int, world_size: int, dtype_name: str) -> list[bool]:
+    """Layer 0's reduction of packed gradients every rank can make (seeded by rank), through the
+    rows and plain, each against the mean computed here in rank order as ``mean_factors`` says:
+    divided by ``pre``, ((g0 + g1) + g2), divided by ``post``."""
+    from zerocore.comm.transport import mean_factors
+    dtype = getattr(torch, dtype_name)
+    model = _build(carried=True)
+    group = model.layers[0].groups[0]
+    lo, hi = group.layout.shard_range(rank)
+
+    def packed(q: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 + q)
+        n = group.layout.padded_numel
+        # magnitudes over six decades, so that the order of summation shows in the last bits
+        return (torch.randn(n, generator=g) * 10.0 ** torch.randint(-3, 3, (n,), generator=g)
+                ).to(dtype)
+    factors = mean_factors(dtype, world_size)
+    expected = packed(0).div_(factors.pre)[lo:hi]
+    for q in range(1, world_size):
+        expected = expected + packed(q).div_(factors.pre)[lo:hi]
+    expected = expected.div_(factors.post)
+    got = []
+    for on in (True, False):
+        model.lockstep.enabled = on
+        model.lockstep.backward_begins(micro_batch=0)
+        model.lockstep.reduce(0, kept=False)  # (as FlatGroup's reduction says it first)
+        mean = group.reduce.start(packed(rank), lo, hi).finish()
+        got.append(torch.equal(mean.view(torch.uint8), expected.view(torch.uint8)))
+    del model
+    gc.collect()
+    return got
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16", "float16"])
+def test_a_carried_reduction_sums_in_rank_order_with_the_lockstep_on_or_off(world, dtype_name):
+    # Bitwise the mean summed in rank order, through the rows (on) and through the plain way
+    # (off: the exchange at two ranks, ReduceByGather at three); fp16 divides before the sum
+    # and after it (pre 2, post 1.5 at three ranks).
+    assert world.run(reduced_both_ways, dtype_name) == [[True, True]] * world.world_size
+
+
 def diverge_at_a_carried_gather(rank: int, world_size: int, case: str) -> str:
     # Over a group of its own: ranks that diverged may leave rows gathers issued and unmatched
     # (at two ranks, skipping: the others' reduction of layer 4 and the prefetch after it),
