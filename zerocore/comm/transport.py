@@ -16,17 +16,20 @@ Gathers (each writes every rank's shard into the group's gathered buffer):
 Reductions (each leaves this rank's slice of the mean of every rank's packed gradient, computed
 as ``mean_factors`` says on every backend: divide by ``pre``, SUM, divide by ``post``):
 - ``"collective"``: NCCL's reduce-scatter with SUM; on gloo an all-reduce summed in place (its
-  ring's order of summation); one rank: no collective;
+  ring's order of summation), except a small group's at three ranks and more of a flat mesh
+  (below); one rank: no collective;
 - ``"exchange"`` (two gloo ranks): each sends the half the other owns and adds what it
   receives: half the traffic of the all-reduce, the same bits (x + y == y + x);
 - ``"read"`` (two gloo ranks of one host): each reads the other's contribution to its half;
-- ``"gathered"`` (three gloo ranks and more, over gloo's collectives, a small unit's alone,
-  chosen by ``Sharding._carry`` whatever ``Comm(reduce=...)`` names): each rank broadcasts the
-  slices the others keep and sums its own in rank order (``ReduceByGather``), as the lockstep's
-  rows carry it (comm/carried.py).
+- ``"collective"`` too, of a small group at three ranks and more over gloo's collectives of a
+  flat mesh (``Sharding._reduce_small_by_gather``; not with reading): each rank broadcasts the
+  slices the others keep and sums its own in rank order (``ReduceByGather``), as the
+  lockstep's rows carry it over gloo's collectives (comm/carried.py); gloo's collectives all
+  the same, as the gather by broadcasts is.
 The values are the same bits whichever way they travel; only the cost differs, which is why
 the slower ways stay selectable (``Comm(gather=..., reduce=...)``), for tests and benchmarks
-(``"gathered"`` is not one of them: where it applies, it is the only way of those units).
+(the small groups' "collective" at three ranks and more is the gathered sum whatever is
+asked: the only way of those groups, so the same bits again).
 
 HSDP (a 2-D mesh, comm/mesh.py): each of these runs within the shard group, and
 ``ReduceAcrossReplicas`` then all-reduces this rank's slice across the replicas (``Replicas``)
@@ -372,19 +375,25 @@ class ReduceByExchange(Reduce):
 
 
 class ReduceByGather(Reduce):
-    """Three gloo ranks and more, for a small unit (``Sharding._carry``: one whose row below fits
-    ``CARRY_MAX_BYTES``): each rank broadcasts, in its row, the slices of its packed gradients
-    the other ranks keep (``others_slices``), and sums its own slice of every rank's in rank
-    order (``sum_in_rank_order``). The lockstep carries this same reduction in its rows, beside
-    the identity (comm/carried.py's ``CarriedReduce``): with the lockstep on or off the sums are
-    the same bits. Not gloo's all-reduce, whose order of summation (its ring's) the rows cannot
-    reproduce: at three ranks the two differ in the last bit (docs/decisions.md, "A small
-    unit's gradient reduction carried in the rows at three ranks and more"). Never planned: a
-    plan rehearses without the lockstep's rows (``Sharding._carry``), as the collective it
-    replaces (which holds nothing beside the packed buffer; the rows held here are each row
-    at most ``CARRY_MAX_BYTES``)."""
+    """Three ranks and more over gloo's collectives of a flat mesh, for a small group (one whose
+    row below fits ``CARRY_MAX_BYTES``: ``Sharding._reduce_small_by_gather``), whatever the
+    gather way: each rank broadcasts, in its row, the slices of its packed gradients the other
+    ranks keep (``others_slices``), and sums its own slice of every rank's in rank order
+    (``sum_in_rank_order``). The lockstep carries this same reduction in its rows, beside the
+    identity (comm/carried.py's ``CarriedReduce``): with the lockstep on or off the sums are
+    the same bits. Not gloo's all-reduce, whose order of summation (its
+    ring's) the rows cannot reproduce: at three ranks the two differ in the last bits
+    (docs/decisions.md, "A small unit's gradient reduction carried in the rows at three ranks
+    and more"). Never planned: a plan rehearses the collective it replaces, which holds
+    nothing beside the packed buffer (the rows held here: N rows of at most
+    ``CARRY_MAX_BYTES``)."""
 
-    name = "gathered"
+    name = "collective"  # gloo's collectives (broadcasts), as the gather by broadcasts
+
+    @staticmethod
+    def row_nbytes(padded_numel: int, world_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one rank's row: the slices of the packed gradients the other ranks keep."""
+        return (world_size - 1) * (padded_numel // world_size) * dtype.itemsize
 
     def start(self, packed: torch.Tensor, lo: int, hi: int) -> Reduction:
         r = self.route
