@@ -381,12 +381,11 @@ class ReduceByGather(Reduce):
     ranks keep (``others_slices``), and sums its own slice of every rank's in rank order
     (``sum_in_rank_order``). The lockstep carries this same reduction in its rows, beside the
     identity (comm/carried.py's ``CarriedReduce``): with the lockstep on or off the sums are
-    the same bits. Not gloo's all-reduce, whose order of summation (its
-    ring's) the rows cannot reproduce: at three ranks the two differ in the last bits
-    (docs/decisions.md, "A small unit's gradient reduction carried in the rows at three ranks
-    and more"). Never planned: a plan rehearses the collective it replaces, which holds
-    nothing beside the packed buffer (the rows held here: N rows of at most
-    ``CARRY_MAX_BYTES``)."""
+    the same bits. Not gloo's all-reduce, whose order of summation (its ring's) the rows
+    cannot reproduce: at three ranks the two differ in the last bits (docs/decisions.md, "A
+    small unit's gradient reduction carried in the rows at three ranks and more"). Never
+    planned: a plan rehearses the collective it replaces, which holds nothing beside the
+    packed buffer (the rows held here: N rows of at most ``CARRY_MAX_BYTES``)."""
 
     name = "collective"  # gloo's collectives (broadcasts), as the gather by broadcasts
 
