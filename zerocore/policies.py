@@ -493,7 +493,10 @@ class Comm:
     peer_read: ``"auto"`` (default): gloo ranks of one Linux host that may read each other's
         memory gather (and two of them reduce) by reading it directly, signalling through
         anonymous pipes (docs/decisions.md, "Communication between gloo ranks of one host");
-        ``"off"``: gloo's collectives only. The values are the same bits either way.
+        ``"off"``: gloo's collectives only. The values are the same bits either way, except
+        at three ranks and more the gradient mean of a group small enough to be summed in
+        rank order over gloo's collectives (comm/transport.py's ``ReduceByGather``), which
+        reading sums in gloo's all-reduce's order: the last bits differ.
     gather, reduce: how parameters are all-gathered and gradients reduced (comm/transport.py
         describes each way): ``"auto"`` (default) takes the fastest that applies; gather
         ``"collective"``, ``"read"`` or ``"nodes"`` (gloo ranks of a flat layout over torchrun

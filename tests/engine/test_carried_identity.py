@@ -1,7 +1,7 @@
 """The lockstep's identity carried in the gathers of small units (comm/carried.py): over gloo's
 collectives of a flat mesh, a unit whose part fits in the rows gathers its data in them, and the
-identities are compared when the gather is waited for, before the data is copied out; at two
-ranks its gradient reduction sends the exchange's half in them too, added once compared. These
+identities are compared when the gather is waited for, before the data is copied out; its
+gradient reduction sends in them the slices the other ranks keep, summed once compared. These
 tests take that path explicitly: the data it gathers is bitwise the plain gather's, a training
 run through it is bitwise the run without the lockstep, and a divergence met first at a carried
 gather or reduction is refused on every rank with the lockstep's message
@@ -92,10 +92,9 @@ def gathered_both_ways(rank: int, world_size: int) -> tuple[list[int], list[int]
 def test_a_small_units_gather_through_the_rows_is_bitwise_the_plain_gather(world):
     got = world.run(gathered_both_ways)
     # The small trainable units and the quantized frozen one carry; the large one does not.
-    # At two ranks the small trainable units' reductions carry too (the exchange's halves);
-    # at three the reduction is gloo's all-reduce, which cannot take the rows' shape.
-    reduces = [0, 2, 4] if world.world_size == 2 else []
-    assert got == [([0, 2, 3, 4], reduces)] * world.world_size
+    # The small trainable units' reductions carry too: the slices the other ranks keep (at two
+    # ranks the exchange's half; at three, ReduceByGather's row).
+    assert got == [([0, 2, 3, 4], [0, 2, 4])] * world.world_size
 
 
 def trained(rank: int, world_size: int, carried: bool, reading: bool = False,
@@ -107,8 +106,8 @@ def trained(rank: int, world_size: int, carried: bool, reading: bool = False,
                    for layer in model.layers[:model.num_units] for g in layer.groups)
     else:
         assert bool(_carried_units(model)) == carried
-        # At two ranks the gradients go through the rows too (CarriedReduce)
-        assert bool(_carried_reduces(model)) == (carried and world_size == 2)
+        # The small units' gradients go through the rows too (CarriedReduce)
+        assert bool(_carried_reduces(model)) == carried
     opt = zerocore.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(3):
@@ -133,6 +132,47 @@ def test_training_through_the_rows_is_bitwise_training_without_the_lockstep(worl
         assert len(a) == len(b)
         for x, y in zip(a, b):
             assert torch.equal(x, y), rank  # the same bytes gathered: the same bits
+
+
+def reduced_both_ways(rank: int, world_size: int, dtype_name: str) -> list[bool]:
+    """Layer 0's reduction of packed gradients every rank can make (seeded by rank), through the
+    rows and plain, each against the mean computed here in rank order as ``mean_factors`` says:
+    divided by ``pre``, ((g0 + g1) + g2), divided by ``post``."""
+    from zerocore.comm.transport import mean_factors
+    dtype = getattr(torch, dtype_name)
+    model = _build(carried=True)
+    group = model.layers[0].groups[0]
+    lo, hi = group.layout.shard_range(rank)
+
+    def packed(q: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 + q)
+        n = group.layout.padded_numel
+        # magnitudes over six decades, so that the order of summation shows in the last bits
+        return (torch.randn(n, generator=g) * 10.0 ** torch.randint(-3, 3, (n,), generator=g)
+                ).to(dtype)
+    factors = mean_factors(dtype, world_size)
+    expected = packed(0).div_(factors.pre)[lo:hi]
+    for q in range(1, world_size):
+        expected = expected + packed(q).div_(factors.pre)[lo:hi]
+    expected = expected.div_(factors.post)
+    got = []
+    for on in (True, False):
+        model.lockstep.enabled = on
+        model.lockstep.backward_begins(micro_batch=0)
+        model.lockstep.reduce(0, kept=False)  # (as FlatGroup's reduction says it first)
+        mean = group.reduce.start(packed(rank), lo, hi).finish()
+        got.append(torch.equal(mean.view(torch.uint8), expected.view(torch.uint8)))
+    del model
+    gc.collect()
+    return got
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16", "float16"])
+def test_a_carried_reduction_sums_in_rank_order_with_the_lockstep_on_or_off(world, dtype_name):
+    # Bitwise the mean summed in rank order, through the rows (on) and through the plain way
+    # (off: the exchange at two ranks, ReduceByGather at three); fp16 divides before the sum
+    # and after it (pre 2, post 1.5 at three ranks).
+    assert world.run(reduced_both_ways, dtype_name) == [[True, True]] * world.world_size
 
 
 def diverge_at_a_carried_gather(rank: int, world_size: int, case: str) -> str:
@@ -180,9 +220,8 @@ def test_a_forward_alone_is_refused_at_the_first_carried_gather(world):
 def test_a_unit_skipped_on_one_rank_is_refused_at_a_carried_gather(world):
     # The last rank leaves out layer 4 (carried). Its backward begins with layer 3, still
     # gathered from its forward, so its first collective is layer 2's carried gather for
-    # backward, which meets the others' reduction of layer 4 (a row of the same shape): at two
-    # ranks the reduction itself, carried (CarriedReduce), at three its check. Compared when
-    # the gather is waited for, before its data is copied out.
+    # backward, which meets the others' reduction of layer 4 (a row of the same shape), carried
+    # (CarriedReduce). Compared when the gather is waited for, before its data is copied out.
     last = world.world_size - 1
     got = world.run(diverge_at_a_carried_gather, "skip", timeout=RUN_TIMEOUT_S)
     assert_refused(got, f"rank {last} gathers layer 2 for backward of micro-batch 0 (step 1)",
@@ -193,7 +232,7 @@ def reduce_at_different_micro_batches(rank: int, world_size: int, reading: bool 
                                       ) -> tuple[str, bool]:
     """Layer 0's reduction through the rows (``reading``: by reading, its identity in its ready
     message), each rank in the backward of micro-batch ``rank``: what its finish raised, and
-    whether this rank's half of the packed gradients is as it was (the other's half not
+    whether this rank's slice of the packed gradients is as it was (nothing of the others'
     added)."""
     model = _build(carried=True, reading=reading)
     group = model.layers[0].groups[0]
@@ -217,16 +256,15 @@ def reduce_at_different_micro_batches(rank: int, world_size: int, reading: bool 
     return outcome, untouched
 
 
-def test_a_reduction_through_the_rows_is_refused_before_its_half_is_added(worlds):
-    # Two ranks (three reduce by gloo's all-reduce, checked first: the other tests): ranks in
-    # the backward of different micro-batches meet at layer 0's reduction, whose identity
-    # travels with the half each sends; compared before the half received is added.
-    world = worlds(2)
+def test_a_reduction_through_the_rows_is_refused_before_anything_is_added(world):
+    # Ranks in the backward of different micro-batches meet at layer 0's reduction, whose
+    # identity travels with the slices each sends the others (at two ranks the exchange's half,
+    # at three ReduceByGather's row); compared before any rank's slice is added.
     got = world.run(reduce_at_different_micro_batches, timeout=RUN_TIMEOUT_S)
     assert_refused([outcome for outcome, _ in got],
-                   "rank 0 reduces the gradients of layer 0 in backward of micro-batch 0",
-                   "rank 1 reduces the gradients of layer 0 in backward of micro-batch 1")
-    assert [untouched for _, untouched in got] == [True, True]
+                   *[f"rank {q} reduces the gradients of layer 0 in backward of micro-batch {q}"
+                     for q in range(world.world_size)])
+    assert [untouched for _, untouched in got] == [True] * world.world_size
 
 
 # -- peer reading: the identity in the ready messages -------------------------------------------
@@ -271,8 +309,9 @@ def test_a_gather_by_reading_is_refused_before_anything_is_read(world):
 
 
 def test_a_reduction_by_reading_is_refused_before_anything_is_read(worlds):
-    # Two ranks (three reduce by gloo's all-reduce, checked first), in the backward of
-    # different micro-batches, meet at layer 0's reduction by reading.
+    # Two ranks (three reduce by gloo's all-reduce, checked first: reading reduces at two
+    # ranks only), in the backward of different micro-batches, meet at layer 0's reduction by
+    # reading.
     got = worlds(2).run(reduce_at_different_micro_batches, True, timeout=RUN_TIMEOUT_S)
     assert_refused([outcome for outcome, _ in got],
                    "rank 0 reduces the gradients of layer 0 in backward of micro-batch 0",

@@ -158,7 +158,9 @@ def _probes_per_shard(rank: int, world_size: int) -> tuple[int, str, str]:
         model = zerocore.shard(make_layers(Spec(model="transformer")))
     finally:
         PeerMemory.probe = probe
-    ways = {(g.gather.route.gloo, type(g.gather).__name__, type(g.reduce).__name__)
+    # The reduce way by name: at three gloo ranks a small group's "collective" is a class of
+    # its own (transport.ReduceByGather, chosen by the group's size), the same way.
+    ways = {(g.gather.route.gloo, type(g.gather).__name__, g.reduce.name)
             for layer in model.layers for g in layer.groups}
     return probes, model.ways.line(), repr(sorted(ways))
 

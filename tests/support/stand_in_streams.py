@@ -10,6 +10,7 @@ import dataclasses
 import torch
 
 from zerocore.comm import collectives, transport
+from zerocore.comm.carried import CarriedReduce
 
 
 class StandInEvent:
@@ -105,11 +106,28 @@ def stand_in_cuda(log: StreamLog):
             setattr(obj, name, value)
 
 
+class GatheredAsOwned(transport.Reduce):
+    """A small group's reduction by gather (``transport.ReduceByGather``: at three ranks and more
+    over gloo's collectives, summed in rank order, which gloo's reduce-scatter does not
+    reproduce), delivered as NCCL's way delivers: into a buffer of its own (``owned``), so that
+    the CUDA branches run on the bits the CPU run computes."""
+
+    def __init__(self, route: transport.Route):  # (a route with gloo False: NCCL's)
+        super().__init__(route)
+        self._gathered = transport.ReduceByGather(dataclasses.replace(route, gloo=True))
+
+    def start(self, packed: torch.Tensor, lo: int, hi: int) -> transport.Reduction:
+        reduction = self._gathered.start(packed, lo, hi)
+        out = torch.empty(hi - lo, dtype=packed.dtype, device=packed.device)
+        return transport.Reduction(lambda: out.copy_(reduction.finish()), held=out)
+
+
 def use_stand_in_streams(sharding, log: "StreamLog") -> int:
     """Gives every group of ``sharding`` stand-in streams and NCCL's ways of gathering and
     reducing (zerocore/comm/transport.py: gloo's own collectives, bitwise equal to the
     broadcasts and in-place all-reduce the engine otherwise uses on gloo, so reduced gradients
-    are buffers of their own); the number of trainable groups."""
+    are buffers of their own; a small group reduced by gather on gloo's collectives keeps its
+    sum, ``GatheredAsOwned``); the number of trainable groups."""
     trainable = 0
     for layer in sharding.layers:
         for g in layer.groups:
@@ -119,6 +137,9 @@ def use_stand_in_streams(sharding, log: "StreamLog") -> int:
             g.ctx = dataclasses.replace(g.ctx, homes=where)
             g.home.where = where
             route = dataclasses.replace(g.gather.route, gloo=False)
-            g.gather, g.reduce = transport.Gather(route), transport.Reduce(route)
+            gathered = isinstance(g.reduce, transport.ReduceByGather) or (
+                isinstance(g.reduce, CarriedReduce) and route.world_size > 2)
+            g.gather = transport.Gather(route)
+            g.reduce = GatheredAsOwned(route) if gathered else transport.Reduce(route)
             trainable += g.trainable
     return trainable

@@ -3,8 +3,8 @@ identity carried in the gathers of small units"). Over gloo's collectives of a f
 step the lockstep checks begins with one gather of rows (comm/rows.py): each rank broadcasts a
 row of the same width, its identity (one int64) then slots. A small unit's gather
 (``CarriedGather``) puts its shard in the slots, so its check costs no collective of its own;
-at two ranks a small unit's gradient reduction (``CarriedReduce``) puts there the half it
-sends the other rank; every other step sends its identity alone in such a row (comm/lockstep.py,
+a small unit's gradient reduction (``CarriedReduce``) puts there the slices the other ranks
+keep; every other step sends its identity alone in such a row (comm/lockstep.py,
 ``Lockstep.check``).
 Every rank's k-th collective of the model is then one of these gathers, of one shape whatever
 each rank does, so ranks that diverged pair row with row, never collectives of other sizes
@@ -19,14 +19,17 @@ from zerocore.comm.collectives import nbytes
 from zerocore.comm.lockstep import REDUCE, Lockstep
 from zerocore.comm.rows import Sent
 from zerocore.comm.transport import (Gather, GatherByReading, Reduce, ReduceByExchange,
-                                     ReduceByReading, Reduction, divided, mean_of_sum)
+                                     ReduceByGather, ReduceByReading, Reduction, divided,
+                                     others_slices, sum_in_rank_order)
 
 # The largest part of a unit (bytes per rank) carried in the rows. Every step the lockstep
 # checks sends a row this wide at most, a unit too large for it included: the width is the
 # largest carried part of the model, so a model of large units alone carries nothing and keeps
-# the all-reduce of two int64. 16 KiB holds a Linear(64)'s part at two ranks (8.3 KiB) and a
-# layer norm's of any width in use, while a row of it stays far below the large units' own
-# megabytes; a first choice, not tuned (no other width was measured).
+# the all-reduce of two int64. 16 KiB holds a Linear(64)'s part at two ranks (8.3 KiB), the
+# slices of its fp32 gradients a rank sends the others in a carried reduction at any number of
+# ranks (at three 11.1 KB: (N - 1) / N of 16.6 KB), and a layer norm's of any width in use,
+# while a row of it stays far below the large units' own megabytes; a first choice, not tuned
+# (no other width was measured).
 CARRY_MAX_BYTES = 16 << 10
 
 
@@ -68,18 +71,19 @@ class CarriedGather(Gather):
 
 
 class CarriedReduce(Reduce):
-    """At two ranks, a small unit's gradient reduction through the lockstep's rows: the
-    exchange's (``ReduceByExchange``: each rank sends the other the half of the packed
-    gradients that the other keeps, and adds the half it receives into its own) with the half
-    sent in this rank's row, beside the reduction's identity. Its check costs no collective of
-    its own, and it starts at once, as the plain exchange does; the half received is added only
-    once the identities agreed (``Lockstep.compared``). Bitwise the exchange's sum: the same two
-    summands. With the lockstep switched off it is the plain exchange it wraps."""
+    """A small unit's gradient reduction through the lockstep's rows: each rank sends, in its
+    row beside the reduction's identity, the slices of its packed gradients that the other ranks
+    keep (``others_slices``), and once the identities agreed (``Lockstep.compared``) sums its
+    own slice of every rank's in rank order (``sum_in_rank_order``), read in place from the
+    rows. At two ranks that is the exchange's half and the exchange's sum, bitwise
+    (``ReduceByExchange``: x + y == y + x); at three and more, the plain reduction it wraps is
+    ``ReduceByGather``, the same sum in the same order. Its check costs no collective of its
+    own, and it starts at once, as the plain way does. With the lockstep switched off it is the
+    plain way it wraps."""
 
-    name = ReduceByExchange.name
-
-    def __init__(self, plain: ReduceByExchange, lockstep: Lockstep, unit: int):
+    def __init__(self, plain: ReduceByExchange | ReduceByGather, lockstep: Lockstep, unit: int):
         super().__init__(plain.route)
+        self.name = plain.name
         self._plain = plain
         self._lockstep = lockstep
         self._unit = unit
@@ -90,17 +94,17 @@ class CarriedReduce(Reduce):
         r = self.route
         factors = r.factors(packed.dtype)
         divided(packed, factors.pre)
-        r.counter.reduce_scatter_bytes += nbytes(packed)  # counted as the exchange's
+        r.counter.reduce_scatter_bytes += nbytes(packed)  # counted as the plain way's
         r.counter.reduce_scatter_calls += 1
-        other = 1 - r.rank
-        theirs = packed.chunk(2)[other]  # the half the other rank keeps
-        sent = self._lockstep.start_carried(self._unit, theirs.view(torch.uint8), kind=REDUCE)
+        pieces = tuple(p.view(torch.uint8) for p in others_slices(packed, lo, hi))
+        sent = self._lockstep.start_carried(self._unit, pieces, kind=REDUCE)
 
         def finish() -> torch.Tensor:
-            received = self._lockstep.compared(sent).part(other).view(packed.dtype)
-            mean = mean_of_sum(packed, lo, hi, received, factors)
+            rows = self._lockstep.compared(sent)
+            mine = sum_in_rank_order(packed, lo, hi, r.rank, r.world_size,
+                                     lambda q: rows.part(q).view(packed.dtype))
             self._lockstep.give_back(sent)  # (added: the rows may be written again)
-            return mean
+            return divided(mine, factors.post)
         return Reduction(finish)
 
 

@@ -395,11 +395,11 @@ class Lockstep:
     def carry(self, width: int, units: set[int], reduces: set[int] = frozenset()) -> None:
         """Collective, once, when the model is built (``Sharding.seal``): from now on every check
         is a rows gather with ``width`` bytes of slots, and the gathers of ``units`` carry their
-        parts in them (``CarriedGather``), the gradient reductions of ``reduces`` the half each
-        rank sends the other (``CarriedReduce``); 0: none, as before. Only over gloo's
-        collectives of a flat mesh: the caller's to know. The width is the same on every rank
-        (the structure is agreed); compared once all the same, since ranks that differed in it
-        would pair rows of other sizes."""
+        parts in them (``CarriedGather``), the gradient reductions of ``reduces`` the slices of
+        the packed gradients the other ranks keep (``CarriedReduce``); 0: none, as before.
+        Only over gloo's collectives of a flat mesh: the caller's to know. The width is the
+        same on every rank (the structure is agreed); compared once all the same, since ranks
+        that differed in it would pair rows of other sizes."""
         widths = self._all_gather(width)
         if len(set(widths)) > 1:
             raise RuntimeError(f"zerocore: the ranks chose different widths for the lockstep's "
@@ -418,10 +418,12 @@ class Lockstep:
         """Whether ``unit``'s gradient reductions carry their identity now."""
         return self.enabled and self._rows is not None and unit in self._carried_reduces
 
-    def start_carried(self, unit: int, part: torch.Tensor, kind: int = GATHER) -> Sent:
+    def start_carried(self, unit: int, part: torch.Tensor | tuple[torch.Tensor, ...],
+                      kind: int = GATHER) -> Sent:
         """Starts ``unit``'s gather (``kind`` ``GATHER``) or gradient reduction (``REDUCE``,
-        in backward) in the rows, ``part`` (1D uint8) this rank's bytes of it; compared by
-        ``finish_carried``, or by the next check if that comes first."""
+        in backward) in the rows, ``part`` (1D uint8, or pieces laid end to end) this rank's
+        bytes of it; compared by ``finish_carried``, or by the next check if that comes
+        first."""
         mine = Identity(kind, BACKWARD if kind == REDUCE else self.phase, unit,
                         self.micro_batch, self.step).packed()
         self._last = mine

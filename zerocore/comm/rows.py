@@ -59,17 +59,20 @@ class Rows:
         # last reference, a free torch's profiler does not follow (``PeakMemory``).
         self._spare: list[torch.Tensor] = []
 
-    def start(self, identity: int, payload: torch.Tensor | None = None) -> Sent:
-        """``payload``: 1D uint8, at most ``width`` bytes, this rank's part of a carried
-        gather; None: the identity alone (the slots are sent as they are: unread)."""
+    def start(self, identity: int, payload: torch.Tensor | tuple[torch.Tensor, ...] = ()
+              ) -> Sent:
+        """``payload``: 1D uint8, at most ``width`` bytes in all, this rank's part of a carried
+        gather or reduction, or pieces of it laid end to end (a reduction's slices around this
+        rank's own); none: the identity alone (the slots are sent as they are: unread)."""
         rows = (self._spare.pop() if self._spare
                 else torch.empty(len(self.ranks), self.words, dtype=torch.int64))
         mine = rows[self.rank]
         mine[:1].fill_(identity)
+        slots = mine[1:].view(torch.uint8)
         n = 0
-        if payload is not None:
-            n = payload.numel()
-            mine[1:].view(torch.uint8)[:n].copy_(payload)
+        for piece in (payload,) if isinstance(payload, torch.Tensor) else payload:
+            slots[n:n + piece.numel()].copy_(piece)
+            n += piece.numel()
         handles = [dist.broadcast(rows[r], src=self.ranks[r], group=self.group, async_op=True)
                    for r in range(len(self.ranks))]
         return Sent(identity, rows, handles, n)

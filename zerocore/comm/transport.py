@@ -16,12 +16,20 @@ Gathers (each writes every rank's shard into the group's gathered buffer):
 Reductions (each leaves this rank's slice of the mean of every rank's packed gradient, computed
 as ``mean_factors`` says on every backend: divide by ``pre``, SUM, divide by ``post``):
 - ``"collective"``: NCCL's reduce-scatter with SUM; on gloo an all-reduce summed in place (its
-  ring's order of summation); one rank: no collective;
+  ring's order of summation), except a small group's at three ranks and more of a flat mesh
+  (below); one rank: no collective;
 - ``"exchange"`` (two gloo ranks): each sends the half the other owns and adds what it
   receives: half the traffic of the all-reduce, the same bits (x + y == y + x);
-- ``"read"`` (two gloo ranks of one host): each reads the other's contribution to its half.
+- ``"read"`` (two gloo ranks of one host): each reads the other's contribution to its half;
+- ``"collective"`` too, of a small group at three ranks and more over gloo's collectives of a
+  flat mesh (``Sharding._reduce_small_by_gather``; not with reading): each rank broadcasts the
+  slices the others keep and sums its own in rank order (``ReduceByGather``), as the
+  lockstep's rows carry it over gloo's collectives (comm/carried.py); gloo's collectives all
+  the same, as the gather by broadcasts is.
 The values are the same bits whichever way they travel; only the cost differs, which is why
-the slower ways stay selectable (``Comm(gather=..., reduce=...)``), for tests and benchmarks.
+the slower ways stay selectable (``Comm(gather=..., reduce=...)``), for tests and benchmarks
+(the small groups' "collective" at three ranks and more is the gathered sum whatever is
+asked: the only way of those groups, so the same bits again).
 
 HSDP (a 2-D mesh, comm/mesh.py): each of these runs within the shard group, and
 ``ReduceAcrossReplicas`` then all-reduces this rank's slice across the replicas (``Replicas``)
@@ -364,6 +372,80 @@ class ReduceByExchange(Reduce):
                     handle.wait()
             return mean_of_sum(packed, lo, hi, received, factors)
         return Reduction(finish, held=received)
+
+
+class ReduceByGather(Reduce):
+    """Three ranks and more over gloo's collectives of a flat mesh, for a small group (one whose
+    row below fits ``CARRY_MAX_BYTES``: ``Sharding._reduce_small_by_gather``), whatever the
+    gather way: each rank broadcasts, in its row, the slices of its packed gradients the other
+    ranks keep (``others_slices``), and sums its own slice of every rank's in rank order
+    (``sum_in_rank_order``). The lockstep carries this same reduction in its rows, beside the
+    identity (comm/carried.py's ``CarriedReduce``): with the lockstep on or off the sums are
+    the same bits. Not gloo's all-reduce, whose order of summation (its ring's) the rows
+    cannot reproduce: at three ranks the two differ in the last bits (docs/decisions.md, "A
+    small unit's gradient reduction carried in the rows at three ranks and more"). Never
+    planned: a plan rehearses the collective it replaces, which holds nothing beside the
+    packed buffer (the rows held here: N rows of at most ``CARRY_MAX_BYTES``)."""
+
+    name = "collective"  # gloo's collectives (broadcasts), as the gather by broadcasts
+
+    @staticmethod
+    def row_nbytes(padded_numel: int, world_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one rank's row: the slices of the packed gradients the other ranks keep."""
+        return (world_size - 1) * (padded_numel // world_size) * dtype.itemsize
+
+    def start(self, packed: torch.Tensor, lo: int, hi: int) -> Reduction:
+        r = self.route
+        factors = r.factors(packed.dtype)
+        divided(packed, factors.pre)
+        r.counter.reduce_scatter_bytes += collectives.nbytes(packed)  # as the reduce-scatter
+        r.counter.reduce_scatter_calls += 1
+        pieces = others_slices(packed, lo, hi)
+        rows = torch.empty(r.world_size, packed.numel() - (hi - lo), dtype=packed.dtype,
+                           device=packed.device)
+        torch.cat(pieces, out=rows[r.rank])
+        handles = [dist.broadcast(rows[q], src=r.global_ranks[q], group=r.process_group,
+                                  async_op=True) for q in range(r.world_size)]
+
+        def finish() -> torch.Tensor:
+            for handle in handles:
+                handle.wait()
+            mine = sum_in_rank_order(packed, lo, hi, r.rank, r.world_size,
+                                     lambda q: rows[q])
+            return divided(mine, factors.post)
+        return Reduction(finish, held=rows)
+
+
+def others_slices(packed: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, ...]:
+    """The slices of ``packed`` that the other ranks keep, in rank order (all but this rank's
+    own, [lo, hi)): what this rank sends in a reduction by gather (``ReduceByGather``,
+    ``CarriedReduce``). At two ranks, the exchange's half."""
+    return tuple(p for p in (packed[:lo], packed[hi:]) if p.numel())
+
+
+def sum_in_rank_order(packed: torch.Tensor, lo: int, hi: int, rank: int, world: int,
+                      row: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """This rank's slice ``packed[lo:hi]``, summed in place with every other rank's
+    contribution to it, in rank order: ((g0 + g1) + g2) + ..., the same order for every slice
+    on every rank. ``row(q)``: rank q's row of a reduction by gather (1D, the dtype of
+    ``packed``: the slices rank q sent, ``others_slices``), which this may overwrite: the sum of
+    the ranks before this one is taken in rank 0's row, then added to this rank's slice (x + y
+    == y + x, bitwise), then the ranks after it are added. At two ranks, the exchange's sum
+    bitwise (``mean_of_sum``)."""
+    n = hi - lo
+
+    def theirs(q: int) -> torch.Tensor:  # rank q's row holds every slice but q's own
+        k = rank - 1 if rank > q else rank
+        return row(q)[k * n:(k + 1) * n]
+    mine = packed[lo:hi]
+    if rank > 0:
+        before = theirs(0)
+        for q in range(1, rank):
+            before.add_(theirs(q))
+        mine.add_(before)
+    for q in range(rank + 1, world):
+        mine.add_(theirs(q))
+    return mine
 
 
 class ReduceByReading(Reduce):

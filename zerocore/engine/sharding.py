@@ -500,15 +500,47 @@ class Sharding:
             layer.recompute = layer.index in self.schedule.recomputed
             if layer.frozen is not None:
                 layer.frozen.resident = self.schedule.resident(layer.index)
+        self._reduce_small_by_gather(layers)
         self._carry(layers)
+
+    def _reduce_small_by_gather(self, layers: list[ShardedLayer]) -> None:
+        """Three ranks and more over gloo's collectives (reading off or impossible) of a flat
+        mesh: a trainable group whose row of a reduction by gather (the slices of its packed
+        gradients the other ranks keep, in the reduce dtype) fits ``CARRY_MAX_BYTES`` reduces
+        by gather, summed in rank order (``transport.ReduceByGather``), instead of gloo's
+        all-reduce, whose order the lockstep's rows cannot reproduce (``_carry`` then carries
+        it in them where they apply). Chosen from the model's sizes alone, whatever the gather
+        way (the broadcasts, or by nodes), ``Comm(reduce=...)`` ("collective" is the only one
+        that applies there) or the lockstep: every way of gloo's collectives gives those
+        groups the same bits, the lockstep on or off too. Peer reading keeps gloo's all-reduce
+        (its reductions are not in the rows): a small group's mean there differs from this in
+        the last bits (docs/decisions.md, "A small unit's gradient reduction carried in the
+        rows at three ranks and more"). A plan keeps the collective it stands for: it
+        rehearses without the rows, and what it leaves out is the gather's rows while one is
+        in flight (N rows of at most ``CARRY_MAX_BYTES``)."""
+        ctx = self.ctx
+        world = ctx.process_group.size()
+        if not (ctx.ways.gloo and not ctx.ways.planned and world > 2 and ctx.peers is None
+                and ctx.replicas is None and ctx.across is None):
+            return
+        for layer in layers:
+            for group in layer.groups:
+                row = transport.ReduceByGather.row_nbytes(group.layout.padded_numel, world,
+                                                          ctx.reduce_dtype)
+                if (group.trainable and type(group.reduce) is transport.Reduce
+                        and row <= CARRY_MAX_BYTES):
+                    group.reduce = transport.ReduceByGather(group.reduce.route)
 
     def _carry(self, layers: list[ShardedLayer]) -> None:
         """Over gloo's collectives of a flat mesh, the lockstep's identity travels in rows of
         one width (comm/carried.py), and the gathers of units of one group whose part fits in
-        ``CARRY_MAX_BYTES`` carry their data in them: their check costs no collective of its
-        own. Peer reading, HSDP, hpZ and the gather by nodes keep the exchange as it is: their
-        gathers are not gloo's broadcasts over the lockstep's group. Every rank decides alike:
-        the ways, the mesh and the layers' sizes are the same everywhere."""
+        ``CARRY_MAX_BYTES`` carry their data in them, as do their gradient reductions where
+        the slices each rank sends fit too: their check costs no collective of its own (the
+        lockstep is on here whenever there is more than one rank: ``Lockstep.enabled`` is
+        switched off only after, for a measurement). Peer reading, HSDP, hpZ and the gather
+        by nodes keep the exchange as it is: their gathers are not gloo's broadcasts over the
+        lockstep's group. Every rank decides alike: the ways, the mesh and the layers' sizes
+        are the same everywhere."""
         ctx, lockstep = self.ctx, self.lockstep
         ways = ctx.ways
         if lockstep.enabled and not ways.planned and lockstep.reads_every_rank:
@@ -523,18 +555,24 @@ class Sharding:
         carried = {layer.index: layer.groups[0] for layer in layers
                    if len(layer.groups) == 1 and layer.groups[0].home.gathers
                    and 0 < layer.groups[0].gather_bytes // world <= CARRY_MAX_BYTES}
-        # At two ranks the exchange's half of a carried unit's gradients, in the reduce dtype
-        # (wider than the part where the parameters are 16-bit and the reduction fp32).
-        halves = {index: g.layout.padded_numel // 2 * ctx.reduce_dtype.itemsize
-                  for index, g in carried.items()
-                  if g.trainable and isinstance(g.reduce, transport.ReduceByExchange)}
-        halves = {index: n for index, n in halves.items() if n <= CARRY_MAX_BYTES}
-        width = max([g.gather_bytes // world for g in carried.values()] + list(halves.values()),
+        # A carried unit's gradients reduced in the rows: each rank's row holds the slices of
+        # its packed gradients the other ranks keep, in the reduce dtype (wider than the part
+        # where the parameters are 16-bit and the reduction fp32): at two ranks the exchange's
+        # half; at three and more the reduction by gather's row (``_reduce_small_by_gather``
+        # chose it where it fits), the same sum as the plain way, so that the lockstep on or
+        # off gives the same bits.
+        sent = {index: transport.ReduceByGather.row_nbytes(g.layout.padded_numel, world,
+                                                           ctx.reduce_dtype)
+                for index, g in carried.items()
+                if g.trainable and isinstance(g.reduce, (transport.ReduceByExchange,
+                                                         transport.ReduceByGather))}
+        sent = {index: n for index, n in sent.items() if n <= CARRY_MAX_BYTES}
+        width = max([g.gather_bytes // world for g in carried.values()] + list(sent.values()),
                     default=0)
-        lockstep.carry(width, set(carried), set(halves))
+        lockstep.carry(width, set(carried), set(sent))
         for group in carried.values():
             group.gather = CarriedGather(group.gather, lockstep, group.unit_index)
-        for index in halves:
+        for index in sent:
             group = carried[index]
             group.reduce = CarriedReduce(group.reduce, lockstep, group.shard.layer_index)
 
