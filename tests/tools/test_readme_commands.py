@@ -13,8 +13,8 @@ output and the commands to type after it (issue 42 moved them there from the REA
 
 The built-in run trains on tiny_shakespeare, which a newcomer's machine downloads; here it is
 the repository's copy (tests/data/tiny_shakespeare.txt.gz) put in the run's cache beforehand, so
-that these tests run in any clone, without network or ../shared. The run takes about 2 minutes
-on 2 cores.
+that these tests run in any clone, without network or ../shared. The run takes about a minute
+on 2 quiet cores.
 """
 
 from __future__ import annotations
