@@ -51,7 +51,8 @@ from neox.run.failed import RunFailed
 from neox.run.progress import say
 from neox.run.same_recipe import agree_request
 from neox.run.training import run_training
-from zerocore.tools import (LEFT, STOP_GRACE_S, STOP_HEARD_WAIT_S, exit_description,
+from zerocore.tools import (LEFT, RENDEZVOUS_HOST, STOP_GRACE_S, STOP_HEARD_WAIT_S,
+                            exit_description, hold_rendezvous, join_rendezvous,
                             keep_freed_memory, receive, run_ranks, set_parent_death_signal,
                             watch_launcher)
 
@@ -111,16 +112,10 @@ class RankTask:
     request: RunRequest | None   # None under torchrun: the ranks agree it once the group exists
     run_id: str | None         # None under torchrun: rank 0 decides it after the group exists
     world_size: int
-    init_method: str
+    port: int | None           # the store the launcher holds (``hold_rendezvous``); None: env://
     use_cuda: bool
     timeout: float
     nodes: int = 1
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def describe_environment(use_cuda: bool, log: Any) -> None:
@@ -178,15 +173,21 @@ def launch(request: RunRequest, config: LaunchConfig) -> int:
     describe_environment(config.use_cuda, say)
     if config.use_cuda:  # read by each rank's CUDA allocator when it starts
         os.environ.update(cuda_environment(dict(os.environ)))
+    try:  # held until the ranks have ended: no other process can take the port meanwhile
+        store = hold_rendezvous(config.port, config.timeout)
+    except RuntimeError as e:  # before the output directory is touched
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"error: cannot listen on rendezvous port {config.port} ({message}); give "
+              f"another --port, or 0 for a free one", file=sys.stderr)
+        return EXIT_REPORTED
     try:
         lock, run_id = _take_output_dir(request, say)
     except OutputDirError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_REPORTED
     try:
-        init = f"tcp://127.0.0.1:{config.port or _free_port()}"
-        task = RankTask(request, run_id, world_size, init, config.use_cuda, config.timeout,
-                        config.nodes)
+        task = RankTask(request, run_id, world_size, store.port, config.use_cuda,
+                        config.timeout, config.nodes)
         return _run_ranks(task)
     finally:
         lock.release()
@@ -502,7 +503,7 @@ def run_under_torchrun(prepare: Callable[[], RunRequest], flags: Mapping[str, st
     set_parent_death_signal(signal.SIGTERM)
     if config.use_cuda:  # before this process allocates anything on the GPU
         os.environ.update(cuda_environment(dict(os.environ)))
-    task = RankTask(None, None, world, "env://", config.use_cuda, config.timeout, config.nodes)
+    task = RankTask(None, None, world, None, config.use_cuda, config.timeout, config.nodes)
     code = _run_rank(rank, task, prepare=lambda: agree_request(flags, prepare, node=node,
                                                                ranks_per_node=per_node),
                      leave_together=_leave_together)
@@ -562,12 +563,17 @@ def _run_rank(rank: int, task: RankTask,
             # than fresh pages each step: a third of a CPU run's time was page faults.
             keep_freed_memory()
         backend = "nccl" if task.use_cuda else "gloo"
-        dist.init_process_group(backend, init_method=task.init_method, rank=rank,
-                                world_size=task.world_size,
-                                timeout=datetime.timedelta(seconds=task.timeout))
+        if task.port is None:  # torchrun's environment
+            dist.init_process_group(backend, init_method="env://", rank=rank,
+                                    world_size=task.world_size,
+                                    timeout=datetime.timedelta(seconds=task.timeout))
+            init = "env://"
+        else:
+            join_rendezvous(task.port, rank, task.world_size, backend, task.timeout)
+            init = f"tcp://{RENDEZVOUS_HOST}:{task.port}"
         if rank == 0:
-            print(f"Distributed: backend {backend}, world size {task.world_size}, init "
-                  f"{task.init_method}", flush=True)
+            print(f"Distributed: backend {backend}, world size {task.world_size}, init {init}",
+                  flush=True)
         agreeing = prepare is not None
         request = task.request if prepare is None else prepare()
         agreeing = False

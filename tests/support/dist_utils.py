@@ -20,7 +20,6 @@ unmatched; the next ``run`` starts a fresh set on a new port.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import math
 import os
 import pickle
@@ -88,9 +87,8 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any,
     torch.set_num_threads(1)
     try:
         import zerocore  # noqa: F401  (registers the ops; fail here rather than in a test)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size,
-                                timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
+        from zerocore.tools import join_rendezvous
+        join_rendezvous(port, rank, world_size, "gloo", GLOO_TIMEOUT_S)
     except Exception:
         results.put((0, rank, "error", traceback.format_exc()))
         return
@@ -118,6 +116,7 @@ class World:
         self._procs: list[Any] = []
         self._tasks: list[Any] = []
         self._results: Any = None
+        self._store: Any = None   # the rendezvous the ranks joined, held here while they live
         self._task_id = 0
 
     def __enter__(self) -> "World":
@@ -162,14 +161,18 @@ class World:
             if p.is_alive():
                 p.kill()
                 p.join()
-        self._tasks, self._results = [], None
+        self._tasks, self._results, self._store = [], None, None
 
     # -- internals -------------------------------------------------------------------------------
 
     def _start(self) -> None:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
-        port = free_port()
+        # The port stays this process's while the ranks live (``hold_rendezvous``): one learnt
+        # free and handed on could be taken before rank 0 bound it (EADDRINUSE, seen in CI).
+        from zerocore.tools import hold_rendezvous
+        self._store = hold_rendezvous(timeout_s=GLOO_TIMEOUT_S)
+        port = self._store.port
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [ctx.Process(target=_worker, daemon=True, name=f"zerocore-test-rank{r}",

@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import json
 import pickle
-import socket
 import sys
 from typing import Sequence
 
@@ -43,6 +41,7 @@ from torch import nn
 import zerocore
 from zerocore.comm import collectives
 from zerocore.tools import selftest
+from zerocore.tools.rendezvous import hold_rendezvous, join_rendezvous
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Layers of the job's model each of whose outputs is rounded to the compute dtype.
@@ -162,9 +161,7 @@ def _rank(rank: int, jobs: Sequence[Job], port: int, results) -> None:
         torch.cuda.set_device(device)  # the one advice (comm/device.py), as every rank should
     outs: list[dict] = []
     try:
-        dist.init_process_group(first.backend, init_method=f"tcp://127.0.0.1:{port}",
-                                rank=rank, world_size=first.nproc,
-                                timeout=datetime.timedelta(seconds=120))
+        join_rendezvous(port, rank, first.nproc, first.backend, timeout_s=120)
         for job in jobs:
             refused = None
             if device.type == "cuda" and job.backend == "gloo":
@@ -184,12 +181,6 @@ def _rank(rank: int, jobs: Sequence[Job], port: int, results) -> None:
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_job(job: Job, timeout_s: float = 300) -> dict:
     """The job on ``job.nproc`` spawned ranks: {"losses": per step, the mean over ranks (equal
     slices), "params", "padded"}; or {"refused": why} when c10d refuses the device; or
@@ -205,8 +196,8 @@ def run_jobs(jobs: Sequence[Job], timeout_s: float = 300) -> list[dict]:
     assert all((j.nproc, j.backend) == (nproc, backend) for j in jobs), jobs
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, jobs, port, results), daemon=True)
+    store = hold_rendezvous()  # (kept until the ranks have ended: the port stays ours)
+    procs = [ctx.Process(target=_rank, args=(r, jobs, store.port, results), daemon=True)
              for r in range(nproc)]
     for p in procs:
         p.start()
