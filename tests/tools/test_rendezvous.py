@@ -1,7 +1,8 @@
 """The ranks of one machine meet through a store their launcher holds
-(zerocore/tools/rendezvous.py): the port is never free between being chosen and being listened on. Every world of the test
-harness (tests/support/dist_utils.py) and every neox run without torchrun joins one, so joining
-is exercised by the whole distributed suite; here, what holding means."""
+(zerocore/tools/rendezvous.py): the port is never free between being chosen and being listened
+on. Every world of the test harness (tests/support/dist_utils.py) and every neox run without
+torchrun joins one, so joining is exercised by the whole distributed suite; here, what holding
+means."""
 
 from __future__ import annotations
 
