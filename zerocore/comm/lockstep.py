@@ -31,8 +31,7 @@ hooks that run the units, and the counts the optimizer's step resets.
 from __future__ import annotations
 
 import collections
-import dataclasses
-from typing import Callable, TypeVar
+from typing import Callable, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -85,8 +84,9 @@ _SLICE_S, _SLICE_MAX_S = 0.5, 4.0
 _FIELDS = (("kind", 4), ("phase", 2), ("unit", 18), ("count", 16), ("step", 23))
 
 
-@dataclasses.dataclass(frozen=True)
-class Identity:
+class Identity(NamedTuple):
+    """A step, as ranks compare it (a tuple: made several times per unit and step, on the
+    host's critical path)."""
     kind: int
     phase: int = 0
     unit: int = 0
@@ -94,11 +94,9 @@ class Identity:
     step: int = 0
 
     def packed(self) -> int:
-        value, shift = 0, 0
-        for name, bits in _FIELDS:
-            value |= (getattr(self, name) & ((1 << bits) - 1)) << shift
-            shift += bits
-        return value
+        # ``_FIELDS`` written out (tests/engine/test_lockstep.py checks the two agree).
+        return ((self.kind & 0xF) | (self.phase & 0x3) << 4 | (self.unit & 0x3FFFF) << 6
+                | (self.count & 0xFFFF) << 24 | (self.step & 0x7FFFFF) << 40)
 
     @staticmethod
     def unpacked(value: int) -> "Identity":
@@ -371,15 +369,17 @@ class Lockstep:
         said = self._said
         if not said:
             return
-        peers, group = self._peers, self._peer_group
+        peers, channel = self._peers, self._channel
         peers.flush()  # (an identity said must be sent before this rank waits)
-        me = group.rank()
+        others = peers.others()
         while said and (through is None or said[0][0] <= through):
             seq, mine = said.popleft()
-            every = [mine if q == me else peers.hear(q, self._channel, GATHER_READY, seq)
-                     for q in range(group.size())]
-            if any(v != mine for v in every):
-                raise self.diverged(every, group)
+            heard = [peers.hear(q, channel, GATHER_READY, seq) for q in others]
+            if heard.count(mine) != len(heard):  # (one C call: this runs per gather)
+                group = self._peer_group
+                by_rank = dict(zip(others, heard))
+                by_rank[group.rank()] = mine
+                raise self.diverged([by_rank[q] for q in range(group.size())], group)
 
     # -- the identity carried in the rows (comm/rows.py, comm/carried.py) ---------------------
     #

@@ -110,6 +110,7 @@ class PeerMemory:
         self.unavailable_because: str | None = None
         self._readv = None
         self._rank = -1
+        self._others: tuple[int, ...] = ()  # the other ranks (asked for per message: made once)
         self._pipes = _Pipes(self.timeout_s)
         self._channels = 0
         # Reductions whose buffer the other rank may still be reading: (channel, seq).
@@ -220,6 +221,7 @@ class PeerMemory:
         if not failed:
             self.pids = [row[0] for row in rows]
             self._rank = rank
+            self._others = tuple(q for q in range(world) if q != rank)
             pipes.names = {q: dist.get_global_rank(group, q) for q in range(world)}
             pipes.answer_questions(*questions, rank)
             # When the model goes, buffers the others may still be reading stay allocated
@@ -365,9 +367,9 @@ class PeerMemory:
         """Whether this rank sent ``rank`` the message of ``key``."""
         return self._pipes.sent.get((rank, key >> 32), -1) >= key & 0xFFFFFFFF
 
-    def others(self) -> list[int]:
+    def others(self) -> tuple[int, ...]:
         assert self.pids is not None
-        return [q for q in range(len(self.pids)) if q != self._rank]
+        return self._others
 
 
 # pidfd_getfd(2) (Linux 5.6): the same number on every architecture but alpha.
