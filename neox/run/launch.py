@@ -175,10 +175,9 @@ def launch(request: RunRequest, config: LaunchConfig) -> int:
         os.environ.update(cuda_environment(dict(os.environ)))
     try:  # held until the ranks have ended: no other process can take the port meanwhile
         store = hold_rendezvous(config.port, config.timeout)
-    except RuntimeError as e:  # before the output directory is touched
-        message = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"error: cannot listen on rendezvous port {config.port} ({message}); give "
-              f"another --port, or 0 for a free one", file=sys.stderr)
+    except OSError as e:  # before the output directory is touched
+        print(f"error: rendezvous port {config.port}: {e}; give another --port, or 0 for a "
+              f"free one", file=sys.stderr)
         return EXIT_REPORTED
     try:
         lock, run_id = _take_output_dir(request, say)
@@ -191,6 +190,7 @@ def launch(request: RunRequest, config: LaunchConfig) -> int:
         return _run_ranks(task)
     finally:
         lock.release()
+        del store  # (the ranks have ended: the port is let go)
 
 
 def _run_ranks(task: RankTask) -> int:

@@ -1,6 +1,12 @@
 """Two nodes on this machine: two torchrun agents (``--nnodes 2 --nproc-per-node 2``, c10d
 rendezvous on 127.0.0.1 at a free port), each starting its node's ranks, the way a job starts
-on two machines. What each agent printed comes back, with its exit code."""
+on two machines. What each agent printed comes back, with its exit code.
+
+The rendezvous's store is held by this process on a port the system picked
+(``zerocore.tools.hold_rendezvous``), kept with the agents: a port learnt free and handed to the
+agents could be taken before the first of them bound it. Each agent, finding the endpoint's port
+taken, joins the store there as a client (torch's c10d rendezvous backend does so when it cannot
+host it), as the agents of a real job's other nodes do."""
 
 from __future__ import annotations
 
@@ -11,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from tests.support.dist_utils import free_port
+from zerocore.tools import hold_rendezvous
 
 REPO = Path(__file__).resolve().parents[2]
 # Variables of an enclosing launcher that would confuse the agents' own.
@@ -45,14 +51,18 @@ def start_two_nodes(program: Sequence[str], *, nproc: int | Sequence[int] = 2,
     ``extra[0]`` after it, the second with ``extra[1]`` (two nodes started with other flags),
     ``nproc`` ranks each (or ``nproc[i]`` on agent i); each's stdout and stderr together in a
     pipe."""
-    port = free_port()
+    store = hold_rendezvous(timeout_s=300)
+    port = store.port
     environ = {k: v for k, v in (env or os.environ).items() if k not in LAUNCHER_VARIABLES}
     environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(REPO), environ.get("PYTHONPATH")) if p)
     nprocs = [nproc, nproc] if isinstance(nproc, int) else list(nproc)
-    return [subprocess.Popen(torchrun_command(port, [*program, *extra[i]], nproc=nprocs[i]),
-                             cwd=REPO, env=environ, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    agents = [subprocess.Popen(torchrun_command(port, [*program, *extra[i]], nproc=nprocs[i]),
+                               cwd=REPO, env=environ, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    for agent in agents:
+        agent.rendezvous_store = store  # (held while either agent object lives)
+    return agents
 
 
 def run_two_nodes(program: Sequence[str], *, timeout: float, nproc: int | Sequence[int] = 2,

@@ -19,6 +19,7 @@ import struct
 import threading
 import time
 import weakref
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -270,7 +271,7 @@ class PeerMemory:
             raise PeerLost(f"zerocore: rank {name} (pid {self.pids[rank]}) is gone: it exited "
                            f"or failed while this rank read its memory", name) from e
 
-    def tell(self, ranks: list[int], channel: int, kind: int, seq: int, value: int,
+    def tell(self, ranks: Sequence[int], channel: int, kind: int, seq: int, value: int,
              required: bool | None = None) -> None:
         """Sends (channel, kind, seq) -> value to each of ``ranks``. ``required``: whether a
         rank that cannot be told (gone, or its pipe closed) is an error; by default, for the
@@ -280,7 +281,7 @@ class PeerMemory:
             required = kind in (GATHER_READY, REDUCE_READY)
         self._pipes.tell(ranks, _key(channel, kind, seq), value, required=required)
 
-    def defer(self, ranks: list[int], channel: int, kind: int, seq: int, value: int) -> None:
+    def defer(self, ranks: Sequence[int], channel: int, kind: int, seq: int, value: int) -> None:
         """Sends (channel, kind, seq) -> value to each of ``ranks`` with the next message told
         to it, in the same write (the lockstep's identity riding with a gather's or
         reduction's ready message: comm/lockstep.py), or by ``flush``. Counted as sent from
@@ -459,7 +460,7 @@ class _Pipes:
         self.early: dict[int, dict[int, int]] = {}  # rank -> {key: value} read before asked
         # (kind of the message that returns it, channel, seq) -> (storage, the ranks that will
         # say they read it)
-        self.lent: dict[tuple[int, int, int], tuple[torch.UntypedStorage, list[int]]] = {}
+        self.lent: dict[tuple[int, int, int], tuple[torch.UntypedStorage, Sequence[int]]] = {}
         # Group ranks found gone or silent past the timeout: never waited for again.
         self.lost: set[int] = set()
         self.names: dict[int, int] = {}  # group rank -> global rank, for messages
@@ -491,7 +492,7 @@ class _Pipes:
                                 f"zerocore.Comm): it is stopped or hung; if it is only slow, "
                                 f"raise the timeout", silent=True)
 
-    def defer(self, ranks: list[int], key: int, value: int) -> None:
+    def defer(self, ranks: Sequence[int], key: int, value: int) -> None:
         message = _MESSAGE.pack(key, value)
         for q in ranks:
             deferred = self.deferred.get(q, b"") + message
@@ -504,7 +505,7 @@ class _Pipes:
         for q in list(self.deferred):
             self._write(q, self.deferred.pop(q), required=True)
 
-    def tell(self, ranks: list[int], key: int, value: int, required: bool) -> None:
+    def tell(self, ranks: Sequence[int], key: int, value: int, required: bool) -> None:
         message = _MESSAGE.pack(key, value)
         for q in ranks:
             if self._write(q, self.deferred.pop(q, b"") + message, required):

@@ -17,14 +17,16 @@ blocks are reused), and the heap's free top is given back to the system only abo
 (``M_TRIM_THRESHOLD``: a step's tensors freed at the top would otherwise be trimmed after each
 step and faulted in again). The cost: the process's resident memory stays at its peak once
 reached (the heap is reused, not returned), which is what a training process's peak is anyway.
-A process that starts threads allocating before this call keeps its arenas' settings from
-then on; call it first, on the rank's main thread.
+The settings are process-wide, but only the main thread's allocations gain: glibc gives other
+threads arenas of their own, whose heaps are at most 64 MiB, and a block that does not fit one
+is still a mapping of its own (the step's tensors are the main thread's). Where another
+allocator serves ``malloc`` (jemalloc or tcmalloc preloaded) the call changes nothing, though
+glibc's ``mallopt`` still says it did.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 __all__ = ["keep_freed_memory"]
 
@@ -38,9 +40,8 @@ def keep_freed_memory() -> bool:
     """Makes this process's malloc keep freed memory for reuse (see the module docstring).
     Returns whether it did: False where the C library is not glibc. Process-wide; call it once,
     at a rank's start, before the step's first tensors."""
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name)
+        libc = ctypes.CDLL(None)  # (the process's own symbols: its C library's among them)
         mallopt = libc.mallopt
         libc.gnu_get_libc_version  # (glibc's own symbol: another libc's mallopt differs)
     except (OSError, AttributeError, TypeError):

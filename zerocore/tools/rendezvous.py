@@ -10,11 +10,14 @@ address"): seen in a test run of this suite, two runs starting at once.
 Here the launcher starts the store's server itself, on port 0, and keeps it for the ranks'
 lifetime: the port is never free while they need it. The ranks join it as clients
 (``join_rendezvous``). The launcher runs no collective: the server only answers the ranks' keys.
+It listens on this machine's loopback only (torch's server, given a port, would listen on every
+interface: any host of the network could then write the ranks' keys).
 """
 
 from __future__ import annotations
 
 import datetime
+import socket
 
 import torch.distributed as dist
 
@@ -25,9 +28,18 @@ RENDEZVOUS_HOST = "127.0.0.1"
 
 def hold_rendezvous(port: int = 0, timeout_s: float = 300.0) -> dist.TCPStore:
     """The store's server on ``RENDEZVOUS_HOST``, for ranks started after it: on ``port``, or
-    one the system picks (0); its port is ``.port``. Raises ``RuntimeError`` (torch's
-    ``DistNetworkError``) when ``port`` is in use. Keep it until the ranks have ended."""
+    one the system picks (0); its port is ``.port``. Raises ``OSError`` when ``port`` is in use
+    (or not a port). Keep it until the ranks have ended: letting it go closes the port."""
+    listening = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listening.bind((RENDEZVOUS_HOST, port))
+        listening.listen()
+    except (OSError, OverflowError) as e:  # (OverflowError: a number past 65535)
+        listening.close()
+        raise OSError(f"cannot listen on {RENDEZVOUS_HOST}:{port}: {e}") from e
+    # The store takes the socket over (and closes it when it goes).
     return dist.TCPStore(RENDEZVOUS_HOST, port, None, is_master=True, wait_for_workers=False,
+                         master_listen_fd=listening.detach(),
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
