@@ -2,7 +2,6 @@
 error within the timeout (naming the rank when zerocore's own transport waited for it), exit,
 and leave nothing of the transport behind on disk."""
 
-import datetime
 import errno
 import gc
 import os
@@ -17,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from tests.support.dist_utils import free_port
+from zerocore.tools import hold_rendezvous, join_rendezvous
 
 # Every test here starts its own rank processes, and bounds in seconds how soon the survivors of a
 # stopped or killed rank give up: CI runs them alone, not beside other tests (under doubled load
@@ -39,8 +38,7 @@ SLACK_S = 5.0
 def _rank(rank: int, port: int, results) -> None:
     import zerocore
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=datetime.timedelta(seconds=10))
+    join_rendezvous(port, rank, 2, "gloo", timeout_s=10)
     torch.manual_seed(0)
     model = zerocore.shard([nn.Linear(8, 8), nn.Linear(8, 8)])
     if rank == 1:
@@ -61,8 +59,8 @@ def _rank(rank: int, port: int, results) -> None:
 def test_dead_rank_gives_an_error_not_a_hang():
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, results)) for r in range(2)]
+    store = hold_rendezvous()  # (held until the test returns)
+    procs = [ctx.Process(target=_rank, args=(r, store.port, results)) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -103,8 +101,7 @@ def _training_rank(rank: int, world: int, port: int, tmpdir: str, die_in_probe: 
     tempfile.tempdir = None  # read TMPDIR again
     import zerocore
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    join_rendezvous(port, rank, world, "gloo", timeout_s=TIMEOUT_S)
     if die_in_probe is not None and rank == 1:
         _die_in_probe(die_in_probe)
     torch.manual_seed(0)
@@ -129,12 +126,13 @@ def _start(world: int, tmp_path, die_in_probe: str | None = None):
     # A queue per rank: a queue's writers share a lock, which a rank stopped (SIGSTOP) while
     # its queue's thread held it would keep from the others.
     results = [ctx.Queue() for _ in range(world)]
-    port = free_port()
+    store = hold_rendezvous()
     procs = [ctx.Process(target=_training_rank, name=f"zerocore-test-rank{r}",
-                         args=(r, world, port, str(tmp_path), die_in_probe, results[r]))
+                         args=(r, world, store.port, str(tmp_path), die_in_probe, results[r]))
              for r in range(world)]
     for p in procs:
         p.start()
+        p.rendezvous_store = store  # (held while the test holds its processes)
     return procs, results
 
 
@@ -256,8 +254,7 @@ def _fallback_rank(rank: int, port: int, refuse: int | None, stderr: str, result
     if refuse is not None and rank == 1:
         _refuse_pidfd_getfd(refuse)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=datetime.timedelta(seconds=60))
+    join_rendezvous(port, rank, 2, "gloo", timeout_s=60)
     torch.manual_seed(0)
     model = zerocore.shard([nn.Linear(16, 16) for _ in range(3)],
                            comm=zerocore.Comm(timeout=60))
@@ -279,9 +276,9 @@ def _fallback_rank(rank: int, port: int, refuse: int | None, stderr: str, result
 def test_a_refused_pidfd_getfd_falls_back_to_gloo_with_one_line(refuse, tmp_path):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    store = hold_rendezvous()  # (held until the test returns)
     procs = [ctx.Process(target=_fallback_rank,
-                         args=(r, port, refuse, str(tmp_path / f"rank{r}.err"), results))
+                         args=(r, store.port, refuse, str(tmp_path / f"rank{r}.err"), results))
              for r in range(2)]
     for p in procs:
         p.start()

@@ -20,15 +20,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.dist_utils import free_port
 from tests.support.processes import RUN_MARK, left_after
 from tests.support.scratch_disk import private_disk, scratch_fds
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = """\
 import json, sys
-from zerocore.tools.rank_processes import run_ranks
+from zerocore.tools import hold_rendezvous, run_ranks
 task = json.loads(sys.argv[1])
+store = hold_rendezvous()  # (held by the launcher while its ranks live)
+task["port"] = store.port
 sys.exit(run_ranks("tests.support.nvme_rank:rank_main", task["world_size"], task,
                    marker="zerocore-nvme-test-rank"))
 """
@@ -48,7 +49,7 @@ def test_the_scratch_is_gone_when_the_ranks_end(tmp_path, end):
         before = disk.used()
         world_size, code = ENDS[end]
         task = dict(path=str(disk.path), ready=str(ready), go=str(tmp_path / "go"), end=end,
-                    port=free_port(), world_size=world_size)
+                    world_size=world_size)
         mark = f"nvme-{end}-{os.getpid()}"
         env = dict(os.environ, PYTHONPATH=str(REPO), **{RUN_MARK: mark})
         launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, json.dumps(task)],

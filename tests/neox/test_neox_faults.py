@@ -37,7 +37,7 @@ from neox.finetune import main as finetune_main
 from neox.run.launch import RANK_MARKER
 from neox.run.run_dir import CHECKPOINTS, METRICS, RUN_FILE
 from tests.support.processes import RUN_MARK, left_after, marked
-from tests.support.dist_utils import free_port
+from zerocore.tools import hold_rendezvous
 from tests.support.two_nodes import LAUNCHER_VARIABLES, torchrun_command
 from tests.support.neox_testing import (EXCERPT, REPO, assert_clean_error, call_main, cli_env,
                                         run_module, start_module)
@@ -460,7 +460,8 @@ def test_a_stopped_rank_under_torchrun_ends_the_job_as_fast(cache, tmp_path):
     mark = uuid.uuid4().hex
     env = {k: v for k, v in cli_env().items() if k not in LAUNCHER_VARIABLES}
     env[RUN_MARK] = mark
-    command = torchrun_command(free_port(), ["-m", "neox.finetune", *args(
+    store = hold_rendezvous()  # the agents meet on it (tests/support/two_nodes.py says why)
+    command = torchrun_command(store.port, ["-m", "neox.finetune", *args(
         cache, out, "--epochs", 50, "--timeout", STOP_TIMEOUT_S)])
     agents = [subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True) for _ in range(2)]

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import zerocore
+from zerocore.tools import join_rendezvous
 from zerocore.tools.rank_processes import receive, watch_launcher
 from tests.support.toy_stack import Spec, accumulate_step, make_layers
 
@@ -29,8 +30,7 @@ def rank_main(rank: int, fd: int, launcher: int) -> None:
     task = receive(link)
     watch_launcher(rank, link, launcher)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{task['port']}", rank=rank,
-                            world_size=task["world_size"])
+    join_rendezvous(task["port"], rank, task["world_size"], "gloo", timeout_s=1800)  # gloo default
     model = zerocore.shard(make_layers(SPEC),
                            mixed_precision=zerocore.MixedPrecision(torch.bfloat16),
                            offload=zerocore.Offload(optimizer="nvme", path=task["path"]))
