@@ -24,5 +24,9 @@ def micro_batch_loss(logits: torch.Tensor, targets: torch.Tensor
     logits = logits.float()                                                # (B, T, V) fp32
     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
     with torch.no_grad():
-        correct = (logits.argmax(-1) == targets).sum()
+        # The index of each row's first maximum, as ``argmax`` gives it (ties, NaN and
+        # infinities alike: both return the first maximal value's index), in half the time
+        # on the CPU: there ``argmax`` over the vocabulary is a scalar loop, as long as the
+        # cross-entropy's forward (2,048 x 8,192 fp32: 39 ms against 21 ms, one thread).
+        correct = (logits.max(-1).indices == targets).sum()
     return loss, correct
