@@ -25,7 +25,7 @@ import torch
 import zerocore
 from neox.blocks import chosen_blocks
 from neox.commands.flags import (HelpFormatter, Parser, add_recipe_flags, explicit_flags, finite,
-                                 port_number, positive_int, recipe_argument)
+                                 nonnegative_int, positive_int, recipe_argument)
 from neox.config import NeoXConfig, preset_config
 from neox.dtypes import resolve_dtype
 from neox.finetune_modes import GROUP as MODE, auto_mode
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "most the GPU count")
     r.add_argument("--oversubscribe", action="store_true",
                    help="allow more CPU processes than this machine has cores")
-    r.add_argument("--port", type=port_number, default=0,
+    r.add_argument("--port", type=nonnegative_int, default=0,
                    help="rendezvous port (0: pick a free one)")
     r.add_argument("--timeout", type=finite, default=300.0,
                    help="seconds a collective may wait before the run fails instead of hanging")

@@ -18,10 +18,9 @@ from neox.run.invocation import ALLOW_UNVERIFIED
 from neox.run.recipe import recipe_fields
 from neox.setting import BadValue, finite_float, flag_name, setting_of
 
-__all__ = ["Parser", "HelpFormatter", "positive_int", "nonnegative_int", "port_number",
-           "nonnegative_float", "argparse_type", "finite", "recipe_argument", "recipe_field",
-           "add_recipe_flags", "add_model_arguments", "add_loading_arguments", "loading_source",
-           "explicit_flags"]
+__all__ = ["Parser", "HelpFormatter", "positive_int", "nonnegative_int", "nonnegative_float",
+           "argparse_type", "finite", "recipe_argument", "recipe_field", "add_recipe_flags",
+           "add_model_arguments", "add_loading_arguments", "loading_source", "explicit_flags"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -74,14 +73,6 @@ def nonnegative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def port_number(text: str) -> int:
-    """argparse type: a TCP port, 0 (the system picks a free one) to 65535."""
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port, 0 to 65535, got {value}")
     return value
 
 
