@@ -169,7 +169,7 @@ class World:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
         # The port stays this process's while the ranks live (``hold_rendezvous``): one learnt
-        # free and handed on could be taken before rank 0 bound it (EADDRINUSE, seen in CI).
+        # free and handed on could be taken before rank 0 bound it (EADDRINUSE, seen in a run).
         from zerocore.tools import hold_rendezvous
         self._store = hold_rendezvous(timeout_s=GLOO_TIMEOUT_S)
         port = self._store.port

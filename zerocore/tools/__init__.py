@@ -1,11 +1,13 @@
-"""Tools above the engine: ``selftest`` (``python -m zerocore.selftest``: checks an installation
-rather than trains), ``job`` (``python -m zerocore.tools.job``: a small job on N ranks of this
-machine, against the unsharded model or on two devices; bench/gpu_check.sh runs it), and
-``rank_processes`` (a machine's rank processes tied to the process that starts them, for
-launchers: neox.finetune's, the examples'), and ``host_allocator`` (a CPU rank's malloc
-keeping the memory its large tensors free, for the next step's), and ``rendezvous`` (the ranks
-meet through a store their launcher holds: no port left free between learning it and binding
-it).
+"""Tools above the engine:
+- ``selftest`` (``python -m zerocore.selftest``): checks an installation rather than trains;
+- ``job`` (``python -m zerocore.tools.job``): a small job on N ranks of this machine, against
+  the unsharded model or on two devices; bench/gpu_check.sh runs it;
+- ``rank_processes``: a machine's rank processes tied to the process that starts them, for
+  launchers (neox.finetune's, the examples');
+- ``rendezvous``: the ranks meet through a store their launcher holds, on a port never left
+  free between being chosen and being listened on;
+- ``host_allocator``: a CPU rank's malloc keeps the memory its large tensors free, for the next
+  step's.
 
 This module is the public face of the launcher's part (docs/api.md): what a launcher and its
 ranks call, named here; the modules beneath are implementation."""
