@@ -47,8 +47,9 @@ def test_a_large_tensor_freed_is_reused_without_faulting_its_pages_in_again():
     assert kept["kept"] is True
     assert plain["last"] == kept["last"] == 9.0
     # Without it, each of the ten faults its pages in afresh (glibc maps a block this large on
-    # its own and unmaps it on free): at least 10 x 16,384. With it, the ten reuse the first's
-    # heap memory: what remains is the interpreter's own small allocations, far below one
-    # tensor's pages (a quarter: room for them, while one fresh tensor would exceed it).
+    # its own and unmaps it on free): at least 10 x 16,384. With it, the ten reuse the heap's
+    # memory: 0 faults in most runs, and in about one run of eight the heap grows once more by
+    # one tensor (16,384: an aligned block that did not fit the hole a freed one left), so the
+    # bound is under two tensors' pages, five times below what ten fresh tensors fault.
     assert plain["faults"] >= 10 * pages * 0.9, plain
-    assert kept["faults"] < pages // 4, kept
+    assert kept["faults"] < 2 * pages, kept
