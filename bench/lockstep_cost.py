@@ -24,8 +24,8 @@ per round:
   exchange a gather of the lockstep's rows, in which the gathers of units small enough carry
   their parts, and their gradient reductions the slices each rank sends the others
   (comm/carried.py), else one all-reduce of two int64. Off, those reductions are the same
-  sums plain: the exchange at two ranks, a gather summed in rank order at three and more
-  (``transport.ReduceByGather``), not gloo's all-reduce.
+  sums plain: the exchange at two ranks, gloo's all-to-all summed in rank order at three and
+  more (``transport.Reduce``).
 ``--exchange`` times one exchange alone, the way each is made (``Lockstep._all_gather``),
 interleaved: an all-gather of one int64 per rank (the first lockstep's) against an all-reduce
 (MAX) of two int64 (the second's, when every rank agrees), blocking, and against the lockstep's

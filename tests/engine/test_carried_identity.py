@@ -93,7 +93,7 @@ def test_a_small_units_gather_through_the_rows_is_bitwise_the_plain_gather(world
     got = world.run(gathered_both_ways)
     # The small trainable units and the quantized frozen one carry; the large one does not.
     # The small trainable units' reductions carry too: the slices the other ranks keep (at two
-    # ranks the exchange's half; at three, ReduceByGather's row).
+    # ranks the exchange's half; at three, what gloo's all-to-all sends).
     assert got == [([0, 2, 3, 4], [0, 2, 4])] * world.world_size
 
 
@@ -170,7 +170,7 @@ def reduced_both_ways(rank: int, world_size: int, dtype_name: str) -> list[bool]
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16", "float16"])
 def test_a_carried_reduction_sums_in_rank_order_with_the_lockstep_on_or_off(world, dtype_name):
     # Bitwise the mean summed in rank order, through the rows (on) and through the plain way
-    # (off: the exchange at two ranks, ReduceByGather at three); fp16 divides before the sum
+    # (off: the exchange at two ranks, gloo's all-to-all at three); fp16 divides before the sum
     # and after it (pre 2, post 1.5 at three ranks).
     assert world.run(reduced_both_ways, dtype_name) == [[True, True]] * world.world_size
 
@@ -259,7 +259,7 @@ def reduce_at_different_micro_batches(rank: int, world_size: int, reading: bool 
 def test_a_reduction_through_the_rows_is_refused_before_anything_is_added(world):
     # Ranks in the backward of different micro-batches meet at layer 0's reduction, whose
     # identity travels with the slices each sends the others (at two ranks the exchange's half,
-    # at three ReduceByGather's row); compared before any rank's slice is added.
+    # at three what gloo's all-to-all sends); compared before any rank's slice is added.
     got = world.run(reduce_at_different_micro_batches, timeout=RUN_TIMEOUT_S)
     assert_refused([outcome for outcome, _ in got],
                    *[f"rank {q} reduces the gradients of layer 0 in backward of micro-batch {q}"

@@ -34,7 +34,7 @@ SHARD = 4099  # elements of one rank's slice: odd, so no vector width divides it
 # (way, world size): the transport's ways where they apply; "device" is the branch NCCL takes.
 WAYS = [("collective", 1), ("device", 1),
         ("collective", 2), ("device", 2), ("exchange", 2), ("read", 2),
-        ("collective", 3), ("device", 3)]
+        ("collective", 3), ("device", 3), ("read", 3)]
 
 
 # -- the factors ----------------------------------------------------------------------------------
@@ -101,8 +101,7 @@ def reduce_on_rank(rank: int, world_size: int, way: str, dtype_name: str,
         peers = PeerMemory(timeout_s=60)
         if not peers.probe(group):  # the same answer on every rank
             return dict(unavailable=True)
-    route = transport.Route(group, CommCounter(), gloo=way != "device", peers=peers,
-                            world_size=world_size)
+    route = transport.Route.of(group, CommCounter(), gloo=way != "device", peers=peers)
     reduce = transport.REDUCES["collective" if way == "device" else way](route)
     lo, hi = rank * SHARD, (rank + 1) * SHARD
     got = {}

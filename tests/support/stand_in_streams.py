@@ -10,7 +10,6 @@ import dataclasses
 import torch
 
 from zerocore.comm import collectives, transport
-from zerocore.comm.carried import CarriedReduce
 
 
 class StandInEvent:
@@ -106,18 +105,18 @@ def stand_in_cuda(log: StreamLog):
             setattr(obj, name, value)
 
 
-class GatheredAsOwned(transport.Reduce):
-    """A small group's reduction by gather (``transport.ReduceByGather``: at three ranks and more
-    over gloo's collectives, summed in rank order, which gloo's reduce-scatter does not
+class RankOrderAsOwned(transport.Reduce):
+    """Gloo's reduction at three ranks and more (``transport.Reduce``'s all-to-all, summed in
+    rank order as every way on gloo sums there, which gloo's reduce-scatter does not
     reproduce), delivered as NCCL's way delivers: into a buffer of its own (``owned``), so that
     the CUDA branches run on the bits the CPU run computes."""
 
     def __init__(self, route: transport.Route):  # (a route with gloo False: NCCL's)
         super().__init__(route)
-        self._gathered = transport.ReduceByGather(dataclasses.replace(route, gloo=True))
+        self._gloo = transport.Reduce(dataclasses.replace(route, gloo=True))
 
     def start(self, packed: torch.Tensor, lo: int, hi: int) -> transport.Reduction:
-        reduction = self._gathered.start(packed, lo, hi)
+        reduction = self._gloo.start(packed, lo, hi)
         out = torch.empty(hi - lo, dtype=packed.dtype, device=packed.device)
         return transport.Reduction(lambda: out.copy_(reduction.finish()), held=out)
 
@@ -125,9 +124,9 @@ class GatheredAsOwned(transport.Reduce):
 def use_stand_in_streams(sharding, log: "StreamLog") -> int:
     """Gives every group of ``sharding`` stand-in streams and NCCL's ways of gathering and
     reducing (zerocore/comm/transport.py: gloo's own collectives, bitwise equal to the
-    broadcasts and in-place all-reduce the engine otherwise uses on gloo, so reduced gradients
-    are buffers of their own; a small group reduced by gather on gloo's collectives keeps its
-    sum, ``GatheredAsOwned``); the number of trainable groups."""
+    broadcasts and, at two ranks, the in-place all-reduce the engine otherwise uses on gloo, so
+    reduced gradients are buffers of their own; from three ranks the sum in rank order that
+    every way on gloo computes, ``RankOrderAsOwned``); the number of trainable groups."""
     trainable = 0
     for layer in sharding.layers:
         for g in layer.groups:
@@ -137,9 +136,8 @@ def use_stand_in_streams(sharding, log: "StreamLog") -> int:
             g.ctx = dataclasses.replace(g.ctx, homes=where)
             g.home.where = where
             route = dataclasses.replace(g.gather.route, gloo=False)
-            gathered = isinstance(g.reduce, transport.ReduceByGather) or (
-                isinstance(g.reduce, CarriedReduce) and route.world_size > 2)
             g.gather = transport.Gather(route)
-            g.reduce = GatheredAsOwned(route) if gathered else transport.Reduce(route)
+            g.reduce = (RankOrderAsOwned(route) if route.world_size > 2
+                        else transport.Reduce(route))
             trainable += g.trainable
     return trainable

@@ -6,7 +6,8 @@ the backend's all-gather: zerocore/comm/transport.py), gloo ranks on the CPU the
 Here the CPU stands in for the GPU: the job's ranks are given the device branch and must train
 to the same bits as on the gloo branch, at 1, 2 and 3 ranks, in fp32 and bf16, on the model
 whose flat groups end without padding. So on a GPU whatever differs comes from the device's
-arithmetic, not from the way the values travel.
+arithmetic (and, from three ranks, the order in which NCCL's reduce-scatter sums: gloo's ways
+sum in rank order, which the stand-in keeps), not from the way the values travel.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 from zerocore.comm import collectives, transport
 from zerocore.tools import job
+from tests.support.stand_in_streams import RankOrderAsOwned
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,7 +38,12 @@ def train_on_rank(rank: int, world_size: int, dtype: str, device_branch: bool) -
         for layer in model.layers:
             for g in layer.groups:
                 route = dataclasses.replace(g.gather.route, gloo=False)
-                g.gather, g.reduce = transport.Gather(route), transport.Reduce(route)
+                # From three ranks the gloo branch sums in rank order, which gloo's
+                # reduce-scatter does not: the stand-in sums as the gloo branch does and
+                # delivers as the device branch does (into a buffer of its own).
+                g.gather = transport.Gather(route)
+                g.reduce = (RankOrderAsOwned(route) if world_size > 2
+                            else transport.Reduce(route))
     out = job.train(model, spec, rank, world_size)
     return dict(out, calls=model.counter.reduce_scatter_calls)
 

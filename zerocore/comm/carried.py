@@ -18,9 +18,8 @@ import torch
 from zerocore.comm.collectives import nbytes
 from zerocore.comm.lockstep import REDUCE, Lockstep
 from zerocore.comm.rows import Sent
-from zerocore.comm.transport import (Gather, GatherByReading, Reduce, ReduceByExchange,
-                                     ReduceByGather, ReduceByReading, Reduction, divided,
-                                     others_slices, sum_in_rank_order)
+from zerocore.comm.transport import (Gather, GatherByReading, Reduce, ReduceByReading,
+                                     Reduction, divided, others_slices, sum_in_rank_order)
 
 # The largest part of a unit (bytes per rank) carried in the rows. Every step the lockstep
 # checks sends a row this wide at most, a unit too large for it included: the width is the
@@ -77,11 +76,17 @@ class CarriedReduce(Reduce):
     own slice of every rank's in rank order (``sum_in_rank_order``), read in place from the
     rows. At two ranks that is the exchange's half and the exchange's sum, bitwise
     (``ReduceByExchange``: x + y == y + x); at three and more, the plain reduction it wraps is
-    ``ReduceByGather``, the same sum in the same order. Its check costs no collective of its
-    own, and it starts at once, as the plain way does. With the lockstep switched off it is the
-    plain way it wraps."""
+    gloo's all-to-all (``Reduce``), the same sum in the same order. Its check costs no
+    collective of its own, and it starts at once, as the plain way does. With the lockstep
+    switched off it is the plain way it wraps."""
 
-    def __init__(self, plain: ReduceByExchange | ReduceByGather, lockstep: Lockstep, unit: int):
+    @staticmethod
+    def row_nbytes(padded_numel: int, world_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one rank's part of the rows: the slices of the packed gradients the other
+        ranks keep (``others_slices``)."""
+        return (world_size - 1) * (padded_numel // world_size) * dtype.itemsize
+
+    def __init__(self, plain: Reduce, lockstep: Lockstep, unit: int):
         super().__init__(plain.route)
         self.name = plain.name
         self._plain = plain
@@ -101,8 +106,12 @@ class CarriedReduce(Reduce):
 
         def finish() -> torch.Tensor:
             rows = self._lockstep.compared(sent)
-            mine = sum_in_rank_order(packed, lo, hi, r.rank, r.world_size,
-                                     lambda q: rows.part(q).view(packed.dtype))
+            n, rank = hi - lo, r.rank
+
+            def theirs(q: int) -> torch.Tensor:  # rank q's part holds every slice but q's own
+                k = rank - 1 if rank > q else rank
+                return rows.part(q).view(packed.dtype)[k * n:(k + 1) * n]
+            mine = sum_in_rank_order(packed[lo:hi], rank, r.world_size, theirs)
             self._lockstep.give_back(sent)  # (added: the rows may be written again)
             return divided(mine, factors.post)
         return Reduction(finish)
@@ -136,9 +145,9 @@ class ReadCarriedGather(Gather):
 
 
 class ReadCarriedReduce(Reduce):
-    """Peer reading's reduction at two ranks (``ReduceByReading``) with the lockstep's identity in
-    its ready message, as ``ReadCarriedGather``: compared when the reduction is finished, before
-    the other rank's contribution is read. With the lockstep switched off it is the plain
+    """Peer reading's reduction (``ReduceByReading``) with the lockstep's identity in its ready
+    message, as ``ReadCarriedGather``: compared when the reduction is finished, before any other
+    rank's contribution is read. With the lockstep switched off it is the plain
     reduction it wraps."""
 
     name = ReduceByReading.name

@@ -188,6 +188,21 @@ def reduce_scatter_by_exchange(full: torch.Tensor, received: torch.Tensor,
             dist.irecv(received, src=peer, group=group)]
 
 
+def reduce_scatter_by_all_to_all(rows: torch.Tensor, full: torch.Tensor,
+                                 group: dist.ProcessGroup, counter: CommCounter
+                                 ) -> dist.Work | None:
+    """Gloo, three ranks and more: starts sending each rank its slice of ``full`` and receiving
+    every rank's contribution to this rank's slice into ``rows`` (world_size x
+    full.numel() / world_size, in rank order; this rank's own row a local copy); the caller
+    then sums them in rank order (``transport.sum_in_rank_order``), which gloo's all-reduce
+    (its ring's order) does not. Half the traffic of ``all_reduce_sum_in_place``: each rank
+    sends and receives (N - 1) / N of the buffer once. Counted as the reduce-scatter it stands
+    for."""
+    counter.reduce_scatter_bytes += nbytes(full)
+    counter.reduce_scatter_calls += 1
+    return dist.all_to_all_single(rows.view(-1), full, group=group, async_op=True)
+
+
 def reduce_scatter_sum(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
                        counter: CommCounter) -> dist.Work | None:
     """output (1D, full.numel() / world_size) <- the sum over ranks of this rank's slice of

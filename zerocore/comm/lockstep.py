@@ -14,8 +14,8 @@ every rank counts alike) when every rank of the model reads the others' memory (
 or reduction by reading carries its identity in the write of its own ready message, compared
 before anything is read: ``carry_reading``), else one
 all-gather of one int64 per rank over the model's whole mesh (over gloo's collectives of a flat
-mesh, a gather of rows of one shape, in which small units' gathers, and at two ranks their
-gradient reductions, carry their data and so need no exchange of their own: comm/rows.py,
+mesh, a gather of rows of one shape, in which small units' gathers and gradient reductions
+carry their data and so need no exchange of their own: comm/rows.py,
 comm/carried.py). Every rank then holds every rank's
 identity, so every rank sees the same difference and raises ``Diverged`` at once; each decodes
 the identities itself (the unit names are the same on every rank: the structure is agreed), so

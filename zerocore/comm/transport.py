@@ -15,21 +15,20 @@ Gathers (each writes every rank's shard into the group's gathered buffer):
 
 Reductions (each leaves this rank's slice of the mean of every rank's packed gradient, computed
 as ``mean_factors`` says on every backend: divide by ``pre``, SUM, divide by ``post``):
-- ``"collective"``: NCCL's reduce-scatter with SUM; on gloo an all-reduce summed in place (its
-  ring's order of summation), except a small group's at three ranks and more of a flat mesh
-  (below); one rank: no collective;
+- ``"collective"``: NCCL's reduce-scatter with SUM; on gloo, at two ranks an all-reduce summed
+  in place, from three ranks an all-to-all of the slices, summed in rank order (``Reduce``);
+  one rank: no collective;
 - ``"exchange"`` (two gloo ranks): each sends the half the other owns and adds what it
   receives: half the traffic of the all-reduce, the same bits (x + y == y + x);
-- ``"read"`` (two gloo ranks of one host): each reads the other's contribution to its half;
-- ``"collective"`` too, of a small group at three ranks and more over gloo's collectives of a
-  flat mesh (``Sharding._reduce_small_by_gather``; not with reading): each rank broadcasts the
-  slices the others keep and sums its own in rank order (``ReduceByGather``), as the
-  lockstep's rows carry it over gloo's collectives (comm/carried.py); gloo's collectives all
-  the same, as the gather by broadcasts is.
-The values are the same bits whichever way they travel; only the cost differs, which is why
-the slower ways stay selectable (``Comm(gather=..., reduce=...)``), for tests and benchmarks
-(the small groups' "collective" at three ranks and more is the gathered sum whatever is
-asked: the only way of those groups, so the same bits again).
+- ``"read"`` (gloo ranks of one host): each reads the others' contributions to its slice, and
+  sums them in rank order.
+On gloo every way sums in rank order, ((g0 + g1) + g2) + ... (``sum_in_rank_order``; at two
+ranks any order is the same sum), as do the small units' reductions that the lockstep carries
+in its rows over gloo's collectives (comm/carried.py): the values are the same bits whichever
+way they travel; only the cost differs, which is why the slower ways stay selectable
+(``Comm(gather=..., reduce=...)``), for tests and benchmarks. (Gloo's own all-reduce sums in
+its ring's order, which from three ranks differs in the last bits: docs/decisions.md, "Every
+gloo reduction sums in rank order".)
 
 HSDP (a 2-D mesh, comm/mesh.py): each of these runs within the shard group, and
 ``ReduceAcrossReplicas`` then all-reduces this rank's slice across the replicas (``Replicas``)
@@ -305,7 +304,10 @@ class Reduction:
 class Reduce:
     """A gradient-reduction strategy of one group: ``start(packed, shard_range)`` for each
     reduction. ``owned``: the result is a tensor of its own, not a view of ``packed`` (which is
-    reused from layer to layer once the result is delivered)."""
+    reused from layer to layer once the result is delivered). This class is the "collective"
+    way: NCCL's reduce-scatter; on gloo an all-reduce in place at two ranks (two summands: any
+    order is the same sum), and from three ranks an all-to-all summed in rank order
+    (``reduce_scatter_by_all_to_all``), the order of every other way of three ranks on gloo."""
 
     name = "collective"
 
@@ -316,14 +318,18 @@ class Reduce:
     # reduction allocates (``PlannedReduce``) and keeps. ``shard_nbytes``: one rank's slice of
     # the packed buffer, in the reduction's dtype.
     @staticmethod
-    def in_flight_nbytes(shard_nbytes: int, gloo: bool) -> int:
+    def in_flight_nbytes(shard_nbytes: int, gloo: bool, world_size: int) -> int:
         """Bytes a reduction in flight holds until it is finished: NCCL's reduce-scatter writes
-        into an output of its own; gloo's all-reduce sums in place."""
-        return 0 if gloo else shard_nbytes
+        into an output of its own; gloo's all-reduce sums in place, its all-to-all receives
+        every rank's slice into rows of its own."""
+        if not gloo:
+            return shard_nbytes
+        return shard_nbytes * world_size if world_size > 2 else 0
 
     @staticmethod
-    def kept_nbytes(largest_shard_nbytes: int) -> int:
-        """Bytes the way keeps from step to step (none: its buffers go with each reduction)."""
+    def kept_nbytes(largest_shard_nbytes: int, rank: int) -> int:
+        """Bytes the way keeps from step to step on group rank ``rank`` (none: its buffers go
+        with each reduction)."""
         return 0
 
     @property
@@ -346,6 +352,17 @@ class Reduce:
             out = torch.empty(hi - lo, dtype=packed.dtype, device=packed.device)
             handle = collectives.reduce_scatter_sum(out, packed, r.process_group, r.counter)
             return Reduction(lambda: divided(_waited(handle, out), factors.post), held=out)
+        if r.world_size > 2:
+            rows = torch.empty(r.world_size, hi - lo, dtype=packed.dtype, device=packed.device)
+            handle = collectives.reduce_scatter_by_all_to_all(rows, packed, r.process_group,
+                                                              r.counter)
+
+            def finish() -> torch.Tensor:
+                handle.wait()
+                mine = sum_in_rank_order(packed[lo:hi], r.rank, r.world_size,
+                                         lambda q: rows[q])
+                return divided(mine, factors.post)
+            return Reduction(finish, held=rows)
         handle = collectives.all_reduce_sum_in_place(packed, r.process_group, r.counter)
         return Reduction(lambda: mean_of_sum(_waited(handle, packed), lo, hi, None, factors))
 
@@ -354,7 +371,7 @@ class ReduceByExchange(Reduce):
     name = "exchange"
 
     @staticmethod
-    def in_flight_nbytes(shard_nbytes: int, gloo: bool) -> int:
+    def in_flight_nbytes(shard_nbytes: int, gloo: bool, world_size: int) -> int:
         return shard_nbytes  # ``received``: the peer's half, until it is added
 
 
@@ -374,70 +391,22 @@ class ReduceByExchange(Reduce):
         return Reduction(finish, held=received)
 
 
-class ReduceByGather(Reduce):
-    """Three ranks and more over gloo's collectives of a flat mesh, for a small group (one whose
-    row below fits ``CARRY_MAX_BYTES``: ``Sharding._reduce_small_by_gather``), whatever the
-    gather way: each rank broadcasts, in its row, the slices of its packed gradients the other
-    ranks keep (``others_slices``), and sums its own slice of every rank's in rank order
-    (``sum_in_rank_order``). The lockstep carries this same reduction in its rows, beside the
-    identity (comm/carried.py's ``CarriedReduce``): with the lockstep on or off the sums are
-    the same bits. Not gloo's all-reduce, whose order of summation (its ring's) the rows
-    cannot reproduce: at three ranks the two differ in the last bits (docs/decisions.md, "A
-    small unit's gradient reduction carried in the rows at three ranks and more"). Never
-    planned: a plan rehearses the collective it replaces, which holds nothing beside the
-    packed buffer (the rows held here: N rows of at most ``CARRY_MAX_BYTES``)."""
-
-    name = "collective"  # gloo's collectives (broadcasts), as the gather by broadcasts
-
-    @staticmethod
-    def row_nbytes(padded_numel: int, world_size: int, dtype: torch.dtype) -> int:
-        """Bytes of one rank's row: the slices of the packed gradients the other ranks keep."""
-        return (world_size - 1) * (padded_numel // world_size) * dtype.itemsize
-
-    def start(self, packed: torch.Tensor, lo: int, hi: int) -> Reduction:
-        r = self.route
-        factors = r.factors(packed.dtype)
-        divided(packed, factors.pre)
-        r.counter.reduce_scatter_bytes += collectives.nbytes(packed)  # as the reduce-scatter
-        r.counter.reduce_scatter_calls += 1
-        pieces = others_slices(packed, lo, hi)
-        rows = torch.empty(r.world_size, packed.numel() - (hi - lo), dtype=packed.dtype,
-                           device=packed.device)
-        torch.cat(pieces, out=rows[r.rank])
-        handles = [dist.broadcast(rows[q], src=r.global_ranks[q], group=r.process_group,
-                                  async_op=True) for q in range(r.world_size)]
-
-        def finish() -> torch.Tensor:
-            for handle in handles:
-                handle.wait()
-            mine = sum_in_rank_order(packed, lo, hi, r.rank, r.world_size,
-                                     lambda q: rows[q])
-            return divided(mine, factors.post)
-        return Reduction(finish, held=rows)
-
-
 def others_slices(packed: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, ...]:
     """The slices of ``packed`` that the other ranks keep, in rank order (all but this rank's
-    own, [lo, hi)): what this rank sends in a reduction by gather (``ReduceByGather``,
-    ``CarriedReduce``). At two ranks, the exchange's half."""
+    own, [lo, hi)): what this rank sends in a reduction carried in the lockstep's rows
+    (``carried.CarriedReduce``). At two ranks, the exchange's half."""
     return tuple(p for p in (packed[:lo], packed[hi:]) if p.numel())
 
 
-def sum_in_rank_order(packed: torch.Tensor, lo: int, hi: int, rank: int, world: int,
-                      row: Callable[[int], torch.Tensor]) -> torch.Tensor:
-    """This rank's slice ``packed[lo:hi]``, summed in place with every other rank's
-    contribution to it, in rank order: ((g0 + g1) + g2) + ..., the same order for every slice
-    on every rank. ``row(q)``: rank q's row of a reduction by gather (1D, the dtype of
-    ``packed``: the slices rank q sent, ``others_slices``), which this may overwrite: the sum of
-    the ranks before this one is taken in rank 0's row, then added to this rank's slice (x + y
-    == y + x, bitwise), then the ranks after it are added. At two ranks, the exchange's sum
-    bitwise (``mean_of_sum``)."""
-    n = hi - lo
-
-    def theirs(q: int) -> torch.Tensor:  # rank q's row holds every slice but q's own
-        k = rank - 1 if rank > q else rank
-        return row(q)[k * n:(k + 1) * n]
-    mine = packed[lo:hi]
+def sum_in_rank_order(mine: torch.Tensor, rank: int, world: int,
+                      theirs: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """``mine`` (this rank's slice of its packed gradients) summed in place with every other
+    rank's contribution to it, in rank order: ((g0 + g1) + g2) + ..., the same order for every
+    slice on every rank, whichever way it travelled (gloo's all-to-all, the lockstep's rows,
+    reading: ``peer_memory.finish_reduce_by_reading``). ``theirs(q)``: rank q's contribution
+    (1D, the dtype of ``mine``), which this may overwrite: the sum of the ranks before this
+    one is taken in rank 0's, then added to ``mine`` (x + y == y + x, bitwise), then the ranks
+    after it are added. At two ranks, the exchange's sum bitwise (``mean_of_sum``)."""
     if rank > 0:
         before = theirs(0)
         for q in range(1, rank):
@@ -452,15 +421,17 @@ class ReduceByReading(Reduce):
     name = "read"
 
     @staticmethod
-    def in_flight_nbytes(shard_nbytes: int, gloo: bool) -> int:
-        return 0  # read into the kept buffer below
+    def in_flight_nbytes(shard_nbytes: int, gloo: bool, world_size: int) -> int:
+        return 0  # read into the kept buffers below
 
     @staticmethod
-    def kept_nbytes(largest_shard_nbytes: int) -> int:
-        # PeerMemory.received_buffer: one buffer the peer's contribution is read into, kept
-        # and grown to the largest shard reduced so far, so every step after the first holds
-        # it from its start.
-        return largest_shard_nbytes
+    def kept_nbytes(largest_shard_nbytes: int, rank: int) -> int:
+        # PeerMemory.received_buffer: the buffers the others' contributions are read into a
+        # piece at a time, kept and grown to the largest piece read so far, so every step after
+        # the first holds them from its start: one, and from rank 2 on a second (the sum of
+        # the ranks before).
+        piece = min(largest_shard_nbytes, peer_memory.READ_CHUNK_BYTES)
+        return piece * (2 if rank >= 2 else 1)
 
     def __init__(self, route: Route):
         super().__init__(route)
@@ -468,7 +439,7 @@ class ReduceByReading(Reduce):
         self._seq = 0  # reductions started: every rank counts alike
 
     def before_pack(self) -> None:
-        # The other rank may still be reading an earlier packed buffer (maybe this one).
+        # The other ranks may still be reading an earlier packed buffer (maybe this one).
         self.route.peers.settle_reductions()
 
     def start(self, packed: torch.Tensor, lo: int, hi: int) -> Reduction:
@@ -476,14 +447,14 @@ class ReduceByReading(Reduce):
         self._seq += 1
         seq = self._seq
         factors = r.factors(packed.dtype)
-        divided(packed, factors.pre)  # before the other rank is told it may read
+        divided(packed, factors.pre)  # before the other ranks are told they may read
         peer_memory.start_reduce_by_reading(packed, r.peers, self._channel, seq,
                                             r.process_group, r.counter)
 
         def finish() -> torch.Tensor:
-            received = peer_memory.finish_reduce_by_reading(
-                r.peers, self._channel, seq, hi - lo, packed.dtype, r.process_group)
-            return mean_of_sum(packed, lo, hi, received, factors)
+            peer_memory.finish_reduce_by_reading(packed[lo:hi], r.peers, self._channel, seq,
+                                                 r.process_group)
+            return divided(packed[lo:hi], factors.post)
         return Reduction(finish)
 
 
@@ -713,13 +684,13 @@ def resolve(comm: Comm, *, gloo: bool, world_size: int, can_read: bool,
     if comm.reduce != "auto":
         reduce = comm.reduce
     else:
-        reduce = "read" if can_read and two else "exchange" if two else "collective"
+        reduce = "read" if can_read else "exchange" if two else "collective"
     if "read" in (gather, reduce) and not can_read:
         raise ValueError(f"zerocore.Comm(gather={comm.gather!r}, reduce={comm.reduce!r}): "
                          f"reading another rank's memory needs two or more gloo ranks of one "
                          f"Linux host that may read each other's memory; "
                          f"use 'auto' or 'collective'")
-    if reduce in ("read", "exchange") and not two:
+    if reduce == "exchange" and not two:
         ranks = f"{world_size} rank{'s' if world_size != 1 else ''}"
         raise ValueError(f"zerocore.Comm(reduce={comm.reduce!r}) needs exactly two gloo ranks "
                          f"on the CPU (this group: {ranks}, "
@@ -846,7 +817,8 @@ class PlannedReduce(Reduce):
     def start(self, packed: torch.Tensor, lo: int, hi: int) -> Reduction:
         r = self.route
         mine = packed[lo:hi]
-        held = self.way.in_flight_nbytes(mine.numel() * mine.element_size(), r.gloo)
+        held = self.way.in_flight_nbytes(mine.numel() * mine.element_size(), r.gloo,
+                                         r.world_size)
         side = torch.empty(held, dtype=torch.uint8, device=packed.device)
         handle = collectives.all_reduce_sum_in_place(packed, r.process_group, r.counter)
 

@@ -500,36 +500,7 @@ class Sharding:
             layer.recompute = layer.index in self.schedule.recomputed
             if layer.frozen is not None:
                 layer.frozen.resident = self.schedule.resident(layer.index)
-        self._reduce_small_by_gather(layers)
         self._carry(layers)
-
-    def _reduce_small_by_gather(self, layers: list[ShardedLayer]) -> None:
-        """Three ranks and more over gloo's collectives (reading off or impossible) of a flat
-        mesh: a trainable group whose row of a reduction by gather (the slices of its packed
-        gradients the other ranks keep, in the reduce dtype) fits ``CARRY_MAX_BYTES`` reduces
-        by gather, summed in rank order (``transport.ReduceByGather``), instead of gloo's
-        all-reduce, whose order the lockstep's rows cannot reproduce (``_carry`` then carries
-        it in them where they apply). Chosen from the model's sizes alone, whatever the gather
-        way (the broadcasts, or by nodes), ``Comm(reduce=...)`` ("collective" is the only one
-        that applies there) or the lockstep: every way of gloo's collectives gives those
-        groups the same bits, the lockstep on or off too. Peer reading keeps gloo's all-reduce
-        (its reductions are not in the rows): a small group's mean there differs from this in
-        the last bits (docs/decisions.md, "A small unit's gradient reduction carried in the
-        rows at three ranks and more"). A plan keeps the collective it stands for: it
-        rehearses without the rows, and what it leaves out is the gather's rows while one is
-        in flight (N rows of at most ``CARRY_MAX_BYTES``)."""
-        ctx = self.ctx
-        world = ctx.process_group.size()
-        if not (ctx.ways.gloo and not ctx.ways.planned and world > 2 and ctx.peers is None
-                and ctx.replicas is None and ctx.across is None):
-            return
-        for layer in layers:
-            for group in layer.groups:
-                row = transport.ReduceByGather.row_nbytes(group.layout.padded_numel, world,
-                                                          ctx.reduce_dtype)
-                if (group.trainable and type(group.reduce) is transport.Reduce
-                        and row <= CARRY_MAX_BYTES):
-                    group.reduce = transport.ReduceByGather(group.reduce.route)
 
     def _carry(self, layers: list[ShardedLayer]) -> None:
         """Over gloo's collectives of a flat mesh, the lockstep's identity travels in rows of
@@ -558,14 +529,12 @@ class Sharding:
         # A carried unit's gradients reduced in the rows: each rank's row holds the slices of
         # its packed gradients the other ranks keep, in the reduce dtype (wider than the part
         # where the parameters are 16-bit and the reduction fp32): at two ranks the exchange's
-        # half; at three and more the reduction by gather's row (``_reduce_small_by_gather``
-        # chose it where it fits), the same sum as the plain way, so that the lockstep on or
-        # off gives the same bits.
-        sent = {index: transport.ReduceByGather.row_nbytes(g.layout.padded_numel, world,
-                                                           ctx.reduce_dtype)
+        # half; at three and more what gloo's all-to-all sends, summed in the same order, so
+        # that the lockstep on or off gives the same bits.
+        sent = {index: CarriedReduce.row_nbytes(g.layout.padded_numel, world, ctx.reduce_dtype)
                 for index, g in carried.items()
-                if g.trainable and isinstance(g.reduce, (transport.ReduceByExchange,
-                                                         transport.ReduceByGather))}
+                if g.trainable and (type(g.reduce) is transport.ReduceByExchange
+                                    or (type(g.reduce) is transport.Reduce and world > 2))}
         sent = {index: n for index, n in sent.items() if n <= CARRY_MAX_BYTES}
         width = max([g.gather_bytes // world for g in carried.values()] + list(sent.values()),
                     default=0)
@@ -577,8 +546,8 @@ class Sharding:
             group.reduce = CarriedReduce(group.reduce, lockstep, group.shard.layer_index)
 
     def _carry_reading(self, layers: list[ShardedLayer]) -> None:
-        """Over peer reading of a flat mesh, the gathers and (two ranks) reductions by reading
-        carry the lockstep's identity in their ready message (comm/carried.py), every unit's:
+        """Over peer reading of a flat mesh, the gathers and reductions by reading carry the
+        lockstep's identity in their ready message (comm/carried.py), every unit's:
         their check costs no message or wait of its own. Every rank decides alike."""
         ways, lockstep = self.ctx.ways, self.lockstep
         gathers, reduces = ways.gather == "read", ways.reduce == "read"
