@@ -326,9 +326,8 @@ class Reduce:
         return shard_nbytes * world_size if world_size > 2 else 0
 
     @staticmethod
-    def kept_nbytes(largest_shard_nbytes: int, rank: int) -> int:
-        """Bytes the way keeps from step to step on group rank ``rank`` (none: its buffers go
-        with each reduction)."""
+    def kept_nbytes(largest_shard_nbytes: int) -> int:
+        """Bytes the way keeps from step to step (none: its buffers go with each reduction)."""
         return 0
 
     @property
@@ -424,7 +423,7 @@ class ReduceByReading(Reduce):
         return 0  # read into the kept buffer below
 
     @staticmethod
-    def kept_nbytes(largest_shard_nbytes: int, rank: int) -> int:
+    def kept_nbytes(largest_shard_nbytes: int) -> int:
         # PeerMemory.received_buffer: one buffer the peer's contribution is read into, kept
         # and grown to the largest shard reduced so far, so every step after the first holds
         # it from its start.
