@@ -24,6 +24,7 @@ from torch import nn
 
 import zerocore
 from tests.support.refusals import assert_refused
+from tests.support.rank_order import mean_in_rank_order, packed_gradients
 from zerocore.comm.carried import (CARRY_MAX_BYTES, CarriedGather, CarriedReduce,
                                    ReadCarriedGather, ReadCarriedReduce)
 
@@ -138,23 +139,14 @@ def reduced_both_ways(rank: int, world_size: int, dtype_name: str) -> list[bool]
     """Layer 0's reduction of packed gradients every rank can make (seeded by rank), through the
     rows and plain, each against the mean computed here in rank order as ``mean_factors`` says:
     divided by ``pre``, ((g0 + g1) + g2), divided by ``post``."""
-    from zerocore.comm.transport import mean_factors
     dtype = getattr(torch, dtype_name)
     model = _build(carried=True)
     group = model.layers[0].groups[0]
     lo, hi = group.layout.shard_range(rank)
 
     def packed(q: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(1000 + q)
-        n = group.layout.padded_numel
-        # magnitudes over six decades, so that the order of summation shows in the last bits
-        return (torch.randn(n, generator=g) * 10.0 ** torch.randint(-3, 3, (n,), generator=g)
-                ).to(dtype)
-    factors = mean_factors(dtype, world_size)
-    expected = packed(0).div_(factors.pre)[lo:hi]
-    for q in range(1, world_size):
-        expected = expected + packed(q).div_(factors.pre)[lo:hi]
-    expected = expected.div_(factors.post)
+        return packed_gradients(q, group.layout.padded_numel, dtype)  # over six decades
+    expected = mean_in_rank_order(packed, lo, hi, world_size, dtype)
     got = []
     for on in (True, False):
         model.lockstep.enabled = on

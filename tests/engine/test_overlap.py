@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 import zerocore
 from zerocore.comm import collectives
+from tests.support.rank_order import mean_in_rank_order, packed_gradients
 from tests.support.toy_stack import Spec, make_layers, train_digest
 
 # Each way by name: its Comm arguments ("auto" is the default: on these ranks it reads where
@@ -150,7 +151,6 @@ def reduced_each_way(rank: int, world_size: int, dtype_name: str) -> dict:
     applies at this world size, as the engine runs it (the lockstep off: the plain ways), each
     against the mean computed here in rank order as ``mean_factors`` says: divided by ``pre``,
     ((g0 + g1) + g2), divided by ``post``. An odd width, so the shards end in padding."""
-    from zerocore.comm.transport import mean_factors
     dtype = getattr(torch, dtype_name)
     ways = ["collective"] + (["read", "exchange"] if world_size == 2 else [])
     got = {}
@@ -163,14 +163,8 @@ def reduced_each_way(rank: int, world_size: int, dtype_name: str) -> dict:
         n = group.layout.padded_numel
 
         def packed(q: int) -> torch.Tensor:
-            g = torch.Generator().manual_seed(1000 + q)
-            return (torch.randn(n, generator=g) * 10.0 ** torch.randint(-3, 4, (n,), generator=g)
-                    ).to(dtype)
-        factors = mean_factors(dtype, world_size)
-        expected = packed(0).div_(factors.pre)[lo:hi]
-        for q in range(1, world_size):
-            expected = expected + packed(q).div_(factors.pre)[lo:hi]
-        expected = expected.div_(factors.post)
+            return packed_gradients(q, n, dtype, top=4)
+        expected = mean_in_rank_order(packed, lo, hi, world_size, dtype)
         for _ in range(2):  # twice: the second reuses what the first kept (reading's buffer)
             model.counter.reset()
             mean = group.reduce.start(packed(rank), lo, hi).finish()
