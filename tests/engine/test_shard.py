@@ -642,6 +642,9 @@ def test_harness_reports_errors_and_hangs():
             w.run(raise_on_last_rank)
         assert w.run(rank_of) == [0, 1]  # restarted after the failure
         # What the ranks that answered returned is shown: it may say why the others wait.
+        # The rank that did not answer shows where each of its threads waited.
         with pytest.raises(RankFailure, match=r"(?s)rank\(s\) \[0\] did not answer within 3 s"
+                                              r".*rank 0's threads, where it waited -----\n"
+                                              r".*line \d+ in hang_on_first_rank\n"
                                               r".*rank 1 returned -----\n1$"):
             w.run(hang_on_first_rank, timeout=3)

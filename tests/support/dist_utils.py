@@ -20,12 +20,15 @@ unmatched; the next ``run`` starts a fresh set on a new port.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import math
 import os
 import pickle
 import queue
+import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from typing import Any, Callable, Iterator
@@ -49,6 +52,13 @@ GLOO_TIMEOUT_S = 600.0
 GRACE_S = 5.0
 # How long idle ranks asked to stop may take to leave the group and exit before they are signalled.
 STOP_PATIENCE_S = 10.0
+# A rank that does not answer is asked for its threads' stacks (SIGUSR1, faulthandler) before it
+# is stopped, and they are put in the failure's message: a hang seen once in a while under load
+# in CI is then named by where each thread waited, not only by the test it hung in. How long the
+# ranks get to write them, and how much of each is kept (a stack of every thread of a rank is a
+# few KB).
+STACKS_WAIT_S = 1.0
+STACKS_KEEP_CHARS = 8000
 
 
 # Ranks are forked by a server process that has imported these (multiprocessing's "forkserver",
@@ -74,10 +84,13 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any,
-            parent: tuple[dict[str, str], str, list[str]]) -> None:
+            parent: tuple[dict[str, str], str, list[str]], stacks: str) -> None:
     """A rank's main loop: join the group, then run tasks until told to stop (None). ``parent``:
     the environment, working directory and import path of the process that started the world
-    at that moment, which a spawned rank would have had (a forked one has the server's)."""
+    at that moment, which a spawned rank would have had (a forked one has the server's).
+    ``stacks``: the file where SIGUSR1 writes every thread's stack (``World._stacks``)."""
+    stacks_file = open(stacks, "w")  # held for the process's life: faulthandler writes to it
+    faulthandler.register(signal.SIGUSR1, file=stacks_file, all_threads=True)
     environ, cwd, path = parent
     os.environ.clear()
     os.environ.update(environ)
@@ -118,6 +131,8 @@ class World:
         self._results: Any = None
         self._store: Any = None   # the rendezvous the ranks joined, held here while they live
         self._task_id = 0
+        # Where each rank writes its threads' stacks when asked (``_stacks``).
+        self._stacks_dir = tempfile.TemporaryDirectory(prefix="zerocore-test-stacks-")
 
     def __enter__(self) -> "World":
         return self
@@ -177,7 +192,8 @@ class World:
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [ctx.Process(target=_worker, daemon=True, name=f"zerocore-test-rank{r}",
                                    args=(r, self.world_size, port, self._tasks[r], self._results,
-                                         (dict(os.environ), os.getcwd(), list(sys.path))))
+                                         (dict(os.environ), os.getcwd(), list(sys.path)),
+                                         self._stacks_path(r)))
                        for r in range(self.world_size)]
         for p in self._procs:
             p.start()
@@ -203,13 +219,35 @@ class World:
                     missing = [r for r in range(self.world_size) if r not in answers]
                     limit = GRACE_S if failed else timeout
                     self._fail(what, answers, f"rank(s) {missing} did not answer within "
-                                              f"{limit:.0f} s (hung in a collective?)")
+                                              f"{limit:.0f} s (hung in a collective?)"
+                                              + self._stacks(missing))
                 continue
             if tid == task_id:
                 answers[rank] = (status, value)
         if any(status == "error" for status, _ in answers.values()):
             self._fail(what, answers, "")
         return answers
+
+    def _stacks_path(self, rank: int) -> str:
+        return os.path.join(self._stacks_dir.name, f"rank{rank}.txt")
+
+    def _stacks(self, ranks: list[int]) -> str:
+        """The stacks of every thread of ``ranks`` (those that did not answer), as their
+        faulthandler writes them on SIGUSR1, for the failure's message."""
+        for r in ranks:
+            with contextlib.suppress(OSError):
+                os.kill(self._procs[r].pid, signal.SIGUSR1)
+        time.sleep(STACKS_WAIT_S)
+        parts = []
+        for r in ranks:
+            try:
+                with open(self._stacks_path(r)) as f:
+                    text = f.read()
+            except OSError as e:
+                text = f"(not readable: {e})"
+            parts.append(f"\n----- rank {r}'s threads, where it waited -----\n"
+                         f"{text[-STACKS_KEEP_CHARS:].rstrip() or '(none written)'}")
+        return "".join(parts)
 
     def _fail(self, what: str, answers: dict[int, tuple[str, Any]], reason: str) -> None:
         self.close(patience=2.0)  # some rank may be stuck in a collective: don't wait long
