@@ -1,5 +1,6 @@
 """A sharded model the user drops is freed, whole (issue 40, item 1): after ``del`` and
-``gc.collect()`` no engine object of it (the model, its sharding, runtime and optimizer, an NVMe
+``gc.collect()``, once its threads have ended by themselves (after any work in flight), no
+engine object of it (the model, its sharding, runtime and optimizer, an NVMe
 store), no thread of it and no scratch file of it remain, through both front doors, with every
 offload home, after training (forward, backward, optimizer step) and after HF ``generate``; and
 ``ShardedTrainer`` after training.
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -29,6 +32,7 @@ from torch import nn
 
 import zerocore
 from tests.support.hf_models import batch, build, decoder_layers
+from tests.support.neox_testing import cli_env
 from zerocore.policies import MIN_POOL_BYTES
 
 # Where each home keeps what it offloads; "nvme-params": parameter shards on NVMe, the optimizer
@@ -150,9 +154,16 @@ def dropped_run(rank: int, world_size: int, door: str, home: str, after: str,
     open_during = _open_under(scratch)
     del objects
     gc.collect()
+    # Dropping waits for nothing (a finalizer never joins a thread: engine/optimizer_pass.py's
+    # ``_shut_down``): each pool's thread ends by itself, after its work in flight (a pass, a
+    # read ahead), and what that work held goes with it.
+    # (Those started after ``during`` was taken too, even after the collection: a pass in
+    # flight's reads.)
+    deadline = time.monotonic() + 30.0
+    while (alive := _engine_threads() - before) and time.monotonic() < deadline:
+        for t in alive:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
     left = sorted(name for name, ref in refs.items() if ref() is not None)
-    for t in during:
-        t.join(timeout=30.0)  # a pool's thread ends once its executor is shut down
     return dict(tracked=sorted(refs), left=left,
                 threads_during=sorted(t.name for t in during),
                 threads_left=sorted(t.name for t in _engine_threads() - before),
@@ -204,7 +215,7 @@ def test_a_dropped_sharded_trainer_is_freed(worlds, tmp_path, home):
 @pytest.mark.parametrize("home", ["cpu-optimizer", "nvme-optimizer"])
 def test_a_model_dropped_while_its_optimizer_pass_runs_is_freed(worlds, tmp_path, home):
     """The pass in flight holds no shard: the optimizer's worker goes with the model, once
-    the pass has ended (its finalizer waits for it), and the store with it."""
+    the pass has ended (dropping does not wait for it), and the store with it."""
     (result,) = worlds(1).run(dropped_run, "shard", home, "in-flight", str(tmp_path))
     assert result["left"] == [], result
     assert result["threads_left"] == [] and result["open_left"] == [], result
@@ -250,3 +261,52 @@ def test_a_dropped_model_on_collectives_ends_its_store_thread(worlds):
     for result in worlds(2).run(dropped_on_collectives):
         assert result["during"] == ["zerocore-whereabouts-store"], result
         assert not result["alive"] and result["left"] == [], result
+
+
+# A model dropped where the collector may run inside ``threading``'s own bookkeeping: CPython
+# 3.11's ``Thread.start`` collects while it holds the lock that a thread's end takes (its
+# ``_shutdown_locks_lock``), so a finalizer that joins a thread there never returns. That hung
+# the test suite once in a while (a new pool thread's start collected an old NVMe store; the
+# optimizer's pass, which had asked for the thread, waited for ever). Here the collection runs
+# under that lock on purpose, in a process of its own (a hang would wedge it).
+DROP_UNDER_THREADINGS_LOCK = """
+import gc, os, sys, tempfile, threading
+import torch
+from torch import nn
+import zerocore
+from zerocore.tools import hold_rendezvous, join_rendezvous
+
+store = hold_rendezvous(timeout_s=60)
+join_rendezvous(store.port, 0, 1, "gloo", 60)
+where = {"path": tempfile.mkdtemp()} if sys.argv[1] == "nvme" else {}
+model = zerocore.shard([nn.Linear(8, 8), nn.Linear(8, 2)],
+                       offload=zerocore.Offload(optimizer=sys.argv[1], **where))
+opt = zerocore.optim.AdamW(model.parameters(), lr=1e-3)
+model(torch.randn(3, 8)).square().mean().backward()
+opt.step()
+opt.settle()  # the pass's worker and the store's threads have run
+del model, opt
+
+def collect():
+    with threading._shutdown_locks_lock:
+        gc.collect()
+
+t = threading.Thread(target=collect, daemon=True)
+t.start()
+t.join(20)
+print("hung" if t.is_alive() else "collected", flush=True)
+os._exit(0)  # (a hung collection holds the lock that the interpreter's exit takes)
+"""
+
+
+@pytest.mark.skipif(not hasattr(threading, "_shutdown_locks_lock"),
+                    reason="this Python's threading has no such lock (CPython 3.12 and earlier "
+                           "have it)")
+@pytest.mark.parametrize("optimizer", ["cpu", "nvme"])
+def test_a_model_collected_inside_threadings_bookkeeping_does_not_hang(optimizer):
+    """No finalizer of the engine waits for a thread (the pass's worker; with NVMe the store's
+    readers and writers too): each fails this test when it joins its threads."""
+    proc = subprocess.run([sys.executable, "-c", DROP_UNDER_THREADINGS_LOCK, optimizer],
+                          env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "collected", proc.stdout + proc.stderr[-3000:]

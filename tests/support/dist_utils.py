@@ -55,10 +55,9 @@ STOP_PATIENCE_S = 10.0
 # A rank that does not answer is asked for its threads' stacks (SIGUSR1, faulthandler) before it
 # is stopped, and they are put in the failure's message: a hang seen once in a while under load
 # in CI is then named by where each thread waited, not only by the test it hung in. How long the
-# ranks get to write them, and how much of each is kept (a stack of every thread of a rank is a
-# few KB).
+# ranks get to write them, and how much of each is kept (each distinct stack once: a few KB).
 STACKS_WAIT_S = 1.0
-STACKS_KEEP_CHARS = 8000
+STACKS_KEEP_CHARS = 12000
 
 
 # Ranks are forked by a server process that has imported these (multiprocessing's "forkserver",
@@ -242,11 +241,11 @@ class World:
         for r in ranks:
             try:
                 with open(self._stacks_path(r)) as f:
-                    text = f.read()
+                    text = _distinct_stacks(f.read())
             except OSError as e:
                 text = f"(not readable: {e})"
             parts.append(f"\n----- rank {r}'s threads, where it waited -----\n"
-                         f"{text[-STACKS_KEEP_CHARS:].rstrip() or '(none written)'}")
+                         f"{text[:STACKS_KEEP_CHARS].rstrip() or '(none written)'}")
         return "".join(parts)
 
     def _fail(self, what: str, answers: dict[int, tuple[str, Any]], reason: str) -> None:
@@ -260,6 +259,22 @@ class World:
             elif reason:  # (ranks left waiting: what the others returned may say why)
                 parts.append(f"----- rank {r} returned -----\n{_returned(value)}")
         raise RankFailure("\n".join(parts))
+
+
+def _distinct_stacks(dump: str) -> str:
+    """faulthandler's dump of every thread, each distinct stack once with how many threads
+    have it (a rank that ran many tests may hold many idle pool threads alike), the current
+    thread's (the main one: SIGUSR1 is handled there) first."""
+    counts: dict[str, int] = {}
+    current = ""
+    for block in dump.strip().split("\n\n"):
+        header, _, frames = block.partition("\n")
+        if header.startswith("Current thread"):
+            current = block
+        else:
+            counts[frames] = counts.get(frames, 0) + 1
+    others = [f"{n} thread(s) at:\n{frames}" for frames, n in counts.items()]
+    return "\n\n".join([current, *others])
 
 
 def _returned(value: bytes) -> str:

@@ -52,7 +52,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import threading
 import time
 import warnings
 import weakref
@@ -283,8 +282,9 @@ class NvmeStore:
                 1, thread_name_prefix="zerocore-nvme-read")
             self._writer = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="zerocore-nvme-write")
-            # The threads and the file go with the store (the file's blocks with it).
-            weakref.finalize(self, _close, self._reader, self._writer, file)
+            # The threads go with the store; the file (and its blocks) with the last of the
+            # store and the reads still running, which hold it (``ScratchFile``).
+            weakref.finalize(self, _close, self._reader, self._writer)
 
     @property
     def pool_bytes(self) -> int:
@@ -542,9 +542,9 @@ class NvmeStore:
             if nxt.offset not in self._ahead:
                 slot = self._free_slot(taken)
                 # (the read holds the file, the slot and its upload's event, not the store: a
-                # model dropped with a window read ahead in flight goes at once, its store's
-                # finalizer waiting for the read; with the store held, a dropped model's
-                # store outlived gc.collect() until the read ended)
+                # model dropped with a window read ahead in flight goes at once, the file
+                # closing after the read; with the store held, a dropped model's store
+                # outlived gc.collect() until the read ended)
                 busy, self._slot_busy[slot] = self._slot_busy[slot], None
                 self._ahead[nxt.offset] = (slot, self._submit(
                     self._reader, _fill_slot, busy, self.file, self.path, nxt.offset,
@@ -576,7 +576,7 @@ class NvmeStore:
         spans = self._pass_after.get(head) or [_Span.of(c) for c in own]
         for buffer, span in enumerate(spans[:self.buffers - 1]):
             # (the read holds the file and the buffer, not the store: a model dropped with
-            # reads ahead in flight goes at once, its store's finalizer waiting for them)
+            # reads ahead in flight goes at once, the file closing after them)
             done = self._reader.submit(_read_all, self.file, self.path,
                                        self._reads(span, buffer))
             self._chunks_ahead.append((span, buffer, done))
@@ -722,14 +722,14 @@ def _settle(done: concurrent.futures.Future) -> None:
 
 
 def _close(reader: concurrent.futures.ThreadPoolExecutor,
-           writer: concurrent.futures.ThreadPoolExecutor, file: ScratchFile) -> None:
-    """The store's end: its threads, then its file. Every write was waited for by its pass; a
-    read ahead still running is waited for too, unless the store ends on one of its own
-    threads (a collection of the garbage may run there), which cannot wait for itself."""
-    own = threading.current_thread() in set(reader._threads) | set(writer._threads)
+           writer: concurrent.futures.ThreadPoolExecutor) -> None:
+    """The store's end: its threads end by themselves, a read ahead still running first (it
+    holds the file, which closes after it); reads not started are dropped. Every write was
+    waited for by its pass. Nothing is waited for here: a finalizer may run inside
+    ``threading``'s own bookkeeping, where joining a thread never returns
+    (``optimizer_pass._shut_down``)."""
     for pool in (reader, writer):
-        pool.shutdown(wait=not own, cancel_futures=True)
-    file.close()
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 @contextlib.contextmanager

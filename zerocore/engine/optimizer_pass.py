@@ -131,10 +131,9 @@ class OptimizerPass:
     def _wait_event(self, event: threading.Event) -> None:
         """``event.wait()``, except that an event still unset while no pass is in flight (its
         pass ended, and every pass's end sets all its events) cannot be set any more: raised
-        with what the pass holds, instead of a wait for ever. Seen once in a while in the test
-        suite under load and not explained (docs/decisions.md, "Every gloo reduction sums in
-        rank order"); said twice, a second apart, so that a pass ending just then is not
-        mistaken for it."""
+        with what the pass holds, instead of a wait for ever; said twice, a second apart, so
+        that a pass ending just then is not mistaken for it. (A guard: the hang that had this
+        wait for ever was a pass blocked on its worker, found and fixed since: ``_shut_down``.)"""
         stuck = 0
         while not event.wait(_STUCK_CHECK_S):
             running = self._running
@@ -177,11 +176,15 @@ class OptimizerPass:
 
 
 def _shut_down(worker: concurrent.futures.ThreadPoolExecutor) -> None:
-    """The end of a pass's worker: once its pass in flight is done, unless it ends on the
-    worker itself (the last reference to a shard may be a job's), which cannot wait for
-    itself."""
-    own = threading.current_thread() in set(worker._threads)
-    worker.shutdown(wait=not own)
+    """The end of a pass's worker: its thread ends by itself once the pass in flight, if any,
+    is done (the pass holds what it needs, not the pass object). Never waited for here: this
+    is a finalizer, run by whichever thread the collector runs on and wherever it runs, which
+    may be inside ``threading``'s own bookkeeping (``Thread.start`` holding the lock that
+    ending a thread takes): a join there never returns. That hung the test suite now and
+    then: a new thread's start collected an NVMe store whose finalizer joined its threads,
+    and the optimizer's pass, which had asked for that thread, waited for ever
+    (docs/decisions.md, "No finalizer waits for a thread")."""
+    worker.shutdown(wait=False)
 
 
 def wait_for_update(shard: torch.nn.Parameter) -> None:

@@ -25,6 +25,7 @@ import errno
 import mmap
 import os
 import uuid
+import weakref
 
 import torch
 
@@ -95,6 +96,9 @@ class ScratchFile:
         if self.fd < 0:
             raise ScratchSpaceError(errno.EIO, f"Offload(path={directory!r}): could not "
                                                f"create a scratch file there")
+        # Closed with this object's end, by whoever let go of it last: its store, or a read
+        # of it still running when the store went (nvme_store.py's ``_close`` waits for none).
+        self._closing = weakref.finalize(self, os.close, self.fd)
 
     def _open(self, flag: int) -> int | None:
         """The unnamed file's descriptor opened with ``flag`` (O_DIRECT or 0); None when the
@@ -200,7 +204,7 @@ class ScratchFile:
     def close(self) -> None:
         """Closes the file: the kernel frees its blocks (no name to remove)."""
         if self.fd >= 0:
-            os.close(self.fd)
+            self._closing()
             self.fd = -1
 
 
