@@ -491,15 +491,15 @@ class Comm:
         waited for (stopped, hung, or gone); give the timeout of ``init_process_group``, which
         bounds gloo's and NCCL's collectives the same way. None: 1800 s (gloo's default).
     peer_read: ``"auto"`` (default): gloo ranks of one Linux host that may read each other's
-        memory gather (and two of them reduce) by reading it directly, signalling through
-        anonymous pipes (docs/decisions.md, "Communication between gloo ranks of one host");
-        ``"off"``: gloo's collectives only. The values are the same bits either way (every
-        reduction on gloo sums in rank order).
+        memory gather and reduce by reading it directly, signalling through anonymous pipes
+        (docs/decisions.md, "Communication between gloo ranks of one host"); ``"off"``:
+        gloo's collectives only. The values are the same bits either way (every reduction on
+        gloo sums in rank order).
     gather, reduce: how parameters are all-gathered and gradients reduced (comm/transport.py
         describes each way): ``"auto"`` (default) takes the fastest that applies; gather
         ``"collective"``, ``"read"`` or ``"nodes"`` (gloo ranks of a flat layout over torchrun
         nodes: across them, then within each, the fewest bytes across); reduce
-        ``"collective"``, ``"exchange"`` (two gloo ranks) or ``"read"`` (two gloo ranks of one
+        ``"collective"``, ``"exchange"`` (two gloo ranks) or ``"read"`` (gloo ranks of one
         host). Every way gives the same bits; the named ones are for comparing them (tests,
         benchmarks), and one that does not apply is refused when the model is sharded.
     quantize_gradients: None (default), or ``"int8"``: the gradients' reduction across the

@@ -34,7 +34,7 @@ SHARD = 4099  # elements of one rank's slice: odd, so no vector width divides it
 # (way, world size): the transport's ways where they apply; "device" is the branch NCCL takes.
 WAYS = [("collective", 1), ("device", 1),
         ("collective", 2), ("device", 2), ("exchange", 2), ("read", 2),
-        ("collective", 3), ("device", 3)]
+        ("collective", 3), ("device", 3), ("read", 3)]
 
 
 # -- the factors ----------------------------------------------------------------------------------

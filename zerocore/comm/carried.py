@@ -145,9 +145,9 @@ class ReadCarriedGather(Gather):
 
 
 class ReadCarriedReduce(Reduce):
-    """Peer reading's reduction at two ranks (``ReduceByReading``) with the lockstep's identity in
-    its ready message, as ``ReadCarriedGather``: compared when the reduction is finished, before
-    the other rank's contribution is read. With the lockstep switched off it is the plain
+    """Peer reading's reduction (``ReduceByReading``) with the lockstep's identity in its ready
+    message, as ``ReadCarriedGather``: compared when the reduction is finished, before any other
+    rank's contribution is read. With the lockstep switched off it is the plain
     reduction it wraps."""
 
     name = ReduceByReading.name

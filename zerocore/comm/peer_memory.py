@@ -1,8 +1,8 @@
 """The peer-memory transport: the ranks of a gloo group that are processes of one Linux host
 read each other's buffers directly (``process_vm_readv``) instead of sending them over loopback
 TCP, and signal through anonymous pipes. ``PeerMemory`` holds what the ranks share (the other
-processes, the pipes, the buffers lent to readers); the functions below gather and, for two
-ranks, reduce by reading, each in two halves: ``start_...`` publishes this rank's buffer,
+processes, the pipes, the buffers lent to readers); the functions below gather and reduce by
+reading, each in two halves: ``start_...`` publishes this rank's buffer,
 ``finish_...`` reads the others' once they published theirs (docs/decisions.md, "Communication
 between gloo ranks of one host"). ``PeerLost`` is what a rank raises when another one is gone.
 """
@@ -52,6 +52,11 @@ class PeerLost(RuntimeError):
 class _IoVec(ctypes.Structure):
     _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
 
+
+# How much of another rank's contribution a reduction by reading reads at a time, added at once
+# while it is in the cache: what the reduction keeps (one such buffer, two from rank 2 on)
+# instead of a buffer as large as the largest shard.
+READ_CHUNK_BYTES = 64 << 10
 
 # Kinds of PeerMemory messages: a gathered buffer ready to be read (its address), its readers
 # done; a packed gradient buffer ready (its address), its reader done.
@@ -116,9 +121,11 @@ class PeerMemory:
         self._channels = 0
         # Reductions whose buffer the other rank may still be reading: (channel, seq).
         self._unsettled: list[tuple[int, int]] = []
-        # Where reductions read the other rank's contribution (1D bytes, grown as needed): one
-        # read at a time, each added into the gradient before the next.
-        self._received = torch.empty(0, dtype=torch.uint8)
+        # Where reductions read the other ranks' contributions (1D bytes, grown as needed to
+        # READ_CHUNK_BYTES at most): one piece at a time, each added into the gradient (or,
+        # from rank 2 on, into the sum of the ranks before this one, kept in the first) before
+        # the next.
+        self._received = [torch.empty(0, dtype=torch.uint8) for _ in range(2)]
 
     @property
     def available(self) -> bool:
@@ -337,11 +344,13 @@ class PeerMemory:
         (``settle_reductions`` waits for it)."""
         self._unsettled.append((channel, seq))
 
-    def received_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def received_buffer(self, numel: int, dtype: torch.dtype, which: int) -> torch.Tensor:
+        """Kept buffer ``which`` (0 or 1) of the reductions by reading, as ``numel`` of
+        ``dtype``: valid until the next call for the same one."""
         nbytes = numel * dtype.itemsize
-        if self._received.numel() < nbytes:
-            self._received = torch.empty(nbytes, dtype=torch.uint8)
-        return self._received[:nbytes].view(dtype)
+        if self._received[which].numel() < nbytes:
+            self._received[which] = torch.empty(nbytes, dtype=torch.uint8)
+        return self._received[which][:nbytes].view(dtype)
 
     def watch(self, heard, blocked) -> None:
         """Calls ``heard(rank, key, value, awaited)`` for each message that arrives from
@@ -700,29 +709,52 @@ def wait_gather_read(peers: PeerMemory, channel: int, seq: int) -> None:
 
 def start_reduce_by_reading(full: torch.Tensor, peers: PeerMemory, channel: int, seq: int,
                             group: dist.ProcessGroup, counter: CommCounter) -> None:
-    """Two ranks: ``reduce_scatter_by_exchange`` by reading, first half: tells the other rank
-    where ``full`` is (once ``peers.settle_reductions()`` has returned, before ``full`` was
-    written); ``finish_reduce_by_reading`` reads its contribution to this rank's half."""
-    assert dist.get_world_size(group) == 2, "the reduction by reading is for two ranks"
+    """The reduce-scatter by reading, first half: tells the other ranks where ``full`` is (once
+    ``peers.settle_reductions()`` has returned, before ``full`` was written);
+    ``finish_reduce_by_reading`` reads their contributions to this rank's slice."""
     counter.reduce_scatter_bytes += nbytes(full)
     counter.reduce_scatter_calls += 1
     peers.lend(REDUCE_READ, channel, seq, full.untyped_storage())
     peers.tell(peers.others(), channel, REDUCE_READY, seq, full.data_ptr())
 
 
-def finish_reduce_by_reading(peers: PeerMemory, channel: int, seq: int, numel: int,
-                             dtype: torch.dtype, group: dist.ProcessGroup) -> torch.Tensor:
-    """This rank's half of the other rank's ``full`` (1D, ``numel`` of ``dtype``), read once it
-    is ready, in a buffer valid until the next call. This rank's ``full`` stays lent until the
-    other rank has read it too (``settle_reductions``)."""
+def finish_reduce_by_reading(mine: torch.Tensor, peers: PeerMemory, channel: int, seq: int,
+                             group: dist.ProcessGroup) -> torch.Tensor:
+    """Second half: ``mine`` (this rank's slice of its ``full``, 1D) summed in place with every
+    other rank's slice of the same range, read from its ``full`` once every rank said it is
+    ready, in rank order: ((g0 + g1) + g2) + ..., the order of ``transport.sum_in_rank_order``,
+    so the same bits as every other way on gloo (the ranks before this one summed apart, then
+    added to ``mine``: x + y == y + x). At two ranks, the exchange's sum. Read and summed
+    ``READ_CHUNK_BYTES`` at a time, each piece added while it is in the cache, into at most two
+    small kept buffers (``received_buffer``: the second from rank 2 on, for the sum of the
+    ranks before). This rank's ``full`` stays lent until every other rank has read it too
+    (``settle_reductions``)."""
     rank = dist.get_rank(group)
-    (peer,) = peers.others()
-    received = peers.received_buffer(numel, dtype)
-    address = peers.hear(peer, channel, REDUCE_READY, seq)
-    peers.read(received, peer, address + rank * nbytes(received))
-    peers.tell([peer], channel, REDUCE_READ, seq, 0)
+    others = peers.others()
+    addresses = [peers.hear(q, channel, REDUCE_READY, seq) + rank * nbytes(mine) for q in others]
+    step = max(1, READ_CHUNK_BYTES // mine.element_size())
+    for start in range(0, mine.numel(), step):
+        piece = mine[start:start + step]
+        skip = start * mine.element_size()
+        before: torch.Tensor | None = None  # the sum of the ranks before this one, so far
+        for q, address in zip(others, addresses):
+            if q > rank and before is not None:
+                piece.add_(before)  # before this rank's own, bitwise (x + y == y + x)
+                before = None
+            received = peers.received_buffer(piece.numel(), piece.dtype,
+                                             1 if before is not None else 0)
+            peers.read(received, q, address + skip)
+            if q > rank:
+                piece.add_(received)
+            elif before is None:
+                before = received
+            else:
+                before.add_(received)
+        if before is not None:  # this rank is the last
+            piece.add_(before)
+    peers.tell(others, channel, REDUCE_READ, seq, 0)
     peers.await_read(channel, seq)
-    return received
+    return mine
 
 
 def _answer(read: int, main: int, names: dict[int, int], outbound: dict[int, int]) -> None:

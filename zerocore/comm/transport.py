@@ -20,7 +20,8 @@ as ``mean_factors`` says on every backend: divide by ``pre``, SUM, divide by ``p
   one rank: no collective;
 - ``"exchange"`` (two gloo ranks): each sends the half the other owns and adds what it
   receives: half the traffic of the all-reduce, the same bits (x + y == y + x);
-- ``"read"`` (two gloo ranks of one host): each reads the other's contribution to its half.
+- ``"read"`` (gloo ranks of one host): each reads the others' contributions to its slice, and
+  sums them in rank order.
 On gloo every way sums in rank order, ((g0 + g1) + g2) + ... (``sum_in_rank_order``; at two
 ranks any order is the same sum), as do the small units' reductions that the lockstep carries
 in its rows over gloo's collectives (comm/carried.py): the values are the same bits whichever
@@ -326,8 +327,9 @@ class Reduce:
         return shard_nbytes * world_size if world_size > 2 else 0
 
     @staticmethod
-    def kept_nbytes(largest_shard_nbytes: int) -> int:
-        """Bytes the way keeps from step to step (none: its buffers go with each reduction)."""
+    def kept_nbytes(largest_shard_nbytes: int, rank: int) -> int:
+        """Bytes the way keeps from step to step on group rank ``rank`` (none: its buffers go
+        with each reduction)."""
         return 0
 
     @property
@@ -400,8 +402,8 @@ def sum_in_rank_order(mine: torch.Tensor, rank: int, world: int,
                       theirs: Callable[[int], torch.Tensor]) -> torch.Tensor:
     """``mine`` (this rank's slice of its packed gradients) summed in place with every other
     rank's contribution to it, in rank order: ((g0 + g1) + g2) + ..., the same order for every
-    slice on every rank, whichever way it travelled (gloo's all-to-all, the lockstep's rows).
-    ``theirs(q)``: rank q's contribution
+    slice on every rank, whichever way it travelled (gloo's all-to-all, the lockstep's rows,
+    reading: ``peer_memory.finish_reduce_by_reading``). ``theirs(q)``: rank q's contribution
     (1D, the dtype of ``mine``), which this may overwrite: the sum of the ranks before this
     one is taken in rank 0's, then added to ``mine`` (x + y == y + x, bitwise), then the ranks
     after it are added. At two ranks, the exchange's sum bitwise (``mean_of_sum``)."""
@@ -420,14 +422,16 @@ class ReduceByReading(Reduce):
 
     @staticmethod
     def in_flight_nbytes(shard_nbytes: int, gloo: bool, world_size: int) -> int:
-        return 0  # read into the kept buffer below
+        return 0  # read into the kept buffers below
 
     @staticmethod
-    def kept_nbytes(largest_shard_nbytes: int) -> int:
-        # PeerMemory.received_buffer: one buffer the peer's contribution is read into, kept
-        # and grown to the largest shard reduced so far, so every step after the first holds
-        # it from its start.
-        return largest_shard_nbytes
+    def kept_nbytes(largest_shard_nbytes: int, rank: int) -> int:
+        # PeerMemory.received_buffer: the buffers the others' contributions are read into a
+        # piece at a time, kept and grown to the largest piece read so far, so every step after
+        # the first holds them from its start: one, and from rank 2 on a second (the sum of
+        # the ranks before).
+        piece = min(largest_shard_nbytes, peer_memory.READ_CHUNK_BYTES)
+        return piece * (2 if rank >= 2 else 1)
 
     def __init__(self, route: Route):
         super().__init__(route)
@@ -435,7 +439,7 @@ class ReduceByReading(Reduce):
         self._seq = 0  # reductions started: every rank counts alike
 
     def before_pack(self) -> None:
-        # The other rank may still be reading an earlier packed buffer (maybe this one).
+        # The other ranks may still be reading an earlier packed buffer (maybe this one).
         self.route.peers.settle_reductions()
 
     def start(self, packed: torch.Tensor, lo: int, hi: int) -> Reduction:
@@ -443,14 +447,14 @@ class ReduceByReading(Reduce):
         self._seq += 1
         seq = self._seq
         factors = r.factors(packed.dtype)
-        divided(packed, factors.pre)  # before the other rank is told it may read
+        divided(packed, factors.pre)  # before the other ranks are told they may read
         peer_memory.start_reduce_by_reading(packed, r.peers, self._channel, seq,
                                             r.process_group, r.counter)
 
         def finish() -> torch.Tensor:
-            received = peer_memory.finish_reduce_by_reading(
-                r.peers, self._channel, seq, hi - lo, packed.dtype, r.process_group)
-            return mean_of_sum(packed, lo, hi, received, factors)
+            peer_memory.finish_reduce_by_reading(packed[lo:hi], r.peers, self._channel, seq,
+                                                 r.process_group)
+            return divided(packed[lo:hi], factors.post)
         return Reduction(finish)
 
 
@@ -680,13 +684,13 @@ def resolve(comm: Comm, *, gloo: bool, world_size: int, can_read: bool,
     if comm.reduce != "auto":
         reduce = comm.reduce
     else:
-        reduce = "read" if can_read and two else "exchange" if two else "collective"
+        reduce = "read" if can_read else "exchange" if two else "collective"
     if "read" in (gather, reduce) and not can_read:
         raise ValueError(f"zerocore.Comm(gather={comm.gather!r}, reduce={comm.reduce!r}): "
                          f"reading another rank's memory needs two or more gloo ranks of one "
                          f"Linux host that may read each other's memory; "
                          f"use 'auto' or 'collective'")
-    if reduce in ("read", "exchange") and not two:
+    if reduce == "exchange" and not two:
         ranks = f"{world_size} rank{'s' if world_size != 1 else ''}"
         raise ValueError(f"zerocore.Comm(reduce={comm.reduce!r}) needs exactly two gloo ranks "
                          f"on the CPU (this group: {ranks}, "

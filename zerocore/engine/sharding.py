@@ -546,8 +546,8 @@ class Sharding:
             group.reduce = CarriedReduce(group.reduce, lockstep, group.shard.layer_index)
 
     def _carry_reading(self, layers: list[ShardedLayer]) -> None:
-        """Over peer reading of a flat mesh, the gathers and (two ranks) reductions by reading
-        carry the lockstep's identity in their ready message (comm/carried.py), every unit's:
+        """Over peer reading of a flat mesh, the gathers and reductions by reading carry the
+        lockstep's identity in their ready message (comm/carried.py), every unit's:
         their check costs no message or wait of its own. Every rank decides alike."""
         ways, lockstep = self.ctx.ways, self.lockstep
         gathers, reduces = ways.gather == "read", ways.reduce == "read"

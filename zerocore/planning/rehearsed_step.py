@@ -119,13 +119,14 @@ def rehearse(step: Step, fake: FakeTensorMode, exclude: list[torch.Tensor]) -> M
         loading = Loading(peak=tracker.close_window() + step.buffers,
                           held=tracker.live + step.buffers)
         optimizer = AdamW(sharding.trainable_shards(), lr=1e-3)
-        # What the transport keeps from step to step (reading's received buffer, as large as
+        # What the transport keeps from step to step (reading's received buffers, as large as
         # the largest shard reduced so far): here from the start, as in every step after the
-        # first.
+        # first; the rank that keeps the most (reading's from rank 2 on: one buffer more).
         largest = max((l.trainable.layout.shard_numel for l in sharding.layers
                        if l.trainable is not None), default=0)
         kept = torch.empty(transport.REDUCES[ways.reduce].kept_nbytes(
-            largest * sharding.mixed_precision.grad_reduce_dtype.itemsize), dtype=torch.uint8)
+            largest * sharding.mixed_precision.grad_reduce_dtype.itemsize,
+            rank=step.shards - 1), dtype=torch.uint8)
         held.update(sharding=sharding, optimizer=optimizer, kept=kept, label="", phase=None)
         # The first step, one micro-batch, its floating-point operations counted by torch as
         # its kernels run (forward, backward and recomputation alike). Counted here, outside
