@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -194,7 +195,7 @@ def reduce_scatter_by_all_to_all(rows: torch.Tensor, full: torch.Tensor,
     """Gloo, three ranks and more: starts sending each rank its slice of ``full`` and receiving
     every rank's contribution to this rank's slice into ``rows`` (world_size x
     full.numel() / world_size, in rank order; this rank's own row a local copy); the caller
-    then sums them in rank order (``transport.sum_in_rank_order``), which gloo's all-reduce
+    then sums them in rank order (``sum_in_rank_order``, below), which gloo's all-reduce
     (its ring's order) does not. Half the traffic of ``all_reduce_sum_in_place``: each rank
     sends and receives (N - 1) / N of the buffer once. Counted as the reduce-scatter it stands
     for."""
@@ -301,3 +302,23 @@ def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup, counter: CommCount
     counter.all_reduce_bytes += nbytes(t)
     counter.all_reduce_calls += 1
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+
+
+def sum_in_rank_order(mine: torch.Tensor, rank: int, world: int,
+                      theirs: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """``mine`` (this rank's slice of its packed gradients) summed in place with every other
+    rank's contribution to it, in rank order: ((g0 + g1) + g2) + ..., the same order for every
+    slice on every rank, whichever way it travelled (gloo's all-to-all, the lockstep's rows,
+    reading: ``peer_memory.finish_reduce_by_reading``; here so that the transports below
+    ``transport`` share it). ``theirs(q)``: rank q's contribution
+    (1D, the dtype of ``mine``), which this may overwrite: the sum of the ranks before this
+    one is taken in rank 0's, then added to ``mine`` (x + y == y + x, bitwise), then the ranks
+    after it are added. At two ranks, the exchange's sum bitwise (``mean_of_sum``)."""
+    if rank > 0:
+        before = theirs(0)
+        for q in range(1, rank):
+            before.add_(theirs(q))
+        mine.add_(before)
+    for q in range(rank + 1, world):
+        mine.add_(theirs(q))
+    return mine

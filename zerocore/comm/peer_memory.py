@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from zerocore.comm.collectives import CommCounter, all_gather_sync, nbytes
+from zerocore.comm.collectives import CommCounter, all_gather_sync, nbytes, sum_in_rank_order
 from zerocore.comm.whereabouts import waits_elsewhere
 
 logger = logging.getLogger(__name__)
@@ -722,36 +722,30 @@ def finish_reduce_by_reading(mine: torch.Tensor, peers: PeerMemory, channel: int
                              group: dist.ProcessGroup) -> torch.Tensor:
     """Second half: ``mine`` (this rank's slice of its ``full``, 1D) summed in place with every
     other rank's slice of the same range, read from its ``full`` once every rank said it is
-    ready, in rank order: ((g0 + g1) + g2) + ..., the order of ``transport.sum_in_rank_order``,
+    ready, in rank order: ((g0 + g1) + g2) + ..., the order of ``collectives.sum_in_rank_order``,
     so the same bits as every other way on gloo (the ranks before this one summed apart, then
     added to ``mine``: x + y == y + x). At two ranks, the exchange's sum. Read and summed
     ``READ_CHUNK_BYTES`` at a time, each piece added while it is in the cache, into at most two
     small kept buffers (``received_buffer``: the second from rank 2 on, for the sum of the
     ranks before). This rank's ``full`` stays lent until every other rank has read it too
     (``settle_reductions``)."""
-    rank = dist.get_rank(group)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     others = peers.others()
-    addresses = [peers.hear(q, channel, REDUCE_READY, seq) + rank * nbytes(mine) for q in others]
+    addresses = {q: peers.hear(q, channel, REDUCE_READY, seq) + rank * nbytes(mine)
+                 for q in others}
     step = max(1, READ_CHUNK_BYTES // mine.element_size())
     for start in range(0, mine.numel(), step):
         piece = mine[start:start + step]
         skip = start * mine.element_size()
-        before: torch.Tensor | None = None  # the sum of the ranks before this one, so far
-        for q, address in zip(others, addresses):
-            if q > rank and before is not None:
-                piece.add_(before)  # before this rank's own, bitwise (x + y == y + x)
-                before = None
+
+        def theirs(q: int) -> torch.Tensor:
+            # Rank 0's piece holds the sum of the ranks before this one while ranks 1 ..
+            # rank - 1 are read into the second buffer; once it is added, one buffer serves.
             received = peers.received_buffer(piece.numel(), piece.dtype,
-                                             1 if before is not None else 0)
-            peers.read(received, q, address + skip)
-            if q > rank:
-                piece.add_(received)
-            elif before is None:
-                before = received
-            else:
-                before.add_(received)
-        if before is not None:  # this rank is the last
-            piece.add_(before)
+                                             1 if 0 < q < rank else 0)
+            peers.read(received, q, addresses[q] + skip)
+            return received
+        sum_in_rank_order(piece, rank, world, theirs)
     peers.tell(others, channel, REDUCE_READ, seq, 0)
     peers.await_read(channel, seq)
     return mine

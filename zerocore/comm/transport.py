@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from zerocore.comm import collectives, peer_memory, quantized_reduce
+from zerocore.comm.collectives import sum_in_rank_order
 from zerocore.comm.fake import is_fake
 from zerocore.comm.peer_memory import PeerMemory
 from zerocore.policies import Comm
@@ -396,25 +397,6 @@ def others_slices(packed: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor,
     own, [lo, hi)): what this rank sends in a reduction carried in the lockstep's rows
     (``carried.CarriedReduce``). At two ranks, the exchange's half."""
     return tuple(p for p in (packed[:lo], packed[hi:]) if p.numel())
-
-
-def sum_in_rank_order(mine: torch.Tensor, rank: int, world: int,
-                      theirs: Callable[[int], torch.Tensor]) -> torch.Tensor:
-    """``mine`` (this rank's slice of its packed gradients) summed in place with every other
-    rank's contribution to it, in rank order: ((g0 + g1) + g2) + ..., the same order for every
-    slice on every rank, whichever way it travelled (gloo's all-to-all, the lockstep's rows,
-    reading: ``peer_memory.finish_reduce_by_reading``). ``theirs(q)``: rank q's contribution
-    (1D, the dtype of ``mine``), which this may overwrite: the sum of the ranks before this
-    one is taken in rank 0's, then added to ``mine`` (x + y == y + x, bitwise), then the ranks
-    after it are added. At two ranks, the exchange's sum bitwise (``mean_of_sum``)."""
-    if rank > 0:
-        before = theirs(0)
-        for q in range(1, rank):
-            before.add_(theirs(q))
-        mine.add_(before)
-    for q in range(rank + 1, world):
-        mine.add_(theirs(q))
-    return mine
 
 
 class ReduceByReading(Reduce):
