@@ -290,6 +290,17 @@ MIXED = {"bf16": (torch.bfloat16, False, zerocore.Comm(), {}),
                                 {"prefetch": zerocore.Prefetch(keep_gathered="all")})}
 
 
+# The cases measured: bf16 at 2 and 3 ranks (the transport keeps one received buffer at 2
+# ranks, two from 3 on: the plan asks it, test_the_plan_asks_the_transport_what_it_keeps), the
+# exchange at 2 (without reading, 3 ranks add nothing the 2 do not), each other variant at 3, the
+# stricter count (uneven splits of the large layer): what a variant adds to the peak (fp32's
+# sizes, offload's mirrors, recomputation, kept layers) does not depend on the count of ranks
+# beyond the shard sizes, which the plan divides alike (CI time: each case measures 2 runs on
+# every rank).
+MIXED_CASES = [("bf16", 2), ("bf16-exchange", 2),
+               *((name, 3) for name in MIXED if name != "bf16-exchange")]
+
+
 def mixed_stack(device: str | None = None) -> list[nn.Module]:
     torch.manual_seed(0)
     small = [nn.Sequential(nn.Linear(D, D, device=device), nn.GELU()) for _ in range(8)]
@@ -310,15 +321,24 @@ def mixed_policies(name: str) -> dict:
                 offload=zerocore.Offload(optimizer=offload), comm=comm, **others)
 
 
-def measure_mixed(rank: int, world_size: int, name: str, micro_batches: int = 1) -> list[int]:
-    """The peaks of three runs. The CPU's count can only over-count: a buffer gloo's worker
+# Runs measured per rank (measure_mixed): the smallest peak of every rank's runs is the step's.
+# An over-counted run (below) was seen on 1 run in 4 at 3 ranks, one rank at a time, so two runs
+# on each of 2 or 3 ranks leave 4-6 chances for a sound one; with accumulation, where each
+# micro-batch is one more chance of an outlier, three.
+RUNS = 2
+ACCUMULATED_RUNS = 3
+
+
+def measure_mixed(rank: int, world_size: int, name: str, micro_batches: int = 1,
+                  runs: int = RUNS) -> list[int]:
+    """The peaks of ``runs`` runs. The CPU's count can only over-count: a buffer gloo's worker
     thread lets go of last (it may still hold a finished collective's tensors when the engine
     drops them) is freed on that thread, which torch's profiler does not follow, so its bytes
     stay counted (PeakMemory's docstring). Seen on 1 run in 4 at 3 ranks, adding one buffer's
     bytes (up to 19% here). Every rank runs the same step on shards of one size, so the
     smallest peak of all runs on all ranks is the step's own (see peak_of)."""
     peaks = []
-    for _ in range(3):
+    for _ in range(runs):
         with zerocore.PeakMemory("cpu") as peak:
             model = zerocore.shard(mixed_stack(), **mixed_policies(name))
             train_stack(model, peak, steps=2, micro_batches=micro_batches)
@@ -331,8 +351,7 @@ def peak_of(runs: list[list[int]]) -> int:
     return min(min(peaks) for peaks in runs)
 
 
-@pytest.mark.parametrize("name, world_size", [(name, ws) for name in MIXED for ws in (2, 3)
-                                               if ws == 2 or name != "bf16-exchange"])
+@pytest.mark.parametrize("name, world_size", MIXED_CASES)
 def test_plan_of_a_large_layer_among_small_ones(worlds, name, world_size):
     layers = mixed_stack("meta")
     plan = zerocore.plan.plan(layers, torch.empty(BATCH, SEQ, dtype=torch.long, device="meta"),
@@ -358,15 +377,16 @@ def test_plan_of_a_large_layer_among_small_ones(worlds, name, world_size):
 ACCUMULATED_TOL = 0.05
 
 
-@pytest.mark.parametrize("name", ["fp32-recompute", "bf16-recompute"])
-@pytest.mark.parametrize("world_size", [2, 3])
+# Both dtypes at 3 ranks, where the issue's case was (uneven splits); bf16 at 2 too (CI time).
+@pytest.mark.parametrize("world_size, name", [(2, "bf16-recompute"), (3, "fp32-recompute"),
+                                              (3, "bf16-recompute")])
 def test_plan_of_a_large_layer_with_recomputation_and_accumulation(worlds, name, world_size):
     layers = mixed_stack("meta")
     policies = mixed_policies(name)
     plan = zerocore.plan.plan(layers, torch.empty(BATCH, SEQ, dtype=torch.long, device="meta"),
                               world_size=world_size, loss=plain_loss, device="cpu",
                               micro_batches=3, **policies)
-    runs = worlds(world_size).run(measure_mixed, name, 3)
+    runs = worlds(world_size).run(measure_mixed, name, 3, ACCUMULATED_RUNS)
     ratio = plan.device_peak / peak_of(runs)
     assert abs(ratio - 1) < ACCUMULATED_TOL, (ratio, runs, plan.table())
 
@@ -390,7 +410,7 @@ class MixedModel(nn.Module):
 def measure_mixed_model(rank: int, world_size: int, name: str) -> list[int]:
     """As measure_mixed, through shard_model."""
     peaks = []
-    for _ in range(3):
+    for _ in range(RUNS):
         with zerocore.PeakMemory("cpu") as peak:
             model = MixedModel()
             sharding = zerocore.shard_model(model, model.layers, **mixed_policies(name))
@@ -400,8 +420,7 @@ def measure_mixed_model(rank: int, world_size: int, name: str) -> list[int]:
 
 
 # The same bounds and the same causes as for the stack (measured the same: 0.9947-0.9998).
-@pytest.mark.parametrize("name, world_size", [(name, ws) for name in MIXED for ws in (2, 3)
-                                               if ws == 2 or name != "bf16-exchange"])
+@pytest.mark.parametrize("name, world_size", MIXED_CASES)
 def test_plan_model_of_a_large_layer_among_small_ones(worlds, name, world_size):
     model = MixedModel("meta")
     plan = zerocore.plan.plan_model(model, model.layers,

@@ -16,8 +16,8 @@ from neox.config import NeoXConfig
 from neox.finetune_modes import FinetuneMode
 from neox.plan import main as plan_main
 from neox.run.hardware import LINKS, Link, link_of
-from neox.run.layout_choice import (Machine, auto_placement, candidates_table, evaluate,
-                                    host_bytes, ranked, recommendation, sent_bytes)
+from neox.run.layout_choice import (OFFLOADS, Machine, auto_placement, candidates_table,
+                                    evaluate, host_bytes, ranked, recommendation, sent_bytes)
 from neox.run.planning import GiB, PlanRequest, plan_run
 from neox.run.run_dir import CHECKPOINTS
 from neox.setting import BadValue
@@ -294,6 +294,33 @@ def test_when_only_an_offloaded_candidate_fits_it_is_recommended(plan):
         in line
     # The host's memory too: with none to spare, no offload fits.
     assert not ranked(evaluate(request, dataclasses.replace(m, host_memory=1), plan))
+
+
+def test_each_candidates_flops_are_its_own_count(plan):
+    """``evaluate`` counts a step's FLOPs once for each set of recomputed blocks and gives that
+    count to the other candidates recomputing the same blocks (``_planned``): each row's
+    compute time is the one the candidate's own count gives. Checked on a row of each kind the
+    count is taken from another for: another frozen format, a replicated base, each offload
+    (GPUs, nothing fitting: every ladder's first rung), a budget kept gathered (the CPU request
+    with room: its ladders climb); and the reuse must happen (a check of nothing cannot
+    fail)."""
+    on_gpus = dataclasses.replace(ON_GPUS, recompute=())
+    with_room = machine(placed(plan, "replicated") + 2**20)   # (as the first test: cached)
+    kinds = {"format": (on_gpus, lambda c: c.frozen_weights not in (None, "int8")),
+             "replicated": (on_gpus, lambda c: c.frozen_placement == "replicated"),
+             **{f"offload {o}": (on_gpus, lambda c, o=o: c.offload == o) for o in OFFLOADS[1:]},
+             "budget": (REQUEST, lambda c: c.keep_gathered != 0)}
+    for kind, (request, test) in kinds.items():
+        m = machine(2**20) if request is on_gpus else with_room
+        rows = evaluate(request, m, plan)
+        counted = {}
+        for r in rows:   # the first of each recomputation, as evaluate takes them
+            counted.setdefault(r.candidate.recompute, r.candidate)
+        r = next(r for r in rows
+                 if test(r.candidate) and r.candidate != counted[r.candidate.recompute])
+        own = plan(r.candidate.request(request))     # its FLOPs counted
+        assert own.flops > 0
+        assert r.compute_s == m.seconds(own)[0], kind
 
 
 def test_the_table_has_an_offload_column(plan):

@@ -64,6 +64,12 @@ class Quantized:
         """out (1D, the compute dtype, a whole number of parts) <- the parts packed in
         ``packed`` (``pack``'s bytes, or every rank's as gathered), one fused dequantization
         per part, straight into out."""
+        if is_fake(out):
+            # A plan's rehearsal: the dequantization writes into ``out`` in place, through
+            # views, and allocates nothing, so it changes no byte the plan counts (nor a FLOP:
+            # torch's counter does not count zerocore's kernels); its few fake operations per
+            # rank's part were a seventh of a quantized base's plan.
+            return
         codes_nbytes = self.part_nbytes(part_numel) - 4 * (part_numel // self.block)
         parts = packed.split(self.part_nbytes(part_numel))
         for r, part in enumerate(parts):
