@@ -29,7 +29,9 @@ from zerocore.plan import SECONDARY
 HPZ = dict(layout="hpz")
 CASES = {
     "2x2-fp32": Case((2, 2), **HPZ, **FP32),
-    "2x2-bf16": Case((2, 2), **HPZ, **BF16),
+    # bf16 through shard only: shard_model's root is covered by fp32's (both doors), and the
+    # dtype is each group's alike, root or not (CI time).
+    "2x2-bf16": Case((2, 2), **HPZ, **BF16, doors=("shard",)),
     "2x1-fp32": Case((2, 1), **HPZ, **FP32, doors=("shard",)),
     # Every layer (block) recomputed, and a gathered budget that keeps the readout and one
     # block from forward to backward (the blocks are about 33 kB gathered in fp32, the

@@ -117,14 +117,29 @@ def train(rank: int, world_size: int, door: str, name: str, label: str, path: st
     return {"digest": h.hexdigest(), "overlapped": overlapped}
 
 
-PAIRS = [(name, door) for name in sorted(CASES) for door in DOORS]
+# The base case (fp32, its homes host memory with the parameters on the device and NVMe with
+# them on the host: both optimizer homes, both parameter homes) through both doors at 1, 2 and
+# 3 ranks; bf16 and fp16 (its overflow on the last rank, agreed) through both doors at 3 only:
+# their paths do not depend on the count, which the base case covers at 1, 2 and 3 (CI time).
+BASE = "mlp-fp32-micro2-clip"
+PAIRS = [pytest.param(size, name, door, id=f"ws{size}-{name}-{door}")
+         for name in sorted(CASES) for door in DOORS
+         for size in (WORLD_SIZES if name == BASE else [3])]
 
 
-@pytest.mark.parametrize("name,door", PAIRS)
-def test_overlapped_pass_trains_bitwise_as_the_synchronous_one(world, tmp_path, name, door):
+def cpu_at_every_size() -> list:
+    """(size, label) parameters: host memory at 1, 2 and 3 ranks, NVMe at 3."""
+    return [pytest.param(size, label, id=f"ws{size}-{label}") for label in ("cpu", "nvme")
+            for size in (WORLD_SIZES if label == "cpu" else [3])]
+
+
+@pytest.mark.parametrize("size,name,door", PAIRS)
+def test_overlapped_pass_trains_bitwise_as_the_synchronous_one(worlds, tmp_path, size, name,
+                                                               door):
     """Losses, gradient shards, norms, skips, final weights and moments: the same bits with
     the pass overlapped as with it inside ``step()``, on every home; and the same again with a
     worker that lags behind the forward (each gather waited for its layer's update)."""
+    world = worlds(size)
     labels = ["cpu", "nvme+params"] if name.startswith("mlp-fp32") else ["cpu", "cpu+params",
                                                                           "nvme"]
     for label in labels:
@@ -141,10 +156,13 @@ def test_overlapped_pass_trains_bitwise_as_the_synchronous_one(world, tmp_path, 
         assert runs["exact", True] == runs["off", False], (label, runs)
 
 
-@pytest.mark.parametrize("label", ["cpu", "nvme"])
-def test_zeroing_the_gradients_in_place_waits_for_the_pass(world, tmp_path, label):
+# Host memory at 1, 2 and 3 ranks; NVMe at 3 only: its pass, reads and writes are each rank's
+# own scratch, a path that does not depend on the count, which host memory covers (CI time).
+@pytest.mark.parametrize("size,label", cpu_at_every_size())
+def test_zeroing_the_gradients_in_place_waits_for_the_pass(worlds, tmp_path, size, label):
     """``zero_grad(set_to_none=False)`` zeroes the gradients the pass reads: it waits for the
     pass first (a lagging worker would otherwise step on zeros)."""
+    world = worlds(size)
     runs = {}
     for overlap, lag in (("off", False), ("exact", True)):
         scratch = tmp_path / overlap
@@ -227,9 +245,12 @@ def test_only_an_overlapped_shard_waits_on_its_uses(world, tmp_path):
                      "delayed": [("OverlappedShard", True)]}, g
 
 
-@pytest.mark.parametrize("label", ["cpu", "nvme"])
-def test_a_checkpoint_taken_while_the_pass_is_in_flight_equals_one_after(world, tmp_path,
-                                                                         label):
+# Host memory at 1, 2 and 3 ranks; NVMe at 3 only: its pass, reads and writes are each rank's
+# own scratch, a path that does not depend on the count, which host memory covers (CI time).
+@pytest.mark.parametrize("size,label", cpu_at_every_size())
+def test_a_checkpoint_taken_while_the_pass_is_in_flight_equals_one_after(worlds, tmp_path,
+                                                                         size, label):
+    world = worlds(size)
     got = world.run(save_in_flight, "shard", label, str(tmp_path), str(tmp_path / "ckpt"))
     assert all(g["in_flight"] for g in got), got  # (else this tests nothing)
     for rank in range(len(got)):
@@ -348,13 +369,18 @@ def train_reading_ahead(rank: int, world_size: int, door: str, label: str, path:
     return {"digest": h.hexdigest(), "found": found, "room": room}
 
 
-@pytest.mark.parametrize("door", DOORS)
-def test_each_pass_finds_its_first_chunks_read_ahead_and_trains_bitwise(world, tmp_path,
-                                                                        door):
+# shard at 1, 2 and 3 ranks; shard_model at 3 only: the door changes which units there are,
+# not how a rank's store reads ahead, which shard covers at every count (CI time).
+@pytest.mark.parametrize("size,door", [pytest.param(size, door, id=f"ws{size}-{door}")
+                                       for door in DOORS
+                                       for size in (WORLD_SIZES if door == "shard" else [3])])
+def test_each_pass_finds_its_first_chunks_read_ahead_and_trains_bitwise(worlds, tmp_path,
+                                                                        size, door):
     """The next pass's first chunks are read as a pass ends (nvme_store.py): with the pass
     overlapped (also behind a lagging worker, which ends it during the backward) or inside
     ``step()``, training is bitwise the pass that reads its own chunks, and the last pass
     found as many chunks read ahead as its buffers hold."""
+    world = worlds(size)
     for label in ("nvme", "nvme+params"):
         runs = {}
         for overlap, ahead, lag in (("exact", False, False), ("exact", True, False),
@@ -473,10 +499,14 @@ def train_hf(rank: int, world_size: int, label: str, path: str, overlap: str,
     return h.hexdigest()
 
 
-@pytest.mark.parametrize("label", ["cpu", "nvme"])
-def test_a_hugging_face_model_trains_bitwise_with_the_pass_overlapped(world, tmp_path, label):
+# Host memory at 1, 2 and 3 ranks; NVMe at 3 only: its pass, reads and writes are each rank's
+# own scratch, a path that does not depend on the count, which host memory covers (CI time).
+@pytest.mark.parametrize("size,label", cpu_at_every_size())
+def test_a_hugging_face_model_trains_bitwise_with_the_pass_overlapped(worlds, tmp_path, size,
+                                                                      label):
     """The other front door on a real model class: ``shard_model``'s root unit (embedding and
     head) and its decoder layers, each gather waiting for its own update."""
+    world = worlds(size)
     runs = {}
     for overlap, lag in (("off", False), ("exact", True)):
         scratch = tmp_path / f"{overlap}"
