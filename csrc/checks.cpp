@@ -1,4 +1,5 @@
 // Argument validation shared by the CPU and CUDA implementations of every zerocore op.
+#include <ATen/ATen.h>
 #include "zerocore.h"
 
 #include <algorithm>

@@ -8,6 +8,7 @@
 // supports (cpuid), or the one named by the environment variable ZEROCORE_CPU_ISA (scalar, avx2,
 // avx512; read once, at the first step), or, for tests, by the op zerocore::_cpu_adam_isa. All of
 // them compute the same bits (fused_adam_common.h), so the choice changes speed only.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

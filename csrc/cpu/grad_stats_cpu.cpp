@@ -1,5 +1,6 @@
 // zerocore::grad_stats on CPU: the sum of squares of a gradient shard and whether any element is
 // inf or nan, in one read of the shard.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

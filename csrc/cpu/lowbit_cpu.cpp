@@ -7,6 +7,7 @@
 // zerocore::_cpu_lowbit_isa for tests. Every choice computes the same bits as
 // zerocore.reference: the code's exact float32 value times the block's scale, one IEEE product
 // rounded once to the output dtype.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -3,6 +3,7 @@
 // parallel region for the whole list, not one per tensor), so a list of many small tensors is as
 // fast as one large one. Non-contiguous tensors go through ATen's strided copy. Calls larger than
 // the cache write with streaming stores (vec_io.h): a copy then moves 2 bytes per byte, not 3.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -7,6 +7,7 @@
 // division is an IEEE division (never a multiplication by a reciprocal, which can differ in the
 // last bit), rounding to an integer is half to even, and a dequantized element is one fp32 product
 // rounded once to the output dtype. The vector bodies and the scalar tails round alike.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

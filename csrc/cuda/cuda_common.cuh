@@ -8,7 +8,9 @@
 // lacks. c10::cuda::getCurrentCUDAStream is the function at::cuda::getCurrentCUDAStream names.
 #pragma once
 
-#include <ATen/ATen.h>
+// Tensor and at::empty alone, not ATen/ATen.h (see ../zerocore.h).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/BFloat16.h>
