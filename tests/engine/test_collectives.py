@@ -1,7 +1,8 @@
 """comm/collectives.py's ``wait_for``: a timed wait on a collective that tells done, still
 running and failed apart, including a timed wait that expires just as its collective completes
 (it raises, and the collective is done by the time anyone looks: the CI hang of 2026-12-06,
-docs/decisions.md)."""
+docs/decisions.md); and ``broadcast_from``, the broadcast that small units' gathers and the
+lockstep's rows issue on gloo."""
 
 from __future__ import annotations
 
@@ -64,3 +65,41 @@ def test_a_gloo_collective_that_completes_is_done(tmp_path):
         assert t.tolist() == [1.0, 1.0, 1.0]
     finally:
         dist.destroy_process_group()
+
+
+# -- broadcast_from: the process group's own broadcast, rooted by the group's numbering -------
+
+WORLD_SIZES = (2, 3)
+DTYPES = ("float32", "bfloat16", "float8_e4m3fn", "complex64", "int64", "uint8")
+
+
+def broadcast_each_way(rank: int, world_size: int) -> dict[str, bool]:
+    """Every rank's tensor of each dtype, broadcast from each root in turn, over the whole
+    world and over a subgroup of the last two ranks (whose rank 0 is not global rank 0): what
+    arrives is bitwise what the root holds."""
+    from zerocore.comm.collectives import broadcast_from
+
+    def made(dtype: torch.dtype, by: int) -> torch.Tensor:  # odd size, the root's own values
+        g = torch.Generator().manual_seed(by)
+        return (torch.randn(37, generator=g) * 100).to(dtype)
+
+    tail = dist.new_group(ranks=[world_size - 2, world_size - 1])  # (every rank calls it)
+    groups = {"world": (dist.group.WORLD, list(range(world_size)))}
+    if rank >= world_size - 2:
+        groups["tail"] = (tail, [world_size - 2, world_size - 1])
+    agreed = {}
+    for name in DTYPES:
+        dtype = getattr(torch, name)
+        for where, (group, ranks) in groups.items():
+            for root, global_root in enumerate(ranks):
+                t = made(dtype, rank)
+                broadcast_from(t, root, group).wait()
+                want = made(dtype, global_root)
+                agreed[f"{name} {where} from {root}"] = bool(
+                    t.view(torch.uint8).equal(want.view(torch.uint8)))
+    return agreed
+
+
+def test_broadcast_from_delivers_the_roots_bytes_in_the_groups_numbering(world):
+    for rank, agreed in enumerate(world.run(broadcast_each_way)):
+        assert agreed and all(agreed.values()), (rank, agreed)

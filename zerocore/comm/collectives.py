@@ -130,14 +130,36 @@ def all_gather_by_broadcast(output: torch.Tensor, shard: torch.Tensor, group: di
 
 def _broadcast_each(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
                     rank: int, global_ranks: tuple[int, ...]) -> list[dist.Work | None]:
-    """``all_gather_by_broadcast``'s broadcasts, uncounted."""
+    """``all_gather_by_broadcast``'s broadcasts, uncounted. ``global_ranks`` is the group's
+    ranks in the group's order, so rank ``r`` of the group is ``global_ranks[r]``."""
     slices = output.chunk(len(global_ranks))
-    handles = [dist.broadcast(shard if r == rank else slices[r], src=global_ranks[r],
-                              group=group, async_op=True)
+    handles = [broadcast_from(shard if r == rank else slices[r], r, group)
                for r in range(len(global_ranks))]
     if slices[rank].data_ptr() != shard.data_ptr():  # (hpZ gathers in place)
         slices[rank].copy_(shard)  # while the other ranks' slices arrive
     return handles
+
+# Float types of one byte, which gloo does not know; a broadcast copies bytes, so they travel as
+# uint8 (torch.distributed's own broadcast does the same on GPUs before sm_90).
+_BYTE_FLOATS = frozenset(getattr(torch, name) for name in
+                         ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+                         if hasattr(torch, name))
+
+
+def broadcast_from(t: torch.Tensor, root: int, group: dist.ProcessGroup) -> dist.Work:
+    """Starts broadcasting ``t`` (contiguous) from rank ``root`` of ``group`` (the group's
+    numbering, not a global rank), received in place on the others. The process group's own
+    call: ``dist.broadcast`` issues the same one after translating a global rank and checking
+    its arguments, about 33 µs of host time per call on a 2-core machine (one gloo rank,
+    ``timeit``), and a small unit's gather on gloo issues one broadcast per rank, on the
+    critical path of a host-bound step (docs/decisions.md, "Broadcasts issued by the process
+    group")."""
+    if t.is_complex() or t.dtype in _BYTE_FLOATS:
+        t = t.view(torch.uint8)
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    return group.broadcast([t], opts)
+
 
 def send(t: torch.Tensor, to: int, group: dist.ProcessGroup, counter: CommCounter, me: int,
          tag: int) -> dist.Work:

@@ -459,7 +459,10 @@ class Lockstep:
 
     def _compare(self, sent: Sent) -> None:
         for handle in sent.handles:
-            self._wait(handle)
+            if handle.is_completed():
+                handle.wait()  # (returns at once, or raises the backend's error)
+            else:
+                self._wait(handle)
         every = sent.identities()
         if any(v != sent.identity for v in every):
             raise self.diverged(every, self.group)
