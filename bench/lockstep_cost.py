@@ -20,10 +20,11 @@ per round:
   exchanged through its pipes; two identical models, whose ratio is the noise band of the run;
 - ``read, off``: the same with the exchange switched off (``Lockstep.enabled``, an internal
   switch for this measurement; no policy turns it off);
-- ``collective, on`` / ``collective, off``: gloo's collectives (``Comm(peer_read="off")``); the
-  exchange a gather of the lockstep's rows, in which the gathers of units small enough carry
-  their parts, and their gradient reductions the slices each rank sends the others
-  (comm/carried.py), else one all-reduce of two int64. Off, those reductions are the same
+- ``collective, on`` / ``collective, on A/A`` / ``collective, off``: gloo's collectives
+  (``Comm(peer_read="off")``), with an A/A pair of its own (its step is twice peer reading's,
+  and its noise need not be the same); the exchange a gather of the lockstep's rows, in which
+  the gathers of units small enough carry their parts, and their gradient reductions the
+  slices each rank sends the others (comm/carried.py), else one all-reduce of two int64. Off, those reductions are the same
   sums plain: the exchange at two ranks, gloo's all-to-all summed in rank order at three and
   more (``transport.Reduce``).
 ``--exchange`` times one exchange alone, the way each is made (``Lockstep._all_gather``),
@@ -65,7 +66,8 @@ from neox.config import NeoXConfig
 from neox.model import Block
 
 SEQ = 16
-VARIANTS = ("read, on", "read, on A/A", "read, off", "collective, on", "collective, off")
+VARIANTS = ("read, on", "read, on A/A", "read, off", "collective, on", "collective, on A/A",
+            "collective, off")
 
 
 def stack(layers: int, width: int, neox: bool) -> list[nn.Module]:
