@@ -24,9 +24,9 @@ per round:
   (``Comm(peer_read="off")``), with an A/A pair of its own (its step is twice peer reading's,
   and its noise need not be the same); the exchange a gather of the lockstep's rows, in which
   the gathers of units small enough carry their parts, and their gradient reductions the
-  slices each rank sends the others (comm/carried.py), else one all-reduce of two int64. Off, those reductions are the same
-  sums plain: the exchange at two ranks, gloo's all-to-all summed in rank order at three and
-  more (``transport.Reduce``).
+  slices each rank sends the others (comm/carried.py), else one all-reduce of two int64.
+  Off, those reductions are the same sums plain: the exchange at two ranks, gloo's all-to-all
+  summed in rank order at three and more (``transport.Reduce``).
 ``--exchange`` times one exchange alone, the way each is made (``Lockstep._all_gather``),
 interleaved: an all-gather of one int64 per rank (the first lockstep's) against an all-reduce
 (MAX) of two int64 (the second's, when every rank agrees), blocking, and against the lockstep's
