@@ -102,7 +102,7 @@ def all_gather_across_nodes(output: torch.Tensor, shard: torch.Tensor,
     counter.replicate_all_gather_bytes += nbytes(output)
     counter.replicate_all_gather_calls += 1
     if gloo:
-        return _broadcast_each(output, shard, group, rank, global_ranks)
+        return _broadcast_each(output, shard, group, rank, len(global_ranks))
     return [_all_gather_single(output, shard, group=group, async_op=True)]
 
 
@@ -125,16 +125,16 @@ def all_gather_by_broadcast(output: torch.Tensor, shard: torch.Tensor, group: di
         output.copy_(shard)
         return []
     counter.all_gather_calls += 1
-    return _broadcast_each(output, shard, group, rank, global_ranks)
+    return _broadcast_each(output, shard, group, rank, world)
 
 
 def _broadcast_each(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
-                    rank: int, global_ranks: tuple[int, ...]) -> list[dist.Work | None]:
-    """``all_gather_by_broadcast``'s broadcasts, uncounted. ``global_ranks`` is the group's
-    ranks in the group's order, so rank ``r`` of the group is ``global_ranks[r]``."""
-    slices = output.chunk(len(global_ranks))
+                    rank: int, world: int) -> list[dist.Work | None]:
+    """``all_gather_by_broadcast``'s broadcasts (``rank`` and ``world``: in ``group``'s
+    numbering), uncounted."""
+    slices = output.chunk(world)
     handles = [broadcast_from(shard if r == rank else slices[r], r, group)
-               for r in range(len(global_ranks))]
+               for r in range(world)]
     if slices[rank].data_ptr() != shard.data_ptr():  # (hpZ gathers in place)
         slices[rank].copy_(shard)  # while the other ranks' slices arrive
     return handles

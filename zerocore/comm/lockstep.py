@@ -459,10 +459,7 @@ class Lockstep:
 
     def _compare(self, sent: Sent) -> None:
         for handle in sent.handles:
-            if handle.is_completed():
-                handle.wait()  # (returns at once, or raises the backend's error)
-            else:
-                self._wait(handle)
+            self._wait(handle)
         every = sent.identities()
         if any(v != sent.identity for v in every):
             raise self.diverged(every, self.group)
@@ -490,6 +487,9 @@ class Lockstep:
         each, asks the others where they wait, and raises ``Diverged`` when one waits in a
         collective of its own that this rank belongs to: it will never come to this exchange. Ends
         with the backend's own error (a lost rank, its timeout)."""
+        if work.is_completed():  # (most broadcasts of a prefetched gather's rows, by now)
+            work.wait()  # (returns at once, or raises the backend's error)
+            return
         slice_s = _SLICE_S
         before: dict[int, str] = {}
         while not wait_for(work, slice_s):

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from zerocore.comm.collectives import broadcast_from
-from zerocore.comm.transport import group_ranks
 
 
 class _Buffer:
@@ -78,7 +77,7 @@ class Rows:
     def __init__(self, group: dist.ProcessGroup, width: int):
         self.group = group
         self.rank = group.rank()
-        self.ranks = group_ranks(group)
+        self.world = group.size()
         self.words = 1 + -(-width // 8)  # the identity, then the slots as whole int64
         # Rows given back (``give_back``), taken again before any is made: as many as are
         # ever in flight together (a check, and the prefetched gathers), made once. A row made
@@ -92,7 +91,7 @@ class Rows:
         gather or reduction, or pieces of it laid end to end (a reduction's slices around this
         rank's own); none: the identity alone (the slots are sent as they are: unread)."""
         buffer = (self._spare.pop() if self._spare
-                  else _Buffer(len(self.ranks), self.words, self.rank))
+                  else _Buffer(self.world, self.words, self.rank))
         buffer.identity.fill_(identity)
         slots = buffer.slots
         n = 0
