@@ -452,6 +452,9 @@ _TEXT_MAX = (1 << _TEXT_BITS) - 1
 # with. PIPE_BUF (4096 on Linux, 512 at least by POSIX) is what a pipe writes whole or not at
 # all; 512 holds 32 messages, far more than the one or two ever deferred at once.
 _DEFERRED_MAX = 512
+# The most bytes one read of a pipe takes: every message written to it since the last read, as
+# a rule (a wait reads them in order, and keeps those after the one it waited for).
+_READ_MAX = 4096
 
 
 def _key(channel: int, kind: int, seq: int) -> int:
@@ -467,6 +470,10 @@ class _Pipes:
         self.outbound: dict[int, int] = {}  # rank -> write end (non-blocking) of the pipe to it
         self.inbound: dict[int, int] = {}   # rank -> read end (non-blocking) of the pipe from it
         self.early: dict[int, dict[int, int]] = {}  # rank -> {key: value} read before asked
+        # rank -> bytes read from its pipe and not looked at yet (whole messages, in order): a
+        # read takes every message there, and a message written beside the one awaited (an
+        # identity with its ready message) needs no read of its own.
+        self.unread: dict[int, bytes] = {}
         # (kind of the message that returns it, channel, seq) -> (storage, the ranks that will
         # say they read it)
         self.lent: dict[tuple[int, int, int], tuple[torch.UntypedStorage, Sequence[int]]] = {}
@@ -595,41 +602,51 @@ class _Pipes:
         fd = self.inbound[rank]
         if deadline is None:
             deadline = time.monotonic() + self.timeout_s
-        data = b""
+        data = self.unread.pop(rank, b"")
         # When the lockstep is told next that this wait lasts: after _GRACE_S, then after
         # twice as long each time, up to _GRACE_MAX_S (what it sends then, to a rank that may
         # not read for the whole timeout, stays far below a pipe's capacity).
         grace = _GRACE_S
         tell_at = time.monotonic() + grace
         while True:
-            try:
-                # Read first, poll only when nothing is there: a message often is already (a
-                # ready message written with the identity before it, a rank ahead of this one).
-                chunk = os.read(fd, _MESSAGE.size - len(data))
-            except BlockingIOError:
-                now = time.monotonic()
-                left = deadline - now
-                wait = left if self.blocked is None else min(left, max(0.0, tell_at - now))
-                if left <= 0 or not _ready(fd, select.POLLIN, wait):
-                    if self.blocked is not None and left > 0:
-                        grace = min(2 * grace, _GRACE_MAX_S)
-                        tell_at = time.monotonic() + grace
-                        self.blocked(rank, key)
-                        continue
-                    raise self._silent(rank, "answer") from None
-                continue
-            if not chunk:
-                raise self._lose(rank, "closed its pipe to this rank (its model was released, "
-                                       "or it exited or failed) while this rank waited for it")
-            data += chunk
             if len(data) < _MESSAGE.size:
+                try:
+                    # Read first, poll only when nothing is there: a message often is already
+                    # (a ready message written with the identity before it, a rank ahead of
+                    # this one).
+                    chunk = os.read(fd, _READ_MAX - len(data))
+                except BlockingIOError:
+                    now = time.monotonic()
+                    left = deadline - now
+                    wait = left if self.blocked is None else min(left, max(0.0, tell_at - now))
+                    if left <= 0 or not _ready(fd, select.POLLIN, wait):
+                        if self.blocked is not None and left > 0:
+                            grace = min(2 * grace, _GRACE_MAX_S)
+                            tell_at = time.monotonic() + grace
+                            self.unread[rank] = data  # (kept while the lockstep runs)
+                            self.blocked(rank, key)
+                            data = self.unread.pop(rank, b"")
+                            continue
+                        raise self._silent(rank, "answer") from None
+                    continue
+                if not chunk:
+                    raise self._lose(rank, "closed its pipe to this rank (its model was "
+                                           "released, or it exited or failed) while this rank "
+                                           "waited for it")
+                data += chunk
                 continue
-            got, value = _MESSAGE.unpack(data)
-            data = b""
+            got, value = _MESSAGE.unpack_from(data)
+            data = data[_MESSAGE.size:]
             if got == key:
+                if data:
+                    self.unread[rank] = data
                 return value
+            # The messages after this one are kept while the lockstep runs: it may raise, or
+            # wait itself.
+            self.unread[rank] = data
             if self.watch is None or not self.watch(rank, got, value, key):
                 early[got] = value
+            data = self.unread.pop(rank, b"")
 
     def drain_and_close(self) -> None:
         """Waits for the others to finish reading lent buffers, all of them within one
